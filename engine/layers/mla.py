@@ -1,0 +1,114 @@
+"""Multi-head latent attention (DeepSeek-V3 / Kimi K2).
+
+The cache holds, per token, the normed latent c_kv [kv_lora_rank] and the roped shared key k_pe
+[qk_rope_head_dim]. Prefill chunks expand the latent through kv_b_proj (the "naive" path, cheaper
+when many queries share the keys); decodes absorb W_UK into the query and W_UV into the output
+(the "absorbed" path, no per-token expansion). Both compute the same function.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.layers.attn_metadata import AttentionMetadata, gather_slots, gather_slots_batched
+from engine.layers.linear import Linear
+from engine.layers.norm import RMSNorm
+from engine.layers.rope import YarnRotaryEmbedding
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: ModelConfig, prefix: str, rope: YarnRotaryEmbedding,
+                 head_start: int = 0, num_heads: int | None = None):
+        super().__init__()
+        c = config
+        q = c.quantization
+        self.num_heads = c.num_attention_heads if num_heads is None else num_heads
+        self.head_start = head_start
+        self.nope, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.qk_dim = self.nope + self.rope_dim
+        self.kv_lora_rank = c.kv_lora_rank
+        self.scale = c.softmax_scale
+        self.rope = rope
+        h = self.num_heads
+        if c.q_lora_rank is None:
+            self.q_proj = Linear(c.hidden_size, h * self.qk_dim, q, f"{prefix}.q_proj")
+        else:
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, q, f"{prefix}.q_a_proj")
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+            self.q_b_proj = Linear(c.q_lora_rank, h * self.qk_dim, q, f"{prefix}.q_b_proj")
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + self.rope_dim, q,
+                                         f"{prefix}.kv_a_proj_with_mqa")
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_b_proj = Linear(c.kv_lora_rank, h * (self.nope + self.v_dim), q, f"{prefix}.kv_b_proj")
+        self.o_proj = Linear(h * self.v_dim, c.hidden_size, q, f"{prefix}.o_proj")
+        self.w_uk: torch.Tensor | None = None  # [H, nope, r], set by post_load
+        self.w_uv: torch.Tensor | None = None  # [H, v, r]
+
+    def post_load(self) -> None:
+        """Split kv_b_proj into the absorbed-path matrices once the weights are in."""
+        w = self.kv_b_proj.dense_weight(self._compute_dtype())
+        w = w.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        self.w_uk = w[:, : self.nope].contiguous()
+        self.w_uv = w[:, self.nope:].contiguous()
+
+    def _compute_dtype(self) -> torch.dtype:
+        return self.kv_a_layernorm.weight.dtype
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
+        # x: [T, D]; cache: [num_blocks, block_size, r + rope]
+        t = x.shape[0]
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, self.num_heads, self.qk_dim)
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
+        q_pe = self.rope(q_pe, meta.positions)
+        kv = self.kv_a_proj_with_mqa(x)
+        c_kv = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
+        k_pe = self.rope(kv[:, None, self.kv_lora_rank:], meta.positions)[:, 0]
+        flat = cache.view(-1, cache.shape[-1])
+        flat[meta.slot_mapping] = torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype)
+
+        out = torch.empty(t, self.num_heads, self.v_dim, dtype=x.dtype, device=x.device)
+        d = meta.num_decode_tokens
+        if d:
+            out[:d] = self._decode(q_nope[:d], q_pe[:d], meta, flat)
+        for chunk in meta.prefills:
+            s, e = chunk.start, chunk.end
+            out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], chunk.context_len, chunk.block_table,
+                                     meta.block_size, flat)
+        return self.o_proj(out.view(t, -1))
+
+    def _prefill(self, q_nope, q_pe, context_len, block_table, block_size, flat):
+        # Naive path for one sequence's chunk of n queries over context_len cached tokens.
+        n = q_nope.shape[0]
+        lat = flat[gather_slots(block_table, context_len, block_size)].to(q_nope.dtype)  # [L, r+rope]
+        kv = self.kv_b_proj(lat[:, : self.kv_lora_rank]).view(context_len, self.num_heads, -1)
+        k_nope, v = kv[..., : self.nope], kv[..., self.nope:]
+        k_pe = lat[:, None, self.kv_lora_rank:].expand(-1, self.num_heads, -1)
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [H, n, qk]
+        k = torch.cat([k_nope, k_pe], dim=-1).transpose(0, 1)  # [H, L, qk]
+        # Query i sits at position context_len - n + i and sees keys at positions <= its own.
+        qpos = torch.arange(context_len - n, context_len, device=q.device)
+        mask = torch.arange(context_len, device=q.device)[None, :] <= qpos[:, None]  # [n, L]
+        o = F.scaled_dot_product_attention(q, k, v.transpose(0, 1), attn_mask=mask, scale=self.scale)
+        return o.transpose(0, 1)  # [n, H, v]
+
+    def _decode(self, q_nope, q_pe, meta: AttentionMetadata, flat):
+        # Absorbed path: one query per sequence, batched over sequences. [B, H, *]
+        r = self.kv_lora_rank
+        slots = gather_slots_batched(meta.decode_block_tables, meta.decode_max_context_len, meta.block_size)
+        lat = flat[slots].to(q_nope.dtype)  # [B, L, r+rope]
+        q_lat = torch.einsum("bhd,hdc->bhc", q_nope, self.w_uk.to(q_nope.dtype))  # [B, H, r]
+        scores = torch.einsum("bhc,blc->bhl", q_lat, lat[..., :r]) + torch.einsum(
+            "bhd,bld->bhl", q_pe, lat[..., r:])
+        scores = scores.float() * self.scale
+        valid = torch.arange(slots.shape[1], device=scores.device)[None, :] < meta.decode_context_lens[:, None]
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        p = scores.softmax(dim=-1).to(q_nope.dtype)
+        o_lat = torch.einsum("bhl,blc->bhc", p, lat[..., :r])  # [B, H, r]
+        return torch.einsum("bhc,hvc->bhv", o_lat, self.w_uv.to(q_nope.dtype))
