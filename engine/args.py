@@ -1,0 +1,67 @@
+"""EngineArgs: every engine knob, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Settings shared by the offline API, the TUI, ``kimitui bench`` and ``kimitui serve``.
+
+    ``model``: checkpoint directory, or None / "demo" for the built-in demo checkpoint.
+    ``cpu_offload``: "auto", "none" or a number of routed experts per MoE layer kept in host RAM.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    cpu_offload: str | int = "auto"
+    gpu_memory_gb: float | None = None
+    kv_cache_tokens: int | None = None  # cap the cache size (tests, small machines)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
+            raise ValueError(f"gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
+        off = self.cpu_offload
+        if not (off in ("auto", "none") or (isinstance(off, int) and off >= 0) or (isinstance(off, str) and off.isdigit())):
+            raise ValueError(f"cpu_offload must be auto, none or a non-negative integer, got {off!r}")
+
+    def resolve_device(self) -> torch.device:
+        """'auto' picks the GPU torch sees (CUDA or ROCm), else the CPU."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for, but torch sees no CUDA/ROCm GPU")
+        return dev
+
+    def resolve_dtype(self, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
+        """'auto': float32 on CPU (bf16 matmuls are slow there), the checkpoint's dtype on GPU."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32
+        return _DTYPES.get(checkpoint_dtype, torch.bfloat16)

@@ -1,0 +1,103 @@
+"""Vectorised per-request sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+Sampling uses the exponential race (argmax of p / Exp(1) noise), equivalent to drawing from p,
+so every row is handled in one batched op; only seeded rows draw their noise from their own
+generator, which makes a seeded request's output independent of what it is batched with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [B] fp32; 0 = greedy
+    top_p: torch.Tensor  # [B] fp32
+    top_k: torch.Tensor  # [B] int64; 0 = disabled
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    max_logprobs: int  # largest k asked for by any row, -1 when none asked
+
+    @classmethod
+    def build(cls, params: list, generators: list[torch.Generator | None], device: torch.device) -> "SamplingBatch":
+        temps = [p.temperature for p in params]
+        top_ks = [p.top_k for p in params]
+        top_ps = [p.top_p for p in params]
+        lps = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_p=torch.tensor(top_ps, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            generators=generators,
+            all_greedy=all(t == 0.0 for t in temps),
+            use_top_k=any(k > 0 for k in top_ks),
+            use_top_p=any(p < 1.0 for p in top_ps),
+            max_logprobs=max(lps) if lps else -1,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprob_token_ids: torch.Tensor | None = None  # [B, k] top-k ids of the temperature-1 softmax
+    logprob_values: torch.Tensor | None = None  # [B, k]
+    sampled_logprobs: torch.Tensor | None = None  # [B] log-prob of the sampled token
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask logits outside each row's top-k / nucleus with -inf. [B, V] -> [B, V]"""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        kth = sorted_logits.gather(1, (vocab - k)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum <= (1 - top_p)[:, None]
+        drop[:, -1] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """logits: [B, V] fp32 -> sampled ids (and log-probs when any row asks for them)."""
+    greedy = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        tokens = greedy
+    else:
+        temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
+        scaled = logits / temp[:, None]
+        if batch.use_top_k or batch.use_top_p:
+            scaled = apply_top_k_top_p(scaled, batch.top_k if batch.use_top_k else None,
+                                       batch.top_p if batch.use_top_p else None)
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for row, gen in enumerate(batch.generators):
+            if gen is not None:
+                noise[row].exponential_(generator=gen)
+        sampled = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(batch.temperature > 0, sampled, greedy)
+    out = SamplerOutput(token_ids=tokens)
+    if batch.max_logprobs >= 0:
+        logp = logits.log_softmax(dim=-1)
+        out.sampled_logprobs = logp.gather(1, tokens[:, None])[:, 0]
+        if batch.max_logprobs > 0:
+            top = logp.topk(batch.max_logprobs, dim=-1)
+            out.logprob_values, out.logprob_token_ids = top.values, top.indices
+    return out
+
+
+def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int):
+    """Log-probs of the actual next tokens [N] plus the top-k [N, k] for prompt rows."""
+    logp = logits.log_softmax(dim=-1)
+    actual = logp.gather(1, next_ids[:, None])[:, 0]
+    if k > 0:
+        top = logp.topk(k, dim=-1)
+        return actual, top.indices, top.values
+    return actual, None, None

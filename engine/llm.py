@@ -1,0 +1,77 @@
+"""LLM: the offline, synchronous API (vLLM's, so users know it)."""
+
+from __future__ import annotations
+
+from engine.args import EngineArgs
+from engine.engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a checkpoint (or the built-in demo when ``model`` is None or "demo") and generate."""
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
+                 tensor_parallel_size: int = 1, max_model_len: int | None = None, max_num_seqs: int = 64,
+                 enable_prefix_caching: bool = True, cpu_offload: str | int = "auto",
+                 gpu_memory_gb: float | None = None, progress=None, **kwargs):
+        args = EngineArgs(model=model, dtype=dtype, device=device, tensor_parallel_size=tensor_parallel_size,
+                          max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                          enable_prefix_caching=enable_prefix_caching, cpu_offload=cpu_offload,
+                          gpu_memory_gb=gpu_memory_gb, **kwargs)
+        self.engine = LLMEngine(args, progress)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Prompts: a str, a list of token ids, a {"prompt_token_ids": [...]} dict, or a list of these."""
+        prompts = _as_prompt_list(prompts)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(None, p, sp))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             thinking: bool | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Render Kimi's chat format and generate; stops at <|im_end|>."""
+        from dataclasses import replace
+
+        from engine.chat import chat_stop_token_ids, encode_chat
+
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError(f"{self.engine.model_dir} has no tokenizer files; chat needs one")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        params = sampling_params or SamplingParams()
+        stop_ids = list(dict.fromkeys(list(params.stop_token_ids or []) + list(chat_stop_token_ids(tok))))
+        params = replace(params, stop_token_ids=stop_ids)
+        prompts = [{"prompt_token_ids": encode_chat(c, tok, thinking=thinking, tools=tools)} for c in conversations]
+        return self.generate(prompts, params)
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    if isinstance(prompts, (list, tuple)):
+        return list(prompts)
+    raise TypeError("prompts must be a str, a list of token ids, a dict with 'prompt_token_ids', or a list of these")

@@ -1,0 +1,56 @@
+"""Per-request generation settings (vLLM's SamplingParams, the subset kimitui serves)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. ``temperature=0`` is greedy; ``top_k`` 0 or -1 disables top-k."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop_strings = tuple(s for s in (self.stop or []) if s)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        checks = [
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"),
+            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
+            (self.n == 1, f"n must be 1 (parallel sampling is not supported), got {self.n}"),
+        ]
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            checks.append((v is None or 0 <= v <= MAX_LOGPROBS, f"{name} must be in 0..{MAX_LOGPROBS}, got {v}"))
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
