@@ -58,10 +58,10 @@ class RoutedExperts(nn.Module):
         self.fmt = linear_format(self.quant, f"{prefix}.0.gate_proj")
         e = (self.num_experts,)
         for name, t in quantized_params(self.fmt, 2 * self.inter, self.hidden, self.quant, e).items():
-            if name == "weight_scale_inv":
-                # gate and up keep their own 128-row scale blocks: [E, 2*ceil(I/bn), ceil(D/bk)]
-                half = quantized_params(self.fmt, self.inter, self.hidden, self.quant, e)[name]
-                t = torch.cat([half, half], dim=1)
+            if name == "weight_scale_inv" and self.inter % self.quant.weight_block_size[0]:
+                # gate and up are stacked into w13; their scale blocks only line up on block boundaries
+                raise ValueError(f"FP8 experts need moe_intermediate_size ({self.inter}) divisible by the "
+                                 f"weight block ({self.quant.weight_block_size[0]})")
             self.register_parameter(f"w13_{name}", nn.Parameter(t, requires_grad=False))
         for name, t in quantized_params(self.fmt, self.hidden, self.inter, self.quant, e).items():
             self.register_parameter(f"w2_{name}", nn.Parameter(t, requires_grad=False))

@@ -1,0 +1,298 @@
+"""Continuous batching policy: which sequences run in the next step and with how many tokens.
+
+Pure Python: the scheduler sees sequences and block ids, never tensors. One step =
+``schedule()`` -> the runner computes the scheduled tokens -> ``postprocess()``. Requests are
+served first come, first served; running decodes go first (one token each), then prefill chunks
+share what is left of the token budget, so a long prompt never stalls the decodes beside it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_cache.block_manager import BlockManager
+from engine.sequence import FINISH_STATUS, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits. ``max_num_batched_tokens`` is the token budget of one step."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every running sequence needs one token per decode step"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill a whole prompt must fit one step: max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step: tokens ``[start, start + num_new_tokens)`` are computed.
+
+    ``is_prefill``: more than one token was uncomputed, i.e. prompt (or, after preemption,
+    prompt + earlier output) being caught up on; a decode computes exactly its last sampled token.
+    ``do_sample``: the chunk reaches the end of the sequence, so the runner samples a token;
+    otherwise the runner returns None for it.
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    is_prefill: bool
+    start: int = 0
+    do_sample: bool = True
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """A step's plan: ``scheduled`` decodes first, then prefills; ``preempted`` were moved back to
+    the waiting queue (blocks freed) while planning it; ``num_batched_tokens`` is the step's size."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill, prefix caching and recompute preemption."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        if block_manager.block_size != config.block_size:
+            raise ValueError(
+                f"block_size mismatch: scheduler {config.block_size}, "
+                f"block manager {block_manager.block_size}"
+            )
+        capacity = block_manager.num_blocks * block_manager.block_size
+        if capacity < config.max_model_len:
+            # Otherwise a lone sequence could outgrow the cache and preempt itself forever.
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({block_manager.num_blocks} blocks of "
+                f"{block_manager.block_size}), fewer than max_model_len={config.max_model_len}; "
+                f"lower max_model_len or give the cache more memory"
+            )
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the tail is preempted first
+        self._seqs: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def get(self, seq_id: str) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; raises ValueError if it can never run."""
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"request id {seq.seq_id!r} is already in use")
+        limit = self.config.max_model_len
+        if seq.num_tokens > limit:
+            raise ValueError(
+                f"request {seq.seq_id!r}: prompt has {seq.num_tokens} tokens, longer than "
+                f"max_model_len={limit}"
+            )
+        bm = self.block_manager
+        if -(-seq.num_tokens // bm.block_size) > bm.num_blocks:
+            raise ValueError(
+                f"request {seq.seq_id!r}: prompt needs more KV cache blocks than exist "
+                f"({bm.num_blocks} blocks of {bm.block_size} tokens)"
+            )
+        seq.status = SequenceStatus.WAITING
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Stop a request in any state and free its blocks; None if unknown or already finished."""
+        return self.finish(seq_id, "abort")
+
+    def finish(self, seq_id: str, reason: str) -> Sequence | None:
+        """Finish a live request with ``reason`` ("stop", "length", "abort"), e.g. on a stop string."""
+        if reason not in FINISH_STATUS:
+            raise ValueError(f"finish reason must be one of {sorted(FINISH_STATUS)}, got {reason!r}")
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return None
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._finish(seq, reason)
+        return seq
+
+    # -- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick the sequences and token counts for the next step."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        # Running sequences in admission order, so block shortages preempt the latest admitted
+        # (the tail) and never an earlier one; each decode's token is set aside from the budget
+        # first, prefill chunks share the rest. Emitted decodes-first for the runner.
+        prefill_budget = budget - sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop to make room
+            is_decode = seq.num_uncomputed_tokens == 1
+            num_new = 1 if is_decode else min(seq.num_uncomputed_tokens, prefill_budget)
+            if num_new == 0:
+                continue
+            if not self._reserve(seq, num_new, out.preempted):
+                continue
+            if not is_decode:
+                prefill_budget -= num_new
+            (decodes if is_decode else prefills).append(self._scheduled(seq, num_new))
+        budget -= sum(item.num_new_tokens for item in decodes + prefills)
+
+        # Admit waiting sequences; never right after a preemption (they would fight for blocks).
+        bm = self.block_manager
+        admitted: list[ScheduledSeq] = []
+        while self.waiting and not out.preempted and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            seq = self.waiting[0]
+            remaining = seq.num_tokens - bm.match_prefix(seq)
+            num_new = min(remaining, budget)
+            if num_new < remaining and not self.config.enable_chunked_prefill:
+                break
+            if not bm.can_allocate(seq, num_new):
+                break  # FCFS: later requests wait behind this one
+            self.waiting.popleft()
+            bm.allocate(seq)
+            num_new = min(seq.num_uncomputed_tokens, budget)  # same hit as can_allocate saw
+            if not bm.append_slots(seq, num_new):
+                raise RuntimeError(f"block manager refused {seq.seq_id!r} after can_allocate")
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            budget -= num_new
+            admitted.append(self._scheduled(seq, num_new))
+
+        # An admitted sequence with a single uncomputed token (1-token prompt, or a prefix hit up
+        # to its last token) is a decode for the runner: keep the decodes-first order.
+        out.scheduled = decodes + [i for i in admitted if not i.is_prefill] + prefills
+        out.scheduled += [i for i in admitted if i.is_prefill]
+
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def postprocess(self, output: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
+        """Apply a step's results; returns the sequences that finished (their blocks are freed).
+
+        ``sampled_token_ids[i]`` belongs to ``output.scheduled[i]``; None for a prefill chunk that
+        did not reach the end of its sequence.
+        """
+        if len(sampled_token_ids) != len(output.scheduled):
+            raise ValueError(
+                f"{len(sampled_token_ids)} sampled tokens for {len(output.scheduled)} scheduled sequences"
+            )
+        finished = []
+        for item, token_id in zip(output.scheduled, sampled_token_ids):
+            seq = item.seq
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # aborted or finished while the step ran
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_computed(seq)
+            if token_id is None:
+                if item.do_sample:
+                    raise ValueError(f"{seq.seq_id!r} reached the end of its tokens but got no sample")
+                continue
+            seq.append_token(token_id)
+            reason = self._check_stop(seq)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        return ScheduledSeq(
+            seq=seq,
+            num_new_tokens=num_new,
+            is_prefill=seq.num_uncomputed_tokens > 1,
+            start=start,
+            do_sample=start + num_new == seq.num_tokens,
+        )
+
+    def _reserve(self, seq: Sequence, num_new: int, preempted: list[Sequence]) -> bool:
+        """Get blocks for ``seq``, preempting the most recently admitted sequences if needed.
+
+        Returns False when ``seq`` itself had to be preempted.
+        """
+        while not self.block_manager.append_slots(seq, num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute, not swap: the KV is dropped and rebuilt later from prompt + output so far,
+        # which the prefix cache often makes cheap (freed blocks stay findable until reused).
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = FINISH_STATUS[reason]
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        del self._seqs[seq.seq_id]
+
+    def _check_stop(self, seq: Sequence) -> str | None:
+        params = seq.sampling_params
+        num_out = seq.num_output_tokens
+        max_tokens = getattr(params, "max_tokens", None)
+        # As vLLM: before min_tokens neither eos nor stop_token_ids end the request.
+        if num_out >= (getattr(params, "min_tokens", 0) or 0):
+            last = seq.output_token_ids[-1]
+            if not getattr(params, "ignore_eos", False) and last in seq.eos_token_ids:
+                return "stop"
+            if last in (getattr(params, "stop_token_ids", None) or ()):
+                return "stop"
+        if max_tokens is not None and num_out >= max_tokens:
+            return "length"
+        if seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
