@@ -92,8 +92,12 @@ class LLMEngine:
         wanted_tokens = a.kv_cache_tokens or (self.max_model_len * a.max_num_seqs + a.block_size)
         budget = wanted_tokens * per_token
         if a.gpu_memory_gb is not None or self.device.type == "cuda":
-            avail = self._device_kv_budget()
-            budget = min(budget, avail)
+            budget = min(budget, self._device_kv_budget())
+        elif a.kv_cache_tokens is None:
+            # Host RAM is shared with everything else: at most 1 GiB or a tenth of what is free.
+            import psutil
+
+            budget = min(budget, 1 << 30, psutil.virtual_memory().available // 10)
         num_blocks = num_blocks_for_budget(specs, a.block_size, int(budget), a.max_num_seqs)
         min_blocks = -(-self.max_model_len // a.block_size)
         if num_blocks < 1:

@@ -1,0 +1,180 @@
+"""The built-in demo checkpoint: a small random-weight Kimi K2-shaped model.
+
+It is written on first use into the XDG cache dir, byte-for-byte the same every time (fixed seed,
+fixed tokenizer training text), in exactly the layout of a real Kimi K2 checkpoint: config.json
+with ``model_type`` ``kimi_k2``, bf16 safetensors shards with ``model.safetensors.index.json``,
+``tiktoken.model`` and ``tokenizer_config.json`` with Kimi's special tokens. It goes through the
+same loader and engine as a real checkpoint. Its weights are random: its output is noise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+DEMO_VERSION = 1
+NUM_BASE_TOKENS = 4096
+SEED = 20260727
+SHARDS = 2
+
+# K2's field set (reference: Kimi-K2-Instruct config.json), dimensions shrunk to decode fast on a laptop.
+DEMO_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "kimi_k2",
+    "_name_or_path": "kimitui-demo",
+    "kimitui_demo": True,
+    "kimitui_demo_note": "random weights: output is noise. Built into kimitui to show every part working.",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "n_routed_experts": 32,
+    "num_experts_per_tok": 4,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.827,
+    "seq_aux": True,
+    "aux_loss_alpha": 0.001,
+    "rope_theta": 50000.0,
+    "rope_scaling": {"type": "yarn", "factor": 8.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-06,
+    "vocab_size": NUM_BASE_TOKENS + 256,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "bos_token_id": NUM_BASE_TOKENS,
+    "eos_token_id": NUM_BASE_TOKENS + 1,
+    "num_nextn_predict_layers": 0,
+    "use_cache": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.48.3",
+}
+
+
+def demo_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kimitui" / f"demo-v{DEMO_VERSION}"
+
+
+def ensure_demo_checkpoint(path: str | Path | None = None) -> Path:
+    """The demo checkpoint directory, written first if it is not there yet."""
+    target = Path(path) if path is not None else demo_dir()
+    if (target / "model.safetensors.index.json").is_file() and (target / "tiktoken.model").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a sibling temp dir and rename: a crash or a second process never sees half a checkpoint.
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
+    try:
+        write_demo_checkpoint(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache dir is the user's anyway
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "model.safetensors.index.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def write_demo_checkpoint(path: str | Path) -> None:
+    from engine.bpe_train import demo_corpus, train_ranks, write_kimi_tokenizer_files
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = _random_weights(DEMO_CONFIG)
+    _write_shards(path, tensors)
+    (path / "config.json").write_text(json.dumps(DEMO_CONFIG, indent=2) + "\n")
+    (path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": NUM_BASE_TOKENS, "eos_token_id": [NUM_BASE_TOKENS + 1, NUM_BASE_TOKENS + 2],
+         "max_length": DEMO_CONFIG["max_position_embeddings"]}, indent=2) + "\n")
+    write_kimi_tokenizer_files(path, train_ranks(demo_corpus(), NUM_BASE_TOKENS),
+                               model_max_length=DEMO_CONFIG["max_position_embeddings"])
+
+
+def _random_weights(c: dict) -> dict[str, torch.Tensor]:
+    """HF-named bf16 tensors, drawn in a fixed order from one seeded generator."""
+    gen = torch.Generator().manual_seed(SEED)
+    d, std = c["hidden_size"], c["initializer_range"]
+    h, nope, rope, v = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    out: dict[str, torch.Tensor] = {}
+
+    def normal(name: str, *shape: int, scale: float = std) -> None:
+        out[name] = (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+
+    def ones(name: str, n: int) -> None:
+        out[name] = torch.ones(n, dtype=torch.bfloat16)
+
+    normal("model.embed_tokens.weight", c["vocab_size"], d, scale=1.0)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        ones(f"{p}.input_layernorm.weight", d)
+        ones(f"{p}.post_attention_layernorm.weight", d)
+        a = f"{p}.self_attn"
+        normal(f"{a}.q_a_proj.weight", c["q_lora_rank"], d)
+        ones(f"{a}.q_a_layernorm.weight", c["q_lora_rank"])
+        normal(f"{a}.q_b_proj.weight", h * (nope + rope), c["q_lora_rank"])
+        normal(f"{a}.kv_a_proj_with_mqa.weight", c["kv_lora_rank"] + rope, d)
+        ones(f"{a}.kv_a_layernorm.weight", c["kv_lora_rank"])
+        normal(f"{a}.kv_b_proj.weight", h * (nope + v), c["kv_lora_rank"])
+        normal(f"{a}.o_proj.weight", d, h * v)
+        m = f"{p}.mlp"
+        if i < c["first_k_dense_replace"]:
+            for proj, shape in (("gate_proj", (c["intermediate_size"], d)), ("up_proj", (c["intermediate_size"], d)),
+                                ("down_proj", (d, c["intermediate_size"]))):
+                normal(f"{m}.{proj}.weight", *shape)
+            continue
+        inter = c["moe_intermediate_size"]
+        normal(f"{m}.gate.weight", c["n_routed_experts"], d)
+        out[f"{m}.gate.e_score_correction_bias"] = torch.zeros(c["n_routed_experts"], dtype=torch.float32)
+        for e in range(c["n_routed_experts"]):
+            normal(f"{m}.experts.{e}.gate_proj.weight", inter, d)
+            normal(f"{m}.experts.{e}.up_proj.weight", inter, d)
+            normal(f"{m}.experts.{e}.down_proj.weight", d, inter)
+        shared = inter * c["n_shared_experts"]
+        normal(f"{m}.shared_experts.gate_proj.weight", shared, d)
+        normal(f"{m}.shared_experts.up_proj.weight", shared, d)
+        normal(f"{m}.shared_experts.down_proj.weight", d, shared)
+        # The real K2 checkpoint carries unused rotary buffers; keep one so the loader's skip path runs.
+    out["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(rope // 2, dtype=torch.bfloat16)
+    ones("model.norm.weight", d)
+    normal("lm_head.weight", c["vocab_size"], d)
+    return out
+
+
+def _write_shards(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    names = list(tensors)  # insertion order: layer by layer, like Moonshot's shards
+    per = -(-len(names) // SHARDS)
+    weight_map = {}
+    for i in range(SHARDS):
+        fname = f"model-{i + 1}-of-{SHARDS}.safetensors"
+        part = names[i * per:(i + 1) * per]
+        save_file({n: tensors[n] for n in part}, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

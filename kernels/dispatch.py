@@ -1,0 +1,111 @@
+"""The kernel entry points the engine calls: Triton on CUDA/ROCm tensors, PyTorch elsewhere.
+
+A call uses Triton when its tensors live on a ``cuda`` device (ROCm reports ``cuda`` too) and
+triton imports; otherwise the PyTorch reference in ``kernels.reference`` runs on whatever device
+the tensors are on. ``KIMITUI_KERNELS=reference`` forces the reference everywhere (debugging,
+numerics comparisons). Kernel modules are imported lazily so this module never needs triton.
+"""
+
+import functools
+import importlib
+import importlib.util
+import os
+
+import torch
+
+from kernels import reference
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when the triton package can be imported (checked once)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        importlib.import_module("triton.language")
+    except Exception:  # a broken install (e.g. no compiler backend) counts as missing
+        return False
+    return True
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Whether calls on ``tensor``'s device go to the Triton kernels."""
+    if os.environ.get("KIMITUI_KERNELS", "").lower() == "reference":
+        return False
+    return tensor.device.type == "cuda" and triton_available()
+
+
+def _kernel(module: str, name: str):
+    return getattr(importlib.import_module(f"kernels.{module}"), name)
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    # [..., K] -> [M, K] without copying when possible.
+    return x.reshape(-1, x.shape[-1])
+
+
+def linear_fp8_block(x, w, scale_inv, block=(128, 128)):
+    """``x [..., K] @ dequant(w [N, K] fp8 e4m3fn, scale_inv).T -> [..., N]`` in x.dtype."""
+    if not use_triton(x):
+        return reference.linear_fp8_block(x, w, scale_inv, block)
+    out = _kernel("fp8_block_gemm", "fp8_block_gemm")(_as_rows(x), w, scale_inv, tuple(block))
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
+def linear_w4a16(x, packed, scale, k, group_size=32):
+    """``x [..., K] @ dequant_int4(packed [N, ceil(K/8)], scale [N, ceil(K/g)]).T -> [..., N]``."""
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, the INT4 weight has {k}")
+    if not use_triton(x):
+        return reference.linear_w4a16(x, packed, scale, k, group_size)
+    out = _kernel("w4a16_gemm", "w4a16_gemm")(_as_rows(x), packed, scale, group_size)
+    return out.view(*x.shape[:-1], packed.shape[0])
+
+
+def linear_mxfp4(x, packed, scale):
+    """``x [..., K] @ dequant_mxfp4(packed [N, K/2], scale [N, K/32]).T -> [..., N]``."""
+    if not use_triton(x):
+        return reference.linear_mxfp4(x, packed, scale)
+    out = _kernel("mxfp4_gemm", "mxfp4_gemm")(_as_rows(x), packed, scale)
+    return out.view(*x.shape[:-1], packed.shape[0])
+
+
+def rms_norm(x, weight, eps=1e-6):
+    """HF RMSNorm over the last dim of ``x [..., H]``."""
+    if not use_triton(x):
+        return reference.rms_norm(x, weight, eps)
+    return _kernel("rms_norm", "rms_norm")(x, weight, eps)
+
+
+def moe_experts(x, topk_ids, topk_weights, w13, w2):
+    """SwiGLU MoE, dense experts: x [T, D], topk [T, k], w13 [E, 2I, D], w2 [E, D, I] -> [T, D]."""
+    if not use_triton(x):
+        return reference.moe_experts_reference(x, topk_ids, topk_weights, w13, w2)
+    return _kernel("fused_moe", "fused_moe")(x, topk_ids, topk_weights, w13, w2)
+
+
+def moe_experts_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32):
+    """SwiGLU MoE, INT4 experts (w13_packed [E, 2I, D/8], scales [E, 2I, D/g]; w2 likewise)."""
+    if not use_triton(x):
+        return reference.moe_experts_reference_w4a16(
+            x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size
+        )
+    return _kernel("fused_moe", "fused_moe_w4a16")(
+        x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size
+    )
+
+
+def moe_experts_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
+    """SwiGLU MoE, MXFP4 experts (w13_packed [E, 2I, D/2], w13_scale [E, 2I, D/32]; w2 likewise).
+
+    No fused MXFP4 MoE kernel yet: every device runs the per-active-expert reference.
+    """
+    return reference.moe_experts_reference_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
+
+
+def moe_experts_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128)):
+    """SwiGLU MoE, block-FP8 experts (w13 [E, 2I, D] e4m3fn + scale_inv [E, 2I/bn, D/bk]; w2 likewise).
+
+    No fused FP8 MoE kernel yet: every device runs the per-active-expert reference.
+    """
+    return reference.moe_experts_reference_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block)

@@ -1,0 +1,228 @@
+"""Fused MoE experts (SwiGLU), vLLM-style grouped GEMM over expert-sorted token rows.
+
+Pipeline (kernels.md 1.1): ``moe_align_block_size`` sorts the T*k (token, slot) pairs by expert
+and pads each expert's run to BLOCK_M rows, so every M-tile belongs to one expert. GEMM1 reads
+gate and up rows of w13 in the same program and writes ``silu(gate) * up`` [T*k, I]; GEMM2 reads
+those rows, multiplies by w2 and the routing weight, and writes fp32 [T*k, D]; the k slots are
+summed in PyTorch. Dense weights (``fused_moe``) and compressed-tensors INT4 (``fused_moe_w4a16``)
+share one kernel. Reference: ``reference.moe_experts_reference`` / ``..._w4a16``.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int):
+    """Sort (token, slot) pairs by expert, padding each expert to a multiple of ``block_size``.
+
+    Returns ``sorted_token_ids`` int32 [num_blocks * block_size] (pad id = T*k), ``expert_ids``
+    int32 [num_blocks] and ``num_tokens_post_padded`` int32 [1]. No host sync: the buffer is sized
+    by the worst case, and tiles past ``num_tokens_post_padded`` exit early in the kernel.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [T*k]
+    numel = flat.numel()
+    device = flat.device
+    # scatter_add_ instead of bincount: bincount syncs on CUDA to size its output.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_size - 1) // block_size * block_size  # [E]
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)  # pair indices grouped by expert
+    experts = flat[order]
+    rank = torch.arange(numel, device=device) - start[experts]  # position within its expert
+    # Each non-empty tile holds at least one pair, so at most T*k tiles are used.
+    num_blocks = min(triton.cdiv(numel + num_experts * (block_size - 1), block_size), numel)
+    sorted_token_ids = torch.full((num_blocks * block_size,), numel, dtype=torch.int32, device=device)
+    sorted_token_ids[padded_start[experts] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(num_blocks, device=device) * block_size
+    expert_ids = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_token_ids, expert_ids.to(torch.int32), padded_end[-1:].to(torch.int32)
+
+
+@triton.jit
+def _load_b(b_ptr, s_ptr, expert, offs_n, offs_k, mask,
+            stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
+            W_INT4: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    # Returns the [BK, BN] fp32 weight tile of one expert.
+    if W_INT4:
+        words = tl.load(
+            b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + (offs_k[:, None] // 8) * stride_bk,
+            mask=mask, other=0,
+        )
+        q = ((words >> ((offs_k[:, None] % 8) * 4)) & 0xF) - 8
+        s = tl.load(
+            s_ptr + expert * stride_se + offs_n[None, :] * stride_sn + (offs_k[:, None] // GROUP_SIZE) * stride_sk,
+            mask=mask, other=0.0,
+        )
+        b = q.to(tl.float32) * s.to(tl.float32)
+    else:
+        b = tl.load(
+            b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk,
+            mask=mask, other=0.0,
+        ).to(tl.float32)
+    return b
+
+
+@triton.jit
+def _fused_moe_kernel(
+    a_ptr, b_ptr, s_ptr, c_ptr, topk_weights_ptr,
+    sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+    N, K, num_valid_tokens,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
+    stride_cm, stride_cn,
+    TOP_K: tl.constexpr, GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    W_INT4: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_token_ids_ptr + offs_m).to(tl.int64)  # [BM] (token, slot) index
+    valid = pair < num_valid_tokens
+    a_rows = pair // TOP_K  # GEMM1 reads x rows; GEMM2 (TOP_K=1) reads pair rows
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+            mask=valid[:, None] & mask_k[None, :], other=0.0,
+        )  # [BM, BK]
+        mask_b = mask_k[:, None] & mask_n[None, :]
+        b = _load_b(b_ptr, s_ptr, expert, offs_n, offs_k, mask_b,
+                    stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk, W_INT4, GROUP_SIZE)
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision="ieee")
+        if GATED:
+            # Up rows sit N (= I) rows below the gate rows of w13 [E, 2I, K].
+            b_up = _load_b(b_ptr, s_ptr, expert, offs_n + N, offs_k, mask_b,
+                           stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk, W_INT4, GROUP_SIZE)
+            acc_up = tl.dot(a, b_up.to(a.dtype), acc_up, input_precision="ieee")
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    tl.store(
+        c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+        acc.to(c_ptr.dtype.element_ty),
+        mask=valid[:, None] & mask_n[None, :],
+    )
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
+def _check_routing(x, topk_ids, topk_weights):
+    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"x must be a 2-D fp16/bf16/fp32 tensor [T, D], got {tuple(x.shape)} {x.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"topk_ids must be int32/int64 [T={x.shape[0]}, k], got {tuple(topk_ids.shape)} {topk_ids.dtype}"
+        )
+    if topk_weights.shape != topk_ids.shape or not topk_weights.dtype.is_floating_point:
+        raise ValueError(f"topk_weights must be float {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+
+
+def _check_placement(x, *tensors):
+    if any(t.device != x.device for t in tensors):
+        raise ValueError(f"all tensors must be on one device, got {[str(t.device) for t in (x, *tensors)]}")
+    if x.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"Triton kernels need a CUDA/ROCm tensor (or TRITON_INTERPRET=1), got {x.device}")
+    if not all(w.is_contiguous() for w in tensors[2:]):
+        raise ValueError("expert weights and scales must be contiguous")
+
+
+def _run(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, inter, w_int4, group_size):
+    t, d = x.shape
+    top_k = topk_ids.shape[1]
+    num_pairs = t * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    block_m = 16 if num_pairs <= 64 else 64
+    block_n, block_k = 64, 64
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, w13.shape[0])
+    num_blocks = expert_ids.shape[0]
+    routing = topk_weights.reshape(-1).contiguous()  # [T*k]
+    hidden = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)  # silu(gate) * up
+    out = torch.empty((num_pairs, d), dtype=torch.float32, device=x.device)
+    s13 = w13 if w13_scale is None else w13_scale  # dummy pointer for dense weights
+    s2 = w2 if w2_scale is None else w2_scale
+    meta = dict(W_INT4=w_int4, GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+
+    def scale_strides(s, dense):
+        return (0, 0, 0) if dense else (s.stride(0), s.stride(1), s.stride(2))
+
+    _fused_moe_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+        x, w13, s13, hidden, routing, sorted_ids, expert_ids, num_post,
+        inter, d, num_pairs,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        *scale_strides(s13, w13_scale is None), hidden.stride(0), hidden.stride(1),
+        TOP_K=top_k, GATED=True, MUL_ROUTED_WEIGHT=False, **meta,
+    )
+    _fused_moe_kernel[(num_blocks, triton.cdiv(d, block_n))](
+        hidden, w2, s2, out, routing, sorted_ids, expert_ids, num_post,
+        d, inter, num_pairs,
+        hidden.stride(0), hidden.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        *scale_strides(s2, w2_scale is None), out.stride(0), out.stride(1),
+        TOP_K=1, GATED=False, MUL_ROUTED_WEIGHT=True, **meta,
+    )
+    return out.view(t, top_k, d).sum(dim=1).to(x.dtype)  # [T, D]
+
+
+def fused_moe(x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
+    """SwiGLU MoE over dense experts: x [T, D], w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I] -> [T, D]."""
+    _check_routing(x, topk_ids, topk_weights)
+    if w13.dim() != 3 or w13.shape[2] != x.shape[1] or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be [E, 2I, D={x.shape[1]}], got {tuple(w13.shape)}")
+    e, inter = w13.shape[0], w13.shape[1] // 2
+    if tuple(w2.shape) != (e, x.shape[1], inter):
+        raise ValueError(f"w2 must be [E={e}, D={x.shape[1]}, I={inter}], got {tuple(w2.shape)}")
+    if w13.dtype not in _FLOAT_DTYPES or w2.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"dense expert weights must be fp16/bf16/fp32, got {w13.dtype}, {w2.dtype}")
+    _check_placement(x, topk_ids, topk_weights, w13, w2)
+    return _run(x, topk_ids, topk_weights, w13, w2, None, None, inter, False, 1)
+
+
+def fused_moe_w4a16(
+    x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size: int = 32
+) -> torch.Tensor:
+    """SwiGLU MoE over INT4 experts (compressed-tensors pack-quantized).
+
+    w13_packed int32 [E, 2I, ceil(D/8)], w13_scale [E, 2I, ceil(D/g)], w2_packed int32
+    [E, D, ceil(I/8)], w2_scale [E, D, ceil(I/g)] -> [T, D] in x.dtype.
+    """
+    _check_routing(x, topk_ids, topk_weights)
+    t, d = x.shape
+    if group_size <= 0:
+        raise ValueError(f"group_size must be positive, got {group_size}")
+    if w13_packed.dim() != 3 or w13_packed.shape[1] % 2 or w13_packed.shape[2] != -(-d // 8):
+        raise ValueError(f"w13_packed must be [E, 2I, ceil(D/8)={-(-d // 8)}], got {tuple(w13_packed.shape)}")
+    e, inter = w13_packed.shape[0], w13_packed.shape[1] // 2
+    expected = {
+        "w13_scale": (w13_scale, (e, 2 * inter, -(-d // group_size))),
+        "w2_packed": (w2_packed, (e, d, -(-inter // 8))),
+        "w2_scale": (w2_scale, (e, d, -(-inter // group_size))),
+    }
+    for name, (tensor, shape) in expected.items():
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} must be {list(shape)}, got {tuple(tensor.shape)}")
+    if w13_packed.dtype != torch.int32 or w2_packed.dtype != torch.int32:
+        raise ValueError(f"packed weights must be int32, got {w13_packed.dtype}, {w2_packed.dtype}")
+    if w13_scale.dtype not in _FLOAT_DTYPES or w2_scale.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"scales must be fp16/bf16/fp32, got {w13_scale.dtype}, {w2_scale.dtype}")
+    _check_placement(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
+    return _run(x, topk_ids, topk_weights, w13_packed, w2_packed, w13_scale, w2_scale, inter, True, group_size)

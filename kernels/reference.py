@@ -1,0 +1,267 @@
+"""PyTorch references for every kernel in this package.
+
+These are the ground truth the Triton kernels are tested against, and the fallback the engine
+uses where Triton is missing (CPU runs, laptops). Everything stays on the input's device.
+
+Quantised formats (kimi-model.md section 4):
+- FP8 block (K2, DeepSeek-V3): ``W = fp8 * scale_inv[i // bn, j // bk]``, fp32 scales.
+- INT4 compressed-tensors "pack-quantized" (K2-Thinking, K2.5, K2.6): int32 words of 8 nibbles,
+  lowest nibble = lowest column, offset-8 encoded; ``W = q * scale[i, j // group_size]``.
+- MXFP4 (K3): uint8 bytes of 2 E2M1 codes, low nibble = even column, E8M0 scale per 32 columns.
+"""
+
+import torch
+import torch.nn.functional as F
+
+FP8_E4M3_MAX = 448.0
+MXFP4_BLOCK = 32
+# E2M1 code -> value; bit 3 is the sign.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# Midpoints between the positive E2M1 magnitudes, for round-to-nearest in quantize_mxfp4.
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _expand_blocks(scale: torch.Tensor, bn: int, bk: int, n: int, k: int) -> torch.Tensor:
+    # [..., ceil(N/bn), ceil(K/bk)] -> [..., N, K]
+    return scale.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 block-wise
+
+
+def dequant_fp8_block(w, scale_inv, block=(128, 128), dtype=torch.float32):
+    """Dequantise block-FP8 weights ``w [..., N, K]`` with ``scale_inv [..., ceil(N/bn), ceil(K/bk)]``."""
+    bn, bk = block
+    n, k = w.shape[-2:]
+    s = _expand_blocks(scale_inv.float(), bn, bk, n, k)
+    return (w.float() * s).to(dtype)
+
+
+def quantize_fp8_block(w, block=(128, 128)):
+    """Quantise ``w [N, K]`` to (float8_e4m3fn [N, K], fp32 scale_inv [ceil(N/bn), ceil(K/bk)]).
+
+    One scale per block, ``amax / 448``; partial edge blocks are zero-padded for the amax.
+    """
+    bn, bk = block
+    n, k = w.shape
+    nb, kb = _cdiv(n, bn), _cdiv(k, bk)
+    padded = F.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n))
+    amax = padded.view(nb, bn, kb, bk).abs().amax(dim=(1, 3))  # [nb, kb]
+    # An all-zero block would give scale 0 and 0/0 below; any positive scale encodes zeros exactly.
+    scale_inv = (amax / FP8_E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (w.float() / _expand_blocks(scale_inv, bn, bk, n, k)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return q.to(torch.float8_e4m3fn), scale_inv
+
+
+# ---------------------------------------------------------------------------------------------
+# INT4 compressed-tensors pack-quantized
+
+
+def unpack_int4(packed, k):
+    """Unpack int32 words ``[..., ceil(K/8)]`` to int8 ``[..., K]`` in [-8, 7].
+
+    Column j sits in word j // 8 at bits 4*(j % 8); nibbles are stored offset-8 (u = q + 8).
+    Words are raw bits: negative int32 values are fine because the nibble is masked after an
+    arithmetic shift.
+    """
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)  # [8]
+    u = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF  # [..., W, 8]
+    u = u.flatten(-2)[..., :k]
+    return (u - 8).to(torch.int8)
+
+
+def pack_int4(q):
+    """Pack int8 ``q [..., K]`` in [-8, 7] into int32 words ``[..., ceil(K/8)]`` (inverse of unpack_int4).
+
+    Columns past K are filled with q = 0 (u = 8), so a kernel reading the padding sees zeros.
+    """
+    k = q.shape[-1]
+    u = q.to(torch.int64) + 8
+    u = F.pad(u, (0, _cdiv(k, 8) * 8 - k), value=8)
+    u = u.unflatten(-1, (-1, 8))  # [..., W, 8]
+    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int64)
+    words = (u << shifts).sum(dim=-1)  # [..., W], 0 .. 2^32 - 1
+    # Reinterpret as signed int32 (two's complement) without relying on overflow behaviour.
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32)
+
+
+def quantize_int4(w, group_size=32):
+    """Symmetric group-wise INT4, compressed-tensors convention: ``scale = amax / 7.5``.
+
+    compressed-tensors' minmax observer divides by ``(qmax - qmin) / 2 = 15 / 2``; q is then
+    ``clamp(round(w / scale), -8, 7)``. Returns (packed int32 [N, ceil(K/8)],
+    scale [N, ceil(K/g)] in w.dtype for floating w, else bf16). Partial groups are zero-padded.
+    """
+    n, k = w.shape
+    scale_dtype = w.dtype if w.dtype.is_floating_point else torch.bfloat16
+    groups = _cdiv(k, group_size)
+    padded = F.pad(w.float(), (0, groups * group_size - k))
+    amax = padded.view(n, groups, group_size).abs().amax(dim=-1)  # [N, G]
+    scale = (amax / 7.5).clamp(min=torch.finfo(torch.float32).eps).to(scale_dtype)
+    # Quantise against the stored (possibly bf16) scale so dequant reproduces the same grid.
+    s = scale.float().repeat_interleave(group_size, dim=-1)[:, :k]
+    q = torch.round(w.float() / s).clamp(-8, 7).to(torch.int8)
+    return pack_int4(q), scale
+
+
+def dequant_int4(packed, scale, k, group_size=32, dtype=torch.float32):
+    """Dequantise INT4 words ``[..., N, ceil(K/8)]`` with ``scale [..., N, ceil(K/g)]`` to ``[..., N, K]``."""
+    q = unpack_int4(packed, k).float()
+    s = scale.float().repeat_interleave(group_size, dim=-1)[..., :k]
+    return (q * s).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4 (OCP MX, E2M1 values, E8M0 scale per 32 columns)
+
+
+def _e8m0_to_float(scale):
+    # 2^(s - 127); byte 255 is NaN in E8M0.
+    f = torch.exp2(scale.float() - 127.0)
+    return torch.where(scale == 255, torch.full_like(f, float("nan")), f)
+
+
+def dequant_mxfp4(packed, scale, dtype=torch.float32):
+    """Dequantise MXFP4 ``packed uint8 [..., N, K/2]`` with ``scale uint8 [..., N, K/32]`` to ``[..., N, K]``."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)  # [..., N, K], low = even
+    values = lut[codes.long()]
+    s = _e8m0_to_float(scale).repeat_interleave(MXFP4_BLOCK, dim=-1)
+    return (values * s).to(dtype)
+
+
+def quantize_mxfp4(w):
+    """Quantise ``w [N, K]`` (K a multiple of 32) to (packed uint8 [N, K/2], scale uint8 [N, K/32]).
+
+    The block exponent is rounded up (``ceil(log2(amax / 6))``) so no element clips, as
+    triton_kernels' default; the OCP spec's ``floor(log2(amax)) - 2`` would clip the largest values.
+    Elements round to the nearest E2M1 value.
+    """
+    n, k = w.shape
+    if k % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 needs K to be a multiple of {MXFP4_BLOCK}, got K={k}")
+    blocks = w.float().view(n, k // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = blocks.abs().amax(dim=-1)  # [N, K/32]
+    exp = torch.ceil(torch.log2(amax / 6.0)).nan_to_num(neginf=-127.0)
+    exp = exp.clamp(-127, 127)  # byte 0 .. 254
+    scaled = blocks / torch.exp2(exp).unsqueeze(-1)
+    mids = torch.tensor(_E2M1_MIDPOINTS, device=w.device)
+    mag = torch.bucketize(scaled.abs().clamp(max=6.0).contiguous(), mids)  # index 0..7
+    codes = (mag | ((scaled < 0).to(mag.dtype) << 3)).view(n, k).to(torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.contiguous(), (exp + 127).to(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear layers: x [..., K] -> [..., N], in x.dtype (matmul accumulates in fp32)
+
+
+def linear_fp8_block(x, w, scale_inv, block=(128, 128)):
+    """``x @ dequant_fp8_block(w).T`` in x.dtype."""
+    return F.linear(x, dequant_fp8_block(w, scale_inv, block, dtype=x.dtype))
+
+
+def linear_w4a16(x, packed, scale, k, group_size=32):
+    """``x @ dequant_int4(w).T`` in x.dtype."""
+    return F.linear(x, dequant_int4(packed, scale, k, group_size, dtype=x.dtype))
+
+
+def linear_mxfp4(x, packed, scale):
+    """``x @ dequant_mxfp4(w).T`` in x.dtype."""
+    return F.linear(x, dequant_mxfp4(packed, scale, dtype=x.dtype))
+
+
+def rms_norm(x, weight, eps=1e-6):
+    """HF RMSNorm: normalise in fp32, cast to x.dtype, then multiply by weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE experts (SwiGLU): y_t = sum_k w_tk * w2[e] @ (silu(gate_e x_t) * (up_e x_t))
+
+
+def _moe_grouped(x, topk_ids, topk_weights, num_experts, expert_weights):
+    # Group (token, slot) pairs by expert and run each active expert once on its tokens.
+    # expert_weights(e) -> (w13 [2I, D], w2 [D, I]) in x.dtype, so quantised variants dequantise
+    # only the experts that received tokens.
+    t, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)  # [T*k]
+    order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs sorted by expert
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # host sync: reference only
+    routing = topk_weights.reshape(-1).float()  # [T*k]
+    out = torch.zeros(t, x.shape[-1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start : start + count]  # [c]
+        start += count
+        tokens = pairs // top_k
+        w13, w2 = expert_weights(e)
+        gate_up = F.linear(x[tokens], w13)  # [c, 2I]
+        inter = gate_up.shape[-1] // 2
+        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [c, I]
+        y = F.linear(h, w2).float() * routing[pairs, None]  # [c, D]
+        out.index_add_(0, tokens, y)
+    return out.to(x.dtype)
+
+
+def moe_experts_reference(x, topk_ids, topk_weights, w13, w2):
+    """SwiGLU MoE over dense stacked experts: x [T, D], w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I]."""
+    return _moe_grouped(
+        x, topk_ids, topk_weights, w13.shape[0], lambda e: (w13[e].to(x.dtype), w2[e].to(x.dtype))
+    )
+
+
+def moe_experts_reference_w4a16(
+    x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32
+):
+    """MoE with INT4 experts.
+
+    w13_packed [E, 2I, ceil(D/8)], w13_scale [E, 2I, ceil(D/g)], w2_packed [E, D, ceil(I/8)],
+    w2_scale [E, D, ceil(I/g)].
+    """
+    d, i = x.shape[-1], w13_packed.shape[1] // 2  # w13 holds 2I rows
+
+    def weights(e):
+        return (
+            dequant_int4(w13_packed[e], w13_scale[e], d, group_size, x.dtype),
+            dequant_int4(w2_packed[e], w2_scale[e], i, group_size, x.dtype),
+        )
+
+    return _moe_grouped(x, topk_ids, topk_weights, w13_packed.shape[0], weights)
+
+
+def moe_experts_reference_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
+    """MoE with MXFP4 experts.
+
+    w13_packed [E, 2I, D/2], w13_scale [E, 2I, D/32], w2_packed [E, D, I/2], w2_scale [E, D, I/32].
+    """
+
+    def weights(e):
+        return (
+            dequant_mxfp4(w13_packed[e], w13_scale[e], x.dtype),
+            dequant_mxfp4(w2_packed[e], w2_scale[e], x.dtype),
+        )
+
+    return _moe_grouped(x, topk_ids, topk_weights, w13_packed.shape[0], weights)
+
+
+def moe_experts_reference_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128)):
+    """MoE with block-FP8 experts: w13 [E, 2I, D] + scale_inv [E, 2I/bn, D/bk], w2 [E, D, I] + scale_inv."""
+
+    def weights(e):
+        return (
+            dequant_fp8_block(w13[e], w13_scale_inv[e], block, x.dtype),
+            dequant_fp8_block(w2[e], w2_scale_inv[e], block, x.dtype),
+        )
+
+    return _moe_grouped(x, topk_ids, topk_weights, w13.shape[0], weights)

@@ -1,0 +1,222 @@
+"""Benchmark clients: the in-process engine and any OpenAI-compatible /v1/completions server.
+
+Both time a request exactly as `vllm bench serve` does (endpoint_request_func.py): the clock
+starts after the concurrency slot is taken, TTFT is the first message carrying `choices`,
+each later `choices` message adds one ITL gap (per chunk, not per token), latency ends at
+the last `choices` message (the usage-only chunk and `[DONE]` do not extend it), and the
+output token count comes from the final usage chunk. Clients never raise: failures come back
+as `success=False` with `error` set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kimitui.bench.workload import SampleRequest
+
+# vLLM's AIOHTTP_TIMEOUT: long prompts on slow hardware may legitimately take hours.
+_REQUEST_TIMEOUT_S = 6 * 60 * 60
+
+
+@dataclass(frozen=True)
+class RequestFuncOutput:
+    """Result of one request, with vLLM's field names and units (seconds)."""
+
+    success: bool = False
+    generated_text: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    start_time: float = 0.0
+    error: str = ""
+
+
+class InProcessClient:
+    """Drive an `engine.AsyncLLM` directly with token-id prompts."""
+
+    backend = "kimitui"
+    needs_text = False
+
+    def __init__(self, engine: Any, model: str = "kimitui", temperature: float | None = None,
+                 ignore_eos: bool = True, sampling_params_cls: Any = None):
+        self.engine = engine
+        self.model = model
+        self.temperature = temperature
+        self.ignore_eos = ignore_eos
+        self._sampling_params_cls = sampling_params_cls
+
+    def _params(self, max_tokens: int) -> Any:
+        cls = self._sampling_params_cls
+        if cls is None:
+            from engine import SamplingParams as cls  # lazy: `bench --base-url` needs no torch
+
+        kwargs: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos}
+        if self.temperature is not None:
+            kwargs["temperature"] = self.temperature
+        return cls(**kwargs)
+
+    async def __call__(self, request: SampleRequest, request_id: str) -> RequestFuncOutput:
+        text, itl, n_tokens = "", [], 0
+        st = time.perf_counter()
+        last = st
+        ttft = 0.0
+        try:
+            params = self._params(request.expected_output_len)
+            prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+            async for out in self.engine.generate(prompt, params, request_id):
+                completion = out.outputs[0]
+                # One yield may carry several tokens; like one SSE chunk it adds one gap.
+                if len(completion.token_ids) > n_tokens:
+                    now = time.perf_counter()
+                    if n_tokens == 0:
+                        ttft = now - st
+                    else:
+                        itl.append(now - last)
+                    last = now
+                    n_tokens = len(completion.token_ids)
+                    text = completion.text
+        except asyncio.CancelledError:
+            await asyncio.shield(self._abort(request_id))
+            raise
+        except Exception as e:  # noqa: BLE001 - a benchmark records failures, it does not stop
+            await self._abort(request_id)
+            return RequestFuncOutput(False, text, request.prompt_len, n_tokens, ttft, itl,
+                                     last - st, st, f"{type(e).__name__}: {e}")
+        if n_tokens == 0:
+            return RequestFuncOutput(False, "", request.prompt_len, 0, 0.0, [], 0.0, st,
+                                     "the engine finished without producing a token")
+        return RequestFuncOutput(True, text, request.prompt_len, n_tokens, ttft, itl, last - st, st)
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self.engine.abort(request_id)
+        except Exception:  # noqa: BLE001 - the request may already be gone
+            pass
+
+    async def aclose(self) -> None:
+        pass
+
+
+def _headers(api_key: str | None, request_id: str | None = None) -> dict[str, str]:
+    headers = {"Content-Type": "application/json"}
+    key = api_key or os.environ.get("OPENAI_API_KEY")
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    if request_id:
+        headers["x-request-id"] = request_id
+    return headers
+
+
+class OpenAICompletionsClient:
+    """Streaming POST `{base_url}/v1/completions`, timed like vLLM's `openai` backend."""
+
+    backend = "openai"
+    needs_text = True
+
+    def __init__(self, base_url: str, model: str, api_key: str | None = None,
+                 temperature: float | None = None, ignore_eos: bool = True):
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.api_key = api_key
+        self.temperature = temperature
+        self.ignore_eos = ignore_eos
+        # No pool limit: the benchmark's semaphore is the only concurrency cap.
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(_REQUEST_TIMEOUT_S, connect=30.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
+
+    def payload(self, request: SampleRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": request.prompt if request.prompt is not None else request.prompt_token_ids,
+            "repetition_penalty": 1.0,
+            "max_tokens": request.expected_output_len,
+            "logprobs": None,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        # Like vLLM we send no temperature unless asked: the server's default applies.
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
+        return body
+
+    async def __call__(self, request: SampleRequest, request_id: str) -> RequestFuncOutput:
+        url = f"{self.base_url}/v1/completions"
+        prompt_len = request.prompt_len
+        text, itl, chunks, usage_tokens = "", [], 0, None
+        ttft = 0.0
+        st = time.perf_counter()
+        last = st
+        try:
+            async with self._http.stream("POST", url, json=self.payload(request),
+                                         headers=_headers(self.api_key, request_id)) as resp:
+                if resp.status_code != 200:
+                    body = (await resp.aread()).decode("utf-8", "replace")[:500]
+                    return RequestFuncOutput(False, "", prompt_len, 0, 0.0, [], 0.0, st,
+                                             f"HTTP {resp.status_code} {resp.reason_phrase}: {body}")
+                async for line in resp.aiter_lines():
+                    line = line.strip()
+                    # Blank lines separate SSE events; ':' lines are keep-alive comments.
+                    if not line or line.startswith(":") or not line.startswith("data:"):
+                        continue
+                    data = line[len("data:"):].strip()
+                    if data == "[DONE]":
+                        break
+                    msg = json.loads(data)
+                    if choices := msg.get("choices"):
+                        now = time.perf_counter()
+                        if chunks == 0:
+                            ttft = now - st
+                        else:
+                            itl.append(now - last)
+                        last = now
+                        chunks += 1
+                        text += choices[0].get("text") or ""
+                    elif usage := msg.get("usage"):
+                        usage_tokens = usage.get("completion_tokens")
+                        if usage.get("prompt_tokens") is not None:
+                            prompt_len = usage["prompt_tokens"]
+        except asyncio.CancelledError:
+            raise  # leaving the stream context closes the connection: the server aborts
+        except Exception as e:  # noqa: BLE001 - a benchmark records failures, it does not stop
+            return RequestFuncOutput(False, text, prompt_len, chunks, ttft, itl, last - st, st,
+                                     f"{type(e).__name__}: {e}")
+        if chunks == 0:
+            return RequestFuncOutput(False, "", prompt_len, 0, 0.0, [], 0.0, st,
+                                     "Never received a valid chunk to calculate TTFT.")
+        # Without usage, count chunks (one token per chunk for servers that stream each).
+        output_tokens = usage_tokens if usage_tokens else chunks
+        return RequestFuncOutput(True, text, prompt_len, output_tokens, ttft, itl, last - st, st)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+async def fetch_models(base_url: str, api_key: str | None = None, timeout_s: float = 30.0) -> list[str]:
+    """Model ids served at `{base_url}/v1/models` (the first is what vLLM benchmarks when
+    --model is not given). Raises RuntimeError with the URL on failure."""
+    import httpx
+
+    url = f"{base_url.rstrip('/')}/v1/models"
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as http:
+            resp = await http.get(url, headers=_headers(api_key))
+            resp.raise_for_status()
+            ids = [m["id"] for m in resp.json().get("data", [])]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        raise RuntimeError(f"could not list models at {url}: {type(e).__name__}: {e}") from e
+    if not ids:
+        raise RuntimeError(f"no models are served at {url}")
+    return ids

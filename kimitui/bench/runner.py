@@ -1,0 +1,294 @@
+"""One benchmark run (or a concurrency sweep) from a validated config, plus its CLI flags.
+
+The flow is vLLM's `benchmark()`: sample the workload, warm up, issue requests on the
+arrival schedule, time the window, compute metrics. We add the energy window (monotonic
+clock, bracketed by telemetry samples) and the per-GPU and cost keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from kimitui.bench.arrivals import dispatch, run_warmups
+from kimitui.bench.cost import (DEFAULT_TIERS, DEFAULT_USD_PER_KWH, PricingTier, load_cost_settings,
+                                parse_pricing_tier, usd_per_mtok, with_overrides)
+from kimitui.bench.metrics import METRICS, calculate_metrics, result_json
+from kimitui.bench.sweep import frontier, ladder, parse_concurrency_list, point_from_result
+from kimitui.bench.workload import sample_random
+
+ProgressFn = Callable[[int, int, float], None]
+
+
+@dataclass(frozen=True)
+class BenchmarkConfig:
+    """Every `kimitui bench` setting (DESIGN.md section 6), validated once."""
+
+    random_input_len: int = 1024
+    random_output_len: int = 128
+    random_range_ratio: float = 0.0
+    random_prefix_len: int = 0
+    num_prompts: int = 1000
+    max_concurrency: int | None = None
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    ignore_eos: bool = True
+    temperature: float | None = None
+    seed: int = 0
+    num_warmups: int = 0
+    percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl")
+    metric_percentiles: tuple[float, ...] = (99.0,)
+    save_result: bool = False
+    result_filename: str | None = None
+    result_dir: str | None = None
+    sweep_concurrency: tuple[int, ...] = ()
+    base_url: str | None = None
+    model: str | None = None
+    num_gpus: int = 1
+    pricing_tiers: tuple[PricingTier, ...] = DEFAULT_TIERS
+    usd_per_kwh: float | None = DEFAULT_USD_PER_KWH
+    label: str | None = None
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        need(self.random_input_len >= 1, f"--random-input-len must be >= 1, got {self.random_input_len}")
+        need(self.random_output_len >= 1, f"--random-output-len must be >= 1, got {self.random_output_len}")
+        need(0.0 <= self.random_range_ratio < 1.0,
+             f"--random-range-ratio must be in [0, 1), got {self.random_range_ratio}")
+        need(self.random_prefix_len >= 0, f"--random-prefix-len must be >= 0, got {self.random_prefix_len}")
+        need(self.num_prompts >= 1, f"--num-prompts must be >= 1, got {self.num_prompts}")
+        need(self.max_concurrency is None or self.max_concurrency >= 1,
+             f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        need(self.request_rate > 0, f"--request-rate must be > 0 (or inf), got {self.request_rate}")
+        need(self.burstiness > 0, f"--burstiness must be > 0, got {self.burstiness}")
+        need(self.temperature is None or self.temperature >= 0,
+             f"--temperature must be >= 0, got {self.temperature}")
+        need(self.num_warmups >= 0, f"--num-warmups must be >= 0, got {self.num_warmups}")
+        unknown = set(self.percentile_metrics) - set(METRICS)
+        need(not unknown, f"--percentile-metrics: unknown {sorted(unknown)}; choose from {', '.join(METRICS)}")
+        need(all(0 < p <= 100 for p in self.metric_percentiles),
+             f"--metric-percentiles must lie in (0, 100], got {list(self.metric_percentiles)}")
+        need(all(c >= 1 for c in self.sweep_concurrency), "--sweep-concurrency levels must be >= 1")
+        need(self.num_gpus >= 1, f"--num-gpus must be >= 1, got {self.num_gpus}")
+        need(self.usd_per_kwh is None or self.usd_per_kwh >= 0,
+             f"--usd-per-kwh must be >= 0, got {self.usd_per_kwh}")
+
+
+async def _bracket_sample(sampler: Any) -> None:
+    # A sample on each side of the window lets telemetry interpolate energy at t0 and t1.
+    if hasattr(sampler, "sample_now"):
+        await asyncio.to_thread(sampler.sample_now)
+
+
+async def _measure_energy(sampler: Any, t0: float, t1: float) -> Any:
+    if sampler is None:
+        return None
+    from kimitui.telemetry import window_energy
+
+    interval = float(getattr(sampler, "interval_s", 1.0))
+    try:
+        await _bracket_sample(sampler)
+        # Without sample_now, wait (bounded) for the sampler thread's next tick past t1.
+        deadline = time.monotonic() + 2 * interval
+        while not any(s.t >= t1 for s in sampler.history(since_t=t1)) and time.monotonic() < deadline:
+            await asyncio.sleep(min(0.05, interval))
+        return window_energy(sampler.history(since_t=t0 - 3 * interval), t0, t1)
+    except Exception:  # noqa: BLE001 - a telemetry failure must not lose the benchmark
+        return None
+
+
+def _backend_status(sampler: Any) -> list[dict[str, Any]]:
+    if sampler is None:
+        return []
+    try:
+        return [{"name": s.name, "available": s.available, "detail": s.detail}
+                for s in sampler.backend_status()]
+    except Exception as e:  # noqa: BLE001
+        return [{"name": "telemetry", "available": False, "detail": f"{type(e).__name__}: {e}"}]
+
+
+async def run_benchmark(config: BenchmarkConfig, client: Any, tokenizer: Any, sampler: Any = None,
+                        progress: ProgressFn | None = None,
+                        cancel_event: asyncio.Event | None = None) -> dict[str, Any]:
+    """Run one benchmark point and return its result dict (vLLM's --save-result keys plus
+    kimitui's). `client` is an InProcessClient or OpenAICompletionsClient; `sampler` a
+    running TelemetrySampler (or None: power keys are then null); `progress(done, total,
+    elapsed_s)` is called as requests finish; setting `cancel_event` stops issuing requests
+    and aborts those in flight (the result then has "cancelled": true)."""
+    workload = sample_random(
+        tokenizer, config.num_prompts, config.random_input_len, config.random_output_len,
+        config.random_range_ratio, config.random_prefix_len, config.seed,
+        max_model_len=config.max_model_len, text=getattr(client, "needs_text", True),
+    )
+    requests = workload.requests
+    cancel = cancel_event or asyncio.Event()
+    await run_warmups(requests[0], client, config.num_warmups, config.max_concurrency)
+
+    done = 0
+    if sampler is not None:
+        await _bracket_sample(sampler)
+    bench_start = time.perf_counter()
+    t0 = time.monotonic()
+
+    def on_done(_: Any) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, len(requests), time.perf_counter() - bench_start)
+
+    if progress is not None:
+        progress(0, len(requests), 0.0)
+    outputs = await dispatch(
+        requests, client, max_concurrency=config.max_concurrency, request_rate=config.request_rate,
+        burstiness=config.burstiness, seed=config.seed, cancel_event=cancel, on_done=on_done,
+    )
+    duration = time.perf_counter() - bench_start
+    t1 = time.monotonic()
+    energy = await _measure_energy(sampler, t0, t1)
+
+    metrics = calculate_metrics(requests, outputs, duration, config.percentile_metrics,
+                                config.metric_percentiles)
+    model = getattr(client, "model", None) or config.model or "unknown"
+    result = result_json(
+        metrics, duration_s=duration, selected_percentile_metrics=config.percentile_metrics,
+        backend=getattr(client, "backend", "openai"), model_id=model, tokenizer_id=model,
+        num_prompts=config.num_prompts, request_rate=config.request_rate,
+        burstiness=config.burstiness, max_concurrency=config.max_concurrency, label=config.label,
+        num_gpus=config.num_gpus, energy=energy, pricing_tiers=config.pricing_tiers,
+        usd_per_kwh=config.usd_per_kwh, telemetry_backends=_backend_status(sampler),
+    )
+    result["random_input_len"] = config.random_input_len
+    result["random_output_len"] = config.random_output_len
+    result["random_range_ratio"] = config.random_range_ratio
+    result["num_warmups"] = config.num_warmups
+    result["notes"] = workload.note
+    result["cancelled"] = cancel.is_set()
+    result["errors_sample"] = [o.error for o in outputs if not o.success][:10]
+    if config.save_result:
+        result["result_file"] = str(save_result(result, config.result_dir, config.result_filename))
+    return result
+
+
+async def run_sweep(config: BenchmarkConfig, client: Any, tokenizer: Any, sampler: Any = None,
+                    progress: ProgressFn | None = None,
+                    cancel_event: asyncio.Event | None = None) -> dict[str, Any]:
+    """One `run_benchmark` per `config.sweep_concurrency` level, then the frontier and the
+    ladder (tok/s per GPU at 30..200 tok/s per user, None where not reached)."""
+    cancel = cancel_event or asyncio.Event()
+    points: list[dict[str, Any]] = []
+    for c in config.sweep_concurrency:
+        if cancel.is_set():
+            break
+        filename = config.result_filename
+        if filename:
+            p = Path(filename)
+            filename = f"{p.stem}-concurrency{c}{p.suffix or '.json'}"
+        point_cfg = replace(config, max_concurrency=c, sweep_concurrency=(), result_filename=filename)
+        points.append(await run_benchmark(point_cfg, client, tokenizer, sampler, progress, cancel))
+    front = frontier(p for p in map(point_from_result, points) if p is not None)
+    values = ladder(front)
+    return {
+        "points": points,
+        "frontier": [asdict(p) for p in front],
+        "ladder": values,
+        "ladder_cost_per_mtok": {
+            target: None if tput is None else
+            {t.name: usd_per_mtok(t.usd_per_gpu_hour, tput) for t in config.pricing_tiers}
+            for target, tput in values.items()
+        },
+        "cancelled": cancel.is_set(),
+    }
+
+
+def default_result_filename(result: dict[str, Any]) -> str:
+    """vLLM's `{label|backend}-{rate}qps[-concurrency{N}]-{model}-{YYYYmmdd-HHMMSS}.json`."""
+    rate = result.get("request_rate", "inf")
+    rate = "inf" if rate == "inf" else str(float(rate))
+    conc = result.get("max_concurrency")
+    conc_part = f"-concurrency{conc}" if conc is not None else ""
+    model = str(result.get("model_id") or "model").rstrip("/").split("/")[-1]
+    date = result.get("date") or datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{result.get('label') or result.get('backend', 'openai')}-{rate}qps{conc_part}-{model}-{date}.json"
+
+
+def save_result(result: dict[str, Any], result_dir: str | None = None, filename: str | None = None) -> Path:
+    """Write `result` as JSON (vLLM's default name unless `filename`); returns the path."""
+    path = Path(filename or default_result_filename(result))
+    if result_dir:
+        Path(result_dir).mkdir(parents=True, exist_ok=True)
+        path = Path(result_dir) / path
+    path.write_text(json.dumps(result, indent=2, default=str), encoding="utf-8")
+    return path
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register `kimitui bench`'s flags, named as `vllm bench serve` names them. Engine
+    flags (--model, --gpus, --max-model-len) are registered by the CLI and read if present."""
+    a = parser.add_argument
+    a("--random-input-len", type=int, default=1024, help="mean prompt tokens (vLLM random dataset)")
+    a("--random-output-len", type=int, default=128, help="mean output tokens")
+    a("--random-range-ratio", type=float, default=0.0,
+      help="lengths uniform in [L(1-r), L(1+r)], r in [0, 1) (vLLM semantics, not InferenceX's [rL, L])")
+    a("--random-prefix-len", type=int, default=0, help="random prefix shared by all prompts")
+    a("--num-prompts", type=int, default=1000, help="number of requests")
+    a("--max-concurrency", type=int, default=None, help="cap on requests in flight (closed loop)")
+    a("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once); else Poisson")
+    a("--burstiness", type=float, default=1.0, help="Gamma shape of arrival gaps: 1 Poisson, <1 burstier")
+    a("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+      help="generate exactly the sampled output length (vLLM forces this for the random dataset)")
+    a("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
+    a("--seed", type=int, default=0, help="seed for lengths, prompts and arrivals")
+    a("--num-warmups", type=int, default=0, help="warm-up requests before the timed run")
+    a("--percentile-metrics", type=str, default="ttft,tpot,itl", help="of ttft,tpot,itl,e2el")
+    a("--metric-percentiles", type=str, default="99", help="e.g. 50,90,99")
+    a("--save-result", action="store_true", help="write the result JSON")
+    a("--result-filename", type=str, default=None, help="result file name (default like vLLM's)")
+    a("--result-dir", type=str, default=None, help="directory for the result file")
+    a("--label", type=str, default=None, help="result label (default: the backend name)")
+    a("--base-url", type=str, default=None, help="benchmark an OpenAI-compatible server instead of in-process")
+    a("--sweep-concurrency", type=str, default=None, help="e.g. 1,2,4,8: one run per level, then the frontier")
+    a("--num-gpus", type=int, default=None, help="GPUs behind the measured server, for per-GPU numbers "
+      "(default: --gpus, else 1)")
+    a("--usd-per-kwh", type=float, default=None, help="electricity price (default from settings.toml, else 0.10)")
+    a("--pricing-tier", action="append", default=[], metavar="NAME=USD",
+      help="$/GPU/hour tier, repeatable; replaces a tier of the same name")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
+    """Build a BenchmarkConfig from parsed flags; cost defaults come from settings.toml."""
+    def floats(text: str, flag: str) -> tuple[float, ...]:
+        try:
+            return tuple(float(x) for x in text.split(",") if x.strip())
+        except ValueError as e:
+            raise ValueError(f"{flag} expects comma-separated numbers, got {text!r}") from e
+
+    cost = with_overrides(load_cost_settings(), [parse_pricing_tier(t) for t in args.pricing_tier],
+                          args.usd_per_kwh)
+    num_gpus = args.num_gpus or getattr(args, "gpus", None) or 1
+    return BenchmarkConfig(
+        random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio, random_prefix_len=args.random_prefix_len,
+        num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
+        request_rate=args.request_rate, burstiness=args.burstiness, ignore_eos=args.ignore_eos,
+        temperature=args.temperature, seed=args.seed, num_warmups=args.num_warmups,
+        percentile_metrics=tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip()),
+        metric_percentiles=floats(args.metric_percentiles, "--metric-percentiles"),
+        save_result=args.save_result, result_filename=args.result_filename,
+        result_dir=args.result_dir,
+        sweep_concurrency=parse_concurrency_list(args.sweep_concurrency) if args.sweep_concurrency else (),
+        base_url=args.base_url, model=getattr(args, "model", None), num_gpus=int(num_gpus),
+        pricing_tiers=cost.tiers, usd_per_kwh=cost.usd_per_kwh, label=args.label,
+        max_model_len=getattr(args, "max_model_len", None),
+    )

@@ -1,0 +1,65 @@
+"""``kimitui`` and its subcommands. Each subcommand lives in kimitui/commands/<name>.py with
+``add_parser(subparsers)`` and ``run(args) -> int``; this file only wires them up."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+SUBCOMMANDS = ("serve", "bench", "plan", "info")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kimitui.commands.engine_flags import add_engine_arguments
+
+    p = argparse.ArgumentParser(prog="kimitui", description="Run Kimi models locally and watch the hardware.")
+    p.add_argument("--version", action="version", version=f"kimitui {_version()}")
+    p.add_argument("--log-level", default=os.environ.get("KIMITUI_LOG", "WARNING"), help="logging level")
+    add_engine_arguments(p)
+    tui = p.add_argument_group("tui")
+    tui.add_argument("--theme", default=None, help="theme name (built-in or from the XDG config dir)")
+    tui.add_argument("--telemetry-interval", type=float, default=1.0, metavar="S", help="sampling period")
+    sub = p.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    for name in SUBCOMMANDS:
+        try:
+            _module(name).add_parser(sub)
+        except ModuleNotFoundError as e:
+            if not e.name or not e.name.startswith("kimitui.commands"):
+                raise
+    return p
+
+
+def _module(name: str):
+    return importlib.import_module(f"kimitui.commands.{name}")
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("kimitui")
+    except Exception:
+        return "dev"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command is None:
+            from kimitui.tui.run import run_tui
+
+            return run_tui(args)
+        return _module(args.command).run(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, MemoryError, OSError) as e:
+        print(f"kimitui: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Engine flags shared by the TUI, ``bench`` and ``serve`` (DESIGN.md section 4)."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.args import EngineArgs
+
+
+def _cpu_offload(value: str) -> str | int:
+    if value in ("auto", "none"):
+        return value
+    if value.isdigit():
+        return int(value)
+    raise argparse.ArgumentTypeError(f"expected auto, none or a number of experts per layer, got {value!r}")
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = False) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", metavar="DIR", default=None, required=model_required,
+                   help="checkpoint directory (Kimi K2.x / DeepSeek-V3 safetensors); default: the built-in demo")
+    g.add_argument("--gpus", type=int, default=1, metavar="N", help="tensor-parallel size (number of devices)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="compute dtype; auto = checkpoint dtype on GPU, float32 on CPU")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (ROCm GPUs are cuda too)")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="L", help="context limit (prompt + output)")
+    g.add_argument("--max-num-seqs", type=int, default=64, metavar="S", help="concurrent sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="T", help="token budget per step")
+    g.add_argument("--gpu-memory-gb", type=float, default=None, metavar="G", help="memory per GPU to use")
+    g.add_argument("--cpu-offload", type=_cpu_offload, default="auto", metavar="auto|none|N",
+                   help="routed experts kept in host RAM: planner decides, none, or N per MoE layer")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N", help="cap the KV cache at N tokens")
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        tensor_parallel_size=args.gpus,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        cpu_offload=args.cpu_offload,
+        gpu_memory_gb=args.gpu_memory_gb,
+        kv_cache_tokens=args.kv_cache_tokens,
+    )

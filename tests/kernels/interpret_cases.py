@@ -1,0 +1,163 @@
+"""Triton kernels vs the PyTorch reference under TRITON_INTERPRET=1, on CPU tensors.
+
+Run as ``python -m tests.kernels.interpret_cases [case ...]`` in a fresh process (test_triton_interpret
+does this): the interpreter is chosen when ``@triton.jit`` runs, so the variable must be set before
+any kernel module is imported, and setting it inside the pytest process would leak into GPU tests.
+Shapes are tiny because the interpreter costs ~5 ms per program per K-step (kernels.md 5.3).
+The interpreter's ``tl.dot`` is wrong for bf16 (kernels.md 0.1), so cases use fp32 and fp16.
+"""
+
+import json
+import os
+import sys
+import traceback
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
+CASES = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def _close(got, expected, tol):
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@case
+def w4a16_gemm_fp32_ragged_k():
+    from kernels import reference as ref
+    from kernels.w4a16_gemm import w4a16_gemm
+
+    # K = 76: not a multiple of 8 (last word half used) nor of 32 (partial last group).
+    x, w = torch.randn(5, 76), torch.randn(48, 76)
+    packed, scale = ref.quantize_int4(w, group_size=32)
+    assert (packed < 0).any(), "want negative words in the test"
+    _close(w4a16_gemm(x, packed, scale, 32), ref.linear_w4a16(x, packed, scale, 76, 32), 1e-4)
+
+
+@case
+def w4a16_gemm_fp16_group128():
+    from kernels import reference as ref
+    from kernels.w4a16_gemm import w4a16_gemm
+
+    x, w = torch.randn(3, 128).half(), torch.randn(70, 128)
+    packed, scale = ref.quantize_int4(w.half(), group_size=128)
+    out = w4a16_gemm(x, packed, scale, 128)
+    assert out.dtype == torch.float16 and out.shape == (3, 70)
+    _close(out, ref.linear_w4a16(x.float(), packed, scale, 128, 128), 2e-2)
+
+
+@case
+def mxfp4_gemm_fp32():
+    from kernels import reference as ref
+    from kernels.mxfp4_gemm import mxfp4_gemm
+
+    x = torch.randn(4, 64)
+    packed = torch.randint(0, 256, (24, 32), dtype=torch.uint8)  # every code, both nibbles
+    scale = torch.randint(117, 137, (24, 2), dtype=torch.uint8)
+    _close(mxfp4_gemm(x, packed, scale), ref.linear_mxfp4(x, packed, scale), 1e-4)
+
+
+@case
+def mxfp4_gemm_fp16():
+    from kernels import reference as ref
+    from kernels.mxfp4_gemm import mxfp4_gemm
+
+    x = torch.randn(2, 96).half()
+    packed, scale = ref.quantize_mxfp4(torch.randn(40, 96))
+    _close(mxfp4_gemm(x, packed, scale), ref.linear_mxfp4(x.float(), packed, scale), 2e-2)
+
+
+@case
+def fp8_block_gemm_partial_blocks():
+    from kernels import reference as ref
+    from kernels.fp8_block_gemm import fp8_block_gemm
+
+    # N = 70, K = 96 with 32x32 quant blocks: quant blocks and 64-wide tiles do not align.
+    x, w = torch.randn(3, 96), torch.randn(70, 96)
+    q, s = ref.quantize_fp8_block(w, block=(32, 32))
+    _close(fp8_block_gemm(x, q, s, (32, 32)), ref.linear_fp8_block(x, q, s, (32, 32)), 1e-4)
+    q, s = ref.quantize_fp8_block(w)  # one partial 128x128 block
+    _close(fp8_block_gemm(x.half(), q, s).float(), ref.linear_fp8_block(x, q, s), 2e-2)
+
+
+def _moe_inputs(t=5, d=32, inter=24, e=4, k=2, dtype=torch.float32):
+    x = torch.randn(t, d).to(dtype)
+    topk_ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).to(torch.int32)
+    topk_weights = torch.rand(t, k)
+    w13 = (torch.randn(e, 2 * inter, d) / 4).to(dtype)
+    w2 = (torch.randn(e, d, inter) / 4).to(dtype)
+    return x, topk_ids, topk_weights, w13, w2
+
+
+@case
+def fused_moe_fp32():
+    from kernels import reference as ref
+    from kernels.fused_moe import fused_moe
+
+    args = _moe_inputs()
+    _close(fused_moe(*args), ref.moe_experts_reference(*args), 1e-4)
+
+
+@case
+def fused_moe_fp16_idle_experts():
+    from kernels import reference as ref
+    from kernels.fused_moe import fused_moe
+
+    x, topk_ids, topk_weights, w13, w2 = _moe_inputs(t=3, e=8, dtype=torch.float16)
+    topk_ids[:, 0] = 5  # every token on expert 5; experts 0..7 partly idle
+    out = fused_moe(x, topk_ids, topk_weights, w13, w2)
+    assert out.dtype == torch.float16
+    expected = ref.moe_experts_reference(x.float(), topk_ids, topk_weights, w13.float(), w2.float())
+    _close(out, expected, 2e-2)
+
+
+@case
+def fused_moe_w4a16_fp32():
+    from kernels import reference as ref
+    from kernels.fused_moe import fused_moe_w4a16
+
+    d, inter, e = 36, 24, 4  # D not a multiple of 8 or 32
+    x, topk_ids, topk_weights, w13, w2 = _moe_inputs(d=d, inter=inter, e=e)
+    p13, s13 = (torch.stack(t) for t in zip(*[ref.quantize_int4(w13[i]) for i in range(e)]))
+    p2, s2 = (torch.stack(t) for t in zip(*[ref.quantize_int4(w2[i]) for i in range(e)]))
+    got = fused_moe_w4a16(x, topk_ids, topk_weights, p13, s13, p2, s2, 32)
+    expected = ref.moe_experts_reference_w4a16(x, topk_ids, topk_weights, p13, s13, p2, s2, 32)
+    _close(got, expected, 1e-4)
+
+
+@case
+def rms_norm_fp32_fp16_bf16():
+    from kernels import reference as ref
+    from kernels.rms_norm import rms_norm
+
+    x = torch.randn(2, 3, 100)  # H not a power of two: masked tail
+    weight = torch.rand(100) + 0.5
+    _close(rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6), 1e-5)
+    _close(rms_norm(x.half(), weight.half(), 1e-6), ref.rms_norm(x.half(), weight.half(), 1e-6), 2e-3)
+    # Interpreter fp32 -> bf16 casts truncate (kernels.md 0.2): allow 2 bf16 ulps.
+    got = rms_norm(x.bfloat16(), weight.bfloat16(), 1e-6)
+    assert got.dtype == torch.bfloat16
+    _close(got, ref.rms_norm(x.bfloat16(), weight.bfloat16(), 1e-6), 2e-2)
+
+
+def main(names):
+    torch.manual_seed(0)
+    results = {}
+    for name in names or CASES:
+        try:
+            CASES[name]()
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,64 @@
+"""Compiled Triton kernels vs reference on a real CUDA/ROCm device, bf16, Kimi-like tile shapes."""
+
+import pytest
+import torch
+
+from kernels import dispatch
+from kernels import reference as ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device"),
+]
+
+
+@pytest.fixture
+def dev(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("KIMITUI_KERNELS", raising=False)
+    torch.manual_seed(0)
+    return torch.device("cuda")
+
+
+def _close_bf16(got, expected):
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("m", [1, 7, 64])
+def test_quantised_linears_bf16(dev, m):
+    x = torch.randn(m, 7168, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(512, 7168, device=dev) / 64
+    p, s = ref.quantize_int4(w.bfloat16())
+    _close_bf16(dispatch.linear_w4a16(x, p, s, 7168), ref.linear_w4a16(x, p, s, 7168))
+    q, si = ref.quantize_fp8_block(w)
+    _close_bf16(dispatch.linear_fp8_block(x, q, si), ref.linear_fp8_block(x, q, si))
+    pm, sm = ref.quantize_mxfp4(w)
+    _close_bf16(dispatch.linear_mxfp4(x, pm, sm), ref.linear_mxfp4(x, pm, sm))
+
+
+def test_rms_norm_bf16(dev):
+    x = torch.randn(4, 7168, device=dev, dtype=torch.bfloat16)
+    weight = torch.rand(7168, device=dev, dtype=torch.bfloat16)
+    _close_bf16(dispatch.rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("t", [1, 33])
+def test_fused_moe_bf16(dev, t):
+    e, d, inter, k = 64, 1024, 256, 8
+    x = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
+    scores = torch.rand(t, e, device=dev)
+    topk_weights, topk_ids = scores.topk(k, dim=-1)
+    w13 = (torch.randn(e, 2 * inter, d, device=dev) / 32).bfloat16()
+    w2 = (torch.randn(e, d, inter, device=dev) / 16).bfloat16()
+    _close_bf16(
+        dispatch.moe_experts(x, topk_ids, topk_weights, w13, w2),
+        ref.moe_experts_reference(x, topk_ids, topk_weights, w13, w2),
+    )
+    packed = [ref.quantize_int4(w13[i]) for i in range(e)]
+    p13, s13 = torch.stack([p for p, _ in packed]), torch.stack([s for _, s in packed])
+    packed = [ref.quantize_int4(w2[i]) for i in range(e)]
+    p2, s2 = torch.stack([p for p, _ in packed]), torch.stack([s for _, s in packed])
+    _close_bf16(
+        dispatch.moe_experts_w4a16(x, topk_ids, topk_weights, p13, s13, p2, s2),
+        ref.moe_experts_reference_w4a16(x, topk_ids, topk_weights, p13, s13, p2, s2),
+    )

@@ -1,0 +1,129 @@
+"""OpenAICompletionsClient against a real local HTTP server streaming OpenAI-format SSE."""
+
+import asyncio
+import json
+import socket
+
+import pytest
+
+from kimitui.bench.clients import OpenAICompletionsClient, fetch_models
+from kimitui.bench.workload import SampleRequest
+
+GAP = 0.05
+REQUEST = SampleRequest("w5 w6 w7", [5, 6, 7], 3, 4)
+
+
+async def _handle(reader, writer, seen):
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    path = lines[0].split()[1]
+    length = next((int(l.split(":")[1]) for l in lines if l.lower().startswith("content-length")), 0)
+    body = json.loads(await reader.readexactly(length)) if length else {}
+    seen.append((path, body))
+    if path == "/v1/models":
+        data = json.dumps({"object": "list", "data": [{"id": "kimi-demo", "object": "model"}]}).encode()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                     + str(len(data)).encode() + b"\r\nConnection: close\r\n\r\n" + data)
+    elif body.get("prompt") == "fail":
+        writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 4\r\nConnection: close\r\n\r\nboom")
+    else:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(GAP)
+        writer.write(b": keep-alive\n\n")
+        for text in ("Hel", "lo", " world"):
+            chunk = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": text}]}
+            writer.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await writer.drain()
+            await asyncio.sleep(GAP)
+        if body.get("prompt") != "no-usage":
+            # Usage differs from the chunk count on purpose: the client must trust usage.
+            usage = {"id": "c", "choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 7}}
+            writer.write(f"data: {json.dumps(usage)}\n\n".encode())
+            await writer.drain()
+            await asyncio.sleep(2 * GAP)  # must not count towards latency
+        writer.write(b"data: [DONE]\n\n")
+    await writer.drain()
+    writer.close()
+
+
+async def _serve(seen):
+    server = await asyncio.start_server(lambda r, w: _handle(r, w, seen), "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+@pytest.fixture(autouse=True)
+def _no_proxy(monkeypatch):
+    for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+
+
+def test_streaming_timing_usage_and_payload():
+    async def main():
+        seen = []
+        server, url = await _serve(seen)
+        client = OpenAICompletionsClient(url, "kimi-demo", api_key="k", temperature=0.0)
+        try:
+            out = await client(REQUEST, "bench-0")
+            no_usage = await client(SampleRequest("no-usage", [1], 1, 4), "bench-1")
+        finally:
+            await client.aclose()
+            server.close()
+        return seen, out, no_usage
+
+    seen, out, no_usage = asyncio.run(main())
+    assert out.success, out.error
+    assert out.generated_text == "Hello world"
+    assert out.output_tokens == 7 and out.prompt_len == 11
+    assert GAP * 0.8 <= out.ttft < 1.0
+    assert len(out.itl) == 2 and all(GAP * 0.8 <= g < 1.0 for g in out.itl)
+    # Latency ends at the last choices chunk: the usage chunk's 2*GAP pause is excluded.
+    assert out.latency == pytest.approx(out.ttft + sum(out.itl), abs=1e-6)
+    assert no_usage.success and no_usage.output_tokens == 3 and no_usage.prompt_len == 1
+    path, body = seen[0]
+    assert path == "/v1/completions"
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["max_tokens"] == 4 and body["ignore_eos"] is True and body["temperature"] == 0.0
+    assert body["model"] == "kimi-demo" and body["prompt"] == "w5 w6 w7"
+
+
+def test_http_500_and_connection_refused_are_captured():
+    async def main():
+        seen = []
+        server, url = await _serve(seen)
+        client = OpenAICompletionsClient(url, "m")
+        try:
+            bad = await client(SampleRequest("fail", [1], 1, 2), "r")
+        finally:
+            await client.aclose()
+            server.close()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dead = OpenAICompletionsClient(f"http://127.0.0.1:{port}", "m")
+        try:
+            refused = await dead(REQUEST, "r")
+        finally:
+            await dead.aclose()
+        return bad, refused
+
+    bad, refused = asyncio.run(main())
+    assert not bad.success and "500" in bad.error and "boom" in bad.error
+    assert not refused.success and "ConnectError" in refused.error
+
+
+def test_fetch_models():
+    async def main():
+        server, url = await _serve([])
+        try:
+            return await fetch_models(url + "/")
+        finally:
+            server.close()
+
+    assert asyncio.run(main()) == ["kimi-demo"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RuntimeError, match="/v1/models"):
+        asyncio.run(fetch_models(f"http://127.0.0.1:{port}"))

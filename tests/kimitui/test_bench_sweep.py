@@ -1,0 +1,45 @@
+import pytest
+
+from kimitui.bench.sweep import (SweepPoint, format_ladder, frontier, ladder, parse_concurrency_list,
+                                 point_from_result)
+
+POINTS = [
+    SweepPoint(1, 120.0, 100.0),
+    SweepPoint(2, 90.0, 180.0),
+    SweepPoint(3, 50.0, 200.0),  # dominated by c=4 (60, 300)
+    SweepPoint(4, 60.0, 300.0),
+    SweepPoint(8, 40.0, 400.0),
+    SweepPoint(16, 20.0, 450.0),
+]
+
+
+def test_frontier_drops_dominated_points():
+    front = frontier(POINTS)
+    assert [p.concurrency for p in front] == [16, 8, 4, 2, 1]
+
+
+def test_ladder_interpolates_and_marks_unreached():
+    values = ladder(frontier(POINTS))
+    assert values[30] == pytest.approx(425.0)
+    assert values[50] == pytest.approx(350.0)
+    assert values[75] == pytest.approx(240.0)
+    assert values[100] == pytest.approx(180 - 80 / 3)
+    assert values[150] is None and values[200] is None
+    table = format_ladder(values)
+    assert "tok/s/GPU at 150 tok/s/user:" in table
+    assert "{:<40} {:<10}".format("tok/s/GPU at 200 tok/s/user:", "-") in table.split("\n")
+
+
+def test_ladder_below_frontier_and_single_point():
+    assert ladder([SweepPoint(1, 60.0, 10.0)], (30, 60)) == {30: None, 60: 10.0}
+    assert ladder([], (30,)) == {30: None}
+
+
+def test_point_from_result_and_parsing():
+    p = point_from_result({"median_tpot_ms": 20.0, "tput_per_gpu": 500.0, "max_concurrency": 8,
+                           "completed": 5})
+    assert p == SweepPoint(8, 50.0, 500.0)
+    assert point_from_result({"median_tpot_ms": 0.0, "tput_per_gpu": 1.0, "completed": 1}) is None
+    assert parse_concurrency_list("1,2, 4,8") == (1, 2, 4, 8)
+    with pytest.raises(ValueError):
+        parse_concurrency_list("1,x")
