@@ -2,7 +2,8 @@
 
 Training uses the Rust ``tokenizers`` BpeTrainer with Kimi's split pattern; the learned merges
 are then renumbered as tiktoken ranks (bytes 0..255 first, then one rank per merge in merge
-order), so every token is built from lower-ranked tokens exactly as tiktoken expects.
+order), so the two parts of every token rank below it. tests/engine/test_bpe_train.py checks
+that tiktoken's own merge loop rebuilds every token of the demo vocabulary.
 """
 
 from __future__ import annotations
@@ -115,10 +116,8 @@ def _lines(text: str, chunk: int = 4096):
 
 def kimi_special_tokens_for(num_base_tokens: int) -> dict[int, str]:
     """id -> content for the 256-token special block, Kimi K2 layout."""
-    return {
-        num_base_tokens + off: KIMI_SPECIAL_TOKEN_OFFSETS.get(off, f"<|reserved_token_{num_base_tokens + off}|>")
-        for off in range(NUM_RESERVED_SPECIAL_TOKENS)
-    }
+    ids = range(num_base_tokens, num_base_tokens + NUM_RESERVED_SPECIAL_TOKENS)
+    return {i: KIMI_SPECIAL_TOKEN_OFFSETS.get(i - num_base_tokens, f"<|reserved_token_{i}|>") for i in ids}
 
 
 def write_kimi_tokenizer_files(
@@ -134,7 +133,8 @@ def write_kimi_tokenizer_files(
     num_base = len(ranks)
     if sorted(ranks.values()) != list(range(num_base)):
         raise ValueError("ranks must be dense 0..n-1")
-    lines = [f"{base64.b64encode(tok).decode()} {r}\n" for tok, r in sorted(ranks.items(), key=lambda kv: kv[1])]
+    by_rank = sorted(ranks.items(), key=lambda kv: kv[1])
+    lines = [f"{base64.b64encode(tok).decode()} {r}\n" for tok, r in by_rank]
     (d / "tiktoken.model").write_text("".join(lines), encoding="ascii")
 
     specials = kimi_special_tokens_for(num_base)

@@ -69,6 +69,7 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def token_bytes_to_string(b: bytes) -> str:
+    """A token's bytes as the printable string HF byte-level vocabularies use."""
     enc = bytes_to_unicode()
     return "".join(enc[x] for x in b)
 
@@ -150,19 +151,21 @@ def tokenizer_cache_dir() -> Path:
     return Path(base) / "kimitui" / "tokenizers"
 
 
-def _converted_tiktoken(model_path: Path, specials: dict[int, str]) -> str:
-    raw = model_path.read_bytes()
-    h = hashlib.sha256(raw)
+def _cache_path(model_path: Path, specials: dict[int, str]) -> Path:
+    # Keyed by everything the conversion depends on, so an edited file never hits a stale entry.
+    h = hashlib.sha256(model_path.read_bytes())
     h.update(KIMI_PAT_STR_ONIG.encode())
     h.update(json.dumps(specials, sort_keys=True).encode())
     h.update(_CONVERTER_VERSION.encode())
-    cached = tokenizer_cache_dir() / f"{h.hexdigest()}.json"
-    if cached.is_file():
+    return tokenizer_cache_dir() / f"{h.hexdigest()}.json"
+
+
+def _converted_tiktoken(model_path: Path, specials: dict[int, str], use_cache: bool = True) -> str:
+    cached = _cache_path(model_path, specials)
+    if use_cache and cached.is_file():
         try:
-            text = cached.read_text(encoding="utf-8")
-            HFTokenizer.from_str(text)
-            return text
-        except Exception:  # a truncated or foreign file: rebuild it below
+            return cached.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
             pass
     text = tiktoken_to_hf_json(load_tiktoken_ranks(model_path), KIMI_PAT_STR_ONIG, specials)
     try:
@@ -231,13 +234,23 @@ class Tokenizer:
             if not cfg_path.is_file():
                 raise TokenizerError(f"{d}: tiktoken.model needs tokenizer_config.json beside it")
             num_base = len(load_tiktoken_ranks(d / "tiktoken.model"))
-            text = _converted_tiktoken(d / "tiktoken.model", kimi_special_tokens(cfg, num_base))
+            specials = kimi_special_tokens(cfg, num_base)
+            text = _converted_tiktoken(d / "tiktoken.model", specials)
+            try:
+                return cls(text, cfg, template, str(d))
+            except Exception:  # damaged cache entry (writes are atomic, so rare): rebuild once
+                text = _converted_tiktoken(d / "tiktoken.model", specials, use_cache=False)
+                return cls(text, cfg, template, str(d))
         else:
             raise TokenizerError(
                 f"{d}: no tokenizer found (expected tokenizer.json, or tiktoken.model + "
                 "tokenizer_config.json)"
             )
-        return cls(text, cfg, template, str(d))
+        try:
+            return cls(text, cfg, template, str(d))
+        except Exception as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise TokenizerError(f"{d / 'tokenizer.json'}: cannot load ({reason})") from e
 
     def _config_token_id(self, cfg: dict, key: str) -> int | None:
         content = _token_content(cfg.get(key))
@@ -284,7 +297,8 @@ class Tokenizer:
 
     def id_to_bytes(self, token_id: int) -> bytes | None:
         """Raw bytes of one token (byte-level tokenizers only, else None)."""
-        return None if self._token_bytes is None else self._token_bytes[token_id]
+        table = self._token_bytes
+        return None if table is None or not 0 <= token_id < len(table) else table[token_id]
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -298,7 +312,8 @@ class IncrementalDetokenizer:
 
     ``add`` returns only newly completed text and never half a UTF-8 character; ``flush`` emits
     what is held back (with U+FFFD for an incomplete tail). The concatenated deltas equal
-    ``tokenizer.decode(all_ids)``.
+    ``tokenizer.decode(all_ids)``. ``prompt_ids`` only matters for tokenizers that are not
+    byte-level (their decoders look at the previous tokens, e.g. for leading spaces).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None,
@@ -322,8 +337,9 @@ class IncrementalDetokenizer:
         """Feed new ids; return the text they completed."""
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
         if self._bytes is not None:
-            table, skip = self._bytes, self._skip
-            delta = self._utf8.decode(b"".join(table[i] for i in ids if i not in skip))
+            table, skip, n = self._bytes, self._skip, len(self._bytes)
+            # Ids beyond the tokenizer (a model vocab padded past it) decode to nothing, as in HF.
+            delta = self._utf8.decode(b"".join(table[i] for i in ids if i < n and i not in skip))
         else:
             self._ids.extend(ids)
             delta = self._window_delta(final=False)

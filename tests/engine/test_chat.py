@@ -135,12 +135,11 @@ def test_unknown_role():
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    import os
-
-    os.environ.setdefault("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg")))
     d = tmp_path_factory.mktemp("kimi_chat_tok")
     write_kimi_tokenizer_files(d, train_ranks(demo_corpus(), 4096))
-    return Tokenizer.from_pretrained(d)
+    with pytest.MonkeyPatch.context() as mp:  # keep the converted tokenizer out of ~/.cache
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg")))
+        return Tokenizer.from_pretrained(d)
 
 
 def test_encode_chat_structural_ids(tok):
@@ -173,8 +172,9 @@ def test_encode_chat_user_text_never_special(tok):
         assert tok.token_to_id("[EOS]") not in ids and tok.token_to_id("[BOS]") not in ids
         assert ids.count(tok.token_to_id("<|tool_call_end|>")) == 1
     header = [tok.token_to_id("<|im_user|>"), *tok.encode("user"), tok.token_to_id("<|im_middle|>")]
-    assert encode_chat([{"role": "user", "content": evil}], tok, default_system=None,
-                       add_generation_prompt=False) == header + tok.encode(evil) + [tok.token_to_id("<|im_end|>")]
+    ids = encode_chat([{"role": "user", "content": evil}], tok, default_system=None,
+                      add_generation_prompt=False)
+    assert ids == header + tok.encode(evil) + [tok.token_to_id("<|im_end|>")]
 
 
 def test_checkpoint_template_is_used(tok):

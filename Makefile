@@ -1,0 +1,39 @@
+# The two commands: `make run` (TUI on the built-in demo model) and `make test`.
+# Both create .venv when it is missing. A torch that is already installed in the system Python
+# (for example a ROCm build) is reused through --system-site-packages; otherwise TORCH_SPEC is installed.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+export HF_HUB_OFFLINE := 1
+
+.PHONY: run test test-all venv clean bench
+
+$(VENV)/.installed: pyproject.toml
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		echo "reusing the system torch: $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
+		$(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PYTHON) -m venv $(VENV); \
+		$(PY) -m pip install -q --upgrade pip; \
+		$(PY) -m pip install -q "$(TORCH_SPEC)"; \
+	fi
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+run: venv
+	$(PY) -m kimitui.cli $(ARGS)
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-all: venv
+	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)
+
+bench: venv
+	$(PY) benchmarks/cpu_vs_transformers.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,212 @@
+"""`kimitui bench`: `vllm bench serve`'s random workload, metrics and result block, against the
+engine in-process or any OpenAI-compatible server (`--base-url`), plus energy and cost.
+
+Exit status: 0 done, 1 no request succeeded (or the server could not be reached), 2 bad input,
+130 cancelled with Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from dataclasses import replace
+from typing import Any
+
+from kimitui.bench.cost import format_efficiency_block
+from kimitui.bench.metrics import format_result_block
+from kimitui.bench.runner import (BenchmarkConfig, add_bench_arguments, config_from_args, run_benchmark,
+                                  run_sweep, save_result)
+from kimitui.bench.cost import usd_per_mtok
+from kimitui.bench.sweep import format_frontier, format_ladder
+from kimitui.bench.targets import HttpTarget, InProcessTarget
+from kimitui.commands.engine_flags import add_engine_arguments, engine_args_from
+
+DEFAULT_TELEMETRY_INTERVAL_S = 0.5
+
+_MODEL_HELP = ("in-process: checkpoint directory (default: the built-in demo). With --base-url: the "
+               "served model name sent in requests, as in `vllm bench serve` (default: the first id "
+               "of GET /v1/models)")
+_EPILOG = """\
+--model means what it means for the target: a checkpoint directory when the engine runs
+in-process, the served model name with --base-url (engine flags are then ignored). Prompts are
+built with the target's tokenizer: in-process the checkpoint's; with --base-url the one from
+--tokenizer DIR, else --model when it names a local checkpoint directory, else the demo's.
+An API key for --base-url is read from OPENAI_API_KEY, as vLLM does.
+"""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the ``bench`` subcommand on an ``argparse`` subparsers object."""
+    p = subparsers.add_parser("bench", help="headless benchmark (vllm bench serve flags and metrics)",
+                              description=__doc__.splitlines()[0], epilog=_EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_arguments(p)
+    engine_dests = set(vars(_engine_defaults()))
+    for action in p._actions:  # argparse has no public way to reword or re-default a flag
+        if action.dest == "model":
+            action.help, action.metavar = _MODEL_HELP, "DIR|NAME"
+        if action.dest in engine_dests:
+            # Engine flags are also accepted before `bench` (`kimitui --model X bench`); without
+            # SUPPRESS the subcommand's defaults would silently overwrite those values.
+            action.default = argparse.SUPPRESS
+    g = p.add_argument_group("benchmark target")
+    g.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="with --base-url: checkpoint directory whose tokenizer builds the prompts")
+    g.add_argument("--telemetry-interval", type=float, default=DEFAULT_TELEMETRY_INTERVAL_S, metavar="S",
+                   help="power/utilisation sampling period during the run (default %(default)s)")
+    add_bench_arguments(p.add_argument_group("benchmark (vllm bench serve flags)"))
+    p.set_defaults(func=run)
+    return p
+
+
+def _fail(message: str, status: int = 2) -> int:
+    print(f"kimitui bench: {message}", file=sys.stderr)
+    return status
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark (or sweep) the flags describe; print vLLM's block and ours."""
+    _fill_engine_defaults(args)
+    try:
+        config = config_from_args(args)
+        if not args.telemetry_interval > 0:
+            raise ValueError(f"--telemetry-interval must be > 0, got {args.telemetry_interval}")
+    except ValueError as e:
+        return _fail(str(e))
+    target: InProcessTarget | HttpTarget | None = None
+    sampler = None
+    try:
+        if config.base_url:
+            target = HttpTarget(config.base_url, args.model, args.tokenizer)
+        else:
+            if args.tokenizer:
+                raise ValueError("--tokenizer is for --base-url; in-process runs use the checkpoint's")
+            # Loading a checkpoint is the slow part; say so before a silent pause.
+            print(f"kimitui bench: loading {args.model or 'the demo checkpoint'} ...", file=sys.stderr)
+            target = InProcessTarget.load(engine_args_from(args))
+        # The engine clamps --max-model-len to the checkpoint; prompts must fit what it accepts.
+        config = replace(config, max_model_len=target.max_model_len or config.max_model_len)
+        from kimitui.telemetry import TelemetrySampler
+
+        sampler = TelemetrySampler(interval_s=args.telemetry_interval).start()
+        return asyncio.run(_bench(config, target, sampler))
+    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+        return _fail(str(e))
+    except ConnectionError as e:
+        return _fail(str(e), 1)
+    except KeyboardInterrupt:
+        print("kimitui bench: cancelled", file=sys.stderr)
+        return 130
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        if target is not None:
+            target.close()
+
+
+def _engine_defaults() -> argparse.Namespace:
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(p)
+    return p.parse_args([])
+
+
+def _fill_engine_defaults(args: argparse.Namespace) -> None:
+    # The CLI's top-level parser supplies engine defaults; fill them when `bench` is parsed alone.
+    for key, value in vars(_engine_defaults()).items():
+        if not hasattr(args, key):
+            setattr(args, key, value)
+
+
+async def _bench(config: BenchmarkConfig, target: Target, sampler: Any) -> int:
+    cancel = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed = _install_sigint(loop, cancel)
+    try:
+        client = await target.open(config)
+        try:
+            print(f"kimitui bench: {config.num_prompts} prompts against {target.describe}, "
+                  f"telemetry: {_telemetry_names(sampler)}", file=sys.stderr, flush=True)
+            if config.sweep_concurrency:
+                sweep = await run_sweep(config, client, target.tokenizer, sampler, _progress(), cancel)
+                for point in sweep["points"]:
+                    _print_result(point)
+                _print_sweep(sweep, config)
+                completed = sum(p["completed"] for p in sweep["points"])
+                errors = [e for p in sweep["points"] for e in p["errors_sample"]]
+            else:
+                result = await run_benchmark(config, client, target.tokenizer, sampler, _progress(), cancel)
+                _print_result(result)
+                completed = result["completed"]
+                errors = result["errors_sample"]
+        finally:
+            await client.aclose()
+    finally:
+        if installed:
+            loop.remove_signal_handler(signal.SIGINT)
+    if cancel.is_set():
+        print("kimitui bench: cancelled; the numbers above cover the requests that finished",
+              file=sys.stderr)
+        return 130
+    if completed == 0:
+        return _fail(f"no request succeeded ({errors[0] if errors else 'no error reported'})", 1)
+    return 0
+
+
+def _install_sigint(loop: asyncio.AbstractEventLoop, cancel: asyncio.Event) -> bool:
+    # First Ctrl-C: stop issuing requests and abort those in flight, then report what finished.
+    # The handler is removed at once, so a second Ctrl-C raises KeyboardInterrupt right away.
+    def on_sigint() -> None:
+        print("\nkimitui bench: cancelling (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        cancel.set()
+        loop.remove_signal_handler(signal.SIGINT)
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    except (NotImplementedError, RuntimeError, ValueError):  # Windows, or not the main thread
+        return False
+    return True
+
+
+def _telemetry_names(sampler: Any) -> str:
+    names = [s.name for s in sampler.backend_status() if s.available]
+    return ", ".join(names) or "none"
+
+
+def _progress():
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int, elapsed: float) -> None:
+        end = "\n" if done == total else ""
+        print(f"\r{done}/{total} requests, {elapsed:.1f} s", end=end, file=sys.stderr, flush=True)
+
+    return show
+
+
+def _print_result(result: dict[str, Any]) -> None:
+    print(format_result_block(result))
+    print(format_efficiency_block(result))
+    if result.get("result_file"):
+        print(f"kimitui bench: saved {result['result_file']}", file=sys.stderr)
+
+
+def _print_sweep(sweep: dict[str, Any], config: BenchmarkConfig) -> None:
+    print(format_frontier(sweep["frontier"]))
+    tiers = config.pricing_tiers
+    print(format_ladder(sweep["ladder"], lambda tput: {t.name: usd_per_mtok(t.usd_per_gpu_hour, tput)
+                                                       for t in tiers}))
+    if config.save_result and sweep["points"]:
+        first = sweep["points"][0]
+        name = None
+        if config.result_filename:
+            stem = config.result_filename.rsplit(".", 1)[0]
+            name = f"{stem}-sweep.json"
+        else:
+            model = str(first.get("model_id") or "model").rstrip("/").split("/")[-1]
+            name = f"{first.get('label') or first.get('backend')}-sweep-{model}-{first['date']}.json"
+        path = save_result(sweep, config.result_dir, name)
+        print(f"kimitui bench: saved {path}", file=sys.stderr)
+

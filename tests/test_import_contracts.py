@@ -1,0 +1,18 @@
+"""The dependency directions of DESIGN.md section 1, checked by import-linter."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_import_linter_contracts_hold():
+    pytest.importorskip("importlinter")
+    lint = Path(sys.executable).with_name("lint-imports")
+    cmd = [str(lint)] if lint.exists() else [sys.executable, "-m", "importlinter.cli"]
+    res = subprocess.run(cmd + ["--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "broken" in res.stdout and "0 broken" in res.stdout
