@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine.config import QuantConfig
-from kernels import dispatch
+from kernels import dispatch, reference
 
 
 def linear_format(quant: QuantConfig | None, module_name: str) -> str:
@@ -51,18 +51,68 @@ def quantized_params(fmt: str, out_features: int, in_features: int, quant: Quant
     raise ValueError(f"unknown weight format {fmt!r}")
 
 
+def _storage_unit(fmt: str, name: str, axis: int, quant: QuantConfig | None) -> int:
+    """Logical rows (axis 0) or input columns (axis 1) per stored element of parameter ``name``."""
+    if fmt == "fp8" and name == "weight_scale_inv":
+        return quant.weight_block_size[axis]
+    if axis == 0:
+        return 1
+    if fmt == "int4":
+        return 8 if name == "weight_packed" else quant.group_size
+    if fmt == "mxfp4":
+        return 2 if name == "weight_packed" else 32
+    return 1
+
+
+def sharded_params(fmt: str, out_features: int, in_features: int, quant: QuantConfig | None,
+                   shard: tuple[int, int, int] | None, what: str) -> dict[str, nn.Parameter]:
+    """Parameters for this rank's slice of a weight.
+
+    ``shard`` = (axis, start, end) in logical units: axis 0 splits output rows (column parallel),
+    axis 1 input columns (row parallel). Each parameter records ``full_shape`` (the checkpoint's)
+    and ``shard`` in its own storage units, so the loader reads just this rank's slice.
+    """
+    with torch.device("meta"):
+        full = quantized_params(fmt, out_features, in_features, quant)
+    out = {}
+    for name, t in full.items():
+        shape = list(t.shape)
+        spec = None
+        if shard is not None:
+            axis, start, end = shard
+            unit = _storage_unit(fmt, name, axis, quant)
+            logical = (out_features, in_features)[axis]
+            if start % unit or (end % unit and end != logical):
+                raise ValueError(f"{what}: shard [{start}, {end}) of dim {axis} does not align with the "
+                                 f"{fmt} storage unit of {unit} ({name})")
+            lo, hi = start // unit, -(-end // unit)
+            shape[axis] = hi - lo
+            spec = (axis, lo, hi)
+        p = nn.Parameter(torch.empty(shape, dtype=t.dtype), requires_grad=False)
+        p.full_shape = tuple(t.shape)
+        p.shard = spec
+        out[name] = p
+    return out
+
+
 class Linear(nn.Module):
-    """y = x @ W.T without bias, W stored dense or quantised."""
+    """y = x @ W.T without bias, W stored dense or quantised; optionally one rank's shard of W."""
 
     def __init__(self, in_features: int, out_features: int, quant: QuantConfig | None = None,
-                 module_name: str = ""):
+                 module_name: str = "", shard: tuple[int, int, int] | None = None):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
         self.fmt = linear_format(quant, module_name)
         self.quant = quant
-        for name, t in quantized_params(self.fmt, out_features, in_features, quant).items():
-            # Packed integer storage is not trainable; a Parameter keeps naming uniform for the loader.
-            self.register_parameter(name, nn.Parameter(t, requires_grad=False))
+        params = sharded_params(self.fmt, out_features, in_features, quant, shard, module_name)
+        for name, p in params.items():
+            self.register_parameter(name, p)
+        self.out_features, self.in_features = out_features, in_features
+        if shard is not None:
+            axis, start, end = shard
+            if axis == 0:
+                self.out_features = end - start
+            else:
+                self.in_features = end - start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "dense":
@@ -78,11 +128,12 @@ class Linear(nn.Module):
         """The dequantised weight [out, in]; used where the maths needs W itself (absorbed MLA)."""
         if self.fmt == "dense":
             return self.weight.to(dtype)
-        eye = torch.eye(self.in_features, dtype=dtype, device=self._storage().device)
-        return self.forward(eye).T.contiguous()
-
-    def _storage(self) -> torch.Tensor:
-        return self.weight if self.fmt in ("dense", "fp8") else self.weight_packed
+        if self.fmt == "fp8":
+            return reference.dequant_fp8_block(self.weight, self.weight_scale_inv, self.quant.weight_block_size, dtype)
+        if self.fmt == "int4":
+            return reference.dequant_int4(self.weight_packed, self.weight_scale, self.in_features,
+                                          self.quant.group_size, dtype)
+        return reference.dequant_mxfp4(self.weight_packed, self.weight_scale, dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, format={self.fmt}"

@@ -17,33 +17,43 @@ from engine.layers.attn_metadata import AttentionMetadata, gather_slots, gather_
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rope import YarnRotaryEmbedding
+from engine.parallel.state import SINGLE, ParallelState
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: ModelConfig, prefix: str, rope: YarnRotaryEmbedding,
-                 head_start: int = 0, num_heads: int | None = None):
+    def __init__(self, config: ModelConfig, prefix: str, rope: YarnRotaryEmbedding, par: ParallelState = SINGLE):
         super().__init__()
         c = config
         q = c.quantization
-        self.num_heads = c.num_attention_heads if num_heads is None else num_heads
-        self.head_start = head_start
+        self.par = par
+        if c.num_attention_heads < par.world_size:
+            raise ValueError(f"{c.num_attention_heads} attention heads cannot be split over {par.world_size} ranks")
+        # Heads split across ranks (unevenly when needed); the latent projections are replicated,
+        # so every rank holds the whole latent cache and computes it itself.
+        h0, h1 = par.range(c.num_attention_heads)
+        self.num_heads = h1 - h0
         self.nope, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.qk_dim = self.nope + self.rope_dim
         self.kv_lora_rank = c.kv_lora_rank
         self.scale = c.softmax_scale
         self.rope = rope
-        h = self.num_heads
+        h = c.num_attention_heads
+
+        def heads(width: int, axis: int = 0):
+            return (axis, h0 * width, h1 * width) if par.is_parallel else None
+
         if c.q_lora_rank is None:
-            self.q_proj = Linear(c.hidden_size, h * self.qk_dim, q, f"{prefix}.q_proj")
+            self.q_proj = Linear(c.hidden_size, h * self.qk_dim, q, f"{prefix}.q_proj", heads(self.qk_dim))
         else:
             self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, q, f"{prefix}.q_a_proj")
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-            self.q_b_proj = Linear(c.q_lora_rank, h * self.qk_dim, q, f"{prefix}.q_b_proj")
+            self.q_b_proj = Linear(c.q_lora_rank, h * self.qk_dim, q, f"{prefix}.q_b_proj", heads(self.qk_dim))
         self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + self.rope_dim, q,
                                          f"{prefix}.kv_a_proj_with_mqa")
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
-        self.kv_b_proj = Linear(c.kv_lora_rank, h * (self.nope + self.v_dim), q, f"{prefix}.kv_b_proj")
-        self.o_proj = Linear(h * self.v_dim, c.hidden_size, q, f"{prefix}.o_proj")
+        self.kv_b_proj = Linear(c.kv_lora_rank, h * (self.nope + self.v_dim), q, f"{prefix}.kv_b_proj",
+                                heads(self.nope + self.v_dim))
+        self.o_proj = Linear(h * self.v_dim, c.hidden_size, q, f"{prefix}.o_proj", heads(self.v_dim, axis=1))
         self.w_uk: torch.Tensor | None = None  # [H, nope, r], set by post_load
         self.w_uv: torch.Tensor | None = None  # [H, v, r]
 
@@ -81,7 +91,7 @@ class MLAttention(nn.Module):
             s, e = chunk.start, chunk.end
             out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], chunk.context_len, chunk.block_table,
                                      meta.block_size, flat)
-        return self.o_proj(out.view(t, -1))
+        return self.par.all_reduce(self.o_proj(out.view(t, -1)))
 
     def _prefill(self, q_nope, q_pe, context_len, block_table, block_size, flat):
         # Naive path for one sequence's chunk of n queries over context_len cached tokens.

@@ -1,4 +1,5 @@
-"""SwiGLU MLP: the dense first layers and the shared experts."""
+"""SwiGLU MLP: the dense first layers and the shared experts (tensor parallel over the
+intermediate dim; the output is this rank's partial sum, reduced by the caller)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,20 @@ from torch import nn
 
 from engine.config import QuantConfig
 from engine.layers.linear import Linear
+from engine.parallel.state import SINGLE, ParallelState
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantConfig | None, prefix: str):
+    def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantConfig | None, prefix: str,
+                 par: ParallelState = SINGLE):
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size, quant, f"{prefix}.gate_proj")
-        self.up_proj = Linear(hidden_size, intermediate_size, quant, f"{prefix}.up_proj")
-        self.down_proj = Linear(intermediate_size, hidden_size, quant, f"{prefix}.down_proj")
+        cols = rows = None
+        if par.is_parallel:
+            start, end = par.range(intermediate_size)
+            cols, rows = (0, start, end), (1, start, end)
+        self.gate_proj = Linear(hidden_size, intermediate_size, quant, f"{prefix}.gate_proj", cols)
+        self.up_proj = Linear(hidden_size, intermediate_size, quant, f"{prefix}.up_proj", cols)
+        self.down_proj = Linear(intermediate_size, hidden_size, quant, f"{prefix}.down_proj", rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

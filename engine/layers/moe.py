@@ -1,4 +1,5 @@
-"""Mixture of experts: sigmoid noaux_tc router, routed experts stacked per format, shared experts."""
+"""Mixture of experts: sigmoid noaux_tc router, routed experts (expert parallel, some optionally in
+host RAM computed by the CPU), shared experts (tensor parallel)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.layers.linear import linear_format, quantized_params
 from engine.layers.mlp import MLP
+from engine.parallel.state import SINGLE, ParallelState, split_range
 from kernels import dispatch
 
 
@@ -43,39 +45,30 @@ class Router(nn.Module):
         return topk_ids, weights * self.scaling
 
 
-class RoutedExperts(nn.Module):
-    """All routed experts of one layer as stacked tensors (gate and up fused as w13).
+class ExpertStack(nn.Module):
+    """Stacked weights of ``num`` experts in one format (gate and up fused as w13, gate rows first)."""
 
-    Checkpoint tensors ``experts.E.{gate,up,down}_proj.<suffix>`` land in ``w13_<suffix>[E]``
-    (gate rows first, then up) or ``w2_<suffix>[E]``; see ``load_expert_tensor``.
-    """
-
-    def __init__(self, config: ModelConfig, prefix: str):
+    def __init__(self, config: ModelConfig, fmt: str, num: int, device: torch.device | None = None):
         super().__init__()
-        c = config
-        self.num_experts, self.hidden, self.inter = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
-        self.quant = c.quantization
-        self.fmt = linear_format(self.quant, f"{prefix}.0.gate_proj")
-        e = (self.num_experts,)
-        for name, t in quantized_params(self.fmt, 2 * self.inter, self.hidden, self.quant, e).items():
-            if name == "weight_scale_inv" and self.inter % self.quant.weight_block_size[0]:
-                # gate and up are stacked into w13; their scale blocks only line up on block boundaries
-                raise ValueError(f"FP8 experts need moe_intermediate_size ({self.inter}) divisible by the "
-                                 f"weight block ({self.quant.weight_block_size[0]})")
-            self.register_parameter(f"w13_{name}", nn.Parameter(t, requires_grad=False))
-        for name, t in quantized_params(self.fmt, self.hidden, self.inter, self.quant, e).items():
-            self.register_parameter(f"w2_{name}", nn.Parameter(t, requires_grad=False))
+        self.fmt, self.quant, self.num = fmt, config.quantization, num
+        d, i = config.hidden_size, config.moe_intermediate_size
+        if fmt == "fp8" and i % self.quant.weight_block_size[0]:
+            # gate and up are stacked into w13; their scale blocks only line up on block boundaries
+            raise ValueError(f"FP8 experts need moe_intermediate_size ({i}) divisible by the weight block "
+                             f"({self.quant.weight_block_size[0]})")
+        with torch.device(device) if device is not None else _nullcontext():
+            for name, t in quantized_params(fmt, 2 * i, d, self.quant, (num,)).items():
+                self.register_parameter(f"w13_{name}", nn.Parameter(t, requires_grad=False))
+            for name, t in quantized_params(fmt, d, i, self.quant, (num,)).items():
+                self.register_parameter(f"w2_{name}", nn.Parameter(t, requires_grad=False))
 
-    def load_expert_tensor(self, expert: int, proj: str, suffix: str, tensor: torch.Tensor) -> str | None:
-        """Copy one checkpoint tensor into the stack; returns an error string on shape mismatch."""
-        if suffix == "weight_shape":
-            return None  # redundant with the config; shapes are checked on the packed tensors
-        stack = "w2" if proj == "down_proj" else "w13"
-        param = getattr(self, f"{stack}_{suffix}", None)
+    def load(self, index: int, proj: str, suffix: str, tensor: torch.Tensor) -> str | None:
+        """Copy one checkpoint tensor into slot ``index``; returns an error string on mismatch."""
+        param = getattr(self, f"{'w2' if proj == 'down_proj' else 'w13'}_{suffix}", None)
         if param is None:
             return f"unexpected tensor kind '{suffix}' for {self.fmt} experts"
-        dst = param.data[expert]
-        if stack == "w13":
+        dst = param.data[index]
+        if proj != "down_proj":
             half = dst.shape[0] // 2
             dst = dst[:half] if proj == "gate_proj" else dst[half:]
         if tuple(dst.shape) != tuple(tensor.shape):
@@ -83,31 +76,123 @@ class RoutedExperts(nn.Module):
         dst.copy_(tensor)
         return None
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        w = topk_weights.to(x.dtype)
+    def param_dtype(self, proj: str, suffix: str) -> torch.dtype | None:
+        p = getattr(self, f"{'w2' if proj == 'down_proj' else 'w13'}_{suffix}", None)
+        return None if p is None else p.dtype
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # x [T, D], ids [T, k] in 0..num-1, weights [T, k] in x.dtype
         if self.fmt == "dense":
-            return dispatch.moe_experts(x, topk_ids, w, self.w13_weight, self.w2_weight)
+            return dispatch.moe_experts(x, ids, weights, self.w13_weight, self.w2_weight)
         if self.fmt == "int4":
-            return dispatch.moe_experts_w4a16(x, topk_ids, w, self.w13_weight_packed, self.w13_weight_scale,
+            return dispatch.moe_experts_w4a16(x, ids, weights, self.w13_weight_packed, self.w13_weight_scale,
                                               self.w2_weight_packed, self.w2_weight_scale, self.quant.group_size)
         if self.fmt == "mxfp4":
-            return dispatch.moe_experts_mxfp4(x, topk_ids, w, self.w13_weight_packed, self.w13_weight_scale,
+            return dispatch.moe_experts_mxfp4(x, ids, weights, self.w13_weight_packed, self.w13_weight_scale,
                                               self.w2_weight_packed, self.w2_weight_scale)
-        return dispatch.moe_experts_fp8(x, topk_ids, w, self.w13_weight, self.w13_weight_scale_inv,
+        return dispatch.moe_experts_fp8(x, ids, weights, self.w13_weight, self.w13_weight_scale_inv,
                                         self.w2_weight, self.w2_weight_scale_inv, self.quant.weight_block_size)
 
 
+def run_subset(stack: ExpertStack, expert_map: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+               weights: torch.Tensor) -> torch.Tensor:
+    """The contribution of the experts in ``stack`` only; ``expert_map`` [E] gives each global
+    expert's slot in the stack or -1. -> [T, D]"""
+    local = expert_map[topk_ids]  # [T, k]
+    tok, slot = (local >= 0).nonzero(as_tuple=True)  # (token, slot) pairs routed here
+    out = torch.zeros_like(x)
+    if tok.numel():
+        y = stack(x[tok], local[tok, slot][:, None], weights[tok, slot][:, None])  # [P, D]
+        out.index_add_(0, tok, y.to(x.dtype))
+    return out
+
+
+class RoutedExperts(nn.Module):
+    """One layer's routed experts as this rank holds them.
+
+    Expert parallel: rank r computes the experts ``placement`` gives it (default: a contiguous,
+    possibly uneven range). Experts placed in host RAM (-1) are computed by the CPU of the rank whose
+    range holds them, overlapped with the device experts (submit, compute, sync). Checkpoint tensors
+    ``experts.E.{gate,up,down}_proj.<suffix>`` land in the owning stack; see ``slot``.
+    """
+
+    def __init__(self, config: ModelConfig, prefix: str, par: ParallelState = SINGLE,
+                 placement_row: list[int] | None = None):
+        super().__init__()
+        n = config.n_routed_experts
+        self.num_experts = n
+        self.fmt = linear_format(config.quantization, f"{prefix}.0.gate_proj")
+        ep_owner = [next(r for r in range(par.world_size) if e < split_range(n, par.world_size, r)[1])
+                    for e in range(n)]
+        row = placement_row if placement_row is not None else ep_owner
+        on_device = [e for e in range(n) if row[e] == par.rank]
+        on_host = [e for e in range(n) if row[e] == -1 and ep_owner[e] == par.rank]
+        self.local = ExpertStack(config, self.fmt, len(on_device)) if on_device else None
+        self.host = ExpertStack(config, self.fmt, len(on_host), torch.device("cpu")) if on_host else None
+        self._slots = {e: ("local", i) for i, e in enumerate(on_device)}
+        self._slots.update({e: ("host", i) for i, e in enumerate(on_host)})
+        self.register_buffer("local_map", _expert_map(n, on_device), persistent=False)
+        self.register_buffer("host_map", _expert_map(n, on_host, torch.device("cpu")), persistent=False)
+        # tokens routed to each expert, summed over steps (for hottest-first placement next start)
+        self.register_buffer("routing_counts", torch.zeros(n, dtype=torch.int64), persistent=False)
+        self.whole_layer_local = len(on_device) == n
+        self.executor = None
+        if self.host is not None:
+            from engine.offload.cpu_experts import CpuExpertExecutor
+
+            self.executor = CpuExpertExecutor(self.host, self.host_map)
+
+    @property
+    def num_local(self) -> int:
+        return len(self._slots)
+
+    def slot(self, expert: int) -> tuple[ExpertStack, int] | None:
+        """Where global ``expert`` lives on this rank, or None when another rank holds it."""
+        where = self._slots.get(expert)
+        if where is None:
+            return None
+        return (self.local if where[0] == "local" else self.host), where[1]
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        self.routing_counts += torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
+        w = topk_weights.to(x.dtype)
+        if self.whole_layer_local:
+            return self.local(x, topk_ids, w)
+        pending = self.executor.submit(x, topk_ids, w) if self.executor is not None else None
+        y = run_subset(self.local, self.local_map, x, topk_ids, w) if self.local is not None else torch.zeros_like(x)
+        if pending is not None:
+            y = y + pending.result().to(device=y.device, dtype=y.dtype)
+        return y
+
+
+def _expert_map(n: int, experts: list[int], device: torch.device | None = None) -> torch.Tensor:
+    m = torch.full((n,), -1, dtype=torch.int64, device=device)
+    if experts:
+        m[torch.tensor(experts, device=device)] = torch.arange(len(experts), device=device)
+    return m
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig, prefix: str):
+    def __init__(self, config: ModelConfig, prefix: str, par: ParallelState = SINGLE,
+                 placement_row: list[int] | None = None):
         super().__init__()
         self.gate = Router(config)
-        self.experts = RoutedExperts(config, f"{prefix}.experts")
+        self.experts = RoutedExperts(config, f"{prefix}.experts", par, placement_row)
         self.shared_experts = None
         if config.n_shared_experts:
             self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
-                                      config.quantization, f"{prefix}.shared_experts")
+                                      config.quantization, f"{prefix}.shared_experts", par)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum (its experts + its shard of the shared experts); the caller reduces."""
         topk_ids, topk_weights = self.gate(x)
         y = self.experts(x, topk_ids, topk_weights)
         if self.shared_experts is not None:

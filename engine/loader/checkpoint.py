@@ -99,10 +99,16 @@ class CheckpointReader:
         # Shard by shard so each file's pages are read sequentially.
         return iter(sorted(self.tensors.values(), key=lambda t: (t.file, t.name)))
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, shard: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """The tensor, or only rows/columns ``[start, end)`` of axis 0/1 when ``shard`` is given."""
         info = self.tensors[name]
         try:
-            return self._handles[info.file].get_tensor(name)
+            handle = self._handles[info.file]
+            if shard is None:
+                return handle.get_tensor(name)
+            axis, start, end = shard
+            sl = handle.get_slice(name)
+            return sl[start:end] if axis == 0 else sl[:, start:end]
         except Exception as e:
             raise CheckpointError(f"{self.dir / info.file}: tensor {name}: cannot read data ({_short(e)})") from None
 

@@ -70,15 +70,17 @@ def load_weights(model: nn.Module, reader: CheckpointReader, prefix: str = "",
                 experts = model.model.layers[layer].mlp.experts
                 if expert >= experts.num_experts:
                     raise CheckpointError(f"{where}: expert {expert} out of range (n_routed_experts={experts.num_experts})")
-                err = experts.load_expert_tensor(expert, proj, suffix, _read(reader, info, _expert_dtype(experts, proj, suffix)))
-                if err:
-                    raise CheckpointError(f"{where}: {err}")
-                key = f"model.layers.{layer}.mlp.experts.{'w2' if proj == 'down_proj' else 'w13'}_{suffix}"
-                expert_filled[key] = expert_filled.get(key, 0) + (1 if suffix != "weight_shape" else 0)
+                slot = experts.slot(expert)
+                if slot is not None and suffix != "weight_shape":  # else another rank holds it
+                    stack, index = slot
+                    err = stack.load(index, proj, suffix, _read(reader, info, stack.param_dtype(proj, suffix)))
+                    if err:
+                        raise CheckpointError(f"{where}: {err}")
+                    where_key = "local" if stack is experts.local else "host"
+                    key = f"model.layers.{layer}.mlp.experts.{where_key}.{'w2' if proj == 'down_proj' else 'w13'}_{suffix}"
+                    expert_filled[key] = expert_filled.get(key, 0) + 1
             elif fused:
-                key = f"{fused[1]}.{'w13' if fused[2] == 'gate_up_proj' else 'w2'}_weight"
-                _copy(params, key, reader, info, where)
-                expert_filled[key] = 2 * _num_experts(params[key]) if fused[2] == "gate_up_proj" else _num_experts(params[key])
+                _load_fused_experts(model, reader, info, fused, where, expert_filled)
             elif name.endswith(".weight_shape"):
                 pass  # compressed-tensors bookkeeping; the packed tensor's shape is checked instead
             elif name in params:
@@ -102,17 +104,32 @@ def load_weights(model: nn.Module, reader: CheckpointReader, prefix: str = "",
     return LoadReport(loaded, skipped, done_bytes, tuple(skipped_examples))
 
 
-def _num_experts(p: torch.Tensor) -> int:
-    return p.shape[0]
+def _load_fused_experts(model, reader, info, fused, where, expert_filled) -> None:
+    # [E, 2I, D] gate_up or [E, D, I] down, all experts in one tensor (transformers 5.x layout)
+    layer = int(fused[1].split(".")[2])
+    experts = model.model.layers[layer].mlp.experts
+    full = reader.get(info.name)
+    if full.shape[0] != experts.num_experts:
+        raise CheckpointError(f"{where}: {full.shape[0]} experts, expected {experts.num_experts}")
+    for e in range(experts.num_experts):
+        slot = experts.slot(e)
+        if slot is None:
+            continue
+        stack, index = slot
+        where_key = "local" if stack is experts.local else "host"
+        parts = [("down_proj", full[e])] if fused[2] == "down_proj" else list(zip(("gate_proj", "up_proj"), full[e].chunk(2)))
+        for proj, t in parts:
+            dtype = stack.param_dtype(proj, "weight")
+            _check_dtype(t.dtype, dtype, where)
+            err = stack.load(index, proj, "weight", t.to(dtype))
+            if err:
+                raise CheckpointError(f"{where}: {err}")
+            key = f"{fused[1]}.{where_key}.{'w2' if proj == 'down_proj' else 'w13'}_weight"
+            expert_filled[key] = expert_filled.get(key, 0) + 1
 
 
-def _expert_dtype(experts, proj: str, suffix: str) -> torch.dtype | None:
-    p = getattr(experts, f"{'w2' if proj == 'down_proj' else 'w13'}_{suffix}", None)
-    return None if p is None else p.dtype
-
-
-def _read(reader: CheckpointReader, info, dtype: torch.dtype | None) -> torch.Tensor:
-    t = reader.get(info.name)
+def _read(reader: CheckpointReader, info, dtype: torch.dtype | None, shard=None) -> torch.Tensor:
+    t = reader.get(info.name, shard)
     if dtype is None:
         return t
     _check_dtype(t.dtype, dtype, f"{reader.dir / info.file}: tensor {info.name}")
@@ -133,14 +150,16 @@ def _check_dtype(src: torch.dtype, dst: torch.dtype, where: str) -> None:
 
 def _copy(params: dict[str, torch.Tensor], key: str, reader: CheckpointReader, info, where: str) -> None:
     param = params[key]
-    if tuple(info.shape) != tuple(param.shape):
-        raise CheckpointError(f"{where}: shape {list(info.shape)}, expected {list(param.shape)}")
-    param.data.copy_(_read(reader, info, param.dtype))
+    full = getattr(param, "full_shape", None) or tuple(param.shape)
+    if tuple(info.shape) != tuple(full):
+        raise CheckpointError(f"{where}: shape {list(info.shape)}, expected {list(full)}")
+    # A sharded parameter reads only this rank's rows or columns from the mmapped file.
+    param.data.copy_(_read(reader, info, param.dtype, getattr(param, "shard", None)))
 
 
 def _check_complete(model, params, filled, expert_filled, reader) -> None:
     for name, p in params.items():
-        if ".mlp.experts.w" in name:
+        if ".mlp.experts.local.w" in name or ".mlp.experts.host.w" in name:
             base = name
             need = p.shape[0] * (2 if ".w13_" in name else 1)
             if expert_filled.get(base, 0) < need:
@@ -153,6 +172,7 @@ def _check_complete(model, params, filled, expert_filled, reader) -> None:
 
 def _expert_example(stacked: str) -> str:
     layer_part, kind = stacked.split(".experts.")
+    kind = kind.split(".", 1)[1]  # drop "local." / "host."
     proj = "down_proj" if kind.startswith("w2_") else "gate_proj"
     return f"{layer_part}.experts.N.{proj}.{kind.split('_', 1)[1]}"
 

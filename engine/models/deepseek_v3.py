@@ -12,38 +12,44 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers.attn_metadata import AttentionMetadata
-from engine.layers.linear import Linear
+from engine.layers.embedding import LMHead, VocabEmbedding
 from engine.layers.mla import MLAttention
 from engine.layers.mlp import MLP
 from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rope import YarnRotaryEmbedding
+from engine.parallel.state import SINGLE, ParallelState
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rope: YarnRotaryEmbedding):
+    def __init__(self, config: ModelConfig, layer_idx: int, rope: YarnRotaryEmbedding, par: ParallelState,
+                 placement_row: list[int] | None):
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
+        self.par = par
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config, f"{prefix}.self_attn", rope)
+        self.self_attn = MLAttention(config, f"{prefix}.self_attn", rope, par)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.is_moe_layer(layer_idx):
-            self.mlp = MoE(config, f"{prefix}.mlp")
+            self.mlp = MoE(config, f"{prefix}.mlp", par, placement_row)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.quantization, f"{prefix}.mlp")
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.quantization, f"{prefix}.mlp", par)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), meta, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # one all-reduce for routed experts, shared experts and dense MLP shards together
+        return x + self.par.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, config: ModelConfig, max_position: int):
+    def __init__(self, config: ModelConfig, max_position: int, par: ParallelState,
+                 expert_placement: list[list[int]] | None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, par)
         rope = YarnRotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling, max_position)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, rope) for i in range(config.num_hidden_layers))
+        rows = expert_placement or [None] * config.num_hidden_layers
+        self.layers = nn.ModuleList(DecoderLayer(config, i, rope, par, rows[i] or None)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]):
@@ -54,18 +60,22 @@ class DeepseekV3Model(nn.Module):
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_position: int | None = None):
+    def __init__(self, config: ModelConfig, max_position: int | None = None, par: ParallelState = SINGLE,
+                 expert_placement: list[list[int]] | None = None):
+        """``expert_placement[layer][expert]``: the rank that computes the expert on its device, or -1
+        for host RAM (computed by the CPU); None spreads experts evenly over the ranks."""
         super().__init__()
         self.config = config
-        self.model = DeepseekV3Model(config, max_position or config.max_position_embeddings)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, config.quantization, "lm_head")
+        self.par = par
+        self.model = DeepseekV3Model(config, max_position or config.max_position_embeddings, par, expert_placement)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, config.quantization, par)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]):
         """Hidden states [T, D] for a flattened batch (see AttentionMetadata for the row layout)."""
         return self.model(input_ids, meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [N, V]
+        return self.lm_head(hidden)  # [N, V] fp32
 
     def post_load(self) -> None:
         if self.config.tie_word_embeddings:
@@ -76,3 +86,8 @@ class DeepseekV3ForCausalLM(nn.Module):
     def cache_dims(self) -> list[int]:
         """Values cached per token for each layer (every layer here is MLA)."""
         return [self.config.kv_cache_dim] * self.config.num_hidden_layers
+
+    def routing_stats(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert so far, per MoE layer (for hottest-first placement)."""
+        return {i: layer.mlp.experts.routing_counts.tolist() for i, layer in enumerate(self.model.layers)
+                if hasattr(layer.mlp, "experts")}
