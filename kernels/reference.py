@@ -196,22 +196,22 @@ def _moe_grouped(x, topk_ids, topk_weights, num_experts, expert_weights):
     flat_ids = topk_ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs sorted by expert
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # host sync: reference only
-    routing = topk_weights.reshape(-1).float()  # [T*k]
-    out = torch.zeros(t, x.shape[-1], dtype=torch.float32, device=x.device)
+    outs = []
     start = 0
     for e, count in enumerate(counts):
         if count == 0:
             continue
         pairs = order[start : start + count]  # [c]
         start += count
-        tokens = pairs // top_k
         w13, w2 = expert_weights(e)
-        gate_up = F.linear(x[tokens], w13)  # [c, 2I]
+        gate_up = F.linear(x[pairs // top_k], w13)  # [c, 2I]
         inter = gate_up.shape[-1] // 2
-        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [c, I]
-        y = F.linear(h, w2).float() * routing[pairs, None]  # [c, D]
-        out.index_add_(0, tokens, y)
-    return out.to(x.dtype)
+        outs.append(F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2))  # [c, D]
+    # Results come out in expert order; a gather (not a scatter-add, slow on CPUs) puts them back
+    # in (token, slot) order, then the routing weights combine the k slots of each token.
+    y = torch.cat(outs).index_select(0, torch.argsort(order))  # [T*k, D]
+    y = y.view(t, top_k, -1).float() * topk_weights.reshape(t, top_k, 1).float()
+    return y.sum(dim=1).to(x.dtype)
 
 
 def moe_experts_reference(x, topk_ids, topk_weights, w13, w2):

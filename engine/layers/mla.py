@@ -111,14 +111,16 @@ class MLAttention(nn.Module):
     def _decode(self, q_nope, q_pe, meta: AttentionMetadata, flat):
         # Absorbed path: one query per sequence, batched over sequences. [B, H, *]
         r = self.kv_lora_rank
+        dtype = q_nope.dtype
         slots = gather_slots_batched(meta.decode_block_tables, meta.decode_max_context_len, meta.block_size)
-        lat = flat[slots].to(q_nope.dtype)  # [B, L, r+rope]
-        q_lat = torch.einsum("bhd,hdc->bhc", q_nope, self.w_uk.to(q_nope.dtype))  # [B, H, r]
-        scores = torch.einsum("bhc,blc->bhl", q_lat, lat[..., :r]) + torch.einsum(
-            "bhd,bld->bhl", q_pe, lat[..., r:])
-        scores = scores.float() * self.scale
+        lat = flat[slots].to(dtype)  # [B, L, r+rope], rows contiguous
+        # W_UK folded into the query, head-major bmm: [H, B, nope] @ [H, nope, r] -> [H, B, r]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk.to(dtype)).transpose(0, 1)
+        q = torch.cat([q_lat, q_pe], dim=-1)  # [B, H, r+rope]: one bmm scores latent and rope parts
+        scores = torch.bmm(q, lat.transpose(1, 2)).float() * self.scale  # [B, H, L]
         valid = torch.arange(slots.shape[1], device=scores.device)[None, :] < meta.decode_context_lens[:, None]
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-        p = scores.softmax(dim=-1).to(q_nope.dtype)
-        o_lat = torch.einsum("bhl,blc->bhc", p, lat[..., :r])  # [B, H, r]
-        return torch.einsum("bhc,hvc->bhv", o_lat, self.w_uv.to(q_nope.dtype))
+        p = scores.softmax(dim=-1).to(dtype)
+        o_lat = torch.bmm(p, lat[..., :r])  # [B, H, r]
+        # W_UV applied per head: [H, B, r] @ [H, r, v] -> [H, B, v]
+        return torch.bmm(o_lat.transpose(0, 1), self.w_uv.to(dtype).transpose(1, 2)).transpose(0, 1)

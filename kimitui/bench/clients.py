@@ -39,13 +39,16 @@ class RequestFuncOutput:
 
 
 class InProcessClient:
-    """Drive an `engine.AsyncLLM` directly with token-id prompts."""
+    """Drive an `engine.AsyncLLM` directly with token-id prompts. `text_prompts=True` asks the
+    workload for vLLM's decode/re-encode round trip, so the ids sent are exactly what a server
+    would get from the same text (and in-process and HTTP runs see one workload)."""
 
     backend = "kimitui"
     needs_text = False
 
     def __init__(self, engine: Any, model: str = "kimitui", temperature: float | None = None,
-                 ignore_eos: bool = True, sampling_params_cls: Any = None):
+                 ignore_eos: bool = True, sampling_params_cls: Any = None, text_prompts: bool = False):
+        self.needs_text = text_prompts
         self.engine = engine
         self.model = model
         self.temperature = temperature

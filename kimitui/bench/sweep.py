@@ -9,7 +9,7 @@ dashboard draws a monotone cubic through them; linear never overshoots the measu
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 LADDER_TARGETS = (30, 50, 75, 100, 150, 200)
@@ -83,5 +83,19 @@ def format_ladder(values: dict[float, float | None], cost_per_mtok: Any = None) 
             cells += "  " + "  ".join(f"{k} ${v:.3f}/M" for k, v in cost_per_mtok(tput).items()
                                      if v is not None)
         lines.append("{:<40} {:<10}".format(f"tok/s/GPU at {target:g} tok/s/user:", cells))
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def format_frontier(front: Sequence[SweepPoint | dict[str, Any]]) -> str:
+    """The frontier as a text table, most interactive point first (accepts `asdict` points)."""
+    rows = [p if isinstance(p, dict) else asdict(p) for p in front]
+    lines = ["{s:{c}^{n}}".format(s=" Throughput vs interactivity frontier ", n=50, c="=")]
+    lines.append("{:<14}{:>18}{:>18}".format("concurrency", "tok/s/user", "tok/s/GPU"))
+    for p in sorted(rows, key=lambda p: -p["interactivity"]):
+        conc = "-" if p["concurrency"] is None else str(p["concurrency"])
+        lines.append("{:<14}{:>18,.2f}{:>18,.2f}".format(conc, p["interactivity"], p["tput_per_gpu"]))
+    if not rows:
+        lines.append("(no point measured a TPOT: outputs of one token only?)")
     lines.append("=" * 50)
     return "\n".join(lines)

@@ -37,8 +37,10 @@ class InProcessTarget:
         return cls(llm, name, str(getattr(llm.engine, "device", "")))
 
     async def open(self, config: Any) -> InProcessClient:
+        # Text round trip like vLLM: the same seed then gives this run and a --base-url run
+        # against the same checkpoint identical prompts, token for token.
         return InProcessClient(self.llm, model=self.model_name, temperature=config.temperature,
-                               ignore_eos=config.ignore_eos)
+                               ignore_eos=config.ignore_eos, text_prompts=True)
 
     def close(self) -> None:
         self.llm.shutdown()

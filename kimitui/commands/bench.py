@@ -1,6 +1,6 @@
-"""`kimitui bench`: `vllm bench serve`'s random workload, metrics and result block, against the
-engine in-process or any OpenAI-compatible server (`--base-url`), plus energy and cost.
+"""`kimitui bench`: vLLM's serving benchmark, in-process or against --base-url, plus energy and cost.
 
+Workload, timing, metrics, printed block and saved JSON are those of `vllm bench serve`.
 Exit status: 0 done, 1 no request succeeded (or the server could not be reached), 2 bad input,
 130 cancelled with Ctrl-C.
 """
@@ -13,6 +13,7 @@ import contextlib
 import signal
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from kimitui.bench.cost import format_efficiency_block
@@ -84,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             if args.tokenizer:
                 raise ValueError("--tokenizer is for --base-url; in-process runs use the checkpoint's")
+            if args.model and not Path(args.model).expanduser().is_dir():
+                raise ValueError(f"model directory {args.model} does not exist")
             # Loading a checkpoint is the slow part; say so before a silent pause.
             print(f"kimitui bench: loading {args.model or 'the demo checkpoint'} ...", file=sys.stderr)
             target = InProcessTarget.load(engine_args_from(args))
@@ -120,7 +123,7 @@ def _fill_engine_defaults(args: argparse.Namespace) -> None:
             setattr(args, key, value)
 
 
-async def _bench(config: BenchmarkConfig, target: Target, sampler: Any) -> int:
+async def _bench(config: BenchmarkConfig, target: InProcessTarget | HttpTarget, sampler: Any) -> int:
     cancel = asyncio.Event()
     loop = asyncio.get_running_loop()
     installed = _install_sigint(loop, cancel)
@@ -187,6 +190,8 @@ def _progress():
 
 
 def _print_result(result: dict[str, Any]) -> None:
+    if result.get("notes"):
+        print(f"kimitui bench: note: {result['notes']}", file=sys.stderr)
     print(format_result_block(result))
     print(format_efficiency_block(result))
     if result.get("result_file"):
