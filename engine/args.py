@@ -30,6 +30,7 @@ class EngineArgs:
     cpu_offload: str | int = "auto"
     gpu_memory_gb: float | None = None
     kv_cache_tokens: int | None = None  # cap the cache size (tests, small machines)
+    routing_stats: str | None = None  # JSON of tokens per expert per layer from an earlier run
     seed: int = 0
 
     def __post_init__(self) -> None:

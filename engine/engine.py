@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,9 @@ from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.pool import KVCachePool, MLACacheSpec, num_blocks_for_budget
 from engine.loader import LoadProgress, load_model
 from engine.metrics import EngineStats, ThroughputWindow
+from engine.offload.placement import expert_placement_for
+from engine.parallel.state import SINGLE
+from engine.parallel.workers import WorkerGroup, WorkerSpec, broadcast_object, free_port, init_rank
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -64,11 +68,30 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(self.config, self.model_dir)
         torch.manual_seed(args.seed)
-        t0 = time.monotonic()
-        self.model, self.load_report = load_model(self.config, self.model_dir, self.device, self.dtype,
-                                                  self.max_model_len, progress)
-        self.load_seconds = time.monotonic() - t0
-        self.cache_pool = self._allocate_cache()
+        self.expert_placement = expert_placement_for(
+            self.config, args.cpu_offload, self.device, args.tensor_parallel_size, self.max_model_len,
+            args.max_num_seqs, args.gpu_memory_gb, args.routing_stats)
+        self.workers = None
+        par = SINGLE
+        try:
+            if args.tensor_parallel_size > 1:
+                spec = WorkerSpec(str(self.model_dir), args.tensor_parallel_size, free_port(), self.device.type,
+                                  str(self.dtype).removeprefix("torch."), self.max_model_len, args.block_size,
+                                  self.expert_placement, max(1, torch.get_num_threads() // args.tensor_parallel_size))
+                self.workers = WorkerGroup(spec)
+                par = init_rank(spec, 0)
+            t0 = time.monotonic()
+            self.model, self.load_report = load_model(self.config, self.model_dir, self.device, self.dtype,
+                                                      self.max_model_len, progress, par, self.expert_placement)
+            self.load_seconds = time.monotonic() - t0
+            self.cache_pool = self._allocate_cache()
+            if self.workers is not None:
+                self.workers.check()
+                broadcast_object(self.cache_pool.num_blocks)  # workers allocate the same cache
+        except BaseException:
+            self.shutdown()
+            raise
+        self._finalizer = weakref.finalize(self, _shutdown_workers, self.workers)
         log.info("%s", self.cache_pool.describe())
         self.block_manager = BlockManager(self.cache_pool.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -78,7 +101,7 @@ class LLMEngine:
             block_size=args.block_size,
             enable_chunked_prefill=args.enable_chunked_prefill,
         ), self.block_manager)
-        self.runner = ModelRunner(self.model, self.cache_pool.caches, args.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.cache_pool.caches, args.block_size, self.device, self.workers)
         self.requests: dict[str, _Request] = {}
         self.throughput = ThroughputWindow()
         self._ids = itertools.count()
@@ -177,6 +200,20 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (if any); the engine is unusable afterwards."""
+        _shutdown_workers(self.workers)
+        self.workers = None
+
+    def routing_stats(self) -> dict[int, list[int]]:
+        return self.model.routing_stats()
+
+    def save_routing_stats(self, path: str) -> None:
+        """Tokens per expert per layer so far, for hottest-first placement at the next start."""
+        from engine.offload.planner import save_routing_stats
+
+        save_routing_stats(path, self.routing_stats())
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -296,6 +333,11 @@ class LLMEngine:
             total_generation_tokens=self.total_generation_tokens,
             num_finished=self.num_finished,
         )
+
+
+def _shutdown_workers(workers) -> None:
+    if workers is not None:
+        workers.shutdown()
 
 
 def _resolve_model(model: str | None) -> str:

@@ -24,6 +24,16 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers now (they also stop when the LLM is garbage-collected)."""
+        self.engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Prompts: a str, a list of token ids, a {"prompt_token_ids": [...]} dict, or a list of these."""

@@ -1,4 +1,9 @@
-"""One rank's model runner: build batch tensors for a scheduled step, run the model, sample."""
+"""One rank's model runner: build batch tensors for a scheduled step, run the model, sample.
+
+A step is split so that tensor-parallel workers can mirror it: rank 0 turns the scheduler's
+output into plain-Python ``StepInputs`` (``prepare``), every rank runs ``forward_step`` on the
+same inputs (the model's collectives pair up), and rank 0 alone samples.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,31 @@ Logprobs = dict[int, float]
 
 
 @dataclass
+class PromptLogprobSpan:
+    seq_id: str
+    row: int  # first row of the chunk in the batch
+    num_rows: int  # rows whose next token is still a prompt token
+    first_pos: int  # position of the first prompt token these rows predict
+    next_ids: list[int]
+    k: int
+
+
+@dataclass
+class StepInputs:
+    """Everything a rank needs to run one step; plain Python so it pickles to workers."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    num_decodes: int
+    decode_tables: list[list[int]]
+    decode_lens: list[int]
+    prefills: list[tuple[int, int, int, list[int]]]  # (start row, end row, context_len, block_table)
+    sample_rows: list[int]
+    prompt_spans: list[PromptLogprobSpan] = field(default_factory=list)
+
+
+@dataclass
 class StepResult:
     sampled: list[int | None]  # per scheduled seq; None when the chunk did not reach the end
     logprobs: list[Logprobs | None]  # per scheduled seq, for requests that asked
@@ -22,86 +52,95 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device):
+    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
+                 workers=None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.workers = workers  # WorkerGroup mirroring each step on ranks 1..N-1, or None
         self._generators: dict[str, torch.Generator] = {}
 
     def release(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         # Decodes first (one row each, batched absorbed attention), then prefill chunks.
-        decodes = [s for s in out.scheduled if not s.is_prefill]
-        prefills = [s for s in out.scheduled if s.is_prefill]
-        order = decodes + prefills
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        chunks: list[PrefillChunk] = []
+        order = [s for s in out.scheduled if not s.is_prefill] + [s for s in out.scheduled if s.is_prefill]
+        inputs = self.prepare(order)
+        if self.workers is not None:
+            self.workers.broadcast(inputs)
+        sample_logits, prompt_logits = self.forward_step(inputs)
+        return self._sample(order, out.scheduled, inputs, sample_logits, prompt_logits)
+
+    def prepare(self, order: list[ScheduledSeq]) -> StepInputs:
+        inp = StepInputs([], [], [], 0, [], [], [], [])
+        bs = self.block_size
         for s in order:
             seq = s.seq
-            row = len(ids)
-            ids.extend(seq.tokens_in_range(s.start, s.end))
-            positions.extend(range(s.start, s.end))
-            slots.extend(self._slots(seq.block_table, s.start, s.end))
+            row = len(inp.ids)
+            inp.ids.extend(seq.tokens_in_range(s.start, s.end))
+            inp.positions.extend(range(s.start, s.end))
+            table = seq.block_table
+            inp.slots.extend(table[i // bs] * bs + i % bs for i in range(s.start, s.end))
             if s.is_prefill:
-                chunks.append(PrefillChunk(row, row + s.num_new_tokens, s.end, self._tensor(seq.block_table, torch.int32)))
-        dev = self.device
-        meta = AttentionMetadata(
-            positions=self._tensor(positions, torch.int64),
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_size=self.block_size,
-            num_decode_tokens=len(decodes),
-            prefills=chunks,
-        )
-        if decodes:
-            width = max(len(s.seq.block_table) for s in decodes)
-            table = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes]
-            meta.decode_block_tables = torch.tensor(table, dtype=torch.int32).to(dev, non_blocking=True)
-            lens = [s.end for s in decodes]
-            meta.decode_context_lens = self._tensor(lens, torch.int32)
-            meta.decode_max_context_len = max(lens)
-        hidden = self.model(self._tensor(ids, torch.int64), meta, self.kv_caches)
-
-        # Rows whose logits are sampled: the last row of each scheduled seq that reaches its end.
-        sample_rows, sample_seqs, row = [], [], 0
-        prompt_lp: dict[str, tuple[int, list[Logprobs]]] = {}
-        for s in order:
+                inp.prefills.append((row, row + s.num_new_tokens, s.end, list(table)))
+                k = getattr(seq.sampling_params, "prompt_logprobs", None)
+                last = min(s.end, seq.num_prompt_tokens - 1)
+                if k is not None and last > s.start:
+                    # Row i (position start+i) predicts the token at start+i+1; only prompt tokens count.
+                    inp.prompt_spans.append(PromptLogprobSpan(seq.seq_id, row, last - s.start, s.start + 1,
+                                                              seq.tokens_in_range(s.start + 1, last + 1), k))
+            else:
+                inp.num_decodes += 1
+                inp.decode_tables.append(list(table))
+                inp.decode_lens.append(s.end)
             if s.do_sample:
-                sample_rows.append(row + s.num_new_tokens - 1)
-                sample_seqs.append(s)
-            if s.is_prefill and getattr(s.seq.sampling_params, "prompt_logprobs", None) is not None:
-                prompt_lp[s.seq.seq_id] = (s.start + 1, self._prompt_logprobs(hidden[row: row + s.num_new_tokens], s))
-            row += s.num_new_tokens
-        result = StepResult(sampled=[None] * len(order), logprobs=[None] * len(order), prompt_logprobs=prompt_lp)
-        if not sample_rows:
-            return self._reorder(result, order, out.scheduled)
-        logits = self.model.compute_logits(hidden[self._tensor(sample_rows, torch.int64)])
-        params = [s.seq.sampling_params for s in sample_seqs]
-        gens = [self._generator(s.seq.seq_id, p.seed) for s, p in zip(sample_seqs, params)]
-        sampled = sample(logits, SamplingBatch.build(params, gens, dev))
-        tokens = sampled.token_ids.tolist()  # the one host sync of the step
-        lp_rows = self._logprob_dicts(sampled, params, tokens)
+                inp.sample_rows.append(row + s.num_new_tokens - 1)
+        return inp
+
+    @torch.inference_mode()
+    def forward_step(self, inp: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """Run the model on ``inp``; every rank calls this with the same inputs. Returns fp32 logits
+        of the rows to sample and of each prompt-logprob span."""
+        meta = AttentionMetadata(
+            positions=self._tensor(inp.positions, torch.int64),
+            slot_mapping=self._tensor(inp.slots, torch.int64),
+            block_size=self.block_size,
+            num_decode_tokens=inp.num_decodes,
+            prefills=[PrefillChunk(a, b, n, self._tensor(t, torch.int32)) for a, b, n, t in inp.prefills],
+        )
+        if inp.num_decodes:
+            width = max(len(t) for t in inp.decode_tables)
+            table = [t + [0] * (width - len(t)) for t in inp.decode_tables]
+            meta.decode_block_tables = torch.tensor(table, dtype=torch.int32).to(self.device, non_blocking=True)
+            meta.decode_context_lens = self._tensor(inp.decode_lens, torch.int32)
+            meta.decode_max_context_len = max(inp.decode_lens)
+        hidden = self.model(self._tensor(inp.ids, torch.int64), meta, self.kv_caches)
+        prompt_logits = [self.model.compute_logits(hidden[sp.row: sp.row + sp.num_rows]) for sp in inp.prompt_spans]
+        if not inp.sample_rows:
+            return None, prompt_logits
+        return self.model.compute_logits(hidden[self._tensor(inp.sample_rows, torch.int64)]), prompt_logits
+
+    def _sample(self, order, scheduled, inp: StepInputs, logits, prompt_logits) -> StepResult:
         pos = {id(s): i for i, s in enumerate(order)}
-        for j, s in enumerate(sample_seqs):
-            result.sampled[pos[id(s)]] = tokens[j]
-            result.logprobs[pos[id(s)]] = lp_rows[j]
-        return self._reorder(result, order, out.scheduled)
-
-    def _reorder(self, result: StepResult, order: list[ScheduledSeq], scheduled: list[ScheduledSeq]) -> StepResult:
+        result = StepResult(sampled=[None] * len(order), logprobs=[None] * len(order))
+        for sp, lg in zip(inp.prompt_spans, prompt_logits):
+            result.prompt_logprobs[sp.seq_id] = (sp.first_pos, self._prompt_logprobs(lg, sp))
+        if logits is not None:
+            sample_seqs = [s for s in order if s.do_sample]
+            params = [s.seq.sampling_params for s in sample_seqs]
+            gens = [self._generator(s.seq.seq_id, p.seed) for s, p in zip(sample_seqs, params)]
+            sampled = sample(logits, SamplingBatch.build(params, gens, self.device))
+            tokens = sampled.token_ids.tolist()  # the one host sync of the step
+            lp_rows = self._logprob_dicts(sampled, params, tokens)
+            for j, s in enumerate(sample_seqs):
+                result.sampled[pos[id(s)]] = tokens[j]
+                result.logprobs[pos[id(s)]] = lp_rows[j]
         # The scheduler expects results in its own order.
-        index = {id(s): i for i, s in enumerate(order)}
-        result.sampled = [result.sampled[index[id(s)]] for s in scheduled]
-        result.logprobs = [result.logprobs[index[id(s)]] for s in scheduled]
+        result.sampled = [result.sampled[pos[id(s)]] for s in scheduled]
+        result.logprobs = [result.logprobs[pos[id(s)]] for s in scheduled]
         return result
-
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[i // bs] * bs + i % bs for i in range(start, end)]
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -134,18 +173,10 @@ class ModelRunner:
             rows.append(d)
         return rows
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, s: ScheduledSeq) -> list[Logprobs]:
-        # Row i (position start+i) predicts the token at start+i+1; only prompt tokens count.
-        seq = s.seq
-        k = seq.sampling_params.prompt_logprobs
-        last = min(s.end, seq.num_prompt_tokens - 1)
-        n = last - s.start
-        if n <= 0:
-            return []
-        nxt = self._tensor(seq.tokens_in_range(s.start + 1, last + 1), torch.int64)
-        logits = self.model.compute_logits(hidden[:n])
-        actual, top_ids, top_vals = prompt_logprobs(logits, nxt, k)
-        actual_l, nxt_l = actual.tolist(), nxt.tolist()
-        ids_l = top_ids.tolist() if top_ids is not None else [[]] * n
-        vals_l = top_vals.tolist() if top_vals is not None else [[]] * n
-        return [{**dict(zip(ids_l[i], vals_l[i])), nxt_l[i]: actual_l[i]} for i in range(n)]
+    def _prompt_logprobs(self, logits: torch.Tensor, sp: PromptLogprobSpan) -> list[Logprobs]:
+        nxt = self._tensor(sp.next_ids, torch.int64)
+        actual, top_ids, top_vals = prompt_logprobs(logits, nxt, sp.k)
+        actual_l = actual.tolist()
+        ids_l = top_ids.tolist() if top_ids is not None else [[]] * sp.num_rows
+        vals_l = top_vals.tolist() if top_vals is not None else [[]] * sp.num_rows
+        return [{**dict(zip(ids_l[i], vals_l[i])), sp.next_ids[i]: actual_l[i]} for i in range(sp.num_rows)]

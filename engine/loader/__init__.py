@@ -15,25 +15,29 @@ __all__ = ["CheckpointError", "CheckpointReader", "LoadProgress", "LoadReport", 
            "load_model"]
 
 
-def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, max_position: int | None = None):
-    """Allocate the model on ``device``: dense weights in ``dtype``, packed weights in their own dtypes."""
+def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, max_position: int | None = None,
+                par=None, expert_placement=None):
+    """Allocate this rank's model on ``device``: dense weights in ``dtype``, packed weights in their
+    own dtypes, experts placed as ``expert_placement`` says (host-RAM experts on the CPU)."""
     from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from engine.parallel.state import SINGLE
 
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = DeepseekV3ForCausalLM(config, max_position)
+            model = DeepseekV3ForCausalLM(config, max_position, par or SINGLE, expert_placement)
     finally:
         torch.set_default_dtype(prev)
     return model.eval()
 
 
 def load_model(config: ModelConfig, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
-               max_position: int | None = None, progress: Callable[[LoadProgress], None] | None = None):
-    """Build and load a model; returns (model, LoadReport)."""
+               max_position: int | None = None, progress: Callable[[LoadProgress], None] | None = None,
+               par=None, expert_placement=None):
+    """Build and load a model (this rank's shard of it); returns (model, LoadReport)."""
     reader = CheckpointReader(model_dir)
-    model = build_model(config, device, dtype, max_position)
+    model = build_model(config, device, dtype, max_position, par, expert_placement)
     with torch.no_grad():
         report = load_weights(model, reader, config.weight_prefix, progress)
         model.post_load()

@@ -1,0 +1,97 @@
+"""`kimitui info`: detected devices, telemetry backends (and why one is missing), versions,
+and the demo checkpoint. Plain text; never imports textual."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import platform
+import sys
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the ``info`` subcommand on an ``argparse`` subparsers object."""
+    p = subparsers.add_parser("info", help="detected devices, telemetry backends, versions",
+                              description=__doc__.splitlines()[0])
+    p.set_defaults(func=run)
+    return p
+
+
+def _version(module: str) -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version(module)
+        except PackageNotFoundError:
+            return getattr(importlib.import_module(module), "__version__", "installed")
+    except ImportError:
+        return "not installed"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def device_lines() -> list[str]:
+    import psutil
+    import torch
+
+    lines = []
+    hip = getattr(torch.version, "hip", None)
+    if torch.cuda.is_available():
+        kind = f"ROCm (HIP {hip})" if hip else f"CUDA {torch.version.cuda}"
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            lines.append(f"gpu {i}     {props.name}, {props.total_memory / 2**30:.0f} GiB  [{kind}]")
+    else:
+        build = f"ROCm build (HIP {hip})" if hip else ("CUDA build" if torch.version.cuda else "CPU-only build")
+        lines.append(f"gpu       none visible to torch ({build})")
+    physical = psutil.cpu_count(logical=False)
+    lines.append(f"cpu       {cpu_model()}, {physical or '?'} cores / {os.cpu_count()} threads")
+    lines.append(f"ram       {psutil.virtual_memory().total / 2**30:.1f} GiB")
+    return lines
+
+
+def version_lines() -> list[str]:
+    import torch
+
+    from kimitui.cli import _version as kimitui_version
+
+    names = [("kimitui", kimitui_version()), ("python", platform.python_version()), ("torch", torch.__version__)]
+    names += [(m, _version(m)) for m in ("triton", "textual", "transformers", "amdsmi", "pynvml")]
+    width = max(len(n) for n, _ in names)
+    return [f"{n:<{width}}  {v}" for n, v in names]
+
+
+def demo_lines() -> list[str]:
+    from engine.demo import demo_dir
+
+    path = demo_dir()
+    there = (path / "model.safetensors.index.json").is_file()
+    return [f"{path}  ({'present' if there else 'not written yet: created on first use, about 4 s'})"]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report; always 0 (an unavailable backend is information, not an error)."""
+    from kimitui.telemetry import describe_backends
+
+    sections = [("devices", device_lines()), ("telemetry backends", describe_backends()),
+                ("versions", version_lines()), ("demo checkpoint", demo_lines())]
+    for i, (title, lines) in enumerate(sections):
+        print(("\n" if i else "") + title)
+        for line in lines:
+            print(f"  {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(argparse.Namespace()))

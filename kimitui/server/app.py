@@ -1,0 +1,55 @@
+"""The FastAPI application: wiring, plus the routes too small for a file of their own."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine import AsyncLLM
+from kimitui.server import chat, completions
+from kimitui.server.auth import check_api_key
+from kimitui.server.errors import install_error_handlers
+from kimitui.server.metrics import CONTENT_TYPE
+from kimitui.server.state import DEFAULT_MAX_BODY_BYTES, ServerState, server_state
+
+
+def create_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """An OpenAI-compatible app over ``llm`` (which the caller owns and shuts down).
+
+    ``api_key`` set: every /v1 route needs ``Authorization: Bearer <api_key>``.
+    """
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    app = FastAPI(title="kimitui", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = ServerState(llm, served_model_name or llm.config.name, api_key or None, max_body_bytes)
+    install_error_handlers(app)
+    v1 = APIRouter(dependencies=[Depends(check_api_key)])
+    v1.add_api_route("/v1/models", list_models, methods=["GET"])
+    v1.include_router(completions.router)
+    v1.include_router(chat.router)
+    app.include_router(v1)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    return app
+
+
+async def list_models(request: Request) -> dict:
+    s = server_state(request)
+    return {"object": "list", "data": [{
+        "id": s.served_model_name, "object": "model", "created": s.created, "owned_by": "kimitui",
+        "root": str(s.llm.engine.model_dir), "parent": None, "max_model_len": s.max_model_len,
+    }]}
+
+
+async def health(request: Request) -> Response:
+    # The engine thread is private to AsyncLLM; a dead one means no request can ever finish.
+    thread = getattr(server_state(request).llm, "_thread", None)
+    if thread is not None and not thread.is_alive():
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    s = server_state(request)
+    return Response(s.metrics.render(s.llm.stats()), media_type=CONTENT_TYPE)

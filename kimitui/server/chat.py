@@ -1,0 +1,235 @@
+"""POST /v1/chat/completions: Kimi chat format in, reasoning / content / tool calls out."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine import RequestOutput, SamplingParams
+from engine.chat import THINK_OPEN, ReplyStreamParser, StreamDelta, ToolCall, chat_stop_token_ids, encode_chat
+from kimitui.server.body import read_body
+from kimitui.server.errors import bad_request, engine_error, error_body
+from kimitui.server.logprobs import TokenText, chat_logprobs
+from kimitui.server.protocol import ChatCompletionRequest
+from kimitui.server.sampling import build_sampling_params, check_supported, resolve_max_tokens
+from kimitui.server.state import ServerState, server_state
+from kimitui.server.streaming import SSE_DONE, merged, sse, sse_response, unless_disconnected
+
+router = APIRouter()
+
+
+@dataclass
+class _Chat:
+    ids: list[int]
+    params: SamplingParams
+    started_in_thinking: bool
+    report_tools: bool
+    top_logprobs: int | None
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    state = server_state(request)
+    req = await read_body(request, ChatCompletionRequest, state.max_body_bytes)
+    state.check_model(req.model)
+    check_supported(req)
+    chat = await _prepare(state, req)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    stream = state.llm.generate(chat.ids, chat.params, rid)
+    if req.stream:
+        return sse_response(_stream(state, req, rid, chat, stream))
+    connected, final = await unless_disconnected(request, _collect(stream))
+    if not connected:
+        state.metrics.observe_aborted()
+        return Response(status_code=499)
+    return JSONResponse(_response(state, rid, chat, final))
+
+
+def _thinking(kwargs: dict | None) -> bool | None:
+    kwargs = kwargs or {}
+    # vLLM's spelling for Kimi is `thinking`; Qwen-style clients send `enable_thinking`. Other
+    # keys are template hints this server's renderer does not take.
+    for key in ("thinking", "enable_thinking"):
+        value = kwargs.get(key)
+        if value is not None:
+            if not isinstance(value, bool):
+                raise bad_request(f"chat_template_kwargs.{key} must be true or false, got {value!r}",
+                                  param=f"chat_template_kwargs.{key}")
+            return value
+    return None
+
+
+async def _prepare(state: ServerState, req: ChatCompletionRequest) -> _Chat:
+    tok = state.require_tokenizer("chat messages")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    choice = req.tool_choice
+    if isinstance(choice, dict) or choice not in (None, "auto", "none"):
+        raise bad_request(f"tool_choice {choice!r} is not supported (no constrained decoding); use "
+                          "'auto' or 'none'", param="tool_choice")
+    report_tools = bool(req.tools) and choice != "none"
+    messages = []
+    for i, m in enumerate(req.messages):
+        # The checkpoint template would render an image part as a media placeholder with no
+        # image behind it: refuse rather than let the model answer about a picture it never saw.
+        for part in m.content if isinstance(m.content, list) else ():
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"content part of type {part.get('type')!r} is not supported: this server "
+                                  "takes text only", param=f"messages.{i}.content")
+        d = m.model_dump(exclude_none=True)
+        if d["role"] == "developer":  # OpenAI's newer name for the system role
+            d["role"] = "system"
+        messages.append(d)
+    tools = req.tools if report_tools else None
+    size = sum(len(str(m.get("content", ""))) for m in messages) + len(str(tools or ""))
+    try:
+        ids = await state.run_blocking(size, encode_chat, messages, tok, thinking=_thinking(req.chat_template_kwargs),
+                                       tools=tools)
+    except Exception as e:  # noqa: BLE001 - ChatError, template errors: the messages are at fault
+        raise bad_request(f"cannot render the messages in the chat format: {e}", param="messages") from None
+    state.check_token_ids(ids, param="messages")
+    requested, param = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
+                        else (req.max_tokens, "max_tokens"))
+    max_tokens = resolve_max_tokens(requested, len(ids), state.max_model_len, param)
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    # Special tokens stay in the text: the reply parser needs <think>, tool-call and end tags.
+    params = build_sampling_params(req, max_tokens=max_tokens, logprobs=k,
+                                   extra_stop_token_ids=chat_stop_token_ids(tok), skip_special_tokens=False,
+                                   logprobs_param="top_logprobs")
+    think_id = tok.token_to_id(THINK_OPEN)
+    return _Chat(ids, params, think_id is not None and ids[-1] == think_id, report_tools, k)
+
+
+async def _collect(stream) -> RequestOutput:
+    final = None
+    try:
+        async with aclosing(merged([stream])) as events:
+            async for _, out in events:
+                final = out
+    except Exception as e:  # noqa: BLE001 - becomes this request's error response
+        raise engine_error(e) from None
+    return final
+
+
+def _reply_text(state: ServerState, out: RequestOutput) -> str:
+    """Generated text without the stop token's own text (``[EOS]`` would otherwise reach content)."""
+    c = out.outputs[0]
+    if out.finished and c.finish_reason == "stop" and isinstance(c.stop_reason, int):
+        tail = state.tokenizer.decode([c.stop_reason], skip_special_tokens=False)
+        if tail and c.text.endswith(tail):
+            return c.text[:-len(tail)]
+    return c.text
+
+
+def _tool_call(call: ToolCall, index: int | None = None) -> dict:
+    d = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_json}}
+    return d if index is None else {"index": index, **d}
+
+
+def _usage(chat: _Chat, out: RequestOutput | None) -> dict:
+    completion = len(out.outputs[0].token_ids) if out else 0
+    cached = out.metrics.num_cached_tokens if out and out.metrics else 0
+    return {"prompt_tokens": len(chat.ids), "completion_tokens": completion,
+            "total_tokens": len(chat.ids) + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _finish_reason(out: RequestOutput, had_tool_calls: bool) -> str | None:
+    return "tool_calls" if had_tool_calls else out.outputs[0].finish_reason
+
+
+def _response(state: ServerState, rid: str, chat: _Chat, out: RequestOutput) -> dict:
+    c = out.outputs[0]
+    state.metrics.observe_finished(out.metrics, c.finish_reason)
+    parser = ReplyStreamParser(started_in_thinking=chat.started_in_thinking)
+    parser.feed(_reply_text(state, out))
+    parser.finish()
+    calls = parser.tool_calls if chat.report_tools else []
+    message = {"role": "assistant", "content": parser.content if parser.content or not calls else None,
+               "reasoning_content": parser.reasoning or None}
+    if calls:
+        message["tool_calls"] = [_tool_call(t) for t in calls]
+    logprobs = None
+    if chat.top_logprobs is not None:
+        logprobs = chat_logprobs(TokenText(state.tokenizer), c.token_ids, c.logprobs or [], chat.top_logprobs)
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.served_model_name,
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs,
+                         "finish_reason": _finish_reason(out, bool(calls)), "stop_reason": c.stop_reason}],
+            "usage": _usage(chat, out)}
+
+
+class _StreamState:
+    """What one chat stream has sent so far."""
+
+    def __init__(self, chat: _Chat):
+        self.parser = ReplyStreamParser(started_in_thinking=chat.started_in_thinking)
+        self.chars = 0
+        self.tokens = 0
+        self.role_sent = False
+        self.num_tool_calls = 0
+        self.final: RequestOutput | None = None
+
+
+async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, chat: _Chat, stream):
+    names = TokenText(state.tokenizer)
+    head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": state.served_model_name}
+    st = _StreamState(chat)
+    hold = max((len(s) for s in chat.params.stop_strings), default=1) - 1
+    try:
+        async with aclosing(merged([stream])) as events:
+            async for _, out in events:
+                choice = _chunk_choice(state, chat, names, st, out, hold)
+                if choice is not None:
+                    yield sse({**head, "choices": [choice]})
+        if req.include_usage:
+            yield sse({**head, "choices": [], "usage": _usage(chat, st.final)})
+    except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, then end the stream
+        err = engine_error(e)
+        yield sse(error_body(err.status, err.message, err.param, err.code))
+    finally:
+        if st.final is None:
+            state.metrics.observe_aborted()
+    yield SSE_DONE
+
+
+def _chunk_choice(state: ServerState, chat: _Chat, names: TokenText, st: _StreamState, out: RequestOutput,
+                  hold: int) -> dict | None:
+    """The delta for one cumulative engine output, or None when it completed nothing to show."""
+    text = _reply_text(state, out)
+    # Hold back text a stop string could still cut (see completions._chunk_choice).
+    end = len(text) if out.finished else max(st.chars, len(text) - hold)
+    d = st.parser.feed(text[st.chars:end])
+    st.chars = end
+    if out.finished:
+        tail = st.parser.finish()
+        d = StreamDelta(d.reasoning + tail.reasoning, d.content + tail.content, d.tool_calls + tail.tool_calls)
+    delta: dict = {}
+    if d.reasoning:
+        delta["reasoning_content"] = d.reasoning
+    if d.content:
+        delta["content"] = d.content
+    calls = d.tool_calls if chat.report_tools else []
+    if calls:
+        delta["tool_calls"] = [_tool_call(t, st.num_tool_calls + j) for j, t in enumerate(calls)]
+        st.num_tool_calls += len(calls)
+    if not delta and not out.finished:
+        return None  # tokens held back inside a tag; their log-probs go with the next chunk
+    if not st.role_sent:
+        delta = {"role": "assistant", **delta}
+        st.role_sent = True
+    c = out.outputs[0]
+    logprobs = None
+    if chat.top_logprobs is not None:
+        logprobs = chat_logprobs(names, c.token_ids[st.tokens:], (c.logprobs or [])[st.tokens:], chat.top_logprobs)
+        st.tokens = len(c.token_ids)
+    finish = None
+    if out.finished:
+        st.final = out
+        state.metrics.observe_finished(out.metrics, c.finish_reason)
+        finish = _finish_reason(out, st.num_tool_calls > 0)
+    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}

@@ -1,0 +1,188 @@
+"""POST /v1/completions: text or token-id prompts, one choice per prompt, streaming or not."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine import RequestOutput, SamplingParams
+from kimitui.server.body import read_body
+from kimitui.server.errors import bad_request, engine_error, error_body
+from kimitui.server.logprobs import TextOffsets, TokenText, completion_logprobs
+from kimitui.server.protocol import CompletionRequest
+from kimitui.server.sampling import build_sampling_params, check_supported, resolve_max_tokens
+from kimitui.server.state import ServerState, server_state
+from kimitui.server.streaming import SSE_DONE, merged, sse, sse_response, unless_disconnected
+
+router = APIRouter()
+_PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    ids: list[int]
+    params: SamplingParams
+
+
+def normalize_prompts(prompt) -> list[str | list[int]]:
+    """``prompt`` as a list of single prompts (str or token ids); 400 for any other shape."""
+    def is_ids(x) -> bool:
+        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if is_ids(prompt):
+            return [prompt]
+        if all(is_ids(p) for p in prompt):
+            return list(prompt)
+    if isinstance(prompt, list) and not prompt:
+        raise bad_request("prompt is empty", param="prompt")
+    raise bad_request(f"prompt must be {_PROMPT_SHAPES}", param="prompt")
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request) -> Response:
+    state = server_state(request)
+    req = await read_body(request, CompletionRequest, state.max_body_bytes)
+    state.check_model(req.model)
+    check_supported(req)
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    prompts = [await _prepare(state, req, p) for p in normalize_prompts(req.prompt)]
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    streams = [state.llm.generate({"prompt_token_ids": p.ids, "prompt": p.text}, p.params, f"{rid}-{i}")
+               for i, p in enumerate(prompts)]
+    if req.stream:
+        return sse_response(_stream(state, req, rid, prompts, streams))
+    connected, finals = await unless_disconnected(request, _collect(streams))
+    if not connected:
+        state.metrics.observe_aborted(len(prompts))
+        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+    return JSONResponse(_response(state, req, rid, prompts, finals))
+
+
+async def _prepare(state: ServerState, req: CompletionRequest, prompt: str | list[int]) -> _Prompt:
+    if isinstance(prompt, str):
+        text, ids = prompt, await state.encode(prompt)
+    else:
+        text, ids = None, list(prompt)
+    state.check_token_ids(ids)
+    max_tokens = resolve_max_tokens(req.max_tokens, len(ids), state.max_model_len)
+    k = req.logprobs
+    params = build_sampling_params(req, max_tokens=max_tokens, logprobs=k,
+                                   prompt_logprobs=k if req.echo and k is not None else None,
+                                   skip_special_tokens=req.skip_special_tokens)
+    return _Prompt(text, ids, params)
+
+
+async def _collect(streams) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        async with aclosing(merged(streams)) as events:
+            async for i, out in events:
+                finals[i] = out
+    except Exception as e:  # noqa: BLE001 - becomes this request's error response
+        raise engine_error(e) from None
+    return finals
+
+
+def _echo_text(state: ServerState, req: CompletionRequest, p: _Prompt) -> str:
+    if p.text is not None:
+        return p.text
+    tok = state.tokenizer
+    return "" if tok is None else tok.decode(p.ids, skip_special_tokens=req.skip_special_tokens)
+
+
+def _usage(prompts: list[_Prompt], outs: list[RequestOutput]) -> dict:
+    prompt_tokens = sum(len(p.ids) for p in prompts)
+    completion_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    cached = sum((o.metrics.num_cached_tokens if o.metrics else 0) for o in outs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _response(state: ServerState, req: CompletionRequest, rid: str, prompts: list[_Prompt],
+              finals: list[RequestOutput]) -> dict:
+    names = TokenText(state.tokenizer)
+    choices = []
+    for i, (p, out) in enumerate(zip(prompts, finals)):
+        c = out.outputs[0]
+        state.metrics.observe_finished(out.metrics, c.finish_reason)
+        prefix = _echo_text(state, req, p) if req.echo else ""
+        logprobs = None
+        if req.logprobs is not None:
+            ids, entries = list(c.token_ids), list(c.logprobs or [])
+            if req.echo:
+                ids, entries = p.ids + ids, list(out.prompt_logprobs or [None] * len(p.ids)) + entries
+            offsets = TextOffsets(state.tokenizer, req.skip_special_tokens)
+            logprobs = completion_logprobs(names, ids, entries, req.logprobs, offsets)
+        choices.append({"index": i, "text": prefix + c.text, "logprobs": logprobs,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.served_model_name,
+            "choices": choices, "usage": _usage(prompts, finals)}
+
+
+@dataclass
+class _Progress:
+    chars: int = 0  # characters of the completion sent
+    tokens: int = 0  # tokens whose log-probs were sent
+    offsets: TextOffsets | None = None
+    started: bool = False
+    final: RequestOutput | None = None
+
+
+async def _stream(state: ServerState, req: CompletionRequest, rid: str, prompts: list[_Prompt], streams):
+    names = TokenText(state.tokenizer)
+    head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.served_model_name}
+    progress = [_Progress(offsets=TextOffsets(state.tokenizer, req.skip_special_tokens)) for _ in prompts]
+    try:
+        async with aclosing(merged(streams)) as events:
+            async for i, out in events:
+                choice = _chunk_choice(state, req, names, prompts[i], progress[i], out)
+                yield sse({**head, "choices": [{"index": i, **choice}]})
+        if req.include_usage:
+            yield sse({**head, "choices": [], "usage": _usage(prompts, [g.final for g in progress])})
+    except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, then end the stream
+        err = engine_error(e)
+        yield sse(error_body(err.status, err.message, err.param, err.code))
+    finally:
+        state.metrics.observe_aborted(sum(g.final is None for g in progress))
+    yield SSE_DONE
+
+
+def _chunk_choice(state: ServerState, req: CompletionRequest, names: TokenText, p: _Prompt, prog: _Progress,
+                  out: RequestOutput) -> dict:
+    """The new part of one cumulative engine output, as a streamed choice."""
+    c = out.outputs[0]
+    # A stop string can complete several tokens later and cut text already produced: hold back
+    # enough characters that nothing sent is ever taken back.
+    hold = max((len(s) for s in p.params.stop_strings), default=1) - 1
+    end = len(c.text) if out.finished else max(prog.chars, len(c.text) - hold)
+    text = c.text[prog.chars:end]
+    prog.chars = end
+    ids, entries = c.token_ids[prog.tokens:], (c.logprobs or [])[prog.tokens:]
+    prog.tokens = len(c.token_ids)
+    if not prog.started:
+        prog.started = True
+        if req.echo:
+            text = _echo_text(state, req, p) + text
+            ids = p.ids + ids
+            entries = list(out.prompt_logprobs or [None] * len(p.ids)) + entries
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = completion_logprobs(names, ids, entries, req.logprobs, prog.offsets)
+    if out.finished:
+        prog.final = out
+        state.metrics.observe_finished(out.metrics, c.finish_reason)
+    return {"text": text, "logprobs": logprobs, "finish_reason": c.finish_reason if out.finished else None,
+            "stop_reason": c.stop_reason if out.finished else None}

@@ -1,0 +1,70 @@
+"""Request fields -> engine SamplingParams, with the checks that turn bad values into 400s."""
+
+from __future__ import annotations
+
+from engine import SamplingParams
+from kimitui.server.errors import bad_request
+from kimitui.server.protocol import SamplingFields
+
+# Fields the engine cannot honour: accepted at the value that means "off", refused otherwise, so a
+# client never gets output silently sampled differently from what it asked for.
+_NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+def check_supported(req: SamplingFields) -> None:
+    if req.n != 1:
+        raise bad_request(f"n must be 1 (parallel sampling is not supported), got {req.n}", param="n")
+    if req.best_of not in (None, 1):
+        raise bad_request(f"best_of must be 1 (not supported), got {req.best_of}", param="best_of")
+    for name, neutral in _NEUTRAL.items():
+        value = getattr(req, name)
+        if value is not None and value != neutral:
+            raise bad_request(f"{name} is not supported by this server (only {neutral} is accepted), "
+                              f"got {value}", param=name)
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by this server", param="logit_bias")
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
+                       param: str = "max_tokens") -> int:
+    """``requested`` checked against the context; None means all of the context that is left."""
+    if requested is not None and requested < 1:
+        raise bad_request(f"{param} must be >= 1, got {requested}", param=param)
+    if prompt_len >= max_model_len:
+        raise bad_request(f"prompt has {prompt_len} tokens, which leaves no room to generate within "
+                          f"max_model_len {max_model_len}", param="prompt")
+    if requested is None:
+        return max_model_len - prompt_len
+    if prompt_len + requested > max_model_len:
+        raise bad_request(f"prompt has {prompt_len} tokens and {param} is {requested}: together "
+                          f"{prompt_len + requested} exceed max_model_len {max_model_len}", param=param)
+    return requested
+
+
+def build_sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
+                          prompt_logprobs: int | None = None, extra_stop_token_ids: list[int] = (),
+                          skip_special_tokens: bool = True, logprobs_param: str = "logprobs") -> SamplingParams:
+    stop_ids = list(req.stop_token_ids or [])
+    stop_ids += [t for t in extra_stop_token_ids if t not in stop_ids]
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=stop_ids,
+            ignore_eos=req.ignore_eos,
+            seed=req.seed,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except ValueError as e:
+        # The engine's messages start with the field name ("top_p must be in (0, 1], got 2.0").
+        field = str(e).split(" ", 1)[0]
+        if field == "logprobs":
+            field = logprobs_param
+        raise bad_request(str(e), param=field) from None

@@ -1,0 +1,153 @@
+"""Engine <-> UI. Owns the ``AsyncLLM``: loads it on a worker thread, streams replies, stops them.
+
+The engine steps on its own thread (AsyncLLM's), so awaiting its stream on the UI loop never
+blocks a key press. Reply text is not pushed per token: the bridge keeps the growing reply in a
+``ReplyState`` that the chat pane reads on a ~30 Hz timer, so a fast stream costs at most ~30
+redraws a second. Only the end of a reply travels as a message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from functools import partial
+from dataclasses import dataclass, field
+from typing import Callable
+
+from textual.app import App
+from textual.message_pump import MessagePump
+
+from engine import AsyncLLM, EngineArgs
+from engine.chat import ReplyStreamParser, chat_stop_token_ids, encode_chat
+from kimitui.tui.chat_session import Chat
+from kimitui.tui.gen_settings import GenerationSettings
+from kimitui.tui.messages import EngineFailed, EngineReady, LoadProgressed, ReplyFinished
+from kimitui.tui.model_info import model_info
+
+log = logging.getLogger(__name__)
+
+# (engine_args, progress callback) -> a loaded AsyncLLM. Tests pass one that hands out a shared engine.
+EngineFactory = Callable[[EngineArgs, Callable], AsyncLLM]
+PROGRESS_PERIOD_S = 0.05  # a real checkpoint has ~10^5 tensors; 20 updates a second are plenty
+
+
+def default_engine_factory(engine_args: EngineArgs, progress: Callable) -> AsyncLLM:
+    return AsyncLLM(engine_args=engine_args, progress=progress)
+
+
+@dataclass
+class ReplyState:
+    """The reply being generated, written by the stream task and read by the chat pane's timer."""
+
+    chat_id: int
+    reasoning: str = ""
+    content: str = ""
+    num_tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+    done: bool = False
+
+
+class EngineBridge:
+    def __init__(self, app: App, engine_args: EngineArgs, engine_factory: EngineFactory | None = None) -> None:
+        self.app = app
+        self.engine_args = engine_args
+        self.engine_factory = engine_factory or default_engine_factory
+        self.llm: AsyncLLM | None = None
+        self.reply: ReplyState | None = None
+        self._reply_worker = None
+        self._stop_ids: list[int] = []
+
+    # -- loading -------------------------------------------------------------------------
+    def load(self, notify: MessagePump | None = None) -> None:
+        """Load the model on a thread; posts LoadProgressed, then EngineReady or EngineFailed to
+        ``notify`` (default: the app). ``post_message`` is the thread-safe way into the UI."""
+        self.app.run_worker(partial(self._load, notify or self.app), thread=True, group="engine-load", exclusive=True,
+                            exit_on_error=False, name="load model")
+
+    def _load(self, notify: MessagePump) -> None:
+        last = [0.0]
+
+        def progress(p) -> None:
+            now = time.monotonic()
+            if now - last[0] >= PROGRESS_PERIOD_S or p.tensors_done >= p.tensors_total:
+                last[0] = now
+                notify.post_message(LoadProgressed(p.bytes_done, p.bytes_total, p.tensors_done,
+                                                     p.tensors_total))
+
+        t0 = time.monotonic()
+        try:
+            llm = self.engine_factory(self.engine_args, progress)
+            info = model_info(llm, self.engine_args.tensor_parallel_size)
+            self._stop_ids = chat_stop_token_ids(llm.tokenizer) if llm.tokenizer is not None else []
+        except Exception as e:  # shown on the load screen; the traceback goes to the log
+            log.exception("loading the model failed")
+            notify.post_message(EngineFailed(f"{type(e).__name__}: {e}"))
+            return
+        self.llm = llm
+        notify.post_message(EngineReady(info, time.monotonic() - t0))
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+    # -- replies -------------------------------------------------------------------------
+    @property
+    def generating(self) -> bool:
+        return self.reply is not None and not self.reply.done
+
+    def stats(self):
+        """The engine's latest EngineStats snapshot, or None before the model is loaded."""
+        return self.llm.stats() if self.llm is not None else None
+
+    def send(self, chat: Chat, settings: GenerationSettings, notify: MessagePump | None = None) -> ReplyState:
+        """Start generating the assistant's answer to ``chat`` (whose last turn is the user's);
+        ``ReplyFinished`` goes to ``notify`` (default: the app) and bubbles up from there."""
+        if self.llm is None:
+            raise RuntimeError("the model is not loaded yet")
+        if self.llm.tokenizer is None:
+            raise RuntimeError("this checkpoint has no tokenizer files, so it cannot chat")
+        ids = encode_chat(chat.messages(settings.system_prompt), self.llm.tokenizer,
+                          thinking=settings.thinking)
+        state = ReplyState(chat.id)
+        self.reply = state
+        self._reply_worker = self.app.run_worker(
+            self._stream(state, ids, settings, notify or self.app), group="reply", exclusive=True, exit_on_error=False,
+            name="reply")
+        return state
+
+    def stop(self) -> bool:
+        """Stop the current reply; its stream's exit aborts the request and frees its KV blocks."""
+        if not self.generating or self._reply_worker is None:
+            return False
+        self._reply_worker.cancel()
+        return True
+
+    async def _stream(self, state: ReplyState, ids: list[int], settings: GenerationSettings,
+                      notify: MessagePump) -> None:
+        parser = ReplyStreamParser(started_in_thinking=settings.thinking)
+        params = settings.sampling_params(self._stop_ids)
+        seen, metrics, finish, error = 0, None, None, None
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": ids}, params, f"tui-{uuid.uuid4().hex[:12]}"):
+                completion = out.outputs[0]
+                delta = parser.feed(completion.text[seen:])
+                seen = len(completion.text)
+                state.reasoning += delta.reasoning
+                state.content += delta.content
+                state.num_tokens = len(completion.token_ids)
+                metrics, finish = out.metrics, completion.finish_reason
+        except asyncio.CancelledError:
+            finish = "stopped"
+        except Exception as e:  # a failed request ends this reply only; the chat goes on
+            log.exception("reply failed")
+            finish, error = "error", f"{type(e).__name__}: {e}"
+        tail = parser.finish()
+        state.reasoning += tail.reasoning
+        state.content += tail.content
+        state.done = True
+        notify.post_message(ReplyFinished(
+            state.chat_id, state.reasoning, state.content, state.num_tokens,
+            metrics.ttft if metrics else None, metrics.tpot if metrics else None, finish, error))

@@ -1,0 +1,31 @@
+"""Generation settings the user edits in the settings modal, and their SamplingParams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from engine import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What one reply is sampled with. ``system_prompt`` empty = the model's default system prompt."""
+
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    thinking: bool = True
+    system_prompt: str = ""
+
+    def __post_init__(self) -> None:
+        self.sampling_params([])  # SamplingParams owns the range checks and their messages
+
+    def sampling_params(self, stop_token_ids: list[int]) -> SamplingParams:
+        # Special tokens stay in the text so ReplyStreamParser can see <think> and </think>.
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_tokens=self.max_tokens, skip_special_tokens=False,
+                              stop_token_ids=list(stop_token_ids))
+
+    def with_(self, **changes) -> "GenerationSettings":
+        return replace(self, **changes)

@@ -1,0 +1,69 @@
+"""What the model panel shows, read once from a loaded ``AsyncLLM`` through its public attributes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEMO_NOTE = "random weights: output is noise"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    is_demo: bool
+    parameters: int | None
+    precision: str
+    num_gpus: int
+    device: str
+    experts: str
+    max_model_len: int | None
+    num_layers: int | None
+    num_routed_experts: int | None
+
+
+def model_info(llm, num_gpus: int) -> ModelInfo:
+    """Build the panel data; every attribute is optional so a partial engine still shows."""
+    config = llm.config
+    engine = getattr(llm, "engine", None)
+    device = str(getattr(engine, "device", "n/a"))
+    try:
+        params = sum(p.numel() for p in engine.model.parameters())
+    except Exception:  # an engine without a local model (remote ranks) simply has no count
+        params = None
+    return ModelInfo(
+        name=getattr(config, "name", "") or "model",
+        is_demo=bool(getattr(config, "is_demo", False)),
+        parameters=params,
+        precision=_precision(config, engine),
+        num_gpus=num_gpus if device.startswith("cuda") else 0,
+        device=device,
+        experts=_experts(getattr(engine, "placement", None), device),
+        max_model_len=getattr(engine, "max_model_len", None),
+        num_layers=getattr(config, "num_hidden_layers", None),
+        num_routed_experts=getattr(config, "n_routed_experts", None),
+    )
+
+
+def _precision(config, engine) -> str:
+    compute = str(getattr(engine, "dtype", "")).replace("torch.", "") or "n/a"
+    stored = getattr(config, "torch_dtype", None)
+    quant = getattr(config, "quantization", None)
+    parts = [f"compute {compute}"]
+    if stored:
+        parts.append(f"weights {stored}")
+    if quant is not None:
+        parts.append(f"quant {getattr(quant, 'method', quant)}")
+    return ", ".join(parts)
+
+
+def _experts(placement, device: str) -> str:
+    rows = getattr(placement, "expert_device", None)
+    if not rows:
+        return f"all on {device}"
+    where = [d for row in rows for d in row]
+    on_cpu = sum(1 for d in where if d < 0)
+    if on_cpu == 0:
+        return f"all on GPU ({len({d for d in where})} devices)"
+    if on_cpu == len(where):
+        return "all in host RAM (CPU)"
+    return f"{len(where) - on_cpu} on GPU, {on_cpu} in host RAM (CPU)"

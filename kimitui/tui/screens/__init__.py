@@ -1,0 +1,1 @@
+"""kimitui's screens: load, main, settings, help and chat history."""

@@ -1,0 +1,72 @@
+"""Throughput: decode tok/s (sparkline of the last 60 s + current), prefill tok/s, the last
+reply's TTFT / TPOT, queue depth and KV cache use. Fed by polling EngineStats."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Sparkline, Static
+
+from kimitui.tui.formatting import NA, ms, num, pct
+from kimitui.tui.messages import ReplyFinished
+
+WINDOW_S = 60.0
+POINT_EVERY_S = 1.0  # one sparkline point per second: 60 points across the window
+
+
+class ThroughputPanel(Vertical):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.clock = clock
+        self._points: deque[tuple[float, float]] = deque()
+        self._last_point = float("-inf")
+        self._stats = None
+        self._reply: ReplyFinished | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Static("decode n/a", id="decode-now", markup=False)
+        yield Sparkline([0.0], id="decode-spark")
+        yield Static("", id="throughput-body", markup=False)
+
+    def on_mount(self) -> None:
+        self.border_title = "throughput"
+        self._render_body()
+
+    def update_stats(self, stats) -> None:
+        """Take one EngineStats snapshot (None before the engine is up)."""
+        self._stats = stats
+        now = self.clock()
+        if stats is not None and now - self._last_point >= POINT_EVERY_S:
+            self._last_point = now
+            self._points.append((now, stats.decode_tokens_per_s))
+            while self._points and self._points[0][0] < now - WINDOW_S:
+                self._points.popleft()
+            # The sparkline auto-scales to min..max; a zero floor keeps an idle engine flat at the bottom.
+            self.query_one(Sparkline).data = [0.0] + [v for _, v in self._points]
+        self._render_body()
+
+    def update_reply(self, msg: ReplyFinished) -> None:
+        self._reply = msg
+        self._render_body()
+
+    def _render_body(self) -> None:
+        s, r = self._stats, self._reply
+        decode = num(s.decode_tokens_per_s, ".1f", "tok/s") if s else NA
+        peak = max((v for _, v in self._points), default=None)
+        self.query_one("#decode-now", Static).update(
+            f"decode {decode}   (60 s peak {num(peak, '.1f')})")
+        rate = (1.0 / r.tpot) if r is not None and r.tpot else None
+        lines = [
+            f"prefill      {num(s.prefill_tokens_per_s, '.1f', 'tok/s') if s else NA}",
+            f"last reply   TTFT {ms(r.ttft) if r else NA}  TPOT {ms(r.tpot) if r else NA}",
+            f"             {num(rate, '.1f', 'tok/s')}  {r.num_tokens if r else 0} tokens",
+            f"requests     {s.num_running if s else NA} running, {s.num_waiting if s else NA} waiting",
+            f"KV cache     {pct(s.kv_cache_usage, fraction=True) if s else NA} of "
+            f"{s.kv_cache_capacity_tokens if s else NA} tokens",
+            f"prefix hits  {pct(s.prefix_cache_hit_rate, fraction=True) if s else NA}",
+        ]
+        self.query_one("#throughput-body", Static).update("\n".join(lines))
