@@ -33,8 +33,9 @@ def _cpu_offload(value: str) -> str | int:
 
 
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", metavar="DIR", help="checkpoint directory (only config.json is read)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", metavar="DIR",
+                     help="checkpoint directory (only config.json is read; default: the built-in demo)")
     src.add_argument("--config", metavar="FILE", help="a config.json file")
     p.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs (any N; splits are uneven)")
     p.add_argument("--gpu-memory-gb", type=float, default=MI355X_MEMORY_GB, metavar="G",
@@ -82,7 +83,12 @@ def _emit(placement: Placement, as_json: bool, error: str | None = None) -> None
 def run(args: argparse.Namespace) -> int:
     """Print the placement; 0 fits, 1 does not fit, 2 bad input (one line on stderr)."""
     try:
-        config = ModelConfig.from_pretrained(args.model or args.config)
+        source = args.model or args.config
+        if source is None:
+            from engine.demo import ensure_demo_checkpoint
+
+            source = ensure_demo_checkpoint()
+        config = ModelConfig.from_pretrained(source)
     except ConfigError as e:
         return _fail(str(e))
     if args.gpus < 1:

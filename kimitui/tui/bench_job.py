@@ -1,0 +1,130 @@
+"""One benchmark run (or sweep) against the app's loaded engine, off the UI thread.
+
+The job runs kimitui.bench's ``run_benchmark`` / ``run_sweep`` on a worker thread with its own
+event loop: prompt building (a decode/re-encode round trip per prompt, like vLLM) and metric
+math then never stall a key press. AsyncLLM serves streams from any loop, so the chat and the
+benchmark share the one engine. Progress travels as coalescing messages; Cancel sets the
+benchmark's cancel event on the job's loop, which aborts the requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from textual.message import Message
+from textual.message_pump import MessagePump
+
+from kimitui.bench.clients import InProcessClient
+from kimitui.bench.runner import BenchmarkConfig, run_benchmark, run_sweep
+from kimitui.tui.bench_store import save_run
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BenchProgressed(Message):
+    """``phase`` is "preparing" (prompts, warm-ups) or "running"; ``point`` counts sweep points from 1."""
+
+    phase: str
+    done: int
+    total: int
+    elapsed_s: float
+    point: int
+    num_points: int
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, BenchProgressed)
+
+
+@dataclass
+class BenchFinished(Message):
+    """The run ended: ``results`` holds one result per point (one for a single run), ``sweep`` the
+    sweep summary (frontier, ladder) or None, ``saved`` the files written (cancelled points are
+    not saved), ``error`` a one-line reason when the run failed."""
+
+    results: list[dict[str, Any]] = field(default_factory=list)
+    sweep: dict[str, Any] | None = None
+    saved: list[Path] = field(default_factory=list)
+    cancelled: bool = False
+    error: str | None = None
+
+
+class BenchJob:
+    def __init__(self, config: BenchmarkConfig, llm: Any, model_name: str, sampler: Any,
+                 notify: MessagePump, save_dir: Path | None = None) -> None:
+        self.config = config
+        self.llm = llm
+        self.model_name = model_name
+        self.sampler = sampler
+        self.notify = notify
+        self.save_dir = save_dir
+        self.num_points = len(config.sweep_concurrency) or 1
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._cancel: asyncio.Event | None = None
+        self._cancel_requested = False
+        self._point = 0
+
+    def cancel(self) -> None:
+        """Thread-safe: stop issuing requests and abort those in flight."""
+        with self._lock:
+            self._cancel_requested = True
+            if self._loop is not None and self._cancel is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self._cancel.set)
+                except RuntimeError:  # the loop already closed: the run is over anyway
+                    pass
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self._cancel_requested
+
+    def run(self) -> None:
+        """Run to the end on the calling (worker) thread; always posts one BenchFinished."""
+        loop = asyncio.new_event_loop()
+        try:
+            finished = loop.run_until_complete(self._main(loop))
+        except Exception as e:  # noqa: BLE001 - shown on the screen; the traceback goes to the log
+            log.exception("benchmark failed")
+            finished = BenchFinished(cancelled=self._cancel_requested, error=f"{type(e).__name__}: {e}")
+        finally:
+            with self._lock:
+                self._loop = None
+            loop.close()
+        self.notify.post_message(finished)
+
+    async def _main(self, loop: asyncio.AbstractEventLoop) -> BenchFinished:
+        cancel = asyncio.Event()
+        with self._lock:
+            self._loop, self._cancel = loop, cancel
+            if self._cancel_requested:
+                cancel.set()
+        self._post("preparing", 0, self.config.num_prompts, 0.0)
+        cfg = self.config
+        # Text prompts like `kimitui bench`: the same seed builds the same token ids as a
+        # --base-url run against this checkpoint would.
+        client = InProcessClient(self.llm, model=self.model_name, temperature=cfg.temperature,
+                                 ignore_eos=cfg.ignore_eos, text_prompts=self.llm.tokenizer is not None)
+        tokenizer = self.llm.tokenizer
+        if cfg.sweep_concurrency:
+            sweep = await run_sweep(cfg, client, tokenizer, self.sampler, self._progress, cancel)
+            results = sweep["points"]
+        else:
+            sweep, results = None, [await run_benchmark(cfg, client, tokenizer, self.sampler,
+                                                        self._progress, cancel)]
+        saved = [save_run(r, self.save_dir) for r in results if not r.get("cancelled")]
+        return BenchFinished(results, sweep, saved, cancel.is_set())
+
+    def _progress(self, done: int, total: int, elapsed_s: float) -> None:
+        if done == 0:  # run_benchmark reports 0 once per point, after its warm-ups
+            self._point += 1
+        self._post("running", done, total, elapsed_s)
+
+    def _post(self, phase: str, done: int, total: int, elapsed_s: float) -> None:
+        self.notify.post_message(BenchProgressed(phase, done, total, elapsed_s, max(1, self._point),
+                                                 self.num_points))
