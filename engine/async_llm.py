@@ -13,6 +13,7 @@ from engine.args import EngineArgs
 from engine.engine import LLMEngine
 from engine.metrics import EngineStats
 from engine.outputs import RequestOutput
+from engine.parallel.workers import WorkerError
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,11 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    @property
+    def is_alive(self) -> bool:
+        """Whether the engine loop is running (False after shutdown or a fatal error)."""
+        return self._thread.is_alive() and not self._stop.is_set()
+
     def stats(self) -> EngineStats:
         """Snapshot taken by the engine thread after its latest step."""
         return self._stats
@@ -79,6 +85,7 @@ class AsyncLLM:
         self._stop.set()
         self._commands.put(("wake",))
         self._thread.join(timeout=30)
+        self.engine.shutdown()
 
     def __enter__(self):
         return self
@@ -109,6 +116,8 @@ class AsyncLLM:
             except Exception as e:  # a failed step must not take the server down
                 log.exception("engine step failed")
                 self._fail_all(e)
+                if isinstance(e, WorkerError):  # a lost rank cannot come back: stop for good
+                    self._stop.set()
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)

@@ -10,6 +10,9 @@ Quantised formats (kimi-model.md section 4):
 - MXFP4 (K3): uint8 bytes of 2 E2M1 codes, low nibble = even column, E8M0 scale per 32 columns.
 """
 
+import functools
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -110,8 +113,22 @@ def quantize_int4(w, group_size=32):
     return pack_int4(q), scale
 
 
+@functools.lru_cache(maxsize=8)
+def _int4_byte_table(device: torch.device) -> torch.Tensor:
+    # byte -> (low nibble - 8, high nibble - 8): one lookup decodes two columns  [256, 2]
+    b = torch.arange(256, dtype=torch.int32)
+    return torch.stack([(b & 15) - 8, (b >> 4) - 8], dim=-1).float().to(device)
+
+
 def dequant_int4(packed, scale, k, group_size=32, dtype=torch.float32):
     """Dequantise INT4 words ``[..., N, ceil(K/8)]`` with ``scale [..., N, ceil(K/g)]`` to ``[..., N, K]``."""
+    if packed.shape[-1] * 8 == k and k % group_size == 0 and group_size % 2 == 0 and sys.byteorder == "little":
+        # Fast path: read the words as bytes (little-endian: column 2i in the low nibble of byte i)
+        # and decode through a 256-entry table, then apply the group scales by broadcasting.
+        lead = packed.shape[:-1]
+        by = packed.contiguous().view(torch.uint8).reshape(-1, k // 2).to(torch.int32)
+        w = F.embedding(by, _int4_byte_table(packed.device)).view(*lead, k // group_size, group_size)
+        return (w * scale.float().unsqueeze(-1)).reshape(*lead, k).to(dtype)
     q = unpack_int4(packed, k).float()
     s = scale.float().repeat_interleave(group_size, dim=-1)[..., :k]
     return (q * s).to(dtype)

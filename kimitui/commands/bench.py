@@ -44,15 +44,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="headless benchmark (vllm bench serve flags and metrics)",
                               description=__doc__.splitlines()[0], epilog=_EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_arguments(p)
-    engine_dests = set(vars(_engine_defaults()))
-    for action in p._actions:  # argparse has no public way to reword or re-default a flag
+    add_engine_arguments(p, subcommand=True)
+    for action in p._actions:  # argparse has no public way to reword a flag
         if action.dest == "model":
             action.help, action.metavar = _MODEL_HELP, "DIR|NAME"
-        if action.dest in engine_dests:
-            # Engine flags are also accepted before `bench` (`kimitui --model X bench`); without
-            # SUPPRESS the subcommand's defaults would silently overwrite those values.
-            action.default = argparse.SUPPRESS
     g = p.add_argument_group("benchmark target")
     g.add_argument("--tokenizer", metavar="DIR", default=None,
                    help="with --base-url: checkpoint directory whose tokenizer builds the prompts")

@@ -15,7 +15,9 @@ def _cpu_offload(value: str) -> str | int:
     raise argparse.ArgumentTypeError(f"expected auto, none or a number of experts per layer, got {value!r}")
 
 
-def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = False) -> None:
+def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = False, subcommand: bool = False) -> None:
+    """``subcommand``: the flags are also accepted before the subcommand (``kimitui --model X serve``);
+    their defaults are suppressed here so argparse does not overwrite values given up front."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", metavar="DIR", default=None, required=model_required,
                    help="checkpoint directory (Kimi K2.x / DeepSeek-V3 safetensors); default: the built-in demo")
@@ -33,6 +35,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = Fals
     g.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N", help="cap the KV cache at N tokens")
     g.add_argument("--routing-stats", default=None, metavar="FILE",
                    help="tokens per expert per layer from an earlier run (JSON): hottest experts stay on the GPUs")
+    if subcommand:
+        for action in g._group_actions:  # argparse has no public way to re-default a group
+            action.default = argparse.SUPPRESS
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:

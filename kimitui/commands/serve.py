@@ -18,7 +18,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the ``serve`` subcommand on an ``argparse`` subparsers object."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
                               description=__doc__.splitlines()[0])
-    add_engine_arguments(p)
+    add_engine_arguments(p, subcommand=True)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine only)")
     g.add_argument("--port", type=int, default=8000, help="TCP port (default %(default)s; 0 picks a free one)")

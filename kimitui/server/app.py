@@ -43,9 +43,8 @@ async def list_models(request: Request) -> dict:
 
 
 async def health(request: Request) -> Response:
-    # The engine thread is private to AsyncLLM; a dead one means no request can ever finish.
-    thread = getattr(server_state(request).llm, "_thread", None)
-    if thread is not None and not thread.is_alive():
+    # A dead engine loop means no request can ever finish.
+    if not getattr(server_state(request).llm, "is_alive", True):
         return JSONResponse({"status": "engine stopped"}, status_code=503)
     return JSONResponse({"status": "ok"})
 

@@ -23,6 +23,14 @@ def check_supported(req: SamplingFields) -> None:
                               f"got {value}", param=name)
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by this server", param="logit_bias")
+    # Values that would overflow the int64 tensors of a batched step: caught here, because a
+    # failing step fails every request in the batch, not just this one.
+    for name, value, lo, hi in (("seed", req.seed, -2**63, 2**64 - 1), ("top_k", req.top_k, -1, 2**31),
+                                ("min_tokens", req.min_tokens, 0, 2**31)):
+        if value is not None and not lo <= value <= hi:
+            raise bad_request(f"{name} must be in {lo}..{hi}, got {value}", param=name)
+    if any(not 0 <= t < 2**63 for t in req.stop_token_ids or ()):
+        raise bad_request("stop_token_ids must be non-negative token ids", param="stop_token_ids")
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,

@@ -57,9 +57,11 @@ class ServerState:
 
     async def encode(self, text: str) -> list[int]:
         tok = self.require_tokenizer("text prompts")
-        if len(text) <= _INLINE_TOKENIZE_CHARS:
-            return tok.encode(text)
-        return await asyncio.to_thread(tok.encode, text)
+        try:
+            return await self.run_blocking(len(text), tok.encode, text)
+        except TypeError:  # the Rust tokenizer refuses strings holding lone surrogates ("\ud800")
+            raise bad_request("prompt is not valid Unicode text (it contains a lone surrogate)",
+                              param="prompt") from None
 
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> None:
         if not ids:

@@ -89,7 +89,7 @@ def default_form(cost: CostSettings | None = None) -> dict[str, str]:
         cost = cost or load_cost_settings()
     except ValueError:  # a broken settings.toml must not keep the screen from opening
         cost = CostSettings()
-    form = {"request_rate": "inf", "ignore_eos": "true", "seed": "0", "label": "",
+    form = {"preset": PRESETS[0].key, "request_rate": "inf", "ignore_eos": "true", "seed": "0", "label": "",
             "pricing_tiers": tiers_text(cost.tiers),
             "usd_per_kwh": "" if cost.usd_per_kwh is None else f"{cost.usd_per_kwh:g}"}
     form.update(preset_form(PRESETS[0], None)[0])

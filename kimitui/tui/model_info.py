@@ -37,7 +37,7 @@ def model_info(llm, num_gpus: int) -> ModelInfo:
         precision=_precision(config, engine),
         num_gpus=num_gpus if device.startswith("cuda") else 0,
         device=device,
-        experts=_experts(getattr(engine, "placement", None), device),
+        experts=_experts(getattr(engine, "expert_placement", None), device),
         max_model_len=getattr(engine, "max_model_len", None),
         num_layers=getattr(config, "num_hidden_layers", None),
         num_routed_experts=getattr(config, "n_routed_experts", None),
@@ -57,13 +57,16 @@ def _precision(config, engine) -> str:
 
 
 def _experts(placement, device: str) -> str:
-    rows = getattr(placement, "expert_device", None)
+    """``placement``: the engine's ``expert_placement`` rows ([layer][expert] -> rank, -1 = host RAM)."""
+    rows = placement if isinstance(placement, list) else getattr(placement, "expert_device", None)
     if not rows:
         return f"all on {device}"
     where = [d for row in rows for d in row]
     on_cpu = sum(1 for d in where if d < 0)
+    kind = "GPU" if device.startswith("cuda") else device
+    devices = len({d for d in where if d >= 0})
     if on_cpu == 0:
-        return f"all on GPU ({len({d for d in where})} devices)"
+        return f"all on {kind} ({devices} device{'s' if devices != 1 else ''})"
     if on_cpu == len(where):
         return "all in host RAM (CPU)"
-    return f"{len(where) - on_cpu} on GPU, {on_cpu} in host RAM (CPU)"
+    return f"{len(where) - on_cpu} on {kind}, {on_cpu} in host RAM (CPU)"

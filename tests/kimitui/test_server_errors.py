@@ -92,6 +92,9 @@ def test_validation_errors_name_the_field(url, path, body, field):
     ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"prompt": ""}, "prompt", "empty"),
     ({"prompt": [1, 999999]}, "prompt", "outside the vocabulary"),
+    ({"prompt": "\ud800"}, "prompt", "lone surrogate"),
+    ({"seed": 2**70}, "seed", "seed must be in"),  # would overflow the batch's int64 tensors
+    ({"top_k": 2**70}, "top_k", "top_k must be in"),
 ])
 def test_bad_parameter_values_are_400(url, body, field, words):
     r = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 2, **body})

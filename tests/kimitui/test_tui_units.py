@@ -101,6 +101,7 @@ def test_expert_placement_text():
     assert _experts(None, "cuda:0") == "all on cuda:0"
     assert _experts(SimpleNamespace(expert_device=((), (0, 1, -1, -1))), "cuda:0") == "2 on GPU, 2 in host RAM (CPU)"
     assert _experts(SimpleNamespace(expert_device=((0, 1),)), "cuda:0") == "all on GPU (2 devices)"
+    assert _experts([[], [0, 0, -1, -1, -1]], "cpu") == "2 on cpu, 3 in host RAM (CPU)"
 
 
 def test_info_command_prints_every_section_without_textual():

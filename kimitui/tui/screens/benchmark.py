@@ -38,7 +38,9 @@ class BenchmarkScreen(Screen):
         Binding("escape", "back", "Back to chat"),
         Binding("ctrl+r", "run", "Run"),
         Binding("ctrl+x", "cancel", "Cancel run"),
+        Binding("f6", "next_tab", "Next tab"),
     ]
+    TABS = ("tab-result", "tab-frontier", "tab-saved")
 
     def __init__(self) -> None:
         super().__init__(id="benchmark")
@@ -75,7 +77,8 @@ class BenchmarkScreen(Screen):
                 yield BenchProgress(id="bench-progress")
                 with TabbedContent(id="bench-tabs", initial="tab-result"):
                     with TabPane("Result", id="tab-result"):
-                        yield Static("", id="bench-result-note", markup=False)
+                        yield Static("No run yet: the result of the next run shows here.", id="bench-result-note",
+                                     markup=False)
                         yield ResultTable(id="bench-result")
                     with TabPane("Frontier", id="tab-frontier"):
                         yield FrontierPanel(id="bench-frontier")
@@ -85,7 +88,8 @@ class BenchmarkScreen(Screen):
 
     def on_mount(self) -> None:
         self.sub_title = "benchmark: vllm bench serve metrics against the loaded model"
-        self.query_one("#bench-left").border_title = "workload"
+        context = f" (context {self.max_model_len:,} tokens)" if self.max_model_len else ""
+        self.query_one("#bench-left").border_title = "workload" + context
         self.set_interval(LIVE_PERIOD_S, self._poll_live, name="bench-live")
         self.query_one("#bench-preset").focus()
 
@@ -137,6 +141,13 @@ class BenchmarkScreen(Screen):
         if self.job is not None and not self.job.cancel_requested:
             self.job.cancel()
             self.query_one(BenchProgress).finish("cancelling: aborting the requests in flight…")
+
+    def action_next_tab(self) -> None:
+        tabs = self.query_one(TabbedContent)
+        tabs.active = self.TABS[(self.TABS.index(tabs.active) + 1) % len(self.TABS)]
+        if tabs.active == "tab-saved":
+            # Space ticks runs straight away; the list can take focus once its pane is shown.
+            self.call_after_refresh(self.query_one("#bench-saved-list").focus)
 
     def action_back(self) -> None:
         if self.running:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
-from textual.widgets import Button, Input, Label, Select, Static, Switch
+from textual.widgets import Button, Input, Label, Checkbox, Select, Static
 
 from kimitui.tui.bench_setup import PRESETS, preset, preset_form
 
@@ -36,7 +36,7 @@ class BenchForm(Vertical):
     BenchForm #bench-preset { margin-bottom: 1; }
     BenchForm #bench-clip-note { color: $warning; height: auto; }
     BenchForm #bench-form-error { color: $error; height: auto; }
-    BenchForm #bench-buttons { height: 3; margin-top: 1; }
+    BenchForm #bench-buttons { height: 1; margin-top: 1; }
     BenchForm #bench-buttons Button { margin-right: 2; }
     """
 
@@ -46,23 +46,20 @@ class BenchForm(Vertical):
         self.max_model_len = max_model_len
 
     def compose(self) -> ComposeResult:
-        yield Select([(p.title, p.key) for p in PRESETS], prompt="preset…", id="bench-preset", compact=True)
+        yield Select([(p.title, p.key) for p in PRESETS], prompt="preset…", id="bench-preset", compact=True,
+                     value=self.initial.get("preset", Select.NULL), allow_blank=True)
         yield Static("", id="bench-clip-note", markup=False)
         for name, label, kind, placeholder in FIELDS:
             with Horizontal(classes="bench-field"):
                 yield Label(label)
                 yield Input(self.initial.get(name, ""), type=kind, placeholder=placeholder,
                             id=f"bench-{name}", compact=True)
-        with Horizontal(classes="bench-field"):
-            yield Label("ignore EOS")
-            yield Switch(self.initial.get("ignore_eos", "true") == "true", id="bench-ignore_eos", compact=True)
+        yield Checkbox("ignore EOS (exact output lengths, as vLLM)",
+                       self.initial.get("ignore_eos", "true") == "true", id="bench-ignore_eos", compact=True)
         yield Static("", id="bench-form-error", markup=False)
         with Horizontal(id="bench-buttons"):
-            yield Button("Run", variant="primary", id="bench-run")
-            yield Button("Cancel", variant="error", id="bench-cancel", disabled=True)
-
-    def on_mount(self) -> None:
-        self.border_title = "benchmark" + (f" (max_model_len {self.max_model_len:,})" if self.max_model_len else "")
+            yield Button("Run  ^R", variant="primary", id="bench-run", compact=True)
+            yield Button("Cancel  ^X", variant="error", id="bench-cancel", disabled=True, compact=True)
 
     def on_select_changed(self, event: Select.Changed) -> None:
         if event.select.id == "bench-preset" and event.value is not Select.NULL:
@@ -79,7 +76,7 @@ class BenchForm(Vertical):
 
     def values(self) -> dict[str, str]:
         form = {name: self.query_one(f"#bench-{name}", Input).value for name, *_ in FIELDS}
-        form["ignore_eos"] = "true" if self.query_one("#bench-ignore_eos", Switch).value else "false"
+        form["ignore_eos"] = "true" if self.query_one("#bench-ignore_eos", Checkbox).value else "false"
         return form
 
     def set_values(self, form: dict[str, str]) -> None:

@@ -20,6 +20,13 @@ def sample_power_w(sample) -> float | None:
     return sum(parts) if parts else None
 
 
+def seconds(value: float | None) -> str:
+    """Short runs in tenths (0.4s), long ones as 2m05s."""
+    if value is None:
+        return NA
+    return f"{value:.1f}s" if value < 10 else duration(value)
+
+
 def eta_s(done: int, total: int, elapsed_s: float) -> float | None:
     # Requests of one run are alike, so the mean time per finished request predicts the rest.
     if done <= 0 or elapsed_s <= 0:
@@ -57,7 +64,7 @@ class BenchProgress(Vertical):
         self.query_one(ProgressBar).update(total=total, progress=done)
         eta = eta_s(done, total, elapsed_s)
         self.query_one("#bench-counts", Static).update(
-            f"{done}/{total} requests   elapsed {duration(elapsed_s)}   ETA {duration(eta)}")
+            f"{done}/{total} requests   elapsed {seconds(elapsed_s)}   ETA {seconds(eta)}")
 
     def update_live(self, output_tok_s: float | None, power_w: float | None) -> None:
         self.query_one("#bench-live", Static).update(
