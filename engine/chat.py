@@ -149,6 +149,15 @@ def encode_chat(messages: list[dict], tokenizer, **render_kwargs: Any) -> list[i
     return ids
 
 
+def chat_reply_special_ids(tokenizer) -> list[int]:
+    """Special tokens a reply parser needs to see (thinking and tool-call tags); generate with
+    ``SamplingParams(skip_special_tokens=True, keep_special_token_ids=...)`` so other special
+    tokens (reserved slots, end markers) never reach the text."""
+    tags = (THINK_OPEN, THINK_CLOSE, *_SECTION_BEGINS, *_SECTION_ENDS, TOOL_CALL_BEGIN, TOOL_CALL_ARG, TOOL_CALL_END)
+    ids = [tokenizer.token_to_id(t) for t in dict.fromkeys(tags)]
+    return [i for i in ids if i is not None and i in tokenizer.special_ids]
+
+
 def chat_stop_token_ids(tokenizer) -> list[int]:
     """Ids that end an assistant turn: ``<|im_end|>`` first, then the tokenizer's EOS ids."""
     ids = [i for i in [tokenizer.token_to_id(IM_END)] if i is not None and i in tokenizer.special_ids]

@@ -161,7 +161,8 @@ class LLMEngine:
         if self.tokenizer is not None:
             from engine.tokenizer import IncrementalDetokenizer
 
-            detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
+            detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                                           keep_special_ids=params.keep_special_token_ids or ())
         req = _Request(seq, params, text, RequestMetrics(arrival_time=seq.arrival_time), detok)
         if params.logprobs is not None:
             req.logprobs = []

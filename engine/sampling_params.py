@@ -24,6 +24,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # special tokens kept in the text even with skip_special_tokens (chat: <think> and tool-call tags)
+    keep_special_token_ids: list[int] | None = None
     n: int = 1
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 

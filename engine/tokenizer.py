@@ -317,12 +317,13 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None,
-                 skip_special_tokens: bool = False):
+                 skip_special_tokens: bool = False, keep_special_ids: Iterable[int] = ()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.text = ""
         self._bytes = tokenizer._token_bytes
-        self._skip = tokenizer.special_ids if skip_special_tokens else frozenset()
+        # ``keep_special_ids`` stay in the text even when special tokens are skipped (byte-level path)
+        self._skip = tokenizer.special_ids - frozenset(keep_special_ids) if skip_special_tokens else frozenset()
         if self._bytes is not None:
             self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         else:

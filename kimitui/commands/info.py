@@ -14,6 +14,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the ``info`` subcommand on an ``argparse`` subparsers object."""
     p = subparsers.add_parser("info", help="detected devices, telemetry backends, versions",
                               description=__doc__.splitlines()[0])
+    p.add_argument("--model", metavar="DIR", default=argparse.SUPPRESS,
+                   help="also show where this checkpoint's experts would live (config.json only)")
+    p.add_argument("--gpus", type=int, default=argparse.SUPPRESS, metavar="N", help="devices for the placement")
+    p.add_argument("--cpu-offload", default=argparse.SUPPRESS, metavar="auto|none|N")
+    p.add_argument("--gpu-memory-gb", type=float, default=argparse.SUPPRESS, metavar="G")
     p.set_defaults(func=run)
     return p
 
@@ -80,12 +85,31 @@ def demo_lines() -> list[str]:
     return [f"{path}  ({'present' if there else 'not written yet: created on first use, about 4 s'})"]
 
 
+def placement_lines(args: argparse.Namespace) -> list[str]:
+    """The planner's placement for --model on --gpus devices (what the engine would build)."""
+    from engine.config import ConfigError, ModelConfig
+    from engine.offload.planner import PlacementError, plan_placement
+
+    gpus = getattr(args, "gpus", None) or 1
+    memory = getattr(args, "gpu_memory_gb", None) or 288.0
+    offload = getattr(args, "cpu_offload", None) or "auto"
+    offload = int(offload) if isinstance(offload, str) and offload.isdigit() else offload
+    try:
+        config = ModelConfig.from_pretrained(args.model)
+        plan = plan_placement(config, gpus, int(memory * 2**30), config.max_position_embeddings, 1, offload)
+    except (ConfigError, PlacementError, ValueError) as e:
+        return [f"n/a: {e}"]
+    return plan.summary_lines()
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the report; always 0 (an unavailable backend is information, not an error)."""
     from kimitui.telemetry import describe_backends
 
     sections = [("devices", device_lines()), ("telemetry backends", describe_backends()),
                 ("versions", version_lines()), ("demo checkpoint", demo_lines())]
+    if getattr(args, "model", None):
+        sections.append(("expert placement", placement_lines(args)))
     for i, (title, lines) in enumerate(sections):
         print(("\n" if i else "") + title)
         for line in lines:

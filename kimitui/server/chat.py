@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine import RequestOutput, SamplingParams
-from engine.chat import THINK_OPEN, ReplyStreamParser, StreamDelta, ToolCall, chat_stop_token_ids, encode_chat
+from engine.chat import THINK_OPEN, ReplyStreamParser, StreamDelta, ToolCall, chat_reply_special_ids, chat_stop_token_ids, encode_chat
 from kimitui.server.body import read_body
 from kimitui.server.errors import bad_request, engine_error, error_body
 from kimitui.server.logprobs import TokenText, chat_logprobs
@@ -97,10 +97,10 @@ async def _prepare(state: ServerState, req: ChatCompletionRequest) -> _Chat:
                         else (req.max_tokens, "max_tokens"))
     max_tokens = resolve_max_tokens(requested, len(ids), state.max_model_len, param)
     k = (req.top_logprobs or 0) if req.logprobs else None
-    # Special tokens stay in the text: the reply parser needs <think>, tool-call and end tags.
+    # The reply parser needs the <think> and tool-call tags; other special tokens are dropped.
     params = build_sampling_params(req, max_tokens=max_tokens, logprobs=k,
-                                   extra_stop_token_ids=chat_stop_token_ids(tok), skip_special_tokens=False,
-                                   logprobs_param="top_logprobs")
+                                   extra_stop_token_ids=chat_stop_token_ids(tok), skip_special_tokens=True,
+                                   logprobs_param="top_logprobs", keep_special_token_ids=chat_reply_special_ids(tok))
     think_id = tok.token_to_id(THINK_OPEN)
     return _Chat(ids, params, think_id is not None and ids[-1] == think_id, report_tools, k)
 

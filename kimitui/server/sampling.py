@@ -51,7 +51,8 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
 
 def build_sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
                           prompt_logprobs: int | None = None, extra_stop_token_ids: list[int] = (),
-                          skip_special_tokens: bool = True, logprobs_param: str = "logprobs") -> SamplingParams:
+                          skip_special_tokens: bool = True, logprobs_param: str = "logprobs",
+                          keep_special_token_ids: list[int] | None = None) -> SamplingParams:
     stop_ids = list(req.stop_token_ids or [])
     stop_ids += [t for t in extra_stop_token_ids if t not in stop_ids]
     try:
@@ -68,6 +69,7 @@ def build_sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=skip_special_tokens,
+            keep_special_token_ids=keep_special_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output,
         )
     except ValueError as e:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,9 @@ from textual.message import Message
 from textual.message_pump import MessagePump
 
 from kimitui.bench.clients import InProcessClient
-from kimitui.bench.runner import BenchmarkConfig, run_benchmark, run_sweep
+from kimitui.bench.cost import usd_per_mtok
+from kimitui.bench.runner import BenchmarkConfig, run_benchmark
+from kimitui.bench.sweep import frontier, ladder, point_from_result
 from kimitui.tui.bench_store import save_run
 
 log = logging.getLogger(__name__)
@@ -67,16 +69,19 @@ class BenchJob:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cancel: asyncio.Event | None = None
+        self._task: asyncio.Future | None = None
         self._cancel_requested = False
+        self._dispatching = False
         self._point = 0
+        self._results: list[dict[str, Any]] = []
 
     def cancel(self) -> None:
         """Thread-safe: stop issuing requests and abort those in flight."""
         with self._lock:
             self._cancel_requested = True
-            if self._loop is not None and self._cancel is not None:
+            if self._loop is not None:
                 try:
-                    self._loop.call_soon_threadsafe(self._cancel.set)
+                    self._loop.call_soon_threadsafe(self._on_cancel)
                 except RuntimeError:  # the loop already closed: the run is over anyway
                     pass
 
@@ -98,33 +103,73 @@ class BenchJob:
             loop.close()
         self.notify.post_message(finished)
 
+    def _on_cancel(self) -> None:
+        # In the timed window the cancel event ends the point with the requests that finished.
+        # Prompt building and warm-ups do not watch that event, so there the task itself is
+        # cancelled: the client's CancelledError path aborts the warm-up requests.
+        self._cancel.set()
+        if not self._dispatching and self._task is not None:
+            self._task.cancel()
+
     async def _main(self, loop: asyncio.AbstractEventLoop) -> BenchFinished:
-        cancel = asyncio.Event()
+        self._cancel = asyncio.Event()
+        self._task = asyncio.ensure_future(self._points())
         with self._lock:
-            self._loop, self._cancel = loop, cancel
+            self._loop = loop
             if self._cancel_requested:
-                cancel.set()
-        self._post("preparing", 0, self.config.num_prompts, 0.0)
+                self._on_cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        results = self._results
+        sweep = sweep_summary(results, self.config, self._cancel.is_set()) if self.config.sweep_concurrency else None
+        saved = [save_run(r, self.save_dir) for r in results if not r.get("cancelled")]
+        return BenchFinished(results, sweep, saved, self._cancel.is_set())
+
+    async def _points(self) -> None:
         cfg = self.config
         # Text prompts like `kimitui bench`: the same seed builds the same token ids as a
         # --base-url run against this checkpoint would.
         client = InProcessClient(self.llm, model=self.model_name, temperature=cfg.temperature,
                                  ignore_eos=cfg.ignore_eos, text_prompts=self.llm.tokenizer is not None)
-        tokenizer = self.llm.tokenizer
-        if cfg.sweep_concurrency:
-            sweep = await run_sweep(cfg, client, tokenizer, self.sampler, self._progress, cancel)
-            results = sweep["points"]
-        else:
-            sweep, results = None, [await run_benchmark(cfg, client, tokenizer, self.sampler,
-                                                        self._progress, cancel)]
-        saved = [save_run(r, self.save_dir) for r in results if not r.get("cancelled")]
-        return BenchFinished(results, sweep, saved, cancel.is_set())
+        # One run_benchmark per sweep level, as run_sweep does, but kept here so the points
+        # finished before a cancel survive (run_sweep only returns at the end).
+        levels = cfg.sweep_concurrency or (cfg.max_concurrency,)
+        for c in levels:
+            if self._cancel.is_set():
+                break
+            self._point += 1
+            self._dispatching = False
+            self._post("preparing", 0, cfg.num_prompts, 0.0)
+            point_cfg = replace(cfg, max_concurrency=c, sweep_concurrency=())
+            self._results.append(await run_benchmark(point_cfg, client, self.llm.tokenizer, self.sampler,
+                                                     self._progress, self._cancel))
+            self._dispatching = False
 
     def _progress(self, done: int, total: int, elapsed_s: float) -> None:
-        if done == 0:  # run_benchmark reports 0 once per point, after its warm-ups
-            self._point += 1
+        self._dispatching = True  # run_benchmark reports 0 done once its warm-ups are over
         self._post("running", done, total, elapsed_s)
 
     def _post(self, phase: str, done: int, total: int, elapsed_s: float) -> None:
         self.notify.post_message(BenchProgressed(phase, done, total, elapsed_s, max(1, self._point),
                                                  self.num_points))
+
+
+def sweep_summary(points: list[dict[str, Any]], config: BenchmarkConfig, cancelled: bool) -> dict[str, Any]:
+    """``run_sweep``'s summary (frontier, ladder, ladder $/M tokens) over the points measured;
+    a point cut short by Cancel measured too little to sit on the frontier."""
+    whole = [p for p in points if not p.get("cancelled")]
+    front = frontier(p for p in map(point_from_result, whole) if p is not None)
+    values = ladder(front)
+    return {
+        "points": points,
+        "frontier": [asdict(p) for p in front],
+        "ladder": values,
+        "ladder_cost_per_mtok": {
+            target: None if tput is None else
+            {t.name: usd_per_mtok(t.usd_per_gpu_hour, tput) for t in config.pricing_tiers}
+            for target, tput in values.items()
+        },
+        "cancelled": cancelled,
+    }

@@ -20,7 +20,7 @@ from textual.app import App
 from textual.message_pump import MessagePump
 
 from engine import AsyncLLM, EngineArgs
-from engine.chat import ReplyStreamParser, chat_stop_token_ids, encode_chat
+from engine.chat import ReplyStreamParser, chat_reply_special_ids, chat_stop_token_ids, encode_chat
 from kimitui.tui.chat_session import Chat
 from kimitui.tui.gen_settings import GenerationSettings
 from kimitui.tui.messages import EngineFailed, EngineReady, LoadProgressed, ReplyFinished
@@ -58,6 +58,7 @@ class EngineBridge:
         self.reply: ReplyState | None = None
         self._reply_worker = None
         self._stop_ids: list[int] = []
+        self._keep_ids: list[int] = []
 
     # -- loading -------------------------------------------------------------------------
     def load(self, notify: MessagePump | None = None) -> None:
@@ -81,6 +82,7 @@ class EngineBridge:
             llm = self.engine_factory(self.engine_args, progress)
             info = model_info(llm, self.engine_args.tensor_parallel_size)
             self._stop_ids = chat_stop_token_ids(llm.tokenizer) if llm.tokenizer is not None else []
+            self._keep_ids = chat_reply_special_ids(llm.tokenizer) if llm.tokenizer is not None else []
         except Exception as e:  # shown on the load screen; the traceback goes to the log
             log.exception("loading the model failed")
             notify.post_message(EngineFailed(f"{type(e).__name__}: {e}"))
@@ -128,7 +130,7 @@ class EngineBridge:
     async def _stream(self, state: ReplyState, ids: list[int], settings: GenerationSettings,
                       notify: MessagePump) -> None:
         parser = ReplyStreamParser(started_in_thinking=settings.thinking)
-        params = settings.sampling_params(self._stop_ids)
+        params = settings.sampling_params(self._stop_ids, self._keep_ids)
         seen, metrics, finish, error = 0, None, None, None
         try:
             async for out in self.llm.generate({"prompt_token_ids": ids}, params, f"tui-{uuid.uuid4().hex[:12]}"):

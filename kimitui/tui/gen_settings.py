@@ -21,11 +21,11 @@ class GenerationSettings:
     def __post_init__(self) -> None:
         self.sampling_params([])  # SamplingParams owns the range checks and their messages
 
-    def sampling_params(self, stop_token_ids: list[int]) -> SamplingParams:
-        # Special tokens stay in the text so ReplyStreamParser can see <think> and </think>.
+    def sampling_params(self, stop_token_ids: list[int], keep_special_ids: list[int] = ()) -> SamplingParams:
+        # Only the tags ReplyStreamParser needs (<think>, tool calls) stay in the text.
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_tokens=self.max_tokens, skip_special_tokens=False,
-                              stop_token_ids=list(stop_token_ids))
+                              max_tokens=self.max_tokens, skip_special_tokens=True,
+                              keep_special_token_ids=list(keep_special_ids), stop_token_ids=list(stop_token_ids))
 
     def with_(self, **changes) -> "GenerationSettings":
         return replace(self, **changes)

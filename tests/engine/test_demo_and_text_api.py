@@ -94,3 +94,17 @@ def test_text_prompt_without_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(PromptError, match="no tokenizer files"):
         llm.generate("hello")
     assert llm.generate([1, 2, 3], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_chat_keeps_only_reply_tags_among_special_tokens(demo_llm):
+    from engine.chat import chat_reply_special_ids
+    from engine.tokenizer import IncrementalDetokenizer
+
+    tok = demo_llm.get_tokenizer()
+    keep = chat_reply_special_ids(tok)
+    think, reserved = tok.token_to_id("<think>"), max(tok.special_ids)
+    assert think in keep and reserved not in keep
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=True, keep_special_ids=keep)
+    hello = tok.encode("hello")
+    text = detok.add([think, *hello, reserved]) + detok.flush()
+    assert text == "<think>hello"

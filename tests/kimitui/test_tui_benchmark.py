@@ -15,11 +15,11 @@ from kimitui.tui.bench_store import list_runs, runs_dir
 from kimitui.tui.gen_settings import GenerationSettings
 from kimitui.tui.screens.benchmark import BenchmarkScreen
 from kimitui.tui.widgets.bench_form import BenchForm
-from kimitui.tui.widgets.bench_frontier import FrontierPanel
+from kimitui.tui.widgets.bench_frontier import FrontierPanel, char_plot
 from kimitui.tui.widgets.bench_saved import SavedRuns
 from kimitui.tui.widgets.bench_tables import ComparisonTable, ResultTable
 from kimitui.tui.widgets.prompt_input import PromptInput
-from tests.kimitui.tui_fakes import SharedLLM, screen_text, wait_for
+from tests.kimitui.tui_fakes import FakeSampler, SharedLLM, sample, screen_text, wait_for
 
 ARGS = EngineArgs(max_model_len=1024, kv_cache_tokens=4096, device="cpu", max_num_seqs=4)
 SIZE = (180, 50)
@@ -68,7 +68,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_tiny_run_shows_results_and_is_saved(llm):
+def test_tiny_run_shows_results_and_is_saved(llm, data_home):
     async def scenario():
         app = make_app(llm)
         async with app.run_test(size=SIZE) as pilot:
@@ -84,18 +84,12 @@ def test_tiny_run_shows_results_and_is_saved(llm):
             assert "n/a" in table  # no telemetry sampler: power and energy are n/a, not invented
             runs = list_runs()
             assert len(runs) == 1 and runs[0].result["completed"] == 4
-            assert runs[0].path.parent == runs_dir() and runs_dir().is_relative_to(str(app_data()))
+            assert runs[0].path.parent == runs_dir() == data_home / "data" / "kimitui" / "bench"
             saved = json.loads(runs[0].path.read_text())
             assert saved["total_output_tokens"] == 32 and saved["label"] == "tiny"
             assert "tiny" in screen_saved_text(screen)
 
     run(scenario())
-
-
-def app_data():
-    import os
-
-    return os.environ["XDG_DATA_HOME"]
 
 
 def screen_saved_text(screen) -> str:
@@ -135,6 +129,13 @@ def test_cancel_mid_run_then_chat_answers(llm):
             await pilot.pause(0.1)
             assert "cancelled" in str(screen.query_one("#bench-status").render())
             assert list_runs() == []  # a cancelled run is not a finished run
+            # Warm-ups do not watch the cancel event: Cancel must still stop them at once.
+            screen.query_one(BenchForm).set_values({**TINY, "output_len": "400", "num_warmups": "4"})
+            await pilot.press("ctrl+r")
+            await wait_for(pilot, lambda: llm.stats().num_running > 0)
+            await pilot.press("ctrl+x")
+            await wait_for(pilot, lambda: not screen.running, timeout=10)
+            assert list_runs() == []
             await wait_for(pilot, lambda: llm.stats().num_running == 0 and llm.stats().num_waiting == 0, timeout=10)
             await pilot.press("escape")
             await wait_for(pilot, lambda: app.screen.id == "main")
@@ -198,7 +199,8 @@ def test_form_validation_names_the_field():
     form = default_form()
     form.update(preset_form(preset("ix-1k1k"), 4096)[0])
     config = config_from_form(form, max_model_len=4096)
-    assert (config.random_input_len, config.num_prompts, config.max_concurrency, config.num_warmups) == (1024, 160, 16, 32)
+    shape = (config.random_input_len, config.num_prompts, config.max_concurrency, config.num_warmups)
+    assert shape == (1024, 160, 16, 32)
     assert config.percentile_metrics == ("ttft", "tpot", "itl", "e2el")
     with pytest.raises(ValueError, match="num prompts"):
         config_from_form({**form, "num_prompts": "many"}, max_model_len=4096)
@@ -206,4 +208,24 @@ def test_form_validation_names_the_field():
         config_from_form({**form, "sweep": "1,x"}, max_model_len=4096)
     with pytest.raises(ValueError, match="pricing-tier"):
         config_from_form({**form, "pricing_tiers": "cheap"}, max_model_len=4096)
-    assert config_from_form({**form, "pricing_tiers": "a=1, b=2.5"}, max_model_len=None).pricing_tiers[1].usd_per_gpu_hour == 2.5
+    tiers = config_from_form({**form, "pricing_tiers": "a=1, b=2.5"}, max_model_len=None).pricing_tiers
+    assert [(t.name, t.usd_per_gpu_hour) for t in tiers] == [("a", 1.0), ("b", 2.5)]
+
+
+def test_char_plot_fallback_marks_points_and_front():
+    text = char_plot([(10.0, 500.0, "c1"), (5.0, 800.0, "c2"), (4.0, 300.0, "c4")],
+                     [(5.0, 800.0), (10.0, 500.0)], width=40, height=10)
+    assert "●c1" in text and "●c2" in text and "○c4" in text
+    assert "tok/s per GPU" in text and "tok/s per user" in text and "·" in text
+
+
+def test_live_power_comes_from_the_app_sampler(llm):
+    async def scenario():
+        app = KimiApp(ARGS, engine_factory=lambda args, progress: llm, sampler=FakeSampler([sample(1000.0, 5000.0)]))
+        async with app.run_test(size=SIZE) as pilot:
+            screen = await open_bench(app, pilot)
+            await pilot.pause(0.6)  # one live poll
+            # Three MI355X read 1100 + 1110 + 1120 W; the fourth has no power reading and adds nothing.
+            assert "power 3330 W" in str(screen.query_one("#bench-live").render())
+
+    run(scenario())

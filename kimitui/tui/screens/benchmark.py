@@ -188,7 +188,8 @@ class BenchmarkScreen(Screen):
         self.query_one(ResultTable).show(msg.results)
         notes = [n for n in {r.get("notes") for r in msg.results} if n]
         if msg.cancelled:
-            notes.insert(0, "cancelled: the numbers cover the requests that finished; not saved")
+            notes.insert(0, "cancelled: the numbers cover the requests that finished; not saved" if msg.results
+                         else "cancelled before the timed window started: nothing was measured")
         self.query_one("#bench-result-note", Static).update("\n".join(notes))
         tabs = self.query_one(TabbedContent)
         if msg.sweep is not None:
