@@ -69,9 +69,11 @@ def run_transformers(path: Path, batch: list[list[int]]) -> float:
     model = DeepseekV3ForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
     ids = torch.tensor(batch)
     with torch.inference_mode():
-        model.generate(ids[:1, :16], max_new_tokens=2, do_sample=False)  # warm-up
+        mask = torch.ones_like(ids)  # equal-length prompts: no padding
+        model.generate(ids[:1, :16], attention_mask=mask[:1, :16], max_new_tokens=2, do_sample=False)  # warm-up
         t = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             do_sample=False, pad_token_id=0)
         dt = time.perf_counter() - t
     assert out.shape[1] == PROMPT_LEN + NEW_TOKENS
     del model

@@ -62,6 +62,10 @@ class LLMEngine:
         self.model_dir = Path(_resolve_model(args.model))
         self.config = ModelConfig.from_pretrained(self.model_dir)
         self.device = args.resolve_device()
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", 0)  # rank 0 of a tensor-parallel group is GPU 0
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL collectives run on the current device
         self.dtype = args.resolve_dtype(self.device, self.config.torch_dtype)
         self.max_model_len = min(args.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)

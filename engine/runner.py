@@ -33,8 +33,6 @@ class StepInputs:
     """Everything a rank needs to run one step; plain Python so it pickles to workers."""
 
     ids: list[int]
-    positions: list[int]
-    slots: list[int]
     num_decodes: int
     decode_tables: list[list[int]]
     decode_lens: list[int]
@@ -74,15 +72,12 @@ class ModelRunner:
         return self._sample(order, out.scheduled, inputs, sample_logits, prompt_logits)
 
     def prepare(self, order: list[ScheduledSeq]) -> StepInputs:
-        inp = StepInputs([], [], [], 0, [], [], [], [])
-        bs = self.block_size
+        inp = StepInputs([], 0, [], [], [], [])
         for s in order:
             seq = s.seq
             row = len(inp.ids)
             inp.ids.extend(seq.tokens_in_range(s.start, s.end))
-            inp.positions.extend(range(s.start, s.end))
             table = seq.block_table
-            inp.slots.extend(table[i // bs] * bs + i % bs for i in range(s.start, s.end))
             if s.is_prefill:
                 inp.prefills.append((row, row + s.num_new_tokens, s.end, list(table)))
                 k = getattr(seq.sampling_params, "prompt_logprobs", None)
@@ -103,19 +98,26 @@ class ModelRunner:
     def forward_step(self, inp: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """Run the model on ``inp``; every rank calls this with the same inputs. Returns fp32 logits
         of the rows to sample and of each prompt-logprob span."""
-        meta = AttentionMetadata(
-            positions=self._tensor(inp.positions, torch.int64),
-            slot_mapping=self._tensor(inp.slots, torch.int64),
-            block_size=self.block_size,
-            num_decode_tokens=inp.num_decodes,
-            prefills=[PrefillChunk(a, b, n, self._tensor(t, torch.int32)) for a, b, n, t in inp.prefills],
-        )
+        bs = self.block_size
+        chunks = [PrefillChunk(a, b, n, self._tensor(t, torch.int32)) for a, b, n, t in inp.prefills]
+        positions, slots = [], []  # built on the device from block tables: no per-token Python
+        meta = AttentionMetadata(positions=None, slot_mapping=None, block_size=bs,
+                                 num_decode_tokens=inp.num_decodes, prefills=chunks)
         if inp.num_decodes:
             width = max(len(t) for t in inp.decode_tables)
             table = [t + [0] * (width - len(t)) for t in inp.decode_tables]
             meta.decode_block_tables = torch.tensor(table, dtype=torch.int32).to(self.device, non_blocking=True)
             meta.decode_context_lens = self._tensor(inp.decode_lens, torch.int32)
             meta.decode_max_context_len = max(inp.decode_lens)
+            pos = meta.decode_context_lens.long() - 1  # [D] each decode writes its newest token
+            rows = torch.arange(inp.num_decodes, device=self.device)
+            positions.append(pos)
+            slots.append(meta.decode_block_tables[rows, pos // bs].long() * bs + pos % bs)
+        for c in chunks:
+            pos = torch.arange(c.context_len - (c.end - c.start), c.context_len, device=self.device)
+            positions.append(pos)
+            slots.append(c.block_table[pos // bs].long() * bs + pos % bs)
+        meta.positions, meta.slot_mapping = torch.cat(positions), torch.cat(slots)
         hidden = self.model(self._tensor(inp.ids, torch.int64), meta, self.kv_caches)
         prompt_logits = [self.model.compute_logits(hidden[sp.row: sp.row + sp.num_rows]) for sp in inp.prompt_spans]
         if not inp.sample_rows:

@@ -17,7 +17,7 @@ KEYS = [
     ("F2", "settings: temperature, top-p, top-k, max tokens, thinking, system prompt"),
     ("Ctrl+T", "thinking on/off"),
     ("F4", "next theme (the choice is saved)"),
-    ("F5", "benchmark screen (when installed)"),
+    ("F5", "benchmark screen: presets, sweeps, saved runs (there: Ctrl+R run, Ctrl+X cancel, F6 next tab, Esc back)"),
     ("Ctrl+P", "command palette: every action, themes"),
     ("F1", "this help"),
     ("Ctrl+Q", "quit"),
