@@ -7,11 +7,11 @@ quantised. fp8 loads work under TRITON_INTERPRET=1 (kernels.md 5.2 lists fp8 dot
 Reference: ``reference.linear_fp8_block``.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels._checks import check_device, interpreting
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -55,16 +55,6 @@ def _fp8_block_gemm_kernel(
     )
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
-
-
-def _check_device(*tensors: torch.Tensor) -> None:
-    device = tensors[0].device
-    if any(t.device != device for t in tensors):
-        raise ValueError(f"all tensors must be on one device, got {[str(t.device) for t in tensors]}")
-    if device.type != "cuda" and not _interpreting():
-        raise ValueError(f"Triton kernels need a CUDA/ROCm tensor (or TRITON_INTERPRET=1), got {device}")
 
 
 def fp8_block_gemm(
@@ -88,7 +78,7 @@ def fp8_block_gemm(
         raise ValueError(f"scale_inv must be fp32 {list(expected)}, got {tuple(scale_inv.shape)} {scale_inv.dtype}")
     if not (w_fp8.is_contiguous() and scale_inv.is_contiguous()):
         raise ValueError("w_fp8 and scale_inv must be contiguous")
-    _check_device(x, w_fp8, scale_inv)
+    check_device(x, w_fp8, scale_inv)
 
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64

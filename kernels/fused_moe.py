@@ -8,11 +8,11 @@ summed in PyTorch. Dense weights (``fused_moe``) and compressed-tensors INT4 (``
 share one kernel. Reference: ``reference.moe_experts_reference`` / ``..._w4a16``.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels._checks import check_device, interpreting
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -122,9 +122,6 @@ def _fused_moe_kernel(
     )
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
-
 
 def _check_routing(x, topk_ids, topk_weights):
     if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
@@ -140,7 +137,7 @@ def _check_routing(x, topk_ids, topk_weights):
 def _check_placement(x, *tensors):
     if any(t.device != x.device for t in tensors):
         raise ValueError(f"all tensors must be on one device, got {[str(t.device) for t in (x, *tensors)]}")
-    if x.device.type != "cuda" and not _interpreting():
+    if x.device.type != "cuda" and not interpreting():
         raise ValueError(f"Triton kernels need a CUDA/ROCm tensor (or TRITON_INTERPRET=1), got {x.device}")
     if not all(w.is_contiguous() for w in tensors[2:]):
         raise ValueError("expert weights and scales must be contiguous")

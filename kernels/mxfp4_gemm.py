@@ -5,11 +5,11 @@ Weight layout (kimi-model.md 4.3): ``packed`` uint8 [N, K/2], low nibble = even 
 code path for the interpreter, Hopper (no FP4 units) and CDNA3. Reference: ``reference.linear_mxfp4``.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels._checks import check_device, interpreting
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MXFP4_BLOCK = 32
@@ -67,16 +67,6 @@ def _mxfp4_gemm_kernel(
     )
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
-
-
-def _check_device(*tensors: torch.Tensor) -> None:
-    device = tensors[0].device
-    if any(t.device != device for t in tensors):
-        raise ValueError(f"all tensors must be on one device, got {[str(t.device) for t in tensors]}")
-    if device.type != "cuda" and not _interpreting():
-        raise ValueError(f"Triton kernels need a CUDA/ROCm tensor (or TRITON_INTERPRET=1), got {device}")
 
 
 def mxfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -98,7 +88,7 @@ def mxfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> to
         )
     if not (packed.is_contiguous() and scale.is_contiguous()):
         raise ValueError("packed and scale must be contiguous")
-    _check_device(x, packed, scale)
+    check_device(x, packed, scale)
 
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64

@@ -4,11 +4,11 @@ Normalise in fp32, cast to the input dtype, then multiply by the weight: roundin
 before the weight multiply is what HF ``DeepseekV3RMSNorm`` does, and it changes the last bit.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels._checks import check_device, interpreting
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -25,9 +25,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, stride_x, stride_o, eps, BLOCK: t
     tl.store(out_ptr + row * stride_o + offs, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim of ``x [..., H]`` with ``weight [H]``.
@@ -43,7 +40,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
         raise ValueError("weight must be contiguous")
     if x.device != weight.device:
         raise ValueError(f"x and weight must share a device, got {x.device} and {weight.device}")
-    if x.device.type != "cuda" and not _interpreting():
+    if x.device.type != "cuda" and not interpreting():
         raise ValueError(f"Triton kernels need a CUDA/ROCm tensor (or TRITON_INTERPRET=1), got {x.device}")
     block = triton.next_power_of_2(h)
     if block > 65536:

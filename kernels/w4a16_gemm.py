@@ -4,11 +4,11 @@ Weight layout (kimi-model.md 4.2): ``packed`` int32 [N, ceil(K/8)], column k in 
 bits 4*(k % 8), offset-8; ``scale`` [N, ceil(K/group_size)]. Reference: ``reference.linear_w4a16``.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels._checks import check_device, interpreting
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -55,16 +55,6 @@ def _w4a16_gemm_kernel(
     )
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
-
-
-def _check_device(*tensors: torch.Tensor) -> None:
-    device = tensors[0].device
-    if any(t.device != device for t in tensors):
-        raise ValueError(f"all tensors must be on one device, got {[str(t.device) for t in tensors]}")
-    if device.type != "cuda" and not _interpreting():
-        raise ValueError(f"Triton kernels need a CUDA/ROCm tensor (or TRITON_INTERPRET=1), got {device}")
 
 
 def _block_m(m: int) -> int:
@@ -92,7 +82,7 @@ def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group
         raise ValueError(f"scale must be float [N={n}, ceil(K/g)={groups}], got {tuple(scale.shape)} {scale.dtype}")
     if not (packed.is_contiguous() and scale.is_contiguous()):
         raise ValueError("packed and scale must be contiguous")
-    _check_device(x, packed, scale)
+    check_device(x, packed, scale)
 
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m, block_n, block_k = _block_m(m), 64, 64
