@@ -23,7 +23,7 @@ from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.pool import KVCachePool, MLACacheSpec, num_blocks_for_budget
 from engine.loader import LoadProgress, load_model
 from engine.metrics import EngineStats, ThroughputWindow
-from engine.offload.placement import expert_placement_for
+from engine.offload.placement import device_reserve_bytes, expert_placement_for
 from engine.parallel.state import SINGLE
 from engine.parallel.workers import WorkerGroup, WorkerSpec, broadcast_object, free_port, init_rank
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -135,13 +135,14 @@ class LLMEngine:
         return KVCachePool(specs, num_blocks, a.block_size, a.max_num_seqs, self.device)
 
     def _device_kv_budget(self) -> int:
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        reserve = 1 << 30  # activations and workspace
+        # Experts kept in host RAM do not use the device budget.
+        weights = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if ".experts.host." not in n)
+        reserve = device_reserve_bytes(self.device)
         if self.args.gpu_memory_gb is not None:
             left = int(self.args.gpu_memory_gb * 2**30) - weights - reserve
             if left <= 0:
                 raise MemoryError(f"gpu_memory_gb={self.args.gpu_memory_gb} does not hold the weights "
-                                  f"({weights / 2**30:.1f} GiB) plus a 1 GiB reserve")
+                                  f"({weights / 2**30:.2f} GiB) plus a {reserve / 2**30:.0f} GiB reserve")
             return left
         free, _total = torch.cuda.mem_get_info(self.device)
         return max(0, int(free * 0.9) - reserve)

@@ -13,14 +13,20 @@ log = logging.getLogger(__name__)
 GiB = 1 << 30
 
 
+def device_reserve_bytes(device: torch.device) -> int:
+    """Memory a device keeps back for activations and workspace (none when the device is the host)."""
+    return GiB if device.type == "cuda" else 0
+
+
 def expert_placement_for(config: ModelConfig, cpu_offload: str | int, device: torch.device, world_size: int,
                          max_model_len: int, max_num_seqs: int, gpu_memory_gb: float | None = None,
                          routing_stats_path: str | None = None):
     """``expert_placement[layer][expert]`` (rank, or -1 for host RAM), or None for an even spread.
 
-    On a GPU, "auto" asks the planner what fits in each device's memory and "none" refuses (with the
-    shortfall) when it does not; an integer N keeps N experts of every MoE layer in host RAM, the
-    coldest ones when routing statistics from a previous run are given.
+    On a GPU (or whenever ``gpu_memory_gb`` sets a device budget), "auto" asks the planner what fits
+    in each device's memory and "none" refuses (with the shortfall) when it does not; an integer N
+    keeps N experts of every MoE layer in host RAM, the coldest ones when routing statistics from a
+    previous run are given. On the CPU without a budget the host is the device: nothing moves.
     """
     if not config.n_routed_experts:
         return None
@@ -32,20 +38,20 @@ def expert_placement_for(config: ModelConfig, cpu_offload: str | int, device: to
             stats = load_routing_stats(routing_stats_path)
         except FileNotFoundError:
             log.info("no routing statistics at %s yet; experts spread evenly", routing_stats_path)
+    reserve = device_reserve_bytes(device)
     if isinstance(cpu_offload, int):
         if cpu_offload > config.n_routed_experts:
             raise ValueError(f"cpu_offload={cpu_offload} exceeds n_routed_experts={config.n_routed_experts}")
         memory = 1 << 60  # only the count matters: N per layer on the host, the rest on the devices
+    elif gpu_memory_gb is not None:
+        memory = int(gpu_memory_gb * GiB)
     elif device.type == "cuda":
-        if gpu_memory_gb is not None:
-            memory = int(gpu_memory_gb * GiB)
-        else:
-            memory = torch.cuda.get_device_properties(device).total_memory
+        memory = torch.cuda.get_device_properties(device).total_memory
     else:
         return None  # on the CPU the host is the device: nothing to offload
     try:
         plan = plan_placement(config, world_size, memory, max_model_len, max_num_seqs, cpu_offload,
-                              routing_stats=stats)
+                              reserve_bytes_per_device=reserve, routing_stats=stats)
     except PlacementError as e:
         raise PlacementError(f"{e}") from None
     if not plan.fits and cpu_offload != "none":

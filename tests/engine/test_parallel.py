@@ -96,3 +96,21 @@ def test_dead_worker_is_an_error_in_rank0_not_a_hang(ckpt, prompts):
         assert time.monotonic() - t < 10
     finally:
         llm.shutdown()
+
+
+def test_small_memory_budget_pushes_experts_to_the_cpu_path(ckpt, prompts, reference):
+    from engine.config import ModelConfig
+    from engine.offload.param_count import count_params, kv_bytes_per_token
+
+    config = ModelConfig.from_pretrained(ckpt)
+    size = count_params(config)
+    # float32 on the CPU: twice the bf16 bytes the planner counts; room for the dense part, the
+    # KV cache of 4 x 128 tokens and about half of the routed experts
+    non_expert = size.total.nbytes - size.parts["routed_experts"].nbytes
+    budget = non_expert + 4 * 128 * kv_bytes_per_token(config) + size.parts["routed_experts"].nbytes // 2
+    with LLM(ckpt, max_model_len=128, max_num_seqs=4, cpu_offload="auto", gpu_memory_gb=budget / 2**30) as llm:
+        where = [d for row in llm.engine.expert_placement for d in row]
+        assert where.count(-1) and where.count(0)  # some experts on the device, some in host RAM
+        _assert_same(reference, llm.generate(prompts, PARAMS))
+    with pytest.raises(ValueError, match="does not fit"):
+        LLM(ckpt, max_model_len=128, max_num_seqs=4, cpu_offload="none", gpu_memory_gb=budget / 2**30)
