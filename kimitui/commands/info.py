@@ -69,9 +69,7 @@ def device_lines() -> list[str]:
 def version_lines() -> list[str]:
     import torch
 
-    from kimitui.cli import _version as kimitui_version
-
-    names = [("kimitui", kimitui_version()), ("python", platform.python_version()), ("torch", torch.__version__)]
+    names = [("kimitui", _version("kimitui")), ("python", platform.python_version()), ("torch", torch.__version__)]
     names += [(m, _version(m)) for m in ("triton", "textual", "transformers", "amdsmi", "pynvml")]
     width = max(len(n) for n, _ in names)
     return [f"{n:<{width}}  {v}" for n, v in names]
