@@ -25,7 +25,7 @@ from engine.loader import LoadProgress, load_model
 from engine.metrics import EngineStats, ThroughputWindow
 from engine.offload.placement import device_reserve_bytes, expert_placement_for
 from engine.parallel.state import SINGLE
-from engine.parallel.workers import WorkerGroup, WorkerSpec, broadcast_object, free_port, init_rank
+from engine.parallel.workers import WorkerGroup, WorkerSpec, free_port
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -83,15 +83,14 @@ class LLMEngine:
                                   str(self.dtype).removeprefix("torch."), self.max_model_len, args.block_size,
                                   self.expert_placement, max(1, torch.get_num_threads() // args.tensor_parallel_size))
                 self.workers = WorkerGroup(spec)
-                par = init_rank(spec, 0)
+                par = self.workers.join_as_rank0()
             t0 = time.monotonic()
             self.model, self.load_report = load_model(self.config, self.model_dir, self.device, self.dtype,
                                                       self.max_model_len, progress, par, self.expert_placement)
             self.load_seconds = time.monotonic() - t0
             self.cache_pool = self._allocate_cache()
             if self.workers is not None:
-                self.workers.check()
-                broadcast_object(self.cache_pool.num_blocks)  # workers allocate the same cache
+                self.workers.broadcast(self.cache_pool.num_blocks)  # workers allocate the same cache
         except BaseException:
             self.shutdown()
             raise

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -114,6 +115,28 @@ class WorkerGroup:
         for p in self.procs:
             p.start()
         self._closed = False
+
+    def join_as_rank0(self) -> ParallelState:
+        """Join the process group as rank 0, failing fast if a worker dies before it connects."""
+        box: dict = {}
+
+        def connect():
+            try:
+                box["par"] = init_rank(self.spec, 0)
+            except BaseException as e:  # reported below
+                box["error"] = e
+
+        t = threading.Thread(target=connect, name="kimitui-rendezvous", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(timeout=0.2)
+            for rank, p in enumerate(self.procs, start=1):
+                if p.exitcode is not None:
+                    raise WorkerError(f"tensor-parallel worker rank {rank} exited with code {p.exitcode} "
+                                      "during start-up (see its traceback above)")
+        if "error" in box:
+            raise WorkerError(f"could not form the tensor-parallel group: {box['error']}")
+        return box["par"]
 
     def broadcast(self, obj) -> None:
         self.check()

@@ -114,3 +114,21 @@ def test_small_memory_budget_pushes_experts_to_the_cpu_path(ckpt, prompts, refer
         _assert_same(reference, llm.generate(prompts, PARAMS))
     with pytest.raises(ValueError, match="does not fit"):
         LLM(ckpt, max_model_len=128, max_num_seqs=4, cpu_offload="none", gpu_memory_gb=budget / 2**30)
+
+
+def test_worker_failing_at_start_up_is_an_error_not_a_hang(ckpt, monkeypatch):
+    # A worker that cannot start (here: a bad dtype name reaches only the workers) must not leave
+    # rank 0 waiting for it at the rendezvous.
+    from engine.parallel import workers
+
+    real = workers.WorkerSpec
+
+    def broken_spec(*args, **kwargs):
+        spec = real(*args, **kwargs)
+        return real(**{**spec.__dict__, "dtype": "no_such_dtype"})
+
+    monkeypatch.setattr("engine.engine.WorkerSpec", broken_spec)
+    t = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1"):
+        LLM(ckpt, max_model_len=128, max_num_seqs=4, tensor_parallel_size=2)
+    assert time.monotonic() - t < 60
