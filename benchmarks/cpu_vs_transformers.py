@@ -89,8 +89,8 @@ def run_engine(llm, batch: list[list[int]]):
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
     dt = time.perf_counter() - t
     assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in outs)
-    tpot = sorted(o.metrics.tpot for o in outs)[len(outs) // 2]
-    return len(batch) * NEW_TOKENS / dt, tpot
+    tpots = sorted(o.metrics.tpot for o in outs)
+    return len(batch) * NEW_TOKENS / dt, tpots[len(outs) // 2], tpots[0]
 
 
 def decode_bytes_per_step(model, config) -> int:
@@ -136,8 +136,8 @@ def main() -> int:
     from engine import LLM
 
     llm = LLM(str(path), max_model_len=1024, max_num_seqs=CONCURRENCY, enable_prefix_caching=False)
-    ours16, _ = run_engine(llm, batch)
-    ours1, tpot1 = run_engine(llm, batch[:1])
+    ours16, tpot16, tpot16_min = run_engine(llm, batch)
+    ours1, tpot1, _ = run_engine(llm, batch[:1])
     step_bytes = decode_bytes_per_step(llm.engine.model, llm.engine.config)
     achieved = step_bytes / tpot1
 
@@ -156,6 +156,10 @@ def main() -> int:
     print(f"memory copy bandwidth (read+write): {bw / 1e9:.2f} GB/s")
     print(f"single-request decode: TPOT {tpot1 * 1e3:.1f} ms, {step_bytes / 1e6:.0f} MB of weights per step, "
           f"{achieved / 1e9:.2f} GB/s = {achieved / bw:.0%} of copy bandwidth")
+    # The 16-request tok/s above includes prefilling 16 x 256 prompt tokens. Requests whose prompts
+    # went in the first prefill step also wait out the second in their TPOT; the fastest does not.
+    print(f"{CONCURRENCY}-request decode: TPOT {tpot16_min * 1e3:.1f} ms fastest request, "
+          f"{tpot16 * 1e3:.1f} ms median")
     return 0
 
 

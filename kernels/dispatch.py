@@ -12,6 +12,7 @@ import importlib.util
 import os
 
 import torch
+import torch.nn.functional as F
 
 from kernels import reference
 
@@ -42,6 +43,14 @@ def _kernel(module: str, name: str):
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
     # [..., K] -> [M, K] without copying when possible.
     return x.reshape(-1, x.shape[-1])
+
+
+def linear(x, w):
+    """``x [..., K] @ w [N, K].T -> [..., N]`` for a dense weight (``F.linear``; CPU BLAS gets the
+    few-row decode shapes in a form it streams faster, see ``reference.linear_cpu``)."""
+    if x.device.type == "cpu":
+        return reference.linear_cpu(x, w)
+    return F.linear(x, w)
 
 
 def linear_fp8_block(x, w, scale_inv, block=(128, 128)):

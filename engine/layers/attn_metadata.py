@@ -7,6 +7,7 @@ sequences, never over tokens); decodes are described by tensors so they run as o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,18 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    # Built on first use and shared by every layer of the step (the metadata lives one step).
+    @functools.cached_property
+    def decode_slots(self) -> torch.Tensor:
+        """Flat cache slots of positions 0..decode_max_context_len-1 of each decode. -> [D, L] int64"""
+        return gather_slots_batched(self.decode_block_tables, self.decode_max_context_len, self.block_size)
+
+    @functools.cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """True where position l is past decode b's context (padding of the batch). -> [D, 1, L] bool"""
+        pos = torch.arange(self.decode_max_context_len, device=self.decode_context_lens.device)
+        return (pos[None, :] >= self.decode_context_lens[:, None])[:, None, :]
 
 
 def gather_slots(block_table: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:

@@ -116,7 +116,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "dense":
-            return nn.functional.linear(x, self.weight)
+            return dispatch.linear(x, self.weight)
         if self.fmt == "fp8":
             return dispatch.linear_fp8_block(x, self.weight, self.weight_scale_inv, self.quant.weight_block_size)
         if self.fmt == "int4":

@@ -41,15 +41,21 @@ class YarnRotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)  # [P, dim/2]
         self.register_buffer("cos", freqs.cos() * mscale, persistent=False)
         self.register_buffer("sin", freqs.sin() * mscale, persistent=False)
+        # cos + i sin: on CPU one complex multiply rotates all pairs (bit-identical: the vectorised
+        # complex product rounds ac, bd, ad, bc and their sums just as the real formula below)
+        self.register_buffer("cis", torch.complex(self.cos, self.sin), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [T, ..., dim], positions: [T]. Rotate pairs in fp32, return in x's dtype.
-        cos = self.cos[positions]  # [T, dim/2]
-        sin = self.sin[positions]
         shape = x.shape
         xf = x.float().reshape(shape[0], -1, shape[-1] // 2, 2)
-        cos = cos.view(shape[0], 1, -1)
-        sin = sin.view(shape[0], 1, -1)
+        if x.device.type == "cpu":
+            if not xf.is_contiguous() or xf.storage_offset() % 2:  # view_as_complex needs aligned pairs
+                xf = xf.clone(memory_format=torch.contiguous_format)
+            out = torch.view_as_real(torch.view_as_complex(xf) * self.cis[positions].unsqueeze(1))
+            return out.reshape(shape).to(x.dtype)
+        cos = self.cos[positions].view(shape[0], 1, -1)  # [T, 1, dim/2]
+        sin = self.sin[positions].view(shape[0], 1, -1)
         x0, x1 = xf[..., 0], xf[..., 1]
         out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
         return out.reshape(shape).to(x.dtype)

@@ -228,3 +228,17 @@ def test_moe_quantised_references_match_naive_loop():
         x, topk_ids, topk_weights, ref.dequant_fp8_block(f13, fs13, block), ref.dequant_fp8_block(f2, fs2, block)
     )
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_cpu_equals_f_linear_for_every_row_count():
+    import torch.nn.functional as F
+
+    from kernels.reference import linear_cpu
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 128, generator=g)
+    for rows in (1, 2, 3, 4, 5, 8, 9, 17, 64, 65, 200):
+        x = torch.randn(rows, 128, generator=g)
+        torch.testing.assert_close(linear_cpu(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 3, 128, generator=g)  # leading dims kept
+    torch.testing.assert_close(linear_cpu(x3, w), F.linear(x3, w), rtol=1e-5, atol=1e-5)
