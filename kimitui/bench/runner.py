@@ -197,7 +197,14 @@ async def run_sweep(config: BenchmarkConfig, client: Any, tokenizer: Any, sample
             filename = f"{p.stem}-concurrency{c}{p.suffix or '.json'}"
         point_cfg = replace(config, max_concurrency=c, sweep_concurrency=(), result_filename=filename)
         points.append(await run_benchmark(point_cfg, client, tokenizer, sampler, progress, cancel))
-    front = frontier(p for p in map(point_from_result, points) if p is not None)
+    return sweep_summary(points, config, cancel.is_set())
+
+
+def sweep_summary(points: list[dict[str, Any]], config: BenchmarkConfig, cancelled: bool) -> dict[str, Any]:
+    """The sweep's summary (frontier, ladder, ladder $/M tokens) over the points measured;
+    a point cut short by Cancel measured too little to sit on the frontier."""
+    whole = [p for p in points if not p.get("cancelled")]
+    front = frontier(p for p in map(point_from_result, whole) if p is not None)
     values = ladder(front)
     return {
         "points": points,
@@ -208,7 +215,7 @@ async def run_sweep(config: BenchmarkConfig, client: Any, tokenizer: Any, sample
             {t.name: usd_per_mtok(t.usd_per_gpu_hour, tput) for t in config.pricing_tiers}
             for target, tput in values.items()
         },
-        "cancelled": cancel.is_set(),
+        "cancelled": cancelled,
     }
 
 

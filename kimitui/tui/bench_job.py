@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +20,7 @@ from textual.message import Message
 from textual.message_pump import MessagePump
 
 from kimitui.bench.clients import InProcessClient
-from kimitui.bench.cost import usd_per_mtok
-from kimitui.bench.runner import BenchmarkConfig, run_benchmark
-from kimitui.bench.sweep import frontier, ladder, point_from_result
+from kimitui.bench.runner import BenchmarkConfig, run_benchmark, sweep_summary
 from kimitui.tui.bench_store import save_run
 
 log = logging.getLogger(__name__)
@@ -154,22 +152,3 @@ class BenchJob:
     def _post(self, phase: str, done: int, total: int, elapsed_s: float) -> None:
         self.notify.post_message(BenchProgressed(phase, done, total, elapsed_s, max(1, self._point),
                                                  self.num_points))
-
-
-def sweep_summary(points: list[dict[str, Any]], config: BenchmarkConfig, cancelled: bool) -> dict[str, Any]:
-    """``run_sweep``'s summary (frontier, ladder, ladder $/M tokens) over the points measured;
-    a point cut short by Cancel measured too little to sit on the frontier."""
-    whole = [p for p in points if not p.get("cancelled")]
-    front = frontier(p for p in map(point_from_result, whole) if p is not None)
-    values = ladder(front)
-    return {
-        "points": points,
-        "frontier": [asdict(p) for p in front],
-        "ladder": values,
-        "ladder_cost_per_mtok": {
-            target: None if tput is None else
-            {t.name: usd_per_mtok(t.usd_per_gpu_hour, tput) for t in config.pricing_tiers}
-            for target, tput in values.items()
-        },
-        "cancelled": cancelled,
-    }
