@@ -7,7 +7,7 @@ import logging
 from types import ModuleType
 from typing import Any
 
-from kimitui.telemetry.backend import Backend, number
+from kimitui.telemetry.backend import GpuBackend, number
 from kimitui.telemetry.sample import GpuSample
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ def _first_number(info: dict, *keys: str) -> float | None:
     return None
 
 
-class AmdSmiBackend(Backend):
+class AmdSmiBackend(GpuBackend):
     """Per-GPU power, energy counter, activity, VRAM and temperature from amdsmi.
 
     ``module`` replaces ``import amdsmi`` (tests pass a fake). One failing library call leaves
@@ -42,8 +42,6 @@ class AmdSmiBackend(Backend):
     def __init__(self, module: ModuleType | None = None) -> None:
         super().__init__()
         self._smi: ModuleType | None = None
-        self._handles: list[Any] = []
-        self._names: list[str] = []
         try:
             smi = module if module is not None else importlib.import_module("amdsmi")
         except Exception as exc:  # ImportError, or OSError when libamd_smi.so is missing
@@ -61,22 +59,7 @@ class AmdSmiBackend(Backend):
             self.close()
             self._unavailable(f"amdsmi_get_processor_handles failed: {exc}")
             return
-        if not handles:
-            self.close()
-            self._unavailable("amdsmi found no AMD GPUs")
-            return
-        self._handles = handles
-        self._names = [self._device_name(i, h) for i, h in enumerate(handles)]
-        self.available = True
-
-    @property
-    def detail(self) -> str:
-        kinds = sorted(set(self._names))
-        return f"{len(self._handles)} GPU(s): {', '.join(kinds)}"
-
-    def read(self) -> tuple[GpuSample, ...]:
-        """One ``GpuSample`` per AMD GPU, in amdsmi handle order."""
-        return tuple(self._read_gpu(i, h) for i, h in enumerate(self._handles))
+        self._adopt(handles, "amdsmi found no AMD GPUs")
 
     def close(self) -> None:
         smi, self._smi = self._smi, None

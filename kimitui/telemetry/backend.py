@@ -75,3 +75,40 @@ class Backend:
                 self._failed_calls.add(label)
                 log.debug("%s: %s failed: %r", self.name, label, exc)
             return None
+
+
+class GpuBackend(Backend):
+    """Shared shape of the GPU backends: one library handle per GPU, one ``GpuSample`` each.
+
+    Subclasses open their library, hand the handles to ``_adopt``, and provide ``_device_name``,
+    ``_read_gpu`` and ``close``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._handles: list[Any] = []
+        self._names: list[str] = []
+
+    def _adopt(self, handles: list[Any], none_found: str) -> None:
+        if not handles:
+            self.close()
+            self._unavailable(none_found)
+            return
+        self._handles = list(handles)
+        self._names = [self._device_name(i, h) for i, h in enumerate(self._handles)]
+        self.available = True
+
+    @property
+    def detail(self) -> str:
+        kinds = sorted(set(self._names))
+        return f"{len(self._handles)} GPU(s): {', '.join(kinds)}"
+
+    def read(self) -> tuple:
+        """One ``GpuSample`` per GPU, in the library's handle order."""
+        return tuple(self._read_gpu(i, h) for i, h in enumerate(self._handles))
+
+    def _device_name(self, index: int, handle: Any) -> str:
+        raise NotImplementedError
+
+    def _read_gpu(self, index: int, handle: Any):
+        raise NotImplementedError

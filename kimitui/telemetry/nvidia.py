@@ -7,7 +7,7 @@ import logging
 from types import ModuleType
 from typing import Any
 
-from kimitui.telemetry.backend import Backend, number
+from kimitui.telemetry.backend import GpuBackend, number
 from kimitui.telemetry.sample import GpuSample
 
 log = logging.getLogger(__name__)
@@ -18,7 +18,7 @@ def _milli(value: Any) -> float | None:
     return None if value is None else value / 1000
 
 
-class NvmlBackend(Backend):
+class NvmlBackend(GpuBackend):
     """Per-GPU power, energy counter, utilisation, memory and temperature from NVML.
 
     ``module`` replaces ``import pynvml`` (tests pass a fake). An ``NVMLError`` from one call
@@ -30,8 +30,6 @@ class NvmlBackend(Backend):
     def __init__(self, module: ModuleType | None = None) -> None:
         super().__init__()
         self._nvml: ModuleType | None = None
-        self._handles: list[Any] = []
-        self._names: list[str] = []
         try:
             nvml = module if module is not None else importlib.import_module("pynvml")
         except Exception as exc:
@@ -50,22 +48,7 @@ class NvmlBackend(Backend):
             self.close()
             self._unavailable(f"NVML device enumeration failed: {exc}")
             return
-        if not handles:
-            self.close()
-            self._unavailable("NVML found no NVIDIA GPUs")
-            return
-        self._handles = handles
-        self._names = [self._device_name(i, h) for i, h in enumerate(handles)]
-        self.available = True
-
-    @property
-    def detail(self) -> str:
-        kinds = sorted(set(self._names))
-        return f"{len(self._handles)} GPU(s): {', '.join(kinds)}"
-
-    def read(self) -> tuple[GpuSample, ...]:
-        """One ``GpuSample`` per NVIDIA GPU, in NVML index order."""
-        return tuple(self._read_gpu(i, h) for i, h in enumerate(self._handles))
+        self._adopt(handles, "NVML found no NVIDIA GPUs")
 
     def close(self) -> None:
         nvml, self._nvml = self._nvml, None
