@@ -3,6 +3,8 @@ host RAM computed by the CPU), shared experts (tensor parallel)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -56,7 +58,7 @@ class ExpertStack(nn.Module):
             # gate and up are stacked into w13; their scale blocks only line up on block boundaries
             raise ValueError(f"FP8 experts need moe_intermediate_size ({i}) divisible by the weight block "
                              f"({self.quant.weight_block_size[0]})")
-        with torch.device(device) if device is not None else _nullcontext():
+        with torch.device(device) if device is not None else contextlib.nullcontext():
             for name, t in quantized_params(fmt, 2 * i, d, self.quant, (num,)).items():
                 self.register_parameter(f"w13_{name}", nn.Parameter(t, requires_grad=False))
             for name, t in quantized_params(fmt, d, i, self.quant, (num,)).items():
@@ -170,14 +172,6 @@ def _expert_map(n: int, experts: list[int], device: torch.device | None = None) 
     if experts:
         m[torch.tensor(experts, device=device)] = torch.arange(len(experts), device=device)
     return m
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 class MoE(nn.Module):

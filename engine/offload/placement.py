@@ -49,11 +49,8 @@ def expert_placement_for(config: ModelConfig, cpu_offload: str | int, device: to
         memory = torch.cuda.get_device_properties(device).total_memory
     else:
         return None  # on the CPU the host is the device: nothing to offload
-    try:
-        plan = plan_placement(config, world_size, memory, max_model_len, max_num_seqs, cpu_offload,
-                              reserve_bytes_per_device=reserve, routing_stats=stats)
-    except PlacementError as e:
-        raise PlacementError(f"{e}") from None
+    plan = plan_placement(config, world_size, memory, max_model_len, max_num_seqs, cpu_offload,
+                          reserve_bytes_per_device=reserve, routing_stats=stats)
     if not plan.fits and cpu_offload != "none":
         raise PlacementError("; ".join(plan.problems) or "the model does not fit")
     rows = [list(r) for r in plan.expert_device]

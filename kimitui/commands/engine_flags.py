@@ -7,12 +7,17 @@ import argparse
 from engine.args import EngineArgs
 
 
-def _cpu_offload(value: str) -> str | int:
+def cpu_offload_arg(value: str) -> str | int:
+    """argparse type of ``--cpu-offload``: auto, none, or a non-negative number of experts per layer."""
     if value in ("auto", "none"):
         return value
-    if value.isdigit():
-        return int(value)
-    raise argparse.ArgumentTypeError(f"expected auto, none or a number of experts per layer, got {value!r}")
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, none or a number of experts, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative number of experts, got {n}")
+    return n
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = False, subcommand: bool = False) -> None:
@@ -29,7 +34,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = Fals
     g.add_argument("--max-num-seqs", type=int, default=64, metavar="S", help="concurrent sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="T", help="token budget per step")
     g.add_argument("--gpu-memory-gb", type=float, default=None, metavar="G", help="memory per GPU to use")
-    g.add_argument("--cpu-offload", type=_cpu_offload, default="auto", metavar="auto|none|N",
+    g.add_argument("--cpu-offload", type=cpu_offload_arg, default="auto", metavar="auto|none|N",
                    help="routed experts kept in host RAM: planner decides, none, or N per MoE layer")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N", help="cap the KV cache at N tokens")

@@ -9,6 +9,7 @@ import os
 import platform
 import sys
 
+from kimitui.commands.engine_flags import cpu_offload_arg
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the ``info`` subcommand on an ``argparse`` subparsers object."""
@@ -17,7 +18,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="DIR", default=argparse.SUPPRESS,
                    help="also show where this checkpoint's experts would live (config.json only)")
     p.add_argument("--gpus", type=int, default=argparse.SUPPRESS, metavar="N", help="devices for the placement")
-    p.add_argument("--cpu-offload", default=argparse.SUPPRESS, metavar="auto|none|N")
+    p.add_argument("--cpu-offload", type=cpu_offload_arg, default=argparse.SUPPRESS, metavar="auto|none|N")
     p.add_argument("--gpu-memory-gb", type=float, default=argparse.SUPPRESS, metavar="G")
     p.set_defaults(func=run)
     return p
@@ -90,8 +91,7 @@ def placement_lines(args: argparse.Namespace) -> list[str]:
 
     gpus = getattr(args, "gpus", None) or 1
     memory = getattr(args, "gpu_memory_gb", None) or 288.0
-    offload = getattr(args, "cpu_offload", None) or "auto"
-    offload = int(offload) if isinstance(offload, str) and offload.isdigit() else offload
+    offload = getattr(args, "cpu_offload", "auto")
     try:
         config = ModelConfig.from_pretrained(args.model)
         plan = plan_placement(config, gpus, int(memory * 2**30), config.max_position_embeddings, 1, offload)

@@ -12,24 +12,13 @@ import sys
 from engine.config import ConfigError, ModelConfig
 from engine.offload.planner import (DEFAULT_BLOCK_SIZE, GiB, Placement, PlacementError, load_routing_stats,
                                     plan_placement)
+from kimitui.commands.engine_flags import cpu_offload_arg
 
 MI355X_MEMORY_GB = 288.0
 DEFAULT_RESERVE_GB = 4.0
 # One sequence by default: `plan` answers "does one request at full context fit". KV grows
 # linearly with --max-num-seqs, so serving plans should pass the concurrency they intend.
 DEFAULT_MAX_NUM_SEQS = 1
-
-
-def _cpu_offload(value: str) -> str | int:
-    if value in ("auto", "none"):
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto, none or a number of experts, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative number of experts, got {n}")
-    return n
 
 
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -44,7 +33,7 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="context length per sequence (default: the model's max_position_embeddings)")
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, metavar="S",
                    help="concurrent sequences, each with a full-length KV cache (default %(default)s)")
-    p.add_argument("--cpu-offload", type=_cpu_offload, default="auto", metavar="auto|none|N",
+    p.add_argument("--cpu-offload", type=cpu_offload_arg, default="auto", metavar="auto|none|N",
                    help="auto: experts that do not fit go to host RAM; none: refuse if it does not fit; "
                         "N: N routed experts of every MoE layer in host RAM (default auto)")
     p.add_argument("--host-memory-gb", type=float, metavar="G", help="host RAM available for CPU experts, GiB")
