@@ -265,32 +265,37 @@ def _swiglu_expert(x, w13, w2):
 
 
 def _moe_grouped(x, topk_ids, topk_weights, num_experts, expert_weights):
-    # Group (token, slot) pairs by expert and run each active expert once on its tokens.
+    # Group (token, slot) pairs by expert and run each active expert once on its tokens, adding each
+    # weighted result into an fp32 accumulator. Every token sums its k contributions in ascending
+    # expert order whatever the batch, so batched and one-at-a-time runs give the same bits.
+    # Per-expert gathers and index_add_ keep temporaries small: the former gather of all T*k rows
+    # (and its scatter back) allocated fresh 50 MB tensors per layer at 2048 tokens, and first-touch
+    # page faults made that cost as much as the expert products themselves on a CPU.
     # expert_weights(e) -> (w13 [2I, D], w2 [D, I]) in x.dtype, so quantised variants dequantise
     # only the experts that received tokens.
     t, top_k = topk_ids.shape
+    out = torch.zeros(t, x.shape[-1], dtype=torch.float32, device=x.device)
     if t == 1:
-        # One token (single-request decode): run its k experts in slot order, nothing to group.
-        ids = topk_ids[0].tolist()  # host sync: reference only
-        y = torch.cat([_swiglu_expert(x, *expert_weights(e)) for e in ids])  # [k, D], slot order
-    else:
-        flat_ids = topk_ids.reshape(-1)  # [T*k]
-        order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs sorted by expert
-        counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # host sync: reference only
-        xs = x.index_select(0, order // top_k)  # [T*k, D], rows grouped by expert
-        outs = []
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            outs.append(_swiglu_expert(xs[start : start + count], *expert_weights(e)))  # [c, D]
-            start += count
-        # Results come out in expert order; a gather (not a scatter-add, slow on CPUs) puts them back
-        # in (token, slot) order.
-        y = torch.cat(outs).index_select(0, torch.argsort(order))  # [T*k, D]
-    # The routing weights combine the k slots of each token.
-    y = y.view(t, top_k, -1).float() * topk_weights.reshape(t, top_k, 1).float()
-    return y.sum(dim=1).to(x.dtype)
+        # One token (single-request decode): its k experts in ascending order, nothing to group.
+        ids, slots = topk_ids[0].sort()
+        w = topk_weights[0].float()[slots]
+        for e, i in zip(ids.tolist(), range(top_k)):  # host sync: reference only
+            out += _swiglu_expert(x, *expert_weights(e)).float() * w[i]
+        return out.to(x.dtype)
+    flat_ids = topk_ids.reshape(-1)  # [T*k]
+    order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs sorted by expert
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # host sync: reference only
+    tokens = order // top_k
+    weights = topk_weights.reshape(-1).float()[order]
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = tokens[start : start + count]
+        y = _swiglu_expert(x.index_select(0, rows), *expert_weights(e)).float()  # [c, D]
+        out.index_add_(0, rows, y.mul_(weights[start : start + count, None]))
+        start += count
+    return out.to(x.dtype)
 
 
 def moe_experts_reference(x, topk_ids, topk_weights, w13, w2):
