@@ -14,6 +14,7 @@ import torch
 from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
 from engine.layers.sampler import SamplingBatch, prompt_logprobs, sample
 from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.step_buffers import StepBuffers
 
 Logprobs = dict[int, float]
 
@@ -58,6 +59,7 @@ class ModelRunner:
         self.device = device
         self.workers = workers  # WorkerGroup mirroring each step on ranks 1..N-1, or None
         self._generators: dict[str, torch.Generator] = {}
+        self.buffers = StepBuffers(device)  # step inputs, reused across steps
 
     def release(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
@@ -99,15 +101,23 @@ class ModelRunner:
         """Run the model on ``inp``; every rank calls this with the same inputs. Returns fp32 logits
         of the rows to sample and of each prompt-logprob span."""
         bs = self.block_size
-        chunks = [PrefillChunk(a, b, n, self._tensor(t, torch.int32)) for a, b, n, t in inp.prefills]
+        buf = self.buffers
+        buf.begin_step()
+        # Every prefill chunk's block table in one buffer; each chunk views its own span.
+        flat = [b for *_, t in inp.prefills for b in t]
+        tables = buf.put("prefill_tables", flat, torch.int32) if flat else None
+        chunks, at = [], 0
+        for a, b, n, t in inp.prefills:
+            chunks.append(PrefillChunk(a, b, n, tables[at: at + len(t)]))
+            at += len(t)
         positions, slots = [], []  # built on the device from block tables: no per-token Python
         meta = AttentionMetadata(positions=None, slot_mapping=None, block_size=bs,
                                  num_decode_tokens=inp.num_decodes, prefills=chunks)
         if inp.num_decodes:
             width = max(len(t) for t in inp.decode_tables)
             table = [t + [0] * (width - len(t)) for t in inp.decode_tables]
-            meta.decode_block_tables = torch.tensor(table, dtype=torch.int32).to(self.device, non_blocking=True)
-            meta.decode_context_lens = self._tensor(inp.decode_lens, torch.int32)
+            meta.decode_block_tables = buf.put("decode_tables", table, torch.int32)
+            meta.decode_context_lens = buf.put("decode_lens", inp.decode_lens, torch.int32)
             meta.decode_max_context_len = max(inp.decode_lens)
             pos = meta.decode_context_lens.long() - 1  # [D] each decode writes its newest token
             rows = torch.arange(inp.num_decodes, device=self.device)
@@ -118,11 +128,14 @@ class ModelRunner:
             positions.append(pos)
             slots.append(c.block_table[pos // bs].long() * bs + pos % bs)
         meta.positions, meta.slot_mapping = torch.cat(positions), torch.cat(slots)
-        hidden = self.model(self._tensor(inp.ids, torch.int64), meta, self.kv_caches)
+        ids = buf.put("ids", inp.ids, torch.int64)
+        sample_rows = buf.put("sample_rows", inp.sample_rows, torch.int64) if inp.sample_rows else None
+        buf.end_step()
+        hidden = self.model(ids, meta, self.kv_caches)
         prompt_logits = [self.model.compute_logits(hidden[sp.row: sp.row + sp.num_rows]) for sp in inp.prompt_spans]
-        if not inp.sample_rows:
+        if sample_rows is None:
             return None, prompt_logits
-        return self.model.compute_logits(hidden[self._tensor(inp.sample_rows, torch.int64)]), prompt_logits
+        return self.model.compute_logits(hidden[sample_rows]), prompt_logits
 
     def _sample(self, order, scheduled, inp: StepInputs, logits, prompt_logits) -> StepResult:
         pos = {id(s): i for i, s in enumerate(order)}

@@ -1,0 +1,62 @@
+"""Input tensors of a step, written into buffers that live across steps.
+
+Each step turns small Python lists (token ids, block tables, context lengths, rows to sample) into
+device tensors. Rather than allocating fresh device memory every step, ``StepBuffers`` keeps one
+device buffer per field, grown by doubling when a step needs more, and hands out views of it. On
+an accelerator the values go through a pinned host buffer of the same size, so the copy to the
+device is asynchronous; an event recorded after the copies keeps the next step from rewriting the
+pinned memory before the device has read it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MIN_CAPACITY = 64
+
+
+class StepBuffers:
+    def __init__(self, device: torch.device):
+        self.device = device
+        # ROCm builds of torch report their devices as "cuda" too.
+        self._pinned = device.type == "cuda"
+        self._buffers: dict[str, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._copied: torch.cuda.Event | None = None
+
+    def begin_step(self) -> None:
+        """Wait until the device has read the previous step's pinned values (no-op on the CPU)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
+    def put(self, name: str, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """``values`` (a list of ints, or a list of equal-length lists) as a view of buffer ``name``."""
+        src = torch.tensor(values, dtype=dtype)
+        n = src.numel()
+        host, dev = self._buffers.get(name, (None, None))
+        if dev is None or dev.numel() < n or dev.dtype != dtype:
+            cap = max(_MIN_CAPACITY, 1 << max(n - 1, 0).bit_length())
+            dev = torch.empty(cap, dtype=dtype, device=self.device)
+            host = torch.empty(cap, dtype=dtype, pin_memory=True) if self._pinned else None
+            self._buffers[name] = (host, dev)
+        out = dev[:n]
+        if host is None:
+            out.copy_(src.view(-1))
+        else:
+            staged = host[:n]
+            staged.copy_(src.view(-1))
+            out.copy_(staged, non_blocking=True)
+        return out.view(src.shape)
+
+    def end_step(self) -> None:
+        """Mark the copies issued so far; the next ``begin_step`` waits for them."""
+        if self._pinned and self._buffers:
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(self.device))
+
+    def capacity(self, name: str) -> int:
+        entry = self._buffers.get(name)
+        return 0 if entry is None else entry[1].numel()
+
+    def data_ptr(self, name: str) -> int:
+        return self._buffers[name][1].data_ptr()
