@@ -382,4 +382,14 @@ def _eos_ids(config: ModelConfig, model_dir: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-__all__ = ["LLMEngine", "PromptError", "LoadProgress"]
+def __getattr__(name: str):
+    # DESIGN.md places AsyncLLM in this module; it lives in async_llm.py, which imports LLMEngine
+    # from here, so it is resolved on first access: both import paths give the same class.
+    if name == "AsyncLLM":
+        from engine.async_llm import AsyncLLM
+
+        return AsyncLLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["LLMEngine", "AsyncLLM", "PromptError", "LoadProgress"]

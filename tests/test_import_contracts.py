@@ -16,3 +16,14 @@ def test_import_linter_contracts_hold():
     res = subprocess.run(cmd + ["--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "broken" in res.stdout and "0 broken" in res.stdout
+
+
+def test_design_module_paths_name_the_public_classes():
+    # DESIGN.md section 2: engine.py holds LLMEngine and AsyncLLM; the package root re-exports them.
+    import engine
+    from engine.async_llm import AsyncLLM
+    from engine.engine import AsyncLLM as from_engine_module
+    from engine.engine import LLMEngine
+
+    assert from_engine_module is AsyncLLM is engine.AsyncLLM
+    assert LLMEngine.__module__ == "engine.engine"
