@@ -20,6 +20,9 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int):
     """Sort (token, slot) pairs by expert, padding each expert to a multiple of ``block_size``.
 
+    An id equal to ``num_experts`` marks a pair computed elsewhere (another rank, or host RAM):
+    it gets no tile, and its output rows stay zero.
+
     Returns ``sorted_token_ids`` int32 [num_blocks * block_size] (pad id = T*k), ``expert_ids``
     int32 [num_blocks] and ``num_tokens_post_padded`` int32 [1]. No host sync: the buffer is sized
     by the worst case, and tiles past ``num_tokens_post_padded`` exit early in the kernel.
@@ -27,10 +30,12 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     flat = topk_ids.reshape(-1).to(torch.int64)  # [T*k]
     numel = flat.numel()
     device = flat.device
-    # scatter_add_ instead of bincount: bincount syncs on CUDA to size its output.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    # scatter_add_ instead of bincount: bincount syncs on CUDA to size its output. The last bucket
+    # collects the pairs marked "elsewhere".
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_size - 1) // block_size * block_size  # [E]
+    counts[num_experts] = 0  # no tiles for pairs computed elsewhere
+    padded = (counts + block_size - 1) // block_size * block_size  # [E + 1]
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
     start = torch.cumsum(counts, 0) - counts
@@ -39,11 +44,14 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     rank = torch.arange(numel, device=device) - start[experts]  # position within its expert
     # Each non-empty tile holds at least one pair, so at most T*k tiles are used.
     num_blocks = min(triton.cdiv(numel + num_experts * (block_size - 1), block_size), numel)
-    sorted_token_ids = torch.full((num_blocks * block_size,), numel, dtype=torch.int32, device=device)
-    sorted_token_ids[padded_start[experts] + rank] = order.to(torch.int32)
+    size = num_blocks * block_size
+    # One spare slot past the end takes every "elsewhere" pair, and is cut off.
+    sorted_token_ids = torch.full((size + 1,), numel, dtype=torch.int32, device=device)
+    dest = torch.where(experts < num_experts, padded_start[experts] + rank, size)
+    sorted_token_ids[dest] = order.to(torch.int32)
     block_starts = torch.arange(num_blocks, device=device) * block_size
-    expert_ids = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_token_ids, expert_ids.to(torch.int32), padded_end[-1:].to(torch.int32)
+    expert_ids = torch.searchsorted(padded_end[:num_experts], block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_token_ids[:size], expert_ids.to(torch.int32), padded_end[num_experts - 1: num_experts].to(torch.int32)
 
 
 @triton.jit
@@ -155,7 +163,8 @@ def _run(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, inter, w_int4,
     num_blocks = expert_ids.shape[0]
     routing = topk_weights.reshape(-1).contiguous()  # [T*k]
     hidden = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)  # silu(gate) * up
-    out = torch.empty((num_pairs, d), dtype=torch.float32, device=x.device)
+    # zeros: rows of pairs computed elsewhere (id == E) are never written
+    out = torch.zeros((num_pairs, d), dtype=torch.float32, device=x.device)
     s13 = w13 if w13_scale is None else w13_scale  # dummy pointer for dense weights
     s2 = w2 if w2_scale is None else w2_scale
     meta = dict(W_INT4=w_int4, GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)

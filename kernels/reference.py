@@ -267,12 +267,14 @@ def _swiglu_expert(x, w13, w2):
 def _moe_grouped(x, topk_ids, topk_weights, num_experts, expert_weights):
     # Group (token, slot) pairs by expert and run each active expert once on its tokens, adding each
     # weighted result into an fp32 accumulator. Every token sums its k contributions in ascending
-    # expert order whatever the batch, so batched and one-at-a-time runs give the same bits.
+    # expert order whatever the batch (the products themselves may round differently with the
+    # number of rows BLAS sees).
     # Per-expert gathers and index_add_ keep temporaries small: the former gather of all T*k rows
     # (and its scatter back) allocated fresh 50 MB tensors per layer at 2048 tokens, and first-touch
     # page faults made that cost as much as the expert products themselves on a CPU.
     # expert_weights(e) -> (w13 [2I, D], w2 [D, I]) in x.dtype, so quantised variants dequantise
-    # only the experts that received tokens.
+    # only the experts that received tokens. An id equal to num_experts marks a pair computed
+    # elsewhere (another rank, host RAM): it adds nothing.
     t, top_k = topk_ids.shape
     out = torch.zeros(t, x.shape[-1], dtype=torch.float32, device=x.device)
     if t == 1:
@@ -280,11 +282,12 @@ def _moe_grouped(x, topk_ids, topk_weights, num_experts, expert_weights):
         ids, slots = topk_ids[0].sort()
         w = topk_weights[0].float()[slots]
         for e, i in zip(ids.tolist(), range(top_k)):  # host sync: reference only
-            out += _swiglu_expert(x, *expert_weights(e)).float() * w[i]
+            if e < num_experts:
+                out += _swiglu_expert(x, *expert_weights(e)).float() * w[i]
         return out.to(x.dtype)
     flat_ids = topk_ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs sorted by expert
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # host sync: reference only
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()[:num_experts]  # host sync: reference only
     tokens = order // top_k
     weights = topk_weights.reshape(-1).float()[order]
     start = 0

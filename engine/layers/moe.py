@@ -83,7 +83,7 @@ class ExpertStack(nn.Module):
         return None if p is None else p.dtype
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # x [T, D], ids [T, k] in 0..num-1, weights [T, k] in x.dtype
+        # x [T, D], ids [T, k] in 0..num (num: computed elsewhere, adds nothing), weights [T, k] in x.dtype
         if self.fmt == "dense":
             return dispatch.moe_experts(x, ids, weights, self.w13_weight, self.w2_weight)
         if self.fmt == "int4":
@@ -99,14 +99,14 @@ class ExpertStack(nn.Module):
 def run_subset(stack: ExpertStack, expert_map: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
                weights: torch.Tensor) -> torch.Tensor:
     """The contribution of the experts in ``stack`` only; ``expert_map`` [E] gives each global
-    expert's slot in the stack or -1. -> [T, D]"""
+    expert's slot in the stack or -1. -> [T, D]
+
+    Pairs routed to experts held elsewhere get the id ``stack.num``, which every MoE kernel reads
+    as "adds nothing": no nonzero(), so no host sync on a device.
+    """
     local = expert_map[topk_ids]  # [T, k]
-    tok, slot = (local >= 0).nonzero(as_tuple=True)  # (token, slot) pairs routed here
-    out = torch.zeros_like(x)
-    if tok.numel():
-        y = stack(x[tok], local[tok, slot][:, None], weights[tok, slot][:, None])  # [P, D]
-        out.index_add_(0, tok, y.to(x.dtype))
-    return out
+    ids = torch.where(local >= 0, local, torch.full_like(local, stack.num))
+    return stack(x, ids, weights)
 
 
 class RoutedExperts(nn.Module):
@@ -156,7 +156,9 @@ class RoutedExperts(nn.Module):
         return (self.local if where[0] == "local" else self.host), where[1]
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        self.routing_counts += torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
+        # index_add_ rather than bincount, which syncs with the host on a device to size its output
+        flat = topk_ids.reshape(-1)
+        self.routing_counts.index_add_(0, flat, torch.ones_like(flat, dtype=self.routing_counts.dtype))
         w = topk_weights.to(x.dtype)
         if self.whole_layer_local:
             return self.local(x, topk_ids, w)

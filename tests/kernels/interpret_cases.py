@@ -119,6 +119,24 @@ def fused_moe_fp16_idle_experts():
 
 
 @case
+def fused_moe_pairs_computed_elsewhere():
+    # Expert parallel: ids equal to E mark pairs another rank (or host RAM) computes; they add nothing.
+    from kernels import reference as ref
+    from kernels.fused_moe import fused_moe
+
+    x, topk_ids, topk_weights, w13, w2 = _moe_inputs(t=7, e=4, k=3)
+    elsewhere = torch.rand(topk_ids.shape) < 0.4
+    elsewhere[0] = True  # one token routed entirely elsewhere
+    ids = torch.where(elsewhere, torch.full_like(topk_ids, 4), topk_ids)
+    got = fused_moe(x, ids, topk_weights, w13, w2)
+    # The same function with those pairs on expert 0 at weight zero.
+    expected = ref.moe_experts_reference(x, torch.where(elsewhere, 0, topk_ids),
+                                         topk_weights.masked_fill(elsewhere, 0.0), w13, w2)
+    _close(got, expected, 1e-4)
+    assert got[0].abs().max() == 0
+
+
+@case
 def fused_moe_w4a16_fp32():
     from kernels import reference as ref
     from kernels.fused_moe import fused_moe_w4a16

@@ -197,6 +197,21 @@ def test_moe_reference_matches_naive_loop():
     torch.testing.assert_close(out, _naive_moe(x, topk_ids, topk_weights, w13, w2), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("t", [1, 6])
+def test_moe_reference_skips_pairs_computed_elsewhere(t):
+    # id == E marks a pair another rank or host RAM computes: the single-token and grouped paths
+    # both leave it out.
+    d, inter, e = 16, 12, 5
+    topk_ids, topk_weights = _routing(t=t)
+    x = torch.randn(t, d)
+    w13, w2 = torch.randn(e, 2 * inter, d) / 4, torch.randn(e, d, inter) / 4
+    elsewhere = torch.zeros_like(topk_ids, dtype=torch.bool)
+    elsewhere[:, 1] = True
+    got = ref.moe_experts_reference(x, topk_ids.masked_fill(elsewhere, e), topk_weights, w13, w2)
+    expected = _naive_moe(x, topk_ids, topk_weights.masked_fill(elsewhere, 0.0), w13, w2)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_moe_quantised_references_match_naive_loop():
     d, inter, e = 64, 32, 5
     topk_ids, topk_weights = _routing(e=e)
