@@ -105,16 +105,18 @@ def moe_experts_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packe
 
 
 def moe_experts_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
-    """SwiGLU MoE, MXFP4 experts (w13_packed [E, 2I, D/2], w13_scale [E, 2I, D/32]; w2 likewise).
-
-    No fused MXFP4 MoE kernel yet: every device runs the per-active-expert reference.
-    """
-    return reference.moe_experts_reference_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
+    """SwiGLU MoE, MXFP4 experts (w13_packed [E, 2I, D/2], w13_scale [E, 2I, D/32]; w2 likewise)."""
+    if not use_triton(x):
+        return reference.moe_experts_reference_mxfp4(
+            x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale
+        )
+    return _kernel("fused_moe", "fused_moe_mxfp4")(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
 
 
 def moe_experts_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128)):
-    """SwiGLU MoE, block-FP8 experts (w13 [E, 2I, D] e4m3fn + scale_inv [E, 2I/bn, D/bk]; w2 likewise).
-
-    No fused FP8 MoE kernel yet: every device runs the per-active-expert reference.
-    """
-    return reference.moe_experts_reference_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block)
+    """SwiGLU MoE, block-FP8 experts (w13 [E, 2I, D] e4m3fn + scale_inv [E, 2I/bn, D/bk]; w2 likewise)."""
+    if not use_triton(x):
+        return reference.moe_experts_reference_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv,
+                                                   block)
+    return _kernel("fused_moe", "fused_moe_fp8")(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv,
+                                                  tuple(block))

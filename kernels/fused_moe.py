@@ -4,8 +4,9 @@ Pipeline (kernels.md 1.1): ``moe_align_block_size`` sorts the T*k (token, slot) 
 and pads each expert's run to BLOCK_M rows, so every M-tile belongs to one expert. GEMM1 reads
 gate and up rows of w13 in the same program and writes ``silu(gate) * up`` [T*k, I]; GEMM2 reads
 those rows, multiplies by w2 and the routing weight, and writes fp32 [T*k, D]; the k slots are
-summed in PyTorch. Dense weights (``fused_moe``) and compressed-tensors INT4 (``fused_moe_w4a16``)
-share one kernel. Reference: ``reference.moe_experts_reference`` / ``..._w4a16``.
+summed in PyTorch. One kernel serves every expert format, decoding weight tiles in-kernel: dense
+(``fused_moe``), compressed-tensors INT4 (``fused_moe_w4a16``), OCP MXFP4 (``fused_moe_mxfp4``,
+Kimi K3.x) and block FP8 (``fused_moe_fp8``). References: ``reference.moe_experts_reference*``.
 """
 
 import torch
@@ -13,6 +14,10 @@ import triton
 import triton.language as tl
 
 from kernels._checks import check_device, interpreting
+from kernels.mxfp4_gemm import MXFP4_BLOCK, _e2m1_to_float
+
+# Weight formats of the experts (constexpr WFMT of the kernel).
+DENSE, INT4, MXFP4, FP8 = 0, 1, 2, 3
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -57,24 +62,28 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
 @triton.jit
 def _load_b(b_ptr, s_ptr, expert, offs_n, offs_k, mask,
             stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
-            W_INT4: tl.constexpr, GROUP_SIZE: tl.constexpr):
-    # Returns the [BK, BN] fp32 weight tile of one expert.
-    if W_INT4:
-        words = tl.load(
-            b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + (offs_k[:, None] // 8) * stride_bk,
-            mask=mask, other=0,
-        )
+            WFMT: tl.constexpr, GROUP_SIZE: tl.constexpr, QBLOCK_N: tl.constexpr):
+    # Returns the [BK, BN] fp32 weight tile of one expert. GROUP_SIZE is the K extent of one
+    # scale (INT4 group, 32 for MXFP4, the FP8 block's K side); QBLOCK_N the FP8 block's N side.
+    b_base = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn
+    s_ptrs = s_ptr + expert * stride_se + (offs_k[:, None] // GROUP_SIZE) * stride_sk
+    if WFMT == 1:  # INT4: eight signed nibbles per int32 word along K, one scale per group
+        words = tl.load(b_base + (offs_k[:, None] // 8) * stride_bk, mask=mask, other=0)
         q = ((words >> ((offs_k[:, None] % 8) * 4)) & 0xF) - 8
-        s = tl.load(
-            s_ptr + expert * stride_se + offs_n[None, :] * stride_sn + (offs_k[:, None] // GROUP_SIZE) * stride_sk,
-            mask=mask, other=0.0,
-        )
+        s = tl.load(s_ptrs + offs_n[None, :] * stride_sn, mask=mask, other=0.0)
         b = q.to(tl.float32) * s.to(tl.float32)
+    elif WFMT == 2:  # MXFP4: two E2M1 codes per byte (even k low), one E8M0 exponent per 32
+        byte = tl.load(b_base + (offs_k[:, None] // 2) * stride_bk, mask=mask, other=0).to(tl.int32)
+        code = (byte >> ((offs_k[:, None] % 2) * 4)) & 0xF
+        e = tl.load(s_ptrs + offs_n[None, :] * stride_sn, mask=mask, other=127).to(tl.int32)
+        scale = tl.where(e == 255, float("nan"), tl.exp2((e - 127).to(tl.float32)))
+        b = _e2m1_to_float(code) * scale
+    elif WFMT == 3:  # FP8 e4m3fn with an fp32 scale per QBLOCK_N x GROUP_SIZE block
+        w = tl.load(b_base + offs_k[:, None] * stride_bk, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptrs + (offs_n[None, :] // QBLOCK_N) * stride_sn, mask=mask, other=0.0)
+        b = w * s
     else:
-        b = tl.load(
-            b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk,
-            mask=mask, other=0.0,
-        ).to(tl.float32)
+        b = tl.load(b_base + offs_k[:, None] * stride_bk, mask=mask, other=0.0).to(tl.float32)
     return b
 
 
@@ -86,7 +95,7 @@ def _fused_moe_kernel(
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
     stride_cm, stride_cn,
     TOP_K: tl.constexpr, GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-    W_INT4: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    WFMT: tl.constexpr, GROUP_SIZE: tl.constexpr, QBLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -111,12 +120,12 @@ def _fused_moe_kernel(
         )  # [BM, BK]
         mask_b = mask_k[:, None] & mask_n[None, :]
         b = _load_b(b_ptr, s_ptr, expert, offs_n, offs_k, mask_b,
-                    stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk, W_INT4, GROUP_SIZE)
+                    stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk, WFMT, GROUP_SIZE, QBLOCK_N)
         acc = tl.dot(a, b.to(a.dtype), acc, input_precision="ieee")
         if GATED:
             # Up rows sit N (= I) rows below the gate rows of w13 [E, 2I, K].
             b_up = _load_b(b_ptr, s_ptr, expert, offs_n + N, offs_k, mask_b,
-                           stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk, W_INT4, GROUP_SIZE)
+                           stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk, WFMT, GROUP_SIZE, QBLOCK_N)
             acc_up = tl.dot(a, b_up.to(a.dtype), acc_up, input_precision="ieee")
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
@@ -151,7 +160,7 @@ def _check_placement(x, *tensors):
         raise ValueError("expert weights and scales must be contiguous")
 
 
-def _run(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, inter, w_int4, group_size):
+def _run(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, inter, wfmt, group_size, qblock_n=1):
     t, d = x.shape
     top_k = topk_ids.shape[1]
     num_pairs = t * top_k
@@ -167,7 +176,8 @@ def _run(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, inter, w_int4,
     out = torch.zeros((num_pairs, d), dtype=torch.float32, device=x.device)
     s13 = w13 if w13_scale is None else w13_scale  # dummy pointer for dense weights
     s2 = w2 if w2_scale is None else w2_scale
-    meta = dict(W_INT4=w_int4, GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    meta = dict(WFMT=wfmt, GROUP_SIZE=group_size, QBLOCK_N=qblock_n, BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_K=block_k)
 
     def scale_strides(s, dense):
         return (0, 0, 0) if dense else (s.stride(0), s.stride(1), s.stride(2))
@@ -200,7 +210,7 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
     if w13.dtype not in _FLOAT_DTYPES or w2.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dense expert weights must be fp16/bf16/fp32, got {w13.dtype}, {w2.dtype}")
     _check_placement(x, topk_ids, topk_weights, w13, w2)
-    return _run(x, topk_ids, topk_weights, w13, w2, None, None, inter, False, 1)
+    return _run(x, topk_ids, topk_weights, w13, w2, None, None, inter, DENSE, 1)
 
 
 def fused_moe_w4a16(
@@ -231,4 +241,57 @@ def fused_moe_w4a16(
     if w13_scale.dtype not in _FLOAT_DTYPES or w2_scale.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"scales must be fp16/bf16/fp32, got {w13_scale.dtype}, {w2_scale.dtype}")
     _check_placement(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
-    return _run(x, topk_ids, topk_weights, w13_packed, w2_packed, w13_scale, w2_scale, inter, True, group_size)
+    return _run(x, topk_ids, topk_weights, w13_packed, w2_packed, w13_scale, w2_scale, inter, INT4, group_size)
+
+
+def _check_shapes(expected: dict):
+    for name, (tensor, shape, dtypes) in expected.items():
+        if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
+            names = "/".join(str(d).replace("torch.", "") for d in dtypes)
+            raise ValueError(f"{name} must be {names} {list(shape)}, got {tuple(tensor.shape)} {tensor.dtype}")
+
+
+def fused_moe_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale) -> torch.Tensor:
+    """SwiGLU MoE over OCP MXFP4 experts: w13_packed uint8 [E, 2I, D/2], w13_scale uint8 E8M0
+    [E, 2I, D/32]; w2_packed uint8 [E, D, I/2], w2_scale uint8 [E, D, I/32] -> [T, D] in x.dtype."""
+    _check_routing(x, topk_ids, topk_weights)
+    d = x.shape[1]
+    if w13_packed.dim() != 3 or w13_packed.shape[1] % 2:
+        raise ValueError(f"w13_packed must be uint8 [E, 2I, D/2], got {tuple(w13_packed.shape)}")
+    e, inter = w13_packed.shape[0], w13_packed.shape[1] // 2
+    if d % MXFP4_BLOCK or inter % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 experts need D ({d}) and I ({inter}) to be multiples of {MXFP4_BLOCK}")
+    u8 = (torch.uint8,)
+    _check_shapes({
+        "w13_packed": (w13_packed, (e, 2 * inter, d // 2), u8),
+        "w13_scale": (w13_scale, (e, 2 * inter, d // MXFP4_BLOCK), u8),
+        "w2_packed": (w2_packed, (e, d, inter // 2), u8),
+        "w2_scale": (w2_scale, (e, d, inter // MXFP4_BLOCK), u8),
+    })
+    _check_placement(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
+    return _run(x, topk_ids, topk_weights, w13_packed, w2_packed, w13_scale, w2_scale, inter, MXFP4, MXFP4_BLOCK)
+
+
+def fused_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128)) -> torch.Tensor:
+    """SwiGLU MoE over block-FP8 experts: w13 e4m3fn [E, 2I, D] + fp32 scale_inv [E, 2I/bn, D/bk]
+    (ceil), w2 e4m3fn [E, D, I] + scale_inv [E, D/bn, I/bk] -> [T, D] in x.dtype."""
+    _check_routing(x, topk_ids, topk_weights)
+    d = x.shape[1]
+    bn, bk = block
+    if bn <= 0 or bk <= 0:
+        raise ValueError(f"block must be positive, got {block}")
+    if w13.dim() != 3 or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be float8_e4m3fn [E, 2I, D], got {tuple(w13.shape)}")
+    e, inter = w13.shape[0], w13.shape[1] // 2
+    if inter % bn:
+        # gate and up rows of w13 share scale rows only when I falls on a block boundary
+        raise ValueError(f"FP8 experts need I ({inter}) divisible by the block's N side ({bn})")
+    fp8, f32 = (torch.float8_e4m3fn,), (torch.float32,)
+    _check_shapes({
+        "w13": (w13, (e, 2 * inter, d), fp8),
+        "w13_scale_inv": (w13_scale_inv, (e, 2 * inter // bn, -(-d // bk)), f32),
+        "w2": (w2, (e, d, inter), fp8),
+        "w2_scale_inv": (w2_scale_inv, (e, -(-d // bn), -(-inter // bk)), f32),
+    })
+    _check_placement(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv)
+    return _run(x, topk_ids, topk_weights, w13, w2, w13_scale_inv, w2_scale_inv, inter, FP8, bk, bn)

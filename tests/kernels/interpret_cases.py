@@ -150,6 +150,41 @@ def fused_moe_w4a16_fp32():
     _close(got, expected, 1e-4)
 
 
+def _stack(fn, w):
+    return [torch.stack(p) for p in zip(*[fn(w[i]) for i in range(w.shape[0])])]
+
+
+@case
+def fused_moe_mxfp4_fp32_and_fp16():
+    from kernels import reference as ref
+    from kernels.fused_moe import fused_moe_mxfp4
+
+    x, topk_ids, topk_weights, w13, w2 = _moe_inputs(t=6, d=64, inter=32, e=5, k=2)
+    topk_ids[0, 1] = 5  # one pair computed elsewhere
+    p13, s13 = _stack(ref.quantize_mxfp4, w13)
+    p2, s2 = _stack(ref.quantize_mxfp4, w2)
+    expected = ref.moe_experts_reference_mxfp4(x, topk_ids, topk_weights, p13, s13, p2, s2)
+    _close(fused_moe_mxfp4(x, topk_ids, topk_weights, p13, s13, p2, s2), expected, 1e-4)
+    # fp16, not bf16: the interpreter multiplies bf16 dots as raw bits (kernels.md 5.1)
+    got = fused_moe_mxfp4(x.half(), topk_ids, topk_weights, p13, s13, p2, s2)
+    assert got.dtype == torch.float16
+    _close(got.float(), expected, 2e-2)
+
+
+@case
+def fused_moe_fp8_partial_blocks():
+    from kernels import reference as ref
+    from kernels.fused_moe import fused_moe_fp8
+
+    block = (16, 32)  # D = 40 and I = 16: the K side of both GEMMs ends in a partial block
+    x, topk_ids, topk_weights, w13, w2 = _moe_inputs(t=5, d=40, inter=16, e=4, k=2)
+    topk_ids[2, 0] = 4  # one pair computed elsewhere
+    f13, fs13 = _stack(lambda w: ref.quantize_fp8_block(w, block), w13)
+    f2, fs2 = _stack(lambda w: ref.quantize_fp8_block(w, block), w2)
+    expected = ref.moe_experts_reference_fp8(x, topk_ids, topk_weights, f13, fs13, f2, fs2, block)
+    _close(fused_moe_fp8(x, topk_ids, topk_weights, f13, fs13, f2, fs2, block), expected, 1e-4)
+
+
 @case
 def rms_norm_fp32_fp16_bf16():
     from kernels import reference as ref

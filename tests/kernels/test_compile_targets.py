@@ -40,18 +40,20 @@ def _specs():
         "rms_norm": (_rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
                      dict(BLOCK=8192)),
     }
-    for int4 in (False, True):
+    weights = {"dense": ("*bf16", "*bf16", 0, 1), "int4": ("*i32", "*bf16", 1, 32), "mxfp4": ("*u8", "*u8", 2, 32),
+               "fp8": ("*fp8e4nv", "*fp32", 3, 128)}
+    for fmt, (b_type, s_type, wfmt, group) in weights.items():
         for gated in (True, False):
-            types = {**moe, "b_ptr": "*i32" if int4 else "*bf16", "c_ptr": "*bf16" if gated else "*fp32"}
-            consts = dict(TOP_K=8 if gated else 1, GATED=gated, MUL_ROUTED_WEIGHT=not gated, W_INT4=int4,
-                          GROUP_SIZE=32, **TILES)
-            name = f"moe_{'int4' if int4 else 'dense'}_{'gemm1' if gated else 'gemm2'}"
-            specs[name] = (_fused_moe_kernel, types, consts)
+            types = {**moe, "b_ptr": b_type, "s_ptr": s_type, "c_ptr": "*bf16" if gated else "*fp32"}
+            consts = dict(TOP_K=8 if gated else 1, GATED=gated, MUL_ROUTED_WEIGHT=not gated, WFMT=wfmt,
+                          GROUP_SIZE=group, QBLOCK_N=128 if fmt == "fp8" else 1, **TILES)
+            specs[f"moe_{fmt}_{'gemm1' if gated else 'gemm2'}"] = (_fused_moe_kernel, types, consts)
     return specs
 
 
-SPEC_NAMES = ["w4a16", "mxfp4", "fp8_block", "rms_norm", "moe_dense_gemm1", "moe_dense_gemm2",
-              "moe_int4_gemm1", "moe_int4_gemm2"]
+SPEC_NAMES = ["w4a16", "mxfp4", "fp8_block", "rms_norm"] + [
+    f"moe_{fmt}_{gemm}" for fmt in ("dense", "int4", "mxfp4", "fp8") for gemm in ("gemm1", "gemm2")
+]
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))

@@ -62,3 +62,29 @@ def test_fused_moe_bf16(dev, t):
         dispatch.moe_experts_w4a16(x, topk_ids, topk_weights, p13, s13, p2, s2),
         ref.moe_experts_reference_w4a16(x, topk_ids, topk_weights, p13, s13, p2, s2),
     )
+
+
+@pytest.mark.parametrize("t", [1, 33])
+def test_fused_moe_mxfp4_fp8_bf16_with_pairs_elsewhere(dev, t):
+    e, d, inter, k = 16, 1024, 256, 4
+    x = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
+    topk_weights, topk_ids = torch.rand(t, e, device=dev).topk(k, dim=-1)
+    topk_ids[0, -1] = e  # a pair held by another rank
+    w13 = torch.randn(e, 2 * inter, d, device=dev) / 32
+    w2 = torch.randn(e, d, inter, device=dev) / 16
+
+    def stack(fn, w):
+        return [torch.stack(p) for p in zip(*[fn(w[i]) for i in range(e)])]
+
+    m13, ms13 = stack(ref.quantize_mxfp4, w13)
+    m2, ms2 = stack(ref.quantize_mxfp4, w2)
+    _close_bf16(
+        dispatch.moe_experts_mxfp4(x, topk_ids, topk_weights, m13, ms13, m2, ms2),
+        ref.moe_experts_reference_mxfp4(x, topk_ids, topk_weights, m13, ms13, m2, ms2),
+    )
+    f13, fs13 = stack(ref.quantize_fp8_block, w13)
+    f2, fs2 = stack(ref.quantize_fp8_block, w2)
+    _close_bf16(
+        dispatch.moe_experts_fp8(x, topk_ids, topk_weights, f13, fs13, f2, fs2),
+        ref.moe_experts_reference_fp8(x, topk_ids, topk_weights, f13, fs13, f2, fs2),
+    )
