@@ -264,39 +264,58 @@ def _swiglu_expert(x, w13, w2):
     return _linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2)
 
 
+# Below this many bytes of gathered rows (T*k rows of D) one gather of every (token, slot) pair runs
+# fewer operations than per-expert gathers (decode); above it, fresh multi-MB buffers cost as much
+# in page faults as the expert products do (prefill), so each expert gathers its own rows.
+_MOE_GATHER_ALL_BYTES = 8 << 20
+
+
 def _moe_grouped(x, topk_ids, topk_weights, num_experts, expert_weights):
-    # Group (token, slot) pairs by expert and run each active expert once on its tokens, adding each
-    # weighted result into an fp32 accumulator. Every token sums its k contributions in ascending
-    # expert order whatever the batch (the products themselves may round differently with the
-    # number of rows BLAS sees).
-    # Per-expert gathers and index_add_ keep temporaries small: the former gather of all T*k rows
-    # (and its scatter back) allocated fresh 50 MB tensors per layer at 2048 tokens, and first-touch
-    # page faults made that cost as much as the expert products themselves on a CPU.
+    # Group (token, slot) pairs by expert and run each active expert once on its tokens.
     # expert_weights(e) -> (w13 [2I, D], w2 [D, I]) in x.dtype, so quantised variants dequantise
     # only the experts that received tokens. An id equal to num_experts marks a pair computed
     # elsewhere (another rank, host RAM): it adds nothing.
+    # Every path adds a token's weighted expert outputs in fp32, one at a time, in ascending expert
+    # order, so the paths agree with each other whatever the batch (the products themselves may
+    # round differently with the number of rows BLAS sees).
     t, top_k = topk_ids.shape
-    out = torch.zeros(t, x.shape[-1], dtype=torch.float32, device=x.device)
+    topk_ids, slot_order = topk_ids.sort(dim=1)
+    topk_weights = topk_weights.float().gather(1, slot_order)
+    d = x.shape[-1]
     if t == 1:
         # One token (single-request decode): its k experts in ascending order, nothing to group.
-        ids, slots = topk_ids[0].sort()
-        w = topk_weights[0].float()[slots]
-        for e, i in zip(ids.tolist(), range(top_k)):  # host sync: reference only
+        out = torch.zeros(1, d, dtype=torch.float32, device=x.device)
+        for i, e in enumerate(topk_ids[0].tolist()):  # host sync: reference only
             if e < num_experts:
-                out += _swiglu_expert(x, *expert_weights(e)).float() * w[i]
+                out += _swiglu_expert(x, *expert_weights(e)).float() * topk_weights[0, i]
         return out.to(x.dtype)
     flat_ids = topk_ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs sorted by expert
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()[:num_experts]  # host sync: reference only
     tokens = order // top_k
-    weights = topk_weights.reshape(-1).float()[order]
+    if t * top_k * d * x.element_size() <= _MOE_GATHER_ALL_BYTES:
+        xs = x.index_select(0, tokens)  # [T*k, D], rows grouped by expert
+        y = torch.zeros(t * top_k, d, dtype=torch.float32, device=x.device)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                y[start : start + count] = _swiglu_expert(xs[start : start + count], *expert_weights(e))
+            start += count
+        # Back to (token, slot) order by a gather (a scatter is slow on CPUs), then the slots in
+        # order; rows of pairs computed elsewhere stay zero.
+        y = y.index_select(0, torch.argsort(order)).view(t, top_k, d) * topk_weights[..., None]
+        out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
+        for j in range(top_k):
+            out += y[:, j]
+        return out.to(x.dtype)
+    weights = topk_weights.reshape(-1)[order]
+    out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
     start = 0
     for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = tokens[start : start + count]
-        y = _swiglu_expert(x.index_select(0, rows), *expert_weights(e)).float()  # [c, D]
-        out.index_add_(0, rows, y.mul_(weights[start : start + count, None]))
+        if count:
+            rows = tokens[start : start + count]
+            y = _swiglu_expert(x.index_select(0, rows), *expert_weights(e)).float()  # [c, D]
+            out.index_add_(0, rows, y.mul_(weights[start : start + count, None]))
         start += count
     return out.to(x.dtype)
 
