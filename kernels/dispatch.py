@@ -79,6 +79,16 @@ def linear_mxfp4(x, packed, scale):
     return out.view(*x.shape[:-1], packed.shape[0])
 
 
+def mla_decode(q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale):
+    """Absorbed MLA decode over the paged latent cache: q [B, H, r + rope], cache [slots, r + rope],
+    block_tables [B, max_blocks] int32, context_lens [B] int32 -> [B, H, r] in q.dtype."""
+    if not use_triton(q):
+        return reference.mla_decode_reference(q, cache, block_tables, context_lens, max_context_len, block_size,
+                                              kv_lora_rank, scale)
+    return _kernel("mla_decode", "mla_decode")(q, cache, block_tables, context_lens, max_context_len, block_size,
+                                               kv_lora_rank, scale)
+
+
 def rms_norm(x, weight, eps=1e-6):
     """HF RMSNorm over the last dim of ``x [..., H]``."""
     if not use_triton(x):

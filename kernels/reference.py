@@ -371,3 +371,25 @@ def moe_experts_reference_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2,
         )
 
     return _moe_grouped(x, topk_ids, topk_weights, w13.shape[0], weights)
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA decode over a paged latent cache (absorbed form, kimi-model.md section 3)
+
+
+def mla_decode_reference(q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale):
+    """One query per sequence against its cached latents, read through its block table.
+
+    q [B, H, r + rope] (the query with W_UK folded in, then its rope part); cache [slots, r + rope]
+    (latent, then roped shared key); block_tables [B, max_blocks] int32; context_lens [B] int32
+    (each including the new token); ``max_context_len`` = max(context_lens), known to the host.
+    Returns the attention-weighted latents [B, H, r] in q.dtype (W_UV is applied by the caller).
+    """
+    pos = torch.arange(max_context_len, device=q.device)
+    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size  # [B, L]
+    # index_select copies whole rows: several times faster than advanced indexing on CPU
+    lat = cache.index_select(0, slots.view(-1)).view(*slots.shape, -1).to(q.dtype)  # [B, L, r+rope]
+    scores = torch.bmm(q, lat.transpose(1, 2)).float() * scale  # [B, H, L]: latent and rope parts at once
+    padding = (pos[None, :] >= context_lens[:, None])[:, None, :]  # [B, 1, L] past each context
+    p = scores.masked_fill(padding, float("-inf")).softmax(dim=-1).to(q.dtype)
+    return torch.bmm(p, lat[..., :kv_lora_rank])  # [B, H, r]

@@ -7,7 +7,6 @@ sequences, never over tokens); decodes are described by tensors so they run as o
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -36,27 +35,8 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
-    # Built on first use and shared by every layer of the step (the metadata lives one step).
-    @functools.cached_property
-    def decode_slots(self) -> torch.Tensor:
-        """Flat cache slots of positions 0..decode_max_context_len-1 of each decode. -> [D, L] int64"""
-        return gather_slots_batched(self.decode_block_tables, self.decode_max_context_len, self.block_size)
-
-    @functools.cached_property
-    def decode_mask(self) -> torch.Tensor:
-        """True where position l is past decode b's context (padding of the batch). -> [D, 1, L] bool"""
-        pos = torch.arange(self.decode_max_context_len, device=self.decode_context_lens.device)
-        return (pos[None, :] >= self.decode_context_lens[:, None])[:, None, :]
-
 
 def gather_slots(block_table: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
     """Flat cache slots of positions 0..num_tokens-1 of one sequence. -> [num_tokens] int64"""
     pos = torch.arange(num_tokens, device=block_table.device)
     return block_table[pos // block_size].long() * block_size + pos % block_size
-
-
-def gather_slots_batched(block_tables: torch.Tensor, max_len: int, block_size: int) -> torch.Tensor:
-    """Flat cache slots of positions 0..max_len-1 for each row. -> [B, max_len] int64"""
-    pos = torch.arange(max_len, device=block_tables.device)
-    blocks = block_tables[:, pos // block_size].long()  # [B, L]
-    return blocks * block_size + pos % block_size

@@ -18,6 +18,7 @@ from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rope import YarnRotaryEmbedding
 from engine.parallel.state import SINGLE, ParallelState
+from kernels import dispatch
 
 
 class MLAttention(nn.Module):
@@ -112,16 +113,11 @@ class MLAttention(nn.Module):
 
     def _decode(self, q_nope, q_pe, meta: AttentionMetadata, flat):
         # Absorbed path: one query per sequence, batched over sequences. [B, H, *]
-        r = self.kv_lora_rank
         dtype = q_nope.dtype
-        slots = meta.decode_slots  # [B, L]
-        lat = flat.index_select(0, slots.view(-1)).view(*slots.shape, -1).to(dtype)  # [B, L, r+rope]
         # W_UK folded into the query, head-major bmm: [H, B, nope] @ [H, nope, r] -> [H, B, r]
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk.to(dtype)).transpose(0, 1)
-        q = torch.cat([q_lat, q_pe], dim=-1)  # [B, H, r+rope]: one bmm scores latent and rope parts
-        scores = torch.bmm(q, lat.transpose(1, 2)).float() * self.scale  # [B, H, L]
-        scores = scores.masked_fill(meta.decode_mask, float("-inf"))
-        p = scores.softmax(dim=-1).to(dtype)
-        o_lat = torch.bmm(p, lat[..., :r])  # [B, H, r]
+        q = torch.cat([q_lat, q_pe], dim=-1)  # [B, H, r+rope]: one product scores latent and rope parts
+        o_lat = dispatch.mla_decode(q, flat, meta.decode_block_tables, meta.decode_context_lens,
+                                    meta.decode_max_context_len, meta.block_size, self.kv_lora_rank, self.scale)
         # W_UV applied per head: [H, B, r] @ [H, r, v] -> [H, B, v]
         return torch.bmm(o_lat.transpose(0, 1), self.w_uv.to(dtype).transpose(1, 2)).transpose(0, 1)

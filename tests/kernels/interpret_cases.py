@@ -185,6 +185,34 @@ def fused_moe_fp8_partial_blocks():
     _close(fused_moe_fp8(x, topk_ids, topk_weights, f13, fs13, f2, fs2, block), expected, 1e-4)
 
 
+def _paged_latents(lens, width, block_size=16, dtype=torch.float32):
+    # A shuffled pool of blocks, so that each sequence's blocks are scattered and out of order.
+    tables = []
+    pool = torch.randperm(sum(-(-n // block_size) for n in lens) + 3).tolist()
+    for n in lens:
+        tables.append([pool.pop() for _ in range(-(-n // block_size))])
+    width_blocks = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width_blocks - len(t)) for t in tables], dtype=torch.int32)
+    cache = torch.randn((max(max(t) for t in tables) + 1) * block_size, width).to(dtype)
+    return cache, table, torch.tensor(lens, dtype=torch.int32)
+
+
+@case
+def mla_decode_paged_splits_fp32_fp16():
+    from kernels import reference as ref
+    from kernels.mla_decode import mla_decode
+
+    r, rope, heads = 32, 8, 20  # 20 heads: a partial head block; rope 8: a padded dot
+    lens = [1, 37, 70]  # 70 splits in two; the 37-token sequence leaves its second split empty
+    cache, table, ctx = _paged_latents(lens, r + rope)
+    q = torch.randn(len(lens), heads, r + rope)
+    expected = ref.mla_decode_reference(q, cache, table, ctx, max(lens), 16, r, 0.125)
+    _close(mla_decode(q, cache, table, ctx, max(lens), 16, r, 0.125), expected, 1e-4)
+    got = mla_decode(q.half(), cache.half(), table, ctx, max(lens), 16, r, 0.125)
+    assert got.dtype == torch.float16 and got.shape == (3, heads, r)
+    _close(got, expected, 2e-2)
+
+
 @case
 def rms_norm_fp32_fp16_bf16():
     from kernels import reference as ref
@@ -198,6 +226,41 @@ def rms_norm_fp32_fp16_bf16():
     got = rms_norm(x.bfloat16(), weight.bfloat16(), 1e-6)
     assert got.dtype == torch.bfloat16
     _close(got, ref.rms_norm(x.bfloat16(), weight.bfloat16(), 1e-6), 2e-2)
+
+
+@case
+def engine_on_the_device_path_matches_the_cpu_path():
+    # The whole engine with every dispatch call sent to the Triton kernels (interpreted here, on
+    # CPU tensors): fused MoE for dense/INT4/MXFP4/FP8 experts, the quantised GEMMs and the paged
+    # MLA decode, against the PyTorch path the CPU runs.
+    import tempfile
+    from pathlib import Path
+
+    from engine import LLM, SamplingParams
+    from kernels import dispatch
+    from tests.helpers.checkpoints import write_hf_checkpoint
+    from tests.helpers.quantized import quantize_checkpoint
+
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0)
+    prompts = [[5, 17, 3, 99, 41, 7], [250, 2, 8]]
+    for method in ("dense", "int4", "mxfp4", "fp8"):
+        with tempfile.TemporaryDirectory() as tmp:
+            hf = write_hf_checkpoint(Path(tmp), seed=11, num_hidden_layers=2)
+            if method != "dense":
+                quantize_checkpoint(Path(tmp), method, hf)
+            runs = []
+            for device_path in (False, True):
+                saved = dispatch.use_triton
+                dispatch.use_triton = (lambda t: True) if device_path else saved
+                try:
+                    llm = LLM(tmp, max_model_len=64, max_num_seqs=2, enable_prefix_caching=False)
+                    runs.append([o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)])
+                finally:
+                    dispatch.use_triton = saved
+            for cpu, dev in zip(*runs):
+                assert cpu.token_ids == dev.token_ids, (method, cpu.token_ids, dev.token_ids)
+                for a, b, t in zip(cpu.logprobs, dev.logprobs, cpu.token_ids):
+                    assert abs(a[t] - b[t]) < 1e-3, (method, a[t], b[t])
 
 
 def main(names):

@@ -25,6 +25,7 @@ TILES = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
 def _specs():
     from kernels.fp8_block_gemm import _fp8_block_gemm_kernel
     from kernels.fused_moe import _fused_moe_kernel
+    from kernels.mla_decode import _mla_decode_kernel
     from kernels.mxfp4_gemm import _mxfp4_gemm_kernel
     from kernels.rms_norm import _rms_norm_kernel
     from kernels.w4a16_gemm import _w4a16_gemm_kernel
@@ -37,6 +38,9 @@ def _specs():
         "mxfp4": (_mxfp4_gemm_kernel, {**gemm, "w_ptr": "*u8", "s_ptr": "*u8"}, TILES),
         "fp8_block": (_fp8_block_gemm_kernel, {**gemm, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                       dict(QBLOCK_N=128, QBLOCK_K=128, **TILES)),
+        "mla_decode": (_mla_decode_kernel, {"q_ptr": "*bf16", "cache_ptr": "*bf16", "table_ptr": "*i32",
+                                            "lens_ptr": "*i32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "scale": "fp32"},
+                       dict(R=512, P=64, BLOCK_R=512, BLOCK_P=64, BLOCK_H=16, BLOCK_N=64)),
         "rms_norm": (_rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
                      dict(BLOCK=8192)),
     }
@@ -51,7 +55,7 @@ def _specs():
     return specs
 
 
-SPEC_NAMES = ["w4a16", "mxfp4", "fp8_block", "rms_norm"] + [
+SPEC_NAMES = ["w4a16", "mxfp4", "fp8_block", "rms_norm", "mla_decode"] + [
     f"moe_{fmt}_{gemm}" for fmt in ("dense", "int4", "mxfp4", "fp8") for gemm in ("gemm1", "gemm2")
 ]
 

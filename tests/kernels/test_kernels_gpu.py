@@ -88,3 +88,23 @@ def test_fused_moe_mxfp4_fp8_bf16_with_pairs_elsewhere(dev, t):
         dispatch.moe_experts_fp8(x, topk_ids, topk_weights, f13, fs13, f2, fs2),
         ref.moe_experts_reference_fp8(x, topk_ids, topk_weights, f13, fs13, f2, fs2),
     )
+
+
+def test_mla_decode_bf16_k2_shapes(dev):
+    # K2: kv_lora_rank 512, rope 64; 64 heads; scattered blocks; contexts from 1 to 3000 tokens.
+    r, rope, heads, block = 512, 64, 64, 16
+    lens = [1, 17, 700, 3000]
+    blocks = [-(-n // block) for n in lens]
+    perm = torch.randperm(sum(blocks), device=dev).to(torch.int32)
+    table = torch.zeros(len(lens), max(blocks), dtype=torch.int32, device=dev)
+    at = 0
+    for i, n in enumerate(blocks):
+        table[i, :n] = perm[at: at + n]
+        at += n
+    cache = torch.randn(sum(blocks) * block, r + rope, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(len(lens), heads, r + rope, device=dev, dtype=torch.bfloat16)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=dev)
+    _close_bf16(
+        dispatch.mla_decode(q, cache, table, ctx, max(lens), block, r, 0.04),
+        ref.mla_decode_reference(q, cache, table, ctx, max(lens), block, r, 0.04),
+    )
