@@ -60,14 +60,15 @@ def build_stack(fmt: str, hidden: int, inter: int, experts: int):
     return stack, per_expert
 
 
-def measure(stack, per_expert: int, batch: int, hidden: int, experts: int, top_k: int, repeats: int = 5):
+def measure(stack, per_expert: int, batch: int, hidden: int, experts: int, top_k: int, repeats: int = 5,
+            dtype: torch.dtype = torch.float32):
     from engine.offload.cpu_experts import CpuExpertExecutor
 
     executor = CpuExpertExecutor(stack, torch.arange(experts))
     g = torch.Generator().manual_seed(batch)
-    x = torch.randn(batch, hidden, generator=g)
+    x = torch.randn(batch, hidden, generator=g).to(dtype)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(batch)])
-    w = torch.full((batch, top_k), 1.0 / top_k)
+    w = torch.full((batch, top_k), 1.0 / top_k, dtype=dtype)
     executor.submit(x, ids, w).result()  # warm-up
     best = float("inf")
     for _ in range(repeats):
@@ -88,12 +89,21 @@ def main() -> int:
     bw = copy_bandwidth()
     print(f"threads {torch.get_num_threads()} | copy bandwidth (read+write) {bw / 1e9:.2f} GB/s | "
           f"{args.experts} experts of hidden {args.hidden} x inter {args.inter}, top-{args.top_k}")
-    print(f"{'format':<8}{'batch':>6}{'step ms':>10}{'expert GB/s':>13}{'of copy bw':>12}")
-    for fmt in ("dense", "int4"):
+    print(f"{'format':<14}{'batch':>6}{'step ms':>10}{'expert GB/s':>13}{'of copy bw':>12}")
+    # int4: the checkpoint layout, dequantised per call (fp32 models, and the fallback); int4pack:
+    # the same weights converted at load to torch's CPU int4 GEMM, which the engine uses for bf16
+    # activations (every GPU run: host experts get bf16 activations).
+    rows = [("dense", "dense", torch.float32), ("int4", "int4", torch.float32), ("int4", "int4", torch.bfloat16),
+            ("int4pack", "int4", torch.bfloat16)]
+    for name, fmt, dtype in rows:
         stack, per_expert = build_stack(fmt, args.hidden, args.inter, args.experts)
+        if name == "int4pack" and not stack.prepack_for_cpu(dtype):
+            print(f"{name:<8} not supported by this torch")
+            continue
+        label = f"{name} {str(dtype).replace('torch.', '').replace('float32', 'fp32').replace('bfloat16', 'bf16')}"
         for batch in (1, 4, 16):
-            rate, step = measure(stack, per_expert, batch, args.hidden, args.experts, args.top_k)
-            print(f"{fmt:<8}{batch:>6}{step * 1e3:>10.1f}{rate / 1e9:>13.2f}{rate / bw:>12.0%}")
+            rate, step = measure(stack, per_expert, batch, args.hidden, args.experts, args.top_k, dtype=dtype)
+            print(f"{label:<14}{batch:>6}{step * 1e3:>10.1f}{rate / 1e9:>13.2f}{rate / bw:>12.0%}")
     return 0
 
 

@@ -114,6 +114,11 @@ def moe_experts_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packe
     )
 
 
+def moe_experts_int4pack_cpu(x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size):
+    """SwiGLU MoE, INT4 experts in torch's CPU int4 layout (``reference.prepack_int4_cpu``)."""
+    return reference.moe_experts_int4pack_cpu(x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size)
+
+
 def moe_experts_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
     """SwiGLU MoE, MXFP4 experts (w13_packed [E, 2I, D/2], w13_scale [E, 2I, D/32]; w2 likewise)."""
     if not use_triton(x):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.offload.param_count import count_params
+
 DEMO_NOTE = "random weights: output is noise"
 
 
@@ -27,8 +29,9 @@ def model_info(llm, num_gpus: int) -> ModelInfo:
     engine = getattr(llm, "engine", None)
     device = str(getattr(engine, "device", "n/a"))
     try:
-        params = sum(p.numel() for p in engine.model.parameters())
-    except Exception:  # an engine without a local model (remote ranks) simply has no count
+        # Logical weights from the config: a packed INT4 or MXFP4 tensor holds several per element.
+        params = count_params(config).total.params
+    except Exception:  # a config the planner cannot size simply has no count
         params = None
     return ModelInfo(
         name=getattr(config, "name", "") or "model",

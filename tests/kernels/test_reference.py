@@ -257,3 +257,24 @@ def test_linear_cpu_equals_f_linear_for_every_row_count():
         torch.testing.assert_close(linear_cpu(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
     x3 = torch.randn(2, 3, 128, generator=g)  # leading dims kept
     torch.testing.assert_close(linear_cpu(x3, w), F.linear(x3, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not ref.int4pack_cpu_supported(64, 64, 32), reason="torch has no CPU int4 GEMM")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_int4pack_cpu_experts_equal_dequantised_experts(dtype, tol):
+    d, inter, e = 64, 32, 5
+    topk_ids, topk_weights = _routing(e=e)
+    x = torch.randn(6, d)
+    w13, w2 = torch.randn(e, 2 * inter, d) / 4, torch.randn(e, d, inter) / 4
+    q13 = [ref.quantize_int4(w13[i]) for i in range(e)]
+    q2 = [ref.quantize_int4(w2[i]) for i in range(e)]
+    packs13 = [ref.prepack_int4_cpu(p, s, d, 32, dtype) for p, s in q13]
+    packs2 = [ref.prepack_int4_cpu(p, s, inter, 32, dtype) for p, s in q2]
+    got = ref.moe_experts_int4pack_cpu(x.to(dtype), topk_ids, topk_weights,
+                                       torch.stack([p for p, _ in packs13]), torch.stack([s for _, s in packs13]),
+                                       torch.stack([p for p, _ in packs2]), torch.stack([s for _, s in packs2]), 32)
+    assert got.dtype == dtype
+    dq13 = torch.stack([ref.dequant_int4(p, s, d) for p, s in q13])
+    dq2 = torch.stack([ref.dequant_int4(p, s, inter) for p, s in q2])
+    expected = _naive_moe(x, topk_ids, topk_weights, dq13, dq2)
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
