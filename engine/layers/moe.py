@@ -95,13 +95,16 @@ class ExpertStack(nn.Module):
         if k13 != d or k2 != n13 // 2 or not (reference.int4pack_cpu_supported(n13, k13, g)
                                               and reference.int4pack_cpu_supported(d, k2, g)):
             return False
-        packs = [(reference.prepack_int4_cpu(self.w13_weight_packed[i], self.w13_weight_scale[i], k13, g, dtype),
-                  reference.prepack_int4_cpu(self.w2_weight_packed[i], self.w2_weight_scale[i], k2, g, dtype))
-                 for i in range(e)]
-        for name, index in (("w13_int4pack", (0, 0)), ("w13_scales_zeros", (0, 1)), ("w2_int4pack", (1, 0)),
-                            ("w2_scales_zeros", (1, 1))):
-            a, b = index
-            self.register_buffer(name, torch.stack([p[a][b] for p in packs]), persistent=False)
+        for i in range(e):  # into preallocated stacks: one expert's temporaries at a time
+            for proj, packed, scale, k in (("w13", self.w13_weight_packed, self.w13_weight_scale, k13),
+                                           ("w2", self.w2_weight_packed, self.w2_weight_scale, k2)):
+                weight, scales_zeros = reference.prepack_int4_cpu(packed[i], scale[i], k, g, dtype)
+                if i == 0:
+                    self.register_buffer(f"{proj}_int4pack", weight.new_empty(e, *weight.shape), persistent=False)
+                    self.register_buffer(f"{proj}_scales_zeros", scales_zeros.new_empty(e, *scales_zeros.shape),
+                                         persistent=False)
+                getattr(self, f"{proj}_int4pack")[i] = weight
+                getattr(self, f"{proj}_scales_zeros")[i] = scales_zeros
         for name in ("w13_weight_packed", "w13_weight_scale", "w2_weight_packed", "w2_weight_scale"):
             getattr(self, name).data = torch.empty(0, dtype=getattr(self, name).dtype)
         self.fmt = "int4pack"
