@@ -179,14 +179,15 @@ def quantize_mxfp4(w):
 # Linear layers: x [..., K] -> [..., N], in x.dtype (matmul accumulates in fp32)
 
 # CPU BLAS (MKL, measured on 2 cores) streams the fp32 weight of a product with few rows (decode) on
-# one core at about half the memory bandwidth. linear_cpu splits the weight into row blocks and runs
-# them as one batched product on all threads: 2-2.5x faster for 1-4 rows. From 5 rows the blocked
-# product's speed swings with the row count: widths that are multiples of 8 run 1.0-1.9x faster
-# than F.linear, others often slower, so 9-64 rows are zero-padded to a multiple of 8 and 5-8 rows
-# (mixed either way) stay with F.linear. Past 64 rows both are compute bound. bf16 and fp16 go to
-# oneDNN through F.linear, which is already faster than a blocked product.
-_CPU_FEW_ROWS = 4
-_CPU_PADDED_ROWS = (9, 64)
+# one core at about half the memory bandwidth, and its cost grows with the row count long before
+# the product is compute bound. linear_cpu splits the weight into row blocks of at most
+# _CPU_BLOCK_ROWS rows and runs them as one batched product on all threads. For 1-3 rows the weight
+# is the left operand (``bmm([c, N/c, K], x.T)``: 2-2.5x faster than F.linear); for 4-64 rows the
+# rows are (``bmm(x, [c, K, N/c])``: 15-45% less time than F.linear or the weight-left form at every
+# count measured from 4 to 64, LM head included). Past 64 rows both are compute bound. bf16 and
+# fp16 go to oneDNN through F.linear, which is already faster than a blocked product.
+_CPU_FEW_ROWS = 3
+_CPU_BLOCKED_ROWS = 64
 _CPU_BLOCK_ROWS = 1024
 
 
@@ -203,27 +204,26 @@ def _row_blocks(n: int, threads: int) -> int:
 def linear_cpu(x, w):
     """``x [..., K] @ w [N, K].T -> [..., N]`` (as ``F.linear``) shaped for CPU BLAS.
 
-    For few rows of fp32 the weight is the left operand, split into row blocks:
-    ``bmm([c, N/c, K], x.T)`` runs the blocks on all threads (see ``_CPU_FEW_ROWS``); other shapes
-    and dtypes go to ``F.linear``.
+    For up to _CPU_BLOCKED_ROWS rows of fp32 the weight is split into row blocks run as one batched
+    product on all threads (see ``_CPU_FEW_ROWS``); other shapes and dtypes go to ``F.linear``.
     """
     n, k = w.shape
     m = x.numel() // k if k else 0
-    lo, hi = _CPU_PADDED_ROWS
-    width = m if 0 < m <= _CPU_FEW_ROWS else -(-m // 8) * 8 if lo <= m <= hi else 0
     c = _row_blocks(n, torch.get_num_threads())
-    if not width or c == 1 or w.dtype != torch.float32 or x.dtype != w.dtype or not w.is_contiguous():
+    if (not 0 < m <= _CPU_BLOCKED_ROWS or c == 1 or w.dtype != torch.float32 or x.dtype != w.dtype
+            or not w.is_contiguous()):
         return F.linear(x, w)
     rows = x.reshape(m, k)
-    if width != m:
-        rows = F.pad(rows, (0, 0, 0, width - m))  # zero rows: each output row is its own dot products
-    elif rows.stride(-1) != 1:
+    if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    # rows.t() is [K, M] with strides (1, K), which BLAS reads as a transposed operand; a [K, 1]
-    # column with strides (1, 1) (a reshaped row) measured 6x slower.
-    y = torch.bmm(w.view(c, n // c, k), rows.t().expand(c, k, width))  # [c, N/c, width]
-    if width > 1:
-        y = y.view(n, width).t()[:m].contiguous()
+    blocks = w.view(c, n // c, k)
+    if m <= _CPU_FEW_ROWS:
+        # rows.t() is [K, M] with strides (1, K), which BLAS reads as a transposed operand; a [K, 1]
+        # column with strides (1, 1) (a reshaped row) measured 6x slower.
+        y = torch.bmm(blocks, rows.t().expand(c, k, m))  # [c, N/c, M]
+        y = y.view(n, m).t().contiguous() if m > 1 else y
+    else:
+        y = torch.bmm(rows.expand(c, m, k), blocks.transpose(1, 2)).transpose(0, 1).reshape(m, n)  # [M, N]
     return y.view(*x.shape[:-1], n)
 
 
