@@ -114,9 +114,7 @@ class ModelRunner:
         meta = AttentionMetadata(positions=None, slot_mapping=None, block_size=bs,
                                  num_decode_tokens=inp.num_decodes, prefills=chunks)
         if inp.num_decodes:
-            width = max(len(t) for t in inp.decode_tables)
-            table = [t + [0] * (width - len(t)) for t in inp.decode_tables]
-            meta.decode_block_tables = buf.put("decode_tables", table, torch.int32)
+            meta.decode_block_tables = buf.put_rows("decode_tables", inp.decode_tables, torch.int32)
             meta.decode_context_lens = buf.put("decode_lens", inp.decode_lens, torch.int32)
             meta.decode_max_context_len = max(inp.decode_lens)
             pos = meta.decode_context_lens.long() - 1  # [D] each decode writes its newest token

@@ -23,6 +23,8 @@ def test_put_returns_views_of_one_growing_buffer():
     assert buf.capacity("ids") == 2 * cap and c.tolist() == list(range(cap + 1))
     t = buf.put("tables", [[1, 2], [3, 4], [5, 6]], torch.int32)
     assert t.shape == (3, 2) and t.dtype == torch.int32 and t[2].tolist() == [5, 6]
+    ragged = buf.put_rows("rows", [[7], [8, 9, 10], []])  # block tables of different lengths, zero-padded
+    assert ragged.dtype == torch.int32 and ragged.tolist() == [[7, 0, 0], [8, 9, 10], [0, 0, 0]]
     buf.end_step()
 
 
