@@ -199,6 +199,13 @@ def _run(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, inter, wfmt, g
     return out.view(t, top_k, d).sum(dim=1).to(x.dtype)  # [T, D]
 
 
+def _check_shapes(expected: dict):
+    for name, (tensor, shape, dtypes) in expected.items():
+        if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
+            names = "/".join(str(d).replace("torch.", "") for d in dtypes)
+            raise ValueError(f"{name} must be {names} {list(shape)}, got {tuple(tensor.shape)} {tensor.dtype}")
+
+
 def fused_moe(x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
     """SwiGLU MoE over dense experts: x [T, D], w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I] -> [T, D]."""
     _check_routing(x, topk_ids, topk_weights)
@@ -228,27 +235,15 @@ def fused_moe_w4a16(
     if w13_packed.dim() != 3 or w13_packed.shape[1] % 2 or w13_packed.shape[2] != -(-d // 8):
         raise ValueError(f"w13_packed must be [E, 2I, ceil(D/8)={-(-d // 8)}], got {tuple(w13_packed.shape)}")
     e, inter = w13_packed.shape[0], w13_packed.shape[1] // 2
-    expected = {
-        "w13_scale": (w13_scale, (e, 2 * inter, -(-d // group_size))),
-        "w2_packed": (w2_packed, (e, d, -(-inter // 8))),
-        "w2_scale": (w2_scale, (e, d, -(-inter // group_size))),
-    }
-    for name, (tensor, shape) in expected.items():
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"{name} must be {list(shape)}, got {tuple(tensor.shape)}")
-    if w13_packed.dtype != torch.int32 or w2_packed.dtype != torch.int32:
-        raise ValueError(f"packed weights must be int32, got {w13_packed.dtype}, {w2_packed.dtype}")
-    if w13_scale.dtype not in _FLOAT_DTYPES or w2_scale.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"scales must be fp16/bf16/fp32, got {w13_scale.dtype}, {w2_scale.dtype}")
+    i32 = (torch.int32,)
+    _check_shapes({
+        "w13_packed": (w13_packed, (e, 2 * inter, -(-d // 8)), i32),
+        "w13_scale": (w13_scale, (e, 2 * inter, -(-d // group_size)), _FLOAT_DTYPES),
+        "w2_packed": (w2_packed, (e, d, -(-inter // 8)), i32),
+        "w2_scale": (w2_scale, (e, d, -(-inter // group_size)), _FLOAT_DTYPES),
+    })
     _check_placement(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
     return _run(x, topk_ids, topk_weights, w13_packed, w2_packed, w13_scale, w2_scale, inter, INT4, group_size)
-
-
-def _check_shapes(expected: dict):
-    for name, (tensor, shape, dtypes) in expected.items():
-        if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
-            names = "/".join(str(d).replace("torch.", "") for d in dtypes)
-            raise ValueError(f"{name} must be {names} {list(shape)}, got {tuple(tensor.shape)} {tensor.dtype}")
 
 
 def fused_moe_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale) -> torch.Tensor:
