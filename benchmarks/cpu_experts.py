@@ -19,16 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
+from benchmarks.cpu_vs_transformers import copy_bandwidth  # noqa: E402  (the same copy measure)
 
 
 def build_stack(fmt: str, hidden: int, inter: int, experts: int):
