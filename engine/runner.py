@@ -7,7 +7,7 @@ same inputs (the model's collectives pair up), and rank 0 alone samples.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -127,10 +127,20 @@ class ModelRunner:
             slots.append(c.block_table[pos // bs].long() * bs + pos % bs)
         meta.positions, meta.slot_mapping = torch.cat(positions), torch.cat(slots)
         ids = buf.put("ids", inp.ids, torch.int64)
-        sample_rows = buf.put("sample_rows", inp.sample_rows, torch.int64) if inp.sample_rows else None
+        keep, bounds = output_rows(inp)
+        row = {r: i for i, r in enumerate(keep)} if keep is not None else None  # batch row -> hidden row
+        if keep is not None:
+            meta.out_rows = buf.put("out_rows", keep, torch.int64)
+        sample_rows = [row[r] for r in inp.sample_rows] if row is not None else inp.sample_rows
+        sample_rows = buf.put("sample_rows", sample_rows, torch.int64) if sample_rows else None
         buf.end_step()
+        if keep is not None:
+            meta.out_meta = replace(
+                meta, positions=meta.positions[meta.out_rows], slot_mapping=None,
+                prefills=[PrefillChunk(a, b, c.context_len, c.block_table) for c, (a, b) in zip(chunks, bounds)])
         hidden = self.model(ids, meta, self.kv_caches)
-        prompt_logits = [self.model.compute_logits(hidden[sp.row: sp.row + sp.num_rows]) for sp in inp.prompt_spans]
+        spans = [(row[sp.row] if row is not None else sp.row, sp.num_rows) for sp in inp.prompt_spans]
+        prompt_logits = [self.model.compute_logits(hidden[r: r + n]) for r, n in spans]
         if sample_rows is None:
             return None, prompt_logits
         return self.model.compute_logits(hidden[sample_rows]), prompt_logits
@@ -193,3 +203,29 @@ class ModelRunner:
         ids_l = top_ids.tolist() if top_ids is not None else [[]] * sp.num_rows
         vals_l = top_vals.tolist() if top_vals is not None else [[]] * sp.num_rows
         return [{**dict(zip(ids_l[i], vals_l[i])), sp.next_ids[i]: actual_l[i]} for i in range(sp.num_rows)]
+
+
+def output_rows(inp: StepInputs) -> tuple[list[int] | None, list[tuple[int, int]]]:
+    """The batch rows whose hidden state the step uses, and each prefill chunk's [start, end) among
+    them; ``(None, [])`` when that is every row.
+
+    Every decode samples. A prefill chunk needs all its rows for prompt log-probs (a span starts at
+    its first row), else its last row if it samples, else none; so each chunk keeps a suffix. A
+    step that needs no row at all (only unfinished prompts) keeps its final row, so that no layer
+    sees an empty batch.
+    """
+    spans = {sp.row for sp in inp.prompt_spans}
+    samples = set(inp.sample_rows)
+    firsts = [a if a in spans else b - 1 if b - 1 in samples else b for a, b, *_ in inp.prefills]
+    if not inp.num_decodes and inp.prefills and all(f == b for f, (_, b, *_) in zip(firsts, inp.prefills)):
+        firsts[-1] -= 1
+    kept = inp.num_decodes + sum(b - f for f, (_, b, *_) in zip(firsts, inp.prefills))
+    if kept == len(inp.ids):
+        return None, []
+    keep = list(range(inp.num_decodes))
+    bounds = []
+    for f, (_, b, *_) in zip(firsts, inp.prefills):
+        bounds.append((len(keep), len(keep) + b - f))
+        keep.extend(range(f, b))
+    return keep, bounds
+

@@ -30,6 +30,12 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [D] int32, including the new token
     decode_max_context_len: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # The rows whose output the step uses (rows to sample, prompt-logprob spans) when that is fewer
+    # than all rows. The last layer computes queries, attention and its MLP for these rows only;
+    # every layer still writes all rows' latents to the cache. ``out_meta`` is the same batch seen
+    # from the kept rows: the decodes, then a suffix of each prefill chunk (possibly empty).
+    out_rows: torch.Tensor | None = None  # [K] int64
+    out_meta: AttentionMetadata | None = None
 
     @property
     def num_tokens(self) -> int:

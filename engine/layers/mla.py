@@ -68,8 +68,15 @@ class MLAttention(nn.Module):
     def _compute_dtype(self) -> torch.dtype:
         return self.kv_a_layernorm.weight.dtype
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
-        # x: [T, D]; cache: [num_blocks, block_size, r + rope]
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor, last: bool = False) -> torch.Tensor:
+        # x: [T, D]; cache: [num_blocks, block_size, r + rope]. Every row's latent goes to the
+        # cache; in the last layer (``last``) only meta.out_rows, when set, need an output.
+        kv = self.kv_a_proj_with_mqa(x)
+        c_kv = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
+        qmeta = meta
+        if last and meta.out_rows is not None:
+            qmeta = meta.out_meta
+            x = x.index_select(0, meta.out_rows)
         t = x.shape[0]
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)
@@ -77,22 +84,25 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, self.num_heads, self.qk_dim)
         q_nope = q[..., : self.nope]
-        kv = self.kv_a_proj_with_mqa(x)
-        c_kv = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
-        # The query heads and the shared key rotate by the same positions: one call. [T, H + 1, rope]
-        pe = self.rope(torch.cat([q[..., self.nope:], kv[:, None, self.kv_lora_rank:]], dim=1), meta.positions)
-        q_pe, k_pe = pe[:, :-1], pe[:, -1]
+        if qmeta is meta:
+            # The query heads and the shared key rotate by the same positions: one call. [T, H + 1, rope]
+            pe = self.rope(torch.cat([q[..., self.nope:], kv[:, None, self.kv_lora_rank:]], dim=1), meta.positions)
+            q_pe, k_pe = pe[:, :-1], pe[:, -1]
+        else:
+            q_pe = self.rope(q[..., self.nope:], qmeta.positions)
+            k_pe = self.rope(kv[:, None, self.kv_lora_rank:], meta.positions)[:, 0]
         flat = cache.view(-1, cache.shape[-1])
         flat.index_copy_(0, meta.slot_mapping, torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype))
 
         out = torch.empty(t, self.num_heads, self.v_dim, dtype=x.dtype, device=x.device)
-        d = meta.num_decode_tokens
+        d = qmeta.num_decode_tokens
         if d:
-            out[:d] = self._decode(q_nope[:d], q_pe[:d], meta, flat)
-        for chunk in meta.prefills:
+            out[:d] = self._decode(q_nope[:d], q_pe[:d], qmeta, flat)
+        for chunk in qmeta.prefills:
             s, e = chunk.start, chunk.end
-            out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], chunk.context_len, chunk.block_table,
-                                     meta.block_size, flat)
+            if e > s:
+                out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], chunk.context_len, chunk.block_table,
+                                         meta.block_size, flat)
         return self.par.all_reduce(self.o_proj(out.view(t, -1)))
 
     def _prefill(self, q_nope, q_pe, context_len, block_table, block_size, flat):

@@ -35,8 +35,12 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, config.quantization, f"{prefix}.mlp", par)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta, cache)
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor, last: bool = False) -> torch.Tensor:
+        """``last``: the final layer, which returns only ``meta.out_rows`` when those are set."""
+        a = self.self_attn(self.input_layernorm(x), meta, cache, last)
+        if last and meta.out_rows is not None:
+            x = x.index_select(0, meta.out_rows)
+        x = x + a
         # one all-reduce for routed experts, shared experts and dense MLP shards together
         return x + self.par.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
@@ -54,8 +58,9 @@ class DeepseekV3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]):
         x = self.embed_tokens(input_ids)
-        for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, meta, cache)
+        last = len(self.layers) - 1
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, meta, cache, last=i == last)
         return self.norm(x)
 
 
@@ -71,7 +76,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, config.quantization, par)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]):
-        """Hidden states [T, D] for a flattened batch (see AttentionMetadata for the row layout)."""
+        """Hidden states [T, D] for a flattened batch (see AttentionMetadata for the row layout), or
+        [K, D] for the rows ``meta.out_rows`` when that is set."""
         return self.model(input_ids, meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
