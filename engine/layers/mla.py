@@ -68,7 +68,8 @@ class MLAttention(nn.Module):
     def _compute_dtype(self) -> torch.dtype:
         return self.kv_a_layernorm.weight.dtype
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor, last: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor,
+                last: bool = False) -> torch.Tensor:
         # x: [T, D]; cache: [num_blocks, block_size, r + rope]. Every row's latent goes to the
         # cache; in the last layer (``last``) only meta.out_rows, when set, need an output.
         kv = self.kv_a_proj_with_mqa(x)

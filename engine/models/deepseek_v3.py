@@ -35,7 +35,8 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, config.quantization, f"{prefix}.mlp", par)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor, last: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor,
+                last: bool = False) -> torch.Tensor:
         """``last``: the final layer, which returns only ``meta.out_rows`` when those are set."""
         a = self.self_attn(self.input_layernorm(x), meta, cache, last)
         if last and meta.out_rows is not None:
