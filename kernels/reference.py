@@ -65,17 +65,26 @@ def quantize_fp8_block(w, block=(128, 128)):
 # INT4 compressed-tensors pack-quantized
 
 
-def unpack_int4(packed, k):
-    """Unpack int32 words ``[..., ceil(K/8)]`` to int8 ``[..., K]`` in [-8, 7].
+def int4_nibbles(packed, k):
+    """The stored nibbles u = q + 8 (0..15) of int32 words ``[..., ceil(K/8)]`` as uint8 ``[..., K]``.
 
-    Column j sits in word j // 8 at bits 4*(j % 8); nibbles are stored offset-8 (u = q + 8).
-    Words are raw bits: negative int32 values are fine because the nibble is masked after an
-    arithmetic shift.
+    Column j sits in word j // 8 at bits 4*(j % 8). Words are raw bits: negative int32 values are
+    fine.
     """
+    if sys.byteorder == "little":
+        # Byte i of a row holds column 2i in its low nibble and 2i+1 in its high one: two byte ops
+        # instead of eight shifts of every word (4-5x faster on a K2-sized expert).
+        b = packed.to(torch.int32).contiguous().view(torch.uint8)
+        return torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)[..., :k]
     shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)  # [8]
-    u = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF  # [..., W, 8]
-    u = u.flatten(-2)[..., :k]
-    return (u - 8).to(torch.int8)
+    u = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF  # [..., W, 8]; & drops the sign bits
+    return u.flatten(-2)[..., :k].to(torch.uint8)
+
+
+def unpack_int4(packed, k):
+    """Unpack int32 words ``[..., ceil(K/8)]`` to int8 ``[..., K]`` in [-8, 7] (stored offset-8:
+    u = q + 8; see int4_nibbles for the layout)."""
+    return int4_nibbles(packed, k).to(torch.int8) - 8
 
 
 def pack_int4(q):
@@ -401,7 +410,7 @@ def int4pack_cpu_supported(n: int, k: int, group_size: int) -> bool:
 def prepack_int4_cpu(packed, scale, k, group_size, dtype):
     """compressed-tensors INT4 (packed int32 [N, K/8], scale [N, K/g]) -> (torch's CPU int4 layout
     uint8 [N, K/2], scales_and_zeros [K/g, N, 2] in ``dtype``, the activations' dtype)."""
-    codes = unpack_int4(packed, k).to(torch.int32) + 8  # 0..15
+    codes = int4_nibbles(packed, k).to(torch.int32)  # 0..15
     weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     scales_zeros = torch.zeros(k // group_size, packed.shape[0], 2, dtype=dtype)
     scales_zeros[..., 0] = scale.t().to(dtype)

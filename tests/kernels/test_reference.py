@@ -70,6 +70,15 @@ def test_int4_bit_layout_and_negative_words():
     assert q[0, 23] == 0 and (q[0, 16:23] == -8).all()  # 0x80000000: top nibble 8, rest 0
 
 
+def test_int4_nibbles_byte_path_equals_shift_path(monkeypatch):
+    words = torch.randint(-2**31, 2**31 - 1, (3, 2, 5), dtype=torch.int32)
+    fast = ref.int4_nibbles(words, 37)
+    monkeypatch.setattr(ref.sys, "byteorder", "big")  # the word-shift path any byte order can use
+    slow = ref.int4_nibbles(words, 37)
+    assert fast.dtype == slow.dtype == torch.uint8 and fast.shape == (3, 2, 37)
+    assert torch.equal(fast, slow)
+
+
 def test_int4_quantize_convention_and_error():
     w = torch.randn(4, 50)
     packed, scale = ref.quantize_int4(w, group_size=32)
