@@ -4,6 +4,8 @@ import os
 
 import torch
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # activations every kernel takes
+
 
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1, where kernels run on CPU tensors."""

@@ -11,9 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_device, interpreting
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from kernels._checks import FLOAT_DTYPES, check_device, interpreting
 
 
 @triton.jit
@@ -64,7 +62,7 @@ def fp8_block_gemm(
 
     ``w_fp8`` float8_e4m3fn [N, K], ``scale_inv`` fp32 [ceil(N/bn), ceil(K/bk)].
     """
-    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
+    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x must be a 2-D fp16/bf16/fp32 tensor, got {tuple(x.shape)} {x.dtype}")
     m, k = x.shape
     if w_fp8.dtype != torch.float8_e4m3fn or w_fp8.dim() != 2 or w_fp8.shape[1] != k:

@@ -13,13 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_device, interpreting
+from kernels._checks import FLOAT_DTYPES, check_device, interpreting
 from kernels.mxfp4_gemm import MXFP4_BLOCK, _e2m1_to_float
 
 # Weight formats of the experts (constexpr WFMT of the kernel).
 DENSE, INT4, MXFP4, FP8 = 0, 1, 2, 3
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int):
@@ -141,7 +139,7 @@ def _fused_moe_kernel(
 
 
 def _check_routing(x, topk_ids, topk_weights):
-    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
+    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x must be a 2-D fp16/bf16/fp32 tensor [T, D], got {tuple(x.shape)} {x.dtype}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(
@@ -214,7 +212,7 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
     e, inter = w13.shape[0], w13.shape[1] // 2
     if tuple(w2.shape) != (e, x.shape[1], inter):
         raise ValueError(f"w2 must be [E={e}, D={x.shape[1]}, I={inter}], got {tuple(w2.shape)}")
-    if w13.dtype not in _FLOAT_DTYPES or w2.dtype not in _FLOAT_DTYPES:
+    if w13.dtype not in FLOAT_DTYPES or w2.dtype not in FLOAT_DTYPES:
         raise ValueError(f"dense expert weights must be fp16/bf16/fp32, got {w13.dtype}, {w2.dtype}")
     _check_placement(x, topk_ids, topk_weights, w13, w2)
     return _run(x, topk_ids, topk_weights, w13, w2, None, None, inter, DENSE, 1)
@@ -238,9 +236,9 @@ def fused_moe_w4a16(
     i32 = (torch.int32,)
     _check_shapes({
         "w13_packed": (w13_packed, (e, 2 * inter, -(-d // 8)), i32),
-        "w13_scale": (w13_scale, (e, 2 * inter, -(-d // group_size)), _FLOAT_DTYPES),
+        "w13_scale": (w13_scale, (e, 2 * inter, -(-d // group_size)), FLOAT_DTYPES),
         "w2_packed": (w2_packed, (e, d, -(-inter // 8)), i32),
-        "w2_scale": (w2_scale, (e, d, -(-inter // group_size)), _FLOAT_DTYPES),
+        "w2_scale": (w2_scale, (e, d, -(-inter // group_size)), FLOAT_DTYPES),
     })
     _check_placement(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
     return _run(x, topk_ids, topk_weights, w13_packed, w2_packed, w13_scale, w2_scale, inter, INT4, group_size)

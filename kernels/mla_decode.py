@@ -13,9 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_device, interpreting
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from kernels._checks import FLOAT_DTYPES, check_device, interpreting
 
 
 @triton.jit
@@ -85,13 +83,13 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
     """Absorbed MLA decode: q [B, H, r + rope], cache [slots, r + rope] (latent then rope key),
     block_tables [B, max_blocks] int32, context_lens [B] int32 (>= 1, <= max_context_len) -> [B, H, r]
     in q.dtype."""
-    if q.dim() != 3 or q.dtype not in _FLOAT_DTYPES:
+    if q.dim() != 3 or q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q must be a 3-D fp16/bf16/fp32 tensor [B, H, r + rope], got {tuple(q.shape)} {q.dtype}")
     b, h, width = q.shape
     r = kv_lora_rank
     if not 0 < r < width:
         raise ValueError(f"kv_lora_rank {r} must be positive and below the query width {width}")
-    if cache.dim() != 2 or cache.shape[1] != width or cache.dtype not in _FLOAT_DTYPES:
+    if cache.dim() != 2 or cache.shape[1] != width or cache.dtype not in FLOAT_DTYPES:
         raise ValueError(f"cache must be fp16/bf16/fp32 [slots, {width}], got {tuple(cache.shape)} {cache.dtype}")
     if block_tables.dim() != 2 or block_tables.shape[0] != b or block_tables.dtype != torch.int32:
         raise ValueError(f"block_tables must be int32 [B={b}, max_blocks], got {tuple(block_tables.shape)} "

@@ -9,9 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_device, interpreting
+from kernels._checks import FLOAT_DTYPES, check_device, interpreting
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MXFP4_BLOCK = 32
 
 
@@ -74,7 +73,7 @@ def mxfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> to
 
     ``packed`` uint8 [N, K/2], ``scale`` uint8 [N, K/32]; K must be a multiple of 32.
     """
-    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
+    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x must be a 2-D fp16/bf16/fp32 tensor, got {tuple(x.shape)} {x.dtype}")
     m, k = x.shape
     if k % MXFP4_BLOCK:

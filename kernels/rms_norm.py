@@ -8,9 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_device, interpreting
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from kernels._checks import FLOAT_DTYPES, check_device, interpreting
 
 
 @triton.jit
@@ -31,7 +29,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
 
     Output dtype follows torch promotion of (weight, x), as HF's ``weight * h.to(x.dtype)``.
     """
-    if x.dtype not in _FLOAT_DTYPES or weight.dtype not in _FLOAT_DTYPES:
+    if x.dtype not in FLOAT_DTYPES or weight.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x and weight must be fp16/bf16/fp32, got {x.dtype} and {weight.dtype}")
     h = x.shape[-1]
     if weight.dim() != 1 or weight.shape[0] != h:

@@ -8,9 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_device, interpreting
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from kernels._checks import FLOAT_DTYPES, check_device, interpreting
 
 
 @triton.jit
@@ -67,7 +65,7 @@ def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group
 
     ``packed`` int32 [N, ceil(K/8)], ``scale`` [N, ceil(K/group_size)] (bf16/fp16/fp32).
     """
-    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
+    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x must be a 2-D fp16/bf16/fp32 tensor, got {tuple(x.shape)} {x.dtype}")
     m, k = x.shape
     if packed.dtype != torch.int32 or packed.dim() != 2 or packed.shape[1] != -(-k // 8):
@@ -78,7 +76,7 @@ def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group
     if group_size <= 0:
         raise ValueError(f"group_size must be positive, got {group_size}")
     groups = -(-k // group_size)
-    if scale.dtype not in _FLOAT_DTYPES or tuple(scale.shape) != (n, groups):
+    if scale.dtype not in FLOAT_DTYPES or tuple(scale.shape) != (n, groups):
         raise ValueError(f"scale must be float [N={n}, ceil(K/g)={groups}], got {tuple(scale.shape)} {scale.dtype}")
     if not (packed.is_contiguous() and scale.is_contiguous()):
         raise ValueError("packed and scale must be contiguous")
