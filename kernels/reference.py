@@ -236,23 +236,25 @@ def linear_cpu(x, w):
     return y.view(*x.shape[:-1], n)
 
 
-def _linear(x, w):
+def linear(x, w):
+    """``x [..., K] @ w [N, K].T -> [..., N]`` for a dense weight: ``linear_cpu`` on a CPU,
+    ``F.linear`` elsewhere."""
     return linear_cpu(x, w) if x.device.type == "cpu" else F.linear(x, w)
 
 
 def linear_fp8_block(x, w, scale_inv, block=(128, 128)):
     """``x @ dequant_fp8_block(w).T`` in x.dtype."""
-    return _linear(x, dequant_fp8_block(w, scale_inv, block, dtype=x.dtype))
+    return linear(x, dequant_fp8_block(w, scale_inv, block, dtype=x.dtype))
 
 
 def linear_w4a16(x, packed, scale, k, group_size=32):
     """``x @ dequant_int4(w).T`` in x.dtype."""
-    return _linear(x, dequant_int4(packed, scale, k, group_size, dtype=x.dtype))
+    return linear(x, dequant_int4(packed, scale, k, group_size, dtype=x.dtype))
 
 
 def linear_mxfp4(x, packed, scale):
     """``x @ dequant_mxfp4(w).T`` in x.dtype."""
-    return _linear(x, dequant_mxfp4(packed, scale, dtype=x.dtype))
+    return linear(x, dequant_mxfp4(packed, scale, dtype=x.dtype))
 
 
 def rms_norm(x, weight, eps=1e-6):
@@ -275,7 +277,7 @@ def _swiglu(x, up_proj, down_proj):
 
 def _swiglu_expert(x, w13, w2):
     # x [c, D], w13 [2I, D] (gate rows, then up), w2 [D, I] -> [c, D]
-    return _swiglu(x, lambda h: _linear(h, w13), lambda h: _linear(h, w2))
+    return _swiglu(x, lambda h: linear(h, w13), lambda h: linear(h, w2))
 
 
 def _dense_experts(expert_weights):
