@@ -210,10 +210,10 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
     if w13.dim() != 3 or w13.shape[2] != x.shape[1] or w13.shape[1] % 2:
         raise ValueError(f"w13 must be [E, 2I, D={x.shape[1]}], got {tuple(w13.shape)}")
     e, inter = w13.shape[0], w13.shape[1] // 2
-    if tuple(w2.shape) != (e, x.shape[1], inter):
-        raise ValueError(f"w2 must be [E={e}, D={x.shape[1]}, I={inter}], got {tuple(w2.shape)}")
-    if w13.dtype not in FLOAT_DTYPES or w2.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"dense expert weights must be fp16/bf16/fp32, got {w13.dtype}, {w2.dtype}")
+    _check_shapes({
+        "w13": (w13, (e, 2 * inter, x.shape[1]), FLOAT_DTYPES),
+        "w2": (w2, (e, x.shape[1], inter), FLOAT_DTYPES),
+    })
     _check_placement(x, topk_ids, topk_weights, w13, w2)
     return _run(x, topk_ids, topk_weights, w13, w2, None, None, inter, DENSE, 1)
 
