@@ -228,4 +228,3 @@ def output_rows(inp: StepInputs) -> tuple[list[int] | None, list[tuple[int, int]
         bounds.append((len(keep), len(keep) + b - f))
         keep.extend(range(f, b))
     return keep, bounds
-

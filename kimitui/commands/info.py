@@ -11,6 +11,7 @@ import sys
 
 from kimitui.commands.engine_flags import cpu_offload_arg
 
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the ``info`` subcommand on an ``argparse`` subparsers object."""
     p = subparsers.add_parser("info", help="detected devices, telemetry backends, versions",
