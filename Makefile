@@ -19,6 +19,7 @@ $(VENV)/.installed: pyproject.toml
 		$(PY) -m pip install -q "$(TORCH_SPEC)"; \
 	fi
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m kernels.cpu_few_rows  # compile the C++ CPU kernels once (about 30 s); without a compiler the PyTorch path runs
 	touch $@
 
 venv: $(VENV)/.installed

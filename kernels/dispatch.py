@@ -2,8 +2,10 @@
 
 A call uses Triton when its tensors live on a ``cuda`` device (ROCm reports ``cuda`` too) and
 triton imports; otherwise the PyTorch reference in ``kernels.reference`` runs on whatever device
-the tensors are on. ``KIMITUI_KERNELS=reference`` forces the reference everywhere (debugging,
-numerics comparisons). Kernel modules are imported lazily so this module never needs triton.
+the tensors are on, except the few-row float32 decode shapes on a CPU, which go to the C++ loops
+of ``kernels.cpu_few_rows`` when that extension builds. ``KIMITUI_KERNELS=reference`` forces the
+reference everywhere (debugging, numerics comparisons). Kernel modules are imported lazily so this
+module never needs triton.
 """
 
 import functools
@@ -13,7 +15,7 @@ import os
 
 import torch
 
-from kernels import reference
+from kernels import cpu_few_rows, reference
 
 
 @functools.cache
@@ -30,9 +32,18 @@ def triton_available() -> bool:
 
 def use_triton(tensor: torch.Tensor) -> bool:
     """Whether calls on ``tensor``'s device go to the Triton kernels."""
-    if os.environ.get("KIMITUI_KERNELS", "").lower() == "reference":
-        return False
-    return tensor.device.type == "cuda" and triton_available()
+    return tensor.device.type == "cuda" and not _forced_reference() and triton_available()
+
+
+def _forced_reference() -> bool:
+    return os.environ.get("KIMITUI_KERNELS", "").lower() == "reference"
+
+
+def use_cpu_few_rows(x: torch.Tensor, rows: int, limit: int, *weights: torch.Tensor) -> bool:
+    """Whether a float32 CPU product with ``rows`` activation rows goes to ``kernels.cpu_few_rows``."""
+    return (0 < rows <= limit and x.device.type == "cpu" and x.dtype == torch.float32
+            and all(w.dtype == torch.float32 and w.is_contiguous() for w in weights)
+            and not _forced_reference() and cpu_few_rows.available())
 
 
 def _kernel(module: str, name: str):
@@ -46,7 +57,10 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
 
 def linear(x, w):
     """``x [..., K] @ w [N, K].T -> [..., N]`` for a dense weight (``F.linear``; CPU BLAS gets the
-    few-row decode shapes in a form it streams faster, see ``reference.linear_cpu``)."""
+    few-row decode shapes through ``cpu_few_rows``, or else in a form it streams faster, see
+    ``reference.linear_cpu``)."""
+    if use_cpu_few_rows(x, x.numel() // max(x.shape[-1], 1), cpu_few_rows.MAX_ROWS, w):
+        return cpu_few_rows.linear(x, w)
     return reference.linear(x, w)
 
 
@@ -95,6 +109,8 @@ def rms_norm(x, weight, eps=1e-6):
 
 def moe_experts(x, topk_ids, topk_weights, w13, w2):
     """SwiGLU MoE, dense experts: x [T, D], topk [T, k], w13 [E, 2I, D], w2 [E, D, I] -> [T, D]."""
+    if use_cpu_few_rows(x, x.shape[0], cpu_few_rows.MAX_MOE_TOKENS, w13, w2):
+        return cpu_few_rows.moe(x, topk_ids, topk_weights, w13, w2)
     if not use_triton(x):
         return reference.moe_experts_reference(x, topk_ids, topk_weights, w13, w2)
     return _kernel("fused_moe", "fused_moe")(x, topk_ids, topk_weights, w13, w2)

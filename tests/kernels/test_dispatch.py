@@ -40,8 +40,10 @@ def test_dispatch_on_cpu_matches_reference():
     torch.testing.assert_close(dispatch.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5))
     ids, tw = torch.tensor([[0, 1], [1, 2]]), torch.rand(2, 2)
     w13, w2 = torch.randn(3, 16, 64), torch.randn(3, 64, 8)
+    # On a CPU the experts may run in kernels.cpu_few_rows, which sums the products in another order.
     torch.testing.assert_close(
-        dispatch.moe_experts(x[0, :2], ids, tw, w13, w2), ref.moe_experts_reference(x[0, :2], ids, tw, w13, w2)
+        dispatch.moe_experts(x[0, :2], ids, tw, w13, w2), ref.moe_experts_reference(x[0, :2], ids, tw, w13, w2),
+        rtol=1e-5, atol=1e-4,
     )
     with pytest.raises(ValueError, match="input features"):
         dispatch.linear_w4a16(x, p, s, 32)

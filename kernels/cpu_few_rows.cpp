@@ -1,0 +1,203 @@
+// Few-row fp32 products on the CPU: the decode shapes, where a step multiplies 1-16 rows of
+// activations by each weight. BLAS time grows with the row count there although the weight read
+// (the real cost) does not; these loops read each weight tile once for every row.
+//
+// linear(x [M, K], w [N, K]) -> x @ w.T [M, N]
+// moe(x [T, D], ids [T, k], weights [T, k], w13 [E, 2I, D], w2 [E, D, I]) -> [T, D]
+//
+// Each output element is one dot product accumulated in a fixed order that does not depend on M,
+// so a row gives the same bits alone or in a batch. Threads split weight rows (at::parallel_for,
+// torch's own thread pool and thread count). Built on first use by kernels/cpu_few_rows.py.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+constexpr int kTileRows = 8;     // weight rows per register tile
+constexpr int kTileTokens = 2;   // activation rows per register tile
+constexpr int64_t kBlock = 64;   // weight rows per work item (a multiple of kTileRows)
+
+// ys[t][n0 + r] = dot(xs[t], w[n0 + r]) for r < R, t < T; each row K long.
+template <int R, int T>
+inline void tile(const float* const* xs, const float* w, int64_t K, float* const* ys, int64_t n0) {
+  v8 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = v8{};
+  const float* wr = w + n0 * K;
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    v8 xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = load8(xs[t] + k);
+    for (int r = 0; r < R; ++r) {
+      const v8 wv = load8(wr + r * K + k);
+      for (int t = 0; t < T; ++t) acc[r][t] += wv * xv[t];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) {
+      float s = hsum(acc[r][t]);
+      for (int64_t kk = k; kk < K; ++kk) s += wr[r * K + kk] * xs[t][kk];
+      ys[t][n0 + r] = s;
+    }
+}
+
+// Weight rows [n0, n1) against all M activation rows.
+void rows(const float* const* xs, int64_t M, const float* w, int64_t K, float* const* ys, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + kTileRows <= n1; n += kTileRows) {
+    int64_t t = 0;
+    for (; t + kTileTokens <= M; t += kTileTokens) tile<kTileRows, kTileTokens>(xs + t, w, K, ys + t, n);
+    for (; t < M; ++t) tile<kTileRows, 1>(xs + t, w, K, ys + t, n);
+  }
+  for (; n < n1; ++n)
+    for (int64_t t = 0; t < M; ++t) tile<1, 1>(xs + t, w, K, ys + t, n);
+}
+
+void check_f32(const torch::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() == dim,
+              name, " must be a contiguous ", dim, "-d float32 CPU tensor, got ", t.scalar_type(), " ",
+              t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+std::vector<const float*> row_ptrs(const float* base, int64_t m, int64_t stride) {
+  std::vector<const float*> p(m);
+  for (int64_t i = 0; i < m; ++i) p[i] = base + i * stride;
+  return p;
+}
+
+std::vector<float*> row_ptrs(float* base, int64_t m, int64_t stride) {
+  std::vector<float*> p(m);
+  for (int64_t i = 0; i < m; ++i) p[i] = base + i * stride;
+  return p;
+}
+
+}  // namespace
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
+  check_f32(x, "x", 2);
+  check_f32(w, "w", 2);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "x has ", K, " features, w has ", w.size(1));
+  auto y = torch::empty({M, N}, x.options());
+  const auto xs = row_ptrs(x.data_ptr<float>(), M, K);
+  const auto ys = row_ptrs(y.data_ptr<float>(), M, N);
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, (N + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) rows(xs.data(), M, wp, K, ys.data(), b * kBlock, std::min(N, (b + 1) * kBlock));
+  });
+  return y;
+}
+
+// SwiGLU experts: y_t = sum over t's slots, in ascending expert order, of weight * w2[e] @ (silu(g) * u),
+// [g; u] = w13[e] @ x_t. An id outside [0, E) (a pair computed elsewhere) adds nothing.
+torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13, torch::Tensor w2) {
+  check_f32(x, "x", 2);
+  check_f32(weights, "topk_weights", 2);
+  check_f32(w13, "w13", 3);
+  check_f32(w2, "w2", 3);
+  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == torch::kInt64 && ids.is_contiguous() && ids.dim() == 2,
+              "topk_ids must be a contiguous 2-d int64 CPU tensor, got ", ids.scalar_type(), " ", ids.sizes());
+  const int64_t T = x.size(0), D = x.size(1), top_k = ids.size(1), E = w13.size(0), I2 = w13.size(1), I = I2 / 2;
+  TORCH_CHECK(weights.sizes() == ids.sizes(), "topk_weights ", weights.sizes(), " vs topk_ids ", ids.sizes());
+  TORCH_CHECK(ids.size(0) == T, "topk_ids has ", ids.size(0), " rows, x has ", T);
+  TORCH_CHECK(I2 % 2 == 0 && w13.size(2) == D, "w13 ", w13.sizes(), " does not fit x with ", D, " features");
+  TORCH_CHECK(w2.size(0) == E && w2.size(1) == D && w2.size(2) == I, "w2 ", w2.sizes(), " does not fit w13 ", w13.sizes());
+
+  // Group the (token, slot) pairs by expert, tokens ascending within an expert.
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<int64_t> count(E + 1, 0);
+  for (int64_t i = 0; i < T * top_k; ++i)
+    if (id[i] >= 0 && id[i] < E) ++count[id[i] + 1];
+  for (int64_t e = 0; e < E; ++e) count[e + 1] += count[e];  // now the start of each expert's group
+  const int64_t P = count[E];
+  std::vector<int64_t> pos(T * top_k, -1), next(count.begin(), count.end() - 1), token(P);
+  for (int64_t i = 0; i < T * top_k; ++i)
+    if (id[i] >= 0 && id[i] < E) {
+      pos[i] = next[id[i]]++;
+      token[pos[i]] = i / top_k;
+    }
+  std::vector<int64_t> item_expert, item_block;  // work items: (expert, block of weight rows)
+  auto items = [&](int64_t n) {
+    item_expert.clear();
+    item_block.clear();
+    for (int64_t e = 0; e < E; ++e)
+      if (count[e + 1] > count[e])
+        for (int64_t b = 0; b * kBlock < n; ++b) {
+          item_expert.push_back(e);
+          item_block.push_back(b);
+        }
+  };
+  // For every item, the rows of weight w[e] in its block against the group of expert e.
+  auto run = [&](const float* w, int64_t n, int64_t k, const float* const* xs, float* const* ys) {
+    items(n);
+    at::parallel_for(0, static_cast<int64_t>(item_expert.size()), 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t e = item_expert[i], b = item_block[i], g = count[e];
+        rows(xs + g, count[e + 1] - g, w + e * n * k, k, ys + g, b * kBlock, std::min(n, (b + 1) * kBlock));
+      }
+    });
+  };
+
+  auto gate_up = torch::empty({P, I2}, x.options());
+  auto act = torch::empty({P, I}, x.options());
+  auto down = torch::empty({P, D}, x.options());
+  std::vector<const float*> xs(P);
+  for (int64_t p = 0; p < P; ++p) xs[p] = x.data_ptr<float>() + token[p] * D;
+  run(w13.data_ptr<float>(), I2, D, xs.data(), row_ptrs(gate_up.data_ptr<float>(), P, I2).data());
+  const float* gu = gate_up.data_ptr<float>();
+  float* a = act.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t j = 0; j < I; ++j) {
+        const float g = gu[p * I2 + j];
+        a[p * I + j] = g / (1.0f + std::exp(-g)) * gu[p * I2 + I + j];
+      }
+  });
+  run(w2.data_ptr<float>(), D, I, row_ptrs(a, P, I).data(), row_ptrs(down.data_ptr<float>(), P, D).data());
+
+  // Each token adds its weighted expert outputs in ascending expert order.
+  auto out = torch::zeros({T, D}, x.options());
+  const float* wt = weights.data_ptr<float>();
+  const float* dn = down.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> slots(top_k);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t j = 0; j < top_k; ++j) slots[j] = t * top_k + j;
+      std::sort(slots.begin(), slots.end(), [&](int64_t i, int64_t j) { return id[i] < id[j]; });
+      for (int64_t s : slots) {
+        if (pos[s] < 0) continue;
+        const float* y = dn + pos[s] * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float v = y[d] * wt[s];
+          o[t * D + d] += v;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+int64_t threads() { return at::get_num_threads(); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "x [M, K] @ w [N, K].T for float32 CPU tensors");
+  m.def("moe", &moe, "SwiGLU MoE over dense float32 experts on the CPU");
+  m.def("threads", &threads, "the thread count at::parallel_for uses here");
+}

@@ -1,0 +1,90 @@
+"""Few-row float32 products on the CPU (``cpu_few_rows.cpp``), built on first use.
+
+Decode multiplies 1-16 rows of activations by each weight. There the cost is reading the weight,
+but MKL's time grows with the row count (2 rows cost 1.2-1.5x one row, 4 rows about 2x), and the
+MoE layer pays a dispatch per expert on top. The C++ loops read each weight tile once for all rows,
+and ``moe`` runs a whole MoE layer's routed experts in one call.
+
+The extension is compiled with torch's own toolchain helper (``torch.utils.cpp_extension.load``,
+about 30 s on 2 cores, cached under ``TORCH_EXTENSIONS_DIR``) for the host CPU. Without a
+compiler, or with ``KIMITUI_CPU_KERNELS=0``, ``available()`` is False and the callers keep the
+PyTorch path. ``python -m kernels.cpu_few_rows`` builds it ahead of time.
+"""
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 8  # linear(): up to this many rows; above it BLAS is as fast (measured 1-16 rows, 2 cores)
+MAX_MOE_TOKENS = 128  # moe(): up to this many tokens (1.3x at 128, 0.8x at 512 against BLAS per expert)
+_SOURCE = Path(__file__).with_name("cpu_few_rows.cpp")
+
+
+def _cpu_tag() -> str:
+    # -march=native code must not run on another CPU sharing the build cache (a shared home directory).
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+
+
+@functools.cache
+def _module():
+    if os.environ.get("KIMITUI_CPU_KERNELS", "1").lower() in ("0", "false", "off"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        if shutil.which("ninja") is None:  # the ninja wheel's binary, when its venv is not on PATH
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        return load(
+            name=f"kimitui_cpu_few_rows_{_cpu_tag()}",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler or ninja, or an unsupported platform: keep the PyTorch path
+        log.warning("CPU few-row kernels unavailable (%s); using the PyTorch path", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
+
+
+def available() -> bool:
+    """True when the extension is built (building it on the first call)."""
+    return _module() is not None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ w [N, K].T -> [..., N]``; float32 CPU tensors, ``w`` contiguous."""
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, w has {k}")
+    out = _module().linear(x.reshape(-1, k).contiguous(), w)
+    return out.view(*x.shape[:-1], n)
+
+
+def moe(x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
+    """SwiGLU MoE over dense float32 experts, as ``reference.moe_experts_reference``: x [T, D],
+    topk [T, k], w13 [E, 2I, D], w2 [E, D, I] -> [T, D]."""
+    return _module().moe(x.contiguous(), topk_ids.long().contiguous(), topk_weights.float().contiguous(), w13, w2)
+
+
+def threads() -> int:
+    """The thread count the extension's parallel loops use (torch's, set by ``torch.set_num_threads``)."""
+    return _module().threads()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    print("CPU few-row kernels:", "built" if available() else "unavailable")

@@ -1,0 +1,132 @@
+"""The C++ few-row CPU kernels against PyTorch references, their batch independence, their
+thread count, their input checks, and when dispatch uses them."""
+
+import logging
+
+import pytest
+import torch
+
+from kernels import cpu_few_rows, dispatch
+from kernels import reference as ref
+
+needs_ext = pytest.mark.skipif(not cpu_few_rows.available(), reason="the C++ extension does not build here")
+
+
+@needs_ext
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("n,k", [(1, 8), (7, 5), (64, 67), (130, 256)])
+def test_linear_matches_float64(m, n, k):
+    torch.manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    got = cpu_few_rows.linear(x, w)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-4)
+
+
+@needs_ext
+def test_linear_keeps_leading_dims_and_reads_strided_rows():
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3, 40)[:, :, :32], torch.randn(24, 32)  # x not contiguous
+    torch.testing.assert_close(cpu_few_rows.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@needs_ext
+def test_a_row_gives_the_same_bits_alone_and_in_a_batch():
+    torch.manual_seed(1)
+    x, w = torch.randn(7, 200), torch.randn(72, 200)
+    batch = cpu_few_rows.linear(x, w)
+    for i in range(7):
+        assert torch.equal(cpu_few_rows.linear(x[i : i + 1], w), batch[i : i + 1])
+
+
+def _experts(e, d, inter, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(e, 2 * inter, d, generator=g) * 0.1, torch.randn(e, d, inter, generator=g) * 0.1
+
+
+@needs_ext
+@pytest.mark.parametrize("t", [1, 3, 17])
+def test_moe_matches_reference(t):
+    torch.manual_seed(t)
+    e, d, inter, top_k = 9, 44, 20, 3  # feature counts that are not multiples of the 8-wide vectors
+    w13, w2 = _experts(e, d, inter)
+    x = torch.randn(t, d)
+    weights, ids = torch.rand(t, e).topk(top_k)
+    ids = ids[:, torch.randperm(top_k)]  # slots in no particular expert order
+    ids[0, 1] = e  # a pair computed elsewhere (another rank, host RAM) adds nothing
+    got = cpu_few_rows.moe(x, ids, weights, w13, w2)
+    torch.testing.assert_close(got, ref.moe_experts_reference(x, ids, weights, w13, w2), rtol=1e-5, atol=1e-5)
+
+
+@needs_ext
+def test_moe_token_gives_the_same_bits_alone_and_in_a_batch():
+    torch.manual_seed(2)
+    w13, w2 = _experts(16, 64, 32)
+    x = torch.randn(6, 64)
+    weights, ids = torch.rand(6, 16).topk(4)
+    batch = cpu_few_rows.moe(x, ids, weights, w13, w2)
+    for i in range(6):
+        assert torch.equal(cpu_few_rows.moe(x[i : i + 1], ids[i : i + 1], weights[i : i + 1], w13, w2), batch[i : i + 1])
+
+
+@needs_ext
+def test_threads_follow_torch():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert cpu_few_rows.threads() == 1
+        torch.set_num_threads(before)
+        assert cpu_few_rows.threads() == before
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_ext
+def test_bad_inputs_are_named():
+    w = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="x must be a contiguous 2-d float32"):
+        cpu_few_rows._module().linear(torch.randn(2, 8, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match="x has 6 input features, w has 8"):
+        cpu_few_rows.linear(torch.randn(2, 6), w)
+    w13, w2 = _experts(4, 8, 4)
+    with pytest.raises(RuntimeError, match="w2 .* does not fit w13"):
+        cpu_few_rows.moe(torch.randn(2, 8), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2), w13, w2[:, :, :2].contiguous())
+
+
+@needs_ext
+def test_dispatch_routes_few_float32_rows_only(monkeypatch):
+    calls = []
+    real = cpu_few_rows.linear
+    monkeypatch.setattr(cpu_few_rows, "linear", lambda x, w: calls.append(x.shape) or real(x, w))
+    monkeypatch.delenv("KIMITUI_KERNELS", raising=False)
+    w = torch.randn(16, 32)
+    dispatch.linear(torch.randn(2, 3, 32), w)  # 6 rows
+    dispatch.linear(torch.randn(cpu_few_rows.MAX_ROWS + 1, 32), w)  # too many rows: BLAS
+    dispatch.linear(torch.randn(2, 32, dtype=torch.bfloat16), w.bfloat16())  # not float32
+    assert calls == [(2, 3, 32)]
+    monkeypatch.setenv("KIMITUI_KERNELS", "reference")
+    dispatch.linear(torch.randn(2, 32), w)
+    assert calls == [(2, 3, 32)]
+
+
+def test_build_failure_falls_back_with_a_warning(monkeypatch, caplog):
+    import torch.utils.cpp_extension as cpp
+
+    def fail(**kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp, "load", fail)
+    cpu_few_rows._module.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kernels.cpu_few_rows"):
+            assert not cpu_few_rows.available()
+        assert "Ninja is required" in caplog.text
+        x, w = torch.randn(2, 32), torch.randn(16, 32)
+        torch.testing.assert_close(dispatch.linear(x, w), x @ w.T)  # the PyTorch path still answers
+        monkeypatch.undo()
+        monkeypatch.setenv("KIMITUI_CPU_KERNELS", "0")
+        cpu_few_rows._module.cache_clear()
+        assert not cpu_few_rows.available()
+    finally:
+        monkeypatch.undo()
+        cpu_few_rows._module.cache_clear()
