@@ -3,7 +3,9 @@
 linear: ``kernels.cpu_few_rows.linear`` against ``kernels.reference.linear_cpu`` (row-blocked MKL
 products) for 1-16 rows of the 816M benchmark model's shapes and its LM head. moe: one MoE layer
 (64 experts, top-6, hidden 1024, expert width 512) through ``cpu_few_rows.moe`` against
-``reference.moe_experts_reference`` for 1-512 tokens. Each case cycles through several weights so
+``reference.moe_experts_reference`` for 1-512 tokens. mla_decode: one layer's absorbed decode
+attention (16 heads, latent 256 + rope 32, 256-token contexts) through ``cpu_few_rows.mla_decode``
+against ``reference.mla_decode_reference`` for 1-16 sequences. Each case cycles through several weights so
 they come from memory, not cache, and keeps the best of ``--repeats`` timings of each side.
 
     python benchmarks/cpu_few_rows.py [--threads N] [--repeats 3]
@@ -87,6 +89,22 @@ def main() -> int:
                          args.repeats, calls)
         ours = best_time(cycling(lambda w: cpu_few_rows.moe(x, ids, weights, *w), layers), args.repeats, calls)
         print(f"{'':<24}{tokens:>7}{base * 1e3:>12.2f}{ours * 1e3:>9.2f}{base / ours:>7.2f}x")
+
+    heads, r, rope, block_size, context = 16, 256, 32, 16, 256
+    print(f"\n{'MLA decode (1 layer)':<24}{'seqs':>7}{'PyTorch ms':>12}{'C++ ms':>9}{'ratio':>8}")
+    for seqs in (1, 4, 16):
+        blocks = context // block_size
+        cache = torch.randn(seqs * blocks * block_size * 4, r + rope)  # contexts scattered over a larger cache
+        tables = torch.randperm(seqs * blocks * 4)[: seqs * blocks].view(seqs, blocks).int()
+        lens = torch.full((seqs,), context, dtype=torch.int32)
+        q = torch.randn(seqs, heads, r + rope)
+        want = reference.mla_decode_reference(q, cache, tables, lens, context, block_size, r, 0.1)
+        torch.testing.assert_close(cpu_few_rows.mla_decode(q, cache, tables, lens, block_size, r, 0.1), want,
+                                   rtol=1e-4, atol=1e-4)
+        base = best_time(lambda: reference.mla_decode_reference(q, cache, tables, lens, context, block_size, r, 0.1),
+                         args.repeats, 20)
+        ours = best_time(lambda: cpu_few_rows.mla_decode(q, cache, tables, lens, block_size, r, 0.1), args.repeats, 20)
+        print(f"{'':<24}{seqs:>7}{base * 1e3:>12.2f}{ours * 1e3:>9.2f}{base / ours:>7.2f}x")
     return 0
 
 

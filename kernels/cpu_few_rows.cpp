@@ -4,6 +4,7 @@
 //
 // linear(x [M, K], w [N, K]) -> x @ w.T [M, N]
 // moe(x [T, D], ids [T, k], weights [T, k], w13 [E, 2I, D], w2 [E, D, I]) -> [T, D]
+// mla_decode(q [B, H, r + rope], cache [slots, r + rope], block tables, context lengths) -> [B, H, r]
 //
 // Each output element is one dot product accumulated in a fixed order that does not depend on M,
 // so a row gives the same bits alone or in a batch. Threads split weight rows (at::parallel_for,
@@ -194,10 +195,85 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, tor
   return out;
 }
 
+// Absorbed MLA decode, one query per sequence, reading the latent cache in place through the block
+// table: out[b, h] = softmax_l(scale * q[b, h] . cache[slot(b, l)]) @ cache[slot(b, l)][:r] for
+// l < context_lens[b]. A work item is one sequence and up to kTileRows heads; its keys are read
+// twice (scores, then the weighted sum) while they sit in L2.
+torch::Tensor mla_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
+                         torch::Tensor context_lens, int64_t block_size, int64_t r, double scale) {
+  check_f32(q, "q", 3);
+  check_f32(cache, "cache", 2);
+  for (const auto* t : {&block_tables, &context_lens})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kInt32 && t->is_contiguous(),
+                "block_tables and context_lens must be contiguous int32 CPU tensors, got ", t->scalar_type());
+  const int64_t B = q.size(0), H = q.size(1), C = q.size(2), max_blocks = block_tables.size(1);
+  TORCH_CHECK(cache.size(1) == C && r > 0 && r <= C, "cache rows of ", cache.size(1), " values for queries of ", C,
+              " (latent ", r, ")");
+  TORCH_CHECK(block_tables.size(0) == B && context_lens.numel() == B, "block_tables ", block_tables.sizes(),
+              " and context_lens ", context_lens.sizes(), " must have one row per query (", B, ")");
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t slots = cache.size(0);
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= max_blocks * block_size, "context length ", lens[b], " of sequence ", b,
+                " does not fit its ", max_blocks, " blocks of ", block_size);
+  auto out = torch::zeros({B, H, r}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* cp = cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t groups = (H + kTileRows - 1) / kTileRows;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * groups, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> score;
+    std::vector<const float*> keys;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / groups, h0 = i % groups * kTileRows, nh = std::min<int64_t>(kTileRows, H - h0);
+      const int64_t L = lens[b];
+      if (L == 0) continue;
+      keys.resize(L);
+      for (int64_t l = 0; l < L; ++l) {
+        const int64_t slot = static_cast<int64_t>(tables[b * max_blocks + l / block_size]) * block_size + l % block_size;
+        TORCH_CHECK(slot >= 0 && slot < slots, "cache slot ", slot, " of sequence ", b, " is outside the cache");
+        keys[l] = cp + slot * C;
+      }
+      score.resize(L * kTileRows);
+      std::vector<float*> rows_out(L);
+      for (int64_t l = 0; l < L; ++l) rows_out[l] = score.data() + l * kTileRows;
+      const float* qb = qp + (b * H + h0) * C;
+      for (int64_t l = 0; l < L; ++l) {
+        if (nh == kTileRows)
+          tile<kTileRows, 1>(&keys[l], qb, C, &rows_out[l], 0);
+        else
+          for (int64_t h = 0; h < nh; ++h) tile<1, 1>(&keys[l], qb, C, &rows_out[l], h);
+      }
+      for (int64_t h = 0; h < nh; ++h) {
+        float m = -INFINITY, sum = 0.0f;
+        for (int64_t l = 0; l < L; ++l) m = std::max(m, score[l * kTileRows + h] * sc);
+        for (int64_t l = 0; l < L; ++l) {
+          const float e = std::exp(score[l * kTileRows + h] * sc - m);
+          score[l * kTileRows + h] = e;
+          sum += e;
+        }
+        for (int64_t l = 0; l < L; ++l) score[l * kTileRows + h] /= sum;
+      }
+      float* ob = op + (b * H + h0) * r;
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t h = 0; h < nh; ++h) {
+          const float p = score[l * kTileRows + h];
+          const float* key = keys[l];
+          float* o = ob + h * r;
+          for (int64_t j = 0; j < r; ++j) o[j] += p * key[j];
+        }
+    }
+  });
+  return out;
+}
+
 int64_t threads() { return at::get_num_threads(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [M, K] @ w [N, K].T for float32 CPU tensors");
   m.def("moe", &moe, "SwiGLU MoE over dense float32 experts on the CPU");
+  m.def("mla_decode", &mla_decode, "absorbed MLA decode over the paged latent cache, float32 on the CPU");
   m.def("threads", &threads, "the thread count at::parallel_for uses here");
 }

@@ -93,6 +93,8 @@ def linear_mxfp4(x, packed, scale):
 def mla_decode(q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale):
     """Absorbed MLA decode over the paged latent cache: q [B, H, r + rope], cache [slots, r + rope],
     block_tables [B, max_blocks] int32, context_lens [B] int32 -> [B, H, r] in q.dtype."""
+    if use_cpu_few_rows(q, q.shape[0], cpu_few_rows.MAX_MLA_SEQS, cache):
+        return cpu_few_rows.mla_decode(q, cache, block_tables, context_lens, block_size, kv_lora_rank, scale)
     if not use_triton(q):
         return reference.mla_decode_reference(q, cache, block_tables, context_lens, max_context_len, block_size,
                                               kv_lora_rank, scale)

@@ -130,3 +130,28 @@ def test_build_failure_falls_back_with_a_warning(monkeypatch, caplog):
     finally:
         monkeypatch.undo()
         cpu_few_rows._module.cache_clear()
+
+
+@needs_ext
+@pytest.mark.parametrize("heads", [5, 16])
+def test_mla_decode_matches_reference(heads):
+    torch.manual_seed(heads)
+    r, rope, block_size, num_blocks = 32, 8, 4, 12
+    cache = torch.randn(num_blocks * block_size, r + rope)
+    lens = torch.tensor([1, 9, 16], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks)[:4] for _ in range(3)]).int()  # blocks in any order
+    q = torch.randn(3, heads, r + rope)
+    want = ref.mla_decode_reference(q, cache, tables, lens, 16, block_size, r, 0.3)
+    torch.testing.assert_close(cpu_few_rows.mla_decode(q, cache, tables, lens, block_size, r, 0.3), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_ext
+def test_mla_decode_rejects_a_slot_outside_the_cache():
+    cache = torch.randn(8, 40)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_few_rows.mla_decode(torch.randn(1, 8, 40), cache, torch.tensor([[0, 5]], dtype=torch.int32),
+                                torch.tensor([6], dtype=torch.int32), 4, 32, 0.3)
+    with pytest.raises(RuntimeError, match="does not fit its 2 blocks"):
+        cpu_few_rows.mla_decode(torch.randn(1, 8, 40), cache, torch.tensor([[0, 1]], dtype=torch.int32),
+                                torch.tensor([9], dtype=torch.int32), 4, 32, 0.3)
