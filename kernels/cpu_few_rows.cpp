@@ -5,6 +5,7 @@
 // linear(x [M, K], w [N, K]) -> x @ w.T [M, N]
 // moe(x [T, D], ids [T, k], weights [T, k], w13 [E, 2I, D], w2 [E, D, I]) -> [T, D]
 // mla_decode(q [B, H, r + rope], cache [slots, r + rope], block tables, context lengths) -> [B, H, r]
+// rms_norm(x [M, D], weight [D], eps) -> [M, D]
 //
 // Each output element is one dot product accumulated in a fixed order that does not depend on M,
 // so a row gives the same bits alone or in a batch. Threads split weight rows (at::parallel_for,
@@ -269,11 +270,41 @@ torch::Tensor mla_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor blo
   return out;
 }
 
+// HF RMSNorm in float32 over the last dim: y = (x * rsqrt(mean(x^2) + eps)) * weight. Small enough
+// that in decode the eight ATen operations it replaces cost more than the arithmetic.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_f32(x, "x", 2);
+  check_f32(weight, "weight", 1);
+  const int64_t M = x.size(0), D = x.size(1);
+  TORCH_CHECK(weight.size(0) == D, "x has ", D, " features, the norm weight ", weight.size(0));
+  auto y = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* row = xp + m * D;
+      v8 acc = v8{};
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8) {
+        const v8 v = load8(row + d);
+        acc += v * v;
+      }
+      float ss = hsum(acc);
+      for (; d < D; ++d) ss += row[d] * row[d];
+      const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+      for (d = 0; d < D; ++d) yp[m * D + d] = row[d] * r * wp[d];
+    }
+  });
+  return y;
+}
+
 int64_t threads() { return at::get_num_threads(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [M, K] @ w [N, K].T for float32 CPU tensors");
   m.def("moe", &moe, "SwiGLU MoE over dense float32 experts on the CPU");
   m.def("mla_decode", &mla_decode, "absorbed MLA decode over the paged latent cache, float32 on the CPU");
+  m.def("rms_norm", &rms_norm, "HF RMSNorm over the last dim, float32 on the CPU");
   m.def("threads", &threads, "the thread count at::parallel_for uses here");
 }

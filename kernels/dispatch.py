@@ -39,9 +39,10 @@ def _forced_reference() -> bool:
     return os.environ.get("KIMITUI_KERNELS", "").lower() == "reference"
 
 
-def use_cpu_few_rows(x: torch.Tensor, rows: int, limit: int, *weights: torch.Tensor) -> bool:
-    """Whether a float32 CPU product with ``rows`` activation rows goes to ``kernels.cpu_few_rows``."""
-    return (0 < rows <= limit and x.device.type == "cpu" and x.dtype == torch.float32
+def use_cpu_few_rows(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether a float32 CPU call on ``x`` and ``weights`` goes to ``kernels.cpu_few_rows`` (callers
+    also check their row limit)."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32
             and all(w.dtype == torch.float32 and w.is_contiguous() for w in weights)
             and not _forced_reference() and cpu_few_rows.available())
 
@@ -59,7 +60,7 @@ def linear(x, w):
     """``x [..., K] @ w [N, K].T -> [..., N]`` for a dense weight (``F.linear``; CPU BLAS gets the
     few-row decode shapes through ``cpu_few_rows``, or else in a form it streams faster, see
     ``reference.linear_cpu``)."""
-    if use_cpu_few_rows(x, x.numel() // max(x.shape[-1], 1), cpu_few_rows.MAX_ROWS, w):
+    if 0 < x.numel() // max(x.shape[-1], 1) <= cpu_few_rows.MAX_ROWS and use_cpu_few_rows(x, w):
         return cpu_few_rows.linear(x, w)
     return reference.linear(x, w)
 
@@ -93,7 +94,7 @@ def linear_mxfp4(x, packed, scale):
 def mla_decode(q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale):
     """Absorbed MLA decode over the paged latent cache: q [B, H, r + rope], cache [slots, r + rope],
     block_tables [B, max_blocks] int32, context_lens [B] int32 -> [B, H, r] in q.dtype."""
-    if use_cpu_few_rows(q, q.shape[0], cpu_few_rows.MAX_MLA_SEQS, cache):
+    if 0 < q.shape[0] <= cpu_few_rows.MAX_MLA_SEQS and use_cpu_few_rows(q, cache):
         return cpu_few_rows.mla_decode(q, cache, block_tables, context_lens, block_size, kv_lora_rank, scale)
     if not use_triton(q):
         return reference.mla_decode_reference(q, cache, block_tables, context_lens, max_context_len, block_size,
@@ -104,6 +105,8 @@ def mla_decode(q, cache, block_tables, context_lens, max_context_len, block_size
 
 def rms_norm(x, weight, eps=1e-6):
     """HF RMSNorm over the last dim of ``x [..., H]``."""
+    if use_cpu_few_rows(x, weight):
+        return cpu_few_rows.rms_norm(x, weight, eps)
     if not use_triton(x):
         return reference.rms_norm(x, weight, eps)
     return _kernel("rms_norm", "rms_norm")(x, weight, eps)
@@ -111,7 +114,7 @@ def rms_norm(x, weight, eps=1e-6):
 
 def moe_experts(x, topk_ids, topk_weights, w13, w2):
     """SwiGLU MoE, dense experts: x [T, D], topk [T, k], w13 [E, 2I, D], w2 [E, D, I] -> [T, D]."""
-    if use_cpu_few_rows(x, x.shape[0], cpu_few_rows.MAX_MOE_TOKENS, w13, w2):
+    if 0 < x.shape[0] <= cpu_few_rows.MAX_MOE_TOKENS and use_cpu_few_rows(x, w13, w2):
         return cpu_few_rows.moe(x, topk_ids, topk_weights, w13, w2)
     if not use_triton(x):
         return reference.moe_experts_reference(x, topk_ids, topk_weights, w13, w2)

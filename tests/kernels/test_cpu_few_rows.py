@@ -155,3 +155,13 @@ def test_mla_decode_rejects_a_slot_outside_the_cache():
     with pytest.raises(RuntimeError, match="does not fit its 2 blocks"):
         cpu_few_rows.mla_decode(torch.randn(1, 8, 40), cache, torch.tensor([[0, 1]], dtype=torch.int32),
                                 torch.tensor([9], dtype=torch.int32), 4, 32, 0.3)
+
+
+@needs_ext
+@pytest.mark.parametrize("shape", [(1, 1024), (3, 44), (2, 70, 256)])
+def test_rms_norm_matches_reference(shape):
+    torch.manual_seed(len(shape))
+    x, w = torch.randn(shape) * 3, torch.rand(shape[-1]) + 0.5
+    torch.testing.assert_close(cpu_few_rows.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), rtol=2e-6, atol=2e-6)
+    with pytest.raises(ValueError, match="x has 44 features, the norm weight 45"):
+        cpu_few_rows.rms_norm(torch.randn(2, 44), torch.ones(45), 1e-6)
