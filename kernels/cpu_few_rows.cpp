@@ -119,7 +119,8 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, tor
   TORCH_CHECK(weights.sizes() == ids.sizes(), "topk_weights ", weights.sizes(), " vs topk_ids ", ids.sizes());
   TORCH_CHECK(ids.size(0) == T, "topk_ids has ", ids.size(0), " rows, x has ", T);
   TORCH_CHECK(I2 % 2 == 0 && w13.size(2) == D, "w13 ", w13.sizes(), " does not fit x with ", D, " features");
-  TORCH_CHECK(w2.size(0) == E && w2.size(1) == D && w2.size(2) == I, "w2 ", w2.sizes(), " does not fit w13 ", w13.sizes());
+  TORCH_CHECK(w2.size(0) == E && w2.size(1) == D && w2.size(2) == I, "w2 ", w2.sizes(), " does not fit w13 ",
+              w13.sizes());
 
   // Group the (token, slot) pairs by expert, tokens ascending within an expert.
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -233,7 +234,8 @@ torch::Tensor mla_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor blo
       if (L == 0) continue;
       keys.resize(L);
       for (int64_t l = 0; l < L; ++l) {
-        const int64_t slot = static_cast<int64_t>(tables[b * max_blocks + l / block_size]) * block_size + l % block_size;
+        const int64_t block = tables[b * max_blocks + l / block_size];
+        const int64_t slot = block * block_size + l % block_size;
         TORCH_CHECK(slot >= 0 && slot < slots, "cache slot ", slot, " of sequence ", b, " is outside the cache");
         keys[l] = cp + slot * C;
       }

@@ -59,7 +59,8 @@ def _module():
             verbose=False,
         )
     except Exception as e:  # no compiler or ninja, or an unsupported platform: keep the PyTorch path
-        log.warning("CPU few-row kernels unavailable (%s); using the PyTorch path", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        log.warning("CPU few-row kernels unavailable (%s); using the PyTorch path", reason)
         return None
 
 

@@ -233,5 +233,5 @@ class MoE(nn.Module):
         topk_ids, topk_weights = self.gate(x)
         y = self.experts(x, topk_ids, topk_weights)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+            y = y.add_(self.shared_experts(x))  # y is this call's own output: add in place
         return y

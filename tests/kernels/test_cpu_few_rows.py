@@ -66,7 +66,8 @@ def test_moe_token_gives_the_same_bits_alone_and_in_a_batch():
     weights, ids = torch.rand(6, 16).topk(4)
     batch = cpu_few_rows.moe(x, ids, weights, w13, w2)
     for i in range(6):
-        assert torch.equal(cpu_few_rows.moe(x[i : i + 1], ids[i : i + 1], weights[i : i + 1], w13, w2), batch[i : i + 1])
+        alone = cpu_few_rows.moe(x[i : i + 1], ids[i : i + 1], weights[i : i + 1], w13, w2)
+        assert torch.equal(alone, batch[i : i + 1])
 
 
 @needs_ext
@@ -90,7 +91,8 @@ def test_bad_inputs_are_named():
         cpu_few_rows.linear(torch.randn(2, 6), w)
     w13, w2 = _experts(4, 8, 4)
     with pytest.raises(RuntimeError, match="w2 .* does not fit w13"):
-        cpu_few_rows.moe(torch.randn(2, 8), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2), w13, w2[:, :, :2].contiguous())
+        ids = torch.zeros(2, 2, dtype=torch.long)
+        cpu_few_rows.moe(torch.randn(2, 8), ids, torch.ones(2, 2), w13, w2[:, :, :2].contiguous())
 
 
 @needs_ext
