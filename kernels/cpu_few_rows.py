@@ -31,13 +31,24 @@ MAX_MLA_SEQS = 16  # mla_decode(): up to this many sequences (4x at 1, 1.4x at 4
 _SOURCE = Path(__file__).with_name("cpu_few_rows.cpp")
 
 
-def _cpu_tag() -> str:
-    # -march=native code must not run on another CPU sharing the build cache (a shared home directory).
+def _build_tag() -> str:
+    # -march=native code must not run on another CPU sharing the build cache (a shared home
+    # directory), and two checkouts must not rebuild each other's copy (the build names the source path).
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+    return hashlib.sha1(f"{platform.machine()} {flags} {_SOURCE.resolve()}".encode()).hexdigest()[:10]
+
+
+def _built(name: str) -> bool:
+    # Only chooses whether to announce a compile; torch's helper is private, so any failure says "built".
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return Path(_get_build_directory(name, verbose=False), f"{name}.so").exists()
+    except Exception:
+        return True
 
 
 @functools.cache
@@ -47,12 +58,15 @@ def _module():
     try:
         from torch.utils.cpp_extension import load
 
+        name = f"kimitui_cpu_few_rows_{_build_tag()}"
+        if not _built(name):
+            log.info("compiling the C++ CPU kernels (once per machine and checkout, about 30 s on 2 cores)")
         if shutil.which("ninja") is None:  # the ninja wheel's binary, when its venv is not on PATH
             import ninja
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         return load(
-            name=f"kimitui_cpu_few_rows_{_cpu_tag()}",
+            name=name,
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
