@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -64,6 +66,18 @@ class KimiApp(App):
         loading = LoadScreen(self.engine_args.model or "the built-in demo model", self.clock)
         self.push_screen(loading)
         self.bridge.load(notify=loading)  # EngineReady bubbles up from the load screen to here
+        if not self.is_headless:
+            self.set_interval(1.0, self._exit_if_terminal_gone)
+
+    def _exit_if_terminal_gone(self) -> None:
+        # A hung-up terminal (tmux killed, ssh dropped) leaves Textual's input thread reading EOF in
+        # a busy loop that keeps a core at 100%; quit instead, shutting the engine down.
+        try:
+            gone = not os.isatty(sys.__stdin__.fileno())
+        except (AttributeError, OSError, ValueError):
+            gone = True
+        if gone:
+            self.exit()
 
     def on_unmount(self) -> None:
         self.bridge.shutdown()

@@ -214,3 +214,18 @@ def test_real_load_reports_progress_and_failures_stay_on_screen(config_home):
     run(loads())
     assert seen and seen[-1].tensors_done == seen[-1].tensors_total and seen[-1].bytes_total > 0
     run(fails())
+
+
+def test_app_quits_when_its_terminal_hangs_up(llm, config_home, monkeypatch):
+    # Headless pilot runs never install the 1 s check, so the test calls it as the timer would.
+    async def check(tty: bool) -> bool:
+        monkeypatch.setattr("kimitui.tui.app.os.isatty", lambda fd: tty)
+        app = make_app(llm)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(app, pilot)
+            app._exit_if_terminal_gone()
+            await pilot.pause(0.2)
+            return app.is_running
+
+    assert run(check(tty=True))  # a live terminal: keeps running
+    assert not run(check(tty=False))  # hung up: quits
