@@ -77,14 +77,9 @@ void check_f32(const torch::Tensor& t, const char* name, int64_t dim) {
               t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
 }
 
-std::vector<const float*> row_ptrs(const float* base, int64_t m, int64_t stride) {
-  std::vector<const float*> p(m);
-  for (int64_t i = 0; i < m; ++i) p[i] = base + i * stride;
-  return p;
-}
-
-std::vector<float*> row_ptrs(float* base, int64_t m, int64_t stride) {
-  std::vector<float*> p(m);
+template <typename F>  // float or const float
+std::vector<F*> row_ptrs(F* base, int64_t m, int64_t stride) {
+  std::vector<F*> p(m);
   for (int64_t i = 0; i < m; ++i) p[i] = base + i * stride;
   return p;
 }
@@ -97,7 +92,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K, "x has ", K, " features, w has ", w.size(1));
   auto y = torch::empty({M, N}, x.options());
-  const auto xs = row_ptrs(x.data_ptr<float>(), M, K);
+  const auto xs = row_ptrs<const float>(x.data_ptr<float>(), M, K);
   const auto ys = row_ptrs(y.data_ptr<float>(), M, N);
   const float* wp = w.data_ptr<float>();
   at::parallel_for(0, (N + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
@@ -135,23 +130,16 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, tor
       pos[i] = next[id[i]]++;
       token[pos[i]] = i / top_k;
     }
-  std::vector<int64_t> item_expert, item_block;  // work items: (expert, block of weight rows)
-  auto items = [&](int64_t n) {
-    item_expert.clear();
-    item_block.clear();
-    for (int64_t e = 0; e < E; ++e)
-      if (count[e + 1] > count[e])
-        for (int64_t b = 0; b * kBlock < n; ++b) {
-          item_expert.push_back(e);
-          item_block.push_back(b);
-        }
-  };
-  // For every item, the rows of weight w[e] in its block against the group of expert e.
+  std::vector<int64_t> active;  // experts with at least one pair
+  for (int64_t e = 0; e < E; ++e)
+    if (count[e + 1] > count[e]) active.push_back(e);
+  // Work item i: block i % blocks of the n weight rows of expert active[i / blocks], against that
+  // expert's group of pairs.
   auto run = [&](const float* w, int64_t n, int64_t k, const float* const* xs, float* const* ys) {
-    items(n);
-    at::parallel_for(0, static_cast<int64_t>(item_expert.size()), 1, [&](int64_t i0, int64_t i1) {
+    const int64_t blocks = (n + kBlock - 1) / kBlock;
+    at::parallel_for(0, static_cast<int64_t>(active.size()) * blocks, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t e = item_expert[i], b = item_block[i], g = count[e];
+        const int64_t e = active[i / blocks], b = i % blocks, g = count[e];
         rows(xs + g, count[e + 1] - g, w + e * n * k, k, ys + g, b * kBlock, std::min(n, (b + 1) * kBlock));
       }
     });
@@ -172,7 +160,8 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, tor
         a[p * I + j] = g / (1.0f + std::exp(-g)) * gu[p * I2 + I + j];
       }
   });
-  run(w2.data_ptr<float>(), D, I, row_ptrs(a, P, I).data(), row_ptrs(down.data_ptr<float>(), P, D).data());
+  run(w2.data_ptr<float>(), D, I, row_ptrs<const float>(a, P, I).data(),
+      row_ptrs(down.data_ptr<float>(), P, D).data());
 
   // Each token adds its weighted expert outputs in ascending expert order.
   auto out = torch::zeros({T, D}, x.options());
@@ -242,13 +231,8 @@ torch::Tensor mla_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor blo
       score.resize(L * kTileRows);
       std::vector<float*> rows_out(L);
       for (int64_t l = 0; l < L; ++l) rows_out[l] = score.data() + l * kTileRows;
-      const float* qb = qp + (b * H + h0) * C;
-      for (int64_t l = 0; l < L; ++l) {
-        if (nh == kTileRows)
-          tile<kTileRows, 1>(&keys[l], qb, C, &rows_out[l], 0);
-        else
-          for (int64_t h = 0; h < nh; ++h) tile<1, 1>(&keys[l], qb, C, &rows_out[l], h);
-      }
+      // score[l][h] = q[b, h0 + h] . key l: the heads are the weight rows, the keys the activations.
+      rows(keys.data(), L, qp + (b * H + h0) * C, C, rows_out.data(), 0, nh);
       for (int64_t h = 0; h < nh; ++h) {
         float m = -INFINITY, sum = 0.0f;
         for (int64_t l = 0; l < L; ++l) m = std::max(m, score[l * kTileRows + h] * sc);
