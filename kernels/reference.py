@@ -259,6 +259,10 @@ def linear_mxfp4(x, packed, scale):
 
 def rms_norm(x, weight, eps=1e-6):
     """HF RMSNorm: normalise in fp32, cast to x.dtype, then multiply by weight."""
+    if x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32:
+        # F.rms_norm runs these same operations in one call, bit-identical in fp32 (where the cast is
+        # a no-op): a third of the time of the separate ops on a CPU.
+        return F.rms_norm(x, weight.shape, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
