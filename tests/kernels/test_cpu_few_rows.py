@@ -117,6 +117,7 @@ def test_build_failure_falls_back_with_a_warning(monkeypatch, caplog):
     def fail(**kwargs):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
+    monkeypatch.delenv("KIMITUI_CPU_KERNELS", raising=False)  # reach the build even when a run turns it off
     monkeypatch.setattr(cpp, "load", fail)
     cpu_few_rows._module.cache_clear()
     try:
