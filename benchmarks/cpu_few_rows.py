@@ -26,8 +26,8 @@ from kernels import cpu_few_rows, reference  # noqa: E402
 
 LINEAR_SHAPES = [(1024, 1024, "expert w13"), (1024, 512, "expert w2"), (5632, 1024, "dense w13"),
                  (32000, 1024, "LM head")]
-LINEAR_ROWS = [1, 2, 3, 4, 8, 16]
-MOE_TOKENS = [1, 4, 16, 64, 128, 256, 512]
+LINEAR_ROWS = [1, 2, 3, 4, 8, 16, 24]
+MOE_TOKENS = [1, 4, 16, 64, 128, 256, 512, 1024]
 
 
 def best_time(fn, repeats: int, calls: int) -> float:
