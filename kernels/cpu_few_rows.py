@@ -1,11 +1,13 @@
-"""Few-row float32 products on the CPU (``cpu_few_rows.cpp``), built on first use.
+"""Few-row float32 products on the CPU (``cpu_few_rows.cpp``, ``cpu_mla_decode.cpp``), built on first use.
 
 Decode multiplies 1-16 rows of activations by each weight. There the cost is reading the weight,
 but MKL's time grows with the row count (2 rows cost 1.2-1.5x one row, 4 rows about 2x), and the
 MoE layer pays a dispatch per expert on top. The C++ loops read each weight tile once for all rows,
 and ``moe`` runs a whole MoE layer's routed experts in one call. ``mla_decode`` reads the latent
-cache in place through the block tables instead of gathering every sequence's context first;
-``rms_norm`` is one call instead of eight ATen operations.
+cache in place through the block tables instead of gathering every sequence's context first, and
+``mla_decode_absorbed`` runs all of a decode-only MLA layer between its projections (norm, rope,
+cache write, W_UK, attention, W_UV) in one call; ``rms_norm`` is one call instead of eight ATen
+operations.
 
 The extension is compiled with torch's own toolchain helper (``torch.utils.cpp_extension.load``,
 about 30 s on 2 cores, cached under ``TORCH_EXTENSIONS_DIR``) for the host CPU. Without a
@@ -28,17 +30,20 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 16  # linear(): up to this many rows (1.2-1.3x BLAS at 16, even at 24, slower at 32+; 2 cores)
 MAX_MOE_TOKENS = 512  # moe(): up to this many tokens (1.1-1.2x at 512, 1.0x at 1024, 0.8x at 2048 against BLAS per expert)
 MAX_MLA_SEQS = 16  # mla_decode(): up to this many sequences (2.7-4x at 1, 1.1-1.4x at 4, 0.74-0.96x at 16)
-_SOURCE = Path(__file__).with_name("cpu_few_rows.cpp")
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_few_rows.cpp", "cpu_mla_decode.cpp")]
+_HEADER = Path(__file__).with_name("cpu_few_rows.h")
 
 
 def _build_tag() -> str:
     # -march=native code must not run on another CPU sharing the build cache (a shared home
-    # directory), and two checkouts must not rebuild each other's copy (the build names the source path).
+    # directory), and two checkouts must not rebuild each other's copy (the build names the source
+    # path). The header's text counts too: torch rebuilds when a source changes, not a header.
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    return hashlib.sha1(f"{platform.machine()} {flags} {_SOURCE.resolve()}".encode()).hexdigest()[:10]
+    key = f"{platform.machine()} {flags} {_SOURCES[0].resolve()}".encode() + _HEADER.read_bytes()
+    return hashlib.sha1(key).hexdigest()[:10]
 
 
 def _built(name: str) -> bool:
@@ -67,7 +72,7 @@ def _module():
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         return load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -103,6 +108,18 @@ def mla_decode(q, cache, block_tables, context_lens, block_size, kv_lora_rank, s
     q [B, H, r + rope], cache [slots, r + rope], block_tables [B, max_blocks], context_lens [B] -> [B, H, r]."""
     return _module().mla_decode(q.contiguous(), cache, block_tables.int().contiguous(),
                                 context_lens.int().contiguous(), block_size, kv_lora_rank, float(scale))
+
+
+def mla_decode_absorbed(q, kv, kv_norm_weight, eps, cos, sin, positions, slots, w_uk, w_uv, cache, block_tables,
+                        context_lens, block_size, scale) -> torch.Tensor:
+    """One MLA layer's absorbed decode step after its projections, decodes only: q [B, H, nope + rope]
+    (q_b_proj), kv [B, r + rope] (kv_a_proj_with_mqa, before its norm), the rotary cos/sin tables
+    [P, rope / 2], positions and cache slots [B], W_UK [H, nope, r], W_UV [H, v, r], cache
+    [slots, r + rope]. Writes each sequence's newest latent to its slot -> [B, H, v]."""
+    return _module().mla_decode_absorbed(
+        q.contiguous(), kv.contiguous(), kv_norm_weight, float(eps), cos, sin, positions.long().contiguous(),
+        slots.long().contiguous(), w_uk, w_uv, cache, block_tables.int().contiguous(), context_lens.int().contiguous(),
+        block_size, float(scale))
 
 
 def rms_norm(x, weight, eps) -> torch.Tensor:

@@ -103,6 +103,20 @@ def mla_decode(q, cache, block_tables, context_lens, max_context_len, block_size
                                                kv_lora_rank, scale)
 
 
+def mla_decode_fusable(x, cache, w_uk, w_uv) -> bool:
+    """Whether a decode-only MLA step on ``x [B, D]`` runs as one ``mla_decode_absorbed`` call (the
+    C++ CPU kernel, float32, up to ``MAX_MLA_SEQS`` sequences); else the layer runs op by op."""
+    return 0 < x.shape[0] <= cpu_few_rows.MAX_MLA_SEQS and use_cpu_few_rows(x, cache, w_uk, w_uv)
+
+
+def mla_decode_absorbed(q, kv, kv_norm_weight, eps, cos, sin, positions, slots, w_uk, w_uv, cache, block_tables,
+                        context_lens, block_size, scale):
+    """Norm, rope and cache write of the newest latents, W_UK absorption, attention over the paged
+    cache and W_UV, for decodes only, where ``mla_decode_fusable`` holds -> [B, H, v]."""
+    return cpu_few_rows.mla_decode_absorbed(q, kv, kv_norm_weight, eps, cos, sin, positions, slots, w_uk, w_uv, cache,
+                                            block_tables, context_lens, block_size, scale)
+
+
 def rms_norm(x, weight, eps=1e-6):
     """HF RMSNorm over the last dim of ``x [..., H]``."""
     if use_cpu_few_rows(x, weight):

@@ -1,0 +1,235 @@
+// Absorbed MLA decode on the CPU in fp32, reading the paged latent cache in place through the
+// block tables (no per-layer gather of each sequence's context):
+//
+// mla_decode(q [B, H, r + rope], cache [slots, r + rope], block tables, context lengths) -> [B, H, r]
+// mla_decode_absorbed(q, kv, ...): a whole decode step of one layer after its projections -> [B, H, v]
+//
+// Part of the cpu_few_rows extension (see cpu_few_rows.cpp).
+
+#include "cpu_few_rows.h"
+
+using namespace kimitui_cpu;
+
+namespace {
+
+constexpr int kHeadGroup = 8;  // heads per work item
+
+// out[h][j] = sum over l < L of p[l][h] * keys[l][j], for h < nh and j < r; p has kHeadGroup
+// columns (zero past nh). An 8-wide column chunk of every head stays in registers while l runs.
+void weighted_sum(const float* p, const float* const* keys, int64_t L, int64_t r, int64_t nh, float* out) {
+  int64_t j = 0;
+  for (; j + 8 <= r; j += 8) {
+    v8 acc[kHeadGroup] = {};
+    for (int64_t l = 0; l < L; ++l) {
+      const v8 kv = load8(keys[l] + j);
+      for (int h = 0; h < kHeadGroup; ++h) acc[h] += p[l * kHeadGroup + h] * kv;
+    }
+    for (int64_t h = 0; h < nh; ++h) std::memcpy(out + h * r + j, &acc[h], sizeof(v8));
+  }
+  for (; j < r; ++j)
+    for (int64_t h = 0; h < nh; ++h) {
+      float s = 0.0f;
+      for (int64_t l = 0; l < L; ++l) s += p[l * kHeadGroup + h] * keys[l][j];
+      out[h * r + j] = s;
+    }
+}
+
+// The keys of sequence b: pointers into the cache rows of its first L positions.
+void context_keys(const float* cache, int64_t slots, int64_t C, const int32_t* table, int64_t L, int64_t block_size,
+                  int64_t b, std::vector<const float*>& keys) {
+  keys.resize(L);
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t slot = static_cast<int64_t>(table[l / block_size]) * block_size + l % block_size;
+    TORCH_CHECK(slot >= 0 && slot < slots, "cache slot ", slot, " of sequence ", b, " is outside the cache");
+    keys[l] = cache + slot * C;
+  }
+}
+
+// out[h] = softmax_l(scale * q[h] . key l) @ key l[:r] for nh <= kHeadGroup query rows q (C values
+// each, C apart) over L >= 1 keys; out rows r apart. The keys are read twice (scores, then the
+// weighted sum) while they sit in L2.
+void attend(const float* q, int64_t nh, const std::vector<const float*>& keys, int64_t C, int64_t r, float scale,
+            float* out, std::vector<float>& score) {
+  const int64_t L = static_cast<int64_t>(keys.size());
+  score.resize(L * kHeadGroup);
+  std::vector<float*> rows_out(L);
+  for (int64_t l = 0; l < L; ++l) rows_out[l] = score.data() + l * kHeadGroup;
+  // score[l][h] = q[h] . key l: the heads are the weight rows, the keys the activations.
+  rows(keys.data(), L, q, C, rows_out.data(), 0, nh);
+  for (int64_t h = 0; h < nh; ++h) {
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t l = 0; l < L; ++l) m = std::max(m, score[l * kHeadGroup + h] * scale);
+    for (int64_t l = 0; l < L; ++l) {
+      const float e = std::exp(score[l * kHeadGroup + h] * scale - m);
+      score[l * kHeadGroup + h] = e;
+      sum += e;
+    }
+    for (int64_t l = 0; l < L; ++l) score[l * kHeadGroup + h] /= sum;
+  }
+  for (int64_t l = 0; l < L; ++l)  // a last group of fewer heads: padding weights of zero
+    for (int64_t h = nh; h < kHeadGroup; ++h) score[l * kHeadGroup + h] = 0.0f;
+  weighted_sum(score.data(), keys.data(), L, r, nh, out);
+}
+
+void check_tables(const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t B,
+                  int64_t block_size) {
+  for (const auto* t : {&block_tables, &context_lens})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kInt32 && t->is_contiguous(),
+                "block_tables and context_lens must be contiguous int32 CPU tensors, got ", t->scalar_type());
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && context_lens.numel() == B, "block_tables ",
+              block_tables.sizes(), " and context_lens ", context_lens.sizes(), " must have one row per query (", B,
+              ")");
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= max_blocks * block_size, "context length ", lens[b], " of sequence ", b,
+                " does not fit its ", max_blocks, " blocks of ", block_size);
+}
+
+// out[j] = sum over i < n of a[i] * W[i][j], j < m (W row-major, rows m apart), i ascending.
+void vec_mat(const float* a, const float* W, int64_t n, int64_t m, float* out) {
+  int64_t j = 0;
+  for (; j + 64 <= m; j += 64) {
+    v8 acc[8] = {};
+    for (int64_t i = 0; i < n; ++i)
+      for (int u = 0; u < 8; ++u) acc[u] += a[i] * load8(W + i * m + j + 8 * u);
+    std::memcpy(out + j, acc, sizeof acc);
+  }
+  for (; j + 8 <= m; j += 8) {
+    v8 acc = {};
+    for (int64_t i = 0; i < n; ++i) acc += a[i] * load8(W + i * m + j);
+    std::memcpy(out + j, &acc, sizeof acc);
+  }
+  for (; j < m; ++j) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; ++i) s += a[i] * W[i * m + j];
+    out[j] = s;
+  }
+}
+
+// DeepSeek's interleaved rotary embedding: pairs (x[2p], x[2p+1]) turn by the angle of pair p.
+inline void rope_pairs(const float* x, const float* cos, const float* sin, int64_t pairs, float* y) {
+  for (int64_t p = 0; p < pairs; ++p) {
+    const float x0 = x[2 * p], x1 = x[2 * p + 1];
+    y[2 * p] = x0 * cos[p] - x1 * sin[p];
+    y[2 * p + 1] = x0 * sin[p] + x1 * cos[p];
+  }
+}
+
+}  // namespace
+
+// Absorbed MLA decode, one query per sequence, reading the latent cache in place through the block
+// table: out[b, h] = softmax_l(scale * q[b, h] . cache[slot(b, l)]) @ cache[slot(b, l)][:r] for
+// l < context_lens[b]. A work item is one sequence and up to kHeadGroup heads.
+torch::Tensor mla_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
+                         torch::Tensor context_lens, int64_t block_size, int64_t r, double scale) {
+  check_f32(q, "q", 3);
+  check_f32(cache, "cache", 2);
+  const int64_t B = q.size(0), H = q.size(1), C = q.size(2), max_blocks = block_tables.size(1);
+  TORCH_CHECK(cache.size(1) == C && r > 0 && r <= C, "cache rows of ", cache.size(1), " values for queries of ", C,
+              " (latent ", r, ")");
+  check_tables(block_tables, context_lens, B, block_size);
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  auto out = torch::zeros({B, H, r}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* cp = cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t groups = (H + kHeadGroup - 1) / kHeadGroup;
+  at::parallel_for(0, B * groups, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> score;
+    std::vector<const float*> keys;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / groups, h0 = i % groups * kHeadGroup, nh = std::min<int64_t>(kHeadGroup, H - h0);
+      if (lens[b] == 0) continue;
+      context_keys(cp, cache.size(0), C, tables + b * max_blocks, lens[b], block_size, b, keys);
+      attend(qp + (b * H + h0) * C, nh, keys, C, r, static_cast<float>(scale), op + (b * H + h0) * r, score);
+    }
+  });
+  return out;
+}
+
+// A whole absorbed decode step of one MLA layer after its projections, for a batch of decodes only:
+//   q [B, H, nope + rope] (q_b_proj's output), kv [B, r + rope] (kv_a_proj_with_mqa's output).
+// Writes each sequence's newest latent (kv_a_layernorm(kv[:r]), roped kv[r:]) to its cache slot,
+// absorbs W_UK into the queries, attends over the paged cache and applies W_UV: -> [B, H, v].
+// The same maths as MLAttention's unfused path (norm, rope, index_copy_, bmm, mla_decode, bmm), in
+// one call instead of about forty small ATen operations.
+torch::Tensor mla_decode_absorbed(torch::Tensor q, torch::Tensor kv, torch::Tensor kv_norm_weight, double eps,
+                                  torch::Tensor cos, torch::Tensor sin, torch::Tensor positions, torch::Tensor slots,
+                                  torch::Tensor w_uk, torch::Tensor w_uv, torch::Tensor cache,
+                                  torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+                                  double scale) {
+  check_f32(q, "q", 3);
+  check_f32(kv, "kv", 2);
+  check_f32(kv_norm_weight, "kv_norm_weight", 1);
+  check_f32(cos, "cos", 2);
+  check_f32(sin, "sin", 2);
+  check_f32(w_uk, "w_uk", 3);
+  check_f32(w_uv, "w_uv", 3);
+  check_f32(cache, "cache", 2);
+  for (const auto* t : {&positions, &slots})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kInt64 && t->is_contiguous(),
+                "positions and slots must be contiguous int64 CPU tensors, got ", t->scalar_type());
+  const int64_t B = q.size(0), H = q.size(1), r = kv_norm_weight.size(0), C = cache.size(1), rope = C - r;
+  const int64_t nope = w_uk.size(1), v = w_uv.size(1), pairs = rope / 2, max_pos = cos.size(0);
+  TORCH_CHECK(rope > 0 && rope % 2 == 0 && q.size(2) == nope + rope && kv.size(0) == B && kv.size(1) == C,
+              "q ", q.sizes(), " and kv ", kv.sizes(), " do not fit a cache row of ", C, " values (latent ", r, ")");
+  TORCH_CHECK(w_uk.size(0) == H && w_uk.size(2) == r && w_uv.size(0) == H && w_uv.size(2) == r, "w_uk ",
+              w_uk.sizes(), " and w_uv ", w_uv.sizes(), " do not fit ", H, " heads of latent ", r);
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(1) == pairs, "cos ", cos.sizes(), " and sin ", sin.sizes(),
+              " do not fit ", rope, " rotary dims");
+  TORCH_CHECK(positions.numel() == B && slots.numel() == B, "positions and slots need one entry per query (", B, ")");
+  check_tables(block_tables, context_lens, B, block_size);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < max_pos, "position ", pos[b], " of sequence ", b, " is outside the rotary cache (",
+                max_pos, ")");
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < cache.size(0), "cache slot ", slot[b], " of sequence ", b,
+                " is outside the cache");
+  }
+  float* cp = cache.data_ptr<float>();
+  const float* kvp = kv.data_ptr<float>();
+  const float* nw = kv_norm_weight.data_ptr<float>();
+  // The newest latent of every sequence goes in first: it is part of its own context.
+  for (int64_t b = 0; b < B; ++b) {
+    const float* row = kvp + b * C;
+    float* dst = cp + slot[b] * C;
+    rms_norm_row(row, nw, r, static_cast<float>(eps), dst);
+    rope_pairs(row + r, cos.data_ptr<float>() + pos[b] * pairs, sin.data_ptr<float>() + pos[b] * pairs, pairs,
+               dst + r);
+  }
+  auto out = torch::zeros({B, H, v}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* uk = w_uk.data_ptr<float>();
+  const float* uv = w_uv.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  float* op = out.data_ptr<float>();
+  const int64_t groups = (H + kHeadGroup - 1) / kHeadGroup;
+  // Head group major, so a thread keeps one group's W_UK and W_UV in cache across sequences.
+  at::parallel_for(0, groups * B, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> score, qc(kHeadGroup * C), lat(kHeadGroup * r);
+    std::vector<const float*> keys;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i % B, h0 = i / B * kHeadGroup, nh = std::min<int64_t>(kHeadGroup, H - h0);
+      if (lens[b] == 0) continue;
+      for (int64_t h = 0; h < nh; ++h) {
+        const float* qh = qp + (b * H + h0 + h) * (nope + rope);
+        vec_mat(qh, uk + (h0 + h) * nope * r, nope, r, qc.data() + h * C);  // q_nope @ W_UK[h]
+        rope_pairs(qh + nope, cos.data_ptr<float>() + pos[b] * pairs, sin.data_ptr<float>() + pos[b] * pairs,
+                   pairs, qc.data() + h * C + r);
+      }
+      context_keys(cp, cache.size(0), C, tables + b * max_blocks, lens[b], block_size, b, keys);
+      attend(qc.data(), nh, keys, C, r, static_cast<float>(scale), lat.data(), score);
+      for (int64_t h = 0; h < nh; ++h) {  // out[b, h] = W_UV[h] @ latent output
+        const float* x = lat.data() + h * r;
+        float* y = op + (b * H + h0 + h) * v;
+        rows(&x, 1, uv + (h0 + h) * v * r, r, &y, 0, v);
+      }
+    }
+  });
+  return out;
+}
