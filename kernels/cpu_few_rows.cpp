@@ -109,6 +109,88 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, tor
   return out;
 }
 
+// DeepSeek-V3's router (noaux_tc), as kernels.reference.moe_route: scores = sigmoid (or softmax) of
+// x @ w.T; the top_k experts by score + bias, within the topk_group groups whose two best
+// score + bias sum highest; weights = their scores, normalised to sum 1 (norm), times scaling.
+// -> (ids [T, top_k] int64 in descending order of score + bias, weights [T, top_k] float32).
+std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor x, torch::Tensor w, torch::Tensor bias,
+                                                   int64_t top_k, int64_t n_group, int64_t topk_group,
+                                                   bool sigmoid, bool norm, double scaling) {
+  check_f32(x, "x", 2);
+  check_f32(w, "router weight", 2);
+  check_f32(bias, "e_score_correction_bias", 1);
+  const int64_t T = x.size(0), D = x.size(1), E = w.size(0);
+  TORCH_CHECK(w.size(1) == D && bias.size(0) == E, "router weight ", w.sizes(), " and bias ", bias.sizes(),
+              " do not fit x with ", D, " features");
+  TORCH_CHECK(n_group >= 1 && E % n_group == 0 && topk_group >= 1 && topk_group <= n_group &&
+                  (n_group == 1 || E / n_group >= 2),
+              "n_group ", n_group, " / topk_group ", topk_group, " do not fit ", E, " experts");
+  TORCH_CHECK(top_k >= 1 && top_k <= E / n_group * topk_group, "top_k ", top_k, " exceeds the ",
+              E / n_group * topk_group, " experts of the kept groups");
+  auto ids = torch::empty({T, top_k}, x.options().dtype(torch::kInt64));
+  auto weights = torch::empty({T, top_k}, x.options());
+  auto logits = torch::empty({T, E}, x.options());
+  const auto xs = row_ptrs<const float>(x.data_ptr<float>(), T, D);
+  const auto ls = row_ptrs(logits.data_ptr<float>(), T, E);
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, (E + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
+    rows(xs.data(), T, wp, D, ls.data(), b0 * 16, std::min(E, b1 * 16));
+  });
+  const float* bp = bias.data_ptr<float>();
+  const int64_t G = E / n_group;
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> score(E), choice(E), group(n_group);
+    std::vector<int64_t> order(std::max(E, n_group));
+    // larger first, the lower index on ties
+    auto by = [](const std::vector<float>& v) {
+      return [&v](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); };
+    };
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* l = ls[t];
+      if (sigmoid) {
+        for (int64_t e = 0; e < E; ++e) score[e] = 1.0f / (1.0f + std::exp(-l[e]));
+      } else {
+        const float m = *std::max_element(l, l + E);
+        float sum = 0.0f;
+        for (int64_t e = 0; e < E; ++e) sum += (score[e] = std::exp(l[e] - m));
+        for (int64_t e = 0; e < E; ++e) score[e] /= sum;
+      }
+      for (int64_t e = 0; e < E; ++e) choice[e] = score[e] + bp[e];
+      if (n_group > 1) {
+        for (int64_t g = 0; g < n_group; ++g) {
+          float a = -INFINITY, b = -INFINITY;  // the group's two best
+          for (int64_t e = g * G; e < (g + 1) * G; ++e) {
+            if (choice[e] > a) {
+              b = a;
+              a = choice[e];
+            } else if (choice[e] > b) {
+              b = choice[e];
+            }
+          }
+          group[g] = a + b;
+        }
+        for (int64_t g = 0; g < n_group; ++g) order[g] = g;
+        std::partial_sort(order.begin(), order.begin() + topk_group, order.begin() + n_group, by(group));
+        std::vector<bool> kept(n_group, false);
+        for (int64_t i = 0; i < topk_group; ++i) kept[order[i]] = true;
+        for (int64_t e = 0; e < E; ++e)
+          if (!kept[e / G]) choice[e] = -INFINITY;
+      }
+      for (int64_t e = 0; e < E; ++e) order[e] = e;
+      std::partial_sort(order.begin(), order.begin() + top_k, order.begin() + E, by(choice));
+      int64_t* id = ids.data_ptr<int64_t>() + t * top_k;
+      float* wt = weights.data_ptr<float>() + t * top_k;
+      float sum = 0.0f;
+      for (int64_t i = 0; i < top_k; ++i) sum += (wt[i] = score[id[i] = order[i]]);
+      for (int64_t i = 0; i < top_k; ++i) {
+        if (norm) wt[i] = wt[i] / (sum + 1e-20f);
+        wt[i] = wt[i] * static_cast<float>(scaling);
+      }
+    }
+  });
+  return {ids, weights};
+}
+
 // HF RMSNorm in float32 over the last dim: y = (x * rsqrt(mean(x^2) + eps)) * weight. Small enough
 // that in decode the eight ATen operations it replaces cost more than the arithmetic.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
@@ -143,6 +225,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mla_decode", &mla_decode, "absorbed MLA decode over the paged latent cache, float32 on the CPU");
   m.def("mla_decode_absorbed", &mla_decode_absorbed,
         "a whole absorbed MLA decode step after the projections (cache write included), float32 on the CPU");
+  m.def("moe_route", &moe_route, "DeepSeek-V3 router (noaux_tc top-k), float32 on the CPU");
   m.def("rms_norm", &rms_norm, "HF RMSNorm over the last dim, float32 on the CPU");
   m.def("threads", &threads, "the thread count at::parallel_for uses here");
 }

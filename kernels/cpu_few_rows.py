@@ -103,6 +103,13 @@ def moe(x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
     return _module().moe(x.contiguous(), topk_ids.long().contiguous(), topk_weights.float().contiguous(), w13, w2)
 
 
+def moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling):
+    """The MoE router, as ``reference.moe_route``: float32 x [T, D], weight [E, D], bias [E] ->
+    (topk_ids [T, k] int64, topk_weights [T, k] float32)."""
+    return _module().moe_route(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, top_k, n_group, topk_group,
+                               scoring_func == "sigmoid", norm_topk_prob, float(scaling))
+
+
 def mla_decode(q, cache, block_tables, context_lens, block_size, kv_lora_rank, scale) -> torch.Tensor:
     """Absorbed MLA decode over the paged latent cache, as ``reference.mla_decode_reference``:
     q [B, H, r + rope], cache [slots, r + rope], block_tables [B, max_blocks], context_lens [B] -> [B, H, r]."""

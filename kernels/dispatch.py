@@ -126,6 +126,16 @@ def rms_norm(x, weight, eps=1e-6):
     return _kernel("rms_norm", "rms_norm")(x, weight, eps)
 
 
+def moe_route(x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid", norm_topk_prob=True,
+              scaling=1.0):
+    """DeepSeek-V3 router: x [T, D], weight [E, D], bias [E] -> (topk_ids [T, k] int64, topk_weights
+    [T, k] fp32). The C++ loop for few float32 rows on a CPU, else the PyTorch reference."""
+    if 0 < x.shape[0] <= cpu_few_rows.MAX_MOE_TOKENS and use_cpu_few_rows(x, weight, bias):
+        return cpu_few_rows.moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob,
+                                      scaling)
+    return reference.moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling)
+
+
 def moe_experts(x, topk_ids, topk_weights, w13, w2):
     """SwiGLU MoE, dense experts: x [T, D], topk [T, k], w13 [E, 2I, D], w2 [E, D, I] -> [T, D]."""
     if 0 < x.shape[0] <= cpu_few_rows.MAX_MOE_TOKENS and use_cpu_few_rows(x, w13, w2):

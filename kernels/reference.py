@@ -269,6 +269,31 @@ def rms_norm(x, weight, eps=1e-6):
 
 
 # ---------------------------------------------------------------------------------------------
+# MoE router (DeepSeek-V3 noaux_tc): group-limited top-k; the correction bias steers selection only
+
+
+def moe_route(x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid", norm_topk_prob=True,
+              scaling=1.0):
+    """x [T, D], weight [E, D], bias [E] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32); ids in
+    descending order of score + bias. Computed in fp32 whatever x's dtype."""
+    logits = F.linear(x.float(), weight.float())  # [T, E]
+    scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(-1)
+    choice = scores + bias.float()
+    if n_group > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, n_group, e // n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    topk_ids = choice.topk(top_k, dim=-1).indices  # [T, k]
+    weights = scores.gather(1, topk_ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return topk_ids, weights * scaling
+
+
+# ---------------------------------------------------------------------------------------------
 # MoE experts (SwiGLU): y_t = sum_k w_tk * w2[e] @ (silu(gate_e x_t) * (up_e x_t))
 
 

@@ -30,21 +30,8 @@ class Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(c.n_routed_experts, dtype=f32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = nn.functional.linear(x.float(), self.weight.float())  # [T, E]
-        scores = logits.sigmoid() if self.scoring_func == "sigmoid" else logits.softmax(-1)
-        choice = scores + self.e_score_correction_bias.float()
-        if self.n_group > 1:
-            t, e = choice.shape
-            grouped = choice.view(t, self.n_group, e // self.n_group)
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
-            choice = choice.masked_fill(~keep.repeat_interleave(e // self.n_group, dim=1), float("-inf"))
-        topk_ids = choice.topk(self.top_k, dim=-1).indices  # [T, k]
-        weights = scores.gather(1, topk_ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return topk_ids, weights * self.scaling
+        return dispatch.moe_route(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group,
+                                  self.topk_group, self.scoring_func, self.norm_topk_prob, self.scaling)
 
 
 class ExpertStack(nn.Module):

@@ -168,3 +168,26 @@ def test_rms_norm_matches_reference(shape):
     torch.testing.assert_close(cpu_few_rows.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), rtol=2e-6, atol=2e-6)
     with pytest.raises(ValueError, match="x has 44 features, the norm weight 45"):
         cpu_few_rows.rms_norm(torch.randn(2, 44), torch.ones(45), 1e-6)
+
+
+@needs_ext
+@pytest.mark.parametrize("t,groups,scoring", [(1, 1, "sigmoid"), (16, 1, "sigmoid"), (7, 4, "sigmoid"),
+                                              (40, 4, "softmax")])
+def test_moe_route_matches_reference(t, groups, scoring):
+    torch.manual_seed(t + groups)
+    x, w, bias = torch.randn(t, 96), torch.randn(32, 96) * 0.1, torch.randn(32) * 0.3
+    args = (6, groups, 2 if groups > 1 else 1, scoring, True, 2.5)
+    ids, weights = cpu_few_rows.moe_route(x, w, bias, *args)
+    want_ids, want_weights = ref.moe_route(x, w, bias, *args)
+    assert torch.equal(ids, want_ids)  # same experts, same order (descending score + bias)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+    if groups > 1:  # every pick lies in one of the two kept groups of 8
+        assert all(len(set(row)) <= 2 for row in (ids // 8).tolist())
+
+
+@needs_ext
+def test_moe_route_names_bad_groups():
+    with pytest.raises(RuntimeError, match="top_k 9 exceeds the 8 experts of the kept groups"):
+        cpu_few_rows.moe_route(torch.randn(2, 16), torch.randn(32, 16), torch.zeros(32), 9, 4, 1, "sigmoid", True, 1.0)
+    with pytest.raises(RuntimeError, match="n_group 5 / topk_group 1 do not fit 32 experts"):
+        cpu_few_rows.moe_route(torch.randn(2, 16), torch.randn(32, 16), torch.zeros(32), 2, 5, 1, "sigmoid", True, 1.0)
