@@ -27,7 +27,6 @@ inline v8 load8(const float* p) {
 
 inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
-
 // ys[t][n0 + r] = dot(xs[t], w[n0 + r]) for r < R, t < T; each row K long.
 template <int R, int T>
 inline void tile(const float* const* xs, const float* w, int64_t K, float* const* ys, int64_t n0) {
@@ -57,10 +56,11 @@ inline void tile(const float* const* xs, const float* w, int64_t K, float* const
 }
 
 // Weight rows [n0, n1) against all M activation rows, TR weight rows by up to TT activation rows a
-// tile. TR + TR * TT + 1 vector registers must fit the 16 of AVX2.
+// tile. The TR * TT accumulators and the vectors they multiply should fit AVX2's 16 registers.
 template <int TR, int TT>
 void rows_tiled(const float* const* xs, int64_t M, const float* w, int64_t K, float* const* ys, int64_t n0,
                 int64_t n1) {
+  static_assert(TT <= 4, "the tail below covers up to 3 leftover activation rows");
   int64_t n = n0;
   for (; n + TR <= n1; n += TR) {
     int64_t t = 0;
@@ -76,7 +76,8 @@ void rows_tiled(const float* const* xs, int64_t M, const float* w, int64_t K, fl
 
 // One activation row: 4 weight rows a tile (memory-bound; 4 row streams measured 5-20% faster than 8).
 // More rows: 3 weight rows by 4 activation rows, the fastest tile measured for 2-16 rows.
-inline void rows(const float* const* xs, int64_t M, const float* w, int64_t K, float* const* ys, int64_t n0, int64_t n1) {
+inline void rows(const float* const* xs, int64_t M, const float* w, int64_t K, float* const* ys, int64_t n0,
+                 int64_t n1) {
   if (M == 1) rows_tiled<4, 1>(xs, M, w, K, ys, n0, n1);
   else rows_tiled<3, 4>(xs, M, w, K, ys, n0, n1);
 }

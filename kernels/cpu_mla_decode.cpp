@@ -185,8 +185,8 @@ torch::Tensor mla_decode_absorbed(torch::Tensor q, torch::Tensor kv, torch::Tens
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(pos[b] >= 0 && pos[b] < max_pos, "position ", pos[b], " of sequence ", b, " is outside the rotary cache (",
-                max_pos, ")");
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < max_pos, "position ", pos[b], " of sequence ", b,
+                " is outside the rotary cache (", max_pos, ")");
     TORCH_CHECK(slot[b] >= 0 && slot[b] < cache.size(0), "cache slot ", slot[b], " of sequence ", b,
                 " is outside the cache");
   }
