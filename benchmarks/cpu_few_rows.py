@@ -1,9 +1,9 @@
 """The C++ few-row CPU kernels against the PyTorch path they replace, in one process.
 
 linear: ``kernels.cpu_few_rows.linear`` against ``kernels.reference.linear_cpu`` (row-blocked MKL
-products) for 1-16 rows of the 816M benchmark model's shapes and its LM head. moe: one MoE layer
+products) for 1-24 rows of the 816M benchmark model's shapes and its LM head. moe: one MoE layer
 (64 experts, top-6, hidden 1024, expert width 512) through ``cpu_few_rows.moe`` against
-``reference.moe_experts_reference`` for 1-512 tokens. mla_decode: one layer's absorbed decode
+``reference.moe_experts_reference`` for 1-1024 tokens. mla_decode: one layer's absorbed decode
 attention (16 heads, latent 256 + rope 32, 256-token contexts) through ``cpu_few_rows.mla_decode``
 against ``reference.mla_decode_reference`` for 1-16 sequences. Each case cycles through several weights so
 they come from memory, not cache, and keeps the best of ``--repeats`` timings of each side.
