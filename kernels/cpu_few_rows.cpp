@@ -10,6 +10,8 @@
 
 #include "cpu_few_rows.h"
 
+#include <mutex>
+
 using namespace kimitui_cpu;
 
 constexpr int64_t kBlock = 48;  // weight rows per work item of linear (a multiple of the 3- and 4-row tiles)
@@ -29,8 +31,19 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
   return y;
 }
 
+constexpr int64_t kGemmPairs = 32;  // moe: experts with this many pairs or more go to BLAS
+
+// moe's per-pair expert outputs, kept between calls up to 64 MB: a fresh [T * k, D] buffer for a
+// 2048-token prefill of the benchmark model is 50 MB of page faults (about 40 ms) per layer. Calls
+// take turns on it.
+constexpr int64_t kKeptDownFloats = int64_t{16} << 20;
+std::mutex down_mutex;
+std::vector<float> down_buffer;
+
 // SwiGLU experts: y_t = sum over t's slots, in ascending expert order, of weight * w2[e] @ (silu(g) * u),
-// [g; u] = w13[e] @ x_t. An id outside [0, E) (a pair computed elsewhere) adds nothing.
+// [g; u] = w13[e] @ x_t. An id outside [0, E) (a pair computed elsewhere) adds nothing. A token gives
+// the same bits alone or in a batch as long as its experts get fewer than kGemmPairs pairs (decode
+// batches); BLAS products, like the PyTorch path's, depend on their row count.
 torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13, torch::Tensor w2) {
   check_f32(x, "x", 2);
   check_f32(weights, "topk_weights", 2);
@@ -63,33 +76,56 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, tor
     if (count[e + 1] > count[e]) active.push_back(e);
   // One work item per active expert: its gate/up rows, the SwiGLU, then its down rows, for that
   // expert's group of pairs. Items go to whichever thread is free (experts differ in pair count).
-  auto gate_up = torch::empty({P, I2}, x.options());
-  auto act = torch::empty({P, I}, x.options());
-  auto down = torch::empty({P, D}, x.options());
+  // An expert with kGemmPairs pairs or more is a compute-bound product: BLAS, one thread per expert
+  // (MKL runs single-threaded inside a parallel region), which measured 74 GFLOP/s a thread against
+  // 135 for two threads on one ~190-row product. Fewer pairs: the tiled loops, which stream the weight.
+  std::unique_lock<std::mutex> lock(down_mutex, std::defer_lock);
+  std::vector<float> own;  // above kKeptDownFloats: this call's own buffer
+  float* dn;
+  if (P * D <= kKeptDownFloats) {
+    lock.lock();
+    if (static_cast<int64_t>(down_buffer.size()) < P * D) down_buffer.resize(P * D);
+    dn = down_buffer.data();
+  } else {
+    own.resize(P * D);
+    dn = own.data();
+  }
   std::vector<const float*> xs(P);
   for (int64_t p = 0; p < P; ++p) xs[p] = x.data_ptr<float>() + token[p] * D;
-  const auto gu_rows = row_ptrs(gate_up.data_ptr<float>(), P, I2);
-  const auto act_rows = row_ptrs<const float>(act.data_ptr<float>(), P, I);
-  const auto down_rows = row_ptrs(down.data_ptr<float>(), P, D);
   const float* w13p = w13.data_ptr<float>();
   const float* w2p = w2.data_ptr<float>();
-  float* a = act.data_ptr<float>();
-  const float* gu = gate_up.data_ptr<float>();
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
   dynamic_for(static_cast<int64_t>(active.size()), [&](int64_t i) {
+    thread_local std::vector<float> gu, act, xg;  // kept across calls: no page faults per call
     const int64_t e = active[i], g = count[e], m = count[e + 1] - g;
-    rows(xs.data() + g, m, w13p + e * I2 * D, D, gu_rows.data() + g, 0, I2);
-    for (int64_t p = g; p < g + m; ++p)
+    if (static_cast<int64_t>(gu.size()) < m * I2) gu.resize(m * I2);
+    if (static_cast<int64_t>(act.size()) < m * I) act.resize(m * I);
+    const bool gemm = m >= kGemmPairs;
+    if (gemm) {
+      if (static_cast<int64_t>(xg.size()) < m * D) xg.resize(m * D);
+      for (int64_t p = 0; p < m; ++p) std::memcpy(xg.data() + p * D, xs[g + p], D * sizeof(float));
+      auto y = torch::from_blob(gu.data(), {m, I2}, f32);
+      at::mm_out(y, torch::from_blob(xg.data(), {m, D}, f32), w13.select(0, e).t());
+    } else {
+      rows(xs.data() + g, m, w13p + e * I2 * D, D, row_ptrs(gu.data(), m, I2).data(), 0, I2);
+    }
+    for (int64_t p = 0; p < m; ++p)
       for (int64_t j = 0; j < I; ++j) {
         const float v = gu[p * I2 + j];
-        a[p * I + j] = v / (1.0f + std::exp(-v)) * gu[p * I2 + I + j];
+        act[p * I + j] = v / (1.0f + std::exp(-v)) * gu[p * I2 + I + j];
       }
-    rows(act_rows.data() + g, m, w2p + e * D * I, I, down_rows.data() + g, 0, D);
+    if (gemm) {
+      auto y = torch::from_blob(dn + g * D, {m, D}, f32);
+      at::mm_out(y, torch::from_blob(act.data(), {m, I}, f32), w2.select(0, e).t());
+    } else {
+      rows(row_ptrs<const float>(act.data(), m, I).data(), m, w2p + e * D * I, I, row_ptrs(dn + g * D, m, D).data(),
+           0, D);
+    }
   });
 
   // Each token adds its weighted expert outputs in ascending expert order.
   auto out = torch::zeros({T, D}, x.options());
   const float* wt = weights.data_ptr<float>();
-  const float* dn = down.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> slots(top_k);

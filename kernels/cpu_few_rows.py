@@ -28,9 +28,9 @@ import torch
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 16  # linear(): up to this many rows (1.2-1.3x BLAS at 16, even at 24, slower at 32+; 2 cores)
-# moe() and moe_route(): up to this many tokens (moe 1.1-1.2x BLAS per expert at 512, 0.9-1.2x at
-# 1024, 0.8x at 2048)
-MAX_MOE_TOKENS = 512
+# moe() and moe_route(): up to this many tokens. moe against BLAS per expert: 1.13-1.85x at 128-2048
+# tokens (experts with 32+ pairs run BLAS single-threaded, one expert per thread); not measured above.
+MAX_MOE_TOKENS = 4096
 # mla_decode() and mla_decode_absorbed(): up to this many sequences (mla_decode 3.2x at 1, 1.45x at 4,
 # 0.98x at 16; the fused layer 2.1 ms less per single-request step, even at 8-16 sequences)
 MAX_MLA_SEQS = 16
