@@ -109,11 +109,7 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, tor
     } else {
       rows(xs.data() + g, m, w13p + e * I2 * D, D, row_ptrs(gu.data(), m, I2).data(), 0, I2);
     }
-    for (int64_t p = 0; p < m; ++p)
-      for (int64_t j = 0; j < I; ++j) {
-        const float v = gu[p * I2 + j];
-        act[p * I + j] = v / (1.0f + std::exp(-v)) * gu[p * I2 + I + j];
-      }
+    for (int64_t p = 0; p < m; ++p) silu_mul(gu.data() + p * I2, gu.data() + p * I2 + I, act.data() + p * I, I);
     if (gemm) {
       auto y = torch::from_blob(dn + g * D, {m, D}, f32);
       at::mm_out(y, torch::from_blob(act.data(), {m, I}, f32), w2.select(0, e).t());

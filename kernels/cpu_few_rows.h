@@ -25,6 +25,42 @@ inline v8 load8(const float* p) {
   return v;
 }
 
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+// e^x for 8 floats: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n
+// through the exponent bits), within 2 ulp of std::exp over [-87, 88]; clamped outside it.
+inline v8 exp8(v8 x) {
+  const v8 hi = v8{} + 88.3762626647949f, lo = v8{} - 87.3365447504f;
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  v8 n = x * 1.44269504088896341f + 0.5f;
+  const v8 t = __builtin_convertvector(__builtin_convertvector(n, v8i), v8);  // toward zero
+  n = t > n ? t - 1.0f : t;                                                   // floor
+  x = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v8 y = v8{} + 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.0f;
+  const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// out[j] = silu(g[j]) * u[j] for j < n (SwiGLU's activation).
+inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const v8 gv = load8(g + j);
+    const v8 y = gv / (1.0f + exp8(-gv)) * load8(u + j);
+    std::memcpy(out + j, &y, sizeof y);
+  }
+  for (; j < n; ++j) out[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+}
+
 inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
 // ys[t][n0 + r] = dot(xs[t], w[n0 + r]) for r < R, t < T; each row K long.
