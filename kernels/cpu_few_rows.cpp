@@ -165,12 +165,10 @@ std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor x, torch::Tenso
   const auto xs = row_ptrs<const float>(x.data_ptr<float>(), T, D);
   const auto ls = row_ptrs(logits.data_ptr<float>(), T, E);
   const float* wp = w.data_ptr<float>();
-  at::parallel_for(0, (E + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
-    rows(xs.data(), T, wp, D, ls.data(), b0 * 16, std::min(E, b1 * 16));
-  });
   const float* bp = bias.data_ptr<float>();
   const int64_t G = E / n_group;
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    rows(xs.data() + t0, t1 - t0, wp, D, ls.data() + t0, 0, E);  // this block's logits
     std::vector<float> score(E), choice(E), group(n_group);
     std::vector<int64_t> order(std::max(E, n_group));
     // larger first, the lower index on ties
