@@ -14,7 +14,19 @@
 
 using namespace kimitui_cpu;
 
+namespace {
+
 constexpr int64_t kBlock = 48;  // weight rows per work item of linear (a multiple of the 3- and 4-row tiles)
+constexpr int64_t kGemmPairs = 32;  // moe: experts with this many pairs or more go to BLAS
+
+// moe's per-pair expert outputs, kept between calls up to 64 MB: a fresh [T * k, D] buffer for a
+// 2048-token prefill of the benchmark model is 50 MB of page faults (about 40 ms) per layer. Calls
+// take turns on it.
+constexpr int64_t kKeptDownFloats = int64_t{16} << 20;
+std::mutex down_mutex;
+std::vector<float> down_buffer;
+
+}  // namespace
 
 torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
   check_f32(x, "x", 2);
@@ -30,15 +42,6 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
   });
   return y;
 }
-
-constexpr int64_t kGemmPairs = 32;  // moe: experts with this many pairs or more go to BLAS
-
-// moe's per-pair expert outputs, kept between calls up to 64 MB: a fresh [T * k, D] buffer for a
-// 2048-token prefill of the benchmark model is 50 MB of page faults (about 40 ms) per layer. Calls
-// take turns on it.
-constexpr int64_t kKeptDownFloats = int64_t{16} << 20;
-std::mutex down_mutex;
-std::vector<float> down_buffer;
 
 // SwiGLU experts: y_t = sum over t's slots, in ascending expert order, of weight * w2[e] @ (silu(g) * u),
 // [g; u] = w13[e] @ x_t. An id outside [0, E) (a pair computed elsewhere) adds nothing. A token gives
@@ -171,6 +174,7 @@ std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor x, torch::Tenso
     rows(xs.data() + t0, t1 - t0, wp, D, ls.data() + t0, 0, E);  // this block's logits
     std::vector<float> score(E), choice(E), group(n_group);
     std::vector<int64_t> order(std::max(E, n_group));
+    std::vector<bool> kept(n_group);
     // larger first, the lower index on ties
     auto by = [](const std::vector<float>& v) {
       return [&v](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); };
@@ -201,7 +205,7 @@ std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor x, torch::Tenso
         }
         for (int64_t g = 0; g < n_group; ++g) order[g] = g;
         std::partial_sort(order.begin(), order.begin() + topk_group, order.begin() + n_group, by(group));
-        std::vector<bool> kept(n_group, false);
+        std::fill(kept.begin(), kept.end(), false);
         for (int64_t i = 0; i < topk_group; ++i) kept[order[i]] = true;
         for (int64_t e = 0; e < E; ++e)
           if (!kept[e / G]) choice[e] = -INFINITY;

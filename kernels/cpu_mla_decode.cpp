@@ -216,11 +216,12 @@ torch::Tensor mla_decode_absorbed(torch::Tensor q, torch::Tensor kv, torch::Tens
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i % B, h0 = i / B * kHeadGroup, nh = std::min<int64_t>(kHeadGroup, H - h0);
       if (lens[b] == 0) continue;
+      const float* cb = cos.data_ptr<float>() + pos[b] * pairs;
+      const float* sb = sin.data_ptr<float>() + pos[b] * pairs;
       for (int64_t h = 0; h < nh; ++h) {
         const float* qh = qp + (b * H + h0 + h) * (nope + rope);
         vec_mat(qh, uk + (h0 + h) * nope * r, nope, r, qc.data() + h * C);  // q_nope @ W_UK[h]
-        rope_pairs(qh + nope, cos.data_ptr<float>() + pos[b] * pairs, sin.data_ptr<float>() + pos[b] * pairs,
-                   pairs, qc.data() + h * C + r);
+        rope_pairs(qh + nope, cb, sb, pairs, qc.data() + h * C + r);
       }
       context_keys(cp, cache.size(0), C, tables + b * max_blocks, lens[b], block_size, b, keys);
       attend(qc.data(), nh, keys, C, r, static_cast<float>(scale), lat.data(), score);
