@@ -129,13 +129,22 @@ class MLAttention(nn.Module):
         kv = self.kv_b_proj(lat[:, : self.kv_lora_rank]).view(context_len, self.num_heads, -1)
         k_nope, v = kv[..., : self.nope], kv[..., self.nope:]
         k_pe = lat[:, None, self.kv_lora_rank:].expand(-1, self.num_heads, -1)
-        q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [H, n, qk]
-        k = torch.cat([k_nope, k_pe], dim=-1).transpose(0, 1)  # [H, L, qk]
-        # Query i sits at position context_len - n + i and sees keys at positions <= its own.
-        qpos = torch.arange(context_len - n, context_len, device=q.device)
-        mask = torch.arange(context_len, device=q.device)[None, :] <= qpos[:, None]  # [n, L]
-        o = F.scaled_dot_product_attention(q, k, v.transpose(0, 1), attn_mask=mask, scale=self.scale)
-        return o.transpose(0, 1)  # [n, H, v]
+        # One head size for q, k and v (the narrower side padded with zeros, which adds nothing to a
+        # dot product) and 4-d inputs: SDPA then takes its flash kernel (on a CPU 1.9x faster at 256
+        # tokens than the unfused product it falls back to for a 64-wide v), and with no cached
+        # context the causal form that skips the masked half (4x at 2048 tokens).
+        width = max(self.qk_dim, self.v_dim)
+        q = _pad_heads(torch.cat([q_nope, q_pe], dim=-1), width)  # [1, H, n, width]
+        k = _pad_heads(torch.cat([k_nope, k_pe], dim=-1), width)  # [1, H, L, width]
+        v = _pad_heads(v, width)
+        if context_len == n:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            # Query i sits at position context_len - n + i and sees keys at positions <= its own.
+            qpos = torch.arange(context_len - n, context_len, device=q.device)
+            mask = torch.arange(context_len, device=q.device)[None, :] <= qpos[:, None]  # [n, L]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return o[0, ..., : self.v_dim].transpose(0, 1)  # [n, H, v]
 
     def _decode(self, q_nope, q_pe, meta: AttentionMetadata, flat):
         # Absorbed path: one query per sequence, batched over sequences. [B, H, *]
@@ -147,3 +156,9 @@ class MLAttention(nn.Module):
                                     meta.decode_max_context_len, meta.block_size, self.kv_lora_rank, self.scale)
         # W_UV applied per head: [H, B, r] @ [H, r, v] -> [H, B, v]
         return torch.bmm(o_lat.transpose(0, 1), self.w_uv.to(dtype).transpose(1, 2)).transpose(0, 1)
+
+
+def _pad_heads(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[T, H, d] -> [1, H, T, width], zero-padded on the right."""
+    x = x.transpose(0, 1)
+    return (F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x)[None]
