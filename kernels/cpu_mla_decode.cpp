@@ -14,22 +14,22 @@ namespace {
 
 constexpr int kHeadGroup = 8;  // heads per work item
 
-// out[h][j] = sum over l < L of p[l][h] * keys[l][j], for h < nh and j < r; p has kHeadGroup
-// columns (zero past nh). An 8-wide column chunk of every head stays in registers while l runs.
+// out[h][j] = sum over l < L of p[h][l] * keys[l][j], for h < nh and j < r; p rows L apart. An
+// 8-wide column chunk of every head stays in registers while l runs.
 void weighted_sum(const float* p, const float* const* keys, int64_t L, int64_t r, int64_t nh, float* out) {
   int64_t j = 0;
   for (; j + 8 <= r; j += 8) {
     v8 acc[kHeadGroup] = {};
     for (int64_t l = 0; l < L; ++l) {
       const v8 kv = load8(keys[l] + j);
-      for (int h = 0; h < kHeadGroup; ++h) acc[h] += p[l * kHeadGroup + h] * kv;
+      for (int h = 0; h < kHeadGroup; ++h) acc[h] += p[h * L + l] * kv;
     }
     for (int64_t h = 0; h < nh; ++h) std::memcpy(out + h * r + j, &acc[h], sizeof(v8));
   }
   for (; j < r; ++j)
     for (int64_t h = 0; h < nh; ++h) {
       float s = 0.0f;
-      for (int64_t l = 0; l < L; ++l) s += p[l * kHeadGroup + h] * keys[l][j];
+      for (int64_t l = 0; l < L; ++l) s += p[h * L + l] * keys[l][j];
       out[h * r + j] = s;
     }
 }
@@ -45,29 +45,53 @@ void context_keys(const float* cache, int64_t slots, int64_t C, const int32_t* t
   }
 }
 
-// out[h] = softmax_l(scale * q[h] . key l) @ key l[:r] for nh <= kHeadGroup query rows q (C values
-// each, C apart) over L >= 1 keys; out rows r apart. The keys are read twice (scores, then the
-// weighted sum) while they sit in L2.
-void attend(const float* q, int64_t nh, const std::vector<const float*>& keys, int64_t C, int64_t r, float scale,
-            float* out, std::vector<float>& score) {
-  const int64_t L = static_cast<int64_t>(keys.size());
-  score.resize(L * kHeadGroup);
-  std::vector<float*> rows_out(L);
-  for (int64_t l = 0; l < L; ++l) rows_out[l] = score.data() + l * kHeadGroup;
-  // score[l][h] = q[h] . key l: the heads are the weight rows, the keys the activations.
-  rows(keys.data(), L, q, C, rows_out.data(), 0, nh);
-  for (int64_t h = 0; h < nh; ++h) {
-    float m = -INFINITY, sum = 0.0f;
-    for (int64_t l = 0; l < L; ++l) m = std::max(m, score[l * kHeadGroup + h] * scale);
-    for (int64_t l = 0; l < L; ++l) {
-      const float e = std::exp(score[l * kHeadGroup + h] * scale - m);
-      score[l * kHeadGroup + h] = e;
-      sum += e;
-    }
-    for (int64_t l = 0; l < L; ++l) score[l * kHeadGroup + h] /= sum;
+// p[l] = softmax_l(scale * p[l]) over one head's L scores, in place.
+void softmax_row(float* p, int64_t L, float scale) {
+  v8 mv = v8{} - INFINITY;
+  int64_t l = 0;
+  for (; l + 8 <= L; l += 8) {
+    const v8 x = load8(p + l);
+    mv = mv > x ? mv : x;
   }
-  for (int64_t l = 0; l < L; ++l)  // a last group of fewer heads: padding weights of zero
-    for (int64_t h = nh; h < kHeadGroup; ++h) score[l * kHeadGroup + h] = 0.0f;
+  float m = std::max(std::max(std::max(mv[0], mv[1]), std::max(mv[2], mv[3])),
+                     std::max(std::max(mv[4], mv[5]), std::max(mv[6], mv[7])));
+  for (int64_t t = l; t < L; ++t) m = std::max(m, p[t]);
+  m *= scale;  // scale > 0: the largest scaled score is the scaled largest score
+  v8 sv = v8{};
+  for (l = 0; l + 8 <= L; l += 8) {
+    const v8 e = exp8(load8(p + l) * scale - m);
+    std::memcpy(p + l, &e, sizeof e);
+    sv += e;
+  }
+  float sum = hsum(sv);
+  for (int64_t t = l; t < L; ++t) {
+    p[t] = std::exp(p[t] * scale - m);
+    sum += p[t];
+  }
+  const float inv = 1.0f / sum;
+  for (l = 0; l < L; ++l) p[l] *= inv;
+}
+
+// out[h] = softmax_l(scale * q[h] . key l) @ key l[:r] for nh <= kHeadGroup query rows q (C values
+// each, C apart) over L >= 1 keys; out rows r apart. The scores run block by block of the paged
+// cache, whose rows are contiguous within a block: a block is a small weight matrix to the tiled
+// dot products (which prefetch its next rows), the heads its activation rows. The keys are read
+// again for the weighted sum while they sit in L2.
+void attend(const float* q, int64_t nh, const std::vector<const float*>& keys, int64_t block_size, int64_t C,
+            int64_t r, float scale, float* out, std::vector<float>& score) {
+  const int64_t L = static_cast<int64_t>(keys.size());
+  score.assign(kHeadGroup * L, 0.0f);  // heads past nh keep weights of zero
+  const float* qs[kHeadGroup];
+  float* ys[kHeadGroup];
+  for (int64_t h = 0; h < nh; ++h) qs[h] = q + h * C;
+  for (int64_t l0 = 0; l0 < L; l0 += block_size) {
+    const int64_t n = std::min(block_size, L - l0);
+    if (l0 + block_size < L)  // the next block's first tile of rows: the tiles prefetch only within a block
+      for (int64_t c = 0; c < 3 * C; c += 16) __builtin_prefetch(keys[l0 + block_size] + c, 0, 1);
+    for (int64_t h = 0; h < nh; ++h) ys[h] = score.data() + h * L + l0;
+    rows(qs, nh, keys[l0], C, ys, 0, n);  // score[h][l0 + i] = q[h] . key l0 + i
+  }
+  for (int64_t h = 0; h < nh; ++h) softmax_row(score.data() + h * L, L, scale);
   weighted_sum(score.data(), keys.data(), L, r, nh, out);
 }
 
@@ -91,8 +115,10 @@ void vec_mat(const float* a, const float* W, int64_t n, int64_t m, float* out) {
   int64_t j = 0;
   for (; j + 64 <= m; j += 64) {
     v8 acc[8] = {};
-    for (int64_t i = 0; i < n; ++i)
+    for (int64_t i = 0; i < n; ++i) {
+      for (int u = 0; u < 64; u += 16) __builtin_prefetch(W + (i + 8) * m + j + u, 0, 1);  // past the end: no fault
       for (int u = 0; u < 8; ++u) acc[u] += a[i] * load8(W + i * m + j + 8 * u);
+    }
     std::memcpy(out + j, acc, sizeof acc);
   }
   for (; j + 8 <= m; j += 8) {
@@ -143,7 +169,7 @@ torch::Tensor mla_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor blo
       const int64_t b = i / groups, h0 = i % groups * kHeadGroup, nh = std::min<int64_t>(kHeadGroup, H - h0);
       if (lens[b] == 0) continue;
       context_keys(cp, cache.size(0), C, tables + b * max_blocks, lens[b], block_size, b, keys);
-      attend(qp + (b * H + h0) * C, nh, keys, C, r, static_cast<float>(scale), op + (b * H + h0) * r, score);
+      attend(qp + (b * H + h0) * C, nh, keys, block_size, C, r, static_cast<float>(scale), op + (b * H + h0) * r, score);
     }
   });
   return out;
@@ -224,7 +250,7 @@ torch::Tensor mla_decode_absorbed(torch::Tensor q, torch::Tensor kv, torch::Tens
         rope_pairs(qh + nope, cb, sb, pairs, qc.data() + h * C + r);
       }
       context_keys(cp, cache.size(0), C, tables + b * max_blocks, lens[b], block_size, b, keys);
-      attend(qc.data(), nh, keys, C, r, static_cast<float>(scale), lat.data(), score);
+      attend(qc.data(), nh, keys, block_size, C, r, static_cast<float>(scale), lat.data(), score);
       for (int64_t h = 0; h < nh; ++h) {  // out[b, h] = W_UV[h] @ latent output
         const float* x = lat.data() + h * r;
         float* y = op + (b * H + h0 + h) * v;
