@@ -137,3 +137,20 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, format={self.fmt}"
+
+
+def fuse_dense_rows(*linears: Linear) -> torch.Tensor | None:
+    """One weight [sum of outs, in] for dense Linears that read the same input, each Linear's weight
+    re-pointed at its rows of it (no second copy): one product instead of several, as vLLM's merged
+    projections. None, and nothing changed, when any of them is quantised or they do not stack."""
+    if any(lin.fmt != "dense" for lin in linears):
+        return None
+    weights = [lin.weight for lin in linears]
+    if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
+        return None
+    fused = torch.cat([w.data for w in weights])
+    start = 0
+    for w in weights:
+        w.data = fused[start: start + w.shape[0]]
+        start += w.shape[0]
+    return fused

@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers.attn_metadata import AttentionMetadata, gather_slots
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, fuse_dense_rows
 from engine.layers.norm import RMSNorm
 from engine.layers.rope import YarnRotaryEmbedding
 from engine.parallel.state import SINGLE, ParallelState
@@ -57,6 +57,8 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(h * self.v_dim, c.hidden_size, q, f"{prefix}.o_proj", heads(self.v_dim, axis=1))
         self.w_uk: torch.Tensor | None = None  # [H, nope, r], set by post_load
         self.w_uv: torch.Tensor | None = None  # [H, v, r]
+        # q_a_proj (or q_proj) and kv_a_proj_with_mqa as one weight when dense, set by post_load
+        self.register_buffer("in_proj", None, persistent=False)
 
     def post_load(self) -> None:
         """Split kv_b_proj into the absorbed-path matrices once the weights are in."""
@@ -64,6 +66,7 @@ class MLAttention(nn.Module):
         w = w.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         self.w_uk = w[:, : self.nope].contiguous()
         self.w_uv = w[:, self.nope:].contiguous()
+        self.in_proj = fuse_dense_rows(self._q_in_proj(), self.kv_a_proj_with_mqa)
 
     def _compute_dtype(self) -> torch.dtype:
         return self.kv_a_layernorm.weight.dtype
@@ -75,14 +78,17 @@ class MLAttention(nn.Module):
         if (not meta.prefills and meta.out_rows is None and meta.num_decode_tokens == x.shape[0]
                 and dispatch.mla_decode_fusable(x, cache, self.w_uk, self.w_uv)):
             return self._decode_fused(x, meta, cache)
-        kv = self.kv_a_proj_with_mqa(x)
-        c_kv = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
         qmeta = meta
-        if last and meta.out_rows is not None:
+        if last and meta.out_rows is not None:  # queries for the output rows only
             qmeta = meta.out_meta
+            kv = self.kv_a_proj_with_mqa(x)
             x = x.index_select(0, meta.out_rows)
+            q_in = self._q_in_proj()(x)
+        else:
+            q_in, kv = self._project(x)
+        c_kv = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
         t = x.shape[0]
-        q = self._query(x).view(t, self.num_heads, self.qk_dim)
+        q = self._query(q_in).view(t, self.num_heads, self.qk_dim)
         q_nope = q[..., : self.nope]
         if qmeta is meta:
             # The query heads and the shared key rotate by the same positions: one call. [T, H + 1, rope]
@@ -105,18 +111,30 @@ class MLAttention(nn.Module):
                                          meta.block_size, flat)
         return self.par.all_reduce(self.o_proj(out.view(t, -1)))
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
+    def _q_in_proj(self) -> Linear:
+        return self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two products of the layer input: (q_proj's or q_a_proj's output, kv_a_proj_with_mqa's)."""
+        if self.in_proj is None:
+            return self._q_in_proj()(x), self.kv_a_proj_with_mqa(x)
+        y = dispatch.linear(x, self.in_proj)
+        n = self._q_in_proj().out_features
+        return y[:, :n], y[:, n:]
+
+    def _query(self, q_in: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            return q_in
+        return self.q_b_proj(self.q_a_layernorm(q_in))
 
     def _decode_fused(self, x, meta: AttentionMetadata, cache):
         # Decodes only, on a CPU in float32: everything between the projections (the kv norm, rope,
         # cache write, W_UK, attention, W_UV) is one C++ call instead of ~40 small operations.
         t = x.shape[0]
-        q = self._query(x).view(t, self.num_heads, self.qk_dim)
+        q_in, kv = self._project(x)
+        q = self._query(q_in).view(t, self.num_heads, self.qk_dim)
         out = dispatch.mla_decode_absorbed(
-            q, self.kv_a_proj_with_mqa(x), self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.rope.cos,
+            q, kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.rope.cos,
             self.rope.sin, meta.positions, meta.slot_mapping, self.w_uk, self.w_uv, cache.view(-1, cache.shape[-1]),
             meta.decode_block_tables, meta.decode_context_lens, meta.block_size, self.scale)
         return self.par.all_reduce(self.o_proj(out.view(t, -1)))

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import QuantConfig
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, fuse_dense_rows
+from kernels import dispatch
 from engine.parallel.state import SINGLE, ParallelState
 
 
@@ -23,6 +24,15 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden_size, intermediate_size, quant, f"{prefix}.gate_proj", cols)
         self.up_proj = Linear(hidden_size, intermediate_size, quant, f"{prefix}.up_proj", cols)
         self.down_proj = Linear(intermediate_size, hidden_size, quant, f"{prefix}.down_proj", rows)
+        self.register_buffer("gate_up", None, persistent=False)  # [2I, D] when dense, set by post_load
+
+    def post_load(self) -> None:
+        """Once the weights are in: dense gate and up become one product (rows of one weight)."""
+        self.gate_up = fuse_dense_rows(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gu = dispatch.linear(x, self.gate_up)
+        i = self.gate_proj.out_features
+        return self.down_proj(F.silu(gu[..., :i]) * gu[..., i:])

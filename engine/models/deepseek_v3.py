@@ -91,6 +91,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         for layer in self.model.layers:
             layer.self_attn.post_load()
+            for mlp in (layer.mlp, getattr(layer.mlp, "shared_experts", None)):
+                if isinstance(mlp, MLP):
+                    mlp.post_load()
             experts = getattr(layer.mlp, "experts", None)
             if experts is not None:
                 experts.post_load(layer.self_attn.kv_a_layernorm.weight.dtype)
