@@ -5,8 +5,8 @@
 // linear(x [M, K], w [N, K]) -> x @ w.T [M, N]
 // moe(x [T, D], ids [T, k], weights [T, k], w13 [E, 2I, D], w2 [E, D, I]) -> [T, D]
 // rms_norm(x [M, D], weight [D], eps) -> [M, D]
-// and the MLA decode kernels of cpu_mla_decode.cpp. Threads split weight rows (at::parallel_for,
-// torch's own thread pool and thread count). Built on first use by kernels/cpu_few_rows.py.
+// with the MLA decode kernels of cpu_mla_decode.cpp and the decode blocks of cpu_decode_block.cpp.
+// Threads split weight rows (at::parallel_for, torch's own thread pool and thread count). Built on first use by kernels/cpu_few_rows.py.
 
 #include "cpu_few_rows.h"
 
@@ -252,6 +252,17 @@ torch::Tensor mla_decode_absorbed(torch::Tensor q, torch::Tensor kv, torch::Tens
                                   torch::Tensor w_uk, torch::Tensor w_uv, torch::Tensor cache,
                                   torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                   double scale);
+// cpu_decode_block.cpp
+torch::Tensor attention_block(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor cache,
+                              torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+                              torch::Tensor norm, double eps, torch::Tensor in_proj, int64_t q_width,
+                              torch::Tensor q_norm, double q_eps, torch::Tensor q_b, int64_t heads,
+                              torch::Tensor kv_norm, double kv_eps, torch::Tensor cos, torch::Tensor sin,
+                              torch::Tensor w_uk, torch::Tensor w_uv, double scale, torch::Tensor o_proj);
+torch::Tensor ffn_block(torch::Tensor x, torch::Tensor counts, torch::Tensor norm, double eps, torch::Tensor gate_up,
+                        torch::Tensor down, torch::Tensor router_w, torch::Tensor bias, int64_t top_k,
+                        int64_t n_group, int64_t topk_group, bool sigmoid, bool norm_topk, double scaling,
+                        torch::Tensor w13, torch::Tensor w2);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [M, K] @ w [N, K].T for float32 CPU tensors");
@@ -261,5 +272,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a whole absorbed MLA decode step after the projections (cache write included), float32 on the CPU");
   m.def("moe_route", &moe_route, "DeepSeek-V3 router (noaux_tc top-k), float32 on the CPU");
   m.def("rms_norm", &rms_norm, "HF RMSNorm over the last dim, float32 on the CPU");
+  m.def("attention_block", &attention_block, "x + MLA(norm(x)) for a batch of decodes, float32 on the CPU");
+  m.def("ffn_block", &ffn_block, "x + MoE or MLP(norm(x)) for a few rows, float32 on the CPU");
   m.def("threads", &threads, "the thread count at::parallel_for uses here");
 }

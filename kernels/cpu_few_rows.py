@@ -7,7 +7,8 @@ and ``moe`` runs a whole MoE layer's routed experts in one call. ``mla_decode`` 
 cache in place through the block tables instead of gathering every sequence's context first, and
 ``mla_decode_absorbed`` runs all of a decode-only MLA layer between its projections (norm, rope,
 cache write, W_UK, attention, W_UV) in one call; ``rms_norm`` is one call instead of eight ATen
-operations.
+operations. ``attention_block`` and ``ffn_block`` (``cpu_decode_block.cpp``) chain those kernels
+into each half of a decoder layer for a few decode rows, so the Python between them goes too.
 
 The extension is compiled with torch's own toolchain helper (``torch.utils.cpp_extension.load``,
 about 30 s on 2 cores, cached under ``TORCH_EXTENSIONS_DIR``) for the host CPU. Without a
@@ -34,7 +35,8 @@ MAX_MOE_TOKENS = 4096
 # mla_decode() and mla_decode_absorbed(): up to this many sequences (mla_decode 3.2x at 1, 1.45x at 4,
 # 0.98x at 16; the fused layer 2.1 ms less per single-request step, even at 8-16 sequences)
 MAX_MLA_SEQS = 16
-_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_few_rows.cpp", "cpu_mla_decode.cpp")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_few_rows.cpp", "cpu_mla_decode.cpp", "cpu_decode_block.cpp")]
+_NONE = torch.empty(0)  # an absent weight, for the C++ side
 _HEADER = Path(__file__).with_name("cpu_few_rows.h")
 
 
@@ -133,6 +135,44 @@ def mla_decode_absorbed(q, kv, kv_norm_weight, eps, cos, sin, positions, slots, 
         q.contiguous(), kv.contiguous(), kv_norm_weight, float(eps), cos, sin, positions.long().contiguous(),
         slots.long().contiguous(), w_uk, w_uv, cache, block_tables.int().contiguous(), context_lens.int().contiguous(),
         block_size, float(scale))
+
+
+def attention_block_weights(norm, eps, in_proj, q_width, q_norm, q_eps, q_b, heads, kv_norm, kv_eps, cos, sin, w_uk,
+                            w_uv, scale, o_proj) -> tuple:
+    """The fixed arguments of one layer's ``attention_block``: the input norm (weight, eps); in_proj
+    [q_width + r + rope, D], q_a_proj (or q_proj) stacked on kv_a_proj_with_mqa; q_a_layernorm and
+    q_b_proj (None without a q LoRA); the heads; kv_a_layernorm; the rotary cos/sin tables [P, rope / 2];
+    W_UK [H, nope, r], W_UV [H, v, r]; the softmax scale; o_proj."""
+    return (norm, float(eps), in_proj, int(q_width), _NONE if q_norm is None else q_norm, float(q_eps),
+            _NONE if q_b is None else q_b, int(heads), kv_norm, float(kv_eps), cos, sin, w_uk, w_uv, float(scale),
+            o_proj)
+
+
+def attention_block(x, positions, slots, cache, block_tables, context_lens, block_size, weights) -> torch.Tensor:
+    """``x + o_proj(MLA(norm(x)))`` for x [B, D], decodes only (``mla_decode_absorbed``'s positions,
+    slots, cache and tables; int64 positions and slots, int32 tables), writing each sequence's newest
+    latent; ``weights`` from ``attention_block_weights``."""
+    return _module().attention_block(x, positions, slots, cache, block_tables, context_lens, block_size, *weights)
+
+
+def ffn_block_weights(norm, eps, gate_up, down, router=None, w13=None, w2=None) -> tuple:
+    """The fixed arguments of one layer's ``ffn_block``: the norm (weight, eps) and the dense SwiGLU MLP
+    (gate_up [2I, D], down [D, I]); or, with ``router`` (weight, bias, top_k, n_group, topk_group,
+    scoring_func, norm_topk_prob, scaling), the routed experts w13 [E, 2I, D], w2 [E, D, I] plus the
+    shared ones (gate_up, down; None when the model has none)."""
+    none = _NONE
+    if router is None:
+        return (norm, float(eps), gate_up, down, none, none, 0, 1, 1, True, True, 1.0, none, none)
+    weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling = router
+    return (norm, float(eps), none if gate_up is None else gate_up, none if down is None else down, weight, bias,
+            int(top_k), int(n_group), int(topk_group), scoring_func == "sigmoid", bool(norm_topk_prob),
+            float(scaling), w13, w2)
+
+
+def ffn_block(x, counts, weights) -> torch.Tensor:
+    """``x + ffn(norm(x))`` for x [T, D]; a MoE counts each token's experts into ``counts`` [E] int64
+    (an empty tensor for a dense MLP); ``weights`` from ``ffn_block_weights``."""
+    return _module().ffn_block(x, counts, *weights)
 
 
 def rms_norm(x, weight, eps) -> torch.Tensor:

@@ -120,6 +120,30 @@ def mla_decode_absorbed(q, kv, kv_norm_weight, eps, cos, sin, positions, slots, 
                                             block_tables, context_lens, block_size, scale)
 
 
+def decode_block_weights_ok(*weights: torch.Tensor) -> bool:
+    """Whether a decoder layer's residual blocks can run as one C++ call each (``attention_block``,
+    ``ffn_block``): its weights are contiguous float32 CPU tensors and the extension is built. Checked
+    once, after loading; ``decode_block_fusable`` checks each step's rows."""
+    return all(w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous() for w in weights) \
+        and cpu_few_rows.available()
+
+
+def decode_block_fusable(x: torch.Tensor) -> bool:
+    """Whether this step's ``x [T, D]`` goes through the fused blocks: up to ``MAX_ROWS`` float32 CPU rows."""
+    return (0 < x.shape[0] <= cpu_few_rows.MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
+            and not _forced_reference())
+
+
+def attention_block(x, positions, slots, cache, block_tables, context_lens, block_size, weights):
+    """``x + o_proj(MLA(norm(x)))`` for decodes only (see ``cpu_few_rows.attention_block``)."""
+    return cpu_few_rows.attention_block(x, positions, slots, cache, block_tables, context_lens, block_size, weights)
+
+
+def ffn_block(x, counts, weights):
+    """``x + MoE or MLP(norm(x))`` (see ``cpu_few_rows.ffn_block``)."""
+    return cpu_few_rows.ffn_block(x, counts, weights)
+
+
 def rms_norm(x, weight, eps=1e-6):
     """HF RMSNorm over the last dim of ``x [..., H]``."""
     if use_cpu_few_rows(x, weight):

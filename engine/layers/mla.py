@@ -68,6 +68,24 @@ class MLAttention(nn.Module):
         self.w_uv = w[:, self.nope:].contiguous()
         self.in_proj = fuse_dense_rows(self._q_in_proj(), self.kv_a_proj_with_mqa)
 
+    def block_weights(self, norm: RMSNorm) -> tuple | None:
+        """The fixed arguments of ``dispatch.attention_block`` (``x + self(norm(x))`` in one C++ call
+        for a step of decodes), or None where this layer cannot take it: quantised or sharded weights,
+        or not float32 CPU tensors. Called once the weights are in."""
+        q_b, q_norm = getattr(self, "q_b_proj", None), getattr(self, "q_a_layernorm", None)
+        if (self.in_proj is None or self.par.is_parallel or self.o_proj.fmt != "dense"
+                or (q_b is not None and q_b.fmt != "dense")):
+            return None
+        tensors = [norm.weight, self.in_proj, self.kv_a_layernorm.weight, self.rope.cos, self.rope.sin, self.w_uk,
+                   self.w_uv, self.o_proj.weight] + ([q_norm.weight, q_b.weight] if q_b is not None else [])
+        if not dispatch.decode_block_weights_ok(*tensors):
+            return None
+        return dispatch.cpu_few_rows.attention_block_weights(
+            norm.weight, norm.eps, self.in_proj, self._q_in_proj().out_features,
+            None if q_b is None else q_norm.weight, 0.0 if q_b is None else q_norm.eps,
+            None if q_b is None else q_b.weight, self.num_heads, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+            self.rope.cos, self.rope.sin, self.w_uk, self.w_uv, self.scale, self.o_proj.weight)
+
     def _compute_dtype(self) -> torch.dtype:
         return self.kv_a_layernorm.weight.dtype
 

@@ -17,6 +17,7 @@ class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantConfig | None, prefix: str,
                  par: ParallelState = SINGLE):
         super().__init__()
+        self.parallel = par.is_parallel
         cols = rows = None
         if par.is_parallel:
             start, end = par.range(intermediate_size)
@@ -29,6 +30,17 @@ class MLP(nn.Module):
     def post_load(self) -> None:
         """Once the weights are in: dense gate and up become one product (rows of one weight)."""
         self.gate_up = fuse_dense_rows(self.gate_proj, self.up_proj)
+
+    def fusable(self) -> bool:
+        """Dense gate_up and down on one rank: what ``ffn_block`` (and MoE's) can take."""
+        return self.gate_up is not None and self.down_proj.fmt == "dense" and not self.parallel
+
+    def block_weights(self, norm: nn.Module) -> tuple | None:
+        """The fixed arguments of ``dispatch.ffn_block`` (``x + self(norm(x))`` in one C++ call), or
+        None where this MLP cannot take it. Called once the weights are in."""
+        if not (self.fusable() and dispatch.decode_block_weights_ok(norm.weight, self.gate_up, self.down_proj.weight)):
+            return None
+        return dispatch.cpu_few_rows.ffn_block_weights(norm.weight, norm.eps, self.gate_up, self.down_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:

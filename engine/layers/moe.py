@@ -208,12 +208,33 @@ class MoE(nn.Module):
     def __init__(self, config: ModelConfig, prefix: str, par: ParallelState = SINGLE,
                  placement_row: list[int] | None = None):
         super().__init__()
+        self.parallel = par.is_parallel
         self.gate = Router(config)
         self.experts = RoutedExperts(config, f"{prefix}.experts", par, placement_row)
         self.shared_experts = None
         if config.n_shared_experts:
             self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
                                       config.quantization, f"{prefix}.shared_experts", par)
+
+    def block_weights(self, norm: nn.Module) -> tuple | None:
+        """The fixed arguments of ``dispatch.ffn_block`` (``x + self(norm(x))`` in one C++ call, which
+        also counts the routing), or None unless every expert is a dense float32 CPU tensor on this
+        one rank. Called once the weights are in."""
+        experts, shared, g = self.experts, self.shared_experts, self.gate
+        if (self.parallel or not experts.whole_layer_local or experts.local.fmt != "dense"
+                or (shared is not None and not shared.fusable())):
+            return None
+        stack = experts.local
+        tensors = [norm.weight, g.weight, g.e_score_correction_bias, stack.w13_weight, stack.w2_weight]
+        if shared is not None:
+            tensors += [shared.gate_up, shared.down_proj.weight]
+        if not dispatch.decode_block_weights_ok(*tensors):
+            return None
+        router = (g.weight, g.e_score_correction_bias, g.top_k, g.n_group, g.topk_group, g.scoring_func,
+                  g.norm_topk_prob, g.scaling)
+        return dispatch.cpu_few_rows.ffn_block_weights(
+            norm.weight, norm.eps, None if shared is None else shared.gate_up,
+            None if shared is None else shared.down_proj.weight, router, stack.w13_weight, stack.w2_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum (its experts + its shard of the shared experts); the caller reduces."""

@@ -19,6 +19,7 @@ from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rope import YarnRotaryEmbedding
 from engine.parallel.state import SINGLE, ParallelState
+from kernels import dispatch
 
 
 class DecoderLayer(nn.Module):
@@ -34,16 +35,36 @@ class DecoderLayer(nn.Module):
             self.mlp = MoE(config, f"{prefix}.mlp", par, placement_row)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, config.quantization, f"{prefix}.mlp", par)
+        self.attn_block: tuple | None = None  # set by post_load
+        self.ffn_block: tuple | None = None
+        self.ffn_counts: torch.Tensor | None = None
+
+    def post_load(self) -> None:
+        """Once the weights are in (and the attention's and MLP's own post_load ran): the fixed
+        arguments of the fused decode blocks, or None for the layers that run op by op."""
+        self.attn_block = self.self_attn.block_weights(self.input_layernorm)
+        self.ffn_block = self.mlp.block_weights(self.post_attention_layernorm)
+        experts = getattr(self.mlp, "experts", None)
+        self.ffn_counts = experts.routing_counts if experts is not None else torch.empty(0, dtype=torch.int64)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor,
                 last: bool = False) -> torch.Tensor:
         """``last``: the final layer, which returns only ``meta.out_rows`` when those are set."""
-        a = self.self_attn(self.input_layernorm(x), meta, cache, last)
-        if last and meta.out_rows is not None:
-            x = x.index_select(0, meta.out_rows)
-        # The sums go into the fresh outputs of the attention and the MLP (same values as x + a):
-        # on a CPU each new prefill-sized tensor costs more in page faults than the addition itself.
-        x = a.add_(x)
+        # A few decode rows on a CPU in float32: each half of the layer is one C++ call.
+        if (self.attn_block is not None and not meta.prefills and meta.out_rows is None
+                and meta.num_decode_tokens == x.shape[0] and dispatch.decode_block_fusable(x)):
+            x = dispatch.attention_block(x, meta.positions, meta.slot_mapping, cache.view(-1, cache.shape[-1]),
+                                         meta.decode_block_tables, meta.decode_context_lens, meta.block_size,
+                                         self.attn_block)
+        else:
+            a = self.self_attn(self.input_layernorm(x), meta, cache, last)
+            if last and meta.out_rows is not None:
+                x = x.index_select(0, meta.out_rows)
+            # The sums go into the fresh outputs of the attention and the MLP (same values as x + a):
+            # on a CPU each new prefill-sized tensor costs more in page faults than the addition itself.
+            x = a.add_(x)
+        if self.ffn_block is not None and dispatch.decode_block_fusable(x):
+            return dispatch.ffn_block(x, self.ffn_counts, self.ffn_block)
         # one all-reduce for routed experts, shared experts and dense MLP shards together
         return self.par.all_reduce(self.mlp(self.post_attention_layernorm(x))).add_(x)
 
@@ -97,6 +118,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             experts = getattr(layer.mlp, "experts", None)
             if experts is not None:
                 experts.post_load(layer.self_attn.kv_a_layernorm.weight.dtype)
+            layer.post_load()
 
     def cache_dims(self) -> list[int]:
         """Values cached per token for each layer (every layer here is MLA)."""

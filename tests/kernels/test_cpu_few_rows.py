@@ -204,3 +204,16 @@ def test_moe_route_names_bad_groups():
         cpu_few_rows.moe_route(torch.randn(2, 16), torch.randn(32, 16), torch.zeros(32), 9, 4, 1, "sigmoid", True, 1.0)
     with pytest.raises(RuntimeError, match="n_group 5 / topk_group 1 do not fit 32 experts"):
         cpu_few_rows.moe_route(torch.randn(2, 16), torch.randn(32, 16), torch.zeros(32), 2, 5, 1, "sigmoid", True, 1.0)
+
+
+def test_the_extension_builds_where_a_compiler_is():
+    """Every test above skips when the build fails, so a compile error in the C++ would pass quietly
+    (the product falls back to the slower PyTorch path) unless this one fails where a compiler exists."""
+    import os
+    import shutil
+
+    if os.environ.get("KIMITUI_CPU_KERNELS", "1").lower() in ("0", "false", "off"):
+        pytest.skip("KIMITUI_CPU_KERNELS turns the extension off")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler here")
+    assert cpu_few_rows.available(), "the C++ CPU kernels failed to build; see the warning logged above"
