@@ -32,8 +32,8 @@ MAX_ROWS = 16  # linear(): up to this many rows (1.2-1.3x BLAS at 16, even at 24
 # moe() and moe_route(): up to this many tokens. moe against BLAS per expert: 1.13-1.85x at 128-2048
 # tokens (experts with 32+ pairs run BLAS single-threaded, one expert per thread); not measured above.
 MAX_MOE_TOKENS = 4096
-# mla_decode() and mla_decode_absorbed(): up to this many sequences (mla_decode 3.2x at 1, 1.45x at 4,
-# 0.98x at 16; the fused layer 2.1 ms less per single-request step, even at 8-16 sequences)
+# mla_decode() and mla_decode_absorbed(): up to this many sequences (mla_decode 3.9x at 1, 1.8x at 4,
+# 1.3x at 16; the fused layer 2.1 ms less per single-request step, even at 8-16 sequences)
 MAX_MLA_SEQS = 16
 _SOURCES = [Path(__file__).with_name(n) for n in ("cpu_few_rows.cpp", "cpu_mla_decode.cpp", "cpu_decode_block.cpp")]
 _NONE = torch.empty(0)  # an absent weight, for the C++ side
