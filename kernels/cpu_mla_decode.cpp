@@ -87,7 +87,7 @@ void attend(const float* q, int64_t nh, const std::vector<const float*>& keys, i
   for (int64_t l0 = 0; l0 < L; l0 += block_size) {
     const int64_t n = std::min(block_size, L - l0);
     if (l0 + block_size < L)  // the next block's first tile of rows: the tiles prefetch only within a block
-      for (int64_t c = 0; c < 3 * C; c += 16) __builtin_prefetch(keys[l0 + block_size] + c, 0, 1);
+      for (int64_t c = 0; c < 3 * C; c += 16) prefetch_l2(keys[l0 + block_size], c);
     for (int64_t h = 0; h < nh; ++h) ys[h] = score.data() + h * L + l0;
     rows(qs, nh, keys[l0], C, ys, 0, n);  // score[h][l0 + i] = q[h] . key l0 + i
   }
@@ -116,7 +116,7 @@ void vec_mat(const float* a, const float* W, int64_t n, int64_t m, float* out) {
   for (; j + 64 <= m; j += 64) {
     v8 acc[8] = {};
     for (int64_t i = 0; i < n; ++i) {
-      for (int u = 0; u < 64; u += 16) __builtin_prefetch(W + (i + 8) * m + j + u, 0, 1);  // past the end: no fault
+      for (int u = 0; u < 64; u += 16) prefetch_l2(W, (i + 8) * m + j + u);  // 8 rows ahead, maybe past the end
       for (int u = 0; u < 8; ++u) acc[u] += a[i] * load8(W + i * m + j + 8 * u);
     }
     std::memcpy(out + j, acc, sizeof acc);
