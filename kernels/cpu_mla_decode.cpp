@@ -22,7 +22,7 @@ void weighted_sum(const float* p, const float* const* keys, int64_t L, int64_t r
     v8 acc[kHeadGroup] = {};
     for (int64_t l = 0; l < L; ++l) {
       const v8 kv = load8(keys[l] + j);
-      for (int h = 0; h < kHeadGroup; ++h) acc[h] += p[h * L + l] * kv;
+      for (int h = 0; h < kHeadGroup; ++h) acc[h] = fmadd(splat(p[h * L + l]), kv, acc[h]);
     }
     for (int64_t h = 0; h < nh; ++h) std::memcpy(out + h * r + j, &acc[h], sizeof(v8));
   }
@@ -117,13 +117,13 @@ void vec_mat(const float* a, const float* W, int64_t n, int64_t m, float* out) {
     v8 acc[8] = {};
     for (int64_t i = 0; i < n; ++i) {
       for (int u = 0; u < 64; u += 16) prefetch_l2(W, (i + 8) * m + j + u);  // 8 rows ahead, maybe past the end
-      for (int u = 0; u < 8; ++u) acc[u] += a[i] * load8(W + i * m + j + 8 * u);
+      for (int u = 0; u < 8; ++u) acc[u] = fmadd(splat(a[i]), load8(W + i * m + j + 8 * u), acc[u]);
     }
     std::memcpy(out + j, acc, sizeof acc);
   }
   for (; j + 8 <= m; j += 8) {
     v8 acc = {};
-    for (int64_t i = 0; i < n; ++i) acc += a[i] * load8(W + i * m + j);
+    for (int64_t i = 0; i < n; ++i) acc = fmadd(splat(a[i]), load8(W + i * m + j), acc);
     std::memcpy(out + j, &acc, sizeof acc);
   }
   for (; j < m; ++j) {

@@ -31,12 +31,16 @@ def test_linear_keeps_leading_dims_and_reads_strided_rows():
 
 
 @needs_ext
-def test_a_row_gives_the_same_bits_alone_and_in_a_batch():
+@pytest.mark.parametrize("m,n,k", [(7, 72, 200), (16, 70, 1024), (13, 49, 67)])
+def test_a_row_gives_the_same_bits_alone_and_in_a_batch(m, n, k):
+    # n not a multiple of the 3- and 4-row weight tiles: the single-row tails run too, which once
+    # rounded differently (the compiler fused a * b + c in some tile shapes only).
     torch.manual_seed(1)
-    x, w = torch.randn(7, 200), torch.randn(72, 200)
+    x, w = torch.randn(m, k), torch.randn(n, k)
     batch = cpu_few_rows.linear(x, w)
-    for i in range(7):
+    for i in range(m):
         assert torch.equal(cpu_few_rows.linear(x[i : i + 1], w), batch[i : i + 1])
+    assert torch.equal(cpu_few_rows.linear(x[m - 5:], w), batch[m - 5:])  # 5 rows: a 4-row tile and a 1-row tail
 
 
 def _experts(e, d, inter, seed=0):
