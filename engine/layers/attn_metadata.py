@@ -41,6 +41,11 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
+    def decodes_only(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows is all decodes, every row's output wanted (the fused
+        CPU decode paths' precondition)."""
+        return not self.prefills and self.out_rows is None and self.num_decode_tokens == rows
+
 
 def gather_slots(block_table: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
     """Flat cache slots of positions 0..num_tokens-1 of one sequence. -> [num_tokens] int64"""

@@ -93,8 +93,7 @@ class MLAttention(nn.Module):
                 last: bool = False) -> torch.Tensor:
         # x: [T, D]; cache: [num_blocks, block_size, r + rope]. Every row's latent goes to the
         # cache; in the last layer (``last``) only meta.out_rows, when set, need an output.
-        if (not meta.prefills and meta.out_rows is None and meta.num_decode_tokens == x.shape[0]
-                and dispatch.mla_decode_fusable(x, cache, self.w_uk, self.w_uv)):
+        if meta.decodes_only(x.shape[0]) and dispatch.mla_decode_fusable(x, cache, self.w_uk, self.w_uv):
             return self._decode_fused(x, meta, cache)
         qmeta = meta
         if last and meta.out_rows is not None:  # queries for the output rows only

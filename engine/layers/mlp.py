@@ -9,8 +9,8 @@ from torch import nn
 
 from engine.config import QuantConfig
 from engine.layers.linear import Linear, fuse_dense_rows
-from kernels import dispatch
 from engine.parallel.state import SINGLE, ParallelState
+from kernels import dispatch
 
 
 class MLP(nn.Module):

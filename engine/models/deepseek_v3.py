@@ -51,8 +51,7 @@ class DecoderLayer(nn.Module):
                 last: bool = False) -> torch.Tensor:
         """``last``: the final layer, which returns only ``meta.out_rows`` when those are set."""
         # A few decode rows on a CPU in float32: each half of the layer is one C++ call.
-        if (self.attn_block is not None and not meta.prefills and meta.out_rows is None
-                and meta.num_decode_tokens == x.shape[0] and dispatch.decode_block_fusable(x)):
+        if self.attn_block is not None and meta.decodes_only(x.shape[0]) and dispatch.decode_block_fusable(x):
             x = dispatch.attention_block(x, meta.positions, meta.slot_mapping, cache.view(-1, cache.shape[-1]),
                                          meta.decode_block_tables, meta.decode_context_lens, meta.block_size,
                                          self.attn_block)
