@@ -36,6 +36,11 @@ class AttentionMetadata:
     # from the kept rows: the decodes, then a suffix of each prefill chunk (possibly empty).
     out_rows: torch.Tensor | None = None  # [K] int64
     out_meta: AttentionMetadata | None = None
+    # Hybrid models (KDA layers): the state slot of each sequence of the step, in row order (each
+    # decode, then each prefill chunk). A prefill chunk with nothing cached before it starts from a
+    # zero state; any other row continues from its slot's state (restored from a prefix snapshot
+    # when the scheduler found one).
+    state_slots: torch.Tensor | None = None  # [num_decode_tokens + len(prefills)] int64
 
     @property
     def num_tokens(self) -> int:
