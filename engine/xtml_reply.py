@@ -98,9 +98,11 @@ class XtmlReplyParser:
                 self._take(state, buf[:idx], out, calls)
                 self._buf, self._state = buf[idx + len(marker):], exits[marker]
                 continue
-            keep = 0 if final else _held_suffix(buf, tuple(exits))
+            # Held: a tail that may still grow into a marker. At the end of the reply it is the
+            # start of a marker cut off by max_tokens, so it is dropped rather than shown.
+            keep = _held_suffix(buf, tuple(exits))
             self._take(state, buf[:len(buf) - keep], out, calls)
-            self._buf = buf[len(buf) - keep:]
+            self._buf = "" if final else buf[len(buf) - keep:]
             break
         delta = StreamDelta("".join(out["think"]), "".join(out["response"]), calls)
         self.reasoning += delta.reasoning
