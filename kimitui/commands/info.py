@@ -94,7 +94,9 @@ def placement_lines(args: argparse.Namespace) -> list[str]:
     memory = getattr(args, "gpu_memory_gb", None) or 288.0
     offload = getattr(args, "cpu_offload", "auto")
     try:
-        config = ModelConfig.from_pretrained(args.model)
+        from engine.demo import DEMO_MODELS, demo_checkpoint
+
+        config = ModelConfig.from_pretrained(demo_checkpoint(args.model) if args.model in DEMO_MODELS else args.model)
         plan = plan_placement(config, gpus, int(memory * 2**30), config.max_position_embeddings, 1, offload)
     except (ConfigError, PlacementError, ValueError) as e:
         return [f"n/a: {e}"]

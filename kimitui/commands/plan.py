@@ -10,6 +10,7 @@ import json
 import sys
 
 from engine.config import ConfigError, ModelConfig
+from engine.demo import DEMO_MODELS, demo_checkpoint
 from engine.offload.planner import (DEFAULT_BLOCK_SIZE, GiB, Placement, PlacementError, load_routing_stats,
                                     plan_placement)
 from kimitui.commands.engine_flags import cpu_offload_arg
@@ -73,10 +74,8 @@ def run(args: argparse.Namespace) -> int:
     """Print the placement; 0 fits, 1 does not fit, 2 bad input (one line on stderr)."""
     try:
         source = args.model or args.config
-        if source is None:
-            from engine.demo import ensure_demo_checkpoint
-
-            source = ensure_demo_checkpoint()
+        if source is None or args.model in DEMO_MODELS:
+            source = demo_checkpoint(args.model)
         config = ModelConfig.from_pretrained(source)
     except ConfigError as e:
         return _fail(str(e))
