@@ -16,7 +16,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from engine.demo import DEMO_MODELS
 from kimitui.bench.cost import format_efficiency_block
 from kimitui.bench.metrics import format_result_block
 from kimitui.bench.runner import (BenchmarkConfig, add_bench_arguments, config_from_args, run_benchmark,
@@ -81,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             if args.tokenizer:
                 raise ValueError("--tokenizer is for --base-url; in-process runs use the checkpoint's")
-            if args.model and args.model not in DEMO_MODELS and not Path(args.model).expanduser().is_dir():
+            if args.model and args.model not in ("demo", "demo-k3") and not Path(args.model).expanduser().is_dir():
                 raise ValueError(f"model directory {args.model} does not exist")
             # Loading a checkpoint is the slow part; say so before a silent pause.
             print(f"kimitui bench: loading {args.model or 'the demo checkpoint'} ...", file=sys.stderr)

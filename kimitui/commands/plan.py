@@ -10,7 +10,6 @@ import json
 import sys
 
 from engine.config import ConfigError, ModelConfig
-from engine.demo import DEMO_MODELS, demo_checkpoint
 from engine.offload.planner import (DEFAULT_BLOCK_SIZE, GiB, Placement, PlacementError, load_routing_stats,
                                     plan_placement)
 from kimitui.commands.engine_flags import cpu_offload_arg
@@ -74,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
     """Print the placement; 0 fits, 1 does not fit, 2 bad input (one line on stderr)."""
     try:
         source = args.model or args.config
-        if source is None or args.model in DEMO_MODELS:
+        if source is None or args.model in ("demo", "demo-k3"):
+            from engine.demo import demo_checkpoint
+
             source = demo_checkpoint(args.model)
         config = ModelConfig.from_pretrained(source)
     except ConfigError as e:
