@@ -182,3 +182,51 @@ def test_chat_format_chosen_by_tokenizer(k3_tok, tmp_path):
     noted = k2.encode(USER, thinking=True, thinking_effort="low")
     assert noted.ids == plain.ids and plain.note is None and "ignored" in noted.note
     assert noted.started_in_thinking
+
+
+class _ScriptedEngine:
+    """Stands in for LLMEngine under LLM.chat: records prompts, finishes each at once."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.model_dir, self.requests, self._outs = tokenizer, "scripted", [], []
+
+    def add_request(self, request_id, prompt, params):
+        from engine.outputs import CompletionOutput, RequestOutput
+
+        rid = str(len(self.requests))
+        self.requests.append((prompt["prompt_token_ids"], params))
+        self._outs.append(RequestOutput(rid, None, prompt["prompt_token_ids"], None, [CompletionOutput(0, "", [])],
+                                        True))
+        return rid
+
+    def step(self):
+        outs, self._outs = self._outs, []
+        return outs
+
+
+def _scripted_llm(tok):
+    from engine.llm import LLM
+
+    llm = LLM.__new__(LLM)
+    llm.engine = _ScriptedEngine(tok)
+    return llm
+
+
+def test_llm_chat_effort_and_stop_ids(k3_tok, tmp_path, caplog):
+    from engine import SamplingParams
+    from engine.bpe_train import demo_corpus, train_ranks, write_kimi_tokenizer_files
+
+    llm = _scripted_llm(k3_tok)
+    llm.chat(USER, SamplingParams(stop_token_ids=[7]), thinking_effort="low")
+    llm.chat([USER, USER], thinking=False)
+    (ids, params), (off, _), _ = llm.engine.requests
+    assert "`thinking_effort=low`" in k3_tok.decode(ids) and params.stop_token_ids == [7, 163586, 163585]
+    assert k3_tok.decode(off) == HI + GEN_RESPONSE
+    write_kimi_tokenizer_files(tmp_path, train_ranks(demo_corpus()[:200_000], 512))
+    k2 = _scripted_llm(Tokenizer.from_pretrained(tmp_path))
+    with caplog.at_level("INFO", logger="engine.chat_format"):
+        k2.chat(USER, thinking=True, thinking_effort="high")
+    k2.chat(USER, thinking=True)
+    assert k2.engine.requests[0][0] == k2.engine.requests[1][0]
+    assert [r.message for r in caplog.records] == [
+        "thinking_effort='high' ignored: it is a Kimi K3 option and this checkpoint uses Kimi K2's chat format"]
