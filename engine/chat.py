@@ -2,6 +2,7 @@
 
 Shapes follow reference kimi-model.md §7.4 (K2-Instruct; K2-Thinking / K2.6 thinking variants).
 Messages are OpenAI-style dicts: ``{"role", "content", "reasoning_content"?, "tool_calls"?}``.
+Kimi K3's format (XTML) is engine/xtml.py; engine/chat_format.py picks one per checkpoint.
 """
 
 from __future__ import annotations

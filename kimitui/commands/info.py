@@ -79,10 +79,14 @@ def version_lines() -> list[str]:
 
 def demo_lines() -> list[str]:
     from engine.demo import demo_dir
+    from engine.demo_k3 import demo_k3_dir
 
-    path = demo_dir()
-    there = (path / "model.safetensors.index.json").is_file()
-    return [f"{path}  ({'present' if there else 'not written yet: created on first use, about 4 s'})"]
+    lines = []
+    for name, path, seconds in (("demo", demo_dir(), 4), ("demo-k3", demo_k3_dir(), 10)):
+        state = ("present" if (path / "model.safetensors.index.json").is_file()
+                 else f"not written yet: created on first use, about {seconds} s")
+        lines.append(f"{name:<8} {path}  ({state})")
+    return lines
 
 
 def placement_lines(args: argparse.Namespace) -> list[str]:

@@ -121,8 +121,8 @@ class EngineBridge:
         state = ReplyState(chat.id)
         self.reply = state
         self._reply_worker = self.app.run_worker(
-            self._stream(state, prompt, notify or self.app, settings), group="reply", exclusive=True, exit_on_error=False,
-            name="reply")
+            self._stream(state, prompt, notify or self.app, settings), group="reply", exclusive=True,
+            exit_on_error=False, name="reply")
         return state
 
     def prompt_for(self, chat: Chat, settings: GenerationSettings) -> ChatPrompt:

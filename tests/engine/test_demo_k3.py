@@ -66,7 +66,8 @@ def test_wrapper_config(ckpt):
 def test_tensor_names_shapes_dtypes(tensors):
     c, lin = TEXT_CONFIG, TEXT_CONFIG["linear_attn_config"]
     d, h, kd = c["hidden_size"], c["num_attention_heads"], lin["head_dim"]
-    p, lat, inter, e = lin["num_heads"] * kd, c["routed_expert_hidden_size"], c["moe_intermediate_size"], c["num_experts"]
+    p, lat = lin["num_heads"] * kd, c["routed_expert_hidden_size"]
+    inter, e = c["moe_intermediate_size"], c["num_experts"]
     bf16, f32, u8 = torch.bfloat16, torch.float32, torch.uint8
     want = {"language_model.model.embed_tokens.weight": ((163840, d), bf16),
             "language_model.lm_head.weight": ((163840, d), bf16),
