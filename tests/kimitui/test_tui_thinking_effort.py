@@ -89,3 +89,26 @@ def test_bridge_k2_ignores_effort(tmp_path):
     chat = Chat(turns=[Turn("user", "hi")])
     low = bridge.prompt_for(chat, GenerationSettings(thinking_effort="low"))
     assert low == bridge.prompt_for(chat, GenerationSettings()) and low.note is None
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_status_line_names_the_effort_for_k3(supported):
+    from textual.widgets import Static
+
+    from kimitui.tui.chat_session import ChatHistory
+    from kimitui.tui.widgets.chat_pane import ChatPane
+
+    bridge = SimpleNamespace(effort_supported=supported, generating=False, llm=None, reply=None)
+
+    class Host(App):
+        def compose(self):
+            yield ChatPane(bridge, ChatHistory(), lambda: GenerationSettings(thinking_effort="high"))
+
+    async def scenario():
+        app = Host()
+        async with app.run_test(size=(120, 30)) as pilot:
+            await pilot.pause(0.1)
+            return str(app.query_one("#chat-status", Static).render())
+
+    status = asyncio.run(scenario())
+    assert ("thinking on (effort high) ·" in status) is supported and "thinking on" in status
