@@ -20,7 +20,7 @@ import torch
 from engine.args import EngineArgs
 from engine.config import ModelConfig
 from engine.kv_cache.block_manager import BlockManager
-from engine.kv_cache.pool import KVCachePool, MLACacheSpec, num_blocks_for_budget
+from engine.kv_cache.pool import KVCachePool, num_blocks_for_budget
 from engine.loader import LoadProgress, load_model
 from engine.metrics import EngineStats, ThroughputWindow
 from engine.offload.placement import device_reserve_bytes, expert_placement_for
@@ -116,7 +116,7 @@ class LLMEngine:
     # -- capacity --------------------------------------------------------------------------
     def _allocate_cache(self) -> KVCachePool:
         a = self.args
-        specs = [MLACacheSpec(dim=d, dtype=self.dtype) for d in self.model.cache_dims()]
+        specs = self.model.cache_specs(self.dtype)
         per_token = sum(s.bytes_per_block(1) for s in specs)
         wanted_tokens = a.kv_cache_tokens or (self.max_model_len * a.max_num_seqs + a.block_size)
         budget = wanted_tokens * per_token
