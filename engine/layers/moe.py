@@ -4,6 +4,7 @@ host RAM computed by the CPU), shared experts (tensor parallel)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -12,7 +13,7 @@ from engine.config import ModelConfig
 from engine.layers.linear import linear_format, quantized_params, values_per_element
 from engine.layers.mlp import MLP
 from engine.loader.source import TensorSource
-from engine.parallel.state import SINGLE, ParallelState, split_range
+from engine.parallel.state import SINGLE, ParallelState, split_sizes
 from kernels import dispatch, reference
 
 
@@ -159,8 +160,7 @@ class RoutedExperts(nn.Module):
         self.shapes = {"gate_proj": [config.moe_intermediate_size, config.hidden_size],
                        "up_proj": [config.moe_intermediate_size, config.hidden_size],
                        "down_proj": [config.hidden_size, config.moe_intermediate_size]}
-        ep_owner = [next(r for r in range(par.world_size) if e < split_range(n, par.world_size, r)[1])
-                    for e in range(n)]
+        ep_owner = [r for r, size in enumerate(split_sizes(n, par.world_size)) for _ in range(size)]
         row = placement_row if placement_row is not None else ep_owner
         on_device = [e for e in range(n) if row[e] == par.rank]
         on_host = [e for e in range(n) if row[e] == -1 and ep_owner[e] == par.rank]
@@ -201,11 +201,12 @@ class RoutedExperts(nn.Module):
 
     def _declare_sources(self, stack: ExpertStack, experts: list[int]) -> None:
         # The checkpoint tensors each stacked parameter is made of, by shard id (expert, proj): the
-        # loader checks every one arrived and names the first that did not.
+        # loader checks that num_sources arrived and names the first missing one from sources()
+        # (built only then: 384 experts x 60 layers of names would slow every meta-device build).
         for pname, p in stack.named_parameters():
             projs = ("down_proj",) if pname.startswith("w2_") else ("gate_proj", "up_proj")
-            suffix = pname.split("_", 1)[1]
-            p.sources = {(e, proj): f"{self.prefix}.{e}.{proj}.{suffix}" for e in experts for proj in projs}
+            p.num_sources = len(experts) * len(projs)
+            p.sources = functools.partial(_expert_sources, self.prefix, experts, projs, pname.split("_", 1)[1])
 
     def load_weight(self, name: str, shard_id: int | None, src: TensorSource) -> list[tuple[str, object]] | None:
         """Take ``experts.<shard_id>.<proj>.<suffix>`` (``name`` = "<proj>.<suffix>") or, with
@@ -272,6 +273,10 @@ class RoutedExperts(nn.Module):
         if pending is not None:
             y = y + pending.result().to(device=y.device, dtype=y.dtype)
         return y
+
+
+def _expert_sources(prefix: str, experts: list[int], projs: tuple[str, ...], suffix: str) -> dict:
+    return {(e, proj): f"{prefix}.{e}.{proj}.{suffix}" for e in experts for proj in projs}
 
 
 def _expert_map(n: int, experts: list[int], device: torch.device | None = None) -> torch.Tensor:

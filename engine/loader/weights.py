@@ -89,10 +89,12 @@ def _load_one(module: nn.Module | None, target: WeightTarget, src: TensorSource)
 
 def _check_complete(model: nn.Module, filled: dict[str, set], reader: CheckpointReader, prefix: str) -> None:
     for name, p in model.named_parameters():
-        sources = getattr(p, "sources", None) or {None: prefix + name}
         have = filled.get(name, set())
-        missing = [ckpt for shard_id, ckpt in sources.items() if shard_id not in have]
-        if missing and not getattr(p, "optional", False):
+        if len(have) >= getattr(p, "num_sources", 1) or getattr(p, "optional", False):
+            continue
+        sources = p.sources() if hasattr(p, "sources") else {None: name}
+        missing = [prefix + ckpt for shard_id, ckpt in sources.items() if shard_id not in have]
+        if missing:
             more = f" and {len(missing) - 1} more for {name}" if len(missing) > 1 else ""
             raise CheckpointError(f"{reader.dir}: tensor {missing[0]} missing (expected for parameter "
                                   f"{name} {list(p.shape)}){more}")

@@ -18,8 +18,9 @@ everything else. A registered model class is an ``nn.Module`` that provides:
     (it is counted in the load report). The module's ``load_weight(name, shard_id, src)``, when it
     has one, takes the tensor and returns the ``(parameter, shard id)`` pairs it filled (None: not a
     name it has); otherwise the parameter of that name is copied (``copy_into``). A parameter made
-    of several tensors lists them in ``param.sources`` ({shard id: checkpoint name}) so a missing
-    one is named; a parameter with ``param.optional`` may be absent.
+    of several tensors declares how many (``param.num_sources``) and, through ``param.sources()``,
+    which ({shard id: checkpoint name}) so a missing one is named; a parameter with
+    ``param.optional`` may be absent.
 ``model.cache_specs(dtype) -> list[CacheSpec]``
     One per layer, in layer order: ``MLACacheSpec`` (paged latent) or ``KDAStateSpec`` (state slot).
 Parameter classes for the planner
