@@ -39,13 +39,14 @@ def test_k2_instruct_matches_published_checkpoint():
     c = cfg("kimi_k2_instruct")
     size = count_params(c)
     # The hub's 1,026,470,731,056 counts every stored element: weights + fp32 scale_inv blocks +
-    # 61 rotary inv_freq buffers of 56 (reference §3.1). Reproduce it exactly.
+    # 61 stray `self_attn.rotary_emb.inv_freq` tensors of shape [56], one per layer, which the
+    # checkpoint (moonshotai/Kimi-K2-Instruct) stores and the loader skips. Reproduce it exactly.
     weights = top_weights(c) + [w for i in range(61) for w in layer_weights(c, i)]
     scales = sum(math.ceil(w.shape[0] / 128) * math.ceil(w.shape[1] / 128) for w in weights if w.fmt == "fp8")
     scales += 60 * 384 * sum(math.ceil(w.shape[0] / 128) * math.ceil(w.shape[1] / 128)
                              for w in routed_expert_weights(c, 1))
     assert size.total.params + scales + 61 * 56 == 1_026_470_731_056
-    # "958.51 GB" in the reference is GiB (it matches to 0.002%; the rest is safetensors headers).
+    # The hub's "958.51 GB" is GiB (it matches to 0.002%; the rest is safetensors headers).
     assert size.total.nbytes / GiB == pytest.approx(958.51, rel=1e-3)
 
 
