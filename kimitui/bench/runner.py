@@ -30,7 +30,7 @@ ProgressFn = Callable[[int, int, float], None]
 
 @dataclass(frozen=True)
 class BenchmarkConfig:
-    """Every `kimitui bench` setting (DESIGN.md section 6), validated once."""
+    """Every `kimitui bench` setting, validated once."""
 
     random_input_len: int = 1024
     random_output_len: int = 128
