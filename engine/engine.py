@@ -21,7 +21,7 @@ from engine.args import EngineArgs
 from engine.config import ModelConfig
 from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.pool import KVCachePool, MLACacheSpec, num_blocks_for_budget
-from engine.loader import LoadProgress, load_model
+from engine.loader import load_model
 from engine.metrics import EngineStats
 from engine.offload.placement import device_reserve_bytes, expert_placement_for
 from engine.parallel.state import SINGLE
@@ -276,4 +276,4 @@ def _eos_ids(config: ModelConfig, model_dir: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-__all__ = ["LLMEngine", "PromptError", "LoadProgress"]
+__all__ = ["LLMEngine", "PromptError"]
