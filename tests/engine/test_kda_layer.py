@@ -185,3 +185,66 @@ def test_config_from_linear_attn_config_and_errors():
     meta.state_slots = None
     with pytest.raises(ValueError, match="state_slots"):
         layer(torch.zeros(3, D), meta, state)
+
+
+def _load_from_safetensors(ckpt: dict, tmp_path, cfg: KDAConfig, par) -> KimiDeltaAttention:
+    """Our layer filled by the engine's loader from a safetensors file with the checkpoint's names."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from engine.loader.checkpoint import CheckpointReader
+    from engine.loader.weights import load_weights
+
+    path = tmp_path / "model.safetensors"
+    if not path.exists():
+        save_file({f"model.layers.0.self_attn.{k}": v.contiguous() for k, v in ckpt.items()}, str(path))
+    layer = KimiDeltaAttention(cfg, "model.layers.0.self_attn", par)
+    holder = nn.Module()
+    holder.config = SimpleNamespace(num_hidden_layers=1, tie_word_embeddings=False)
+    holder.model = nn.Module()
+    holder.model.layers = nn.ModuleList([nn.Module()])
+    holder.model.layers[0].self_attn = layer
+    with torch.no_grad():
+        load_weights(holder, CheckpointReader(tmp_path))
+    return layer
+
+
+class _NoComm:
+    """A ParallelState stand-in whose all_reduce is left to the test (ranks run in one process)."""
+
+    def __init__(self, rank, world_size):
+        from engine.parallel.state import ParallelState
+
+        self._par = ParallelState(rank=rank, world_size=world_size)
+        self.rank, self.world_size, self.is_parallel = rank, world_size, True
+
+    def range(self, total):
+        return self._par.range(total)
+
+    def all_reduce(self, x):
+        return x
+
+
+def test_loader_fills_k3_layer_and_uneven_tensor_parallel_ranks_sum_to_one(tmp_path):
+    hf = _hf_layer(k3=True)
+    ckpt = _checkpoint(hf, k3=True)  # A_log stored as [head_dim] = [16] for 4 heads
+    cfg = KDAConfig.from_linear_attn_config(D, dict(LINEAR, gate_lower_bound=-5.0, use_full_rank_gate=True), 1e-5)
+    from engine.parallel.state import SINGLE
+
+    full = _load_from_safetensors(ckpt, tmp_path, cfg, SINGLE)
+    ranks = [_load_from_safetensors(ckpt, tmp_path, cfg, _NoComm(r, 3)) for r in range(3)]
+    assert [r.num_heads for r in ranks] == [2, 1, 1]
+    assert torch.equal(ranks[2].A_log, ckpt["A_log"][3:4])
+    x = torch.randn(75, D)
+    outs = []
+    for layer in [full, *ranks]:
+        layer.post_load()
+        state = layer.config.state_spec(layer.par).allocate(0, 0, 2, torch.device("cpu"))
+        with torch.no_grad():
+            first = layer(x[:70], _meta([], [(1, 70, 70)]), state)
+            rest = layer(x[70:], _meta([], [(1, 5, 75)]), state)
+        outs.append(torch.cat([first, rest]))
+    with torch.no_grad():
+        torch.testing.assert_close(outs[0], hf(x[None])[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(sum(outs[1:]), outs[0], atol=1e-5, rtol=1e-5)
