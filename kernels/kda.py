@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 CHUNK = 64
-# Rows per diagonal sub-block of the intra-chunk decay products; see _decayed_scores.
-_SUB = 16
+# Rows per diagonal sub-block of the intra-chunk decay products (see _decayed_scores): 8 measured
+# ~2.5x faster than 16 on a CPU at 512 tokens, 8 heads of 128; 4 is no better.
+_SUB = 8
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
