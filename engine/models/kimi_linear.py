@@ -42,7 +42,8 @@ def _kda_config(config: ModelConfig):
     from engine.layers.kda import KDAConfig
 
     la = config.linear_attn
-    return KDAConfig.from_linear_attn_config(config.hidden_size, dict(la.raw), config.rms_norm_eps)
+    return KDAConfig.from_linear_attn_config(config.hidden_size, dict(la.raw), config.rms_norm_eps,
+                                             config.quantization)
 
 
 class KimiDecoderLayer(nn.Module):
