@@ -24,9 +24,9 @@ class Seq:
 
 
 class HybridDriver:
-    def __init__(self, path, max_seqs: int = 4, max_len: int = 512, block_size: int = 16):
+    def __init__(self, path, max_seqs: int = 4, max_len: int = 512, block_size: int = 16, par=None):
         self.config = ModelConfig.from_pretrained(path)
-        self.model, self.report = load_model(self.config, path, torch.device("cpu"), torch.float32)
+        self.model, self.report = load_model(self.config, path, torch.device("cpu"), torch.float32, par=par)
         self.block_size = block_size
         self.blocks_per_seq = -(-max_len // block_size)
         specs = self.model.cache_specs(torch.float32)

@@ -23,23 +23,24 @@ K3_QUANT = {
 
 
 def k3_config(num_layers: int = 5, kda_layers=(1, 2, 4), full_attn_layers=(3, 5), quantized: bool = True,
-              attn_res_block_size: int = 2, q_lora_rank: int | None = 24) -> dict:
+              attn_res_block_size: int = 2, q_lora_rank: int | None = 24, kda_heads: int = 2, mla_heads: int = 2,
+              num_experts: int = 8) -> dict:
     """A K3-shaped wrapper config, tiny: hidden 64, 2 KDA heads x 32, 2 MLA heads, 8 experts of
     width 32 at latent width 32 (MXFP4 needs multiples of 32), top-2 of 2 groups, 2 shared."""
     text = {
         "model_type": "kimi_linear", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": num_layers,
-        "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 256, "hidden_act": "situ",
+        "num_attention_heads": mla_heads, "num_key_value_heads": mla_heads, "vocab_size": 256, "hidden_act": "situ",
         "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0, "rms_norm_eps": 1e-5,
         "q_lora_rank": q_lora_rank, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
         "v_head_dim": 16, "mla_use_nope": True, "mla_use_output_gate": True,
         "attn_res_block_size": attn_res_block_size, "routed_expert_hidden_size": 32, "latent_moe_use_norm": True,
-        "max_position_embeddings": 4096, "num_nextn_predict_layers": 0, "num_experts": 8,
+        "max_position_embeddings": 4096, "num_nextn_predict_layers": 0, "num_experts": num_experts,
         "num_experts_per_token": 2, "num_shared_experts": 2, "moe_intermediate_size": 32,
         "first_k_dense_replace": 1, "moe_layer_freq": 1, "num_expert_group": 2, "topk_group": 1,
         "moe_renormalize": True, "routed_scaling_factor": 1.5, "moe_router_activation_func": "sigmoid",
         "use_grouped_topk": True, "topk_method": "noaux_tc", "tie_word_embeddings": False,
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-        "linear_attn_config": {"num_heads": 2, "head_dim": 32, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
+        "linear_attn_config": {"num_heads": kda_heads, "head_dim": 32, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
                                "use_full_rank_gate": True, "kda_layers": list(kda_layers),
                                "full_attn_layers": list(full_attn_layers)},
     }
