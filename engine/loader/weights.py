@@ -52,8 +52,6 @@ def load_weights(model: nn.Module, reader: CheckpointReader, prefix: str = "",
                  progress: Callable[[LoadProgress], None] | None = None) -> LoadReport:
     """Fill every parameter of ``model`` from ``reader``; raise CheckpointError on any mismatch."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    # A model whose checkpoint spells some names differently maps them (Kimi Linear / K3's MoE names).
-    rename = getattr(model, "checkpoint_name", None)
     num_layers = model.config.num_hidden_layers
     filled: set[str] = set()
     expert_filled: dict[str, int] = {}
@@ -64,8 +62,6 @@ def load_weights(model: nn.Module, reader: CheckpointReader, prefix: str = "",
         name = info.name[len(prefix):] if prefix and info.name.startswith(prefix) else info.name
         reason = "outside the text model" if prefix and not info.name.startswith(prefix) else skip_reason(name, num_layers)
         where = f"{reader.dir / info.file}: tensor {info.name}"
-        if reason is None and rename is not None:
-            name = rename(name)
         if reason is None:
             m = _EXPERT.match(name)
             fused = _FUSED_EXPERTS.match(name)
@@ -155,7 +151,7 @@ def _check_dtype(src: torch.dtype, dst: torch.dtype, where: str) -> None:
 def _copy(params: dict[str, torch.Tensor], key: str, reader: CheckpointReader, info, where: str) -> None:
     param = params[key]
     loader = getattr(param, "weight_loader", None)
-    if loader is not None:  # a parameter that takes its checkpoint layout itself (KDA's A_log)
+    if loader is not None:  # the parameter reads a layout unlike its own (KDA A_log: [1,1,H,1] or [128])
         try:
             loader(param, reader.get(info.name))
         except ValueError as e:
