@@ -90,9 +90,15 @@ def _hf_logprobs(hf, ids):
 
 
 def _hf_greedy(hf, ids, n):
+    # transformers' own cached decode (its KDA recurrent path and latent MLA cache), plain argmax:
+    # generate(min_new_tokens=...) would mask EOS, which our greedy loop may pick
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
+        out = hf(torch.tensor([ids]), use_cache=True)
+        toks = []
+        for _ in range(n):
+            toks.append(int(out.logits[0, -1].argmax()))
+            out = hf(torch.tensor([[toks[-1]]]), cache=out.past_key_values, use_cache=True)
+    return toks
 
 
 def _prompts(seed: int, lengths) -> list[list[int]]:
