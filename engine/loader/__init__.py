@@ -19,14 +19,18 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, m
                 par=None, expert_placement=None):
     """Allocate this rank's model on ``device``: dense weights in ``dtype``, packed weights in their
     own dtypes, experts placed as ``expert_placement`` says (host-RAM experts on the CPU)."""
+    from engine.config import LINEAR_MODEL_TYPES
     from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from engine.models.kimi_linear import KimiLinearForCausalLM
     from engine.parallel.state import SINGLE
+
+    cls = KimiLinearForCausalLM if config.model_type in LINEAR_MODEL_TYPES else DeepseekV3ForCausalLM
 
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = DeepseekV3ForCausalLM(config, max_position, par or SINGLE, expert_placement)
+            model = cls(config, max_position, par or SINGLE, expert_placement)
     finally:
         torch.set_default_dtype(prev)
     return model.eval()

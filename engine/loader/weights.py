@@ -150,6 +150,13 @@ def _check_dtype(src: torch.dtype, dst: torch.dtype, where: str) -> None:
 
 def _copy(params: dict[str, torch.Tensor], key: str, reader: CheckpointReader, info, where: str) -> None:
     param = params[key]
+    loader = getattr(param, "weight_loader", None)
+    if loader is not None:  # the parameter reads a layout unlike its own (KDA A_log: [1,1,H,1] or [128])
+        try:
+            loader(param, reader.get(info.name))
+        except ValueError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+        return
     full = getattr(param, "full_shape", None) or tuple(param.shape)
     if tuple(info.shape) != tuple(full):
         raise CheckpointError(f"{where}: shape {list(info.shape)}, expected {list(full)}")
