@@ -52,6 +52,8 @@ def load_weights(model: nn.Module, reader: CheckpointReader, prefix: str = "",
                  progress: Callable[[LoadProgress], None] | None = None) -> LoadReport:
     """Fill every parameter of ``model`` from ``reader``; raise CheckpointError on any mismatch."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    # A model whose checkpoint spells some names differently maps them (Kimi Linear / K3's MoE names).
+    rename = getattr(model, "checkpoint_name", None)
     num_layers = model.config.num_hidden_layers
     filled: set[str] = set()
     expert_filled: dict[str, int] = {}
@@ -62,6 +64,8 @@ def load_weights(model: nn.Module, reader: CheckpointReader, prefix: str = "",
         name = info.name[len(prefix):] if prefix and info.name.startswith(prefix) else info.name
         reason = "outside the text model" if prefix and not info.name.startswith(prefix) else skip_reason(name, num_layers)
         where = f"{reader.dir / info.file}: tensor {info.name}"
+        if reason is None and rename is not None:
+            name = rename(name)
         if reason is None:
             m = _EXPERT.match(name)
             fused = _FUSED_EXPERTS.match(name)
