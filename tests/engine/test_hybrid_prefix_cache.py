@@ -124,3 +124,32 @@ def test_200_requests_with_aborts_and_preemptions_leave_no_slot_or_block(make_en
         params = SamplingParams(temperature=0.0, max_tokens=len(done[rid].outputs[0].token_ids), ignore_eos=True)
         alone = run(ref, {rid: prompts[rid]}, params)[rid]
         assert alone.outputs[0].token_ids == done[rid].outputs[0].token_ids, rid
+
+
+def test_tiny_k3_shared_prefix_matches_a_cold_run(tmp_path):
+    """The same through a real tiny Kimi K3 model (KDA layers 1, 2, 4; MLA layers 3, 5)."""
+    from tests.helpers.k3_checkpoint import write_k3_checkpoint
+
+    write_k3_checkpoint(tmp_path, seed=2)
+    rng = random.Random(1)
+    system = [rng.randrange(3, 250) for _ in range(150)]
+    a = system + [rng.randrange(3, 250) for _ in range(30)]  # snapshots at 64, 128 and 176
+    b = system + [rng.randrange(3, 250) for _ in range(12)]
+
+    def make(**kw):
+        return LLMEngine(EngineArgs(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=512,
+                                    max_num_seqs=4, kv_cache_tokens=1024, **kw))
+
+    warm = make()  # 4 snapshot slots: a's three and b's last full block, none evicted
+    assert warm.block_manager.state_slots is not None and warm.cache_pool.num_snapshots == 4
+    warm.scheduler.config = dataclasses.replace(warm.scheduler.config, snapshot_every_blocks=4)  # every 64
+    first = run(warm, {"a": a}, GREEDY)["a"]
+    shared = run(warm, {"b": b}, GREEDY)["b"]
+    assert (first.metrics.num_cached_tokens, shared.metrics.num_cached_tokens) == (0, 128)
+    again = run(warm, {"a2": a}, GREEDY)["a2"]
+    assert again.metrics.num_cached_tokens == 176  # the snapshot at a's last full block
+    cold_b = run(make(enable_prefix_caching=False), {"b": b}, GREEDY)["b"]
+    for x, y in ((shared, cold_b), (again, first)):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for p, q in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True):
+            assert p.keys() == q.keys() and all(abs(p[t] - q[t]) < 1e-4 for t in p), (p, q)
