@@ -126,30 +126,64 @@ def test_200_requests_with_aborts_and_preemptions_leave_no_slot_or_block(make_en
         assert alone.outputs[0].token_ids == done[rid].outputs[0].token_ids, rid
 
 
-def test_tiny_k3_shared_prefix_matches_a_cold_run(tmp_path):
-    """The same through a real tiny Kimi K3 model (KDA layers 1, 2, 4; MLA layers 3, 5)."""
+@pytest.fixture(scope="module")
+def k3_dir(tmp_path_factory):
     from tests.helpers.k3_checkpoint import write_k3_checkpoint
 
-    write_k3_checkpoint(tmp_path, seed=2)
+    path = tmp_path_factory.mktemp("k3_hybrid")
+    write_k3_checkpoint(path, seed=2)  # KDA layers 1, 2, 4 (2 heads); MLA layers 3, 5
+    return str(path)
+
+
+def _k3_engine(path, **kw) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=path, device="cpu", dtype="float32", max_model_len=512, max_num_seqs=4,
+                                kv_cache_tokens=1024, **kw))
+
+
+def _k3_prompts():
     rng = random.Random(1)
     system = [rng.randrange(3, 250) for _ in range(150)]
     a = system + [rng.randrange(3, 250) for _ in range(30)]  # snapshots at 64, 128 and 176
-    b = system + [rng.randrange(3, 250) for _ in range(12)]
+    b = system + [rng.randrange(3, 250) for _ in range(12)]  # shares 9 blocks: resumes at 128
+    return a, b
 
-    def make(**kw):
-        return LLMEngine(EngineArgs(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=512,
-                                    max_num_seqs=4, kv_cache_tokens=1024, **kw))
 
-    warm = make()  # 4 snapshot slots: a's three and b's last full block, none evicted
+def _k3_warm_runs(warm: LLMEngine):
+    """a cold, b sharing a's prefix, then a again, on one engine (4 snapshot slots: none evicted)."""
     assert warm.block_manager.state_slots is not None and warm.cache_pool.num_snapshots == 4
     warm.scheduler.config = dataclasses.replace(warm.scheduler.config, snapshot_every_blocks=4)  # every 64
+    a, b = _k3_prompts()
     first = run(warm, {"a": a}, GREEDY)["a"]
     shared = run(warm, {"b": b}, GREEDY)["b"]
-    assert (first.metrics.num_cached_tokens, shared.metrics.num_cached_tokens) == (0, 128)
     again = run(warm, {"a2": a}, GREEDY)["a2"]
-    assert again.metrics.num_cached_tokens == 176  # the snapshot at a's last full block
-    cold_b = run(make(enable_prefix_caching=False), {"b": b}, GREEDY)["b"]
-    for x, y in ((shared, cold_b), (again, first)):
-        assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        for p, q in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True):
-            assert p.keys() == q.keys() and all(abs(p[t] - q[t]) < 1e-4 for t in p), (p, q)
+    assert [o.metrics.num_cached_tokens for o in (first, shared, again)] == [0, 128, 176]
+    return first, shared, again
+
+
+def _assert_close(x, y, tol=1e-4):
+    assert x.outputs[0].token_ids == y.outputs[0].token_ids
+    for p, q in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True):
+        assert p.keys() == q.keys() and all(abs(p[t] - q[t]) < tol for t in p), (p, q)
+
+
+@pytest.fixture(scope="module")
+def k3_cold(k3_dir):
+    return run(_k3_engine(k3_dir, enable_prefix_caching=False), {"b": _k3_prompts()[1]}, GREEDY)["b"]
+
+
+def test_tiny_k3_shared_prefix_matches_a_cold_run(k3_dir, k3_cold):
+    """The same through a real tiny Kimi K3 model."""
+    first, shared, again = _k3_warm_runs(_k3_engine(k3_dir))
+    _assert_close(shared, k3_cold)
+    _assert_close(again, first)
+
+
+def test_tiny_k3_snapshots_under_tensor_parallel(k3_dir, k3_cold):
+    """Two ranks, one KDA head each: both apply the same slots and snapshot copies to their shard."""
+    eng = _k3_engine(k3_dir, tensor_parallel_size=2)
+    try:
+        first, shared, again = _k3_warm_runs(eng)
+    finally:
+        eng.shutdown()
+    _assert_close(shared, k3_cold)
+    _assert_close(again, first)
