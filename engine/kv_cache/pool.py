@@ -62,8 +62,8 @@ class MLACacheSpec(CacheSpec):
 class StateCacheSpec(CacheSpec):
     """Fixed-size recurrent state per sequence (linear attention, e.g. Kimi K3's KDA layers).
 
-    The tensor is ``[max_num_seqs, *shape]``, indexed by a state slot id per sequence. Placeholder:
-    nothing hands out state slots yet.
+    The tensor is ``[num_slots, *shape]``, indexed by a state slot id (``state_slots.py``). A
+    generic shape-only kind; Kimi Linear / K3's KDA layers use ``state.KDAStateSpec``.
     """
 
     shape: tuple[int, ...]

@@ -11,6 +11,7 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 import engine.engine as engine_module
 from engine.args import EngineArgs
@@ -65,6 +66,7 @@ def test_shared_prefix_resumes_from_a_snapshot_with_cold_logprobs(make_engine):
     b = system + [rng.randrange(320) for _ in range(25)]
     warm = make_engine(max_model_len=1024, max_num_seqs=4, kv_cache_tokens=4096)
     assert warm.cache_pool.num_snapshots == 4 and warm.block_manager.state_slots is not None
+    assert warm.cache_pool.num_blocks == 4096 // 16  # asked-for tokens; state set aside on top
     first = run(warm, {"a": a}, GREEDY)["a"]
     assert first.metrics.num_cached_tokens == 0
     # b shares 37 blocks (592 tokens) with a; the snapshot within them is at 512 (every 32 blocks).
@@ -124,6 +126,21 @@ def test_200_requests_with_aborts_and_preemptions_leave_no_slot_or_block(make_en
         params = SamplingParams(temperature=0.0, max_tokens=len(done[rid].outputs[0].token_ids), ignore_eos=True)
         alone = run(ref, {rid: prompts[rid]}, params)[rid]
         assert alone.outputs[0].token_ids == done[rid].outputs[0].token_ids, rid
+
+
+def test_memory_budget_sets_aside_state_slots_before_snapshots_and_blocks(make_engine, monkeypatch):
+    monkeypatch.setattr(engine_module, "expert_placement_for", lambda *a, **k: None)  # the planner counts K2 weights
+    model = ToyHybrid()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    mla, kda = model.cache_specs(torch.float32)
+    per_block, per_slot = mla.bytes_per_block(16), kda.bytes_per_seq()
+    # 4 sequence slots, room for 2 of the 4 wanted snapshots once a max_model_len sequence's 16 blocks fit.
+    left = 16 * per_block + (4 + 2) * per_slot + per_slot // 2
+    eng = make_engine(max_model_len=256, max_num_seqs=4, gpu_memory_gb=(weights + left) / 2**30)
+    assert (eng.cache_pool.num_blocks, eng.cache_pool.num_snapshots) == (16, 2)
+    assert eng.block_manager.state_slots.num_slots == 6
+    assert eng.cache_pool[1].num_slots == 6
+    assert eng.cache_pool.num_bytes <= left
 
 
 @pytest.fixture(scope="module")
