@@ -194,7 +194,7 @@ class Scheduler:
             num_new = 1 if is_decode else min(seq.num_uncomputed_tokens, prefill_budget)
             if num_new == 0:
                 continue
-            snap = self._snapshot_boundary(seq, num_new)
+            snap = None if is_decode else self._snapshot_boundary(seq, num_new)  # a decode crosses none
             if snap is not None:
                 num_new = snap - seq.num_computed_tokens
             if not self._reserve(seq, num_new, out.preempted):
