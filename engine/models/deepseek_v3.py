@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.kv_cache.pool import MLACacheSpec
 from engine.layers.attn_metadata import AttentionMetadata
 from engine.layers.embedding import LMHead, VocabEmbedding
 from engine.layers.mla import MLAttention
@@ -119,9 +120,9 @@ class DeepseekV3ForCausalLM(nn.Module):
                 experts.post_load(layer.self_attn.kv_a_layernorm.weight.dtype)
             layer.post_load()
 
-    def cache_dims(self) -> list[int]:
-        """Values cached per token for each layer (every layer here is MLA)."""
-        return [self.config.kv_cache_dim] * self.config.num_hidden_layers
+    def cache_specs(self, dtype: torch.dtype) -> list[MLACacheSpec]:
+        """What each layer caches: every layer here is MLA (a paged latent cache in ``dtype``)."""
+        return [MLACacheSpec(dim=self.config.kv_cache_dim, dtype=dtype)] * self.config.num_hidden_layers
 
     def routing_stats(self) -> dict[int, list[int]]:
         """Tokens routed to each expert so far, per MoE layer (for hottest-first placement)."""
