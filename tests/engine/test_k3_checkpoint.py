@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from engine import LLM, SamplingParams
 from tests.helpers.hybrid_driver import HybridDriver
 from tests.helpers.k3_checkpoint import write_k3_checkpoint
 from tests.helpers.k3_reference import K3Reference
@@ -41,7 +42,7 @@ def k3(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     tensors = write_k3_checkpoint(path, seed=3, **CASES[request.param][0])
     config = json.loads((path / "config.json").read_text())
-    return HybridDriver(path, max_seqs=4, max_len=256), K3Reference(config, tensors), tensors
+    return HybridDriver(path, max_seqs=4, max_len=256), K3Reference(config, tensors), tensors, path
 
 
 def _prompts(seed, lengths):
@@ -50,7 +51,7 @@ def _prompts(seed, lengths):
 
 
 def test_loads_real_layout(k3):
-    drv, _, tensors = k3
+    drv, _, tensors, _ = k3
     assert drv.config.model_type == "kimi_k3" and drv.config.weight_prefix == "language_model."
     assert drv.report.tensors_skipped == 2  # vision_tower.* and mm_projector.*, counted not loaded
     assert drv.report.tensors_loaded == len(tensors)
@@ -75,14 +76,14 @@ def test_loads_real_layout(k3):
 
 def test_prompt_logprobs_match_reference(k3):
     # 140 tokens: over two 64-token KDA chunks
-    drv, ref, _ = k3
+    drv, ref, _, _ = k3
     (ids,) = _prompts(0, (140,))
     ours = drv.prompt_logprobs([ids])[0]
     assert (ours.double() - ref.logprobs(ids)).abs().max().item() < 2e-3
 
 
 def test_batched_chunked_prefill_and_decode_agree(k3):
-    drv, ref, _ = k3
+    drv, ref, _, _ = k3
     prompts = _prompts(1, (90, 33))
     whole = drv.prompt_logprobs(prompts)
     chunked = drv.prompt_logprobs(prompts, budget=29)
@@ -92,3 +93,16 @@ def test_batched_chunked_prefill_and_decode_agree(k3):
     for ids, out in zip(prompts, outs):
         full = ref.logprobs(ids + out)
         assert full[len(ids) - 1:-1].argmax(-1).tolist() == out  # the reference agrees token by token
+
+
+def test_llm_generates_what_the_reference_predicts(k3):
+    # the whole engine (scheduler, state slots, paged MLA cache) on the real layout
+    _, ref, _, path = k3
+    prompts = _prompts(2, (6, 75))
+    with LLM(str(path), max_model_len=256, max_num_seqs=4) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    for ids, out in zip(prompts, outs):
+        toks = out.outputs[0].token_ids
+        assert len(toks) == 8 and out.outputs[0].finish_reason == "length"
+        assert ref.logprobs(ids + toks)[len(ids) - 1:-1].argmax(-1).tolist() == toks

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from engine import LLM, SamplingParams
 from tests.helpers.hybrid_driver import HybridDriver
 
 VOCAB = 256
@@ -81,7 +82,7 @@ def oracle(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = hf_kimi_linear(1, **{**CASES, **MLA_ONLY}[request.param])
     hf.save_pretrained(str(path))
-    return hf, HybridDriver(path, max_seqs=4, max_len=400)
+    return hf, HybridDriver(path, max_seqs=4, max_len=400), path
 
 
 def _hf_logprobs(hf, ids):
@@ -107,7 +108,7 @@ def _prompts(seed: int, lengths) -> list[list[int]]:
 
 
 def test_loads_transformers_checkpoint(oracle):
-    hf, drv = oracle
+    hf, drv, _ = oracle
     assert drv.report.tensors_skipped == 0
     # the layer order is the config's 1-indexed lists, not a formula
     assert [("kda" if layer.is_kda else "mla") for layer in drv.model.model.layers] == [
@@ -117,7 +118,7 @@ def test_loads_transformers_checkpoint(oracle):
 @pytest.mark.parametrize("budget", [None, 37])
 def test_prompt_logprobs_batched_and_chunked(oracle, budget):
     # 150 tokens: over two 64-token KDA chunks; two prompts in one batch; budget 37 splits both
-    hf, drv = oracle
+    hf, drv, _ = oracle
     prompts = _prompts(0, (150, 71))
     ours = drv.prompt_logprobs(prompts, budget)
     for ids, lp in zip(prompts, ours):
@@ -126,7 +127,7 @@ def test_prompt_logprobs_batched_and_chunked(oracle, budget):
 
 
 def test_greedy_continuations_match_transformers(oracle):
-    hf, drv = oracle
+    hf, drv, _ = oracle
     prompts = _prompts(1, (7, 130))
     outs = drv.greedy(prompts, 16, budget=50)
     for ids, out in zip(prompts, outs):
@@ -134,9 +135,23 @@ def test_greedy_continuations_match_transformers(oracle):
 
 
 def test_decode_equals_prefill_of_same_tokens(oracle):
-    _, drv = oracle
+    _, drv, _ = oracle
     prompt = _prompts(2, (70,))[0]
     cont = drv.greedy([prompt], 12)[0]
     full = drv.prompt_logprobs([prompt + cont])[0]
     # prefill of prompt + continuation predicts the same greedy tokens
     assert full[len(prompt) - 1:-1].argmax(-1).tolist() == cont
+
+
+def test_llm_end_to_end_matches_transformers(oracle):
+    # through LLM(): scheduler state slots, runner metadata, cache pool with KDA state and MLA pages
+    hf, _, path = oracle
+    prompts = _prompts(3, (9, 140))
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, prompt_logprobs=1)
+    with LLM(str(path), max_model_len=400, max_num_seqs=4) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for ids, out in zip(prompts, outs):
+        ref = _hf_logprobs(hf, ids)
+        worst = max(abs(out.prompt_logprobs[i][ids[i]] - ref[i - 1, ids[i]].item()) for i in range(1, len(ids)))
+        assert worst < 2e-3
+        assert out.outputs[0].token_ids == _hf_greedy(hf, ids, 10)
