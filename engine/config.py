@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3", "kimi_k25", "kimi_linear", "kimi_k3")
-# Hybrid KDA + MLA models (Kimi Linear, Kimi K3): their text config is a kimi_linear one.
-LINEAR_MODEL_TYPES = ("kimi_linear", "kimi_k3")
+from engine.models.registry import model_family, supported_model_types
+
 
 
 class ConfigError(ValueError):
@@ -108,7 +107,7 @@ class ModelConfig:
     pad_token_id: int | None
     torch_dtype: str
     quantization: QuantConfig | None
-    weight_prefix: str = ""  # "language_model." for kimi_k25 checkpoints
+    weight_prefix: str = ""  # the family's prefix on text-model tensors ("language_model." for kimi_k25)
     num_nextn_predict_layers: int = 0
     is_demo: bool = False
     # -- Kimi Linear / Kimi K3 (kimi_linear text config); the defaults are DeepSeek-V3's ------------
@@ -158,10 +157,6 @@ class ModelConfig:
             scale *= m * m
         return scale
 
-    @property
-    def max_model_len(self) -> int:
-        return self.max_position_embeddings
-
     # -- parsing --------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
@@ -178,31 +173,25 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json", path: str = "") -> "ModelConfig":
         model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        family = model_family(model_type)
+        if family is None:
             raise ConfigError(
                 f"{source}: model_type {model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+                f"(supported: {', '.join(supported_model_types())})"
             )
         text = raw
-        prefix = ""
-        if model_type == "kimi_k25":
-            text = raw.get("text_config")
+        prefix = family.weight_prefix
+        if family.text_config:
+            text = raw.get(family.text_config)
             if not isinstance(text, dict):
-                raise ConfigError(f"{source}: field 'text_config' is missing (needed for model_type kimi_k25)")
-            prefix = "language_model."
-            source = f"{source} text_config"
-        elif model_type == "kimi_k3":
-            # Kimi K3 wraps a kimi_linear text model (tensors under language_model.) and a vision
-            # tower whose tensors the text engine skips.
-            text = raw.get("text_config")
-            if not isinstance(text, dict):
-                raise ConfigError(f"{source}: field 'text_config' is missing (needed for model_type kimi_k3)")
-            if text.get("model_type", "kimi_linear") != "kimi_linear":
-                raise ConfigError(f"{source}: field 'text_config.model_type' is {text.get('model_type')!r}; "
-                                  "expected 'kimi_linear'")
-            prefix = "language_model."
-            source = f"{source} text_config"
-        hybrid = model_type in LINEAR_MODEL_TYPES
+                raise ConfigError(f"{source}: field '{family.text_config}' is missing (needed for model_type "
+                                  f"{model_type})")
+            if family.text_model_type and text.get("model_type", family.text_model_type) != family.text_model_type:
+                raise ConfigError(f"{source}: field '{family.text_config}.model_type' is {text.get('model_type')!r}; "
+                                  f"expected {family.text_model_type!r}")
+            source = f"{source} {family.text_config}"
+        # Hybrid KDA + MLA models (Kimi Linear, Kimi K3): a kimi_linear text config
+        hybrid = (family.text_model_type or model_type) == "kimi_linear"
         r = _Reader(text, source, _KIMI_LINEAR_ALIASES if hybrid else {})
         extra = _parse_linear_model(raw, text, r) if hybrid else {}
 

@@ -26,9 +26,9 @@ from torch import nn
 class AttnResProj(nn.Module):
     """The pseudo-query of one mix: ``weight [1, D]`` (checkpoint ``*_res_proj.weight``)."""
 
-    def __init__(self, hidden_size: int):
+    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(1, hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype), requires_grad=False)
 
 
 def attn_res_mix(x: torch.Tensor, blocks: list[torch.Tensor], norm_weight: torch.Tensor, eps: float,

@@ -22,8 +22,10 @@ from kernels import dispatch
 
 
 class MLAttention(nn.Module):
+    param_class = "attention"  # for the planner, see engine.models.registry
+
     def __init__(self, config: ModelConfig, prefix: str, rope: YarnRotaryEmbedding | None,
-                 par: ParallelState = SINGLE):
+                 par: ParallelState = SINGLE, dtype: torch.dtype = torch.float32):
         """``rope`` None: NoPE (Kimi Linear / K3), the rope dims are plain unrotated content dims."""
         super().__init__()
         c = config
@@ -47,20 +49,20 @@ class MLAttention(nn.Module):
             return (axis, h0 * width, h1 * width) if par.is_parallel else None
 
         if c.q_lora_rank is None:
-            self.q_proj = Linear(c.hidden_size, h * self.qk_dim, q, f"{prefix}.q_proj", heads(self.qk_dim))
+            self.q_proj = Linear(c.hidden_size, h * self.qk_dim, q, f"{prefix}.q_proj", heads(self.qk_dim), dtype)
         else:
-            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, q, f"{prefix}.q_a_proj")
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, norm_eps)
-            self.q_b_proj = Linear(c.q_lora_rank, h * self.qk_dim, q, f"{prefix}.q_b_proj", heads(self.qk_dim))
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, q, f"{prefix}.q_a_proj", dtype=dtype)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, norm_eps, dtype)
+            self.q_b_proj = Linear(c.q_lora_rank, h * self.qk_dim, q, f"{prefix}.q_b_proj", heads(self.qk_dim), dtype)
         self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + self.rope_dim, q,
-                                         f"{prefix}.kv_a_proj_with_mqa")
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, norm_eps)
+                                         f"{prefix}.kv_a_proj_with_mqa", dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, norm_eps, dtype)
         self.kv_b_proj = Linear(c.kv_lora_rank, h * (self.nope + self.v_dim), q, f"{prefix}.kv_b_proj",
-                                heads(self.nope + self.v_dim))
+                                heads(self.nope + self.v_dim), dtype)
         # Kimi K3: y = o_proj(sigmoid(g_proj(x)) * attn), a per-channel output gate [T, H * v]
-        self.g_proj = (Linear(c.hidden_size, h * self.v_dim, q, f"{prefix}.g_proj", heads(self.v_dim))
+        self.g_proj = (Linear(c.hidden_size, h * self.v_dim, q, f"{prefix}.g_proj", heads(self.v_dim), dtype)
                        if c.mla_use_output_gate else None)
-        self.o_proj = Linear(h * self.v_dim, c.hidden_size, q, f"{prefix}.o_proj", heads(self.v_dim, axis=1))
+        self.o_proj = Linear(h * self.v_dim, c.hidden_size, q, f"{prefix}.o_proj", heads(self.v_dim, axis=1), dtype)
         self.w_uk: torch.Tensor | None = None  # [H, nope, r], set by post_load
         self.w_uv: torch.Tensor | None = None  # [H, v, r]
         # q_a_proj (or q_proj) and kv_a_proj_with_mqa as one weight when dense, set by post_load

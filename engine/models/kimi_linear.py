@@ -6,8 +6,9 @@ and NoPE MLA layers, placed by the config's 1-indexed ``linear_attn_config.kda_l
 ``full_attn_layers`` lists; a dense first MLP, then MoE (latent MoE in K3). K3 adds SiTU at every
 gated MLP, a sigmoid output gate on MLA, and attention residuals (``engine.layers.attn_res``).
 
-Module and parameter names follow Hugging Face's checkpoint names; ``checkpoint_name`` maps the
-checkpoint's MoE spellings (``block_sparse_moe.``, ``experts.E.w1/w2/w3``) onto them.
+Module and parameter names follow Hugging Face's checkpoint names; ``checkpoint_target`` maps the
+checkpoint's MoE spellings (``block_sparse_moe.``, ``experts.E.w1/w2/w3``) onto them. The
+declarations the engine builds from are described in ``engine.models.registry``.
 References: transformers ``models/kimi_linear/modeling_kimi_linear.py``; Kimi Linear paper
 arXiv:2510.26692; Kimi K3 tech report arXiv:2607.24653.
 """
@@ -29,12 +30,13 @@ from engine.layers.latent_moe import KimiMoE
 from engine.layers.mla import MLAttention
 from engine.layers.mlp import MLP
 from engine.layers.norm import RMSNorm
+from engine.models.registry import WeightTarget
 from engine.parallel.state import SINGLE, ParallelState
 
 # checkpoint MoE spellings -> module names: K3 and transformers' save_pretrained write the MoE (and
 # Kimi Linear's dense first layer) under block_sparse_moe., experts as w1 (gate), w3 (up), w2 (down)
 _MOE = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.")
-_EXPERT_W = re.compile(r"(\.experts\.\d+\.)(w1|w2|w3)\.")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(.+)$")
 _W_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
@@ -47,31 +49,34 @@ def _kda_config(config: ModelConfig):
 
 
 class KimiDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, par: ParallelState, placement_row: list[int] | None):
+    param_class = "attention"  # the norms and AttnRes mixes; self_attn and mlp declare their own
+
+    def __init__(self, config: ModelConfig, layer_idx: int, par: ParallelState, placement_row: list[int] | None,
+                 dtype: torch.dtype):
         super().__init__()
         c = config
         prefix = f"model.layers.{layer_idx}"
         self.layer_idx, self.par = layer_idx, par
         self.is_kda = c.is_kda_layer(layer_idx)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         if self.is_kda:
             from engine.layers.kda import KimiDeltaAttention
 
             self.self_attn = KimiDeltaAttention(_kda_config(c), f"{prefix}.self_attn", par)
         else:
-            self.self_attn = MLAttention(c, f"{prefix}.self_attn", None, par)  # NoPE: no rotary at all
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.self_attn = MLAttention(c, f"{prefix}.self_attn", None, par, dtype)  # NoPE: no rotary at all
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         if c.is_moe_layer(layer_idx):
-            self.mlp = KimiMoE(c, f"{prefix}.mlp", par, placement_row)
+            self.mlp = KimiMoE(c, f"{prefix}.mlp", par, placement_row, dtype)
         else:
-            self.mlp = MLP(c.hidden_size, c.intermediate_size, c.quantization, f"{prefix}.mlp", par,
-                           GatedActivation.from_config(c))
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, c.quantization, f"{prefix}.mlp", par, dtype,
+                           act=GatedActivation.from_config(c))
         self.block_size = c.attn_res_block_size
         if self.block_size:
-            self.self_attention_res_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-            self.self_attention_res_proj = AttnResProj(c.hidden_size)
-            self.mlp_res_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-            self.mlp_res_proj = AttnResProj(c.hidden_size)
+            self.self_attention_res_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+            self.self_attention_res_proj = AttnResProj(c.hidden_size, dtype)
+            self.mlp_res_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+            self.mlp_res_proj = AttnResProj(c.hidden_size, dtype)
 
     def _attn(self, h: torch.Tensor, meta: AttentionMetadata, cache, last: bool) -> torch.Tensor:
         """Attention output; in the last layer only ``meta.out_rows``' rows when those are set."""
@@ -114,17 +119,21 @@ class KimiDecoderLayer(nn.Module):
 
 
 class KimiLinearModel(nn.Module):
-    def __init__(self, config: ModelConfig, par: ParallelState, expert_placement: list[list[int]] | None):
+    param_class = "final_norm"  # the final norm and mix; embedding and layers declare their own
+
+    def __init__(self, config: ModelConfig, par: ParallelState, expert_placement: list[list[int]] | None,
+                 dtype: torch.dtype):
         super().__init__()
         c = config
-        self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size, par)
+        self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size, par, dtype)
         rows = expert_placement or [None] * c.num_hidden_layers
-        self.layers = nn.ModuleList(KimiDecoderLayer(c, i, par, rows[i] or None) for i in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(KimiDecoderLayer(c, i, par, rows[i] or None, dtype)
+                                    for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.attn_res = bool(c.attn_res_block_size)
         if self.attn_res:
-            self.output_attn_res_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-            self.output_attn_res_proj = AttnResProj(c.hidden_size)
+            self.output_attn_res_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+            self.output_attn_res_proj = AttnResProj(c.hidden_size, dtype)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
@@ -145,13 +154,17 @@ class KimiLinearForCausalLM(nn.Module):
     """Kimi Linear and Kimi K3 text model. ``forward(input_ids, meta, caches)``: ``caches[i]`` is
     layer i's paged MLA latent cache tensor or its ``KDAState`` (see ``cache_specs``)."""
 
-    def __init__(self, config: ModelConfig, max_position: int | None = None, par: ParallelState = SINGLE,
-                 expert_placement: list[list[int]] | None = None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_position: int | None = None,
+                 par: ParallelState = SINGLE, expert_placement: list[list[int]] | None = None):
+        """``dtype``: of the dense weights (KDA's A_log, dt_bias, conv weights and the router stay fp32).
+        ``max_position`` is unused: NoPE layers have no position tables."""
         super().__init__()
         self.config = config
         self.par = par
-        self.model = KimiLinearModel(config, par, expert_placement)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, config.quantization, par)
+        self.model = KimiLinearModel(config, par, expert_placement, dtype)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, config.quantization, par, dtype)
+        if config.tie_word_embeddings:  # one parameter, so neither the loader nor the planner sees two
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:
         """Hidden states [T, D] (or [K, D] for ``meta.out_rows``) for a flattened batch."""
@@ -160,15 +173,7 @@ class KimiLinearForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, V] fp32
 
-    @staticmethod
-    def checkpoint_name(name: str) -> str:
-        """The module name a checkpoint tensor (prefix already removed) loads into."""
-        name = _MOE.sub(r"\1mlp.", name)
-        return _EXPERT_W.sub(lambda m: f"{m[1]}{_W_NAMES[m[2]]}.", name)
-
     def post_load(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
         for layer in self.model.layers:
             post = getattr(layer.self_attn, "post_load", None)
             if post is not None:
@@ -179,6 +184,23 @@ class KimiLinearForCausalLM(nn.Module):
             experts = getattr(layer.mlp, "experts", None)
             if experts is not None:
                 experts.post_load(self.model.norm.weight.dtype)
+
+    # -- declarations (see engine.models.registry) ------------------------------------------------
+    def checkpoint_target(self, name: str) -> WeightTarget | str:
+        """Where checkpoint tensor ``name`` (prefix removed) goes, or why it is skipped. The MoE
+        (and transformers' dense first layer) sits under block_sparse_moe., loaded into mlp.;
+        experts.E.w1 / w3 / w2 are the gate / up / down of expert E."""
+        if not (name.startswith("model.") or name.startswith("lm_head.")):
+            return "not part of the text model"
+        parts = name.split(".")
+        if parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= self.config.num_hidden_layers:
+            return "MTP layer"
+        name = _MOE.sub(r"\1mlp.", name)
+        m = _EXPERT.match(name)
+        if m:
+            return WeightTarget(m[1], f"{_W_NAMES.get(m[3], m[3])}.{m[4]}", int(m[2]))
+        module, _, leaf = name.rpartition(".")
+        return WeightTarget(module, leaf)
 
     def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
         """Per layer: the paged MLA latent cache (``dtype``) or the KDA state (fp32) on this rank."""
