@@ -205,6 +205,10 @@ def _load_from_safetensors(ckpt: dict, tmp_path, cfg: KDAConfig, par) -> KimiDel
     holder.model = nn.Module()
     holder.model.layers = nn.ModuleList([nn.Module()])
     holder.model.layers[0].self_attn = layer
+    # the registry protocol's name mapping: checkpoint names are module paths here
+    from engine.models.registry import WeightTarget
+
+    holder.checkpoint_target = lambda name: WeightTarget(*name.rsplit(".", 1))
     with torch.no_grad():
         load_weights(holder, CheckpointReader(tmp_path))
     return layer
