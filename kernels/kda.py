@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 CHUNK = 64
-# Rows per diagonal sub-block of the intra-chunk decay products; see _decayed_scores.
-_SUB = 16
+# Rows per diagonal sub-block of the intra-chunk decay products (see _decayed_scores): 8 measured
+# ~2.5x faster than 16 on a CPU at 512 tokens, 8 heads of 128; 4 is no better.
+_SUB = 8
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -156,11 +157,14 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     if N == 0:
         return v.new_zeros(0, H, v.shape[-1])
     qs, ks = _prep_qk(q, k, scale, use_qk_l2norm)
-    S = state.index_select(0, slots) * g.float().exp()[..., None]  # [N, H, K, V], rows decayed
-    u = (ks[..., None, :] @ S).squeeze(-2)  # [N, H, V]: what the memory predicts for k
-    delta = beta.float()[..., None] * (v.float() - u)
-    S = S + ks[..., :, None] * delta[..., None, :]
-    o = (qs[..., None, :] @ S).squeeze(-2)
+    S = state.index_select(0, slots)  # [N, H, K, V], a copy: the pool rows are written back at the end
+    S.mul_(g.float().exp()[..., None])  # decay the rows (key channels)
+    # One read of S for both products: k^T S (what the memory predicts for k) and q^T S.
+    uo = torch.stack([ks, qs], dim=-2) @ S  # [N, H, 2, V]
+    delta = beta.float()[..., None] * (v.float() - uo[..., 0, :])  # [N, H, V]
+    # o = q^T (S + k delta^T) = q^T S + (q . k) delta, so S is not read again.
+    o = uo[..., 1, :] + (qs * ks).sum(-1, keepdim=True) * delta
+    S.view(-1, K, S.shape[-1]).baddbmm_(ks.reshape(-1, K, 1), delta.reshape(-1, 1, delta.shape[-1]))
     state.index_copy_(0, slots, S)
     return o.to(v.dtype)
 
@@ -201,9 +205,14 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor,
     ext = torch.empty(T + N * (W - 1), Cn, dtype=weight.dtype, device=x.device)
     ext.index_copy_(0, rows, x.to(weight.dtype))
     ext.index_copy_(0, hist_rows.reshape(-1), history.transpose(1, 2).reshape(-1, Cn).to(weight.dtype))
-    y = F.conv1d(ext.t()[None], weight[:, None, :], groups=Cn)[0]  # [C, len(ext) - W + 1]
-    # The output for ext row r (window ending at r) sits at column r - (W-1).
-    y = F.silu(y.t().index_select(0, rows - (W - 1)))
+    # Valid conv as W shifted multiply-adds over contiguous row slices (several times faster on a
+    # CPU than a depthwise F.conv1d): y_full[r] = sum_j w[:, j] * ext[r + j], the window ending at
+    # ext row r + W-1, so ext row r's output is y_full[r - (W-1)].
+    n_out = ext.shape[0] - W + 1
+    y_full = ext[:n_out] * weight[:, 0]
+    for j in range(1, W):
+        y_full.addcmul_(ext[j: j + n_out], weight[:, j])
+    y = F.silu(y_full.index_select(0, rows - (W - 1)))
     last = (torch.tensor(cu[1:], device=x.device) + torch.arange(N, device=x.device) * (W - 1))[:, None] \
         + torch.arange(W - 1, device=x.device)  # the last W-1 ext rows of each sequence
     new_hist = ext.index_select(0, last.reshape(-1)).view(N, W - 1, Cn).transpose(1, 2)

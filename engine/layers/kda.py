@@ -179,7 +179,7 @@ class KimiDeltaAttention(nn.Module):
         T = x.shape[0]
         H, hd = self.num_heads, self.head_dim
         P = H * hd
-        qkv, f_a, b, g_in = self._project(x)
+        qkv, f_a, b, g_in = self._project(x)  # g_in: the output gate (full rank) or g_a_proj's output
         d = meta.num_decode_tokens
         slots = meta.state_slots
         n_seq = d + len(meta.prefills)
@@ -203,7 +203,7 @@ class KimiDeltaAttention(nn.Module):
         if meta.prefills:
             o[d:] = self._prefill(qkv[d:], g[d:], beta[d:], conv_w, meta, slots[d:], state)
 
-        gate = (self.g_proj(x) if g_in is None else self.g_b_proj(g_in)).view(T, H, hd)
+        gate = (g_in if self.config.use_full_rank_gate else self.g_b_proj(g_in)).view(T, H, hd)
         out = _gated_rms_norm(o, gate, self.o_norm.weight, self.config.rms_norm_eps).to(x.dtype)
         return self.par.all_reduce(self.o_proj(out.view(T, P)))
 
@@ -233,7 +233,7 @@ class KimiDeltaAttention(nn.Module):
         return o
 
     def _project(self, x: torch.Tensor):
-        """(q|k|v [T, 3P'], f_a [T, hd], b [T, H'], g_a [T, hd] or None when the gate is full rank)."""
+        """(q|k|v [T, 3P'], f_a [T, hd], b [T, H'], g_proj's [T, P'] or g_a_proj's [T, hd] output)."""
         projs = self._in_projs()
         if self.in_proj is None:
             outs = [p(x) for p in projs]
@@ -244,8 +244,7 @@ class KimiDeltaAttention(nn.Module):
             width = sum(sizes[:3])
             qkv = y[:, :width]  # a view: the conv reads it strided
             outs = [None] * 3 + list(y[:, width:].split(sizes[3:], dim=-1))
-        g_a = None if hasattr(self, "g_proj") else outs[5]
-        return qkv, outs[3], outs[4], g_a
+        return qkv, outs[3], outs[4], outs[5]
 
 
 def _gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -252,3 +252,35 @@ def test_loader_fills_k3_layer_and_uneven_tensor_parallel_ranks_sum_to_one(tmp_p
     with torch.no_grad():
         torch.testing.assert_close(outs[0], hf(x[None])[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(sum(outs[1:]), outs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_model_keeps_fp32_params_and_state():
+    hf = _hf_layer(k3=False)
+    ckpt = _checkpoint(hf, k3=False)
+    ref_layer = _ours(ckpt, k3=False, fused=True)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # as engine.loader.build_model builds a bf16 model
+    try:
+        layer = KimiDeltaAttention(KDAConfig.from_linear_attn_config(D, LINEAR, 1e-5), "p")
+    finally:
+        torch.set_default_dtype(prev)
+    fp32 = {"A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight"}
+    for name, p in layer.named_parameters():
+        assert p.dtype == (torch.float32 if name in fp32 else torch.bfloat16), name
+        with torch.no_grad():
+            if name == "A_log":
+                layer.load_A_log(ckpt[name])
+            else:
+                p.copy_(ckpt[name])
+    layer.post_load()
+    x = torch.randn(80, D)
+    outs = []
+    for lay, dtype in ((ref_layer, torch.float32), (layer, torch.bfloat16)):
+        state = lay.config.state_spec().allocate(0, 0, 1, torch.device("cpu"))
+        with torch.no_grad():
+            outs.append(torch.cat([lay(x[:79].to(dtype), _meta([], [(0, 79, 79)]), state),
+                                   lay(x[79:].to(dtype), _meta([0], []), state)]))
+        assert state.recurrent.dtype == torch.float32 and state.conv.dtype == torch.float32
+    assert outs[1].dtype == torch.bfloat16
+    err = (outs[1].float() - outs[0]).norm() / outs[0].norm()
+    assert err < 0.03, err

@@ -160,3 +160,23 @@ def test_dispatch_entry_points_run_the_cpu_forms():
     assert o.shape == (2, 3, 8) and pool[1].abs().sum() == 0 and pool[2].abs().sum() > 0
     y, h = dispatch.causal_conv1d(torch.randn(73, 4), torch.randn(4, 4), torch.zeros(2, 4, 3), cu)
     assert y.shape == (73, 4) and h.shape == (2, 4, 3)
+
+
+def test_chunk_and_recurrent_match_transformers_torch_forms():
+    hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    T, H, K = 130, 2, 32
+    q, k, v, g, beta = _inputs(T, H, K, K)
+    h0 = torch.randn(1, H, K, K)
+    want, want_h = hf.chunk_kimi_delta_attention(q[None], k[None], v[None], g[None], beta[None], initial_state=h0,
+                                                 output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, hT = kda.chunk_kda(q, k, v, g, beta, h0, _cu([T]), scale=K**-0.5)
+    torch.testing.assert_close(o, want[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(hT, want_h, atol=1e-5, rtol=1e-4)
+    # decode: 3 sequences, one token each, transformers' batch = our slots
+    want, want_h = hf.recurrent_kimi_delta_attention(q[:3, None], k[:3, None], v[:3, None], g[:3, None],
+                                                     beta[:3, None], initial_state=h0.expand(3, -1, -1, -1),
+                                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
+    pool = h0.expand(3, -1, -1, -1).clone()
+    o = kda.recurrent_kda(q[:3], k[:3], v[:3], g[:3], beta[:3], pool, torch.arange(3), scale=K**-0.5)
+    torch.testing.assert_close(o, want[:, 0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool, want_h, atol=1e-5, rtol=1e-5)
