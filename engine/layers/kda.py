@@ -95,7 +95,9 @@ class _ConvWeight(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, config: KDAConfig, prefix: str, par: ParallelState = SINGLE):
+    def __init__(self, config: KDAConfig, prefix: str, par: ParallelState = SINGLE,
+                 dtype: torch.dtype = torch.float32):
+        """``dtype``: of the projections; A_log, dt_bias, the conv weights and o_norm stay fp32."""
         super().__init__()
         c = config
         if c.num_heads < par.world_size:
@@ -111,31 +113,31 @@ class KimiDeltaAttention(nn.Module):
         def heads(width: int, axis: int = 0):
             return (axis, h0 * width, h1 * width) if par.is_parallel else None
 
-        self.q_proj = Linear(d, P, q, f"{prefix}.q_proj", heads(hd))
-        self.k_proj = Linear(d, P, q, f"{prefix}.k_proj", heads(hd))
-        self.v_proj = Linear(d, P, q, f"{prefix}.v_proj", heads(hd))
+        self.q_proj = Linear(d, P, q, f"{prefix}.q_proj", heads(hd), dtype=dtype)
+        self.k_proj = Linear(d, P, q, f"{prefix}.k_proj", heads(hd), dtype=dtype)
+        self.v_proj = Linear(d, P, q, f"{prefix}.v_proj", heads(hd), dtype=dtype)
         chan = (h0 * hd, h1 * hd) if par.is_parallel else None
         local = self.num_heads * hd
         self.q_conv1d = _ConvWeight(local, c.conv_kernel, chan, P)
         self.k_conv1d = _ConvWeight(local, c.conv_kernel, chan, P)
         self.v_conv1d = _ConvWeight(local, c.conv_kernel, chan, P)
-        self.f_a_proj = Linear(d, hd, q, f"{prefix}.f_a_proj")
-        self.f_b_proj = Linear(hd, P, q, f"{prefix}.f_b_proj", heads(hd))
+        self.f_a_proj = Linear(d, hd, q, f"{prefix}.f_a_proj", dtype=dtype)
+        self.f_b_proj = Linear(hd, P, q, f"{prefix}.f_b_proj", heads(hd), dtype=dtype)
         self.dt_bias = nn.Parameter(torch.empty(local, dtype=torch.float32), requires_grad=False)
         self.dt_bias.full_shape, self.dt_bias.shard = (P,), (None if chan is None else (0, *chan))
         # Per-head decay rate, this rank's heads. Checkpoints store [1, 1, H, 1] (Kimi Linear) or
         # [128] for 96 heads (K3, first H real): load_A_log reads either.
         self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
         self.A_log.weight_loader = self._A_log_loader
-        self.b_proj = Linear(d, c.num_heads, q, f"{prefix}.b_proj", heads(1))
+        self.b_proj = Linear(d, c.num_heads, q, f"{prefix}.b_proj", heads(1), dtype=dtype)
         if c.use_full_rank_gate:
-            self.g_proj = Linear(d, P, q, f"{prefix}.g_proj", heads(hd))
+            self.g_proj = Linear(d, P, q, f"{prefix}.g_proj", heads(hd), dtype=dtype)
         else:
-            self.g_a_proj = Linear(d, hd, q, f"{prefix}.g_a_proj")
-            self.g_b_proj = Linear(hd, P, q, f"{prefix}.g_b_proj", heads(hd))
+            self.g_a_proj = Linear(d, hd, q, f"{prefix}.g_a_proj", dtype=dtype)
+            self.g_b_proj = Linear(hd, P, q, f"{prefix}.g_b_proj", heads(hd), dtype=dtype)
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(hd, dtype=torch.float32), requires_grad=False)
-        self.o_proj = Linear(P, d, q, f"{prefix}.o_proj", heads(hd, axis=1))
+        self.o_proj = Linear(P, d, q, f"{prefix}.o_proj", heads(hd, axis=1), dtype=dtype)
         self.scale = hd ** -0.5
         # Set by post_load: the input projections as one weight, the three convs as one [3P', W].
         self.register_buffer("in_proj", None, persistent=False)

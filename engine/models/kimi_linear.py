@@ -62,7 +62,7 @@ class KimiDecoderLayer(nn.Module):
         if self.is_kda:
             from engine.layers.kda import KimiDeltaAttention
 
-            self.self_attn = KimiDeltaAttention(_kda_config(c), f"{prefix}.self_attn", par)
+            self.self_attn = KimiDeltaAttention(_kda_config(c), f"{prefix}.self_attn", par, dtype)
         else:
             self.self_attn = MLAttention(c, f"{prefix}.self_attn", None, par, dtype)  # NoPE: no rotary at all
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)

@@ -106,3 +106,25 @@ def test_llm_generates_what_the_reference_predicts(k3):
         toks = out.outputs[0].token_ids
         assert len(toks) == 8 and out.outputs[0].finish_reason == "length"
         assert ref.logprobs(ids + toks)[len(ids) - 1:-1].argmax(-1).tolist() == toks
+
+
+def test_bf16_build_keeps_fp32_contract_tensors(k3):
+    # dense weights in the model dtype; KDA's A_log, dt_bias, convs, o_norm and the router stay fp32
+    drv, _, _, path = k3
+    bf = HybridDriver(path, max_seqs=2, max_len=128, dtype=torch.bfloat16)
+    fp32 = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "mlp.gate.weight", "e_score_correction_bias")
+    for name, p in bf.model.named_parameters():
+        if p.dtype == torch.uint8:
+            assert ".experts." in name, name
+        else:
+            assert p.dtype == (torch.float32 if name.endswith(fp32) else torch.bfloat16), name
+    if drv.config.quantization is not None:
+        # Random MXFP4 experts (entries up to 1.5) make the router's top-k margins tiny: bf16
+        # rounding flips choices within a few layers (measured: MoE output off by 40% at layer 3
+        # from one flipped expert), so the end-to-end comparison runs on the unquantised case.
+        return
+    (ids,) = _prompts(4, (70,))
+    lp16 = bf.prompt_logprobs([ids])[0].float()
+    lp32 = drv.prompt_logprobs([ids])[0]
+    # bf16 rounding only: the predicted distributions stay close
+    assert (lp16.exp() - lp32.exp()).abs().sum(-1).max().item() < 0.1

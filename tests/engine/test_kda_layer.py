@@ -258,12 +258,7 @@ def test_bf16_model_keeps_fp32_params_and_state():
     hf = _hf_layer(k3=False)
     ckpt = _checkpoint(hf, k3=False)
     ref_layer = _ours(ckpt, k3=False, fused=True)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # as engine.loader.build_model builds a bf16 model
-    try:
-        layer = KimiDeltaAttention(KDAConfig.from_linear_attn_config(D, LINEAR, 1e-5), "p")
-    finally:
-        torch.set_default_dtype(prev)
+    layer = KimiDeltaAttention(KDAConfig.from_linear_attn_config(D, LINEAR, 1e-5), "p", dtype=torch.bfloat16)
     fp32 = {"A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight"}
     for name, p in layer.named_parameters():
         assert p.dtype == (torch.float32 if name in fp32 else torch.bfloat16), name

@@ -24,12 +24,13 @@ class Seq:
 
 
 class HybridDriver:
-    def __init__(self, path, max_seqs: int = 4, max_len: int = 512, block_size: int = 16, par=None):
+    def __init__(self, path, max_seqs: int = 4, max_len: int = 512, block_size: int = 16, par=None,
+                 dtype: torch.dtype = torch.float32):
         self.config = ModelConfig.from_pretrained(path)
-        self.model, self.report = load_model(self.config, path, torch.device("cpu"), torch.float32, par=par)
+        self.model, self.report = load_model(self.config, path, torch.device("cpu"), dtype, par=par)
         self.block_size = block_size
         self.blocks_per_seq = -(-max_len // block_size)
-        specs = self.model.cache_specs(torch.float32)
+        specs = self.model.cache_specs(dtype)
         self.caches = [s.allocate(max_seqs * self.blocks_per_seq, block_size, max_seqs, torch.device("cpu"))
                        for s in specs]
         self.max_seqs = max_seqs
