@@ -121,7 +121,7 @@ def sharded_params(fmt: str, out_features: int, in_features: int, quant: QuantCo
     out = {}
     for name, t in full.items():
         shape = list(t.shape)
-        spec = expand = None
+        spec = index = None
         if shard is not None:
             axis, start, end = shard
             unit = _storage_unit(fmt, name, axis, quant)
@@ -131,8 +131,8 @@ def sharded_params(fmt: str, out_features: int, in_features: int, quant: QuantCo
                 # checkpoint scale rows lo..hi-1 cover [start, end); local block j starts at logical
                 # start + j * b and lies inside checkpoint block (start + j * b) // unit
                 b = local_fp8_block(quant, shard)[axis]
-                expand = torch.arange(start, end, b, device="cpu") // unit - lo
-                shape[axis] = len(expand)
+                index = torch.arange(start, end, b, device="cpu") // unit - lo
+                shape[axis] = len(index)
             elif start % unit or (end % unit and end != logical and name != "weight_scale_inv"):
                 raise ValueError(f"{what}.{name}: rows/columns [{start}, {end}) of dim {axis} cut a {fmt} "
                                  f"storage unit of {unit}; this split is impossible")
@@ -142,7 +142,7 @@ def sharded_params(fmt: str, out_features: int, in_features: int, quant: QuantCo
         p = nn.Parameter(torch.empty(shape, dtype=t.dtype), requires_grad=False)
         p.full_shape = tuple(t.shape)
         p.shard = spec
-        p.shard_index = expand
+        p.shard_index = index
         p.values_per_element = values_per_element(fmt, name)
         out[name] = p
     return out

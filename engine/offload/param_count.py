@@ -19,7 +19,6 @@ from engine.config import ModelConfig
 from engine.models.registry import PARAM_CLASSES, parameter_classes
 from engine.parallel.state import ParallelState
 
-PARTS = PARAM_CLASSES
 _TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
                 "float32": torch.float32, "float": torch.float32}
 
@@ -80,7 +79,7 @@ def _size(p: torch.Tensor) -> PartSize:
 def part_sizes(model: nn.Module) -> dict[str, PartSize]:
     """{planner class: size} over the parameters of ``model`` (tied parameters once)."""
     classes = parameter_classes(model)
-    parts = {name: PartSize() for name in PARTS}
+    parts = {name: PartSize() for name in PARAM_CLASSES}
     for name, p in model.named_parameters():
         parts[classes[name]] = parts[classes[name]] + _size(p)
     return parts

@@ -41,15 +41,16 @@ def hot_stats(config: ModelConfig, seed: int = 0) -> dict[int, list[int]]:
 def test_k2_instruct_matches_published_checkpoint():
     c = cfg("kimi_k2_instruct")
     # The hub's 1,026,470,731,056 counts every stored element: weights + fp32 scale_inv blocks +
-    # 61 rotary inv_freq buffers of 56. The engine's own parameters (built on the meta device, as
-    # the planner counts them) are exactly those tensors.
+    # 61 stray `self_attn.rotary_emb.inv_freq` tensors of shape [56], one per layer, which the
+    # checkpoint (moonshotai/Kimi-K2-Instruct) stores and the loader skips. The engine's own
+    # parameters (built on the meta device, as the planner counts them) are exactly those tensors.
     model = meta_model(c)
     assert sum(p.numel() for p in model.parameters()) + 61 * 56 == 1_026_470_731_056
     scales = [p for n, p in model.named_parameters() if n.endswith("scale_inv")]
     assert scales and all(p.dtype == torch.float32 for p in scales)  # fp32 whatever the model dtype
     size = count_params(c)
     assert size.total.params == sum(p.numel() for n, p in model.named_parameters() if not n.endswith("scale_inv"))
-    # "958.51 GB" in the reference is GiB; the engine keeps the router in fp32 (+0.31 GiB over bf16).
+    # The hub's "958.51 GB" is GiB; the engine keeps the router in fp32 (+0.31 GiB over the bf16 on disk).
     assert size.total.nbytes / GiB == pytest.approx(958.51 + 60 * 384 * 7168 * 2 / GiB, rel=1e-4)
 
 
