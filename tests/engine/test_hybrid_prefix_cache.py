@@ -103,7 +103,7 @@ def test_200_requests_with_aborts_and_preemptions_leave_no_slot_or_block(make_en
                         SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 9), ignore_eos=True))
         for _ in range(rng.randrange(0, 3)):
             done.update((o.request_id, o) for o in eng.step() if o.finished)
-        live = [r for r in eng.requests if r not in done]
+        live = [r for r in eng.request_ids() if r not in done]
         if live and rng.random() < 0.2:
             victim = rng.choice(live)
             assert eng.abort_request(victim)
