@@ -4,10 +4,10 @@ intermediate dim; the output is this rank's partial sum, reduced by the caller).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import QuantConfig
+from engine.layers.activation import GatedActivation
 from engine.layers.linear import Linear, fuse_dense_rows, linear_format, split_unit
 from engine.parallel.state import SINGLE, ParallelState
 from kernels import dispatch
@@ -15,10 +15,12 @@ from kernels import dispatch
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantConfig | None, prefix: str,
-                 par: ParallelState = SINGLE, dtype: torch.dtype = torch.float32, param_class: str = "dense_mlp"):
+                 par: ParallelState = SINGLE, dtype: torch.dtype = torch.float32, param_class: str = "dense_mlp",
+                 act: GatedActivation | None = None):
         super().__init__()
         self.param_class = param_class  # "dense_mlp" or "shared_experts", for the planner
         self.parallel = par.is_parallel
+        self.act = act or GatedActivation()  # SiLU unless the model says otherwise (K3: SiTU)
         cols = rows = None
         if par.is_parallel:
             # whole FP8 blocks / INT4 groups per rank, so gate/up rows and down columns split alike
@@ -36,7 +38,9 @@ class MLP(nn.Module):
 
     def fusable(self) -> bool:
         """Dense gate_up and down on one rank: what ``ffn_block`` (and MoE's) can take."""
-        return self.gate_up is not None and self.down_proj.fmt == "dense" and not self.parallel
+        # the fused C++ blocks compute SiLU only
+        return (self.gate_up is not None and self.down_proj.fmt == "dense" and not self.parallel
+                and self.act.is_silu)
 
     def block_weights(self, norm: nn.Module) -> tuple | None:
         """The fixed arguments of ``dispatch.ffn_block`` (``x + self(norm(x))`` in one C++ call), or
@@ -47,7 +51,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
         gu = dispatch.linear(x, self.gate_up)
         i = self.gate_proj.out_features
-        return self.down_proj(F.silu(gu[..., :i]) * gu[..., i:])
+        return self.down_proj(self.act(gu[..., :i], gu[..., i:]))
