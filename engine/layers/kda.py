@@ -97,7 +97,7 @@ class _ConvWeight(nn.Module):
 class KimiDeltaAttention(nn.Module):
     def __init__(self, config: KDAConfig, prefix: str, par: ParallelState = SINGLE,
                  dtype: torch.dtype = torch.float32):
-        """``dtype``: the projections' dtype; A_log, dt_bias, the convs and o_norm stay float32."""
+        """``dtype``: of the projections; A_log, dt_bias, the conv weights and o_norm stay fp32."""
         super().__init__()
         c = config
         if c.num_heads < par.world_size:

@@ -195,7 +195,6 @@ def _load_from_safetensors(ckpt: dict, tmp_path, cfg: KDAConfig, par) -> KimiDel
 
     from engine.loader.checkpoint import CheckpointReader
     from engine.loader.weights import load_weights
-    from engine.models.registry import WeightTarget
 
     path = tmp_path / "model.safetensors"
     if not path.exists():
@@ -206,7 +205,9 @@ def _load_from_safetensors(ckpt: dict, tmp_path, cfg: KDAConfig, par) -> KimiDel
     holder.model = nn.Module()
     holder.model.layers = nn.ModuleList([nn.Module()])
     holder.model.layers[0].self_attn = layer
-    # A model declares where each checkpoint tensor goes; here Hugging Face names are module paths.
+    # the registry protocol's name mapping: checkpoint names are module paths here
+    from engine.models.registry import WeightTarget
+
     holder.checkpoint_target = lambda name: WeightTarget(*name.rsplit(".", 1))
     with torch.no_grad():
         load_weights(holder, CheckpointReader(tmp_path))
