@@ -115,6 +115,34 @@ def test_server_with_openai_client(llm):
         server.stop()
 
 
+@pytest.fixture
+def end_of_msg_first(llm):
+    """Random weights almost never pick <|end_of_msg|>: lift its logit so the very first token is it."""
+
+    def lift(module, inputs, logits):  # logits: [N, V] fp32
+        logits[:, END_OF_MSG] += 1e4
+        return logits
+
+    handle = llm.engine.model.lm_head.register_forward_hook(lift)
+    yield
+    handle.remove()
+
+
+def test_reply_ends_at_end_of_msg(llm, end_of_msg_first):
+    out = _chat(llm, [{"role": "user", "content": "hi"}], max_tokens=6, temperature=0)
+    assert out.finish_reason == "stop" and out.token_ids[-1:] == [END_OF_MSG] and len(out.token_ids) == 1
+    server = BackgroundServer(port=0).start(create_app(llm, SERVED))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=6, temperature=0,
+                                           extra_body={"chat_template_kwargs": {"thinking": False}})
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+        assert not r.choices[0].message.content  # the stop token itself is never shown
+    finally:
+        server.stop()
+
+
 def test_bench_in_process(llm, tmp_path, capsys):
     # `llm` is requested only so the checkpoint is written once; bench loads its own engine.
     rc = main(["bench", "--model", "demo-k3", "--random-input-len", "16", "--random-output-len", "4",
