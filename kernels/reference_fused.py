@@ -2,7 +2,8 @@
 
 Written for clarity, op by op, on any device; each mirrors one kernel module:
 ``fused_add_rms_norm`` (kernels/fused_add_rms_norm.py), ``rope_mla`` (kernels/rope_fused.py),
-``moe_route_logits`` (kernels/moe_router.py), ``moe_align_block_size`` (kernels/moe_align.py).
+``mla_cache_write`` (kernels/mla_cache_write.py), ``moe_route_logits`` (kernels/moe_router.py),
+``moe_align_block_size`` (kernels/moe_align.py).
 """
 
 import torch
@@ -16,21 +17,36 @@ def fused_add_rms_norm(x, residual, weight, eps=1e-6):
     return reference.rms_norm(s, weight, eps), s
 
 
+def _rope_rows(x, cos, sin, positions):
+    # x [T, n, R]: pair i of row t turns by (cos, sin)[positions[t], i], in fp32, cast back to x.dtype
+    t, n, r = x.shape
+    xf = x.float().reshape(t, n, r // 2, 2)
+    c = cos[positions].view(t, 1, r // 2)
+    s = sin[positions].view(t, 1, r // 2)
+    x0, x1 = xf[..., 0], xf[..., 1]
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).reshape(t, n, r).to(x.dtype)
+
+
 def rope_mla(q_pe, k_pe, cos, sin, positions):
     """Interleaved-pair rope of q_pe [T, H, R] and k_pe [T, R] (or [T, 1, R]) in fp32, cast back.
 
     cos/sin [P, R/2] fp32; pair i of a row at position p turns by (cos[p, i], sin[p, i]).
     """
-    def rotate(x):  # x [T, n, R]
-        t, n, r = x.shape
-        xf = x.float().reshape(t, n, r // 2, 2)
-        c = cos[positions].view(t, 1, r // 2)
-        s = sin[positions].view(t, 1, r // 2)
-        x0, x1 = xf[..., 0], xf[..., 1]
-        return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).reshape(t, n, r).to(x.dtype)
-
     k3 = k_pe.reshape(k_pe.shape[0], 1, k_pe.shape[-1])
-    return rotate(q_pe), rotate(k3).reshape(k_pe.shape)
+    return _rope_rows(q_pe, cos, sin, positions), _rope_rows(k3, cos, sin, positions).reshape(k_pe.shape)
+
+
+def mla_cache_write(kv, norm_weight, eps, cos, sin, positions, slot_mapping, cache):
+    """MLA's cache write as engine/layers/mla.py does it: cache[slot] = [rms_norm(kv[:, :r]), rope(kv[:, r:])].
+
+    Rows whose slot lies outside the cache (-1 for padding) are skipped. Writes ``cache`` in place.
+    """
+    r = norm_weight.shape[0]
+    c_kv = reference.rms_norm(kv[:, :r], norm_weight, eps)
+    k_pe = _rope_rows(kv[:, None, r:], cos, sin, positions)[:, 0]
+    flat = cache.view(-1, cache.shape[-1])
+    keep = (slot_mapping >= 0) & (slot_mapping < flat.shape[0])
+    flat.index_copy_(0, slot_mapping[keep].long(), torch.cat([c_kv, k_pe], dim=-1)[keep].to(cache.dtype))
 
 
 def _first_topk(v, k):

@@ -129,6 +129,41 @@ def rope_mla_fp16_in_place_odd_heads():
     _close(kv[:, 32:], want_k, 2e-3)
 
 
+# --- MLA latent-cache write -------------------------------------------------------------------
+
+
+def _cache_write_case(dtype, cache_dtype, weight_dtype, tol):
+    from kernels import reference_fused as ref
+    from kernels.mla_cache_write import mla_cache_write
+
+    rope = _yarn()
+    t, r = 6, 96  # r not a power of two: masked latent tail
+    proj = torch.randn(t, 7 + r + 64).to(dtype)  # a wider projection output: kv is a strided view
+    kv = proj[:, 7:]
+    w = (torch.rand(r) + 0.5).to(weight_dtype)
+    pos = torch.tensor([0, 3, 299, 40, 41, 2])
+    slots = torch.tensor([9, 0, -1, 31, 17, 32])  # -1: a padding row; 32: past the cache. Both skipped
+    got = torch.full((4, 8, r + 64), 7.0, dtype=cache_dtype)  # [blocks, block_size, r + R]
+    want = got.clone()
+    mla_cache_write(kv, w, 1e-6, rope.cos, rope.sin, pos, slots, got)
+    ref.mla_cache_write(kv, w, 1e-6, rope.cos, rope.sin, pos, slots, want)
+    flat = got.view(-1, r + 64)
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[[9, 0, 31, 17]] = False
+    assert (flat[untouched] == 7.0).all()  # only the four real rows were written
+    _close(got, want, tol)
+
+
+@case
+def mla_cache_write_fp32():
+    _cache_write_case(torch.float32, torch.float32, torch.float32, 1e-5)
+
+
+@case
+def mla_cache_write_fp16_activations_fp32_weight_fp16_cache():
+    _cache_write_case(torch.float16, torch.float16, torch.float32, 2e-3)
+
+
 # --- router -----------------------------------------------------------------------------------
 
 
@@ -257,6 +292,38 @@ def launch_count_alignment_vs_aten():
     assert fused.kernels == 1 and not fused.host_syncs, fused
     assert eager.kernels > 15, eager
     return f"fused: {fused.summary()}; ATen: {eager.summary()}"
+
+
+@case
+def launch_count_rope_router_cache_write_vs_reference():
+    from kernels import reference_fused as ref
+    from kernels.launch_count import count_launches
+    from kernels.mla_cache_write import mla_cache_write
+    from kernels.moe_router import moe_route_logits
+    from kernels.rope_fused import rope_mla
+
+    rope = _yarn()
+    q, kv, pos = torch.randn(2, 4, 64), torch.randn(2, 32 + 64), torch.tensor([3, 9])
+    logits, bias = torch.randn(2, 64), torch.randn(64)
+    cache, slots, w = torch.zeros(2, 16, 96), torch.tensor([4, 20]), torch.rand(32)
+    calls = {
+        "rope": (lambda: rope_mla(q, kv[:, 32:], rope.cos, rope.sin, pos),
+                 lambda: ref.rope_mla(q, kv[:, 32:], rope.cos, rope.sin, pos)),
+        "router": (lambda: moe_route_logits(logits, bias, 8, 8, 4, scaling=2.8),
+                   lambda: ref.moe_route_logits(logits, bias, 8, 8, 4, scaling=2.8)),
+        "cache write": (lambda: mla_cache_write(kv, w, 1e-6, rope.cos, rope.sin, pos, slots, cache),
+                        lambda: ref.mla_cache_write(kv, w, 1e-6, rope.cos, rope.sin, pos, slots, cache)),
+    }
+    notes = []
+    for name, (fused_call, eager_call) in calls.items():
+        with count_launches() as fused:
+            fused_call()
+        with count_launches() as eager:
+            eager_call()
+        assert fused.kernels == sum(fused.triton.values()) == 1, (name, fused)
+        assert eager.kernels >= 5, (name, eager)
+        notes.append(f"{name} {fused.kernels} vs {eager.kernels}")
+    return "kernels fused vs reference: " + ", ".join(notes)
 
 
 def _run_cases(names):
