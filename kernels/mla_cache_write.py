@@ -84,7 +84,7 @@ def mla_cache_write(
                          f"got {norm_weight.dtype} {tuple(norm_weight.shape)}")
     rope = width - r
     if rope % 2 or cos.shape[-1] != rope // 2 or cos.dim() != 2 or cos.dtype != torch.float32 or not cos.is_contiguous():
-        raise ValueError(f"mla_cache_write: cos must be contiguous fp32 [P, R/2={rope / 2}] (R = {rope} rope "
+        raise ValueError(f"mla_cache_write: cos must be contiguous fp32 [P, R/2={rope // 2}] (R = {rope} rope "
                          f"channels), got {cos.dtype} {tuple(cos.shape)}")
     if sin.shape != cos.shape or sin.dtype != torch.float32 or not sin.is_contiguous():
         raise ValueError(f"mla_cache_write: sin must be contiguous fp32 {tuple(cos.shape)}, got {sin.dtype} {tuple(sin.shape)}")

@@ -366,3 +366,41 @@ def test_fused_kernel_matches_reference(name, interpreter_results):
     result = interpreter_results.get(name, "case did not run")
     print(result)  # the launch-count cases report their numbers
     assert result.startswith("ok"), result
+
+
+def _bad_calls():
+    from kernels.fused_add_rms_norm import fused_add_rms_norm
+    from kernels.mla_cache_write import mla_cache_write
+    from kernels.moe_align import moe_align_block_size
+    from kernels.moe_router import moe_route_logits
+    from kernels.rope_fused import rope_mla
+
+    x, cs = torch.randn(2, 8), torch.zeros(10, 4)
+    return [
+        (lambda: fused_add_rms_norm(x, x.half(), torch.ones(8)), "residual must be torch.float32"),
+        (lambda: fused_add_rms_norm(x, x, torch.ones(7)), r"weight must be contiguous \[H=8\]"),
+        (lambda: fused_add_rms_norm(x.int(), x, torch.ones(8)), "x must be fp16/bf16/fp32"),
+        (lambda: rope_mla(torch.randn(2, 3, 8), torch.randn(2, 6), cs, cs, torch.zeros(2).long()),
+         r"k_pe must be \[T=2, R=8\]"),
+        (lambda: rope_mla(torch.randn(2, 3, 8), torch.randn(2, 8), cs, cs, torch.zeros(3).long()),
+         r"positions must be int32/int64 \[T=2\]"),
+        (lambda: rope_mla(torch.randn(2, 3, 8), torch.randn(2, 8), cs.double(), cs, torch.zeros(2).long()),
+         "cos must be contiguous fp32"),
+        (lambda: moe_route_logits(torch.randn(2, 12), None, 3, n_group=5), "n_group=5 must divide E=12"),
+        (lambda: moe_route_logits(torch.randn(2, 12), None, 7, n_group=4, topk_group=2), r"top_k=7 must be in \[1, 6\]"),
+        (lambda: moe_route_logits(torch.randn(2, 12), torch.zeros(11), 2), r"bias must be a contiguous float \[E=12\]"),
+        (lambda: moe_align_block_size(torch.zeros(2, 2), 16, 8), "topk_ids must be int32/int64"),
+        (lambda: mla_cache_write(torch.randn(2, 12), torch.ones(8), 1e-6, torch.zeros(10, 2), torch.zeros(10, 2),
+                                 torch.zeros(2).long(), torch.zeros(2).long(), torch.zeros(4, 13)),
+         r"cache must be contiguous fp16/bf16/fp32 \[..., 12\]"),
+        (lambda: fused_add_rms_norm(x, x, torch.ones(8)), "need a CUDA/ROCm tensor"),  # valid, but on a CPU
+    ]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the last call is valid under the interpreter")
+@pytest.mark.parametrize("index", range(12))
+def test_bad_input_is_one_clear_line(index):
+    call, match = _bad_calls()[index]
+    with pytest.raises(ValueError, match=match) as info:
+        call()
+    assert "\n" not in str(info.value)
