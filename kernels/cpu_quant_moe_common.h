@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace cpu_quant_moe {
@@ -40,7 +41,7 @@ struct Scratch {  // one per thread
 constexpr int kTileRows = 16;        // weight rows per work item
 constexpr int64_t kChunkGroups = 16; // tiled path: 32-column groups dequantised at a time (512 columns)
 constexpr int kTokenBlock = 128;     // tiled path: tokens sharing one dequantised chunk
-constexpr int kFusedMaxTokens = 4;   // tokens of one expert up to which weights are dequantised in registers
+constexpr int kFusedMaxTokens = 16;  // tokens of one expert up to which weights are dequantised in registers
 
 // out[c * ostride + r] = <weight row r0 + r, xs[c]> for r < nr <= kTileRows, c < nc; xs rows hold
 // ceil(K / 32) * 32 floats (zeros past K) in the column order of the instruction set's width (see

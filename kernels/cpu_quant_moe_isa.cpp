@@ -33,12 +33,12 @@ inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
-// 16 bytes -> out[0] = their low nibbles (even columns), out[1] = high nibbles (odd), each times s.
-inline void dequant32(const uint8_t* b, float s, const Lut& lut, Vec* out) {
+inline Lut scale_lut(const Lut& lut, float s) { return _mm512_mul_ps(lut, _mm512_set1_ps(s)); }
+// 16 bytes -> out[0] = their low nibbles' values (even columns), out[1] = their high nibbles' (odd).
+inline void dequant32(const uint8_t* b, const Lut& lut, Vec* out) {
   const __m512i by = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
-  const __m512 sv = _mm512_set1_ps(s);
-  out[0] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(by, _mm512_set1_epi32(15)), lut), sv);
-  out[1] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(by, 4), lut), sv);
+  out[0] = _mm512_permutexvar_ps(_mm512_and_si512(by, _mm512_set1_epi32(15)), lut);
+  out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(by, 4), lut);
 }
 #include "cpu_quant_moe_kernels.h"
 }  // namespace isa_avx512
@@ -71,14 +71,17 @@ inline Vec lookup(__m256i idx, const Lut& lut) {
   const __m256 mask = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
   return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut.lo, idx), _mm256_permutevar8x32_ps(lut.hi, idx), mask);
 }
-// Bytes 8c..8c+7 -> out[2c] = low nibbles, out[2c + 1] = high nibbles, times s.
-inline void dequant32(const uint8_t* b, float s, const Lut& lut, Vec* out) {
+inline Lut scale_lut(const Lut& lut, float s) {
   const __m256 sv = _mm256_set1_ps(s);
+  return {_mm256_mul_ps(lut.lo, sv), _mm256_mul_ps(lut.hi, sv)};
+}
+// Bytes 8c..8c+7 -> out[2c] = their low nibbles' values, out[2c + 1] = their high nibbles'.
+inline void dequant32(const uint8_t* b, const Lut& lut, Vec* out) {
   const __m256i fifteen = _mm256_set1_epi32(15);
   for (int c = 0; c < 2; ++c) {
     const __m256i by = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * c)));
-    out[2 * c] = _mm256_mul_ps(lookup(_mm256_and_si256(by, fifteen), lut), sv);
-    out[2 * c + 1] = _mm256_mul_ps(lookup(_mm256_srli_epi32(by, 4), lut), sv);
+    out[2 * c] = lookup(_mm256_and_si256(by, fifteen), lut);
+    out[2 * c + 1] = lookup(_mm256_srli_epi32(by, 4), lut);
   }
 }
 #include "cpu_quant_moe_kernels.h"
@@ -117,10 +120,14 @@ inline float vsum(const Vec& v) {
   for (int i = 0; i < W; ++i) s += v.v[i];
   return s;
 }
-inline void dequant32(const uint8_t* b, float s, const Lut& lut, Vec* out) {
+inline Lut scale_lut(Lut lut, float s) {
+  for (float& v : lut.t) v *= s;
+  return lut;
+}
+inline void dequant32(const uint8_t* b, const Lut& lut, Vec* out) {
   for (int i = 0; i < 16; ++i) {
-    out[0].v[i] = lut.t[b[i] & 15] * s;
-    out[1].v[i] = lut.t[b[i] >> 4] * s;
+    out[0].v[i] = lut.t[b[i] & 15];
+    out[1].v[i] = lut.t[b[i] >> 4];
   }
 }
 #include "cpu_quant_moe_kernels.h"
