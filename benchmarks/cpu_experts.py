@@ -12,7 +12,7 @@ bound: there the comparison is a dense float32 GEMM with the same token counts p
 
 Weights are random packed bytes and scales (a kernel's speed does not depend on their values).
 kt-kernel runs when ``import kt_kernel`` works in this interpreter (see benchmarks/README.md for how
-it was installed); its numbers use its own loader-free tensor path (``kt_experts.py``).
+it was installed); ``benchmarks/kt_experts.py`` writes the same weights in its checkpoint layout.
 """
 
 from __future__ import annotations
@@ -32,15 +32,11 @@ from kernels import cpu_quant_moe, reference as R  # noqa: E402
 SHAPES = {"k2": (7168, 2048), "k3": (3584, 3072)}  # (hidden, expert width): Kimi K2, K3 latent
 
 
-def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes read per second by a float32 sum over ``nbytes`` (best of ``repeats``, torch's threads)."""
+def read_bandwidth(clock: str, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes read per second by a float32 sum over ``nbytes`` (torch's threads), on the same clock as
+    the kernels (see best_time)."""
     src = torch.ones(nbytes // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
+    return nbytes / best_time(src.sum, repeats, clock)
 
 
 def packed_experts(fmt: str, e: int, hidden: int, inter: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -56,13 +52,18 @@ def packed_experts(fmt: str, e: int, hidden: int, inter: int, seed: int = 0) -> 
     return out
 
 
-def best_time(fn, repeats: int) -> float:
+def best_time(fn, repeats: int, clock: str) -> float:
+    """Best of ``repeats`` after a warm-up call. ``clock="cpu"``: this process's CPU seconds over its
+    thread count, which on a machine shared with other jobs stays near the time the step takes alone
+    (wall time there grows with every other process); ``"wall"``: elapsed seconds."""
     fn()  # warm-up (first touch, lazy builds)
     best = float("inf")
+    now = time.perf_counter if clock == "wall" else time.process_time
+    scale = 1 if clock == "wall" else torch.get_num_threads()
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = now()
         fn()
-        best = min(best, time.perf_counter() - t)
+        best = min(best, (now() - t) / scale)
     return best
 
 
@@ -88,6 +89,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-kt", action="store_true", help="skip kt-kernel even when importable")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="wall", help="see best_time")
+    ap.add_argument("--dense-from", type=int, default=64, help="time the dense GEMM from this batch on")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kt = None
@@ -96,9 +99,10 @@ def main() -> int:
             from benchmarks import kt_experts as kt
         except Exception as exc:  # not installed, or its import fails here: say why, go on
             print(f"kt-kernel: not run ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
-    bw = read_bandwidth()
+    bw = read_bandwidth(args.clock)
     print(f"threads {args.threads} | read bandwidth {bw / 1e9:.2f} GB/s | ISA {cpu_quant_moe.isa()} | "
-          f"{args.experts} experts, top-{args.top_k}")
+          f"{args.experts} experts, top-{args.top_k} | {args.clock} clock | "
+          f"{kt.variant() if kt is not None else 'kt-kernel not run'}")
     print("| shape | format | batch | ours bf16 ms | ours fp32 ms | GB/s (bf16) | % read bw bf16 / fp32 "
           "| torch int4pack ms | kt-kernel ms | dense fp32 ms | vs int4pack | vs kt | vs dense |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -122,12 +126,13 @@ def main() -> int:
                 tw = torch.rand(batch, args.top_k, generator=g)
                 xb = x.bfloat16()
                 ours = {dt: best_time(lambda xx=xx: cpu_quant_moe.moe(xx, ids, tw, fmt, w["w13"], w["w13_scale"],
-                                                                       w["w2"], w["w2_scale"]), args.repeats)
+                                                                       w["w2"], w["w2_scale"]), args.repeats, args.clock)
                         for dt, xx in (("bf16", xb), ("fp32", x))}
                 int4pack = (best_time(lambda: R.moe_experts_int4pack_cpu(xb, ids, tw.bfloat16(), *packs, 32),
-                                      args.repeats) if packs is not None else None)
-                kt_t = best_time(lambda: kt_run(xb, ids, tw), args.repeats) if kt_run is not None else None
-                dense = best_time(lambda: dense_step(x, ids, dense13, dense2), args.repeats)
+                                      args.repeats, args.clock) if packs is not None else None)
+                kt_t = best_time(lambda: kt_run(xb, ids, tw), args.repeats, args.clock) if kt_run is not None else None
+                dense = (best_time(lambda: dense_step(x, ids, dense13, dense2), args.repeats, args.clock)
+                         if batch >= args.dense_from else None)
                 touched = ids.unique().numel() * per_expert
                 rate = touched / ours["bf16"]
 

@@ -93,6 +93,19 @@ def isa() -> str:
     return _module().isa_name(_isa_code()) if available() else "unavailable"
 
 
+def planned_isa() -> str:
+    """The path ``isa()`` will report, from /proc/cpuinfo and ``KIMITUI_CPU_ISA``, without building
+    the extension (for ``kimitui info``): "avx512", "avx2+fma" or "scalar"."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    best = 2 if "avx512f" in flags else 1 if {"avx2", "fma"} <= set(flags) else 0
+    wanted = ISA_CODES.get(os.environ.get(ENV_ISA, "").strip().lower(), best)
+    return {2: "avx512", 1: "avx2+fma", 0: "scalar"}[min(best, wanted)]
+
+
 def supported_isas() -> list[str]:
     """Every path this CPU can run, narrowest first (``KIMITUI_CPU_ISA`` values)."""
     best = _module().best_isa()

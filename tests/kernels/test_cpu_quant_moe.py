@@ -118,6 +118,8 @@ def test_bad_input_names_the_tensor():
 
 def test_the_isa_is_chosen_once_from_the_cpu_or_the_environment():
     assert cpu_quant_moe.isa() in ("avx512", "avx2+fma", "scalar")
+    if not os.environ.get("KIMITUI_CPU_ISA"):  # what `kimitui info` prints without building the extension
+        assert cpu_quant_moe.planned_isa() == cpu_quant_moe.isa()
     env = dict(os.environ, KIMITUI_CPU_ISA="scalar")
     code = "from kernels import cpu_quant_moe as q; print(q.isa())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
