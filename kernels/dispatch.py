@@ -206,6 +206,40 @@ def moe_experts_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_
                                                   tuple(block))
 
 
+# ---------------------------------------------------------------------------------------------
+# Kimi Delta Attention: fla-core's Triton kernels on CUDA/ROCm tensors when it imports, else the
+# PyTorch forms of kernels.kda. Shapes and meaning are those of kernels/kda.py.
+
+
+def _use_fla(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and not _forced_reference() and _kernel("kda_fla", "available")()
+
+
+def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, scale):
+    """Prefill of packed sequences from their states: (o [T, H, V], final_state [N, H, K, V] fp32)."""
+    if _use_fla(q):
+        return _kernel("kda_fla", "chunk_kda")(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+    return _kernel("kda", "chunk_kda")(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+
+
+def kda_recurrent(q, k, v, g, beta, state, slots, scale):
+    """One decode token per sequence; ``state[slots]`` is updated in place. -> o [N, H, V]"""
+    if _use_fla(q):
+        return _kernel("kda_fla", "recurrent_kda")(q, k, v, g, beta, state, slots, scale)
+    return _kernel("kda", "recurrent_kda")(q, k, v, g, beta, state, slots, scale)
+
+
+def causal_conv1d(x, weight, history, cu_seqlens=None):
+    """Short causal conv + SiLU continuing each sequence's history: (y [T, C], new history [N, C, W-1])."""
+    if _use_fla(x):
+        return _kernel("kda_fla", "causal_conv1d")(x, weight, history, cu_seqlens)
+    return _kernel("kda", "causal_conv1d")(x, weight, history, cu_seqlens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed INT4 / MXFP4 experts held by the CPU: kernels.cpu_quant_moe reads them in place.
+
+
 def cpu_quant_moe_ready(fmt, hidden, inter, group_size=32) -> bool:
     """Whether ``moe_experts_cpu_quant`` runs the C++ kernels (``kernels.cpu_quant_moe``) for CPU-held
     ``fmt`` experts of this shape, rather than the dequantising reference."""

@@ -4,27 +4,32 @@ intermediate dim; the output is this rank's partial sum, reduced by the caller).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import QuantConfig
-from engine.layers.linear import Linear, fuse_dense_rows
+from engine.layers.activation import GatedActivation
+from engine.layers.linear import Linear, fuse_dense_rows, linear_format, split_unit
 from engine.parallel.state import SINGLE, ParallelState
 from kernels import dispatch
 
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantConfig | None, prefix: str,
-                 par: ParallelState = SINGLE):
+                 par: ParallelState = SINGLE, dtype: torch.dtype = torch.float32, param_class: str = "dense_mlp",
+                 act: GatedActivation | None = None):
         super().__init__()
+        self.param_class = param_class  # "dense_mlp" or "shared_experts", for the planner
         self.parallel = par.is_parallel
+        self.act = act or GatedActivation()  # SiLU unless the model says otherwise (K3: SiTU)
         cols = rows = None
         if par.is_parallel:
-            start, end = par.range(intermediate_size)
+            # whole FP8 blocks / INT4 groups per rank, so gate/up rows and down columns split alike
+            unit = max(split_unit(linear_format(quant, f"{prefix}.{n}"), quant) for n in ("gate_proj", "down_proj"))
+            start, end = par.range(intermediate_size, unit)
             cols, rows = (0, start, end), (1, start, end)
-        self.gate_proj = Linear(hidden_size, intermediate_size, quant, f"{prefix}.gate_proj", cols)
-        self.up_proj = Linear(hidden_size, intermediate_size, quant, f"{prefix}.up_proj", cols)
-        self.down_proj = Linear(intermediate_size, hidden_size, quant, f"{prefix}.down_proj", rows)
+        self.gate_proj = Linear(hidden_size, intermediate_size, quant, f"{prefix}.gate_proj", cols, dtype)
+        self.up_proj = Linear(hidden_size, intermediate_size, quant, f"{prefix}.up_proj", cols, dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, quant, f"{prefix}.down_proj", rows, dtype)
         self.register_buffer("gate_up", None, persistent=False)  # [2I, D] when dense, set by post_load
 
     def post_load(self) -> None:
@@ -33,7 +38,9 @@ class MLP(nn.Module):
 
     def fusable(self) -> bool:
         """Dense gate_up and down on one rank: what ``ffn_block`` (and MoE's) can take."""
-        return self.gate_up is not None and self.down_proj.fmt == "dense" and not self.parallel
+        # the fused C++ blocks compute SiLU only
+        return (self.gate_up is not None and self.down_proj.fmt == "dense" and not self.parallel
+                and self.act.is_silu)
 
     def block_weights(self, norm: nn.Module) -> tuple | None:
         """The fixed arguments of ``dispatch.ffn_block`` (``x + self(norm(x))`` in one C++ call), or
@@ -44,7 +51,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
         gu = dispatch.linear(x, self.gate_up)
         i = self.gate_proj.out_features
-        return self.down_proj(F.silu(gu[..., :i]) * gu[..., i:])
+        return self.down_proj(self.act(gu[..., :i], gu[..., i:]))

@@ -10,8 +10,8 @@ import json
 import sys
 
 from engine.config import ConfigError, ModelConfig
-from engine.offload.planner import (DEFAULT_BLOCK_SIZE, GiB, Placement, PlacementError, load_routing_stats,
-                                    plan_placement)
+from engine.offload.planner import DEFAULT_BLOCK_SIZE, Placement, PlacementError, load_routing_stats, plan_placement
+from engine.units import GiB
 from kimitui.commands.engine_flags import cpu_offload_arg
 
 MI355X_MEMORY_GB = 288.0
@@ -73,10 +73,10 @@ def run(args: argparse.Namespace) -> int:
     """Print the placement; 0 fits, 1 does not fit, 2 bad input (one line on stderr)."""
     try:
         source = args.model or args.config
-        if source is None:
-            from engine.demo import ensure_demo_checkpoint
+        if source is None or args.model in ("demo", "demo-k3"):
+            from engine.demo import demo_checkpoint
 
-            source = ensure_demo_checkpoint()
+            source = demo_checkpoint(args.model)
         config = ModelConfig.from_pretrained(source)
     except ConfigError as e:
         return _fail(str(e))
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--gpu-memory-gb must be positive; --reserve-gb and --host-memory-gb non-negative")
     try:
         stats = load_routing_stats(args.routing_stats) if args.routing_stats else None
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))
     host = None if args.host_memory_gb is None else int(args.host_memory_gb * GiB)
     try:
