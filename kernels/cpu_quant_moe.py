@@ -150,7 +150,9 @@ def moe(x, topk_ids, topk_weights, fmt, w13, w13_scale, w2, w2_scale, group_size
                              f"{dtype} {shape} on the CPU")
         if not t.is_contiguous():
             raise ValueError(f"cpu_quant_moe: {fmt} {name} must be contiguous")
-    code = _isa_code() if isa_name is None else ISA_CODES[isa_name]
+    code = _isa_code() if isa_name is None else ISA_CODES.get(isa_name, -1)
+    if not 0 <= code <= _module().best_isa():
+        raise ValueError(f"cpu_quant_moe: instruction set {isa_name!r} is not one this CPU runs ({supported_isas()})")
     out = _module().moe(x.float().contiguous(), topk_ids.long().contiguous(), topk_weights.float().contiguous(),
                         w13, w13_scale, w2, w2_scale, fmt == "mxfp4", group_size, code)
     return out.to(x.dtype)

@@ -112,6 +112,8 @@ def test_bad_input_names_the_tensor():
         cpu_quant_moe.moe(x, ids, wts, "int4", p13, s13, p2, s2)
     with pytest.raises(ValueError, match="unknown expert format"):
         cpu_quant_moe.moe(x, ids, wts, "fp8", p13, s13, p2, s2)
+    with pytest.raises(ValueError, match="instruction set 'sse9'"):
+        cpu_quant_moe.moe(x, ids, wts, "mxfp4", p13, s13, p2, s2, isa_name="sse9")
     with pytest.raises(ValueError, match="topk_weights"):
         cpu_quant_moe.moe(x, ids, wts[:, :1], "mxfp4", p13, s13, p2, s2)
 
