@@ -125,8 +125,10 @@ def main() -> int:
                 ids = torch.stack([torch.randperm(args.experts, generator=g)[:args.top_k] for _ in range(batch)])
                 tw = torch.rand(batch, args.top_k, generator=g)
                 xb = x.bfloat16()
-                ours = {dt: best_time(lambda xx=xx: cpu_quant_moe.moe(xx, ids, tw, fmt, w["w13"], w["w13_scale"],
-                                                                       w["w2"], w["w2_scale"]), args.repeats, args.clock)
+                def step(xx):
+                    return cpu_quant_moe.moe(xx, ids, tw, fmt, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"])
+
+                ours = {dt: best_time(lambda xx=xx: step(xx), args.repeats, args.clock)
                         for dt, xx in (("bf16", xb), ("fp32", x))}
                 int4pack = (best_time(lambda: R.moe_experts_int4pack_cpu(xb, ids, tw.bfloat16(), *packs, 32),
                                       args.repeats, args.clock) if packs is not None else None)

@@ -133,8 +133,10 @@ def moe(x, topk_ids, topk_weights, fmt, w13, w13_scale, w2, w2_scale, group_size
     if fmt == "int4":
         if group_size % 32:
             raise ValueError(f"cpu_quant_moe: INT4 group size {group_size} is not a multiple of 32")
-        want = {"w13": (torch.int32, [e, n13, -(-d // 8)]), "w13_scale": (torch.bfloat16, [e, n13, -(-d // group_size)]),
-                "w2": (torch.int32, [e, d, -(-inter // 8)]), "w2_scale": (torch.bfloat16, [e, d, -(-inter // group_size)])}
+        want = {"w13": (torch.int32, [e, n13, -(-d // 8)]),
+                "w13_scale": (torch.bfloat16, [e, n13, -(-d // group_size)]),
+                "w2": (torch.int32, [e, d, -(-inter // 8)]),
+                "w2_scale": (torch.bfloat16, [e, d, -(-inter // group_size)])}
     elif fmt == "mxfp4":
         if d % 32 or inter % 32:
             raise ValueError(f"cpu_quant_moe: MXFP4 needs hidden ({d}) and expert width ({inter}) multiples of 32")

@@ -24,7 +24,8 @@
 namespace isa_avx512 {
 using namespace cpu_quant_moe;
 constexpr int W = 16;
-constexpr int kFusedR1 = 8, kFusedR = 4, kFusedC = 4, kMicroR = 4, kMicroC = 6;
+// One token: 4 rows per block (4 weight + 4 scale streams per thread) measured faster than 8 at batch 1.
+constexpr int kFusedR1 = 4, kFusedR = 4, kFusedC = 4, kMicroR = 4, kMicroC = 6;
 using Vec = __m512;
 using Lut = __m512;
 inline Lut make_lut(const float* t) { return _mm512_loadu_ps(t); }

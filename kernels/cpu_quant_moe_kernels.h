@@ -75,10 +75,12 @@ static void fused_block(const QMat& m, const Lut& lut, int64_t r0, int nr, const
       // as integers: past a row's end they are only hints, never dereferenced)
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(wrow[r]) + g * 16 + kPrefetchBytes));
-        if ((g & 63) == 0)
-          __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(srow[r]) + si * (kE8M0 ? 1 : 2) +
-                                                           kPrefetchBytes / 8));
+        const uintptr_t w_ahead = reinterpret_cast<uintptr_t>(wrow[r]) + g * 16 + kPrefetchBytes;
+        __builtin_prefetch(reinterpret_cast<const void*>(w_ahead));
+        if ((g & 63) == 0) {
+          const uintptr_t s_ahead = reinterpret_cast<uintptr_t>(srow[r]) + si * (kE8M0 ? 1 : 2) + kPrefetchBytes / 8;
+          __builtin_prefetch(reinterpret_cast<const void*>(s_ahead));
+        }
       }
     }
 #pragma GCC unroll 16
