@@ -20,6 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	fi
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m kernels.cpu_few_rows  # compile the C++ CPU kernels once (about 30 s); without a compiler the PyTorch path runs
+	$(PY) -m kernels.cpu_quant_moe  # and the packed INT4 / MXFP4 expert kernels (about 1 min)
 	touch $@
 
 venv: $(VENV)/.installed

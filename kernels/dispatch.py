@@ -234,3 +234,31 @@ def causal_conv1d(x, weight, history, cu_seqlens=None):
     if _use_fla(x):
         return _kernel("kda_fla", "causal_conv1d")(x, weight, history, cu_seqlens)
     return _kernel("kda", "causal_conv1d")(x, weight, history, cu_seqlens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed INT4 / MXFP4 experts held by the CPU: kernels.cpu_quant_moe reads them in place.
+
+
+def cpu_quant_moe_ready(fmt, hidden, inter, group_size=32) -> bool:
+    """Whether ``moe_experts_cpu_quant`` runs the C++ kernels (``kernels.cpu_quant_moe``) for CPU-held
+    ``fmt`` experts of this shape, rather than the dequantising reference."""
+    from kernels import cpu_quant_moe
+
+    return (not _forced_reference() and cpu_quant_moe.supports(fmt, hidden, inter, group_size)
+            and cpu_quant_moe.available())
+
+
+def moe_experts_cpu_quant(x, topk_ids, topk_weights, fmt, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32):
+    """SwiGLU MoE over packed ``fmt`` ("int4" or "mxfp4") experts held by the CPU, x float32 or bf16:
+    the packed weights are read in place by ``kernels.cpu_quant_moe``; the reference where it does not
+    apply. Shapes as ``moe_experts_w4a16`` / ``moe_experts_mxfp4``."""
+    from kernels import cpu_quant_moe
+
+    if cpu_quant_moe_ready(fmt, x.shape[-1], w13_packed.shape[1] // 2, group_size):
+        return cpu_quant_moe.moe(x, topk_ids, topk_weights, fmt, w13_packed, w13_scale, w2_packed, w2_scale,
+                                 group_size)
+    if fmt == "int4":
+        return reference.moe_experts_reference_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
+                                                     w2_scale, group_size)
+    return reference.moe_experts_reference_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)

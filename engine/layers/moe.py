@@ -83,6 +83,9 @@ class ExpertStack(nn.Module):
         if (self.fmt != "int4" or dtype != torch.bfloat16 or self.w13_weight_packed.device.type != "cpu"
                 or self.num == 0):
             return False
+        if dispatch.cpu_quant_moe_ready(self.fmt, self.w2_weight_packed.shape[1], self.w13_weight_packed.shape[1] // 2,
+                                        self.quant.group_size):
+            return False  # kernels.cpu_quant_moe streams the checkpoint layout itself, faster
         g = self.quant.group_size
         (e, n13, w13_words), (_, d, w2_words) = self.w13_weight_packed.shape, self.w2_weight_packed.shape
         k13, k2 = w13_words * 8, w2_words * 8
@@ -115,6 +118,10 @@ class ExpertStack(nn.Module):
         if self.fmt == "int4pack":
             return dispatch.moe_experts_int4pack_cpu(x, ids, weights, self.w13_int4pack, self.w13_scales_zeros,
                                                      self.w2_int4pack, self.w2_scales_zeros, self.quant.group_size)
+        if self.fmt in ("int4", "mxfp4") and x.device.type == "cpu":  # packed experts read in place by C++
+            return dispatch.moe_experts_cpu_quant(x, ids, weights, self.fmt, self.w13_weight_packed,
+                                                  self.w13_weight_scale, self.w2_weight_packed, self.w2_weight_scale,
+                                                  self.quant.group_size)
         if self.fmt == "int4":
             return dispatch.moe_experts_w4a16(x, ids, weights, self.w13_weight_packed, self.w13_weight_scale,
                                               self.w2_weight_packed, self.w2_weight_scale, self.quant.group_size)

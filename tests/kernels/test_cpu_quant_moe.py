@@ -1,0 +1,131 @@
+"""The packed INT4 / MXFP4 CPU MoE kernels (kernels/cpu_quant_moe.py) against dequantise-then-matmul in
+float64, on every instruction set path this CPU runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_quant_moe, dispatch, reference as R
+
+pytestmark = pytest.mark.skipif(not cpu_quant_moe.available(), reason="the C++ extension does not build here")
+
+ISAS = cpu_quant_moe.supported_isas() if cpu_quant_moe.available() else []
+
+
+def _experts(fmt, e, n, k, seed):
+    """Packed weights [e, n, *] of random experts and their float64 dequantised values [e, n, k]."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(e, n, k, generator=g)
+    if fmt == "int4":
+        parts = [R.quantize_int4(w[i], 32) for i in range(e)]
+        packed = torch.stack([p for p, _ in parts])
+        scale = torch.stack([s.to(torch.bfloat16) for _, s in parts])
+        return packed, scale, R.dequant_int4(packed, scale, k, 32, torch.float64)
+    parts = [R.quantize_mxfp4(w[i]) for i in range(e)]
+    packed, scale = torch.stack([p for p, _ in parts]), torch.stack([s for _, s in parts])
+    return packed, scale, R.dequant_mxfp4(packed, scale, torch.float64)
+
+
+def _oracle(x, ids, weights, w13, w2):
+    # float64, pair by pair: y_t = sum_k w_tk * w2[e] @ (silu(gate_e x_t) * up_e x_t)
+    x, out = x.double(), torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    inter = w13.shape[1] // 2
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            e = int(ids[t, s])
+            if 0 <= e < w13.shape[0]:
+                gu = w13[e] @ x[t]
+                out[t] += float(weights[t, s]) * (w2[e] @ (F.silu(gu[:inter]) * gu[inter:]))
+    return out
+
+
+# Shapes with tails: hidden 72 (INT4: a 32-column group cut at 8, a packed row of 36 bytes), expert
+# width 40 and rows not multiples of the 16-row work item or the register blocks.
+CASES = [("int4", 72, 40), ("int4", 64, 96), ("mxfp4", 96, 64), ("mxfp4", 32, 160)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt,hidden,inter", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_float64_dequantised(isa, fmt, hidden, inter, dtype):
+    e, top_k = 5, 3
+    p13, s13, w13 = _experts(fmt, e, 2 * inter, hidden, 1)
+    p2, s2, w2 = _experts(fmt, e, hidden, inter, 2)
+    g = torch.Generator().manual_seed(3)
+    for tokens in (1, 3, 9, 150):  # registers path (<= 4 per expert), tiled path, > one 128-token block
+        x = torch.randn(tokens, hidden, generator=g).to(dtype)
+        ids = torch.randint(0, e + 1, (tokens, top_k), generator=g)  # id e: computed elsewhere, adds nothing
+        wts = torch.rand(tokens, top_k, generator=g)
+        y = cpu_quant_moe.moe(x, ids, wts, fmt, p13, s13, p2, s2, 32, isa_name=isa)
+        assert y.dtype == dtype and y.shape == (tokens, hidden)
+        ref = _oracle(x.float(), ids, wts, w13, w2)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+        err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < tol, f"{fmt} {isa} {dtype} tokens={tokens}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+def test_a_row_gives_the_same_bits_alone_and_in_a_batch(isa, fmt):
+    hidden, inter, e = 96, 80 if fmt == "int4" else 96, 4
+    p13, s13, _ = _experts(fmt, e, 2 * inter, hidden, 4)
+    p2, s2, _ = _experts(fmt, e, hidden, inter, 5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(200, hidden, generator=g)
+    ids = torch.randint(0, e, (200, 2), generator=g)
+    wts = torch.rand(200, 2, generator=g)
+    batch = cpu_quant_moe.moe(x, ids, wts, fmt, p13, s13, p2, s2, isa_name=isa)
+    # every expert sees ~100 tokens in the batch (tiled path, two token blocks) and one alone (registers)
+    for t in (0, 7, 131, 199):
+        alone = cpu_quant_moe.moe(x[t:t + 1], ids[t:t + 1], wts[t:t + 1], fmt, p13, s13, p2, s2, isa_name=isa)
+        assert torch.equal(alone[0], batch[t]), f"row {t} differs alone and in a batch ({fmt}, {isa})"
+
+
+def test_dispatch_matches_the_reference_and_takes_bf16():
+    hidden, inter, e = 64, 32, 4
+    p13, s13, _ = _experts("int4", e, 2 * inter, hidden, 7)
+    p2, s2, _ = _experts("int4", e, hidden, inter, 8)
+    x = torch.randn(6, hidden)
+    ids, wts = torch.randint(0, e, (6, 2)), torch.rand(6, 2)
+    got = dispatch.moe_experts_cpu_quant(x, ids, wts, "int4", p13, s13, p2, s2, 32)
+    ref = R.moe_experts_reference_w4a16(x, ids, wts, p13, s13, p2, s2, 32)
+    scale = ref.abs().max().item()  # outputs ~ hundreds: compare against the largest
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6 * scale)
+    got16 = dispatch.moe_experts_cpu_quant(x.bfloat16(), ids, wts.bfloat16(), "int4", p13, s13, p2, s2, 32)
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.float(), ref, rtol=2e-2, atol=1e-2 * scale)
+
+
+def test_bad_input_names_the_tensor():
+    p13, s13, _ = _experts("mxfp4", 2, 64, 64, 9)
+    p2, s2, _ = _experts("mxfp4", 2, 64, 32, 10)
+    x, ids, wts = torch.randn(1, 64), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
+    with pytest.raises(ValueError, match="w2_scale"):
+        cpu_quant_moe.moe(x, ids, wts, "mxfp4", p13, s13, p2, s2[:, :, :0])
+    with pytest.raises(ValueError, match="w13 is torch.uint8"):
+        cpu_quant_moe.moe(x, ids, wts, "int4", p13, s13, p2, s2)
+    with pytest.raises(ValueError, match="unknown expert format"):
+        cpu_quant_moe.moe(x, ids, wts, "fp8", p13, s13, p2, s2)
+    with pytest.raises(ValueError, match="instruction set 'sse9'"):
+        cpu_quant_moe.moe(x, ids, wts, "mxfp4", p13, s13, p2, s2, isa_name="sse9")
+    with pytest.raises(ValueError, match="topk_weights"):
+        cpu_quant_moe.moe(x, ids, wts[:, :1], "mxfp4", p13, s13, p2, s2)
+
+
+def test_the_isa_is_chosen_once_from_the_cpu_or_the_environment():
+    assert cpu_quant_moe.isa() in ("avx512", "avx2+fma", "scalar")
+    if not os.environ.get("KIMITUI_CPU_ISA"):  # what `kimitui info` prints without building the extension
+        assert cpu_quant_moe.planned_isa() == cpu_quant_moe.isa()
+    env = dict(os.environ, KIMITUI_CPU_ISA="scalar")
+    code = "from kernels import cpu_quant_moe as q; print(q.isa())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "scalar"
+    env["KIMITUI_CPU_ISA"] = "sse9"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "KIMITUI_CPU_ISA='sse9'" in bad.stderr
