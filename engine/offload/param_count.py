@@ -144,6 +144,24 @@ def state_bytes_per_seq(config: ModelConfig, model: nn.Module | None = None) -> 
 
 
 @dataclass(frozen=True)
+class CacheLayout:
+    """What one sequence costs the cache, over all layers of one rank's build."""
+
+    num_state_layers: int     # layers with a fixed per-sequence state (KDA)
+    num_paged_layers: int     # layers with a paged per-token cache (MLA latent)
+    state_bytes_per_seq: int
+    kv_bytes_per_token: int
+
+
+def cache_layout(config: ModelConfig, model: nn.Module | None = None) -> CacheLayout:
+    """Layer counts and per-sequence / per-token cache bytes from the model's own cache specs."""
+    model = model if model is not None else meta_model(config)
+    specs = model.cache_specs(compute_dtype(config))
+    return CacheLayout(sum(1 for s in specs if s.bytes_per_seq() > 0), sum(1 for s in specs if s.bytes_per_block(1) > 0),
+                       sum(s.bytes_per_seq() for s in specs), sum(s.bytes_per_block(1) for s in specs))
+
+
+@dataclass(frozen=True)
 class Footprint:
     """What the planner needs to know about a model on ``len(non_expert_per_device)`` GPUs.
 
@@ -169,7 +187,6 @@ def footprint(config: ModelConfig, num_devices: int) -> Footprint:
         parts = size.parts if num_devices == 1 else part_sizes(model)
         per_device.append(sum(v.nbytes for k, v in parts.items() if k != "routed_experts"))
         state.append(state_bytes_per_seq(config, model))
-    specs = whole.cache_specs(compute_dtype(config))
-    return Footprint(size, tuple(per_device), kv_bytes_per_token(config, whole), tuple(state),
-                     state_bytes_per_seq(config, whole), sum(1 for s in specs if s.bytes_per_seq() > 0),
-                     sum(1 for s in specs if s.bytes_per_block(1) > 0))
+    cache = cache_layout(config, whole)
+    return Footprint(size, tuple(per_device), cache.kv_bytes_per_token, tuple(state), cache.state_bytes_per_seq,
+                     cache.num_state_layers, cache.num_paged_layers)
