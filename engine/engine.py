@@ -252,10 +252,10 @@ def _shutdown_workers(workers) -> None:
 
 
 def _resolve_model(model: str | None) -> str:
-    if model in (None, "", "demo"):
-        from engine.demo import ensure_demo_checkpoint
+    if model in (None, "", "demo", "demo-k3"):
+        from engine.demo import demo_checkpoint
 
-        return str(ensure_demo_checkpoint())
+        return str(demo_checkpoint(model))
     path = Path(model).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")

@@ -12,7 +12,8 @@ a step and can be copied out. The boundaries are every ``snapshot_every_blocks``
 shared system prompt is resumable from at most that many blocks before its end) and the prompt's
 last full block (the longest hit a repeat of the same prompt can have). A boundary whose block
 already has a snapshot cuts nothing, so a warm prefix costs no extra steps; a cold prompt of N
-tokens costs at most N / (snapshot_every_blocks * block_size) extra chunk ends.
+tokens costs at most N / (snapshot_every_blocks * block_size) extra chunk ends (this holds with
+chunked prefill off too: a hybrid prompt is still cut at its snapshot boundaries).
 """
 
 from __future__ import annotations

@@ -57,6 +57,19 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     return sorted_token_ids[:size], expert_ids.to(torch.int32), padded_end[num_experts - 1: num_experts].to(torch.int32)
 
 
+# Up to this many (token, slot) pairs (decode), one Triton launch aligns them (kernels/moe_align.py);
+# beyond it (prefill, not launch-bound) the PyTorch version above, whose ops scale across the GPU.
+_TRITON_ALIGN_MAX_PAIRS = 4096
+
+
+def _align(topk_ids: torch.Tensor, block_size: int, num_experts: int):
+    if topk_ids.numel() <= _TRITON_ALIGN_MAX_PAIRS:
+        from kernels.moe_align import moe_align_block_size as triton_align
+
+        return triton_align(topk_ids, block_size, num_experts)
+    return moe_align_block_size(topk_ids, block_size, num_experts)
+
+
 @triton.jit
 def _load_b(b_ptr, s_ptr, expert, offs_n, offs_k, mask,
             stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
@@ -166,7 +179,7 @@ def _run(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, inter, wfmt, g
         return torch.zeros_like(x)
     block_m = 16 if num_pairs <= 64 else 64
     block_n, block_k = 64, 64
-    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, w13.shape[0])
+    sorted_ids, expert_ids, num_post = _align(topk_ids, block_m, w13.shape[0])
     num_blocks = expert_ids.shape[0]
     routing = topk_weights.reshape(-1).contiguous()  # [T*k]
     hidden = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)  # silu(gate) * up

@@ -83,14 +83,7 @@ def _load_one(module: nn.Module | None, target: WeightTarget, src: TensorSource)
     param = module._parameters.get(target.name)
     if param is None or target.shard_id is not None:
         return None
-    loader = getattr(param, "weight_loader", None)
-    if loader is None:
-        copy_into(param, src)
-    else:  # the parameter reads a layout unlike its own (KDA A_log: [1,1,H,1] or [128])
-        try:
-            loader(param, src.read())
-        except ValueError as e:
-            raise src.error(str(e)) from None
+    copy_into(param, src)  # honours a parameter's weight_loader (KDA A_log: [1,1,H,1] or [128])
     return [(target.name, None)]
 
 

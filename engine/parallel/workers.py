@@ -3,7 +3,8 @@ tokenizer, sampling); ranks 1..N-1 are spawned workers that mirror every model s
 
 Workers receive each step's ``StepInputs`` by broadcast and run the same forward pass, so the
 model's all-reduces and all-gathers pair up. A worker that dies surfaces in rank 0 as a
-``WorkerError`` (its collective fails once the peer's socket closes), never as a hang.
+``WorkerError``, never as a hang: rank 0's watchdog sees the death on a pipe within a second and
+stops the group, which fails the pending collective (``engine/parallel/watchdog.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.parallel.state import ParallelState
+from engine.parallel.watchdog import Heartbeat, Watchdog, stop_workers
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +72,14 @@ def broadcast_object(obj=None):
     return box[0]
 
 
-def _worker_main(rank: int, spec: WorkerSpec) -> None:
+def _worker_main(rank: int, spec: WorkerSpec, heartbeat=None) -> None:
     from engine.config import ModelConfig
     from engine.kv_cache.pool import KVCachePool
     from engine.loader import load_model
     from engine.runner import ModelRunner
 
+    if heartbeat is not None:
+        Heartbeat(heartbeat)  # rank 0's watchdog hears this process is alive (engine/parallel/watchdog.py)
     try:
         torch.set_num_threads(spec.threads_per_rank)
         device = rank_device(spec.device_type, rank)
@@ -112,11 +116,15 @@ class WorkerGroup:
     def __init__(self, spec: WorkerSpec):
         self.spec = spec
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_worker_main, args=(r, spec), name=f"kimitui-rank{r}", daemon=True)
-                      for r in range(1, spec.world_size)]
-        for p in self.procs:
+        pipes = [ctx.Pipe(duplex=False) for _ in range(1, spec.world_size)]  # (rank 0's end, the worker's)
+        self.procs = [ctx.Process(target=_worker_main, args=(r, spec, send), name=f"kimitui-rank{r}", daemon=True)
+                      for r, (_, send) in zip(range(1, spec.world_size), pipes)]
+        for p, (_, send) in zip(self.procs, pipes):
             p.start()
+            send.close()  # the worker holds its end; rank 0 then reads EOF when it dies
         self._closed = False
+        self.watchdog = Watchdog({r: (p, recv) for r, (p, (recv, _)) in enumerate(zip(self.procs, pipes), start=1)},
+                                 on_failure=lambda _: stop_workers(self.procs))  # unblocks rank 0
 
     def join_as_rank0(self) -> ParallelState:
         """Join the process group as rank 0, failing fast if a worker dies before it connects."""
@@ -132,6 +140,8 @@ class WorkerGroup:
         t.start()
         while t.is_alive():
             t.join(timeout=0.2)
+            if self.watchdog.failure:
+                raise WorkerError(f"{self.watchdog.failure} during start-up (see its traceback above)")
             for rank, p in enumerate(self.procs, start=1):
                 if p.exitcode is not None:
                     raise WorkerError(f"tensor-parallel worker rank {rank} exited with code {p.exitcode} "
@@ -148,11 +158,15 @@ class WorkerGroup:
             raise WorkerError(self._failure(e)) from None
 
     def check(self) -> None:
+        if self.watchdog.failure:
+            raise WorkerError(self.watchdog.failure)
         for rank, p in enumerate(self.procs, start=1):
             if p.exitcode is not None:
                 raise WorkerError(f"tensor-parallel worker rank {rank} exited with code {p.exitcode}")
 
     def _failure(self, error: Exception) -> str:
+        if self.watchdog.failure:
+            return f"{self.watchdog.failure} ({error})"
         for rank, p in enumerate(self.procs, start=1):
             p.join(timeout=2)
             if p.exitcode is not None:
@@ -163,6 +177,7 @@ class WorkerGroup:
         if self._closed:
             return
         self._closed = True
+        self.watchdog.stop()  # workers are about to exit on purpose
         if all(p.exitcode is None for p in self.procs):
             try:
                 broadcast_object(None)

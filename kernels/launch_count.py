@@ -1,0 +1,139 @@
+"""Count what a piece of code launches: ATen ops, Triton kernels, collectives and host syncs.
+
+The decode step is launch-bound when it runs thousands of tiny ops; this tool measures that on any
+machine, including a CPU under ``TRITON_INTERPRET=1`` (the emulated device path), so "at most N
+kernels per layer, no host sync in the forward" can be a test instead of a profiler session::
+
+    with count_launches() as counts:
+        model_step()
+    assert counts.kernels <= 30 * num_layers and not counts.host_syncs
+
+- ATen ops are seen through a ``TorchDispatchMode``. Views and allocations (``empty``) launch no
+  kernel and are not counted; ops run *inside* a Triton launch (the interpreter's own host copies)
+  are not counted either.
+- Triton launches are counted by wrapping ``JITFunction.run`` and the interpreter's
+  ``InterpretedFunction.run`` for the duration of the ``with`` block (restored on exit). This is the
+  one place kimitui swaps a library attribute, and only inside this diagnostic context.
+- Collectives: ops of the ``c10d`` / ``_c10d_functional`` namespaces (``dist.all_reduce`` etc.).
+- Host syncs: ``aten._local_scalar_dense`` (``.item()``, ``bool(t)``, ``int(t)``), ops whose output
+  size depends on the data (``nonzero``, ``masked_select``, ``unique``...: they sync on a GPU to size
+  their output) and copies from a device tensor to the CPU. On a CPU, ``.cpu()`` and ``.tolist()``
+  of a CPU tensor dispatch nothing; the other kinds are seen as on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "lift_fresh"}
+_DATA_DEPENDENT = {"nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive",
+                   "bincount", "repeat_interleave", "_local_scalar_dense", "is_nonzero"}
+_COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional"}
+
+
+@dataclass
+class LaunchCounts:
+    """What ran inside one ``count_launches`` block, by op or kernel name."""
+
+    aten: Counter = field(default_factory=Counter)  # ATen ops that launch a kernel, outside Triton
+    triton: Counter = field(default_factory=Counter)  # Triton launches by kernel name
+    collectives: Counter = field(default_factory=Counter)
+    host_syncs: Counter = field(default_factory=Counter)
+
+    @property
+    def kernels(self) -> int:
+        """ATen kernels plus Triton launches: the number the launch budget is about."""
+        return sum(self.aten.values()) + sum(self.triton.values())
+
+    def summary(self) -> str:
+        return (f"{self.kernels} kernels ({sum(self.aten.values())} ATen, {sum(self.triton.values())} Triton), "
+                f"{sum(self.collectives.values())} collectives, {sum(self.host_syncs.values())} host syncs")
+
+
+def _is_device_to_host(name: str, args, kwargs) -> bool:
+    if name == "_to_copy":
+        src, dst = args[0], kwargs.get("device")
+        return dst is not None and torch.device(dst).type == "cpu" and src.device.type != "cpu"
+    if name == "copy_":
+        dst, src = args[0], args[1]
+        return isinstance(src, torch.Tensor) and dst.device.type == "cpu" and src.device.type != "cpu"
+    return False
+
+
+def _has_tensor(out) -> bool:
+    if isinstance(out, (tuple, list)):
+        return any(isinstance(o, torch.Tensor) for o in out)
+    return isinstance(out, torch.Tensor)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, counts: LaunchCounts):
+        super().__init__()
+        self.counts = counts
+        self.triton_depth = 0  # > 0 while a Triton launch runs: its host-side ops are not the model's
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.triton_depth == 0:
+            name = func.overloadpacket.__name__
+            if func.namespace in _COLLECTIVE_NAMESPACES:
+                self.counts.collectives[name] += 1
+            elif func.namespace == "aten" and not func.is_view and name not in _NO_KERNEL:
+                sync = name in _DATA_DEPENDENT or _is_device_to_host(name, args, kwargs)
+                if sync:
+                    self.counts.host_syncs[name] += 1
+                if sync or _has_tensor(out):  # not dtype queries such as promote_types
+                    self.counts.aten[name] += 1
+        return out
+
+
+def _launcher_classes() -> list[type]:
+    try:
+        from triton.runtime.jit import JITFunction
+    except Exception:  # no (working) triton: nothing to wrap
+        return []
+    classes = [JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not issubclass(InterpretedFunction, JITFunction):
+            classes.append(InterpretedFunction)
+    except Exception:
+        pass
+    return classes
+
+
+@contextlib.contextmanager
+def count_launches():
+    """Count launches inside the ``with`` block; yields the ``LaunchCounts`` it fills."""
+    counts = LaunchCounts()
+    recorder = _Recorder(counts)
+    originals = {cls: cls.run for cls in _launcher_classes()}
+
+    def wrap(original):
+        def run(self, *args, **kwargs):
+            if kwargs.get("warmup"):  # compiles only, launches nothing
+                return original(self, *args, **kwargs)
+            if recorder.triton_depth == 0:
+                counts.triton[getattr(self, "__name__", None) or self.fn.__name__] += 1
+            recorder.triton_depth += 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                recorder.triton_depth -= 1
+        return run
+
+    for cls, original in originals.items():
+        cls.run = wrap(original)
+    try:
+        with recorder:
+            yield counts
+    finally:
+        for cls, original in originals.items():
+            cls.run = original

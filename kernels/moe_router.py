@@ -1,0 +1,134 @@
+"""MoE routing after the gate GEMM in one Triton launch (reference: ``reference_fused.moe_route_logits``).
+
+DeepSeek-V3's ``noaux_tc`` router, as Kimi K2 uses it: scores = sigmoid(logits) (or softmax);
+selection runs on ``scores + e_score_correction_bias``; with ``n_group > 1`` each group scores the
+sum of its two best biased experts and only the ``topk_group`` best groups stay eligible; the
+``top_k`` best eligible experts win; their weights are the *unbiased* scores, renormalised to sum to
+one (``norm_topk_prob``) and multiplied by ``routed_scaling_factor``. Same maths as vLLM's
+``grouped_topk`` (vllm-project/vllm, ``vllm/model_executor/layers/fused_moe/router/
+grouped_topk_router.py``). Op by op this is about eleven launches per layer; here one program per
+token holds the token's E logits in registers and selects by repeated arg-max, so ties always pick
+the lower expert (or group) id, the same on every backend and every run.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import FLOAT_DTYPES, check_device
+
+_MAX_EXPERTS = 4096  # one row of logits in one block
+
+
+@triton.jit
+def _first_argmax(v, idx, BIG: tl.constexpr):
+    # (max, lowest index holding it) of v [B]; an explicit tie rule rather than tl.argmax's.
+    m = tl.max(v, axis=0)
+    return m, tl.min(tl.where(v == m, idx, BIG), axis=0)
+
+
+@triton.jit
+def _moe_router_kernel(
+    logits_ptr, bias_ptr, ids_ptr, weights_ptr,
+    E, stride_l, stride_i, stride_w, scaling,
+    TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    valid = e < E
+    x = tl.load(logits_ptr + t * stride_l + e, mask=valid, other=float("-inf")).to(tl.float32)  # [BE]
+    if SOFTMAX:
+        p = tl.exp(x - tl.max(x, axis=0))
+        scores = p / tl.sum(p, axis=0)
+    else:
+        scores = tl.sigmoid(x)
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
+    neg_inf = float("-inf")
+    choice = tl.where(valid, choice, neg_inf)
+
+    if N_GROUP > 1:
+        # group score = sum of the group's two best biased experts; keep the TOPK_GROUP best groups
+        group_size = E // N_GROUP
+        group = e // group_size
+        g = tl.arange(0, BLOCK_G)
+        group_scores = tl.full((BLOCK_G,), neg_inf, tl.float32)
+        for gi in tl.static_range(N_GROUP):
+            v = tl.where(group == gi, choice, neg_inf)
+            best, at = _first_argmax(v, e, BLOCK_E)
+            second = tl.max(tl.where(e == at, neg_inf, v), axis=0)
+            group_scores = tl.where(g == gi, best + second, group_scores)
+        keep = e < 0  # all False [BE]
+        for _ in tl.static_range(TOPK_GROUP):
+            _, gbest = _first_argmax(group_scores, g, BLOCK_G)
+            keep = keep | (group == gbest)
+            group_scores = tl.where(g == gbest, neg_inf, group_scores)
+        choice = tl.where(keep & valid, choice, neg_inf)
+
+    k = tl.arange(0, BLOCK_K)
+    top_ids = tl.zeros((BLOCK_K,), tl.int32)
+    top_w = tl.zeros((BLOCK_K,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        _, at = _first_argmax(choice, e, BLOCK_E)
+        w = tl.sum(tl.where(e == at, scores, 0.0), axis=0)  # the unbiased score of the winner
+        top_ids = tl.where(k == j, at, top_ids)
+        top_w = tl.where(k == j, w, top_w)
+        choice = tl.where(e == at, neg_inf, choice)
+    if RENORMALIZE:
+        top_w = top_w / (tl.sum(top_w, axis=0) + 1e-20)
+    mask_k = k < TOP_K
+    tl.store(ids_ptr + t * stride_i + k, top_ids.to(ids_ptr.dtype.element_ty), mask=mask_k)
+    tl.store(weights_ptr + t * stride_w + k, top_w * scaling, mask=mask_k)
+
+
+def moe_route_logits(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    scoring_func: str = "sigmoid",
+    norm_topk_prob: bool = True,
+    scaling: float = 1.0,
+    ids_dtype: torch.dtype = torch.int64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits ``[T, E]`` (the gate GEMM's output) -> ``(topk_ids [T, k], topk_weights [T, k] fp32)``.
+
+    ``bias``: the fp32 ``e_score_correction_bias [E]`` (None: no bias). Ids come in descending order
+    of biased score, ties to the lower id. One launch, no host sync.
+    """
+    if logits.dim() != 2 or logits.dtype not in FLOAT_DTYPES or logits.stride(-1) != 1:
+        raise ValueError(f"moe_route_logits: logits must be fp16/bf16/fp32 [T, E] with a contiguous last dim, "
+                         f"got {logits.dtype} {tuple(logits.shape)}")
+    t, e = logits.shape
+    if bias is not None and (bias.shape != (e,) or not bias.dtype.is_floating_point or not bias.is_contiguous()):
+        raise ValueError(f"moe_route_logits: bias must be a contiguous float [E={e}], got {bias.dtype} {tuple(bias.shape)}")
+    if scoring_func not in ("sigmoid", "softmax"):
+        raise ValueError(f"moe_route_logits: scoring_func must be sigmoid or softmax, got {scoring_func!r}")
+    if triton.next_power_of_2(e) > _MAX_EXPERTS:
+        raise ValueError(f"moe_route_logits: {e} experts do not fit one block ({_MAX_EXPERTS})")
+    if n_group < 1 or e % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"moe_route_logits: n_group={n_group} must divide E={e}, topk_group={topk_group} in [1, n_group]")
+    if n_group > 1 and e // n_group < 2:
+        raise ValueError(f"moe_route_logits: groups score their two best experts; E/n_group={e // n_group} < 2")
+    if not 1 <= top_k <= topk_group * (e // n_group):
+        raise ValueError(f"moe_route_logits: top_k={top_k} must be in [1, {topk_group * (e // n_group)}] "
+                         f"(experts in the {topk_group} kept groups)")
+    if ids_dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"moe_route_logits: ids_dtype must be int32 or int64, got {ids_dtype}")
+    ids = torch.empty((t, top_k), dtype=ids_dtype, device=logits.device)
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    check_device(logits, ids, *([] if bias is None else [bias]))
+    if t:
+        _moe_router_kernel[(t,)](
+            logits, logits if bias is None else bias, ids, weights,
+            e, logits.stride(0), ids.stride(0), weights.stride(0), float(scaling),
+            TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
+            SOFTMAX=scoring_func == "softmax", RENORMALIZE=bool(norm_topk_prob), HAS_BIAS=bias is not None,
+            BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
+            BLOCK_G=triton.next_power_of_2(n_group),
+        )
+    return ids, weights
