@@ -10,7 +10,7 @@ weights, the dtype a GPU run computes in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -58,6 +58,7 @@ class ModelSize:
     routed_expert: PartSize        # one expert (gate + up + down) of one MoE layer
     num_moe_layers: int
     n_routed_experts: int
+    storage: dict[str, int] = field(default_factory=dict)  # bytes by stored format (storage_format)
 
     @property
     def total(self) -> PartSize:
@@ -74,6 +75,28 @@ class ModelSize:
 def _size(p: torch.Tensor) -> PartSize:
     # INT4 packs 8 values per int32, MXFP4 2 per byte; scales declare 0 (see engine.layers.linear)
     return PartSize(p.numel() * getattr(p, "values_per_element", 1), p.numel() * p.element_size())
+
+
+# (dtype, logical values per element) -> the format's name; packed formats declare how many values
+# one stored element holds (engine.layers.linear), quantisation scales declare 0.
+_FORMATS = {(torch.uint8, 2): "mxfp4", (torch.int32, 8): "int4", (torch.float8_e4m3fn, 1): "fp8",
+            (torch.bfloat16, 1): "bf16", (torch.float16, 1): "fp16", (torch.float32, 1): "f32"}
+
+
+def storage_format(p: torch.Tensor) -> str:
+    """``mxfp4``, ``int4``, ``fp8``, ``bf16``, ``fp16``, ``f32`` or ``scales`` (any dtype)."""
+    vpe = getattr(p, "values_per_element", 1)
+    if vpe == 0:
+        return "scales"
+    return _FORMATS.get((p.dtype, vpe), str(p.dtype).removeprefix("torch."))
+
+
+def storage_bytes(model: nn.Module) -> dict[str, int]:
+    """{format: bytes} over the parameters of ``model``, largest first."""
+    out: dict[str, int] = {}
+    for p in model.parameters():
+        out[storage_format(p)] = out.get(storage_format(p), 0) + p.numel() * p.element_size()
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def part_sizes(model: nn.Module) -> dict[str, PartSize]:
@@ -97,12 +120,14 @@ def count_params(config: ModelConfig, model: nn.Module | None = None) -> ModelSi
     Rotary ``inv_freq`` buffers and the MTP layer (``num_nextn_predict_layers``) are left out:
     loaders skip them.
     """
-    parts = part_sizes(model if model is not None else meta_model(config))
+    model = model if model is not None else meta_model(config)
+    parts = part_sizes(model)
     layers = moe_layers(config)
     n = config.n_routed_experts
     routed = parts["routed_experts"]
     one = PartSize(routed.params // (len(layers) * n), routed.nbytes // (len(layers) * n)) if layers else PartSize()
-    return ModelSize(parts=parts, routed_expert=one, num_moe_layers=len(layers), n_routed_experts=n)
+    return ModelSize(parts=parts, routed_expert=one, num_moe_layers=len(layers), n_routed_experts=n,
+                     storage=storage_bytes(model))
 
 
 def kv_bytes_per_token(config: ModelConfig, model: nn.Module | None = None) -> int:
@@ -111,21 +136,57 @@ def kv_bytes_per_token(config: ModelConfig, model: nn.Module | None = None) -> i
     return sum(spec.bytes_per_block(1) for spec in model.cache_specs(compute_dtype(config)))
 
 
+def state_bytes_per_seq(config: ModelConfig, model: nn.Module | None = None) -> int:
+    """Fixed per-sequence state bytes over all layers (KDA recurrent + conv state; 0 for pure MLA),
+    on the rank ``model`` was built for: KDA heads are split over ranks, so each holds its share."""
+    model = model if model is not None else meta_model(config)
+    return sum(spec.bytes_per_seq() for spec in model.cache_specs(compute_dtype(config)))
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What one sequence costs the cache, over all layers of one rank's build."""
+
+    num_state_layers: int     # layers with a fixed per-sequence state (KDA)
+    num_paged_layers: int     # layers with a paged per-token cache (MLA latent)
+    state_bytes_per_seq: int
+    kv_bytes_per_token: int
+
+
+def cache_layout(config: ModelConfig, model: nn.Module | None = None) -> CacheLayout:
+    """Layer counts and per-sequence / per-token cache bytes from the model's own cache specs."""
+    model = model if model is not None else meta_model(config)
+    specs = model.cache_specs(compute_dtype(config))
+    return CacheLayout(sum(1 for s in specs if s.bytes_per_seq() > 0), sum(1 for s in specs if s.bytes_per_block(1) > 0),
+                       sum(s.bytes_per_seq() for s in specs), sum(s.bytes_per_block(1) for s in specs))
+
+
 @dataclass(frozen=True)
 class Footprint:
-    """What the planner needs to know about a model on ``len(non_expert_per_device)`` GPUs."""
+    """What the planner needs to know about a model on ``len(non_expert_per_device)`` GPUs.
+
+    The MLA latent (``kv_bytes_per_token``) is per token and the same on every rank (the latent is
+    not split by head); the KDA state is per sequence and split by head, so it is per rank."""
 
     size: ModelSize
     non_expert_per_device: tuple[int, ...]  # bytes of all but the routed experts, per rank
     kv_bytes_per_token: int
+    state_bytes_per_seq_per_device: tuple[int, ...] = ()
+    state_bytes_per_seq: int = 0  # whole model (one rank's build)
+    num_state_layers: int = 0     # KDA layers
+    num_paged_layers: int = 0     # MLA layers
 
 
 def footprint(config: ModelConfig, num_devices: int) -> Footprint:
     """Sizes of the whole model and of each rank's share of it, each from its own meta build."""
     whole = meta_model(config)
     size = count_params(config, whole)
-    per_device = []
+    per_device, state = [], []
     for rank in range(num_devices):
-        parts = size.parts if num_devices == 1 else part_sizes(meta_model(config, num_devices, rank))
+        model = whole if num_devices == 1 else meta_model(config, num_devices, rank)
+        parts = size.parts if num_devices == 1 else part_sizes(model)
         per_device.append(sum(v.nbytes for k, v in parts.items() if k != "routed_experts"))
-    return Footprint(size, tuple(per_device), kv_bytes_per_token(config, whole))
+        state.append(state_bytes_per_seq(config, model))
+    cache = cache_layout(config, whole)
+    return Footprint(size, tuple(per_device), cache.kv_bytes_per_token, tuple(state), cache.state_bytes_per_seq,
+                     cache.num_state_layers, cache.num_paged_layers)

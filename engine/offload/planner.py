@@ -1,7 +1,9 @@
 """Placement planner: memory budget -> where every weight, the KV cache and each routed expert lives.
 
 Order of filling each GPU: non-expert weights (tensor parallel, uneven splits), the MLA latent KV
-cache for ``max_model_len x max_num_seqs`` tokens, a reserve for activations and workspace; then
+cache for ``max_model_len x max_num_seqs`` tokens, the fixed per-sequence state of linear-attention
+layers (Kimi K3's KDA: ``max_num_seqs`` slots, this rank's heads), a reserve for activations and
+workspace; then
 routed experts (expert parallel) while they fit; the rest live in host RAM and run on the CPU
 (KTransformers' split; llama.cpp's ``-ot exps=CPU`` offloads all of them). Sizes are bytes; the
 text renderer prints GiB (2^30), the unit the published checkpoint sizes and ``rocm-smi`` use.
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ class DevicePlan:
     kv_bytes: int
     reserve_bytes: int
     capacity_bytes: int
+    state_bytes: int = 0  # KDA state slots (max_num_seqs x this rank's heads), 0 for pure MLA
 
     @property
     def weight_bytes(self) -> int:
@@ -53,7 +56,7 @@ class DevicePlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_bytes + self.reserve_bytes
+        return self.weight_bytes + self.kv_bytes + self.state_bytes + self.reserve_bytes
 
     @property
     def free_bytes(self) -> int:
@@ -93,10 +96,25 @@ class Placement:
     max_model_len_with_placement: int
     max_position_embeddings: int
     model_size: ModelSize
+    state_bytes_per_seq: int = 0      # KDA state of one sequence, all layers, all ranks together
+    num_state_layers: int = 0         # KDA layers
+    num_paged_layers: int = 0         # MLA layers
+    max_num_seqs_with_placement: int = 0  # sequences of max_model_len that fit beside these weights
 
     @property
     def num_cpu_experts(self) -> int:
         return sum(row.count(-1) for row in self.expert_device)
+
+    @property
+    def fits_on_gpus(self) -> bool:
+        """The plan fits with every routed expert on a GPU (no CPU expert compute)."""
+        return self.fits and self.num_cpu_experts == 0
+
+    def seq_bytes(self, model_len: int) -> int:
+        """GPU bytes one sequence of ``model_len`` tokens costs over all GPUs: its MLA latent on every
+        GPU (replicated) plus its KDA state (split by head)."""
+        blocks = math.ceil(model_len / self.block_size) * self.block_size
+        return self.num_devices * blocks * self.kv_bytes_per_token + self.state_bytes_per_seq
 
     @property
     def shortfall_bytes(self) -> int:
@@ -122,13 +140,15 @@ class Placement:
         return {
             "model": self.model, "num_devices": self.num_devices, "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs, "block_size": self.block_size, "cpu_offload": self.cpu_offload,
-            "fits": self.fits, "problems": list(self.problems), "notes": list(self.notes),
+            "fits": self.fits, "fits_on_gpus": self.fits_on_gpus, "problems": list(self.problems), "notes": list(self.notes),
             "devices": [asdict(d) | {"weight_bytes": d.weight_bytes, "total_bytes": d.total_bytes,
                                      "free_bytes": d.free_bytes} for d in self.devices],
             "host": {"num_experts": self.num_cpu_experts, "bytes": self.host_bytes,
                      "capacity_bytes": self.host_capacity_bytes},
             "shortfall_bytes": self.shortfall_bytes, "host_shortfall_bytes": self.host_shortfall_bytes,
             "expert_bytes": self.expert_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
+            "state_bytes_per_seq": self.state_bytes_per_seq, "num_kda_layers": self.num_state_layers,
+            "num_mla_layers": self.num_paged_layers, "max_num_seqs_with_placement": self.max_num_seqs_with_placement,
             "max_model_len_by_memory": self.max_model_len_by_memory,
             "max_model_len_that_fits": self.max_model_len_that_fits,
             "max_model_len_with_placement": self.max_model_len_with_placement,
@@ -136,6 +156,7 @@ class Placement:
             "experts_per_layer": {str(k): {"gpu": g, "cpu": c} for k, (g, c) in self.experts_per_layer().items()},
             "expert_device": [list(r) for r in self.expert_device],
             "model_size": {k: {"params": v.params, "bytes": v.nbytes} for k, v in self.model_size.parts.items()},
+            "storage_bytes": dict(self.model_size.storage),
         }
 
 
@@ -220,6 +241,14 @@ class _Budget:
     n_experts: int
     policy: str | int
     host_capacity: int | None
+    state_per_seq: tuple[int, ...] = ()  # per device: KDA state bytes of one sequence on that rank
+
+    def state(self, d: int) -> int:
+        return self.max_num_seqs * self.state_per_seq[d] if self.state_per_seq else 0
+
+    def fixed(self, kv: int) -> list[int]:
+        """Per device: everything but the routed experts."""
+        return [ne + kv + self.state(d) + self.reserve for d, ne in enumerate(self.non_expert)]
 
     def kv_bytes(self, model_len: int) -> int:
         # Each sequence holds whole blocks. With tensor-parallel MLA the latent is not split by head,
@@ -227,7 +256,7 @@ class _Budget:
         return self.max_num_seqs * math.ceil(model_len / self.block_size) * self.block_size * self.kv_per_token
 
     def slots(self, kv: int) -> list[int]:
-        free = [self.capacity - ne - kv - self.reserve for ne in self.non_expert]
+        free = [self.capacity - f for f in self.fixed(kv)]
         return [max(0, f // self.expert_bytes) if self.expert_bytes else 0 for f in free]
 
     def gpu_experts_needed(self) -> int:
@@ -241,7 +270,7 @@ class _Budget:
         return self.num_moe_layers * (self.n_experts - self.policy)
 
     def fits(self, kv: int) -> bool:
-        if any(ne + kv + self.reserve > self.capacity for ne in self.non_expert):
+        if any(f > self.capacity for f in self.fixed(kv)):
             return False
         if isinstance(self.policy, int) and self.host_capacity is not None:
             if self.policy * self.num_moe_layers * self.expert_bytes > self.host_capacity:
@@ -345,7 +374,7 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
     e = fp.size.routed_expert.nbytes
     budget = _Budget(int(memory_per_device_bytes), fp.non_expert_per_device, int(reserve_bytes_per_device),
                      fp.kv_bytes_per_token, max_num_seqs, block_size, e, len(layers), n_exp, policy,
-                     None if host_memory_bytes is None else int(host_memory_bytes))
+                     None if host_memory_bytes is None else int(host_memory_bytes), fp.state_bytes_per_seq_per_device)
 
     kv = budget.kv_bytes(max_model_len)
     slots = budget.slots(kv)
@@ -374,7 +403,7 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
 
     heads, vocab = split_sizes(config.num_attention_heads, num_devices), split_sizes(config.vocab_size, num_devices)
     devices = tuple(DevicePlan(d, heads[d], vocab[d], budget.non_expert[d], per_device[d], per_device[d] * e, kv,
-                               budget.reserve, budget.capacity) for d in range(num_devices))
+                               budget.reserve, budget.capacity, budget.state(d)) for d in range(num_devices))
     host_bytes = (total - sum(counts)) * e
     problems = [f"GPU {d.index} needs {d.total_bytes / GiB:.2f} GiB but has {d.capacity_bytes / GiB:.2f} GiB "
                 f"(short by {-d.free_bytes / GiB:.2f} GiB)" for d in devices if d.free_bytes < 0]
@@ -397,7 +426,10 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
         problems=tuple(problems), notes=tuple(notes), max_model_len_by_memory=by_memory,
         max_model_len_that_fits=min(by_memory, config.max_position_embeddings),
         max_model_len_with_placement=_len_with_placement(devices, budget),
-        max_position_embeddings=config.max_position_embeddings, model_size=fp.size)
+        max_position_embeddings=config.max_position_embeddings, model_size=fp.size,
+        state_bytes_per_seq=sum(fp.state_bytes_per_seq_per_device), num_state_layers=fp.num_state_layers,
+        num_paged_layers=fp.num_paged_layers,
+        max_num_seqs_with_placement=_seqs_with_placement(devices, budget, max_model_len))
     if policy == "none" and not placement.fits:
         raise PlacementError(_none_message(placement, budget, slots), placement)
     return placement
@@ -405,8 +437,20 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
 
 def _len_with_placement(devices: tuple[DevicePlan, ...], budget: _Budget) -> int:
     per_block = budget.max_num_seqs * budget.block_size * budget.kv_per_token
-    room = min(d.capacity_bytes - d.weight_bytes - d.reserve_bytes for d in devices)
-    return max(0, room // per_block) * budget.block_size
+    room = min(d.capacity_bytes - d.weight_bytes - d.reserve_bytes - d.state_bytes for d in devices)
+    return max(0, room // per_block) * budget.block_size if per_block else 0
+
+
+def _seqs_with_placement(devices: tuple[DevicePlan, ...], budget: _Budget, model_len: int) -> int:
+    # One sequence costs each GPU its whole MLA latent (replicated) plus that rank's KDA state share.
+    one = replace(budget, max_num_seqs=1)
+    kv = one.kv_bytes(model_len)
+    counts = []
+    for d in devices:
+        per_seq = kv + one.state(d.index)
+        room = d.capacity_bytes - d.weight_bytes - d.reserve_bytes
+        counts.append(max(0, room) // per_seq if per_seq else 0)
+    return min(counts)
 
 
 def _none_message(p: Placement, budget: _Budget, slots: list[int]) -> str:
@@ -415,8 +459,8 @@ def _none_message(p: Placement, budget: _Budget, slots: list[int]) -> str:
            f"short by {short / GiB:.1f} GiB ({short / 1e9:.1f} GB) of GPU memory at max_model_len "
            f"{p.max_model_len} x {p.max_num_seqs} seq(s)")
     missing = budget.num_moe_layers * budget.n_experts - sum(slots)
-    if budget.num_moe_layers and missing > 0 and all(ne + p.devices[0].kv_bytes + budget.reserve <= budget.capacity
-                                                     for ne in budget.non_expert):
+    if budget.num_moe_layers and missing > 0 and all(f <= budget.capacity
+                                                     for f in budget.fixed(p.devices[0].kv_bytes)):
         msg += (f"; use cpu_offload='auto' or at least {math.ceil(missing / budget.num_moe_layers)} "
                 "CPU experts per layer")
     return msg
@@ -440,30 +484,72 @@ def _layer_ranges(p: Placement) -> list[str]:
             for a, b, g, c in groups]
 
 
+def _span(values: list[int]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+
+def story_lines(p: Placement) -> list[str]:
+    """The plan in a few sentences: fits or not, where the experts live, how many sequences."""
+    gpus = f"{p.num_devices} x {_gib(p.devices[0].capacity_bytes)} GiB GPUs"
+    seqs = f"{p.max_num_seqs_with_placement} concurrent sequence{'s' if p.max_num_seqs_with_placement != 1 else ''}"
+    room = f"room for {seqs} of {p.max_model_len:,} tokens"
+    if not p.fits:
+        return [f"does NOT fit on {gpus}, even with CPU experts: short by {_gib(p.shortfall_bytes)} GiB"
+                + (f" of GPU memory and {_gib(p.host_shortfall_bytes)} GiB of host RAM" if p.host_shortfall_bytes
+                   else " of GPU memory")]
+    n = p.model_size.n_routed_experts
+    if p.fits_on_gpus:
+        where = f"all {n} routed experts of every MoE layer on GPU" if n else "all weights on GPU"
+        return [f"fits on {gpus}: {where}; {room}"]
+    on_cpu = [c for _, c in p.experts_per_layer().values()]
+    weights = p.model_size.total.nbytes
+    gpu_room = sum(d.capacity_bytes - d.kv_bytes - d.state_bytes - d.reserve_bytes for d in p.devices)
+    return [f"weights do not fit on {gpus}: {_gib(weights)} GiB of weights, {_gib(gpu_room)} GiB of GPU room "
+            "after cache and reserve",
+            f"{_span(on_cpu)} of {n} routed experts per MoE layer live in host RAM ({_gib(p.host_bytes)} GiB) and "
+            f"the CPUs compute them; {room}"]
+
+
+def cache_line(p: Placement) -> str:
+    """Per-sequence memory: KDA state (fixed) plus MLA latent per token."""
+    mla = f"MLA latent {p.kv_bytes_per_token / 1024:.1f} KiB/token ({p.num_paged_layers} MLA layers, on every GPU)"
+    if not p.num_state_layers:
+        return f"per sequence: {mla}"
+    return (f"per sequence: KDA state {p.state_bytes_per_seq / 2**20:.1f} MiB ({p.num_state_layers} KDA layers, fp32, "
+            f"split over GPUs) + {mla}; {_gib(p.seq_bytes(p.max_model_len))} GiB at {p.max_model_len:,} tokens")
+
+
 def _render(p: Placement) -> list[str]:
     s = p.model_size
     parts = ", ".join(f"{k.replace('_', ' ')} {_gib(v.nbytes)}"
                       for k, v in s.parts.items() if v.nbytes >= GiB // 100)
+    storage = ", ".join(f"{k} {_gib(v)}" for k, v in s.storage.items() if v >= GiB // 100)
     off = p.cpu_offload if isinstance(p.cpu_offload, str) else f"{p.cpu_offload} experts per layer"
     lines = [
+        *story_lines(p),
+        "",
         f"{p.model}: {s.total.params / 1e12:.3f}T params, {_gib(s.total.nbytes)} GiB ({parts} GiB)",
+        *([f"stored as: {storage} GiB"] if storage else []),
+        cache_line(p),
         f"{p.num_devices} GPU x {_gib(p.devices[0].capacity_bytes)} GiB; max_model_len {p.max_model_len:,} x "
         f"{p.max_num_seqs} seq (block {p.block_size}); cpu_offload {off}; "
         f"KV {p.kv_bytes_per_token / 1024:.1f} KiB/token, replicated on every GPU",
         "",
         f"{'GPU':>4} {'heads':>5} {'vocab':>6} {'non-expert':>10} {'experts':>7} {'expert GiB':>10} "
-        f"{'KV':>8} {'reserve':>7} {'total':>8} {'capacity':>8} {'free':>8}",
+        f"{'KV':>8} {'state':>7} {'reserve':>7} {'total':>8} {'capacity':>8} {'free':>8}",
     ]
     for d in p.devices:
         lines.append(f"{d.index:>4} {d.heads:>5} {d.vocab_rows:>6} {_gib(d.non_expert_bytes):>10} "
-                     f"{d.num_experts:>7} {_gib(d.expert_bytes):>10} {_gib(d.kv_bytes):>8} "
+                     f"{d.num_experts:>7} {_gib(d.expert_bytes):>10} {_gib(d.kv_bytes):>8} {_gib(d.state_bytes):>7} "
                      f"{_gib(d.reserve_bytes):>7} {_gib(d.total_bytes):>8} {_gib(d.capacity_bytes):>8} "
                      f"{_gib(d.free_bytes):>8}")
     cap = "not checked" if p.host_capacity_bytes is None else f"of {_gib(p.host_capacity_bytes)} GiB"
     lines += ["", f"host RAM: {p.num_cpu_experts} experts, {_gib(p.host_bytes)} GiB ({cap}); "
                   f"one expert {p.expert_bytes / 2**20:.1f} MiB",
               "routed experts per MoE layer:", *_layer_ranges(p),
-              "fits: yes" if p.fits else f"fits: NO (short by {_gib(p.shortfall_bytes)} GiB on GPUs"
+              ("fits: yes" + ("" if p.fits_on_gpus else f", with {p.num_cpu_experts} experts computed by the CPUs"))
+              if p.fits else f"fits: NO (short by {_gib(p.shortfall_bytes)} GiB on GPUs"
               + (f", {_gib(p.host_shortfall_bytes)} GiB in host RAM)" if p.host_shortfall_bytes else ")")]
     lines += [f"  {x}" for x in p.problems] + [f"note: {x}" for x in p.notes]
     how = {"auto": "experts moved to host RAM as needed", "none": "all experts on GPU"}.get(p.cpu_offload, off)

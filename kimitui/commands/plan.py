@@ -6,8 +6,10 @@ Exit status: 0 the model fits, 1 it does not (or ``--cpu-offload none`` refuses)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from engine.config import ConfigError, ModelConfig
 from engine.offload.planner import DEFAULT_BLOCK_SIZE, Placement, PlacementError, load_routing_stats, plan_placement
@@ -78,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
 
             source = demo_checkpoint(args.model)
         config = ModelConfig.from_pretrained(source)
+        if args.config and not config.raw.get("_name_or_path"):
+            # a bare config.json names the model by its file, not by the folder it sits in
+            config = dataclasses.replace(config, name=Path(args.config).stem)
     except ConfigError as e:
         return _fail(str(e))
     if args.gpus < 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.offload.param_count import count_params
+from engine.offload.param_count import CacheLayout, cache_layout, count_params, meta_model
 
 DEMO_NOTE = "random weights: output is noise"
 
@@ -21,6 +21,7 @@ class ModelInfo:
     max_model_len: int | None
     num_layers: int | None
     num_routed_experts: int | None
+    cache: CacheLayout | None = None  # KDA / MLA layer counts and per-sequence cache bytes
 
 
 def model_info(llm, num_gpus: int) -> ModelInfo:
@@ -30,9 +31,11 @@ def model_info(llm, num_gpus: int) -> ModelInfo:
     device = str(getattr(engine, "device", "n/a"))
     try:
         # Logical weights from the config: a packed INT4 or MXFP4 tensor holds several per element.
-        params = count_params(config).total.params
+        # One meta build (shapes only) serves the count and the cache layout.
+        model = meta_model(config)
+        params, cache = count_params(config, model).total.params, cache_layout(config, model)
     except Exception:  # a config the planner cannot size simply has no count
-        params = None
+        params, cache = None, None
     return ModelInfo(
         name=getattr(config, "name", "") or "model",
         is_demo=bool(getattr(config, "is_demo", False)),
@@ -44,7 +47,20 @@ def model_info(llm, num_gpus: int) -> ModelInfo:
         max_model_len=getattr(engine, "max_model_len", None),
         num_layers=getattr(config, "num_hidden_layers", None),
         num_routed_experts=getattr(config, "n_routed_experts", None),
+        cache=cache,
     )
+
+
+def architecture_lines(cache: CacheLayout | None) -> list[str]:
+    """The panel's layer and cache lines: KDA + MLA counts and the state per sequence for a hybrid
+    (Kimi Linear / K3), the MLA layer count and per-token latent bytes for an all-MLA model (K2)."""
+    if cache is None:
+        return []
+    kv = f"KV       {cache.kv_bytes_per_token / 1024:.1f} KiB/token (MLA latent)"
+    if not cache.num_state_layers:
+        return [f"layers   {cache.num_paged_layers} MLA", kv]
+    return [f"layers   {cache.num_state_layers} KDA + {cache.num_paged_layers} MLA "
+            f"(KDA state {cache.state_bytes_per_seq / 2**20:.1f} MiB/seq)", kv]
 
 
 def _precision(config, engine) -> str:

@@ -110,3 +110,17 @@ def _model_dir(tmp_path: Path) -> Path:
     d.mkdir()
     (d / "config.json").write_text((CONFIGS / "kimi_k26.json").read_text())
     return d
+
+
+def test_k3_tells_the_four_and_six_gpu_stories(capsys):
+    k3 = str(Path(K26).with_name("kimi_k3.json"))
+    assert run_plan(["--config", k3, "--gpus", "6"]) == 0
+    six = capsys.readouterr().out.splitlines()
+    assert six[0].startswith("fits on 6 x 288.00 GiB GPUs: all 896 routed experts of every MoE layer on GPU; room for")
+    assert any(line.startswith("kimi_k3: 2.779T params") for line in six)  # named by its file
+    assert run_plan(["--config", k3, "--gpus", "4"]) == 0  # fits, with CPU experts
+    four = capsys.readouterr().out.splitlines()
+    assert four[0].startswith("weights do not fit on 4 x 288.00 GiB GPUs")
+    assert four[1].startswith("298-299 of 896 routed experts per MoE layer live in host RAM")
+    assert "the CPUs compute them" in four[1]
+    assert any(line.startswith("fits: yes, with 27") and "experts computed by the CPUs" in line for line in four)

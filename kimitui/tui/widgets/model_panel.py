@@ -1,11 +1,12 @@
-"""Model: name, parameters, precision, GPUs, where the experts live; the demo says it is noise."""
+"""Model: name, parameters, precision, layer kinds and cache per sequence, GPUs, where the experts live;
+the demo says it is noise."""
 
 from __future__ import annotations
 
 from textual.widgets import Static
 
 from kimitui.tui.formatting import count
-from kimitui.tui.model_info import DEMO_NOTE, ModelInfo
+from kimitui.tui.model_info import DEMO_NOTE, ModelInfo, architecture_lines
 
 
 class ModelPanel(Static):
@@ -20,6 +21,7 @@ class ModelPanel(Static):
             info.name,
             f"params   {count(info.parameters)}  ({info.num_layers} layers, {info.num_routed_experts} experts)",
             f"precision {info.precision}",
+            *architecture_lines(info.cache),
             f"GPUs     {info.num_gpus}  (device {info.device}, context {info.max_model_len})",
             f"experts  {info.experts}",
         ]
