@@ -96,7 +96,8 @@ class LLMEngine:
             block_size=args.block_size,
             enable_chunked_prefill=args.enable_chunked_prefill,
         ), self.block_manager)
-        self.runner = ModelRunner(self.model, self.cache_pool.caches, args.block_size, self.device, self.workers)
+        self.runner = ModelRunner(self.model, self.cache_pool.caches, args.block_size, self.device, self.workers,
+                                  args.max_num_seqs, self.max_model_len, False if args.enforce_eager else None)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from engine.graph_runner import DecodeGraphRunner, GraphConfig
 from engine.kv_cache.state import KDAState
 from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
 from engine.layers.sampler import SamplingBatch, prompt_logprobs, sample
@@ -65,8 +66,15 @@ class StepResult:
 
 
 class ModelRunner:
+    """``max_num_seqs`` / ``max_model_len``: the decode block tables' fixed capacity
+    [max_num_seqs, ceil(max_model_len / block_size)] (None: sized by each step, growing).
+    ``decode_graphs``: run decode-only steps through ``DecodeGraphRunner`` (needs the capacity);
+    None = on a cuda/rocm device with a single rank, where the graphs are captured; True on a CPU
+    runs the same static-buffer path with direct calls."""
+
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
-                 workers=None):
+                 workers=None, max_num_seqs: int | None = None, max_model_len: int | None = None,
+                 decode_graphs: bool | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -75,6 +83,17 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.buffers = StepBuffers(device)  # step inputs, reused across steps
         self.states = [c for c in kv_caches if isinstance(c, KDAState)]  # the KDA layers' slots
+        self.table_shape = None  # (max_num_seqs, max_blocks_per_seq) of the fixed decode tables
+        if max_num_seqs is not None and max_model_len is not None:
+            self.table_shape = (max_num_seqs, -(-max_model_len // block_size))
+        if decode_graphs is None:
+            decode_graphs = device.type == "cuda" and workers is None
+        self.graphs = None
+        if decode_graphs:
+            if self.table_shape is None:
+                raise ValueError("decode graphs need max_num_seqs and max_model_len (the static buffers' capacity)")
+            cfg = GraphConfig(*self.table_shape, block_size, capture=device.type == "cuda")
+            self.graphs = DecodeGraphRunner(model, kv_caches, cfg, device)
 
     def release(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
@@ -133,10 +152,17 @@ class ModelRunner:
         positions, slots = [], []  # built on the device from block tables: no per-token Python
         meta = AttentionMetadata(positions=None, slot_mapping=None, block_size=bs,
                                  num_decode_tokens=inp.num_decodes, prefills=chunks)
+        graphed = self.graphs is not None and self.graphs.accepts(
+            inp.num_decodes, len(inp.ids), bool(inp.prefills), bool(inp.state_slots))
         if inp.num_decodes:
-            meta.decode_block_tables = buf.put_rows("decode_tables", inp.decode_tables, torch.int32)
-            meta.decode_context_lens = buf.put("decode_lens", inp.decode_lens, torch.int32)
-            meta.decode_max_context_len = max(inp.decode_lens)
+            self._decode_inputs(inp, meta)
+        if graphed:
+            ids = buf.put("ids", inp.ids, torch.int64)
+            sample_rows = buf.put("sample_rows", inp.sample_rows, torch.int64) if inp.sample_rows else None
+            buf.end_step()
+            hidden = self.graphs.run(ids, meta.decode_block_tables, meta.decode_context_lens)
+            return (self.model.compute_logits(hidden[sample_rows]) if sample_rows is not None else None), []
+        if inp.num_decodes:
             pos = meta.decode_context_lens.long() - 1  # [D] each decode writes its newest token
             rows = torch.arange(inp.num_decodes, device=self.device)
             positions.append(pos)
@@ -168,6 +194,26 @@ class ModelRunner:
             return None, prompt_logits
         return self.model.compute_logits(hidden[sample_rows]), prompt_logits
 
+    def _decode_inputs(self, inp: StepInputs, meta: AttentionMetadata) -> None:
+        """Decode block tables and context lengths into their persistent buffers, and the attention
+        kernel's bound. With a fixed capacity the tables are [D, max_blocks_per_seq] views of one
+        buffer and, on an accelerator, the bound is the capacity (the kernel's grid then does not
+        follow the host's longest context). On the CPU the bound stays the step's longest context:
+        the reference path gathers [D, bound] cache rows, so there the bound is work, not a launch
+        shape."""
+        buf = self.buffers
+        if self.table_shape is not None:
+            meta.decode_block_tables = buf.put_table("decode_tables", inp.decode_tables, self.table_shape)
+            meta.decode_context_lens = buf.put("decode_lens", inp.decode_lens, torch.int32,
+                                               capacity=self.table_shape[0])
+            on_device = self.device.type != "cpu"
+            meta.decode_max_context_len = (self.table_shape[1] * self.block_size if on_device
+                                           else max(inp.decode_lens))
+        else:
+            meta.decode_block_tables = buf.put_rows("decode_tables", inp.decode_tables, torch.int32)
+            meta.decode_context_lens = buf.put("decode_lens", inp.decode_lens, torch.int32)
+            meta.decode_max_context_len = max(inp.decode_lens)
+
     def _state_indices(self, inp: StepInputs, meta: AttentionMetadata):
         """Fill ``meta.state_slots``, apply the resets and restores; return the saves' (from, to)
         index tensors for after the forward pass, or None."""
@@ -198,9 +244,11 @@ class ModelRunner:
             sample_seqs = [s for s in order if s.do_sample]
             params = [s.seq.sampling_params for s in sample_seqs]
             gens = [self._generator(s.seq.seq_id, p.seed) for s, p in zip(sample_seqs, params)]
-            sampled = sample(logits, SamplingBatch.build(params, gens, self.device))
-            tokens = sampled.token_ids.tolist()  # the one host sync of the step
-            lp_rows = self._logprob_dicts(sampled, params, tokens)
+            batch = SamplingBatch.build(params, gens, self.device, self.buffers)
+            self.buffers.end_step()  # the next step's inputs wait for these pinned copies
+            sampled = sample(logits, batch)
+            tokens, *lps = sampled.to_host()  # the one host sync of the step
+            lp_rows = self._logprob_dicts(params, tokens, *lps)
             for j, s in enumerate(sample_seqs):
                 result.sampled[pos[id(s)]] = tokens[j]
                 result.logprobs[pos[id(s)]] = lp_rows[j]
@@ -222,12 +270,10 @@ class ModelRunner:
             self._generators[seq_id] = gen
         return gen
 
-    def _logprob_dicts(self, sampled, params, tokens: list[int]) -> list[Logprobs | None]:
-        if sampled.sampled_logprobs is None:
+    @staticmethod
+    def _logprob_dicts(params, tokens: list[int], chosen, top_ids, top_vals) -> list[Logprobs | None]:
+        if chosen is None:
             return [None] * len(params)
-        chosen = sampled.sampled_logprobs.tolist()
-        top_ids = sampled.logprob_token_ids.tolist() if sampled.logprob_token_ids is not None else None
-        top_vals = sampled.logprob_values.tolist() if sampled.logprob_values is not None else None
         rows: list[Logprobs | None] = []
         for j, p in enumerate(params):
             if p.logprobs is None:
