@@ -3,7 +3,7 @@ tokenizer, sampling); ranks 1..N-1 are spawned workers that mirror every model s
 
 Workers receive each step's ``StepInputs`` (plain Python) by broadcast over a CPU control channel
 and run the same forward pass, so the model's all-reduces and all-gathers pair up. The control
-channel is a gloo process group created alongside NCCL (the world group itself on a CPU): the
+channel is a gloo process group created alongside the model's NCCL (or gloo) group: the
 pickled inputs travel host to host, never as tensors through NCCL, so neither side waits on a
 device to learn a step's size (``broadcast_object_list`` over NCCL would copy the payload to the
 GPU, and the workers would read its length back with ``.item()`` and the bytes with ``.cpu()``). A worker that dies surfaces in rank 0 as a
@@ -68,8 +68,10 @@ def init_rank(spec: WorkerSpec, rank: int) -> tuple[ParallelState, object]:
     backend = "nccl" if spec.device_type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank,
                             world_size=spec.world_size, timeout=_TIMEOUT)
-    # Every rank calls new_group in the same order, as torch.distributed requires.
-    control = dist.new_group(backend="gloo", timeout=_TIMEOUT) if backend != "gloo" else dist.group.WORLD
+    # Every rank calls new_group in the same order, as torch.distributed requires. A group of its
+    # own on the CPU too: step inputs never interleave with the model's collectives, and the path
+    # a GPU run takes is the one CPU tests run.
+    control = dist.new_group(backend="gloo", timeout=_TIMEOUT)
     return ParallelState(rank=rank, world_size=spec.world_size, group=dist.group.WORLD), control
 
 
