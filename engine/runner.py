@@ -20,11 +20,9 @@ import torch
 from engine.graph_runner import DecodeGraphRunner, GraphConfig
 from engine.kv_cache.state import KDAState
 from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
-from engine.layers.sampler import SamplingBatch, prompt_logprobs, sample
+from engine.layers.sampler import SamplingBatch, logprob_dicts, prompt_logprob_dicts, sample
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.step_buffers import StepBuffers
-
-Logprobs = dict[int, float]
 
 
 @dataclass
@@ -60,9 +58,9 @@ class StepInputs:
 @dataclass
 class StepResult:
     sampled: list[int | None]  # per scheduled seq; None when the chunk did not reach the end
-    logprobs: list[Logprobs | None]  # per scheduled seq, for requests that asked
+    logprobs: list[dict[int, float] | None]  # per scheduled seq, for requests that asked
     # seq_id -> (position of the first token covered, log-probs of prompt tokens from there on)
-    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -239,7 +237,7 @@ class ModelRunner:
         pos = {id(s): i for i, s in enumerate(order)}
         result = StepResult(sampled=[None] * len(order), logprobs=[None] * len(order))
         for sp, lg in zip(inp.prompt_spans, prompt_logits):
-            result.prompt_logprobs[sp.seq_id] = (sp.first_pos, self._prompt_logprobs(lg, sp))
+            result.prompt_logprobs[sp.seq_id] = (sp.first_pos, prompt_logprob_dicts(lg, sp.next_ids, sp.k))
         if logits is not None:
             sample_seqs = [s for s in order if s.do_sample]
             params = [s.seq.sampling_params for s in sample_seqs]
@@ -248,7 +246,7 @@ class ModelRunner:
             self.buffers.end_step()  # the next step's inputs wait for these pinned copies
             sampled = sample(logits, batch)
             tokens, *lps = sampled.to_host()  # the one host sync of the step
-            lp_rows = self._logprob_dicts(params, tokens, *lps)
+            lp_rows = logprob_dicts(params, tokens, *lps)
             for j, s in enumerate(sample_seqs):
                 result.sampled[pos[id(s)]] = tokens[j]
                 result.logprobs[pos[id(s)]] = lp_rows[j]
@@ -256,9 +254,6 @@ class ModelRunner:
         result.sampled = [result.sampled[pos[id(s)]] for s in scheduled]
         result.logprobs = [result.logprobs[pos[id(s)]] for s in scheduled]
         return result
-
-    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def _generator(self, seq_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -269,30 +264,6 @@ class ModelRunner:
             gen.manual_seed(seed)
             self._generators[seq_id] = gen
         return gen
-
-    @staticmethod
-    def _logprob_dicts(params, tokens: list[int], chosen, top_ids, top_vals) -> list[Logprobs | None]:
-        if chosen is None:
-            return [None] * len(params)
-        rows: list[Logprobs | None] = []
-        for j, p in enumerate(params):
-            if p.logprobs is None:
-                rows.append(None)
-                continue
-            d = {}
-            if top_ids is not None:
-                d = dict(zip(top_ids[j][: p.logprobs], top_vals[j][: p.logprobs]))
-            d[tokens[j]] = chosen[j]
-            rows.append(d)
-        return rows
-
-    def _prompt_logprobs(self, logits: torch.Tensor, sp: PromptLogprobSpan) -> list[Logprobs]:
-        nxt = self._tensor(sp.next_ids, torch.int64)
-        actual, top_ids, top_vals = prompt_logprobs(logits, nxt, sp.k)
-        actual_l = actual.tolist()
-        ids_l = top_ids.tolist() if top_ids is not None else [[]] * sp.num_rows
-        vals_l = top_vals.tolist() if top_vals is not None else [[]] * sp.num_rows
-        return [{**dict(zip(ids_l[i], vals_l[i])), sp.next_ids[i]: actual_l[i]} for i in range(sp.num_rows)]
 
 
 def _copy_state_slots(states: list[KDAState], src: torch.Tensor, dst: torch.Tensor) -> None:

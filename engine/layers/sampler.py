@@ -132,3 +132,31 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int):
         top = logp.topk(k, dim=-1)
         return actual, top.indices, top.values
     return actual, None, None
+
+
+def logprob_dicts(params, tokens: list[int], chosen, top_ids, top_vals) -> list[dict[int, float] | None]:
+    """Per sampled row, {token id: log-prob} of its top ``p.logprobs`` plus the sampled token, from
+    ``SamplerOutput.to_host``'s lists; None for rows that did not ask."""
+    if chosen is None:
+        return [None] * len(params)
+    rows: list[dict[int, float] | None] = []
+    for j, p in enumerate(params):
+        if p.logprobs is None:
+            rows.append(None)
+            continue
+        d = {}
+        if top_ids is not None:
+            d = dict(zip(top_ids[j][: p.logprobs], top_vals[j][: p.logprobs]))
+        d[tokens[j]] = chosen[j]
+        rows.append(d)
+    return rows
+
+
+def prompt_logprob_dicts(logits: torch.Tensor, next_ids: list[int], k: int) -> list[dict[int, float]]:
+    """{token id: log-prob} per prompt row (its top ``k`` plus the actual next token) from logits
+    [N, V], read back in one device->host copy (packed as float64 [N, 1 + 2k])."""
+    nxt = torch.tensor(next_ids, dtype=torch.int64).to(logits.device, non_blocking=True)
+    actual, top_ids, top_vals = prompt_logprobs(logits, nxt, k)
+    cols = [actual[:, None].double()] + ([top_ids.double(), top_vals.double()] if top_ids is not None else [])
+    rows = torch.cat(cols, dim=1).tolist()
+    return [{**{int(i): v for i, v in zip(r[1: 1 + k], r[1 + k:])}, next_ids[n]: r[0]} for n, r in enumerate(rows)]
