@@ -15,6 +15,8 @@ class EngineArgs:
 
     ``model``: checkpoint directory, or None / "demo" for the built-in demo checkpoint.
     ``cpu_offload``: "auto", "none" or a number of routed experts per MoE layer kept in host RAM.
+    ``enforce_eager``: run every step eagerly; otherwise decode-only steps on a cuda/rocm device with
+    one rank replay a CUDA/HIP graph per batch-size bucket (engine/graph_runner.py).
     """
 
     model: str | None = None
@@ -32,6 +34,7 @@ class EngineArgs:
     kv_cache_tokens: int | None = None  # cap the cache size (tests, small machines)
     routing_stats: str | None = None  # JSON of tokens per expert per layer from an earlier run
     seed: int = 0
+    enforce_eager: bool = False  # vLLM's name: no CUDA/HIP graph capture of decode steps
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -96,9 +96,16 @@ class LLMEngine:
             block_size=args.block_size,
             enable_chunked_prefill=args.enable_chunked_prefill,
         ), self.block_manager)
-        self.runner = ModelRunner(self.model, self.cache_pool.caches, args.block_size, self.device, self.workers)
+        self.runner = ModelRunner(self.model, self.cache_pool.caches, args.block_size, self.device, self.workers,
+                                  args.max_num_seqs, self.max_model_len, self._decode_graphs())
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+
+    def _decode_graphs(self) -> bool | None:
+        """False when decode steps must stay eager: asked for, or experts run in host RAM (their
+        CPU matmuls cannot be captured in a device graph); None lets the runner decide."""
+        offloaded = self.expert_placement is not None and any(-1 in layer for layer in self.expert_placement)
+        return False if self.args.enforce_eager or offloaded else None
 
     # -- capacity --------------------------------------------------------------------------
     def _allocate_cache(self) -> KVCachePool:

@@ -17,13 +17,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from engine.graph_runner import DecodeGraphRunner, GraphConfig
 from engine.kv_cache.state import KDAState
 from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
-from engine.layers.sampler import SamplingBatch, prompt_logprobs, sample
+from engine.layers.sampler import SamplingBatch, logprob_dicts, prompt_logprob_dicts, sample
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.step_buffers import StepBuffers
-
-Logprobs = dict[int, float]
 
 
 @dataclass
@@ -59,14 +58,21 @@ class StepInputs:
 @dataclass
 class StepResult:
     sampled: list[int | None]  # per scheduled seq; None when the chunk did not reach the end
-    logprobs: list[Logprobs | None]  # per scheduled seq, for requests that asked
+    logprobs: list[dict[int, float] | None]  # per scheduled seq, for requests that asked
     # seq_id -> (position of the first token covered, log-probs of prompt tokens from there on)
-    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
 
 
 class ModelRunner:
+    """``max_num_seqs`` / ``max_model_len``: the decode block tables' fixed capacity
+    [max_num_seqs, ceil(max_model_len / block_size)] (None: sized by each step, growing).
+    ``decode_graphs``: run decode-only steps through ``DecodeGraphRunner`` (needs the capacity);
+    None = on a cuda/rocm device with a single rank, where the graphs are captured; True on a CPU
+    runs the same static-buffer path with direct calls."""
+
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
-                 workers=None):
+                 workers=None, max_num_seqs: int | None = None, max_model_len: int | None = None,
+                 decode_graphs: bool | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -75,6 +81,17 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.buffers = StepBuffers(device)  # step inputs, reused across steps
         self.states = [c for c in kv_caches if isinstance(c, KDAState)]  # the KDA layers' slots
+        self.table_shape = None  # (max_num_seqs, max_blocks_per_seq) of the fixed decode tables
+        if max_num_seqs is not None and max_model_len is not None:
+            self.table_shape = (max_num_seqs, -(-max_model_len // block_size))
+        if decode_graphs is None:
+            decode_graphs = device.type == "cuda" and workers is None
+        self.graphs = None
+        if decode_graphs:
+            if self.table_shape is None:
+                raise ValueError("decode graphs need max_num_seqs and max_model_len (the static buffers' capacity)")
+            cfg = GraphConfig(*self.table_shape, block_size, capture=device.type == "cuda")
+            self.graphs = DecodeGraphRunner(model, kv_caches, cfg, device)
 
     def release(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
@@ -133,10 +150,17 @@ class ModelRunner:
         positions, slots = [], []  # built on the device from block tables: no per-token Python
         meta = AttentionMetadata(positions=None, slot_mapping=None, block_size=bs,
                                  num_decode_tokens=inp.num_decodes, prefills=chunks)
+        graphed = self.graphs is not None and self.graphs.accepts(
+            inp.num_decodes, len(inp.ids), bool(inp.prefills), bool(inp.state_slots))
         if inp.num_decodes:
-            meta.decode_block_tables = buf.put_rows("decode_tables", inp.decode_tables, torch.int32)
-            meta.decode_context_lens = buf.put("decode_lens", inp.decode_lens, torch.int32)
-            meta.decode_max_context_len = max(inp.decode_lens)
+            self._decode_inputs(inp, meta)
+        if graphed:
+            ids = buf.put("ids", inp.ids, torch.int64)
+            sample_rows = buf.put("sample_rows", inp.sample_rows, torch.int64) if inp.sample_rows else None
+            buf.end_step()
+            hidden = self.graphs.run(ids, meta.decode_block_tables, meta.decode_context_lens)
+            return (self.model.compute_logits(hidden[sample_rows]) if sample_rows is not None else None), []
+        if inp.num_decodes:
             pos = meta.decode_context_lens.long() - 1  # [D] each decode writes its newest token
             rows = torch.arange(inp.num_decodes, device=self.device)
             positions.append(pos)
@@ -168,6 +192,26 @@ class ModelRunner:
             return None, prompt_logits
         return self.model.compute_logits(hidden[sample_rows]), prompt_logits
 
+    def _decode_inputs(self, inp: StepInputs, meta: AttentionMetadata) -> None:
+        """Decode block tables and context lengths into their persistent buffers, and the attention
+        kernel's bound. With a fixed capacity the tables are [D, max_blocks_per_seq] views of one
+        buffer and, on an accelerator, the bound is the capacity (the kernel's grid then does not
+        follow the host's longest context). On the CPU the bound stays the step's longest context:
+        the reference path gathers [D, bound] cache rows, so there the bound is work, not a launch
+        shape."""
+        buf = self.buffers
+        if self.table_shape is not None:
+            meta.decode_block_tables = buf.put_table("decode_tables", inp.decode_tables, self.table_shape)
+            meta.decode_context_lens = buf.put("decode_lens", inp.decode_lens, torch.int32,
+                                               capacity=self.table_shape[0])
+            on_device = self.device.type != "cpu"
+            meta.decode_max_context_len = (self.table_shape[1] * self.block_size if on_device
+                                           else max(inp.decode_lens))
+        else:
+            meta.decode_block_tables = buf.put_rows("decode_tables", inp.decode_tables, torch.int32)
+            meta.decode_context_lens = buf.put("decode_lens", inp.decode_lens, torch.int32)
+            meta.decode_max_context_len = max(inp.decode_lens)
+
     def _state_indices(self, inp: StepInputs, meta: AttentionMetadata):
         """Fill ``meta.state_slots``, apply the resets and restores; return the saves' (from, to)
         index tensors for after the forward pass, or None."""
@@ -193,14 +237,16 @@ class ModelRunner:
         pos = {id(s): i for i, s in enumerate(order)}
         result = StepResult(sampled=[None] * len(order), logprobs=[None] * len(order))
         for sp, lg in zip(inp.prompt_spans, prompt_logits):
-            result.prompt_logprobs[sp.seq_id] = (sp.first_pos, self._prompt_logprobs(lg, sp))
+            result.prompt_logprobs[sp.seq_id] = (sp.first_pos, prompt_logprob_dicts(lg, sp.next_ids, sp.k))
         if logits is not None:
             sample_seqs = [s for s in order if s.do_sample]
             params = [s.seq.sampling_params for s in sample_seqs]
             gens = [self._generator(s.seq.seq_id, p.seed) for s, p in zip(sample_seqs, params)]
-            sampled = sample(logits, SamplingBatch.build(params, gens, self.device))
-            tokens = sampled.token_ids.tolist()  # the one host sync of the step
-            lp_rows = self._logprob_dicts(sampled, params, tokens)
+            batch = SamplingBatch.build(params, gens, self.device, self.buffers)
+            self.buffers.end_step()  # the next step's inputs wait for these pinned copies
+            sampled = sample(logits, batch)
+            tokens, *lps = sampled.to_host()  # the one host sync of the step
+            lp_rows = logprob_dicts(params, tokens, *lps)
             for j, s in enumerate(sample_seqs):
                 result.sampled[pos[id(s)]] = tokens[j]
                 result.logprobs[pos[id(s)]] = lp_rows[j]
@@ -208,9 +254,6 @@ class ModelRunner:
         result.sampled = [result.sampled[pos[id(s)]] for s in scheduled]
         result.logprobs = [result.logprobs[pos[id(s)]] for s in scheduled]
         return result
-
-    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def _generator(self, seq_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -221,32 +264,6 @@ class ModelRunner:
             gen.manual_seed(seed)
             self._generators[seq_id] = gen
         return gen
-
-    def _logprob_dicts(self, sampled, params, tokens: list[int]) -> list[Logprobs | None]:
-        if sampled.sampled_logprobs is None:
-            return [None] * len(params)
-        chosen = sampled.sampled_logprobs.tolist()
-        top_ids = sampled.logprob_token_ids.tolist() if sampled.logprob_token_ids is not None else None
-        top_vals = sampled.logprob_values.tolist() if sampled.logprob_values is not None else None
-        rows: list[Logprobs | None] = []
-        for j, p in enumerate(params):
-            if p.logprobs is None:
-                rows.append(None)
-                continue
-            d = {}
-            if top_ids is not None:
-                d = dict(zip(top_ids[j][: p.logprobs], top_vals[j][: p.logprobs]))
-            d[tokens[j]] = chosen[j]
-            rows.append(d)
-        return rows
-
-    def _prompt_logprobs(self, logits: torch.Tensor, sp: PromptLogprobSpan) -> list[Logprobs]:
-        nxt = self._tensor(sp.next_ids, torch.int64)
-        actual, top_ids, top_vals = prompt_logprobs(logits, nxt, sp.k)
-        actual_l = actual.tolist()
-        ids_l = top_ids.tolist() if top_ids is not None else [[]] * sp.num_rows
-        vals_l = top_vals.tolist() if top_vals is not None else [[]] * sp.num_rows
-        return [{**dict(zip(ids_l[i], vals_l[i])), sp.next_ids[i]: actual_l[i]} for i in range(sp.num_rows)]
 
 
 def _copy_state_slots(states: list[KDAState], src: torch.Tensor, dst: torch.Tensor) -> None:

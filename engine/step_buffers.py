@@ -6,6 +6,11 @@ device buffer per field, grown by doubling when a step needs more, and hands out
 an accelerator the values go through a pinned host buffer of the same size, so the copy to the
 device is asynchronous; an event recorded after the copies keeps the next step from rewriting the
 pinned memory before the device has read it.
+
+Decode block tables live in one fixed-capacity buffer ``[max_num_seqs, max_blocks_per_seq]``
+(``put_table``) so their address and row stride never change between steps: a captured CUDA graph
+(engine/graph_runner.py) reads them in place, and the decode kernel's bound can come from the
+capacity rather than from the step's longest context (which the host would otherwise compute).
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ class StepBuffers:
             self._copied.synchronize()
             self._copied = None
 
-    def put(self, name: str, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """``values`` (a list of ints, or a list of equal-length lists) as a view of buffer ``name``."""
-        return self._put(name, torch.tensor(values, dtype=dtype))
+    def put(self, name: str, values: list, dtype: torch.dtype, capacity: int = 0) -> torch.Tensor:
+        """``values`` (a list of ints, or a list of equal-length lists) as a view of buffer ``name``;
+        ``capacity``: allocate at least that many elements, so the buffer never moves below it."""
+        return self._put(name, torch.tensor(values, dtype=dtype), capacity)
 
     def put_rows(self, name: str, rows: list[list[int]], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """Rows of different lengths, zero-padded to the longest, as a [len(rows), width] view.
@@ -46,12 +52,41 @@ class StepBuffers:
             table[i, : len(r)] = r
         return self._put(name, torch.from_numpy(table))
 
-    def _put(self, name: str, src: torch.Tensor) -> torch.Tensor:
+    def put_table(self, name: str, rows: list[list[int]], shape: tuple[int, int],
+                  dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """Rows of different lengths, zero-padded to the full width ``shape[1]``, as a
+        [len(rows), shape[1]] view of a buffer allocated once at ``shape`` (max_num_seqs,
+        max_blocks_per_seq): the same memory and row stride every step.
+
+        Filled in place: on an accelerator into the pinned host twin, then one non-blocking copy of
+        the used rows; on the CPU straight into the buffer.
+        """
+        cap_rows, width = shape
+        if len(rows) > cap_rows:
+            raise ValueError(f"step buffer {name!r}: {len(rows)} rows exceed the capacity of {cap_rows} sequences")
+        host, dev = self._buffers.get(name, (None, None))
+        if dev is None or dev.numel() != cap_rows * width or dev.dtype != dtype:
+            dev = torch.zeros(cap_rows * width, dtype=dtype, device=self.device)
+            host = torch.zeros(cap_rows * width, dtype=dtype, pin_memory=True) if self._pinned else None
+            self._buffers[name] = (host, dev)
+        n = len(rows)
+        target = (host if host is not None else dev)[: n * width].numpy().reshape(n, width)
+        target[:] = 0
+        for i, r in enumerate(rows):
+            if len(r) > width:
+                raise ValueError(f"step buffer {name!r}: row {i} has {len(r)} entries, above the capacity of {width}")
+            target[i, : len(r)] = r
+        out = dev[: n * width]
+        if host is not None:
+            out.copy_(host[: n * width], non_blocking=True)
+        return out.view(n, width)
+
+    def _put(self, name: str, src: torch.Tensor, capacity: int = 0) -> torch.Tensor:
         dtype = src.dtype
         n = src.numel()
         host, dev = self._buffers.get(name, (None, None))
         if dev is None or dev.numel() < n or dev.dtype != dtype:
-            cap = max(_MIN_CAPACITY, 1 << max(n - 1, 0).bit_length())
+            cap = max(_MIN_CAPACITY, capacity, 1 << max(n - 1, 0).bit_length())
             dev = torch.empty(cap, dtype=dtype, device=self.device)
             host = torch.empty(cap, dtype=dtype, pin_memory=True) if self._pinned else None
             self._buffers[name] = (host, dev)

@@ -24,15 +24,26 @@ class SamplingBatch:
     max_logprobs: int  # largest k asked for by any row, -1 when none asked
 
     @classmethod
-    def build(cls, params: list, generators: list[torch.Generator | None], device: torch.device) -> "SamplingBatch":
+    def build(cls, params: list, generators: list[torch.Generator | None], device: torch.device,
+              buffers=None) -> "SamplingBatch":
+        """``buffers``: a ``StepBuffers`` whose persistent (pinned on an accelerator) buffers carry
+        the per-row values to the device without a blocking copy; None allocates fresh tensors."""
         temps = [p.temperature for p in params]
         top_ks = [p.top_k for p in params]
         top_ps = [p.top_p for p in params]
         lps = [p.logprobs for p in params if p.logprobs is not None]
+        if buffers is not None:
+            temperature = buffers.put("temperature", temps, torch.float32)
+            top_p = buffers.put("top_p", top_ps, torch.float32)
+            top_k = buffers.put("top_k", top_ks, torch.int64)
+        else:
+            temperature = torch.tensor(temps, dtype=torch.float32, device=device)
+            top_p = torch.tensor(top_ps, dtype=torch.float32, device=device)
+            top_k = torch.tensor(top_ks, dtype=torch.int64, device=device)
         return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_p=torch.tensor(top_ps, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
             generators=generators,
             all_greedy=all(t == 0.0 for t in temps),
             use_top_k=any(k > 0 for k in top_ks),
@@ -47,6 +58,26 @@ class SamplerOutput:
     logprob_token_ids: torch.Tensor | None = None  # [B, k] top-k ids of the temperature-1 softmax
     logprob_values: torch.Tensor | None = None  # [B, k]
     sampled_logprobs: torch.Tensor | None = None  # [B] log-prob of the sampled token
+
+    def to_host(self) -> tuple[list[int], list[float] | None, list[list[int]] | None, list[list[float]] | None]:
+        """(token ids, sampled log-probs, top ids, top values) as Python lists, in one
+        device->host copy: the step's single host sync. Everything is packed into one float64
+        tensor [B, 1 (+1 +2k)]; float64 holds token ids (< 2**53) and fp32 log-probs exactly."""
+        cols = [self.token_ids[:, None].double()]
+        if self.sampled_logprobs is not None:
+            cols.append(self.sampled_logprobs[:, None].double())
+        k = 0
+        if self.logprob_token_ids is not None:
+            k = self.logprob_token_ids.shape[1]
+            cols += [self.logprob_token_ids.double(), self.logprob_values.double()]
+        rows = torch.cat(cols, dim=1).tolist()  # the one sync
+        tokens = [int(r[0]) for r in rows]
+        if self.sampled_logprobs is None:
+            return tokens, None, None, None
+        chosen = [r[1] for r in rows]
+        if not k:
+            return tokens, chosen, None, None
+        return tokens, chosen, [[int(v) for v in r[2: 2 + k]] for r in rows], [r[2 + k:] for r in rows]
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -101,3 +132,31 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int):
         top = logp.topk(k, dim=-1)
         return actual, top.indices, top.values
     return actual, None, None
+
+
+def logprob_dicts(params, tokens: list[int], chosen, top_ids, top_vals) -> list[dict[int, float] | None]:
+    """Per sampled row, {token id: log-prob} of its top ``p.logprobs`` plus the sampled token, from
+    ``SamplerOutput.to_host``'s lists; None for rows that did not ask."""
+    if chosen is None:
+        return [None] * len(params)
+    rows: list[dict[int, float] | None] = []
+    for j, p in enumerate(params):
+        if p.logprobs is None:
+            rows.append(None)
+            continue
+        d = {}
+        if top_ids is not None:
+            d = dict(zip(top_ids[j][: p.logprobs], top_vals[j][: p.logprobs]))
+        d[tokens[j]] = chosen[j]
+        rows.append(d)
+    return rows
+
+
+def prompt_logprob_dicts(logits: torch.Tensor, next_ids: list[int], k: int) -> list[dict[int, float]]:
+    """{token id: log-prob} per prompt row (its top ``k`` plus the actual next token) from logits
+    [N, V], read back in one device->host copy (packed as float64 [N, 1 + 2k])."""
+    nxt = torch.tensor(next_ids, dtype=torch.int64).to(logits.device, non_blocking=True)
+    actual, top_ids, top_vals = prompt_logprobs(logits, nxt, k)
+    cols = [actual[:, None].double()] + ([top_ids.double(), top_vals.double()] if top_ids is not None else [])
+    rows = torch.cat(cols, dim=1).tolist()
+    return [{**{int(i): v for i, v in zip(r[1: 1 + k], r[1 + k:])}, next_ids[n]: r[0]} for n, r in enumerate(rows)]

@@ -1,8 +1,12 @@
 """One process per device over torch.distributed: rank 0 is the engine process (scheduler,
 tokenizer, sampling); ranks 1..N-1 are spawned workers that mirror every model step.
 
-Workers receive each step's ``StepInputs`` by broadcast and run the same forward pass, so the
-model's all-reduces and all-gathers pair up. A worker that dies surfaces in rank 0 as a
+Workers receive each step's ``StepInputs`` (plain Python) by broadcast over a CPU control channel
+and run the same forward pass, so the model's all-reduces and all-gathers pair up. The control
+channel is a gloo process group created alongside the model's NCCL (or gloo) group: the
+pickled inputs travel host to host, never as tensors through NCCL, so neither side waits on a
+device to learn a step's size (``broadcast_object_list`` over NCCL would copy the payload to the
+GPU, and the workers would read its length back with ``.item()`` and the bytes with ``.cpu()``). A worker that dies surfaces in rank 0 as a
 ``WorkerError``, never as a hang: rank 0's watchdog sees the death on a pipe within a second and
 stops the group, which fails the pending collective (``engine/parallel/watchdog.py``).
 """
@@ -58,17 +62,23 @@ def rank_device(device_type: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
 
 
-def init_rank(spec: WorkerSpec, rank: int) -> ParallelState:
-    """Join the process group: NCCL (RCCL on ROCm) between GPUs, gloo on the CPU."""
+def init_rank(spec: WorkerSpec, rank: int) -> tuple[ParallelState, object]:
+    """Join the process group: NCCL (RCCL on ROCm) between GPUs, gloo on the CPU. Returns the
+    model's parallel state and the CPU control group (a gloo group over the same ranks)."""
     backend = "nccl" if spec.device_type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank,
                             world_size=spec.world_size, timeout=_TIMEOUT)
-    return ParallelState(rank=rank, world_size=spec.world_size, group=dist.group.WORLD)
+    # Every rank calls new_group in the same order, as torch.distributed requires. A group of its
+    # own on the CPU too: step inputs never interleave with the model's collectives, and the path
+    # a GPU run takes is the one CPU tests run.
+    control = dist.new_group(backend="gloo", timeout=_TIMEOUT)
+    return ParallelState(rank=rank, world_size=spec.world_size, group=dist.group.WORLD), control
 
 
-def broadcast_object(obj=None):
+def broadcast_object(group, obj=None):
+    """Rank 0's ``obj`` on every rank, over the CPU ``group`` (pickled, host memory only)."""
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group, device=torch.device("cpu"))
     return box[0]
 
 
@@ -85,19 +95,21 @@ def _worker_main(rank: int, spec: WorkerSpec, heartbeat=None) -> None:
         device = rank_device(spec.device_type, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        par = init_rank(spec, rank)
+        par, control = init_rank(spec, rank)
         config = ModelConfig.from_pretrained(spec.model_dir)
         dtype = getattr(torch, spec.dtype)
         model, _ = load_model(config, spec.model_dir, device, dtype, spec.max_model_len, par=par,
                               expert_placement=spec.expert_placement)
         # Rank 0 sized the pool; every rank allocates the same blocks and state slots (its own
         # share of each layer), since the scheduler's block and slot ids index all of them.
-        num_blocks, max_num_seqs, num_snapshots = broadcast_object()
+        num_blocks, max_num_seqs, num_snapshots = broadcast_object(control)
         pool = KVCachePool(model.cache_specs(dtype), num_blocks, spec.block_size, max_num_seqs, device,
                            num_snapshots)
-        runner = ModelRunner(model, pool.caches, spec.block_size, device)
+        # Same fixed-capacity decode tables as rank 0; tensor-parallel steps stay eager (no graphs).
+        runner = ModelRunner(model, pool.caches, spec.block_size, device, max_num_seqs=max_num_seqs,
+                             max_model_len=spec.max_model_len, decode_graphs=False)
         while True:
-            inputs = broadcast_object()
+            inputs = broadcast_object(control)
             if inputs is None:
                 break
             runner.forward_step(inputs)
@@ -123,6 +135,7 @@ class WorkerGroup:
             p.start()
             send.close()  # the worker holds its end; rank 0 then reads EOF when it dies
         self._closed = False
+        self.control = None  # the CPU control group, once joined
         self.watchdog = Watchdog({r: (p, recv) for r, (p, (recv, _)) in enumerate(zip(self.procs, pipes), start=1)},
                                  on_failure=lambda _: stop_workers(self.procs))  # unblocks rank 0
 
@@ -132,7 +145,7 @@ class WorkerGroup:
 
         def connect():
             try:
-                box["par"] = init_rank(self.spec, 0)
+                box["par"], box["control"] = init_rank(self.spec, 0)
             except BaseException as e:  # reported below
                 box["error"] = e
 
@@ -148,12 +161,13 @@ class WorkerGroup:
                                       "during start-up (see its traceback above)")
         if "error" in box:
             raise WorkerError(f"could not form the tensor-parallel group: {box['error']}")
+        self.control = box["control"]
         return box["par"]
 
     def broadcast(self, obj) -> None:
         self.check()
         try:
-            broadcast_object(obj)
+            broadcast_object(self.control, obj)
         except Exception as e:
             raise WorkerError(self._failure(e)) from None
 
@@ -180,7 +194,7 @@ class WorkerGroup:
         self.watchdog.stop()  # workers are about to exit on purpose
         if all(p.exitcode is None for p in self.procs):
             try:
-                broadcast_object(None)
+                broadcast_object(self.control, None)
             except Exception:  # a dead peer: nothing left to tell
                 pass
         for p in self.procs:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
@@ -38,3 +39,28 @@ def test_engine_steps_reuse_their_input_buffers(tmp_path):
     out = llm.generate([{"prompt_token_ids": [11, 12, 13]}, {"prompt_token_ids": [14]}], params)
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
     assert {name: buf.data_ptr(name) for name in ptrs} == ptrs
+
+
+def test_put_table_fills_one_fixed_capacity_buffer_in_place():
+    buf = StepBuffers(torch.device("cpu"))
+    a = buf.put_table("tables", [[7], [8, 9, 10]], (4, 5))
+    ptr = buf.data_ptr("tables")
+    assert a.shape == (2, 5) and a.stride() == (5, 1) and a.tolist() == [[7, 0, 0, 0, 0], [8, 9, 10, 0, 0]]
+    b = buf.put_table("tables", [[1, 2], [3], [4, 5, 6, 7, 8], []], (4, 5))  # stale entries cleared
+    assert buf.data_ptr("tables") == ptr and buf.capacity("tables") == 20
+    assert b.tolist() == [[1, 2, 0, 0, 0], [3, 0, 0, 0, 0], [4, 5, 6, 7, 8], [0] * 5]
+    with pytest.raises(ValueError, match="'tables': 5 rows exceed the capacity of 4 sequences"):
+        buf.put_table("tables", [[1]] * 5, (4, 5))
+    with pytest.raises(ValueError, match="'tables': row 1 has 6 entries, above the capacity of 5"):
+        buf.put_table("tables", [[1], [1] * 6], (4, 5))
+    lens = buf.put("lens", [3], torch.int32, capacity=300)
+    assert lens.tolist() == [3] and buf.capacity("lens") == 300
+
+
+def test_engine_decode_tables_have_the_fixed_capacity(tmp_path):
+    write_hf_checkpoint(tmp_path, seed=3, num_hidden_layers=1)
+    llm = LLM(str(tmp_path), max_model_len=100, max_num_seqs=3, block_size=16, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    assert runner.table_shape == (3, 7)  # ceil(100 / 16) blocks per sequence
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert runner.buffers.capacity("decode_tables") == 3 * 7

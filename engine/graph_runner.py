@@ -1,0 +1,164 @@
+"""Decode steps replayed from CUDA/HIP graphs, one graph per batch-size bucket.
+
+A decode step of a large MoE model launches thousands of small kernels; on a GPU the host's launch
+time dominates. As in vLLM (``vllm/worker/model_runner.py``, ``CUDAGraphRunner``), the decode
+forward pass is captured once per batch-size bucket (1, 2, 4, 8, ... up to ``max_num_seqs``) into
+a ``torch.cuda.CUDAGraph`` that reads its inputs from static buffers; a step copies its inputs into
+those buffers, pads the batch to the next bucket, replays the graph and slices the output.
+``EngineArgs(enforce_eager=True)`` / ``--enforce-eager`` turns this off.
+
+Everything a captured graph reads must have a fixed address and shape, and nothing inside it may
+ask the host for a value, so the decode metadata is built *inside* the captured region from the
+static tensors: positions = context_len - 1, slots from the block table, and the attention
+kernel's bound is the capacity ``max_blocks_per_seq * block_size`` (not the step's longest
+context, which would need the host).
+
+Padding rows repeat row 0 (same token, block table, context length and cache slot): they read only
+valid blocks, and their cache write stores the value row 0 stores, so no real sequence's cache is
+touched and no "skip this slot" convention is needed from every cache-write path.
+
+On a device other than cuda (ROCm reports cuda too) the same static-buffer / bucket / padding path
+runs, with the graph replaced by a direct call of the model: that is the path tests exercise on a
+CPU. Hybrid (KDA) steps and tensor-parallel steps stay eager (see ``DecodeGraphRunner.accepts``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.layers.attn_metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    max_num_seqs: int
+    max_blocks_per_seq: int
+    block_size: int
+    capture: bool  # True: torch.cuda.CUDAGraph; False: direct calls on the same static buffers
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_blocks_per_seq < 1 or self.block_size < 1:
+            raise ValueError(f"GraphConfig: max_num_seqs ({self.max_num_seqs}), max_blocks_per_seq "
+                             f"({self.max_blocks_per_seq}) and block_size ({self.block_size}) must be >= 1")
+
+    @property
+    def max_context_len(self) -> int:
+        """The attention bound every captured step uses: what a full block table holds."""
+        return self.max_blocks_per_seq * self.block_size
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """Powers of two below ``max_num_seqs``, then ``max_num_seqs`` itself: 1, 2, 4, ..., 48 for 48."""
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    return out + [max_num_seqs]
+
+
+def bucket_for(n: int, buckets: list[int]) -> int:
+    """The smallest bucket holding ``n`` rows."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"a decode batch of {n} sequences exceeds the largest graph bucket ({buckets[-1]})")
+
+
+class DecodeGraphRunner:
+    """The decode forward pass on static buffers [max_num_seqs, ...], per bucket."""
+
+    def __init__(self, model, kv_caches: list, cfg: GraphConfig, device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.cfg = cfg
+        self.device = device
+        if cfg.capture and device.type != "cuda":
+            raise ValueError(f"graph capture needs a cuda/rocm device, got {device}")
+        self.buckets = batch_buckets(cfg.max_num_seqs)
+        s, w = cfg.max_num_seqs, cfg.max_blocks_per_seq
+        # Static inputs, written in place each step (addresses captured by the graphs).
+        self.ids = torch.zeros(s, dtype=torch.int64, device=device)  # [S]
+        self.tables = torch.zeros(s, w, dtype=torch.int32, device=device)  # [S, W]
+        self.lens = torch.ones(s, dtype=torch.int32, device=device)  # [S], >= 1 for every row
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None  # memory pool shared by all buckets' graphs (largest captured first)
+
+    def accepts(self, num_decodes: int, num_rows: int, has_prefills: bool, stateful: bool) -> bool:
+        """Whether a step can run here: decodes only, within capacity, every row kept, no KDA slots."""
+        return (not has_prefills and not stateful and 0 < num_decodes == num_rows
+                and num_decodes <= self.cfg.max_num_seqs)
+
+    def _metadata(self, b: int) -> AttentionMetadata:
+        """Decode metadata for the first ``b`` static rows, computed on the device (capturable)."""
+        bs = self.cfg.block_size
+        lens, tables = self.lens[:b], self.tables[:b]
+        pos = lens.long() - 1  # [b]: each decode writes its newest token
+        rows = torch.arange(b, device=self.device)
+        slots = tables[rows, pos // bs].long() * bs + pos % bs  # [b]
+        return AttentionMetadata(positions=pos, slot_mapping=slots, block_size=bs, num_decode_tokens=b,
+                                 decode_block_tables=tables, decode_context_lens=lens,
+                                 decode_max_context_len=self.cfg.max_context_len)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        return self.model(self.ids[:b], self._metadata(b), self.kv_caches)
+
+    def _fill(self, ids: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, b: int) -> None:
+        """Copy the step's device tensors ids [n], tables [n, W'] (W' <= W), lens [n] into the static
+        buffers and pad rows n..b-1 with row 0."""
+        n = ids.shape[0]
+        w = tables.shape[1]
+        if w > self.cfg.max_blocks_per_seq:
+            raise ValueError(f"decode block tables are {w} blocks wide, above the graph capacity "
+                             f"{self.cfg.max_blocks_per_seq}")
+        self.ids[:n].copy_(ids)
+        self.tables[:n, :w].copy_(tables)
+        self.lens[:n].copy_(lens)
+        if b > n:
+            self.ids[n:b].copy_(self.ids[:1].expand(b - n))
+            self.tables[n:b].copy_(self.tables[:1].expand(b - n, -1))
+            self.lens[n:b].copy_(self.lens[:1].expand(b - n))
+
+    @torch.inference_mode()
+    def run(self, ids: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """Hidden states [n, D] of a decode-only step of n rows (inputs already on the device)."""
+        n = ids.shape[0]
+        b = bucket_for(n, self.buckets)
+        self._fill(ids, tables, lens, b)
+        if not self.cfg.capture:
+            return self._forward(b)[:n]
+        entry = self._graphs.get(b)
+        if entry is None:
+            # Captured lazily, on this step's own (already filled) inputs: the warm-up runs write
+            # the same cache slots with the same values as the replay below, so nothing is lost.
+            try:
+                entry = self._capture(b)
+            except Exception as e:  # an op the graph cannot hold (a host sync, CPU-offloaded experts)
+                log.warning("decode graph capture failed (%s); running decode steps eagerly", e)
+                self.cfg = GraphConfig(self.cfg.max_num_seqs, self.cfg.max_blocks_per_seq,
+                                       self.cfg.block_size, capture=False)
+                return self._forward(b)[:n]
+        graph, out = entry
+        graph.replay()
+        return out[:n]
+
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Warm-up on a side stream (lazy inits, Triton autotuning, cuBLAS workspaces) before capture.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(b)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._forward(b)
+        if self._pool is None:
+            self._pool = graph.pool()
+        self._graphs[b] = (graph, out)
+        log.debug("captured the decode graph of batch bucket %d", b)
+        return graph, out
