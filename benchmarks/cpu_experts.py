@@ -26,6 +26,8 @@ def build_stack(fmt: str, hidden: int, inter: int, experts: int):
     from engine.config import ModelConfig, QuantConfig
     from engine.layers.moe import ExpertStack
     from kernels import reference as R
+    from kernels.backend import select_backend
+    from kernels.settings import KernelSettings
 
     quant = QuantConfig(method="int4", group_size=32) if fmt == "int4" else None
     cfg = ModelConfig.from_dict({
@@ -35,6 +37,7 @@ def build_stack(fmt: str, hidden: int, inter: int, experts: int):
         "num_experts_per_tok": 1, "max_position_embeddings": 16})
     cfg = type(cfg)(**{**cfg.__dict__, "quantization": quant})
     stack = ExpertStack(cfg, fmt, experts, torch.device("cpu"))
+    stack.ops = select_backend("cpu", torch.float32, KernelSettings.from_env())  # as the model's post_load does
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for e in range(experts):

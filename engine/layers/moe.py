@@ -12,11 +12,14 @@ from engine.config import ModelConfig
 from engine.layers.linear import linear_format, quantized_params
 from engine.layers.mlp import MLP
 from engine.parallel.state import SINGLE, ParallelState, split_range
-from kernels import dispatch, reference
+from kernels import cpu_moe
+from kernels.backend import REFERENCE, Backend
 
 
 class Router(nn.Module):
     """Group-limited top-k over sigmoid scores; the correction bias steers selection only."""
+
+    ops: Backend = REFERENCE  # the model's backend, set when it is loaded
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -30,12 +33,14 @@ class Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(c.n_routed_experts, dtype=f32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return dispatch.moe_route(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group,
+        return self.ops.moe_route(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group,
                                   self.topk_group, self.scoring_func, self.norm_topk_prob, self.scaling)
 
 
 class ExpertStack(nn.Module):
     """Stacked weights of ``num`` experts in one format (gate and up fused as w13, gate rows first)."""
+
+    ops: Backend = REFERENCE  # the backend of the device the stack lives on, set when the model is loaded
 
     def __init__(self, config: ModelConfig, fmt: str, num: int, device: torch.device | None = None):
         super().__init__()
@@ -79,13 +84,13 @@ class ExpertStack(nn.Module):
         g = self.quant.group_size
         (e, n13, w13_words), (_, d, w2_words) = self.w13_weight_packed.shape, self.w2_weight_packed.shape
         k13, k2 = w13_words * 8, w2_words * 8
-        if k13 != d or k2 != n13 // 2 or not (reference.int4pack_cpu_supported(n13, k13, g)
-                                              and reference.int4pack_cpu_supported(d, k2, g)):
+        if k13 != d or k2 != n13 // 2 or not (cpu_moe.int4pack_cpu_supported(n13, k13, g)
+                                              and cpu_moe.int4pack_cpu_supported(d, k2, g)):
             return False
         for i in range(e):  # into preallocated stacks: one expert's temporaries at a time
             for proj, packed, scale, k in (("w13", self.w13_weight_packed, self.w13_weight_scale, k13),
                                            ("w2", self.w2_weight_packed, self.w2_weight_scale, k2)):
-                weight, scales_zeros = reference.prepack_int4_cpu(packed[i], scale[i], k, g, dtype)
+                weight, scales_zeros = cpu_moe.prepack_int4_cpu(packed[i], scale[i], k, g, dtype)
                 if i == 0:
                     self.register_buffer(f"{proj}_int4pack", weight.new_empty(e, *weight.shape), persistent=False)
                     self.register_buffer(f"{proj}_scales_zeros", scales_zeros.new_empty(e, *scales_zeros.shape),
@@ -104,17 +109,17 @@ class ExpertStack(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x [T, D], ids [T, k] in 0..num (num: computed elsewhere, adds nothing), weights [T, k] in x.dtype
         if self.fmt == "dense":
-            return dispatch.moe_experts(x, ids, weights, self.w13_weight, self.w2_weight)
+            return self.ops.moe_experts(x, ids, weights, self.w13_weight, self.w2_weight)
         if self.fmt == "int4pack":
-            return dispatch.moe_experts_int4pack_cpu(x, ids, weights, self.w13_int4pack, self.w13_scales_zeros,
+            return self.ops.moe_experts_int4pack_cpu(x, ids, weights, self.w13_int4pack, self.w13_scales_zeros,
                                                      self.w2_int4pack, self.w2_scales_zeros, self.quant.group_size)
         if self.fmt == "int4":
-            return dispatch.moe_experts_w4a16(x, ids, weights, self.w13_weight_packed, self.w13_weight_scale,
+            return self.ops.moe_experts_w4a16(x, ids, weights, self.w13_weight_packed, self.w13_weight_scale,
                                               self.w2_weight_packed, self.w2_weight_scale, self.quant.group_size)
         if self.fmt == "mxfp4":
-            return dispatch.moe_experts_mxfp4(x, ids, weights, self.w13_weight_packed, self.w13_weight_scale,
+            return self.ops.moe_experts_mxfp4(x, ids, weights, self.w13_weight_packed, self.w13_weight_scale,
                                               self.w2_weight_packed, self.w2_weight_scale)
-        return dispatch.moe_experts_fp8(x, ids, weights, self.w13_weight, self.w13_weight_scale_inv,
+        return self.ops.moe_experts_fp8(x, ids, weights, self.w13_weight, self.w13_weight_scale_inv,
                                         self.w2_weight, self.w2_weight_scale_inv, self.quant.weight_block_size)
 
 
@@ -167,14 +172,11 @@ class RoutedExperts(nn.Module):
             self.executor = CpuExpertExecutor(self.host, self.host_map)
 
     def post_load(self, dtype: torch.dtype) -> None:
-        """Once the weights are in: CPU-held INT4 stacks switch to torch's CPU int4 GEMM layout."""
+        """Once the weights are in (and each stack has its backend): CPU-held INT4 stacks switch to
+        torch's CPU int4 GEMM layout where their backend runs that layout."""
         for stack in (self.local, self.host):
-            if stack is not None:
+            if stack is not None and stack.ops.int4pack_cpu:
                 stack.prepack_for_cpu(dtype)
-
-    @property
-    def num_local(self) -> int:
-        return len(self._slots)
 
     def slot(self, expert: int) -> tuple[ExpertStack, int] | None:
         """Where global ``expert`` lives on this rank, or None when another rank holds it."""
@@ -215,26 +217,6 @@ class MoE(nn.Module):
         if config.n_shared_experts:
             self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
                                       config.quantization, f"{prefix}.shared_experts", par)
-
-    def block_weights(self, norm: nn.Module) -> tuple | None:
-        """The fixed arguments of ``dispatch.ffn_block`` (``x + self(norm(x))`` in one C++ call, which
-        also counts the routing), or None unless every expert is a dense float32 CPU tensor on this
-        one rank. Called once the weights are in."""
-        experts, shared, g = self.experts, self.shared_experts, self.gate
-        if (self.parallel or not experts.whole_layer_local or experts.local.fmt != "dense"
-                or (shared is not None and not shared.fusable())):
-            return None
-        stack = experts.local
-        tensors = [norm.weight, g.weight, g.e_score_correction_bias, stack.w13_weight, stack.w2_weight]
-        if shared is not None:
-            tensors += [shared.gate_up, shared.down_proj.weight]
-        if not dispatch.decode_block_weights_ok(*tensors):
-            return None
-        router = (g.weight, g.e_score_correction_bias, g.top_k, g.n_group, g.topk_group, g.scoring_func,
-                  g.norm_topk_prob, g.scaling)
-        return dispatch.cpu_few_rows.ffn_block_weights(
-            norm.weight, norm.eps, None if shared is None else shared.gate_up,
-            None if shared is None else shared.down_proj.weight, router, stack.w13_weight, stack.w2_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum (its experts + its shard of the shared experts); the caller reduces."""
