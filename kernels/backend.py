@@ -31,7 +31,6 @@ class Backend:
     """The PyTorch reference for every operation (the oracle the other backends are tested against)."""
 
     name = "reference"
-    int4pack_cpu = False  # whether CPU-held INT4 experts should be prepacked for torch's CPU int4 GEMM
 
     # -- linear layers: x [..., K] -> [..., N] in x.dtype
 
@@ -86,9 +85,14 @@ class Backend:
         return reference.moe_experts_reference_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv,
                                                    block)
 
+    def prepack_int4_experts(self, w13_packed, w13_scale, w2_packed, w2_scale, group_size, dtype):
+        """INT4 experts (as ``moe_experts_w4a16`` takes them) converted once, after loading, to the
+        layout ``moe_experts_int4pack_cpu`` reads for activations of ``dtype``: (w13, w13_sz, w2,
+        w2_sz), or None where this backend has no such layout for them (then they stay as they are)."""
+        return None
+
     def moe_experts_int4pack_cpu(self, x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size):
-        """INT4 experts in torch's CPU int4 layout (``kernels.cpu_moe.prepack_int4_cpu``); only a
-        backend with ``int4pack_cpu`` has experts in that layout."""
+        """INT4 experts in torch's CPU int4 layout (from ``prepack_int4_experts``)."""
         raise ValueError(f"the {self.name} backend does not run experts prepacked for the CPU int4 GEMM")
 
     # -- MLA decode over the paged latent cache

@@ -39,7 +39,6 @@ def _f32(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 class CpuBackend(Backend):
     name = "cpu"
-    int4pack_cpu = True
 
     def __init__(self, settings: KernelSettings = KernelSettings(), dtype: torch.dtype = _F32):
         # The C++ kernels compute in float32 only: a bf16/fp16 model never builds them.
@@ -104,6 +103,20 @@ class CpuBackend(Backend):
 
     def moe_experts_fp8(self, x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128)):
         return cpu_moe.moe_experts_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block)
+
+    def prepack_int4_experts(self, w13_packed, w13_scale, w2_packed, w2_scale, group_size, dtype):
+        # Only for bf16 activations: torch vectorises that kernel (about 10x faster than dequantising
+        # per call, benchmarks/cpu_experts.py); its fp32 and fp16 kernels are scalar loops, slower at
+        # batch 16 than the dequantising path kept for them.
+        if dtype != torch.bfloat16 or w13_packed.device.type != "cpu":
+            return None
+        (_, n13, w13_words), (_, d, w2_words) = w13_packed.shape, w2_packed.shape
+        k13, k2 = w13_words * 8, w2_words * 8
+        if k13 != d or k2 != n13 // 2 or not (cpu_moe.int4pack_cpu_supported(n13, k13, group_size)
+                                              and cpu_moe.int4pack_cpu_supported(d, k2, group_size)):
+            return None
+        return (*cpu_moe.prepack_int4_stack(w13_packed, w13_scale, k13, group_size, dtype),
+                *cpu_moe.prepack_int4_stack(w2_packed, w2_scale, k2, group_size, dtype))
 
     def moe_experts_int4pack_cpu(self, x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size):
         return cpu_moe.moe_experts_int4pack_cpu(x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size)

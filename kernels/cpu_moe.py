@@ -148,6 +148,20 @@ def prepack_int4_cpu(packed, scale, k, group_size, dtype):
     return weight, scales_zeros
 
 
+def prepack_int4_stack(packed, scale, k, group_size, dtype):
+    """``prepack_int4_cpu`` for each expert of packed [E, N, K/8], scale [E, N, K/g], into one
+    preallocated stack (one expert's temporaries at a time) -> (weight [E, ...], scales_zeros
+    [E, K/g, N, 2])."""
+    stack = None
+    for i in range(packed.shape[0]):
+        weight, scales_zeros = prepack_int4_cpu(packed[i], scale[i], k, group_size, dtype)
+        if stack is None:
+            stack = weight.new_empty(packed.shape[0], *weight.shape), scales_zeros.new_empty(packed.shape[0],
+                                                                                             *scales_zeros.shape)
+        stack[0][i], stack[1][i] = weight, scales_zeros
+    return stack
+
+
 def linear_int4pack_cpu(x, weight, scales_zeros, group_size):
     """``x [..., K] @ W.T`` for a weight from ``prepack_int4_cpu`` (computed in scales_zeros.dtype)."""
     rows = x.reshape(-1, x.shape[-1]).to(scales_zeros.dtype).contiguous()

@@ -12,7 +12,6 @@ from engine.config import ModelConfig
 from engine.layers.linear import linear_format, quantized_params
 from engine.layers.mlp import MLP
 from engine.parallel.state import SINGLE, ParallelState, split_range
-from kernels import cpu_moe
 from kernels.backend import REFERENCE, Backend
 
 
@@ -71,32 +70,17 @@ class ExpertStack(nn.Module):
         return None
 
     def prepack_for_cpu(self, dtype: torch.dtype) -> bool:
-        """INT4 experts held by the CPU: convert them once to torch's CPU int4 GEMM layout (for
-        activations of ``dtype``) and drop the checkpoint layout. False where it does not apply.
-
-        Only for bf16 activations: torch vectorises that kernel (about 10x faster than dequantising
-        per call, benchmarks/cpu_experts.py); its fp32 and fp16 kernels are scalar loops, slower at
-        batch 16 than the dequantising path kept for them.
-        """
-        if (self.fmt != "int4" or dtype != torch.bfloat16 or self.w13_weight_packed.device.type != "cpu"
-                or self.num == 0):
+        """INT4 experts: convert them once to the layout the backend's INT4 expert GEMM reads (torch's
+        CPU int4 GEMM, for activations of ``dtype``) and drop the checkpoint layout. False where the
+        backend has no such layout for them (``Backend.prepack_int4_experts``)."""
+        if self.fmt != "int4" or self.num == 0:
             return False
-        g = self.quant.group_size
-        (e, n13, w13_words), (_, d, w2_words) = self.w13_weight_packed.shape, self.w2_weight_packed.shape
-        k13, k2 = w13_words * 8, w2_words * 8
-        if k13 != d or k2 != n13 // 2 or not (cpu_moe.int4pack_cpu_supported(n13, k13, g)
-                                              and cpu_moe.int4pack_cpu_supported(d, k2, g)):
+        packed = self.ops.prepack_int4_experts(self.w13_weight_packed, self.w13_weight_scale, self.w2_weight_packed,
+                                               self.w2_weight_scale, self.quant.group_size, dtype)
+        if packed is None:
             return False
-        for i in range(e):  # into preallocated stacks: one expert's temporaries at a time
-            for proj, packed, scale, k in (("w13", self.w13_weight_packed, self.w13_weight_scale, k13),
-                                           ("w2", self.w2_weight_packed, self.w2_weight_scale, k2)):
-                weight, scales_zeros = cpu_moe.prepack_int4_cpu(packed[i], scale[i], k, g, dtype)
-                if i == 0:
-                    self.register_buffer(f"{proj}_int4pack", weight.new_empty(e, *weight.shape), persistent=False)
-                    self.register_buffer(f"{proj}_scales_zeros", scales_zeros.new_empty(e, *scales_zeros.shape),
-                                         persistent=False)
-                getattr(self, f"{proj}_int4pack")[i] = weight
-                getattr(self, f"{proj}_scales_zeros")[i] = scales_zeros
+        for name, t in zip(("w13_int4pack", "w13_scales_zeros", "w2_int4pack", "w2_scales_zeros"), packed):
+            self.register_buffer(name, t, persistent=False)
         for name in ("w13_weight_packed", "w13_weight_scale", "w2_weight_packed", "w2_weight_scale"):
             getattr(self, name).data = torch.empty(0, dtype=getattr(self, name).dtype)
         self.fmt = "int4pack"
@@ -172,10 +156,10 @@ class RoutedExperts(nn.Module):
             self.executor = CpuExpertExecutor(self.host, self.host_map)
 
     def post_load(self, dtype: torch.dtype) -> None:
-        """Once the weights are in (and each stack has its backend): CPU-held INT4 stacks switch to
-        torch's CPU int4 GEMM layout where their backend runs that layout."""
+        """Once the weights are in (and each stack has its backend): INT4 stacks take the layout their
+        backend's expert GEMM reads, where it has one (CPU-held ones: torch's CPU int4 GEMM)."""
         for stack in (self.local, self.host):
-            if stack is not None and stack.ops.int4pack_cpu:
+            if stack is not None:
                 stack.prepack_for_cpu(dtype)
 
     def slot(self, expert: int) -> tuple[ExpertStack, int] | None:
