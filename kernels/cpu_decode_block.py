@@ -13,6 +13,7 @@ tensors) stays None and runs op by op.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,7 @@ def _dense_f32(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AttentionBlockWeights:
     """The fixed arguments of ``attention_block``, in the C++ function's order."""
 
@@ -47,12 +48,14 @@ class AttentionBlockWeights:
     scale: float  # softmax scale
     o_proj: torch.Tensor  # [D, H * v]
 
+    @functools.cached_property
     def kernel_args(self) -> tuple:
+        """The fields in order, as the C++ function takes them (built once: this runs every step)."""
         # not dataclasses.astuple, which deep-copies every tensor
         return tuple(getattr(self, f) for f in self.__dataclass_fields__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class FfnBlockWeights:
     """The fixed arguments of ``ffn_block``, in the C++ function's order: a dense SwiGLU MLP
     (``router`` empty), or a MoE: router, routed experts and the shared experts (when the model has
@@ -73,7 +76,9 @@ class FfnBlockWeights:
     w13: torch.Tensor  # routed experts [E, 2I, D]
     w2: torch.Tensor  # [E, D, I]
 
+    @functools.cached_property
     def kernel_args(self) -> tuple:
+        """The fields in order, as the C++ function takes them."""
         return tuple(getattr(self, f) for f in self.__dataclass_fields__)
 
 

@@ -145,14 +145,14 @@ def attention_block(x, positions, slots, cache, block_tables, context_lens, bloc
     slots, cache and tables; int64 positions and slots, int32 tables), writing each sequence's newest
     latent; ``weights``: a ``kernels.cpu_decode_block.AttentionBlockWeights``."""
     return _module().attention_block(x, positions, slots, cache, block_tables, context_lens, block_size,
-                                     *weights.kernel_args())
+                                     *weights.kernel_args)
 
 
 def ffn_block(x, counts, weights, scratch: torch.Tensor) -> torch.Tensor:
     """``x + ffn(norm(x))`` for x [T, D]; a MoE counts each token's experts into ``counts`` [E] int64
     (an empty tensor for a dense MLP); ``weights``: a ``kernels.cpu_decode_block.FfnBlockWeights``;
     ``scratch`` as for ``moe``."""
-    return _module().ffn_block(x, counts, *weights.kernel_args(), scratch)
+    return _module().ffn_block(x, counts, *weights.kernel_args, scratch)
 
 
 def rms_norm(x, weight, eps) -> torch.Tensor:

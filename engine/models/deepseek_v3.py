@@ -7,6 +7,8 @@ per layer (see ``RoutedExperts``).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -110,8 +112,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         settings = KernelSettings.from_env() if settings is None else settings
         weight = self.model.norm.weight
         ops = select_backend(weight.device, weight.dtype, settings)
-        # host-RAM experts are computed by the CPU whatever the model's device
-        host_ops = ops if weight.device.type == "cpu" else select_backend("cpu", weight.dtype, settings)
+        # Host-RAM experts are computed by the CPU whatever the model's device (an emulated device too).
+        on_cpu = weight.device.type == "cpu" and not settings.emulate_device
+        host_ops = ops if on_cpu else select_backend("cpu", weight.dtype, replace(settings, emulate_device=False))
         self.set_backend(ops, host_ops)
         for layer in self.model.layers:
             experts = getattr(layer.mlp, "experts", None)
