@@ -149,6 +149,6 @@ class AsyncLLM:
             self.engine.abort_request(rid)
 
     def _fail_all(self, error: BaseException) -> None:
-        for rid in list(self.engine.requests):
+        for rid in self.engine.request_ids():
             self.engine.abort_request(rid)
             self._deliver(rid, EngineDeadError(f"request {rid} failed: {error}"))

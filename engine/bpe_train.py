@@ -16,7 +16,8 @@ from pathlib import Path
 
 from engine.tokenizer import KIMI_PAT_STR_ONIG, NUM_RESERVED_SPECIAL_TOKENS, bytes_to_unicode
 
-# Kimi K2's named special tokens as offsets from num_base_tokens (reference §7.3); every other
+# Kimi K2's named special tokens as offsets from num_base_tokens (tokenization_kimi.py and
+# tokenizer_config.json of moonshotai/Kimi-K2-Instruct); every other
 # slot of the 256-token block is `<|reserved_token_{id}|>`.
 KIMI_SPECIAL_TOKEN_OFFSETS: dict[int, str] = {
     0: "[BOS]",

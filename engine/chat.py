@@ -1,6 +1,7 @@
 """Kimi chat format: messages -> prompt text / ids, and model replies -> reasoning, content, tool calls.
 
-Shapes follow reference kimi-model.md §7.4 (K2-Instruct; K2-Thinking / K2.6 thinking variants).
+Shapes follow the chat_template in tokenizer_config.json of moonshotai/Kimi-K2-Instruct (and the
+K2-Thinking / K2.6 thinking variants) on huggingface.co.
 Messages are OpenAI-style dicts: ``{"role", "content", "reasoning_content"?, "tool_calls"?}``.
 """
 
@@ -188,7 +189,7 @@ def _tojson(obj: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 
 def _deep_sort(obj: Any) -> Any:
-    # Kimi's apply_chat_template deep-sorts the keys of `tools` before rendering (§7.1).
+    # Kimi's apply_chat_template (tokenization_kimi.py) deep-sorts the keys of `tools` before rendering.
     if isinstance(obj, dict):
         return {k: _deep_sort(obj[k]) for k in sorted(obj)}
     if isinstance(obj, list):

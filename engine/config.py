@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3", "kimi_k25")
+from engine.models.registry import model_family, supported_model_types
+
 
 
 class ConfigError(ValueError):
@@ -91,7 +92,7 @@ class ModelConfig:
     pad_token_id: int | None
     torch_dtype: str
     quantization: QuantConfig | None
-    weight_prefix: str = ""  # "language_model." for kimi_k25 checkpoints
+    weight_prefix: str = ""  # the family's prefix on text-model tensors ("language_model." for kimi_k25)
     num_nextn_predict_layers: int = 0
     is_demo: bool = False
     name: str = ""
@@ -124,10 +125,6 @@ class ModelConfig:
             scale *= m * m
         return scale
 
-    @property
-    def max_model_len(self) -> int:
-        return self.max_position_embeddings
-
     # -- parsing --------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
@@ -144,19 +141,20 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json", path: str = "") -> "ModelConfig":
         model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        family = model_family(model_type)
+        if family is None:
             raise ConfigError(
                 f"{source}: model_type {model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+                f"(supported: {', '.join(supported_model_types())})"
             )
         text = raw
-        prefix = ""
-        if model_type == "kimi_k25":
-            text = raw.get("text_config")
+        prefix = family.weight_prefix
+        if family.text_config:
+            text = raw.get(family.text_config)
             if not isinstance(text, dict):
-                raise ConfigError(f"{source}: field 'text_config' is missing (needed for model_type kimi_k25)")
-            prefix = "language_model."
-            source = f"{source} text_config"
+                raise ConfigError(f"{source}: field '{family.text_config}' is missing (needed for model_type "
+                                  f"{model_type})")
+            source = f"{source} {family.text_config}"
         r = _Reader(text, source)
 
         rope_theta, rope_scaling = _parse_rope(text, r)

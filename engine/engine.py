@@ -1,8 +1,9 @@
 """LLMEngine: requests in, one scheduled step at a time, outputs out.
 
-``step()`` reads: schedule, execute, postprocess, detokenize, report. The scheduler never sees
-tensors and the runner makes no policy; this file owns request state (text, stop strings,
-log-probs, timestamps).
+``step()`` reads: schedule, run, process outputs. The scheduler never sees tensors, the runner
+makes no policy, and the output processor (output_processor.py) owns what the user sees of a
+request (text, stop strings, log-probs, timestamps, counters). This file builds the parts and
+checks prompts.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import json
 import logging
 import time
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,13 +20,14 @@ import torch
 from engine.args import EngineArgs
 from engine.config import ModelConfig
 from engine.kv_cache.block_manager import BlockManager
-from engine.kv_cache.pool import KVCachePool, MLACacheSpec, num_blocks_for_budget
-from engine.loader import LoadProgress, load_model
-from engine.metrics import EngineStats, ThroughputWindow
+from engine.kv_cache.pool import KVCachePool, num_blocks_for_budget
+from engine.loader import load_model
+from engine.metrics import EngineStats
 from engine.offload.placement import device_reserve_bytes, expert_placement_for
 from engine.parallel.state import SINGLE
 from engine.parallel.workers import WorkerGroup, WorkerSpec, free_port
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.output_processor import OutputProcessor, ProcessedStep
+from engine.outputs import RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -37,23 +38,6 @@ log = logging.getLogger(__name__)
 
 class PromptError(ValueError):
     """A prompt the engine cannot take (empty, too long, text without a tokenizer, bad token id)."""
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    params: SamplingParams
-    prompt: str | None
-    metrics: RequestMetrics
-    detok: object | None
-    text: str = ""
-    logprobs: list[dict[int, float]] | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    stop_reason: str | int | None = None
-    emitted_tokens: int = 0
-    cumulative_logprob: float = 0.0
-    finished: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -105,15 +89,13 @@ class LLMEngine:
             enable_chunked_prefill=args.enable_chunked_prefill,
         ), self.block_manager)
         self.runner = ModelRunner(self.model, self.cache_pool.caches, args.block_size, self.device, self.workers)
-        self.requests: dict[str, _Request] = {}
-        self.throughput = ThroughputWindow()
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        self.total_prompt_tokens = self.total_generation_tokens = self.num_finished = 0
 
     # -- capacity --------------------------------------------------------------------------
     def _allocate_cache(self) -> KVCachePool:
         a = self.args
-        specs = [MLACacheSpec(dim=d, dtype=self.dtype) for d in self.model.cache_dims()]
+        specs = self.model.cache_specs(self.dtype)
         per_token = sum(s.bytes_per_block(1) for s in specs)
         wanted_tokens = a.kv_cache_tokens or (self.max_model_len * a.max_num_seqs + a.block_size)
         budget = wanted_tokens * per_token
@@ -151,7 +133,7 @@ class LLMEngine:
                     arrival_time: float | None = None) -> str:
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.requests:
+        if request_id in self.output_processor.requests:
             raise PromptError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
         if len(ids) >= self.max_model_len:
@@ -161,19 +143,7 @@ class LLMEngine:
             raise PromptError(f"token id {bad} is outside the vocabulary (vocab_size={self.config.vocab_size})")
         seq = Sequence(request_id, ids, params, () if params.ignore_eos else self.eos_token_ids, arrival_time)
         self.scheduler.add(seq)
-        detok = None
-        if self.tokenizer is not None:
-            from engine.tokenizer import IncrementalDetokenizer
-
-            detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                                           keep_special_ids=params.keep_special_token_ids or ())
-        req = _Request(seq, params, text, RequestMetrics(arrival_time=seq.arrival_time), detok)
-        if params.logprobs is not None:
-            req.logprobs = []
-        if params.prompt_logprobs is not None:
-            req.prompt_logprobs = [None]
-        self.requests[request_id] = req
-        self.total_prompt_tokens += len(ids)
+        self.output_processor.add_request(seq, params, text)
         return request_id
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
@@ -196,8 +166,7 @@ class LLMEngine:
         return text, list(ids)
 
     def abort_request(self, request_id: str) -> bool:
-        req = self.requests.pop(request_id, None)
-        if req is None:
+        if not self.output_processor.abort_request(request_id):
             return False
         self.scheduler.abort(request_id)
         self.runner.release(request_id)
@@ -205,6 +174,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def request_ids(self) -> list[str]:
+        """Ids of the requests added and neither finished nor aborted yet."""
+        return list(self.output_processor.requests)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (if any); the engine is unusable afterwards."""
@@ -225,105 +198,23 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        now = time.monotonic()
-        for s in sched.scheduled:
-            m = self.requests[s.seq.seq_id].metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = now
+        self.output_processor.on_scheduled(sched)
         result = self.runner.execute(sched)
         finished = self.scheduler.postprocess(sched, result.sampled)
-        now = time.monotonic()
-        prefill_tokens = sum(s.num_new_tokens for s in sched.scheduled if s.is_prefill)
-        decode_tokens = sum(1 for s, t in zip(sched.scheduled, result.sampled) if t is not None)
-        self.throughput.record(prefill_tokens, decode_tokens, now)
-        outputs = []
-        finished_ids = {s.seq_id for s in finished}
-        for s, token, lp in zip(sched.scheduled, result.sampled, result.logprobs):
-            req = self.requests.get(s.seq.seq_id)
-            if req is None:
-                continue
-            if s.seq.seq_id in result.prompt_logprobs and req.prompt_logprobs is not None:
-                start, entries = result.prompt_logprobs[s.seq.seq_id]
-                if len(req.prompt_logprobs) == start:  # skip recomputed chunks after preemption
-                    req.prompt_logprobs.extend(entries)
-            if token is None and s.seq.seq_id not in finished_ids:
-                continue
-            if token is not None:
-                self._on_token(req, token, lp, now)
-            if s.seq.seq_id in finished_ids or req.seq.is_finished:
-                self._finish(req, now)
-            outputs.append(self._output(req))
-        for rid in [r for r, q in self.requests.items() if q.finished]:
-            del self.requests[rid]
-        return outputs
+        processed = self.output_processor.process_outputs(sched, result, finished)
+        self._retire(processed)
+        return processed.outputs
 
-    def _on_token(self, req: _Request, token: int, lp: dict | None, now: float) -> None:
-        m = req.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-        m.token_times.append(now)
-        self.total_generation_tokens += 1
-        if lp is not None and req.logprobs is not None:
-            req.logprobs.append(lp)
-            req.cumulative_logprob += lp[token]
-        if req.detok is None or req.finished:
-            return
-        before = len(req.text)
-        req.text += req.detok.add([token])
-        if req.seq.is_finished:
-            req.text += req.detok.flush()
-        stops = req.params.stop_strings
-        if stops and not req.seq.is_finished:
-            self._check_stop_strings(req, stops, before)
-
-    def _check_stop_strings(self, req: _Request, stops: tuple[str, ...], before: int) -> None:
-        # Only text that could contain a new match: the tail of the old text plus the new text.
-        start = max(0, before - max(len(s) for s in stops) + 1)
-        hit = None
-        for stop in stops:
-            i = req.text.find(stop, start)
-            if i >= 0 and (hit is None or i < hit[0]):
-                hit = (i, stop)
-        if hit is None:
-            return
-        i, stop = hit
-        req.text = req.text[: i + (len(stop) if req.params.include_stop_str_in_output else 0)]
-        req.stop_reason = stop
-        self.scheduler.finish(req.seq.seq_id, "stop")
-
-    def _finish(self, req: _Request, now: float) -> None:
-        req.finished = True
-        req.metrics.finished_time = now
-        req.metrics.num_cached_tokens = req.seq.num_cached_tokens
-        if req.stop_reason is None and req.seq.finish_reason == "stop" and req.seq.output_token_ids:
-            req.stop_reason = req.seq.output_token_ids[-1]
-        self.num_finished += 1
-        self.runner.release(req.seq.seq_id)
-
-    def _output(self, req: _Request) -> RequestOutput:
-        seq = req.seq
-        comp = CompletionOutput(
-            index=0,
-            text=req.text,
-            token_ids=list(seq.output_token_ids),
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            finish_reason=seq.finish_reason if req.finished else None,
-            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-            stop_reason=req.stop_reason,
-        )
-        return RequestOutput(
-            request_id=seq.seq_id,
-            prompt=req.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
-            outputs=[comp],
-            finished=req.finished,
-            metrics=req.metrics,
-        )
+    def _retire(self, processed: ProcessedStep) -> None:
+        for rid in processed.stop:  # stop strings are found in text, after the scheduler's checks
+            self.scheduler.finish(rid, "stop")
+        for rid in processed.finished:
+            self.runner.release(rid)
 
     # -- observability ---------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        prefill, decode = self.throughput.rates()
+        out = self.output_processor
+        prefill, decode = out.throughput.rates()
         bm = self.block_manager
         return EngineStats(
             num_running=self.scheduler.num_running,
@@ -334,9 +225,9 @@ class LLMEngine:
             decode_tokens_per_s=decode,
             num_preemptions=self.scheduler.num_preemptions,
             kv_cache_capacity_tokens=self.cache_pool.capacity_tokens(),
-            total_prompt_tokens=self.total_prompt_tokens,
-            total_generation_tokens=self.total_generation_tokens,
-            num_finished=self.num_finished,
+            total_prompt_tokens=out.total_prompt_tokens,
+            total_generation_tokens=out.total_generation_tokens,
+            num_finished=out.num_finished,
         )
 
 
@@ -382,14 +273,4 @@ def _eos_ids(config: ModelConfig, model_dir: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def __getattr__(name: str):
-    # DESIGN.md places AsyncLLM in this module; it lives in async_llm.py, which imports LLMEngine
-    # from here, so it is resolved on first access: both import paths give the same class.
-    if name == "AsyncLLM":
-        from engine.async_llm import AsyncLLM
-
-        return AsyncLLM
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["LLMEngine", "AsyncLLM", "PromptError", "LoadProgress"]
+__all__ = ["LLMEngine", "PromptError"]

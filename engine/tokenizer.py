@@ -19,7 +19,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-# Kimi's split pattern exactly as in tokenization_kimi.py (reference §7.2). It relies on
+# Kimi's split pattern exactly as in Moonshot's tokenization_kimi.py (same in K2, K2.5, K2.6, K3
+# on huggingface.co/moonshotai). It relies on
 # character-class intersection (`&&`), which fancy-regex (tiktoken) and Python's `regex` (V1)
 # understand but many other engines do not.
 KIMI_PAT_STR = "|".join(
@@ -89,7 +90,7 @@ def load_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
 
 
 def kimi_special_tokens(tokenizer_config: dict, num_base_tokens: int) -> dict[int, str]:
-    """Special-token id -> content, as tokenization_kimi.py builds it (reference §7.1)."""
+    """Special-token id -> content, as Moonshot's tokenization_kimi.py builds it."""
     named = {
         int(i): (v["content"] if isinstance(v, dict) else str(v))
         for i, v in tokenizer_config.get("added_tokens_decoder", {}).items()

@@ -29,7 +29,7 @@ def _row_blocks(n: int, threads: int) -> int:
     for c in range(threads, n + 1, threads):
         if n % c == 0 and n // c <= _CPU_BLOCK_ROWS:
             return c
-    return next(c for c in range(min(threads, n), 0, -1) if n % c == 0)
+    return next((c for c in range(min(threads, n), 0, -1) if n % c == 0), 1)  # n = 0: a rank with no rows
 
 
 def linear_cpu(x, w):

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.sequence import Sequence
+from engine.units import cdiv
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -46,10 +47,6 @@ class Block:
         self.token_ids = ()
         self.content_id = 0
         self.parent_content_id = 0
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class BlockManager:
@@ -107,7 +104,7 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether ``seq`` can be admitted with ``num_new_tokens`` tokens beyond its prefix hit."""
         hit = self._match(seq)
-        need = _cdiv(len(hit) * self.block_size + num_new_tokens, self.block_size) - len(hit)
+        need = cdiv(len(hit) * self.block_size + num_new_tokens, self.block_size) - len(hit)
         # Reviving a cached block that nobody holds takes it off the free list too.
         revived = sum(1 for b in hit if self.blocks[b].ref_count == 0)
         return need + revived <= len(self._free)
@@ -140,7 +137,7 @@ class BlockManager:
 
         All or nothing: returns False and changes nothing when the free list is too short.
         """
-        need = _cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table)
+        need = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table)
         if need <= 0:
             return True
         if need > len(self._free):

@@ -12,11 +12,14 @@ from engine.parallel.state import SINGLE, ParallelState, split_sizes
 
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, par: ParallelState = SINGLE):
+    param_class = "embedding"  # for the planner, see engine.models.registry
+
+    def __init__(self, vocab_size: int, hidden_size: int, par: ParallelState = SINGLE,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         self.par = par
         self.start, self.end = par.range(vocab_size)
-        self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden_size, dtype=dtype), requires_grad=False)
         if par.is_parallel:
             self.weight.full_shape = (vocab_size, hidden_size)
             self.weight.shard = (0, self.start, self.end)
@@ -33,9 +36,12 @@ class VocabEmbedding(nn.Module):
 class LMHead(Linear):
     """``lm_head.weight``, split over ranks by vocabulary rows; logits gathered on every rank."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, quant: QuantConfig | None, par: ParallelState = SINGLE):
+    param_class = "lm_head"
+
+    def __init__(self, vocab_size: int, hidden_size: int, quant: QuantConfig | None, par: ParallelState = SINGLE,
+                 dtype: torch.dtype = torch.float32):
         shard = (0, *par.range(vocab_size)) if par.is_parallel else None
-        super().__init__(hidden_size, vocab_size, quant, "lm_head", shard)
+        super().__init__(hidden_size, vocab_size, quant, "lm_head", shard, dtype)
         self.par = par
         self.sizes = split_sizes(vocab_size, par.world_size)
 

@@ -23,8 +23,10 @@ from kernels.backend import REFERENCE, Backend
 
 class MLAttention(nn.Module):
     ops: Backend = REFERENCE  # the model's backend, set when it is loaded
+    param_class = "attention"  # for the planner, see engine.models.registry
 
-    def __init__(self, config: ModelConfig, prefix: str, rope: YarnRotaryEmbedding, par: ParallelState = SINGLE):
+    def __init__(self, config: ModelConfig, prefix: str, rope: YarnRotaryEmbedding, par: ParallelState = SINGLE,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         c = config
         q = c.quantization
@@ -46,17 +48,17 @@ class MLAttention(nn.Module):
             return (axis, h0 * width, h1 * width) if par.is_parallel else None
 
         if c.q_lora_rank is None:
-            self.q_proj = Linear(c.hidden_size, h * self.qk_dim, q, f"{prefix}.q_proj", heads(self.qk_dim))
+            self.q_proj = Linear(c.hidden_size, h * self.qk_dim, q, f"{prefix}.q_proj", heads(self.qk_dim), dtype)
         else:
-            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, q, f"{prefix}.q_a_proj")
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-            self.q_b_proj = Linear(c.q_lora_rank, h * self.qk_dim, q, f"{prefix}.q_b_proj", heads(self.qk_dim))
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, q, f"{prefix}.q_a_proj", dtype=dtype)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype)
+            self.q_b_proj = Linear(c.q_lora_rank, h * self.qk_dim, q, f"{prefix}.q_b_proj", heads(self.qk_dim), dtype)
         self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + self.rope_dim, q,
-                                         f"{prefix}.kv_a_proj_with_mqa")
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+                                         f"{prefix}.kv_a_proj_with_mqa", dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, dtype)
         self.kv_b_proj = Linear(c.kv_lora_rank, h * (self.nope + self.v_dim), q, f"{prefix}.kv_b_proj",
-                                heads(self.nope + self.v_dim))
-        self.o_proj = Linear(h * self.v_dim, c.hidden_size, q, f"{prefix}.o_proj", heads(self.v_dim, axis=1))
+                                heads(self.nope + self.v_dim), dtype)
+        self.o_proj = Linear(h * self.v_dim, c.hidden_size, q, f"{prefix}.o_proj", heads(self.v_dim, axis=1), dtype)
         self.w_uk: torch.Tensor | None = None  # [H, nope, r], set by post_load
         self.w_uv: torch.Tensor | None = None  # [H, v, r]
         # q_a_proj (or q_proj) and kv_a_proj_with_mqa as one weight when dense, set by post_load

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import QuantConfig
-from engine.layers.linear import Linear, fuse_dense_rows
+from engine.layers.linear import Linear, fuse_dense_rows, linear_format, split_unit
 from engine.parallel.state import SINGLE, ParallelState
 from kernels.backend import REFERENCE, Backend
 
@@ -17,16 +17,19 @@ class MLP(nn.Module):
     ops: Backend = REFERENCE  # the model's backend, set when it is loaded
 
     def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantConfig | None, prefix: str,
-                 par: ParallelState = SINGLE):
+                 par: ParallelState = SINGLE, dtype: torch.dtype = torch.float32, param_class: str = "dense_mlp"):
         super().__init__()
+        self.param_class = param_class  # "dense_mlp" or "shared_experts", for the planner
         self.parallel = par.is_parallel
         cols = rows = None
         if par.is_parallel:
-            start, end = par.range(intermediate_size)
+            # whole FP8 blocks / INT4 groups per rank, so gate/up rows and down columns split alike
+            unit = max(split_unit(linear_format(quant, f"{prefix}.{n}"), quant) for n in ("gate_proj", "down_proj"))
+            start, end = par.range(intermediate_size, unit)
             cols, rows = (0, start, end), (1, start, end)
-        self.gate_proj = Linear(hidden_size, intermediate_size, quant, f"{prefix}.gate_proj", cols)
-        self.up_proj = Linear(hidden_size, intermediate_size, quant, f"{prefix}.up_proj", cols)
-        self.down_proj = Linear(intermediate_size, hidden_size, quant, f"{prefix}.down_proj", rows)
+        self.gate_proj = Linear(hidden_size, intermediate_size, quant, f"{prefix}.gate_proj", cols, dtype)
+        self.up_proj = Linear(hidden_size, intermediate_size, quant, f"{prefix}.up_proj", cols, dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, quant, f"{prefix}.down_proj", rows, dtype)
         self.register_buffer("gate_up", None, persistent=False)  # [2I, D] when dense, set by post_load
 
     def post_load(self) -> None:

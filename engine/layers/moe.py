@@ -4,14 +4,16 @@ host RAM computed by the CPU), shared experts (tensor parallel)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.layers.linear import linear_format, quantized_params
+from engine.layers.linear import linear_format, quantized_params, values_per_element
 from engine.layers.mlp import MLP
-from engine.parallel.state import SINGLE, ParallelState, split_range
+from engine.loader.source import TensorSource
+from engine.parallel.state import SINGLE, ParallelState, split_sizes
 from kernels.backend import REFERENCE, Backend
 
 
@@ -19,6 +21,7 @@ class Router(nn.Module):
     """Group-limited top-k over sigmoid scores; the correction bias steers selection only."""
 
     ops: Backend = REFERENCE  # the model's backend, set when it is loaded
+    param_class = "router"  # for the planner, see engine.models.registry
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -30,6 +33,7 @@ class Router(nn.Module):
         f32 = torch.float32
         self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size, dtype=f32), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(c.n_routed_experts, dtype=f32), requires_grad=False)
+        self.e_score_correction_bias.optional = True  # old checkpoints leave the zero bias out
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.moe_route(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group,
@@ -41,7 +45,8 @@ class ExpertStack(nn.Module):
 
     ops: Backend = REFERENCE  # the backend of the device the stack lives on, set when the model is loaded
 
-    def __init__(self, config: ModelConfig, fmt: str, num: int, device: torch.device | None = None):
+    def __init__(self, config: ModelConfig, fmt: str, num: int, device: torch.device | None = None,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         self.fmt, self.quant, self.num = fmt, config.quantization, num
         d, i = config.hidden_size, config.moe_intermediate_size
@@ -50,10 +55,11 @@ class ExpertStack(nn.Module):
             raise ValueError(f"FP8 experts need moe_intermediate_size ({i}) divisible by the weight block "
                              f"({self.quant.weight_block_size[0]})")
         with torch.device(device) if device is not None else contextlib.nullcontext():
-            for name, t in quantized_params(fmt, 2 * i, d, self.quant, (num,)).items():
-                self.register_parameter(f"w13_{name}", nn.Parameter(t, requires_grad=False))
-            for name, t in quantized_params(fmt, d, i, self.quant, (num,)).items():
-                self.register_parameter(f"w2_{name}", nn.Parameter(t, requires_grad=False))
+            for proj, (n, k) in (("w13", (2 * i, d)), ("w2", (d, i))):
+                for name, t in quantized_params(fmt, n, k, self.quant, (num,), dtype).items():
+                    p = nn.Parameter(t, requires_grad=False)
+                    p.values_per_element = values_per_element(fmt, name)
+                    self.register_parameter(f"{proj}_{name}", p)
 
     def load(self, index: int, proj: str, suffix: str, tensor: torch.Tensor) -> str | None:
         """Copy one checkpoint tensor into slot ``index``; returns an error string on mismatch."""
@@ -126,24 +132,33 @@ class RoutedExperts(nn.Module):
     Expert parallel: rank r computes the experts ``placement`` gives it (default: a contiguous,
     possibly uneven range). Experts placed in host RAM (-1) are computed by the CPU of the rank whose
     range holds them, overlapped with the device experts (submit, compute, sync). Checkpoint tensors
-    ``experts.E.{gate,up,down}_proj.<suffix>`` land in the owning stack; see ``slot``.
+    ``experts.E.{gate,up,down}_proj.<suffix>`` (or transformers 5.x's all-expert ``gate_up_proj`` /
+    ``down_proj``) land in the owning stack; see ``load_weight``.
     """
 
+    param_class = "routed_experts"  # for the planner, see engine.models.registry
+
     def __init__(self, config: ModelConfig, prefix: str, par: ParallelState = SINGLE,
-                 placement_row: list[int] | None = None):
+                 placement_row: list[int] | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
         n = config.n_routed_experts
         self.num_experts = n
+        self.prefix = prefix
         self.fmt = linear_format(config.quantization, f"{prefix}.0.gate_proj")
-        ep_owner = [next(r for r in range(par.world_size) if e < split_range(n, par.world_size, r)[1])
-                    for e in range(n)]
+        self.shapes = {"gate_proj": [config.moe_intermediate_size, config.hidden_size],
+                       "up_proj": [config.moe_intermediate_size, config.hidden_size],
+                       "down_proj": [config.hidden_size, config.moe_intermediate_size]}
+        ep_owner = [r for r, size in enumerate(split_sizes(n, par.world_size)) for _ in range(size)]
         row = placement_row if placement_row is not None else ep_owner
         on_device = [e for e in range(n) if row[e] == par.rank]
         on_host = [e for e in range(n) if row[e] == -1 and ep_owner[e] == par.rank]
-        self.local = ExpertStack(config, self.fmt, len(on_device)) if on_device else None
-        self.host = ExpertStack(config, self.fmt, len(on_host), torch.device("cpu")) if on_host else None
+        self.local = ExpertStack(config, self.fmt, len(on_device), dtype=dtype) if on_device else None
+        self.host = ExpertStack(config, self.fmt, len(on_host), torch.device("cpu"), dtype) if on_host else None
         self._slots = {e: ("local", i) for i, e in enumerate(on_device)}
         self._slots.update({e: ("host", i) for i, e in enumerate(on_host)})
+        for stack, experts in ((self.local, on_device), (self.host, on_host)):
+            if stack is not None:
+                self._declare_sources(stack, experts)
         self.register_buffer("local_map", _expert_map(n, on_device), persistent=False)
         self.register_buffer("host_map", _expert_map(n, on_host, torch.device("cpu")), persistent=False)
         # tokens routed to each expert, summed over steps (for hottest-first placement next start)
@@ -169,6 +184,68 @@ class RoutedExperts(nn.Module):
             return None
         return (self.local if where[0] == "local" else self.host), where[1]
 
+    def _declare_sources(self, stack: ExpertStack, experts: list[int]) -> None:
+        # The checkpoint tensors each stacked parameter is made of, by shard id (expert, proj): the
+        # loader checks that num_sources arrived and names the first missing one from sources()
+        # (built only then: 384 experts x 60 layers of names would slow every meta-device build).
+        for pname, p in stack.named_parameters():
+            projs = ("down_proj",) if pname.startswith("w2_") else ("gate_proj", "up_proj")
+            p.num_sources = len(experts) * len(projs)
+            p.sources = functools.partial(_expert_sources, self.prefix, experts, projs, pname.split("_", 1)[1])
+
+    def load_weight(self, name: str, shard_id: int | None, src: TensorSource) -> list[tuple[str, object]] | None:
+        """Take ``experts.<shard_id>.<proj>.<suffix>`` (``name`` = "<proj>.<suffix>") or, with
+        ``shard_id`` None, transformers 5.x's ``gate_up_proj`` [E, 2I, D] / ``down_proj`` [E, D, I].
+        Returns the (parameter, shard id) pairs filled; experts another rank holds fill nothing."""
+        if shard_id is None:
+            return self._load_fused(name, src)
+        proj, suffix = name.split(".", 1)
+        if proj not in self.shapes:
+            return None
+        if shard_id >= self.num_experts:
+            raise src.error(f"expert {shard_id} out of range (n_routed_experts={self.num_experts})")
+        if suffix == "weight_shape":  # compressed-tensors' record of the logical [out, in]
+            if src.read().tolist() != self.shapes[proj]:
+                raise src.error(f"records shape {src.read().tolist()}, expected {self.shapes[proj]}")
+            return []
+        slot = self.slot(shard_id)
+        if slot is None:
+            return []
+        stack, index = slot
+        dtype = stack.param_dtype(proj, suffix)
+        if dtype is None:
+            raise src.error(f"unexpected tensor kind '{suffix}' for {self.fmt} experts")
+        err = stack.load(index, proj, suffix, src.read(dtype))
+        if err:
+            raise src.error(err)
+        return [(self._param_name(stack, proj, suffix), (shard_id, proj))]
+
+    def _load_fused(self, name: str, src: TensorSource) -> list[tuple[str, object]] | None:
+        if name not in ("gate_up_proj", "down_proj"):
+            return None
+        if src.shape[0] != self.num_experts:
+            raise src.error(f"{src.shape[0]} experts, expected {self.num_experts}")
+        full = None
+        filled = []
+        for e in range(self.num_experts):
+            slot = self.slot(e)
+            if slot is None:
+                continue
+            stack, index = slot
+            if full is None:
+                full = src.read(stack.param_dtype("down_proj", "weight"))
+            # [E, D, I] down, or [E, 2I, D] gate rows then up rows
+            parts = [("down_proj", full[e])] if name == "down_proj" else zip(("gate_proj", "up_proj"), full[e].chunk(2))
+            for proj, t in parts:
+                err = stack.load(index, proj, "weight", t)
+                if err:
+                    raise src.error(err)
+                filled.append((self._param_name(stack, proj, "weight"), (e, proj)))
+        return filled
+
+    def _param_name(self, stack: ExpertStack, proj: str, suffix: str) -> str:
+        return f"{'local' if stack is self.local else 'host'}.{'w2' if proj == 'down_proj' else 'w13'}_{suffix}"
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         # index_add_ rather than bincount, which syncs with the host on a device to size its output
         flat = topk_ids.reshape(-1)
@@ -183,6 +260,10 @@ class RoutedExperts(nn.Module):
         return y
 
 
+def _expert_sources(prefix: str, experts: list[int], projs: tuple[str, ...], suffix: str) -> dict:
+    return {(e, proj): f"{prefix}.{e}.{proj}.{suffix}" for e in experts for proj in projs}
+
+
 def _expert_map(n: int, experts: list[int], device: torch.device | None = None) -> torch.Tensor:
     m = torch.full((n,), -1, dtype=torch.int64, device=device)
     if experts:
@@ -192,15 +273,15 @@ def _expert_map(n: int, experts: list[int], device: torch.device | None = None) 
 
 class MoE(nn.Module):
     def __init__(self, config: ModelConfig, prefix: str, par: ParallelState = SINGLE,
-                 placement_row: list[int] | None = None):
+                 placement_row: list[int] | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.parallel = par.is_parallel
         self.gate = Router(config)
-        self.experts = RoutedExperts(config, f"{prefix}.experts", par, placement_row)
+        self.experts = RoutedExperts(config, f"{prefix}.experts", par, placement_row, dtype)
         self.shared_experts = None
         if config.n_shared_experts:
             self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
-                                      config.quantization, f"{prefix}.shared_experts", par)
+                                      config.quantization, f"{prefix}.shared_experts", par, dtype, "shared_experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum (its experts + its shard of the shared experts); the caller reduces."""

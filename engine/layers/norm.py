@@ -11,10 +11,10 @@ from kernels.backend import REFERENCE, Backend
 class RMSNorm(nn.Module):
     ops: Backend = REFERENCE  # the model's backend, set when it is loaded
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)

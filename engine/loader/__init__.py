@@ -17,18 +17,14 @@ __all__ = ["CheckpointError", "CheckpointReader", "LoadProgress", "LoadReport", 
 
 def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, max_position: int | None = None,
                 par=None, expert_placement=None):
-    """Allocate this rank's model on ``device``: dense weights in ``dtype``, packed weights in their
-    own dtypes, experts placed as ``expert_placement`` says (host-RAM experts on the CPU)."""
-    from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+    """Allocate this rank's model on ``device`` (``torch.device("meta")``: shapes only): dense
+    weights in ``dtype``, packed weights and fp32-by-contract tensors in their own dtypes, experts
+    placed as ``expert_placement`` says (host-RAM experts on the CPU)."""
+    from engine.models.registry import model_class
     from engine.parallel.state import SINGLE
 
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = DeepseekV3ForCausalLM(config, max_position, par or SINGLE, expert_placement)
-    finally:
-        torch.set_default_dtype(prev)
+    with torch.device(device):
+        model = model_class(config)(config, dtype, max_position, par or SINGLE, expert_placement)
     return model.eval()
 
 

@@ -2,7 +2,8 @@
 
 Module and parameter names follow Hugging Face's checkpoint names (``model.layers.3.self_attn
 .q_a_proj.weight``) so loading is a copy by name; routed experts are the one exception, stacked
-per layer (see ``RoutedExperts``).
+per layer (see ``RoutedExperts``). The declarations the engine builds from (checkpoint name
+mapping, cache specs, planner classes) are described in ``engine.models.registry``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.kv_cache.pool import CacheSpec, MLACacheSpec
 from engine.layers.attn_metadata import AttentionMetadata
 from engine.layers.embedding import LMHead, VocabEmbedding
 from engine.layers.mla import MLAttention
@@ -20,24 +22,28 @@ from engine.layers.mlp import MLP
 from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rope import YarnRotaryEmbedding
+from engine.models.registry import WeightTarget
 from engine.parallel.state import SINGLE, ParallelState
 from kernels.backend import Backend, select_backend
 from kernels.settings import KernelSettings
 
 
 class DecoderLayer(nn.Module):
+    param_class = "attention"  # the two norms; self_attn and mlp declare their own
+
     def __init__(self, config: ModelConfig, layer_idx: int, rope: YarnRotaryEmbedding, par: ParallelState,
-                 placement_row: list[int] | None):
+                 placement_row: list[int] | None, dtype: torch.dtype):
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
         self.par = par
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config, f"{prefix}.self_attn", rope, par)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = MLAttention(config, f"{prefix}.self_attn", rope, par, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if config.is_moe_layer(layer_idx):
-            self.mlp = MoE(config, f"{prefix}.mlp", par, placement_row)
+            self.mlp = MoE(config, f"{prefix}.mlp", par, placement_row, dtype)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.quantization, f"{prefix}.mlp", par)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.quantization, f"{prefix}.mlp", par,
+                           dtype)
         # Each residual half in one call where the backend offers it (``Backend.fuse_decoder_layer``,
         # asked once after loading); None: every step runs op by op.
         self.fused = None
@@ -62,15 +68,17 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV3Model(nn.Module):
+    param_class = "final_norm"  # the final norm; embedding and layers declare their own
+
     def __init__(self, config: ModelConfig, max_position: int, par: ParallelState,
-                 expert_placement: list[list[int]] | None):
+                 expert_placement: list[list[int]] | None, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, par)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, par, dtype)
         rope = YarnRotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling, max_position)
         rows = expert_placement or [None] * config.num_hidden_layers
-        self.layers = nn.ModuleList(DecoderLayer(config, i, rope, par, rows[i] or None)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, rope, par, rows[i] or None, dtype)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]):
         x = self.embed_tokens(input_ids)
@@ -81,15 +89,19 @@ class DeepseekV3Model(nn.Module):
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_position: int | None = None, par: ParallelState = SINGLE,
-                 expert_placement: list[list[int]] | None = None):
-        """``expert_placement[layer][expert]``: the rank that computes the expert on its device, or -1
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_position: int | None = None,
+                 par: ParallelState = SINGLE, expert_placement: list[list[int]] | None = None):
+        """``dtype``: of the dense weights (see engine.models.registry for the others).
+        ``expert_placement[layer][expert]``: the rank that computes the expert on its device, or -1
         for host RAM (computed by the CPU); None spreads experts evenly over the ranks."""
         super().__init__()
         self.config = config
         self.par = par
-        self.model = DeepseekV3Model(config, max_position or config.max_position_embeddings, par, expert_placement)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, config.quantization, par)
+        self.model = DeepseekV3Model(config, max_position or config.max_position_embeddings, par, expert_placement,
+                                     dtype)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, config.quantization, par, dtype)
+        if config.tie_word_embeddings:  # one parameter, so neither the loader nor the planner sees two
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]):
         """Hidden states [T, D] for a flattened batch (see AttentionMetadata for the row layout), or
@@ -102,8 +114,6 @@ class DeepseekV3ForCausalLM(nn.Module):
     def post_load(self, settings: KernelSettings | None = None) -> None:
         """Once the weights are in: derived weights, then the backend, chosen once from the weights'
         device and dtype and ``settings`` (default: read from the environment now)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
         for layer in self.model.layers:
             layer.self_attn.post_load()
             for mlp in (layer.mlp, getattr(layer.mlp, "shared_experts", None)):
@@ -133,9 +143,28 @@ class DeepseekV3ForCausalLM(nn.Module):
                 experts.host.ops = host_ops or ops
             layer.fused = ops.fuse_decoder_layer(layer)
 
-    def cache_dims(self) -> list[int]:
-        """Values cached per token for each layer (every layer here is MLA)."""
-        return [self.config.kv_cache_dim] * self.config.num_hidden_layers
+    # -- declarations (see engine.models.registry) ------------------------------------------------
+    def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
+        """Every layer is MLA: a paged latent of kv_lora_rank + qk_rope_head_dim values per token."""
+        return [MLACacheSpec(dim=self.config.kv_cache_dim, dtype=dtype)] * self.config.num_hidden_layers
+
+    def checkpoint_target(self, name: str) -> WeightTarget | str:
+        """Where checkpoint tensor ``name`` goes (Hugging Face names: the module path is the name
+        up to its last dot), or why it is skipped."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return "rotary inv_freq"
+        if not (name.startswith("model.") or name.startswith("lm_head.")):
+            return "not part of the text model"
+        parts = name.split(".")
+        if parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= self.config.num_hidden_layers:
+            return "MTP layer"
+        if parts[3:5] == ["mlp", "experts"]:
+            experts = ".".join(parts[:5])
+            if parts[5].isdigit():  # experts.E.{gate,up,down}_proj.<suffix>: one expert's tensor
+                return WeightTarget(experts, ".".join(parts[6:]), int(parts[5]))
+            return WeightTarget(experts, ".".join(parts[5:]))  # all experts in one tensor
+        module, _, leaf = name.rpartition(".")
+        return WeightTarget(module, leaf)
 
     def routing_stats(self) -> dict[int, list[int]]:
         """Tokens routed to each expert so far, per MoE layer (for hottest-first placement)."""

@@ -8,9 +8,9 @@ import torch
 
 from engine.config import ModelConfig
 from engine.offload.planner import PlacementError, load_routing_stats, plan_placement
+from engine.units import GiB
 
 log = logging.getLogger(__name__)
-GiB = 1 << 30
 
 
 def device_reserve_bytes(device: torch.device) -> int:

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import ModelConfig
-from engine.offload.param_count import (ModelSize, count_params, expert_size, kv_bytes_per_token, moe_layers,
-                                        non_expert_bytes_per_device, split_evenly)
+from engine.offload.param_count import ModelSize, footprint, moe_layers
+from engine.parallel.state import split_sizes
+from engine.units import GiB
 
-GiB = 1 << 30
 DEFAULT_RESERVE_BYTES = 4 * GiB
 DEFAULT_BLOCK_SIZE = 64   # FlashMLA / vLLM MLA page size
 ROUTING_STATS_FORMAT = "kimitui.routing_stats/1"
@@ -142,10 +142,13 @@ class Placement:
 # -- routing statistics -----------------------------------------------------------------------------
 
 def load_routing_stats(path: str | Path) -> dict[int, list[float]] | list:
-    """Read tokens-per-expert counts written by ``save_routing_stats`` (or a bare dict / nested list)."""
+    """Read tokens-per-expert counts written by ``save_routing_stats`` (or a bare dict / nested list).
+
+    A missing file raises FileNotFoundError (a first run has none yet: callers may go on without);
+    a file that is there but unreadable as statistics raises ValueError."""
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"{p}: routing statistics file not found")
+        raise FileNotFoundError(f"{p}: routing statistics file not found")
     try:
         data = json.loads(p.read_text())
     except json.JSONDecodeError as e:
@@ -289,12 +292,12 @@ def _device_targets(g_total: int, slots: list[int]) -> list[int]:
     n, cap = len(slots), sum(slots)
     by_room = sorted(range(n), key=lambda d: (-slots[d], d))
     even = [0] * n
-    for d, share in zip(by_room, split_evenly(g_total, n)):
+    for d, share in zip(by_room, split_sizes(g_total, n)):
         even[d] = share
     if all(e <= s for e, s in zip(even, slots)):
         return even
     if g_total > cap:  # does not fit: fill every GPU, spread the excess so the overflow shows
-        return [s + x for s, x in zip(slots, split_evenly(g_total - cap, n))]
+        return [s + x for s, x in zip(slots, split_sizes(g_total - cap, n))]
     exact = [g_total * s / cap for s in slots]
     out = [int(x) for x in exact]
     for d in sorted(range(n), key=lambda d: (out[d] - exact[d], d))[: g_total - sum(out)]:
@@ -336,10 +339,13 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
     policy = _parse_policy(cpu_offload, n_exp)
     stats = _normalize_stats(routing_stats, config) if routing_stats is not None else {}
     layers = moe_layers(config)
-    e = expert_size(config, layers[0]).nbytes if layers else 0
-    budget = _Budget(int(memory_per_device_bytes), non_expert_bytes_per_device(config, num_devices),
-                     int(reserve_bytes_per_device), kv_bytes_per_token(config), max_num_seqs, block_size, e,
-                     len(layers), n_exp, policy, None if host_memory_bytes is None else int(host_memory_bytes))
+    # the engine's own model for this many ranks, built on the meta device: a split the engine
+    # cannot make raises here, naming the tensor
+    fp = footprint(config, num_devices)
+    e = fp.size.routed_expert.nbytes
+    budget = _Budget(int(memory_per_device_bytes), fp.non_expert_per_device, int(reserve_bytes_per_device),
+                     fp.kv_bytes_per_token, max_num_seqs, block_size, e, len(layers), n_exp, policy,
+                     None if host_memory_bytes is None else int(host_memory_bytes))
 
     kv = budget.kv_bytes(max_model_len)
     slots = budget.slots(kv)
@@ -366,7 +372,7 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
             per_device[d] += 1
         rows[layer] = tuple(row)
 
-    heads, vocab = split_evenly(config.num_attention_heads, num_devices), split_evenly(config.vocab_size, num_devices)
+    heads, vocab = split_sizes(config.num_attention_heads, num_devices), split_sizes(config.vocab_size, num_devices)
     devices = tuple(DevicePlan(d, heads[d], vocab[d], budget.non_expert[d], per_device[d], per_device[d] * e, kv,
                                budget.reserve, budget.capacity) for d in range(num_devices))
     host_bytes = (total - sum(counts)) * e
@@ -391,7 +397,7 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
         problems=tuple(problems), notes=tuple(notes), max_model_len_by_memory=by_memory,
         max_model_len_that_fits=min(by_memory, config.max_position_embeddings),
         max_model_len_with_placement=_len_with_placement(devices, budget),
-        max_position_embeddings=config.max_position_embeddings, model_size=count_params(config))
+        max_position_embeddings=config.max_position_embeddings, model_size=fp.size)
     if policy == "none" and not placement.fits:
         raise PlacementError(_none_message(placement, budget, slots), placement)
     return placement

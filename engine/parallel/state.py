@@ -12,14 +12,22 @@ from typing import Any
 import torch
 
 
-def split_sizes(total: int, parts: int) -> list[int]:
-    """Uneven split: the first ``total % parts`` parts get one more (64 heads on 6 ranks: 11,11,11,11,10,10)."""
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
+def split_sizes(total: int, parts: int, unit: int = 1) -> list[int]:
+    """Uneven split in multiples of ``unit``, the first parts larger (64 heads on 6 ranks:
+    11,11,11,11,10,10; 2048 rows in 128-row blocks: 384,384,384,384,256,256). A ``total`` that is
+    not a multiple of ``unit`` makes the last non-empty part short."""
+    base, extra = divmod(-(-total // unit), parts)
+    sizes = [(base + (1 if i < extra else 0)) * unit for i in range(parts)]
+    over = sum(sizes) - total
+    for i in reversed(range(parts)):
+        cut = min(over, sizes[i])
+        sizes[i] -= cut
+        over -= cut
+    return sizes
 
 
-def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
-    sizes = split_sizes(total, parts)
+def split_range(total: int, parts: int, index: int, unit: int = 1) -> tuple[int, int]:
+    sizes = split_sizes(total, parts, unit)
     start = sum(sizes[:index])
     return start, start + sizes[index]
 
@@ -34,9 +42,10 @@ class ParallelState:
     def is_parallel(self) -> bool:
         return self.world_size > 1
 
-    def range(self, total: int) -> tuple[int, int]:
-        """This rank's contiguous slice of ``total`` items (heads, experts, vocab rows, channels)."""
-        return split_range(total, self.world_size, self.rank)
+    def range(self, total: int, unit: int = 1) -> tuple[int, int]:
+        """This rank's contiguous slice of ``total`` items (heads, experts, vocab rows, channels),
+        cut on multiples of ``unit`` (a quantisation block or group)."""
+        return split_range(total, self.world_size, self.rank, unit)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_parallel:

@@ -72,7 +72,7 @@ def broadcast_object(obj=None):
 
 def _worker_main(rank: int, spec: WorkerSpec) -> None:
     from engine.config import ModelConfig
-    from engine.kv_cache.pool import KVCachePool, MLACacheSpec
+    from engine.kv_cache.pool import KVCachePool
     from engine.loader import load_model
     from engine.runner import ModelRunner
 
@@ -87,7 +87,7 @@ def _worker_main(rank: int, spec: WorkerSpec) -> None:
         model, _ = load_model(config, spec.model_dir, device, dtype, spec.max_model_len, par=par,
                               expert_placement=spec.expert_placement)
         num_blocks = broadcast_object()
-        pool = KVCachePool([MLACacheSpec(dim=d, dtype=dtype) for d in model.cache_dims()], num_blocks,
+        pool = KVCachePool(model.cache_specs(dtype), num_blocks,
                            spec.block_size, 1, device)
         runner = ModelRunner(model, pool.caches, spec.block_size, device)
         while True:

@@ -1,10 +1,11 @@
 """$ per million tokens (GPU rental tiers and electricity) and energy per token.
 
-Formulas are InferenceX's and Paiton's (reference/peers.md 2.4, seeds/):
+Formulas are InferenceX's (github.com/SemiAnalysisAI/InferenceX-app, docs/tco-calculator.md and
+utils/process_result.py in SemiAnalysisAI/InferenceX) and Paiton's (its Kimi-K3.1-Pro article):
   $/1M total tokens = ($/GPU/h) / (tok/s/GPU * 3600 / 1e6)
   electricity $/1M  = kW * $/kWh * 1e6 / (tok/s * 3600)
 Throughput per GPU is *total* (input + output) tokens/s divided by GPUs, as InferenceX's
-process_result.py `tput_per_gpu` and the seeds' "tokens/s per GPU" are.
+process_result.py `tput_per_gpu` and the published pages' "tokens/s per GPU" are.
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ class PricingTier:
 
 
 # SemiAnalysis AI Cloud TCO tiers for MI355X as published on InferenceX's Kimi K2.6 page
-# (seeds/kimi-k2.6-mi355x-inferencex.txt). Its K3.1 Pro page lists Retail at $2.90; edit
+# ("Running Kimi K2.6 on MI355X"). Its K3.1 Pro page lists Retail at $2.90; edit
 # settings.toml or pass --pricing-tier for your hardware and contract.
 DEFAULT_TIERS: tuple[PricingTier, ...] = (
     PricingTier("hyperscaler", 1.50),
     PricingTier("neocloud", 2.09),
     PricingTier("retail", 2.10),
 )
-# Paiton's assumed electricity price (seeds/paiton-...txt, "GPU electricity").
+# Paiton's assumed electricity price (its Kimi-K3.1-Pro on six MI355X article, "GPU electricity").
 DEFAULT_USD_PER_KWH = 0.10
 
 

@@ -30,7 +30,7 @@ ProgressFn = Callable[[int, int, float], None]
 
 @dataclass(frozen=True)
 class BenchmarkConfig:
-    """Every `kimitui bench` setting (DESIGN.md section 6), validated once."""
+    """Every `kimitui bench` setting, validated once."""
 
     random_input_len: int = 1024
     random_output_len: int = 128
@@ -194,7 +194,7 @@ async def run_sweep(config: BenchmarkConfig, client: Any, tokenizer: Any, sample
         filename = config.result_filename
         if filename:
             p = Path(filename)
-            filename = f"{p.stem}-concurrency{c}{p.suffix or '.json'}"
+            filename = str(p.with_name(f"{p.stem}-concurrency{c}{p.suffix or '.json'}"))  # keeps its folder
         point_cfg = replace(config, max_concurrency=c, sweep_concurrency=(), result_filename=filename)
         points.append(await run_benchmark(point_cfg, client, tokenizer, sampler, progress, cancel))
     return sweep_summary(points, config, cancel.is_set())
@@ -230,12 +230,23 @@ def default_result_filename(result: dict[str, Any]) -> str:
     return f"{result.get('label') or result.get('backend', 'openai')}-{rate}qps{conc_part}-{model}-{date}.json"
 
 
+def sweep_result_filename(sweep: dict[str, Any], result_filename: str | None = None) -> str:
+    """The sweep summary's file: `--result-filename` exactly as given (each point then goes to
+    `{stem}-concurrency{N}{suffix}`, so none collides with it), else
+    `{label|backend}-sweep-{model}-{date of the first point}.json`."""
+    if result_filename:
+        return result_filename
+    first = sweep["points"][0]
+    model = str(first.get("model_id") or "model").rstrip("/").split("/")[-1]
+    return f"{first.get('label') or first.get('backend', 'openai')}-sweep-{model}-{first['date']}.json"
+
+
 def save_result(result: dict[str, Any], result_dir: str | None = None, filename: str | None = None) -> Path:
     """Write `result` as JSON (vLLM's default name unless `filename`); returns the path."""
     path = Path(filename or default_result_filename(result))
     if result_dir:
-        Path(result_dir).mkdir(parents=True, exist_ok=True)
         path = Path(result_dir) / path
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, default=str), encoding="utf-8")
     return path
 
@@ -261,7 +272,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     a("--percentile-metrics", type=str, default="ttft,tpot,itl", help="of ttft,tpot,itl,e2el")
     a("--metric-percentiles", type=str, default="99", help="e.g. 50,90,99")
     a("--save-result", action="store_true", help="write the result JSON")
-    a("--result-filename", type=str, default=None, help="result file name (default like vLLM's)")
+    a("--result-filename", type=str, default=None,
+      help="result file name (default like vLLM's); with --sweep-concurrency it holds the sweep summary")
     a("--result-dir", type=str, default=None, help="directory for the result file")
     a("--label", type=str, default=None, help="result label (default: the backend name)")
     a("--base-url", type=str, default=None, help="benchmark an OpenAI-compatible server instead of in-process")

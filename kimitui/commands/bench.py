@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import signal
 import sys
 from dataclasses import replace
@@ -19,7 +18,7 @@ from typing import Any
 from kimitui.bench.cost import format_efficiency_block
 from kimitui.bench.metrics import format_result_block
 from kimitui.bench.runner import (BenchmarkConfig, add_bench_arguments, config_from_args, run_benchmark,
-                                  run_sweep, save_result)
+                                  run_sweep, save_result, sweep_result_filename)
 from kimitui.bench.cost import usd_per_mtok
 from kimitui.bench.sweep import format_frontier, format_ladder
 from kimitui.bench.targets import HttpTarget, InProcessTarget
@@ -199,14 +198,6 @@ def _print_sweep(sweep: dict[str, Any], config: BenchmarkConfig) -> None:
     print(format_ladder(sweep["ladder"], lambda tput: {t.name: usd_per_mtok(t.usd_per_gpu_hour, tput)
                                                        for t in tiers}))
     if config.save_result and sweep["points"]:
-        first = sweep["points"][0]
-        name = None
-        if config.result_filename:
-            stem = config.result_filename.rsplit(".", 1)[0]
-            name = f"{stem}-sweep.json"
-        else:
-            model = str(first.get("model_id") or "model").rstrip("/").split("/")[-1]
-            name = f"{first.get('label') or first.get('backend')}-sweep-{model}-{first['date']}.json"
-        path = save_result(sweep, config.result_dir, name)
+        path = save_result(sweep, config.result_dir, sweep_result_filename(sweep, config.result_filename))
         print(f"kimitui bench: saved {path}", file=sys.stderr)
 

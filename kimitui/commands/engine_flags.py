@@ -1,4 +1,4 @@
-"""Engine flags shared by the TUI, ``bench`` and ``serve`` (DESIGN.md section 4)."""
+"""Engine flags shared by the TUI, ``bench`` and ``serve`` (names as vLLM's where vLLM has one)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""`kimitui info`: detected devices, telemetry backends (and why one is missing), versions,
-and the demo checkpoint. Plain text; never imports textual."""
+"""`kimitui info`: detected devices, telemetry backends (and why one is missing), versions.
+
+Also the demo checkpoint's path and, with --model, where the experts would live. Plain text;
+never imports textual."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ import json
 import sys
 
 from engine.config import ConfigError, ModelConfig
-from engine.offload.planner import (DEFAULT_BLOCK_SIZE, GiB, Placement, PlacementError, load_routing_stats,
-                                    plan_placement)
+from engine.offload.planner import DEFAULT_BLOCK_SIZE, Placement, PlacementError, load_routing_stats, plan_placement
+from engine.units import GiB
 from kimitui.commands.engine_flags import cpu_offload_arg
 
 MI355X_MEMORY_GB = 288.0
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--gpu-memory-gb must be positive; --reserve-gb and --host-memory-gb non-negative")
     try:
         stats = load_routing_stats(args.routing_stats) if args.routing_stats else None
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))
     host = None if args.host_memory_gb is None else int(args.host_memory_gb * GiB)
     try:

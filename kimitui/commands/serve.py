@@ -1,4 +1,4 @@
-"""`kimitui serve`: the OpenAI-compatible server (DESIGN.md section 8)."""
+"""`kimitui serve`: the OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models."""
 
 from __future__ import annotations
 

@@ -34,10 +34,13 @@ class Preset:
     temperature: str = ""
 
 
-# InferenceX (reference/peers.md 2.1-2.2): 1k/1k and 8k/1k, ignore-eos, rate inf, 10 x concurrency
+# InferenceX (github.com/SemiAnalysisAI/InferenceX, benchmarks/benchmark_lib.sh and
+# configs/CONFIGS.md): 1k/1k and 8k/1k, ignore-eos, rate inf, 10 x concurrency
 # prompts and 2 x concurrency warm-ups; shown here at concurrency 16. Its --random-range-ratio 0.8
 # means 80-100 % of L in InferenceX's fork but [0.2L, 1.8L] in vLLM's, so we keep fixed lengths.
-# The 8K/1K and 128K/100 seeds are Paiton's: 64 prompts, at most 16 in flight, temperature 0.
+# The 8K/1K and 128K/100 presets are the workloads of Paiton's published Kimi-K3.1-Pro runs on
+# MI355X (the "seed" results this tool was built to reproduce): 64 prompts, at most 16 in flight,
+# temperature 0.
 PRESETS: tuple[Preset, ...] = (
     Preset("quick", "Quick check (32 in / 8 out, 4 prompts)", 32, 8, 4, 2),
     Preset("ix-1k1k", "InferenceX 1k/1k", 1024, 1024, 160, 16, num_warmups=32),

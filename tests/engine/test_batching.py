@@ -87,7 +87,7 @@ def test_many_requests_with_random_aborts_free_every_block(ckpt):
         for out in engine.step():
             if out.finished:
                 live.discard(out.request_id)
-    assert not live and not engine.requests
+    assert not live and not engine.request_ids()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 

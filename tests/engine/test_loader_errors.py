@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM
 from engine.config import ConfigError, ModelConfig
-from engine.loader import CheckpointError
+from engine.loader import CheckpointError, load_model
 from tests.helpers.checkpoints import rewrite_checkpoint, state_dict_from, write_hf_checkpoint
 
 
@@ -52,6 +52,33 @@ def test_missing_expert(ckpt):
     rewrite_checkpoint(path, sd, cfg)
     msg = _load_error(path)
     assert "model.layers.1.mlp.experts" in msg and "missing" in msg
+
+
+def test_expert_out_of_range(ckpt):
+    path, sd, cfg = ckpt
+    sd["model.layers.1.mlp.experts.99.up_proj.weight"] = torch.zeros(32, 64)
+    rewrite_checkpoint(path, sd, cfg)
+    msg = _load_error(path)
+    assert "model.layers.1.mlp.experts.99.up_proj.weight" in msg and "expert 99 out of range" in msg
+
+
+def test_fused_expert_layout_loads_like_per_expert_tensors(ckpt, tmp_path_factory):
+    # transformers 5.x may save all experts of a layer as gate_up_proj [E, 2I, D] and down_proj [E, D, I]
+    path, sd, cfg = ckpt
+    fused_dir = tmp_path_factory.mktemp("fused")
+    fused = {k: v for k, v in sd.items() if ".mlp.experts." not in k}
+    base = "model.layers.1.mlp.experts"
+    n = cfg["n_routed_experts"]
+    fused[f"{base}.gate_up_proj"] = torch.stack([torch.cat([sd[f"{base}.{e}.gate_proj.weight"],
+                                                            sd[f"{base}.{e}.up_proj.weight"]]) for e in range(n)])
+    fused[f"{base}.down_proj"] = torch.stack([sd[f"{base}.{e}.down_proj.weight"] for e in range(n)])
+    rewrite_checkpoint(fused_dir, fused, cfg)
+    config = ModelConfig.from_pretrained(path)
+    a, _ = load_model(config, path, torch.device("cpu"), torch.float32)
+    b, _ = load_model(config, fused_dir, torch.device("cpu"), torch.float32)
+    for name in ("w13_weight", "w2_weight"):
+        ea = getattr(a.model.layers[1].mlp.experts.local, name)
+        assert torch.equal(ea, getattr(b.model.layers[1].mlp.experts.local, name)) and ea.abs().sum() > 0
 
 
 def test_wrong_shape(ckpt):

@@ -13,6 +13,7 @@ from engine import LLM, SamplingParams
 from engine.parallel.state import split_sizes
 from engine.parallel.workers import WorkerError
 from tests.helpers.checkpoints import write_hf_checkpoint
+from tests.helpers.quantized import quantize_checkpoint
 
 # 7 heads, 10 experts, 331 vocabulary rows: none divides by 4 or 6
 SHAPE = dict(num_attention_heads=7, n_routed_experts=10, vocab_size=331, num_hidden_layers=3,
@@ -55,6 +56,25 @@ def test_uneven_splits():
 def test_tensor_parallel_matches_one_process(ckpt, prompts, reference, world):
     with LLM(ckpt, max_model_len=128, max_num_seqs=4, tensor_parallel_size=world) as llm:
         _assert_same(reference, llm.generate(prompts, PARAMS))
+
+
+@pytest.fixture(scope="module", params=["fp8", "int4"])
+def quantized(request, tmp_path_factory, prompts):
+    """A quantised checkpoint (FP8: q_b_proj heads of 16 + 8 rows, so 4- and 6-way shards start
+    inside 16-row scale blocks) and its one-process answer."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf = write_hf_checkpoint(path, seed=5, **SHAPE, qk_rope_head_dim=8)
+    quantize_checkpoint(path, request.param, hf)
+    with LLM(str(path), max_model_len=128, max_num_seqs=4) as llm:
+        return str(path), llm.generate(prompts, PARAMS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4, 6])
+def test_quantized_tensor_parallel_matches_one_process(quantized, prompts, world):
+    path, ref = quantized
+    with LLM(path, max_model_len=128, max_num_seqs=4, tensor_parallel_size=world) as llm:
+        _assert_same(ref, llm.generate(prompts, PARAMS))
 
 
 @pytest.mark.parametrize("world,offload", [(1, 4), (2, 3)])

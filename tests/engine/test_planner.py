@@ -1,17 +1,20 @@
-"""Parameter counts against published checkpoint sizes, and the placement planner's rules."""
+"""Parameter counts (from the engine's own meta-device builds) against published checkpoint sizes, and the
+placement planner's rules."""
 
 from __future__ import annotations
 
-import math
 import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.config import ModelConfig
-from engine.offload.param_count import (count_params, layer_weights, routed_expert_weights, split_evenly,
-                                        top_weights, weight_format)
+from engine.layers.linear import linear_format
+from engine.offload.param_count import count_params, meta_model
+from engine.offload.placement import expert_placement_for
 from engine.offload.planner import (GiB, PlacementError, load_routing_stats, plan_placement, save_routing_stats)
+from engine.parallel.state import split_sizes
 
 CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
 
@@ -37,16 +40,18 @@ def hot_stats(config: ModelConfig, seed: int = 0) -> dict[int, list[int]]:
 
 def test_k2_instruct_matches_published_checkpoint():
     c = cfg("kimi_k2_instruct")
-    size = count_params(c)
     # The hub's 1,026,470,731,056 counts every stored element: weights + fp32 scale_inv blocks +
-    # 61 rotary inv_freq buffers of 56 (reference §3.1). Reproduce it exactly.
-    weights = top_weights(c) + [w for i in range(61) for w in layer_weights(c, i)]
-    scales = sum(math.ceil(w.shape[0] / 128) * math.ceil(w.shape[1] / 128) for w in weights if w.fmt == "fp8")
-    scales += 60 * 384 * sum(math.ceil(w.shape[0] / 128) * math.ceil(w.shape[1] / 128)
-                             for w in routed_expert_weights(c, 1))
-    assert size.total.params + scales + 61 * 56 == 1_026_470_731_056
-    # "958.51 GB" in the reference is GiB (it matches to 0.002%; the rest is safetensors headers).
-    assert size.total.nbytes / GiB == pytest.approx(958.51, rel=1e-3)
+    # 61 stray `self_attn.rotary_emb.inv_freq` tensors of shape [56], one per layer, which the
+    # checkpoint (moonshotai/Kimi-K2-Instruct) stores and the loader skips. The engine's own
+    # parameters (built on the meta device, as the planner counts them) are exactly those tensors.
+    model = meta_model(c)
+    assert sum(p.numel() for p in model.parameters()) + 61 * 56 == 1_026_470_731_056
+    scales = [p for n, p in model.named_parameters() if n.endswith("scale_inv")]
+    assert scales and all(p.dtype == torch.float32 for p in scales)  # fp32 whatever the model dtype
+    size = count_params(c)
+    assert size.total.params == sum(p.numel() for n, p in model.named_parameters() if not n.endswith("scale_inv"))
+    # The hub's "958.51 GB" is GiB; the engine keeps the router in fp32 (+0.31 GiB over the bf16 on disk).
+    assert size.total.nbytes / GiB == pytest.approx(958.51 + 60 * 384 * 7168 * 2 / GiB, rel=1e-4)
 
 
 def test_int4_and_bf16_sizes():
@@ -56,30 +61,30 @@ def test_int4_and_bf16_sizes():
     assert k26.total == k25.total
     # gate/up/down [2048, 7168] int4 = 0.5 B/param + bf16 scale per 32 = 0.5625 B/param
     assert k25.routed_expert.nbytes == 3 * 2048 * 7168 * 0.5625
-    assert bf16.total.nbytes == 2 * bf16.total.params + 2 * 60 * 384  # fp32 e_score_correction_bias
+    router = 60 * (384 * 7168 + 384)  # weight and correction bias, fp32 in the engine
+    assert bf16.total.nbytes == 2 * bf16.total.params + 2 * router
     assert bf16.total.params == k25.total.params
 
 
 def test_formats_follow_quantization_config():
-    k2, k26 = cfg("kimi_k2_instruct"), cfg("kimi_k26")
-    assert weight_format(k2, "lm_head") == "bf16"
-    assert weight_format(k2, "model.layers.3.mlp.gate") == "bf16"
+    k2, k26 = cfg("kimi_k2_instruct").quantization, cfg("kimi_k26").quantization
+    assert linear_format(k2, "lm_head") == "dense"
+    assert linear_format(k2, "model.layers.3.mlp.gate") == "dense"
     for name in ("model.layers.3.self_attn.q_a_proj", "model.layers.0.mlp.gate_proj",
                  "model.layers.3.mlp.shared_experts.up_proj", "model.layers.3.mlp.experts.7.gate_proj"):
-        assert weight_format(k2, name) == "fp8"
-        assert weight_format(k26, name) == ("int4" if ".experts." in name else "bf16")
-    assert weight_format(k26, "lm_head") == "bf16"
-    assert weight_format(k26, "model.layers.3.mlp.gate") == "bf16"
+        assert linear_format(k2, name) == "fp8"
+        assert linear_format(k26, name) == ("int4" if ".experts." in name else "dense")
+    assert linear_format(k26, "lm_head") == "dense"
 
 
 # -- splits ------------------------------------------------------------------------------------------
 
-def test_split_evenly():
-    assert split_evenly(64, 6) == (11, 11, 11, 11, 10, 10)
-    assert split_evenly(163840, 6) == (27307,) * 4 + (27306,) * 2
-    assert split_evenly(2048, 6, unit=128) == (384, 384, 384, 384, 256, 256)
-    assert split_evenly(576, 4, unit=128) == (256, 128, 128, 64)
-    assert sum(split_evenly(1000, 7, unit=32)) == 1000
+def test_split_sizes():
+    assert split_sizes(64, 6) == [11, 11, 11, 11, 10, 10]
+    assert split_sizes(163840, 6) == [27307] * 4 + [27306] * 2
+    assert split_sizes(2048, 6, unit=128) == [384, 384, 384, 384, 256, 256]
+    assert split_sizes(576, 4, unit=128) == [256, 128, 128, 64]
+    assert sum(split_sizes(1000, 7, unit=32)) == 1000
 
 
 def test_uneven_split_on_six_gpus():
@@ -92,6 +97,24 @@ def test_uneven_split_on_six_gpus():
     row = p.expert_device[1]
     assert row == tuple(i // 64 for i in range(384))
     assert p.expert_device[0] == ()  # layer 0 is dense
+
+
+def test_fp8_k2_on_six_gpus_counts_what_each_rank_builds():
+    # 11 heads x 192 = 2112 q_b_proj rows (16.5 scale blocks) on ranks 0-3: the planner and the
+    # engine agree because the planner sums the engine's own per-rank meta builds.
+    c = cfg("kimi_k2_instruct")
+    p = plan("kimi_k2_instruct", 6, 288)
+    assert p.fits
+    for rank in (0, 1, 4):
+        model = meta_model(c, 6, rank)
+        q_b = model.model.layers[0].self_attn.q_b_proj
+        assert q_b.weight.shape[0] == (2112 if rank < 4 else 1920)
+        assert q_b.weight_scale_inv.shape[0] * q_b.block[0] >= q_b.weight.shape[0]
+        own = sum(t.numel() * t.element_size() for n, t in model.named_parameters() if ".mlp.experts." not in n)
+        assert p.devices[rank].non_expert_bytes == own
+        # shared experts split on whole 128-row blocks: 2048 rows = 3,3,3,3,2,2 blocks
+        shared = model.model.layers[1].mlp.shared_experts
+        assert shared.gate_proj.weight.shape[0] == (384 if rank < 4 else 256)
 
 
 # -- fitting -----------------------------------------------------------------------------------------
@@ -206,8 +229,19 @@ def test_routing_stats_round_trip(tmp_path):
     assert a.expert_device == b.expert_device
     with pytest.raises(ValueError, match="layer 3"):
         plan("kimi_k26", 4, 140, routing_stats={3: [1.0] * 10})
-    with pytest.raises(ValueError, match="not found"):
+    with pytest.raises(FileNotFoundError, match="not found"):
         load_routing_stats(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_routing_stats(tmp_path / "bad.json")
+
+
+def test_missing_routing_stats_file_starts_without_stats(tmp_path):
+    # A first run has no statistics yet: the placement falls back to the highest ids, no abort.
+    c = cfg("kimi_k26")
+    rows = expert_placement_for(c, 100, torch.device("cpu"), 4, 4096, 1,
+                                routing_stats_path=str(tmp_path / "routing.json"))
+    assert all(row[-100:] == [-1] * 100 for row in rows if row)
 
 
 def test_bad_arguments():

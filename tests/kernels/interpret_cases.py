@@ -3,8 +3,10 @@
 Run as ``python -m tests.kernels.interpret_cases [case ...]`` in a fresh process (test_triton_interpret
 does this): the interpreter is chosen when ``@triton.jit`` runs, so the variable must be set before
 any kernel module is imported, and setting it inside the pytest process would leak into GPU tests.
-Shapes are tiny because the interpreter costs ~5 ms per program per K-step (kernels.md 5.3).
-The interpreter's ``tl.dot`` is wrong for bf16 (kernels.md 0.1), so cases use fp32 and fp16.
+Shapes are tiny because the interpreter costs ~5 ms per program per K-step (measured on a 2-core VM,
+triton 3.9: it runs every program serially in numpy).
+The interpreter's ``tl.dot`` is wrong for bf16 (it multiplies the raw uint16 bits; triton issue
+#11584), so cases use fp32 and fp16.
 """
 
 import json
@@ -165,7 +167,7 @@ def fused_moe_mxfp4_fp32_and_fp16():
     p2, s2 = _stack(ref.quantize_mxfp4, w2)
     expected = ref.moe_experts_reference_mxfp4(x, topk_ids, topk_weights, p13, s13, p2, s2)
     _close(fused_moe_mxfp4(x, topk_ids, topk_weights, p13, s13, p2, s2), expected, 1e-4)
-    # fp16, not bf16: the interpreter multiplies bf16 dots as raw bits (kernels.md 5.1)
+    # fp16, not bf16: the interpreter multiplies bf16 dots as raw bits (triton issue #11584)
     got = fused_moe_mxfp4(x.half(), topk_ids, topk_weights, p13, s13, p2, s2)
     assert got.dtype == torch.float16
     _close(got.float(), expected, 2e-2)
@@ -222,7 +224,7 @@ def rms_norm_fp32_fp16_bf16():
     weight = torch.rand(100) + 0.5
     _close(rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6), 1e-5)
     _close(rms_norm(x.half(), weight.half(), 1e-6), ref.rms_norm(x.half(), weight.half(), 1e-6), 2e-3)
-    # Interpreter fp32 -> bf16 casts truncate (kernels.md 0.2): allow 2 bf16 ulps.
+    # Interpreter fp32 -> bf16 casts truncate (round toward zero, not to nearest): allow 2 bf16 ulps.
     got = rms_norm(x.bfloat16(), weight.bfloat16(), 1e-6)
     assert got.dtype == torch.bfloat16
     _close(got, ref.rms_norm(x.bfloat16(), weight.bfloat16(), 1e-6), 2e-2)

@@ -7,19 +7,19 @@ from kimitui.bench.cost import (DEFAULT_TIERS, CostSettings, PricingTier, effici
                                 parse_pricing_tier, settings_path, usd_per_mtok, with_overrides)
 
 
-def test_rental_cost_reproduces_inferencex_seeds():
-    # seeds/kimi-k2.6-mi355x-inferencex.txt: 2,831 tok/s/GPU at 50 tok/s/user.
+def test_rental_cost_reproduces_inferencex_pages():
+    # InferenceX "Running Kimi K2.6 on MI355X": 2,831 tok/s/GPU at 50 tok/s/user -> $0.15/M.
     tiers = {t.name: t.usd_per_gpu_hour for t in DEFAULT_TIERS}
-    assert round(usd_per_mtok(tiers["hyperscaler"], 2831), 3) == 0.147  # the worked example
+    assert round(usd_per_mtok(tiers["hyperscaler"], 2831), 3) == 0.147
     assert round(usd_per_mtok(tiers["neocloud"], 2831), 2) == 0.21
     assert round(usd_per_mtok(tiers["retail"], 2831), 2) == 0.21
     # The page prints $0.10 at 3,968 tok/s/GPU; $1.50 gives 0.105 (its rounding, or a
     # rate a shade under $1.50): equal to within a cent.
     assert usd_per_mtok(1.50, 3968) == pytest.approx(0.10, abs=0.006)
-    # seeds/kimi-k3.1-pro-...: 12,926 tok/s/GPU; $1.50 -> $0.032, retail $2.90 -> $0.062.
+    # InferenceX "Running Kimi K3.1 Pro on MI355X": 12,926 tok/s/GPU; $1.50 -> $0.032, retail $2.90 -> $0.062.
     assert round(usd_per_mtok(1.50, 12926), 3) == 0.032
     assert round(usd_per_mtok(2.90, 12926), 3) == 0.062
-    # peers.md anchor: H200 384.4 tok/s/GPU at $1.41 -> $1.019/M.
+    # InferenceX-app blog "B200 NVFP4 vs H200 INT4 Kimi K2 vLLM": H200 384.4 tok/s/GPU at $1.41 -> $1.019/M.
     assert round(usd_per_mtok(1.41, 384.4), 3) == 1.019
     assert usd_per_mtok(1.5, 0.0) is None
 

@@ -1,3 +1,6 @@
+import asyncio
+import json
+
 import pytest
 
 from kimitui.bench.sweep import (SweepPoint, format_ladder, frontier, ladder, parse_concurrency_list,
@@ -43,3 +46,34 @@ def test_point_from_result_and_parsing():
     assert parse_concurrency_list("1,2, 4,8") == (1, 2, 4, 8)
     with pytest.raises(ValueError):
         parse_concurrency_list("1,x")
+
+
+def test_sweep_result_filename_is_the_file_asked_for(tmp_path, capsys):
+    # `--sweep-concurrency 1,2 --result-filename runs/sweep.json` used to write the summary to
+    # runs/sweep-sweep.json and the points to sweep-concurrency{N}.json outside runs/ (or
+    # failed: runs/ did not exist).
+    from kimitui.bench.clients import InProcessClient
+    from kimitui.bench.runner import run_sweep
+    from kimitui.commands.bench import _print_sweep
+    from tests.kimitui.bench_fakes import WordTokenizer
+    from tests.kimitui.test_bench_runner import FakeEngine, Params, _config
+
+    client = InProcessClient(FakeEngine(), model="demo", sampling_params_cls=Params)
+    cfg = _config(sweep_concurrency=(1, 2), num_warmups=0, num_prompts=4, save_result=True,
+                  result_dir=str(tmp_path), result_filename="runs/sweep.json")
+    sweep = asyncio.run(run_sweep(cfg, client, WordTokenizer()))
+    _print_sweep(sweep, cfg)
+    names = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.json"))
+    assert names == ["runs/sweep-concurrency1.json", "runs/sweep-concurrency2.json", "runs/sweep.json"]
+    saved = json.loads((tmp_path / "runs" / "sweep.json").read_text())
+    assert [p["max_concurrency"] for p in saved["points"]] == [1, 2] and "frontier" in saved
+    assert "saved " + str(tmp_path / "runs" / "sweep.json") in capsys.readouterr().err
+
+
+def test_sweep_default_filename_names_the_sweep():
+    from kimitui.bench.runner import sweep_result_filename
+
+    sweep = {"points": [{"backend": "kimitui", "label": None, "model_id": "moonshotai/Kimi-K2.6",
+                         "date": "20260101-120000"}]}
+    assert sweep_result_filename(sweep) == "kimitui-sweep-Kimi-K2.6-20260101-120000.json"
+    assert sweep_result_filename(sweep, "mine.json") == "mine.json"

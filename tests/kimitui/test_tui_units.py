@@ -111,3 +111,16 @@ def test_info_command_prints_every_section_without_textual():
     assert res.returncode == 0, res.stderr
     for section in ("devices", "telemetry backends", "versions", "demo checkpoint", "psutil", "textual"):
         assert section in res.stdout
+
+
+@pytest.mark.parametrize("command", ["serve", "bench", "plan", "info"])
+def test_subcommand_help_describes_it_in_a_whole_sentence(command, capsys):
+    # Each description is its module docstring's first line; `info`'s used to stop at "versions,".
+    from kimitui.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1].replace("\n", " ").strip()
+    assert description.startswith(f"`kimitui {command}`") and description.endswith("."), description

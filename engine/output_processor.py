@@ -1,0 +1,183 @@
+"""OutputProcessor: what happens to a step's sampled tokens once the scheduler has applied them.
+
+It owns every request's user-facing state: incremental detokenising, stop strings, log-probs,
+timestamps (``RequestMetrics``), the engine's token counters and throughput window, and the
+``RequestOutput`` each step returns. It never touches tensors, blocks or the model: a stop string
+is reported back as a request to finish, which the engine hands to the scheduler (as vLLM's
+``OutputProcessor`` returns ``reqs_to_abort`` to its engine core).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.metrics import ThroughputWindow
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.runner import StepResult
+    from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class RequestState:
+    """One live request as the user sees it; ``seq`` is the scheduler's view of the same request."""
+
+    seq: Sequence
+    params: SamplingParams
+    prompt: str | None
+    metrics: RequestMetrics
+    detok: object | None  # IncrementalDetokenizer, or None when the checkpoint has no tokenizer
+    text: str = ""
+    logprobs: list[dict[int, float]] | None = None  # one dict per output token, when asked for
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # None for the first prompt token
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    stopped_by_string: bool = False
+    cumulative_logprob: float = 0.0
+    finished: bool = False
+
+
+@dataclass
+class ProcessedStep:
+    """``outputs``: one RequestOutput per request that produced something this step.
+    ``stop``: ids that hit a stop string; the scheduler has yet to finish them.
+    ``finished``: every id that finished this step (including ``stop``), whose runner state can go."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.throughput = ThroughputWindow()
+        self.total_prompt_tokens = self.total_generation_tokens = self.num_finished = 0
+
+    def add_request(self, seq: Sequence, params: SamplingParams, prompt: str | None) -> None:
+        detok = None
+        if self.tokenizer is not None:
+            from engine.tokenizer import IncrementalDetokenizer
+
+            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                           skip_special_tokens=params.skip_special_tokens,
+                                           keep_special_ids=params.keep_special_token_ids or ())
+        req = RequestState(seq, params, prompt, RequestMetrics(arrival_time=seq.arrival_time), detok)
+        if params.logprobs is not None:
+            req.logprobs = []
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]  # the first prompt token has no context to score it
+        self.requests[seq.seq_id] = req
+        self.total_prompt_tokens += seq.num_prompt_tokens
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.requests.pop(request_id, None) is not None
+
+    def on_scheduled(self, sched: SchedulerOutput, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for s in sched.scheduled:
+            req = self.requests.get(s.seq.seq_id)
+            if req is not None and req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+
+    def process_outputs(self, sched: SchedulerOutput, result: StepResult, finished: list[Sequence],
+                        now: float | None = None) -> ProcessedStep:
+        """Turn one step's samples into outputs; ``finished`` are the sequences the scheduler
+        finished while applying them (EOS, stop token id, max_tokens, context limit)."""
+        now = time.monotonic() if now is None else now
+        prefill_tokens = sum(s.num_new_tokens for s in sched.scheduled if s.is_prefill)
+        decode_tokens = sum(1 for t in result.sampled if t is not None)
+        self.throughput.record(prefill_tokens, decode_tokens, now)
+        finished_ids = {s.seq_id for s in finished}
+        step = ProcessedStep()
+        for s, token, lp in zip(sched.scheduled, result.sampled, result.logprobs):
+            rid = s.seq.seq_id
+            req = self.requests.get(rid)
+            if req is None:
+                continue  # aborted: the processor no longer tracks it
+            if rid in result.prompt_logprobs and req.prompt_logprobs is not None:
+                start, entries = result.prompt_logprobs[rid]
+                if len(req.prompt_logprobs) == start:  # skip recomputed chunks after preemption
+                    req.prompt_logprobs.extend(entries)
+            if token is None and rid not in finished_ids:
+                continue  # a prefill chunk short of the prompt's end: nothing to show yet
+            if token is not None:
+                self._on_token(req, token, lp, now)
+            if req.stopped_by_string:
+                step.stop.append(rid)
+            if rid in finished_ids or req.seq.is_finished or req.stopped_by_string:
+                self._finish(req, now)
+                step.finished.append(rid)
+                del self.requests[rid]
+            step.outputs.append(self._output(req))
+        return step
+
+    def _on_token(self, req: RequestState, token: int, lp: dict | None, now: float) -> None:
+        m = req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.token_times.append(now)
+        self.total_generation_tokens += 1
+        if lp is not None and req.logprobs is not None:
+            req.logprobs.append(lp)
+            req.cumulative_logprob += lp[token]
+        if req.detok is None:
+            return
+        before = len(req.text)
+        req.text += req.detok.add([token])
+        if req.seq.is_finished:
+            req.text += req.detok.flush()  # the last token may have held back a partial character
+        elif req.params.stop_strings:
+            self._check_stop_strings(req, req.params.stop_strings, before)
+
+    def _check_stop_strings(self, req: RequestState, stops: tuple[str, ...], before: int) -> None:
+        # Only text that could contain a new match: the tail of the old text plus the new text.
+        start = max(0, before - max(len(s) for s in stops) + 1)
+        hit = None
+        for stop in stops:
+            i = req.text.find(stop, start)
+            if i >= 0 and (hit is None or i < hit[0]):
+                hit = (i, stop)
+        if hit is None:
+            return
+        i, stop = hit
+        req.text = req.text[: i + (len(stop) if req.params.include_stop_str_in_output else 0)]
+        req.stop_reason = stop
+        req.stopped_by_string = True
+
+    def _finish(self, req: RequestState, now: float) -> None:
+        req.finished = True
+        req.metrics.finished_time = now
+        req.metrics.num_cached_tokens = req.seq.num_cached_tokens
+        if req.stop_reason is None and req.seq.finish_reason == "stop" and req.seq.output_token_ids:
+            req.stop_reason = req.seq.output_token_ids[-1]  # EOS or a stop token id
+        self.num_finished += 1
+
+    def _output(self, req: RequestState) -> RequestOutput:
+        seq = req.seq
+        finish_reason = None
+        if req.finished:
+            finish_reason = "stop" if req.stopped_by_string else seq.finish_reason
+        comp = CompletionOutput(
+            index=0,
+            text=req.text,
+            token_ids=list(seq.output_token_ids),
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            finish_reason=finish_reason,
+            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+            stop_reason=req.stop_reason,
+        )
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt=req.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+            outputs=[comp],
+            finished=req.finished,
+            metrics=req.metrics,
+        )
