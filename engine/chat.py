@@ -3,6 +3,7 @@
 Shapes follow the chat_template in tokenizer_config.json of moonshotai/Kimi-K2-Instruct (and the
 K2-Thinking / K2.6 thinking variants) on huggingface.co.
 Messages are OpenAI-style dicts: ``{"role", "content", "reasoning_content"?, "tool_calls"?}``.
+Kimi K3's format (XTML) is engine/xtml.py; engine/chat_format.py picks one per checkpoint.
 """
 
 from __future__ import annotations

@@ -56,6 +56,21 @@ class QuantConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttnConfig:
+    """``linear_attn_config`` of a Kimi Linear / K3 text config: the KDA layers' shape and which
+    layers are KDA. ``kda_layers`` and ``full_attn_layers`` are 1-indexed, as in the checkpoint."""
+
+    num_heads: int
+    head_dim: int
+    short_conv_kernel_size: int
+    kda_layers: tuple[int, ...]
+    full_attn_layers: tuple[int, ...]
+    gate_lower_bound: float | None = None  # K3's bounded ("safe") forget gate; None: softplus form
+    use_full_rank_gate: bool = False  # K3: output gate g_proj [P, D] instead of g_a_proj / g_b_proj
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Every field the DeepSeek-V3 / Kimi K2.x maths needs, validated once."""
 
@@ -95,6 +110,19 @@ class ModelConfig:
     weight_prefix: str = ""  # the family's prefix on text-model tensors ("language_model." for kimi_k25)
     num_nextn_predict_layers: int = 0
     is_demo: bool = False
+    # -- Kimi Linear / Kimi K3 (kimi_linear text config); the defaults are DeepSeek-V3's ------------
+    layer_types: tuple[str, ...] = ()  # per layer "linear_attention" (KDA) or "full_attention" (MLA)
+    linear_attn: LinearAttnConfig | None = None
+    hidden_act: str = "silu"  # "silu" or "situ" at every gated MLP
+    situ_beta: float = 1.0  # activation_situ_beta (absent: 1.0, as Moonshot's `beta or 1.0`)
+    situ_linear_beta: float | None = None  # activation_situ_linear_beta (absent: up is left as is)
+    mla_use_nope: bool = False  # no rotary embedding on the MLA layers
+    mla_use_output_gate: bool = False  # sigmoid(g_proj(x)) gates the MLA output before o_proj
+    mla_norm_eps: float | None = None  # q_a_layernorm / kv_a_layernorm eps; None: rms_norm_eps
+    attn_res_block_size: int | None = None  # attention residuals: layers per snapshot block
+    routed_expert_hidden_size: int | None = None  # latent MoE: experts run at this width
+    latent_moe_use_norm: bool = False  # RMSNorm (routed_expert_norm) on the latent top-k sum
+    vision_model_type: str | None = None  # kimi_k3's vision_config.model_type (its tensors are skipped)
     name: str = ""
     path: str = ""
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -108,6 +136,10 @@ class ModelConfig:
     def kv_cache_dim(self) -> int:
         """Values cached per token per MLA layer on the absorbed path."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def is_kda_layer(self, layer_idx: int) -> bool:
+        """Whether 0-indexed ``layer_idx`` is a KDA (linear attention) layer."""
+        return bool(self.layer_types) and self.layer_types[layer_idx] == "linear_attention"
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (
@@ -154,8 +186,14 @@ class ModelConfig:
             if not isinstance(text, dict):
                 raise ConfigError(f"{source}: field '{family.text_config}' is missing (needed for model_type "
                                   f"{model_type})")
+            if family.text_model_type and text.get("model_type", family.text_model_type) != family.text_model_type:
+                raise ConfigError(f"{source}: field '{family.text_config}.model_type' is {text.get('model_type')!r}; "
+                                  f"expected {family.text_model_type!r}")
             source = f"{source} {family.text_config}"
-        r = _Reader(text, source)
+        # Hybrid KDA + MLA models (Kimi Linear, Kimi K3): a kimi_linear text config
+        hybrid = (family.text_model_type or model_type) == "kimi_linear"
+        r = _Reader(text, source, _KIMI_LINEAR_ALIASES if hybrid else {})
+        extra = _parse_linear_model(raw, text, r) if hybrid else {}
 
         rope_theta, rope_scaling = _parse_rope(text, r)
         quant = _parse_quant(text.get("quantization_config") or raw.get("quantization_config"), source)
@@ -182,9 +220,9 @@ class ModelConfig:
             moe_layer_freq=r.int("moe_layer_freq", 1),
             n_group=r.int("n_group", 1),
             topk_group=r.int("topk_group", 1),
-            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+            norm_topk_prob=bool(r.raw("norm_topk_prob", True)),
             routed_scaling_factor=r.float("routed_scaling_factor", 1.0),
-            scoring_func=str(text.get("scoring_func", "sigmoid")),
+            scoring_func=str(r.raw("scoring_func", "sigmoid")),
             topk_method=str(text.get("topk_method", "noaux_tc")),
             rms_norm_eps=r.float("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
@@ -194,7 +232,8 @@ class ModelConfig:
             bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=eos_ids,
             pad_token_id=text.get("pad_token_id", raw.get("pad_token_id")),
-            torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
+            torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype")
+                            or raw.get("dtype") or "bfloat16"),
             quantization=quant,
             weight_prefix=prefix,
             num_nextn_predict_layers=r.int("num_nextn_predict_layers", 0),
@@ -202,6 +241,7 @@ class ModelConfig:
             name=str(raw.get("_name_or_path") or Path(path).name or model_type),
             path=path,
             raw=raw,
+            **extra,
         )
         cfg._validate(source)
         return cfg
@@ -219,7 +259,7 @@ class ModelConfig:
                 raise ConfigError(f"{source}: field 'n_group' ({self.n_group}) does not divide n_routed_experts")
             if not 1 <= self.topk_group <= self.n_group:
                 raise ConfigError(f"{source}: field 'topk_group' ({self.topk_group}) must be in 1..n_group")
-        if self.qk_rope_head_dim % 2:
+        if self.qk_rope_head_dim % 2 and not self.mla_use_nope:
             raise ConfigError(f"{source}: field 'qk_rope_head_dim' must be even, got {self.qk_rope_head_dim}")
 
 
@@ -229,17 +269,38 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
+# Kimi Linear / K3 spell some DeepSeek-V3 keys differently (the K3 config and what transformers'
+# KimiLinearConfig writes); the engine's field name first, then the spellings tried after it.
+_KIMI_LINEAR_ALIASES = {
+    "n_routed_experts": ("num_experts", "num_local_experts"),
+    "num_experts_per_tok": ("num_experts_per_token",),
+    "n_shared_experts": ("num_shared_experts",),
+    "n_group": ("num_expert_group",),
+    "norm_topk_prob": ("moe_renormalize",),
+    "scoring_func": ("moe_router_activation_func",),
+    "max_position_embeddings": ("model_max_length",),
+}
+
+
 class _Reader:
     """Typed access to config fields with errors that name the field."""
 
     _MISSING = object()
 
-    def __init__(self, d: dict[str, Any], source: str):
+    def __init__(self, d: dict[str, Any], source: str, aliases: dict[str, tuple[str, ...]] | None = None):
         self.d, self.source = d, source
+        self.aliases = aliases or {}
+
+    def raw(self, key: str, default: Any = None) -> Any:
+        """The value of ``key`` or of its first present alias, else ``default``."""
+        for k in (key, *self.aliases.get(key, ())):
+            if self.d.get(k) is not None:
+                return self.d[k]
+        return default
 
     def _get(self, key: str, default: Any) -> Any:
         # default None or _MISSING: the field is required
-        v = self.d.get(key)
+        v = self.raw(key)
         if v is None:
             if default is None or default is self._MISSING:
                 raise ConfigError(f"{self.source}: required field '{key}' is missing")
@@ -318,4 +379,78 @@ def _parse_quant(q: dict[str, Any] | None, source: str) -> QuantConfig | None:
     raise ConfigError(
         f"{source}: quantization_config.quant_method {method!r} is not supported "
         "(supported: fp8, compressed-tensors)"
+    )
+
+
+# Moonshot's modeling code (and transformers' KimiLinearAttention) build q_a_layernorm and
+# kv_a_layernorm without an eps argument, so their RMSNorm default 1e-6 applies, not rms_norm_eps
+# (1e-5); SGLang and vLLM pass rms_norm_eps. We follow Moonshot's code, the model's reference.
+_KIMI_MLA_NORM_EPS = 1e-6
+
+
+def _parse_linear_model(raw: dict[str, Any], text: dict[str, Any], r: _Reader) -> dict[str, Any]:
+    """The ModelConfig fields only Kimi Linear / Kimi K3 have, from the kimi_linear text config."""
+    src = r.source
+    lac = text.get("linear_attn_config")
+    if not isinstance(lac, dict):
+        raise ConfigError(f"{src}: field 'linear_attn_config' is missing (needed for kimi_linear)")
+    la = _Reader(lac, f"{src} linear_attn_config")
+    n = r.int("num_hidden_layers")
+    kda = tuple(lac.get("kda_layers") or ())
+    full = tuple(lac.get("full_attn_layers") or ())
+    if kda or full:
+        types: list[str | None] = [None] * n
+        for key, ids, kind in (("kda_layers", kda, "linear_attention"),
+                               ("full_attn_layers", full, "full_attention")):
+            for i in ids:
+                if isinstance(i, bool) or not isinstance(i, int) or not 1 <= i <= n:
+                    raise ConfigError(f"{src}: field 'linear_attn_config.{key}' holds {i!r}; layers are "
+                                      f"1-indexed, 1..{n}")
+                if types[i - 1] is not None:
+                    raise ConfigError(f"{src}: layer {i} (1-indexed) is in both kda_layers and full_attn_layers")
+                types[i - 1] = kind
+        if None in types:
+            raise ConfigError(f"{src}: layer {types.index(None) + 1} (1-indexed) is in neither "
+                              "'linear_attn_config.kda_layers' nor 'full_attn_layers'")
+    elif isinstance(text.get("layer_types"), list) and len(text["layer_types"]) == n:
+        types = list(text["layer_types"])  # an explicit per-layer list (transformers writes one too)
+        if set(types) - {"linear_attention", "full_attention"}:
+            raise ConfigError(f"{src}: field 'layer_types' holds {sorted(set(types))}; expected "
+                              "linear_attention / full_attention")
+    else:
+        # Never guessed: transformers' fallback (MLA at every 4th 0-indexed layer) is not Kimi's layout.
+        raise ConfigError(f"{src}: fields 'linear_attn_config.kda_layers' and 'full_attn_layers' are missing")
+    bound = lac.get("gate_lower_bound")
+    linear = LinearAttnConfig(
+        num_heads=la.int("num_heads", text.get("linear_num_heads")),
+        head_dim=la.int("head_dim", text.get("linear_head_dim")),
+        short_conv_kernel_size=la.int("short_conv_kernel_size", text.get("linear_conv_kernel_dim", 4)),
+        kda_layers=tuple(i for i in range(1, n + 1) if types[i - 1] == "linear_attention"),
+        full_attn_layers=tuple(i for i in range(1, n + 1) if types[i - 1] == "full_attention"),
+        gate_lower_bound=None if bound is None else la.float("gate_lower_bound"),
+        use_full_rank_gate=bool(lac.get("use_full_rank_gate", False)),
+        raw=dict(lac),
+    )
+    act = str(text.get("hidden_act", "silu"))
+    if act not in ("silu", "situ"):
+        raise ConfigError(f"{src}: field 'hidden_act' is {act!r}; supported: silu, situ")
+    if text.get("mla_use_nope", True) is not True:
+        raise ConfigError(f"{src}: field 'mla_use_nope' is false; kimi_linear MLA layers are NoPE only")
+    linear_beta = text.get("activation_situ_linear_beta")
+    block = r.optional_int("attn_res_block_size")
+    latent = r.optional_int("routed_expert_hidden_size")
+    vision = raw.get("vision_config") if raw is not text else None
+    return dict(
+        layer_types=tuple(types),
+        linear_attn=linear,
+        hidden_act=act,
+        situ_beta=float(text.get("activation_situ_beta") or 1.0),
+        situ_linear_beta=None if linear_beta is None else r.float("activation_situ_linear_beta"),
+        mla_use_nope=True,
+        mla_use_output_gate=bool(text.get("mla_use_output_gate", False)),
+        mla_norm_eps=_KIMI_MLA_NORM_EPS,
+        attn_res_block_size=block,
+        routed_expert_hidden_size=latent,
+        latent_moe_use_norm=bool(text.get("latent_moe_use_norm", False)) and latent is not None,
+        vision_model_type=(vision or {}).get("model_type") if isinstance(vision, dict) else None,
     )

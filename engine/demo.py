@@ -73,13 +73,32 @@ DEMO_CONFIG = {
 }
 
 
-def demo_dir() -> Path:
+DEMO_MODELS = ("demo", "demo-k3")  # names --model / LLM(model=...) take for the built-in checkpoints
+
+
+def cache_root() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kimitui" / f"demo-v{DEMO_VERSION}"
+    return Path(base) / "kimitui"
 
 
-def ensure_demo_checkpoint(path: str | Path | None = None) -> Path:
-    """The demo checkpoint directory, written first if it is not there yet."""
+def demo_dir() -> Path:
+    return cache_root() / f"demo-v{DEMO_VERSION}"
+
+
+def demo_checkpoint(name: str | None = "demo") -> Path:
+    """The built-in checkpoint called ``name`` ("demo", the K2-shaped one, or "demo-k3"), written on first use."""
+    if name in (None, "", "demo"):
+        return ensure_demo_checkpoint()
+    if name == "demo-k3":
+        from engine.demo_k3 import ensure_demo_k3_checkpoint
+
+        return ensure_demo_k3_checkpoint()
+    raise ValueError(f"unknown built-in model {name!r} (expected one of {', '.join(DEMO_MODELS)})")
+
+
+def ensure_demo_checkpoint(path: str | Path | None = None, writer=None) -> Path:
+    """The demo checkpoint directory, written first (by ``writer``, default the K2 demo's) if it is not there yet."""
+    writer = writer or write_demo_checkpoint
     target = Path(path) if path is not None else demo_dir()
     if (target / "model.safetensors.index.json").is_file() and (target / "tiktoken.model").is_file():
         return target
@@ -87,7 +106,7 @@ def ensure_demo_checkpoint(path: str | Path | None = None) -> Path:
     # Write into a sibling temp dir and rename: a crash or a second process never sees half a checkpoint.
     tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
     try:
-        write_demo_checkpoint(tmp)
+        writer(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache dir is the user's anyway
         try:
             tmp.rename(target)
@@ -105,7 +124,7 @@ def write_demo_checkpoint(path: str | Path) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = _random_weights(DEMO_CONFIG)
-    _write_shards(path, tensors)
+    write_shards(path, tensors)
     (path / "config.json").write_text(json.dumps(DEMO_CONFIG, indent=2) + "\n")
     (path / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": NUM_BASE_TOKENS, "eos_token_id": [NUM_BASE_TOKENS + 1, NUM_BASE_TOKENS + 2],
@@ -164,7 +183,7 @@ def _random_weights(c: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write_shards(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def write_shards(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     names = list(tensors)  # insertion order: layer by layer, like Moonshot's shards

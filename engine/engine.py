@@ -20,7 +20,9 @@ import torch
 from engine.args import EngineArgs
 from engine.config import ModelConfig
 from engine.kv_cache.block_manager import BlockManager
-from engine.kv_cache.pool import KVCachePool, num_blocks_for_budget
+from engine.kv_cache.pool import (KVCachePool, bytes_of_state, bytes_per_block, has_state, num_blocks_for_budget,
+                                  snapshots_for_budget)
+from engine.kv_cache.state_slots import StateSlots
 from engine.loader import load_model
 from engine.metrics import EngineStats
 from engine.offload.placement import device_reserve_bytes, expert_placement_for
@@ -74,13 +76,16 @@ class LLMEngine:
             self.load_seconds = time.monotonic() - t0
             self.cache_pool = self._allocate_cache()
             if self.workers is not None:
-                self.workers.broadcast(self.cache_pool.num_blocks)  # workers allocate the same cache
+                pool = self.cache_pool  # workers allocate the same cache
+                self.workers.broadcast((pool.num_blocks, pool.max_num_seqs, pool.num_snapshots))
         except BaseException:
             self.shutdown()
             raise
         self._finalizer = weakref.finalize(self, _shutdown_workers, self.workers)
         log.info("%s", self.cache_pool.describe())
-        self.block_manager = BlockManager(self.cache_pool.num_blocks, args.block_size, args.enable_prefix_caching)
+        slots = StateSlots(args.max_num_seqs, self.cache_pool.num_snapshots) if self.cache_pool.is_hybrid else None
+        self.block_manager = BlockManager(self.cache_pool.num_blocks, args.block_size, args.enable_prefix_caching,
+                                          slots)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
@@ -96,9 +101,10 @@ class LLMEngine:
     def _allocate_cache(self) -> KVCachePool:
         a = self.args
         specs = self.model.cache_specs(self.dtype)
-        per_token = sum(s.bytes_per_block(1) for s in specs)
+        # Hybrid models: a state slot per sequence, and as many prefix snapshots again if they fit.
+        wanted_snapshots = a.max_num_seqs if has_state(specs) and a.enable_prefix_caching else 0
         wanted_tokens = a.kv_cache_tokens or (self.max_model_len * a.max_num_seqs + a.block_size)
-        budget = wanted_tokens * per_token
+        budget = wanted_tokens * bytes_per_block(specs, 1) + bytes_of_state(specs, a.max_num_seqs + wanted_snapshots)
         if a.gpu_memory_gb is not None or self.device.type == "cuda":
             budget = min(budget, self._device_kv_budget())
         elif a.kv_cache_tokens is None:
@@ -106,14 +112,20 @@ class LLMEngine:
             import psutil
 
             budget = min(budget, 1 << 30, psutil.virtual_memory().available // 10)
-        num_blocks = num_blocks_for_budget(specs, a.block_size, int(budget), a.max_num_seqs)
         min_blocks = -(-self.max_model_len // a.block_size)
+        # Snapshots only where they leave a max_model_len sequence its blocks (or all blocks asked for).
+        snapshots = snapshots_for_budget(specs, a.block_size, int(budget), a.max_num_seqs,
+                                         min(min_blocks, wanted_tokens // a.block_size), wanted_snapshots)
+        num_blocks = num_blocks_for_budget(specs, a.block_size, int(budget), a.max_num_seqs, snapshots)
         if num_blocks < 1:
-            raise MemoryError(f"no memory left for the KV cache on {self.device} after loading the weights")
+            state = bytes_of_state(specs, a.max_num_seqs) / 2**30
+            raise MemoryError(f"no memory left for the KV cache on {self.device} after loading the weights"
+                              + (f" (the state slots of max_num_seqs={a.max_num_seqs} take {state:.2f} GiB)"
+                                 if state else ""))
         if num_blocks < min_blocks:
             log.warning("KV cache holds %d tokens, less than max_model_len %d", num_blocks * a.block_size,
                         self.max_model_len)
-        return KVCachePool(specs, num_blocks, a.block_size, a.max_num_seqs, self.device)
+        return KVCachePool(specs, num_blocks, a.block_size, a.max_num_seqs, self.device, snapshots)
 
     def _device_kv_budget(self) -> int:
         # Experts kept in host RAM do not use the device budget.
@@ -237,10 +249,10 @@ def _shutdown_workers(workers) -> None:
 
 
 def _resolve_model(model: str | None) -> str:
-    if model in (None, "", "demo"):
-        from engine.demo import ensure_demo_checkpoint
+    if model in (None, "", "demo", "demo-k3"):
+        from engine.demo import demo_checkpoint
 
-        return str(ensure_demo_checkpoint())
+        return str(demo_checkpoint(model))
     path = Path(model).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")

@@ -60,20 +60,27 @@ class LLM:
         return [final[r] for r in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             thinking: bool | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
-        """Render Kimi's chat format and generate; stops at <|im_end|>."""
+             thinking: bool | None = None, tools: list[dict] | None = None, thinking_effort: str | None = None,
+             preserve_thinking: bool | None = None) -> list[RequestOutput]:
+        """Render the checkpoint's chat format (Kimi K2's, or K3's XTML) and generate; stops at
+        the end of the assistant turn. ``thinking_effort`` (low / medium / high / max) is a K3
+        option: a K2 checkpoint ignores it with a logged note. Parse a reply's text with
+        ``engine.chat_format.chat_format_for(llm.get_tokenizer()).reply_parser(...)``."""
         from dataclasses import replace
 
-        from engine.chat import chat_stop_token_ids, encode_chat
+        from engine.chat_format import chat_format_for
 
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError(f"{self.engine.model_dir} has no tokenizer files; chat needs one")
+        fmt = chat_format_for(tok)
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         params = sampling_params or SamplingParams()
-        stop_ids = list(dict.fromkeys(list(params.stop_token_ids or []) + list(chat_stop_token_ids(tok))))
+        stop_ids = list(dict.fromkeys(list(params.stop_token_ids or []) + fmt.stop_token_ids()))
         params = replace(params, stop_token_ids=stop_ids)
-        prompts = [{"prompt_token_ids": encode_chat(c, tok, thinking=thinking, tools=tools)} for c in conversations]
+        prompts = [{"prompt_token_ids": fmt.encode(c, thinking=thinking, tools=tools, thinking_effort=thinking_effort,
+                                                   preserve_thinking=preserve_thinking).ids}
+                   for c in conversations]
         return self.generate(prompts, params)
 
 

@@ -3,6 +3,12 @@
 A step is split so that tensor-parallel workers can mirror it: rank 0 turns the scheduler's
 output into plain-Python ``StepInputs`` (``prepare``), every rank runs ``forward_step`` on the
 same inputs (the model's collectives pair up), and rank 0 alone samples.
+
+Hybrid models (KDA layers) also keep per-sequence recurrent state in slots of ``KDAState``
+tensors. The scheduler decides the slots and the snapshot copies (plain ints in ``StepInputs``, so
+every rank applies the same ones); the runner zeroes the slots of sequences starting at position
+0, restores prefix snapshots into slots before the forward pass and saves slots into snapshots
+after it.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from engine.kv_cache.state import KDAState
 from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
 from engine.layers.sampler import SamplingBatch, prompt_logprobs, sample
 from engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -40,6 +47,13 @@ class StepInputs:
     prefills: list[tuple[int, int, int, list[int]]]  # (start row, end row, context_len, block_table)
     sample_rows: list[int]
     prompt_spans: list[PromptLogprobSpan] = field(default_factory=list)
+    # Hybrid models only (empty otherwise): each sequence's state slot in row order (decodes, then
+    # prefill chunks), the slots to zero (sequences at position 0) and the scheduler's
+    # (from, to) slot copies before and after the forward pass.
+    state_slots: list[int] = field(default_factory=list)
+    state_resets: list[int] = field(default_factory=list)
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -60,6 +74,7 @@ class ModelRunner:
         self.workers = workers  # WorkerGroup mirroring each step on ranks 1..N-1, or None
         self._generators: dict[str, torch.Generator] = {}
         self.buffers = StepBuffers(device)  # step inputs, reused across steps
+        self.states = [c for c in kv_caches if isinstance(c, KDAState)]  # the KDA layers' slots
 
     def release(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
@@ -68,6 +83,7 @@ class ModelRunner:
         # Decodes first (one row each, batched absorbed attention), then prefill chunks.
         order = [s for s in out.scheduled if not s.is_prefill] + [s for s in out.scheduled if s.is_prefill]
         inputs = self.prepare(order)
+        inputs.state_restores, inputs.state_saves = out.state_restores, out.state_saves
         if self.workers is not None:
             self.workers.broadcast(inputs)
         sample_logits, prompt_logits = self.forward_step(inputs)
@@ -94,6 +110,10 @@ class ModelRunner:
                 inp.decode_lens.append(s.end)
             if s.do_sample:
                 inp.sample_rows.append(row + s.num_new_tokens - 1)
+            if seq.state_slot is not None:
+                inp.state_slots.append(seq.state_slot)
+                if s.start == 0:
+                    inp.state_resets.append(seq.state_slot)
         return inp
 
     @torch.inference_mode()
@@ -133,17 +153,41 @@ class ModelRunner:
             meta.out_rows = buf.put("out_rows", keep, torch.int64)
         sample_rows = [row[r] for r in inp.sample_rows] if row is not None else inp.sample_rows
         sample_rows = buf.put("sample_rows", sample_rows, torch.int64) if sample_rows else None
+        saves = self._state_indices(inp, meta)
         buf.end_step()
         if keep is not None:
             meta.out_meta = replace(
                 meta, positions=meta.positions[meta.out_rows], slot_mapping=None,
                 prefills=[PrefillChunk(a, b, c.context_len, c.block_table) for c, (a, b) in zip(chunks, bounds)])
         hidden = self.model(ids, meta, self.kv_caches)
+        if saves is not None:
+            _copy_state_slots(self.states, *saves)
         spans = [(row[sp.row] if row is not None else sp.row, sp.num_rows) for sp in inp.prompt_spans]
         prompt_logits = [self.model.compute_logits(hidden[r: r + n]) for r, n in spans]
         if sample_rows is None:
             return None, prompt_logits
         return self.model.compute_logits(hidden[sample_rows]), prompt_logits
+
+    def _state_indices(self, inp: StepInputs, meta: AttentionMetadata):
+        """Fill ``meta.state_slots``, apply the resets and restores; return the saves' (from, to)
+        index tensors for after the forward pass, or None."""
+        if not inp.state_slots:
+            return None
+        if not self.states:
+            raise ValueError("the step carries state slots but the KV cache has no KDA state (KDAState) layer")
+        buf = self.buffers
+        meta.state_slots = buf.put("state_slots", inp.state_slots, torch.int64)
+        if inp.state_resets:
+            resets = buf.put("state_resets", inp.state_resets, torch.int64)
+            for state in self.states:
+                state.reset(resets)
+        if inp.state_restores:
+            pairs = buf.put("state_restores", inp.state_restores, torch.int64)  # [N, 2] (from, to)
+            _copy_state_slots(self.states, pairs[:, 0], pairs[:, 1])
+        if not inp.state_saves:
+            return None
+        pairs = buf.put("state_saves", inp.state_saves, torch.int64)
+        return pairs[:, 0], pairs[:, 1]
 
     def _sample(self, order, scheduled, inp: StepInputs, logits, prompt_logits) -> StepResult:
         pos = {id(s): i for i, s in enumerate(order)}
@@ -203,6 +247,13 @@ class ModelRunner:
         ids_l = top_ids.tolist() if top_ids is not None else [[]] * sp.num_rows
         vals_l = top_vals.tolist() if top_vals is not None else [[]] * sp.num_rows
         return [{**dict(zip(ids_l[i], vals_l[i])), sp.next_ids[i]: actual_l[i]} for i in range(sp.num_rows)]
+
+
+def _copy_state_slots(states: list[KDAState], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Every KDA layer's slots ``dst`` [N] <- slots ``src`` [N] (distinct destinations)."""
+    for state in states:
+        state.recurrent.index_copy_(0, dst, state.recurrent.index_select(0, src))
+        state.conv.index_copy_(0, dst, state.conv.index_select(0, src))
 
 
 def output_rows(inp: StepInputs) -> tuple[list[int] | None, list[tuple[int, int]]]:

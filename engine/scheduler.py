@@ -4,6 +4,16 @@ Pure Python: the scheduler sees sequences and block ids, never tensors. One step
 ``schedule()`` -> the runner computes the scheduled tokens -> ``postprocess()``. Requests are
 served first come, first served; running decodes go first (one token each), then prefill chunks
 share what is left of the token budget, so a long prompt never stalls the decodes beside it.
+
+Hybrid models (KDA layers, ``block_manager.state_slots`` set) also get a state slot per running
+sequence, and prefix snapshots of that state. Snapshot policy: a prefill chunk that would cross a
+snapshot boundary is cut there, so the state after exactly that many tokens exists at the end of
+a step and can be copied out. The boundaries are every ``snapshot_every_blocks`` blocks (so a
+shared system prompt is resumable from at most that many blocks before its end) and the prompt's
+last full block (the longest hit a repeat of the same prompt can have). A boundary whose block
+already has a snapshot cuts nothing, so a warm prefix costs no extra steps; a cold prompt of N
+tokens costs at most N / (snapshot_every_blocks * block_size) extra chunk ends (this holds with
+chunked prefill off too: a hybrid prompt is still cut at its snapshot boundaries).
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv_cache.block_manager import BlockManager
+from engine.kv_cache.state_slots import StateSlots
 from engine.sequence import FINISH_STATUS, Sequence, SequenceStatus
 
 
@@ -24,9 +35,12 @@ class SchedulerConfig:
     max_model_len: int
     block_size: int
     enable_chunked_prefill: bool = True
+    # Hybrid models: a prefix snapshot every this many blocks of a prompt (and at its last full block).
+    snapshot_every_blocks: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                     "snapshot_every_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -70,6 +84,12 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # Hybrid models, state slot copies for the runner: (snapshot slot, sequence slot) before the
+    # step (a prefix hit resumes from its snapshot), (sequence slot, snapshot slot) after it.
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # Per save: (block id, block hash); postprocess keys the snapshot once the block is cached.
+    save_blocks: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -95,6 +115,10 @@ class Scheduler:
             )
         self.config = config
         self.block_manager = block_manager
+        self.state_slots: StateSlots | None = block_manager.state_slots
+        if self.state_slots is not None and self.state_slots.max_num_seqs < config.max_num_seqs:
+            raise ValueError(f"{self.state_slots.max_num_seqs} state slots for max_num_seqs={config.max_num_seqs}: "
+                             f"every running sequence of a hybrid model needs one")
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the tail is preempted first
         self._seqs: dict[str, Sequence] = {}
@@ -171,10 +195,15 @@ class Scheduler:
             num_new = 1 if is_decode else min(seq.num_uncomputed_tokens, prefill_budget)
             if num_new == 0:
                 continue
+            snap = None if is_decode else self._snapshot_boundary(seq, num_new)  # a decode crosses none
+            if snap is not None:
+                num_new = snap - seq.num_computed_tokens
             if not self._reserve(seq, num_new, out.preempted):
                 continue
             if not is_decode:
                 prefill_budget -= num_new
+            if snap is not None:
+                self._plan_save(seq, snap, out)
             (decodes if is_decode else prefills).append(self._scheduled(seq, num_new))
         budget -= sum(item.num_new_tokens for item in decodes + prefills)
 
@@ -194,8 +223,15 @@ class Scheduler:
             self.waiting.popleft()
             bm.allocate(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)  # same hit as can_allocate saw
+            snap = self._snapshot_boundary(seq, num_new)
+            if snap is not None:
+                num_new = snap - seq.num_computed_tokens
             if not bm.append_slots(seq, num_new):
                 raise RuntimeError(f"block manager refused {seq.seq_id!r} after can_allocate")
+            if self.state_slots is not None:
+                self._give_state_slot(seq, out)
+                if snap is not None:
+                    self._plan_save(seq, snap, out)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             budget -= num_new
@@ -236,6 +272,7 @@ class Scheduler:
                 self.running.remove(seq)
                 self._finish(seq, reason)
                 finished.append(seq)
+        self._commit_saves(output)
         return finished
 
     # -- internals -------------------------------------------------------------------------
@@ -249,6 +286,62 @@ class Scheduler:
             start=start,
             do_sample=start + num_new == seq.num_tokens,
         )
+
+    # -- hybrid state slots and snapshots ---------------------------------------------------
+
+    def _give_state_slot(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Admission: a fresh slot, restored from the snapshot at the end of the prefix hit if any.
+
+        With no hit the slot is left as it is: a row at position 0 starts from a zero state (the
+        runner zeroes it), so the previous owner's state never leaks in.
+        """
+        seq.state_slot = self.state_slots.allocate(seq.seq_id)
+        if seq.num_cached_tokens:
+            bm = self.block_manager
+            last = seq.num_cached_tokens // bm.block_size - 1
+            src = self.state_slots.touch(bm.block_hash(seq, last))  # _match guaranteed it exists
+            out.state_restores.append((src, seq.state_slot))
+
+    def _snapshot_boundary(self, seq: Sequence, num_new: int) -> int | None:
+        """The first boundary in ``(computed, computed + num_new]`` worth a snapshot, or None."""
+        slots, bm = self.state_slots, self.block_manager
+        if slots is None or slots.num_snapshots == 0 or not bm.enable_prefix_caching:
+            return None
+        bs = bm.block_size
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+        last = (seq.num_tokens - 1) // bs * bs  # the longest prefix hit possible (see _match)
+        step = self.config.snapshot_every_blocks * bs
+        b = (start // step + 1) * step
+        candidates = list(range(b, min(end, last) + 1, step))
+        if start < last <= end and (not candidates or candidates[-1] != last):
+            candidates.append(last)
+        for b in candidates:
+            if not slots.has_snapshot(bm.block_hash(seq, b // bs - 1)):
+                return b
+        return None
+
+    def _plan_save(self, seq: Sequence, boundary: int, out: SchedulerOutput) -> None:
+        snap = self.state_slots.reserve_snapshot()
+        if snap is None:
+            return  # every snapshot slot is being written this step; the chunk is just shorter
+        i = boundary // self.block_manager.block_size - 1
+        out.state_saves.append((seq.state_slot, snap))
+        out.save_blocks.append((seq.block_table[i], self.block_manager.block_hash(seq, i)))
+
+    def _commit_saves(self, out: SchedulerOutput) -> None:
+        """Key each snapshot written by the step under its block's hash if that block is now the
+        cached one for the hash (it may not be: the sequence left mid-step, or another sequence
+        registered the same prefix first)."""
+        for (_, snap), (bid, h) in zip(out.state_saves, out.save_blocks):
+            if self.block_manager.is_cached_block(bid, h):
+                self.state_slots.commit_snapshot(snap, h)
+            else:
+                self.state_slots.cancel_snapshot(snap)
+
+    def _free_state_slot(self, seq: Sequence) -> None:
+        if seq.state_slot is not None:
+            self.state_slots.free(seq.state_slot, seq.seq_id)
+            seq.state_slot = None
 
     def _reserve(self, seq: Sequence, num_new: int, preempted: list[Sequence]) -> bool:
         """Get blocks for ``seq``, preempting the most recently admitted sequences if needed.
@@ -268,6 +361,7 @@ class Scheduler:
         # which the prefix cache often makes cheap (freed blocks stay findable until reused).
         self.running.remove(seq)
         self.block_manager.free(seq)
+        self._free_state_slot(seq)  # restarts from a zero state or a snapshot when re-admitted
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
@@ -278,6 +372,7 @@ class Scheduler:
         seq.status = FINISH_STATUS[reason]
         seq.finish_reason = reason
         self.block_manager.free(seq)
+        self._free_state_slot(seq)
         del self._seqs[seq.seq_id]
 
     def _check_stop(self, seq: Sequence) -> str | None:

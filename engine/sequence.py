@@ -42,7 +42,8 @@ class Sequence:
     ``token_ids`` = prompt + output. Tokens ``[0, num_computed_tokens)`` have their KV in the
     blocks of ``block_table``; the rest are computed by the next scheduled steps. In decode exactly
     one token (the last sampled one) is uncomputed. ``num_cached_tokens`` is how many of those came
-    from the prefix cache at the latest admission.
+    from the prefix cache at the latest admission. ``state_slot`` is its row in every KDA layer's
+    state (hybrid models only), held from admission to finish, abort or preemption.
     """
 
     __slots__ = (
@@ -54,6 +55,7 @@ class Sequence:
         "num_computed_tokens",
         "num_cached_tokens",
         "block_table",
+        "state_slot",
         "status",
         "finish_reason",
         "arrival_time",
@@ -77,6 +79,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        # Hybrid (KDA) models: this sequence's recurrent-state slot while it runs, else None.
+        self.state_slot: int | None = None
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -201,8 +201,13 @@ class Tokenizer:
         cfg = tokenizer_config or {}
         self.chat_template = chat_template
         added = hf.get_added_tokens_decoder()
+        # Every added token of a converted tiktoken model is special to the Rust tokenizer, so plain
+        # text never matches one. Those the checkpoint marks `"special": false` (K3's <|open|>,
+        # <|close|>, <|sep|>) still decode as text when special tokens are skipped, as in HF.
+        text_ids = {int(i) for i, v in cfg.get("added_tokens_decoder", {}).items()
+                    if isinstance(v, dict) and v.get("special") is False}
         self.special_tokens: dict[str, int] = {t.content: i for i, t in added.items() if t.special}
-        self.special_ids: frozenset[int] = frozenset(self.special_tokens.values())
+        self.special_ids: frozenset[int] = frozenset(self.special_tokens.values()) - text_ids
         self.vocab_size: int = max(hf.get_vocab_size(with_added_tokens=True),
                                    max(added, default=-1) + 1)
         self.bos_token_id = self._config_token_id(cfg, "bos_token")
@@ -285,7 +290,10 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; invalid UTF-8 becomes U+FFFD."""
-        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.special_ids]
+        return self._hf.decode(ids, skip_special_tokens=False)
 
     def token_to_id(self, token: str) -> int | None:
         return self._hf.token_to_id(token)

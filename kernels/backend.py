@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +114,20 @@ class Backend:
         cache and W_UV in one call, where ``mla_decode_fusable`` holds -> [B, H, v]."""
         raise ValueError(f"the {self.name} backend has no fused MLA decode (mla_decode_fusable is False)")
 
+    # -- Kimi Delta Attention (shapes and meaning: kernels/kda.py; oracle: reference.kda_recurrence_reference)
+
+    def kda_chunk(self, q, k, v, g, beta, initial_state, cu_seqlens, scale):
+        """Prefill of packed sequences from their states: (o [T, H, V], final_state [N, H, K, V] fp32)."""
+        return _kernel("kda", "chunk_kda")(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+
+    def kda_recurrent(self, q, k, v, g, beta, state, slots, scale):
+        """One decode token per sequence; ``state[slots]`` is updated in place. -> o [N, H, V]"""
+        return _kernel("kda", "recurrent_kda")(q, k, v, g, beta, state, slots, scale)
+
+    def causal_conv1d(self, x, weight, history, cu_seqlens=None):
+        """Short causal conv + SiLU continuing each sequence's history: (y [T, C], new history [N, C, W-1])."""
+        return _kernel("kda", "causal_conv1d")(x, weight, history, cu_seqlens)
+
     # -- whole decoder halves
 
     def fuse_decoder_layer(self, layer):
@@ -123,6 +138,11 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def _kernel(module: str, name: str):
+    # kernel modules import on first use, so importing kernels never needs triton or fla
+    return getattr(importlib.import_module(f"kernels.{module}"), name)
 
 
 REFERENCE = Backend()  # stateless: the default of a layer nobody has handed a backend yet
@@ -172,3 +192,18 @@ def select_backend(device: torch.device | str, dtype: torch.dtype, settings: Ker
 
         return CpuBackend(settings, dtype)
     return REFERENCE
+
+
+def attach_backends(model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype,
+                    settings: KernelSettings) -> Backend:
+    """Choose the backend of a loaded model on ``device`` in ``dtype`` and hand it to every submodule
+    with an ``ops`` attribute; submodules marked ``host_ram`` (experts offloaded to host RAM) get the
+    CPU backend whatever the model's device, an emulated one included. Returns the model's backend."""
+    device = torch.device(device)
+    ops = select_backend(device, dtype, settings)
+    on_cpu = device.type == "cpu" and not settings.emulate_device
+    host_ops = ops if on_cpu else select_backend("cpu", dtype, replace(settings, emulate_device=False))
+    for module in model.modules():
+        if isinstance(getattr(module, "ops", None), Backend):
+            module.ops = host_ops if getattr(module, "host_ram", False) else ops
+    return ops

@@ -88,8 +88,10 @@ def attention_weights(norm, attn) -> AttentionBlockWeights | None:
     q_b = getattr(attn, "q_b_proj", None)
     q_norm = getattr(attn, "q_a_layernorm", None)
     q_in = attn.q_proj if q_b is None else attn.q_a_proj
-    if (attn.in_proj is None or attn.par.is_parallel or attn.o_proj.fmt != "dense"
-            or (q_b is not None and q_b.fmt != "dense")):
+    # The kernel computes rotary MLA without an output gate (DeepSeek-V3, Kimi K2), not NoPE or gated
+    # MLA (Kimi Linear / K3).
+    if (attn.in_proj is None or attn.par.is_parallel or attn.o_proj.fmt != "dense" or attn.rope is None
+            or getattr(attn, "g_proj", None) is not None or (q_b is not None and q_b.fmt != "dense")):
         return None
     tensors = [norm.weight, attn.in_proj, attn.kv_a_layernorm.weight, attn.rope.cos, attn.rope.sin, attn.w_uk,
                attn.w_uv, attn.o_proj.weight] + ([q_norm.weight, q_b.weight] if q_b is not None else [])
@@ -104,8 +106,10 @@ def attention_weights(norm, attn) -> AttentionBlockWeights | None:
 
 
 def _mlp_fusable(mlp) -> bool:
-    # dense gate_up and down on one rank
-    return mlp.gate_up is not None and mlp.down_proj.fmt == "dense" and not mlp.parallel
+    # dense gate_up and down on one rank; the kernel computes SiLU only
+    act = getattr(mlp, "act", None)
+    return (mlp.gate_up is not None and mlp.down_proj.fmt == "dense" and not mlp.parallel
+            and (act is None or act.is_silu))
 
 
 def ffn_weights(norm, ffn) -> FfnBlockWeights | None:

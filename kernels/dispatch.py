@@ -77,3 +77,15 @@ def moe_experts_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_
 def mla_decode(q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale):
     return _ops(q).mla_decode(q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank,
                               scale)
+
+
+def kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, scale):
+    return _ops(q).kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+
+
+def kda_recurrent(q, k, v, g, beta, state, slots, scale):
+    return _ops(q).kda_recurrent(q, k, v, g, beta, state, slots, scale)
+
+
+def causal_conv1d(x, weight, history, cu_seqlens=None):
+    return _ops(x).causal_conv1d(x, weight, history, cu_seqlens)

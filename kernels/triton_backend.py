@@ -3,8 +3,9 @@
 Quantised GEMMs, the fused MoE and the paged MLA decode run as Triton kernels; a dense linear is
 ``F.linear`` (cuBLAS/hipBLASLt beat a hand-written GEMM there) and RMSNorm stays the PyTorch
 reference ops, as the model ran them before this boundary existed (the Triton ``rms_norm`` kernel is
-tested against the same reference but the model does not use it). Kernel modules import lazily so
-that importing ``kernels`` never needs triton.
+tested against the same reference but the model does not use it). Kimi Delta Attention runs
+fla-core's Triton kernels on CUDA/ROCm tensors when fla imports, else the PyTorch forms of
+``kernels.kda``. Kernel modules import lazily so that importing ``kernels`` never needs triton.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ from __future__ import annotations
 import importlib
 
 from kernels.backend import Backend
+
+
+def _fla(x) -> bool:
+    return x.device.type == "cuda" and _kernel("kda_fla", "available")()
 
 
 def _kernel(module: str, name: str):
@@ -59,3 +64,18 @@ class TritonBackend(Backend):
     def mla_decode(self, q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale):
         return _kernel("mla_decode", "mla_decode")(q, cache, block_tables, context_lens, max_context_len, block_size,
                                                    kv_lora_rank, scale)
+
+    def kda_chunk(self, q, k, v, g, beta, initial_state, cu_seqlens, scale):
+        if _fla(q):
+            return _kernel("kda_fla", "chunk_kda")(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+        return super().kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+
+    def kda_recurrent(self, q, k, v, g, beta, state, slots, scale):
+        if _fla(q):
+            return _kernel("kda_fla", "recurrent_kda")(q, k, v, g, beta, state, slots, scale)
+        return super().kda_recurrent(q, k, v, g, beta, state, slots, scale)
+
+    def causal_conv1d(self, x, weight, history, cu_seqlens=None):
+        if _fla(x):
+            return _kernel("kda_fla", "causal_conv1d")(x, weight, history, cu_seqlens)
+        return super().causal_conv1d(x, weight, history, cu_seqlens)

@@ -5,6 +5,10 @@ tokens of one sequence. Full, computed blocks are registered under a hash chaine
 prefix, so a later request with the same prefix reuses them (ref count > 1) instead of recomputing.
 A freed block keeps its hash and stays findable until the free list hands it out again; the free
 list is ordered least-recently-freed first, so eviction is LRU.
+
+Hybrid models (KDA layers) pass ``state_slots``: a cached prefix is then only usable up to a block
+whose recurrent-state snapshot is kept (the MLA blocks alone cannot rebuild a KDA state), and a
+block that leaves the cache takes its snapshot with it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from engine.kv_cache.state_slots import StateSlots
 from engine.sequence import Sequence
 from engine.units import cdiv
 
@@ -52,7 +57,8 @@ class Block:
 class BlockManager:
     """Hands out KV cache blocks to sequences and finds cached prefixes."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 state_slots: StateSlots | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least 1 block, got num_blocks={num_blocks}")
         if block_size < 1:
@@ -60,6 +66,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.state_slots = state_slots
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order (front = next handed out). Values unused: an ordered set.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -194,6 +201,14 @@ class BlockManager:
             i += n
         return slots
 
+    def block_hash(self, seq: Sequence, i: int) -> int:
+        """Prefix hash of ``seq``'s full block ``i`` (its tokens must all be known)."""
+        return self._hash_at(seq, i)
+
+    def is_cached_block(self, block_id: int, block_hash: int) -> bool:
+        """Whether ``block_id`` is the prefix cache's block for ``block_hash`` (registered, not evicted)."""
+        return self._cached.get(block_hash) == block_id
+
     # -- internals -------------------------------------------------------------------------
 
     def _is_cached(self, block: Block) -> bool:
@@ -204,6 +219,8 @@ class BlockManager:
         block = self.blocks[bid]
         if self._is_cached(block):
             del self._cached[block.hash]  # evicted: its content is about to be overwritten
+            if self.state_slots is not None:
+                self.state_slots.drop_snapshot(block.hash)
         block.clear_content()
         block.ref_count = 1
         return bid
@@ -236,4 +253,8 @@ class BlockManager:
                 break  # hash collision: same hash, different prefix
             hit.append(bid)
             parent_content_id = block.content_id
+        if self.state_slots is not None:
+            # A hybrid model resumes from a state snapshot: cut back to the last block that has one.
+            while hit and not self.state_slots.has_snapshot(self.blocks[hit[-1]].hash):
+                hit.pop()
         return hit

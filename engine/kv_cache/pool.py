@@ -3,7 +3,8 @@
 Layers need not agree: DeepSeek-V3 / Kimi K2 layers are all MLA (a paged latent cache), while
 Kimi K3's linear-attention layers keep a fixed-size state per sequence. Each layer declares a
 ``CacheSpec``; paged kinds are indexed by block id (the block manager's ``block_table`` /
-``slot_mapping``), state kinds by a per-sequence state slot id.
+``slot_mapping``), state kinds by a state slot id: one per running sequence (``max_num_seqs``)
+plus ``num_snapshots`` prefix snapshots (see ``state_slots.py``).
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ class MLACacheSpec(CacheSpec):
 class StateCacheSpec(CacheSpec):
     """Fixed-size recurrent state per sequence (linear attention, e.g. Kimi K3's KDA layers).
 
-    The tensor is ``[max_num_seqs, *shape]``, indexed by a state slot id per sequence. Placeholder:
-    nothing hands out state slots yet.
+    The tensor is ``[num_slots, *shape]``, indexed by a state slot id (``state_slots.py``). A
+    generic shape-only kind; Kimi Linear / K3's KDA layers use ``state.KDAStateSpec``.
     """
 
     shape: tuple[int, ...]
@@ -89,23 +90,41 @@ def bytes_per_block(specs: list[CacheSpec], block_size: int) -> int:
     return sum(spec.bytes_per_block(block_size) for spec in specs)
 
 
-def bytes_of_state(specs: list[CacheSpec], max_num_seqs: int) -> int:
-    """Bytes of per-sequence state across all layers for ``max_num_seqs`` sequences."""
-    return max_num_seqs * sum(spec.bytes_per_seq() for spec in specs)
+def bytes_of_state(specs: list[CacheSpec], num_slots: int) -> int:
+    """Bytes of per-sequence state across all layers for ``num_slots`` state slots."""
+    return num_slots * sum(spec.bytes_per_seq() for spec in specs)
+
+
+def has_state(specs: list[CacheSpec]) -> bool:
+    """Whether any layer keeps per-sequence state (a hybrid model that needs state slots)."""
+    return any(spec.bytes_per_seq() > 0 for spec in specs)
 
 
 def num_blocks_for_budget(
-    specs: list[CacheSpec], block_size: int, budget_bytes: int, max_num_seqs: int
+    specs: list[CacheSpec], block_size: int, budget_bytes: int, max_num_seqs: int, num_snapshots: int = 0
 ) -> int:
-    """How many blocks fit in ``budget_bytes`` after the per-sequence state is set aside.
+    """How many blocks fit in ``budget_bytes`` after the state slots (one per sequence plus the
+    prefix snapshots) are set aside.
 
     Returns 0 when nothing fits (callers report "does not fit" with their own context).
     """
     per_block = bytes_per_block(specs, block_size)
     if per_block == 0:
         raise ValueError("no layer has a paged cache; the block count is undefined")
-    left = budget_bytes - bytes_of_state(specs, max_num_seqs)
+    left = budget_bytes - bytes_of_state(specs, max_num_seqs + num_snapshots)
     return max(0, left // per_block)
+
+
+def snapshots_for_budget(
+    specs: list[CacheSpec], block_size: int, budget_bytes: int, max_num_seqs: int, min_blocks: int, wanted: int
+) -> int:
+    """The most prefix snapshots, up to ``wanted``, that leave room for ``min_blocks`` blocks
+    (0 for a model without per-sequence state)."""
+    per_slot = bytes_of_state(specs, 1)
+    if per_slot == 0:
+        return 0
+    left = budget_bytes - bytes_of_state(specs, max_num_seqs) - min_blocks * bytes_per_block(specs, block_size)
+    return max(0, min(wanted, left // per_slot))
 
 
 class KVCachePool:
@@ -118,7 +137,10 @@ class KVCachePool:
         block_size: int,
         max_num_seqs: int,
         device: torch.device | str,
+        num_snapshots: int = 0,
     ) -> None:
+        if num_snapshots < 0:
+            raise ValueError(f"num_snapshots must be >= 0, got {num_snapshots}")
         if num_blocks < 1 or block_size < 1 or max_num_seqs < 1:
             raise ValueError(
                 f"num_blocks, block_size and max_num_seqs must be positive, "
@@ -128,10 +150,17 @@ class KVCachePool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
+        self.num_snapshots = num_snapshots if has_state(self.specs) else 0
         self.device = torch.device(device)
-        self.caches: list[torch.Tensor] = [
-            spec.allocate(num_blocks, block_size, max_num_seqs, self.device) for spec in self.specs
+        # State kinds get one row per sequence slot, then one per snapshot slot.
+        self.caches: list = [
+            spec.allocate(num_blocks, block_size, max_num_seqs + self.num_snapshots, self.device)
+            for spec in self.specs
         ]
+
+    @property
+    def is_hybrid(self) -> bool:
+        return has_state(self.specs)
 
     def __getitem__(self, layer: int) -> torch.Tensor:
         return self.caches[layer]
@@ -141,7 +170,7 @@ class KVCachePool:
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.caches)
+        return sum(_nbytes(c) for c in self.caches)
 
     def capacity_tokens(self) -> int:
         """Tokens the paged layers can hold, summed over all sequences."""
@@ -153,7 +182,17 @@ class KVCachePool:
         for spec in self.specs:
             kinds[type(spec).__name__] = kinds.get(type(spec).__name__, 0) + 1
         layers = ", ".join(f"{n} x {kind}" for kind, n in kinds.items())
+        slots = ""
+        if self.is_hybrid:
+            slots = f"; state slots for {self.max_num_seqs} sequences + {self.num_snapshots} prefix snapshots"
         return (
             f"KV cache on {self.device}: {layers}; {self.num_blocks} blocks x {self.block_size} "
-            f"= {self.capacity_tokens():,} tokens, {self.num_bytes / 2**30:.2f} GiB"
+            f"= {self.capacity_tokens():,} tokens{slots}, {self.num_bytes / 2**30:.2f} GiB"
         )
+
+
+def _nbytes(cache) -> int:
+    """Bytes of one layer's cache: a tensor, or a state object holding tensors (KDAState)."""
+    if isinstance(cache, torch.Tensor):
+        return cache.numel() * cache.element_size()
+    return sum(t.numel() * t.element_size() for t in vars(cache).values() if isinstance(t, torch.Tensor))

@@ -25,8 +25,9 @@ class MLAttention(nn.Module):
     ops: Backend = REFERENCE  # the model's backend, set when it is loaded
     param_class = "attention"  # for the planner, see engine.models.registry
 
-    def __init__(self, config: ModelConfig, prefix: str, rope: YarnRotaryEmbedding, par: ParallelState = SINGLE,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(self, config: ModelConfig, prefix: str, rope: YarnRotaryEmbedding | None,
+                 par: ParallelState = SINGLE, dtype: torch.dtype = torch.float32):
+        """``rope`` None: NoPE (Kimi Linear / K3), the rope dims are plain unrotated content dims."""
         super().__init__()
         c = config
         q = c.quantization
@@ -43,6 +44,7 @@ class MLAttention(nn.Module):
         self.scale = c.softmax_scale
         self.rope = rope
         h = c.num_attention_heads
+        norm_eps = c.rms_norm_eps if c.mla_norm_eps is None else c.mla_norm_eps
 
         def heads(width: int, axis: int = 0):
             return (axis, h0 * width, h1 * width) if par.is_parallel else None
@@ -51,13 +53,16 @@ class MLAttention(nn.Module):
             self.q_proj = Linear(c.hidden_size, h * self.qk_dim, q, f"{prefix}.q_proj", heads(self.qk_dim), dtype)
         else:
             self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, q, f"{prefix}.q_a_proj", dtype=dtype)
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, norm_eps, dtype)
             self.q_b_proj = Linear(c.q_lora_rank, h * self.qk_dim, q, f"{prefix}.q_b_proj", heads(self.qk_dim), dtype)
         self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + self.rope_dim, q,
                                          f"{prefix}.kv_a_proj_with_mqa", dtype=dtype)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, dtype)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, norm_eps, dtype)
         self.kv_b_proj = Linear(c.kv_lora_rank, h * (self.nope + self.v_dim), q, f"{prefix}.kv_b_proj",
                                 heads(self.nope + self.v_dim), dtype)
+        # Kimi K3: y = o_proj(sigmoid(g_proj(x)) * attn), a per-channel output gate [T, H * v]
+        self.g_proj = (Linear(c.hidden_size, h * self.v_dim, q, f"{prefix}.g_proj", heads(self.v_dim), dtype)
+                       if c.mla_use_output_gate else None)
         self.o_proj = Linear(h * self.v_dim, c.hidden_size, q, f"{prefix}.o_proj", heads(self.v_dim, axis=1), dtype)
         self.w_uk: torch.Tensor | None = None  # [H, nope, r], set by post_load
         self.w_uv: torch.Tensor | None = None  # [H, v, r]
@@ -79,7 +84,8 @@ class MLAttention(nn.Module):
                 last: bool = False) -> torch.Tensor:
         # x: [T, D]; cache: [num_blocks, block_size, r + rope]. Every row's latent goes to the
         # cache; in the last layer (``last``) only meta.out_rows, when set, need an output.
-        if meta.decodes_only(x.shape[0]) and self.ops.mla_decode_fusable(x, cache, self.w_uk, self.w_uv):
+        if (meta.decodes_only(x.shape[0]) and self.rope is not None and self.g_proj is None
+                and self.ops.mla_decode_fusable(x, cache, self.w_uk, self.w_uv)):
             return self._decode_fused(x, meta, cache)
         qmeta = meta
         if last and meta.out_rows is not None:  # queries for the output rows only
@@ -93,7 +99,9 @@ class MLAttention(nn.Module):
         t = x.shape[0]
         q = self._query(q_in).view(t, self.num_heads, self.qk_dim)
         q_nope = q[..., : self.nope]
-        if qmeta is meta:
+        if self.rope is None:  # NoPE: q_pe and k_pe enter the dot product unrotated
+            q_pe, k_pe = q[..., self.nope:], kv[:, self.kv_lora_rank:]
+        elif qmeta is meta:
             # The query heads and the shared key rotate by the same positions: one call. [T, H + 1, rope]
             pe = self.rope(torch.cat([q[..., self.nope:], kv[:, None, self.kv_lora_rank:]], dim=1), meta.positions)
             q_pe, k_pe = pe[:, :-1], pe[:, -1]
@@ -112,7 +120,10 @@ class MLAttention(nn.Module):
             if e > s:
                 out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], chunk.context_len, chunk.block_table,
                                          meta.block_size, flat)
-        return self.par.all_reduce(self.o_proj(out.view(t, -1)))
+        out = out.view(t, -1)
+        if self.g_proj is not None:
+            out = out * torch.sigmoid(self.g_proj(x))  # x: the query rows' normed input
+        return self.par.all_reduce(self.o_proj(out))
 
     def _q_in_proj(self) -> Linear:
         return self.q_proj if hasattr(self, "q_proj") else self.q_a_proj

@@ -4,10 +4,10 @@ intermediate dim; the output is this rank's partial sum, reduced by the caller).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import QuantConfig
+from engine.layers.activation import GatedActivation
 from engine.layers.linear import Linear, fuse_dense_rows, linear_format, split_unit
 from engine.parallel.state import SINGLE, ParallelState
 from kernels.backend import REFERENCE, Backend
@@ -17,10 +17,12 @@ class MLP(nn.Module):
     ops: Backend = REFERENCE  # the model's backend, set when it is loaded
 
     def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantConfig | None, prefix: str,
-                 par: ParallelState = SINGLE, dtype: torch.dtype = torch.float32, param_class: str = "dense_mlp"):
+                 par: ParallelState = SINGLE, dtype: torch.dtype = torch.float32, param_class: str = "dense_mlp",
+                 act: GatedActivation | None = None):
         super().__init__()
         self.param_class = param_class  # "dense_mlp" or "shared_experts", for the planner
         self.parallel = par.is_parallel
+        self.act = act or GatedActivation()  # SiLU unless the model says otherwise (K3: SiTU)
         cols = rows = None
         if par.is_parallel:
             # whole FP8 blocks / INT4 groups per rank, so gate/up rows and down columns split alike
@@ -38,7 +40,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
         gu = self.ops.linear(x, self.gate_up)
         i = self.gate_proj.out_features
-        return self.down_proj(F.silu(gu[..., :i]) * gu[..., i:])
+        return self.down_proj(self.act(gu[..., :i], gu[..., i:]))

@@ -154,6 +154,8 @@ class RoutedExperts(nn.Module):
         on_host = [e for e in range(n) if row[e] == -1 and ep_owner[e] == par.rank]
         self.local = ExpertStack(config, self.fmt, len(on_device), dtype=dtype) if on_device else None
         self.host = ExpertStack(config, self.fmt, len(on_host), torch.device("cpu"), dtype) if on_host else None
+        if self.host is not None:
+            self.host.host_ram = True  # computed by the CPU whatever the model's device (its backend: the CPU's)
         self._slots = {e: ("local", i) for i, e in enumerate(on_device)}
         self._slots.update({e: ("host", i) for i, e in enumerate(on_host)})
         for stack, experts in ((self.local, on_device), (self.host, on_host)):

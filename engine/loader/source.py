@@ -9,6 +9,8 @@ is filled by ``copy_into``, which reads only this rank's slice as recorded on th
 ``param.shard_index``  int64 index [n] into the slice along ``axis`` (FP8 scale rows repeated for a
                        finer local block, see ``engine.layers.linear``), or None
 ``param.optional``     True when a checkpoint may leave the tensor out (the default value stands)
+``param.weight_loader`` ``(param, tensor)`` for one parameter whose checkpoint layout differs from its own
+                       (KDA's ``A_log``: [1, 1, H, 1] or [128]); a ``ValueError`` names the problem
 """
 
 from __future__ import annotations
@@ -68,6 +70,13 @@ def check_dtype(src: torch.dtype, dst: torch.dtype, where: str) -> None:
 
 def copy_into(param: torch.Tensor, src: TensorSource) -> None:
     """Fill ``param`` with this rank's slice of ``src``; shape and dtype are checked first."""
+    loader = getattr(param, "weight_loader", None)
+    if loader is not None:
+        try:
+            loader(param, src.read())
+        except ValueError as e:
+            raise src.error(str(e)) from None
+        return
     full = getattr(param, "full_shape", None) or tuple(param.shape)
     if src.shape != tuple(full):
         raise src.error(f"shape {list(src.shape)}, expected {list(full)}")

@@ -83,7 +83,7 @@ def _load_one(module: nn.Module | None, target: WeightTarget, src: TensorSource)
     param = module._parameters.get(target.name)
     if param is None or target.shard_id is not None:
         return None
-    copy_into(param, src)
+    copy_into(param, src)  # honours a parameter's weight_loader (KDA A_log: [1,1,H,1] or [128])
     return [(target.name, None)]
 
 

@@ -8,8 +8,6 @@ mapping, cache specs, planner classes) are described in ``engine.models.registry
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from torch import nn
 
@@ -24,7 +22,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rope import YarnRotaryEmbedding
 from engine.models.registry import WeightTarget
 from engine.parallel.state import SINGLE, ParallelState
-from kernels.backend import Backend, select_backend
+from kernels.backend import attach_backends
 from kernels.settings import KernelSettings
 
 
@@ -121,27 +119,12 @@ class DeepseekV3ForCausalLM(nn.Module):
                     mlp.post_load()
         settings = KernelSettings.from_env() if settings is None else settings
         weight = self.model.norm.weight
-        ops = select_backend(weight.device, weight.dtype, settings)
-        # Host-RAM experts are computed by the CPU whatever the model's device (an emulated device too).
-        on_cpu = weight.device.type == "cpu" and not settings.emulate_device
-        host_ops = ops if on_cpu else select_backend("cpu", weight.dtype, replace(settings, emulate_device=False))
-        self.set_backend(ops, host_ops)
+        ops = attach_backends(self, weight.device, weight.dtype, settings)
         for layer in self.model.layers:
+            layer.fused = ops.fuse_decoder_layer(layer)
             experts = getattr(layer.mlp, "experts", None)
             if experts is not None:
                 experts.post_load(weight.dtype)
-
-    def set_backend(self, ops: Backend, host_ops: Backend | None = None) -> None:
-        """Hand ``ops`` to every layer (``host_ops`` to the experts held in host RAM) and let it fuse
-        what it can of each decoder layer."""
-        for module in self.modules():
-            if isinstance(getattr(module, "ops", None), Backend):
-                module.ops = ops
-        for layer in self.model.layers:
-            experts = getattr(layer.mlp, "experts", None)
-            if experts is not None and experts.host is not None:
-                experts.host.ops = host_ops or ops
-            layer.fused = ops.fuse_decoder_layer(layer)
 
     # -- declarations (see engine.models.registry) ------------------------------------------------
     def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:

@@ -54,6 +54,7 @@ class ModelFamily:
     model_class: str  # "module:Class", imported on first use so reading a config needs no torch
     text_config: str | None = None  # key of the text model's config inside a multimodal wrapper
     weight_prefix: str = ""  # prefix of the text model's tensors in the checkpoint
+    text_model_type: str | None = None  # the model_type a wrapper's text_config must have, if any
 
 
 @dataclass(frozen=True)
@@ -66,10 +67,14 @@ class WeightTarget:
 
 
 _DEEPSEEK_V3 = "engine.models.deepseek_v3:DeepseekV3ForCausalLM"
+_KIMI_LINEAR = "engine.models.kimi_linear:KimiLinearForCausalLM"
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("kimi_k2", _DEEPSEEK_V3),
     ModelFamily("deepseek_v3", _DEEPSEEK_V3),
     ModelFamily("kimi_k25", _DEEPSEEK_V3, text_config="text_config", weight_prefix="language_model."),
+    ModelFamily("kimi_linear", _KIMI_LINEAR),
+    ModelFamily("kimi_k3", _KIMI_LINEAR, text_config="text_config", weight_prefix="language_model.",
+                text_model_type="kimi_linear"),
 )}
 
 

@@ -86,9 +86,11 @@ def _worker_main(rank: int, spec: WorkerSpec) -> None:
         dtype = getattr(torch, spec.dtype)
         model, _ = load_model(config, spec.model_dir, device, dtype, spec.max_model_len, par=par,
                               expert_placement=spec.expert_placement)
-        num_blocks = broadcast_object()
-        pool = KVCachePool(model.cache_specs(dtype), num_blocks,
-                           spec.block_size, 1, device)
+        # Rank 0 sized the pool; every rank allocates the same blocks and state slots (its own
+        # share of each layer), since the scheduler's block and slot ids index all of them.
+        num_blocks, max_num_seqs, num_snapshots = broadcast_object()
+        pool = KVCachePool(model.cache_specs(dtype), num_blocks, spec.block_size, max_num_seqs, device,
+                           num_snapshots)
         runner = ModelRunner(model, pool.caches, spec.block_size, device)
         while True:
             inputs = broadcast_object()

@@ -82,12 +82,12 @@ class HttpTarget:
         path = Path(model).expanduser()
         if path.is_dir() and ((path / "tokenizer.json").is_file() or (path / "tiktoken.model").is_file()):
             return load_tokenizer(str(path))
-        from engine.demo import ensure_demo_checkpoint
+        from engine.demo import demo_checkpoint
 
         if "demo" not in model:
             print(f"kimitui bench: building prompts with the demo tokenizer; pass --tokenizer DIR with "
                   f"{model}'s checkpoint for prompts of exactly the requested length", file=sys.stderr)
-        return load_tokenizer(str(ensure_demo_checkpoint()))
+        return load_tokenizer(str(demo_checkpoint("demo-k3" if model == "demo-k3" else "demo")))
 
     def close(self) -> None:
         pass

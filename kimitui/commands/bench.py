@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             if args.tokenizer:
                 raise ValueError("--tokenizer is for --base-url; in-process runs use the checkpoint's")
-            if args.model and not Path(args.model).expanduser().is_dir():
+            if args.model and args.model not in ("demo", "demo-k3") and not Path(args.model).expanduser().is_dir():
                 raise ValueError(f"model directory {args.model} does not exist")
             # Loading a checkpoint is the slow part; say so before a silent pause.
             print(f"kimitui bench: loading {args.model or 'the demo checkpoint'} ...", file=sys.stderr)

@@ -81,10 +81,14 @@ def version_lines() -> list[str]:
 
 def demo_lines() -> list[str]:
     from engine.demo import demo_dir
+    from engine.demo_k3 import demo_k3_dir
 
-    path = demo_dir()
-    there = (path / "model.safetensors.index.json").is_file()
-    return [f"{path}  ({'present' if there else 'not written yet: created on first use, about 4 s'})"]
+    lines = []
+    for name, path, seconds in (("demo", demo_dir(), 4), ("demo-k3", demo_k3_dir(), 10)):
+        state = ("present" if (path / "model.safetensors.index.json").is_file()
+                 else f"not written yet: created on first use, about {seconds} s")
+        lines.append(f"{name:<8} {path}  ({state})")
+    return lines
 
 
 def placement_lines(args: argparse.Namespace) -> list[str]:
@@ -96,7 +100,9 @@ def placement_lines(args: argparse.Namespace) -> list[str]:
     memory = getattr(args, "gpu_memory_gb", None) or 288.0
     offload = getattr(args, "cpu_offload", "auto")
     try:
-        config = ModelConfig.from_pretrained(args.model)
+        from engine.demo import DEMO_MODELS, demo_checkpoint
+
+        config = ModelConfig.from_pretrained(demo_checkpoint(args.model) if args.model in DEMO_MODELS else args.model)
         plan = plan_placement(config, gpus, int(memory * 2**30), config.max_position_embeddings, 1, offload)
     except (ConfigError, PlacementError, ValueError) as e:
         return [f"n/a: {e}"]

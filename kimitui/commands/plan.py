@@ -73,10 +73,10 @@ def run(args: argparse.Namespace) -> int:
     """Print the placement; 0 fits, 1 does not fit, 2 bad input (one line on stderr)."""
     try:
         source = args.model or args.config
-        if source is None:
-            from engine.demo import ensure_demo_checkpoint
+        if source is None or args.model in ("demo", "demo-k3"):
+            from engine.demo import demo_checkpoint
 
-            source = ensure_demo_checkpoint()
+            source = demo_checkpoint(args.model)
         config = ModelConfig.from_pretrained(source)
     except ConfigError as e:
         return _fail(str(e))

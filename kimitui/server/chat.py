@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine import RequestOutput, SamplingParams
-from engine.chat import THINK_OPEN, ReplyStreamParser, StreamDelta, ToolCall, chat_reply_special_ids, chat_stop_token_ids, encode_chat
+from engine.chat import StreamDelta, ToolCall
+from engine.chat_format import ChatFormat, chat_format_for
+from engine.xtml import THINKING_EFFORTS
 from kimitui.server.body import read_body
 from kimitui.server.errors import bad_request, engine_error, error_body
 from kimitui.server.logprobs import TokenText, chat_logprobs
@@ -21,12 +25,14 @@ from kimitui.server.state import ServerState, server_state
 from kimitui.server.streaming import SSE_DONE, merged, sse, sse_response, unless_disconnected
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Chat:
     ids: list[int]
     params: SamplingParams
+    fmt: ChatFormat  # the checkpoint's chat format (K2's or K3's XTML): renders and parses
     started_in_thinking: bool
     report_tools: bool
     top_logprobs: int | None
@@ -50,18 +56,28 @@ async def create_chat_completion(request: Request) -> Response:
     return JSONResponse(_response(state, rid, chat, final))
 
 
-def _thinking(kwargs: dict | None) -> bool | None:
+def _template_options(kwargs: dict | None) -> dict:
+    """``chat_template_kwargs`` as ChatFormat.encode options: ``thinking`` (Qwen-style clients
+    send ``enable_thinking``), ``thinking_effort`` (K3; a K2 checkpoint ignores it) and
+    ``preserve_thinking`` (keep the reasoning of earlier turns). Other keys are template hints
+    this server's renderers do not take."""
     kwargs = kwargs or {}
-    # vLLM's spelling for Kimi is `thinking`; Qwen-style clients send `enable_thinking`. Other
-    # keys are template hints this server's renderer does not take.
-    for key in ("thinking", "enable_thinking"):
+    options: dict = {"thinking": None, "thinking_effort": None, "preserve_thinking": None}
+    for key, option in (("thinking", "thinking"), ("enable_thinking", "thinking"),
+                        ("preserve_thinking", "preserve_thinking")):
         value = kwargs.get(key)
-        if value is not None:
+        if value is not None and options[option] is None:
             if not isinstance(value, bool):
                 raise bad_request(f"chat_template_kwargs.{key} must be true or false, got {value!r}",
                                   param=f"chat_template_kwargs.{key}")
-            return value
-    return None
+            options[option] = value
+    effort = kwargs.get("thinking_effort")
+    if effort is not None:
+        if effort not in THINKING_EFFORTS:
+            raise bad_request(f"chat_template_kwargs.thinking_effort must be one of {', '.join(THINKING_EFFORTS)}, "
+                              f"got {effort!r}", param="chat_template_kwargs.thinking_effort")
+        options["thinking_effort"] = effort
+    return options
 
 
 async def _prepare(state: ServerState, req: ChatCompletionRequest) -> _Chat:
@@ -87,22 +103,26 @@ async def _prepare(state: ServerState, req: ChatCompletionRequest) -> _Chat:
         messages.append(d)
     tools = req.tools if report_tools else None
     size = sum(len(str(m.get("content", ""))) for m in messages) + len(str(tools or ""))
+    fmt = chat_format_for(tok)
+    options = _template_options(req.chat_template_kwargs)
     try:
-        ids = await state.run_blocking(size, encode_chat, messages, tok, thinking=_thinking(req.chat_template_kwargs),
-                                       tools=tools)
+        prompt = await state.run_blocking(size, partial(fmt.encode, messages, tools=tools, **options))
     except Exception as e:  # noqa: BLE001 - ChatError, template errors: the messages are at fault
         raise bad_request(f"cannot render the messages in the chat format: {e}", param="messages") from None
+    if prompt.note:
+        log.info("chat request: %s", prompt.note)
+    ids = prompt.ids
     state.check_token_ids(ids, param="messages")
     requested, param = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
                         else (req.max_tokens, "max_tokens"))
     max_tokens = resolve_max_tokens(requested, len(ids), state.max_model_len, param)
     k = (req.top_logprobs or 0) if req.logprobs else None
-    # The reply parser needs the <think> and tool-call tags; other special tokens are dropped.
+    # The reply parser needs the format's tags (K2: <think> and tool-call tokens; K3's XTML
+    # brackets are text anyway); other special tokens are dropped.
     params = build_sampling_params(req, max_tokens=max_tokens, logprobs=k,
-                                   extra_stop_token_ids=chat_stop_token_ids(tok), skip_special_tokens=True,
-                                   logprobs_param="top_logprobs", keep_special_token_ids=chat_reply_special_ids(tok))
-    think_id = tok.token_to_id(THINK_OPEN)
-    return _Chat(ids, params, think_id is not None and ids[-1] == think_id, report_tools, k)
+                                   extra_stop_token_ids=fmt.stop_token_ids(), skip_special_tokens=True,
+                                   logprobs_param="top_logprobs", keep_special_token_ids=fmt.keep_special_ids())
+    return _Chat(ids, params, fmt, prompt.started_in_thinking, report_tools, k)
 
 
 async def _collect(stream) -> RequestOutput:
@@ -145,7 +165,7 @@ def _finish_reason(out: RequestOutput, had_tool_calls: bool) -> str | None:
 def _response(state: ServerState, rid: str, chat: _Chat, out: RequestOutput) -> dict:
     c = out.outputs[0]
     state.metrics.observe_finished(out.metrics, c.finish_reason)
-    parser = ReplyStreamParser(started_in_thinking=chat.started_in_thinking)
+    parser = chat.fmt.reply_parser(chat.started_in_thinking)
     parser.feed(_reply_text(state, out))
     parser.finish()
     calls = parser.tool_calls if chat.report_tools else []
@@ -166,7 +186,7 @@ class _StreamState:
     """What one chat stream has sent so far."""
 
     def __init__(self, chat: _Chat):
-        self.parser = ReplyStreamParser(started_in_thinking=chat.started_in_thinking)
+        self.parser = chat.fmt.reply_parser(chat.started_in_thinking)
         self.chars = 0
         self.tokens = 0
         self.role_sent = False

@@ -20,7 +20,7 @@ from textual.app import App
 from textual.message_pump import MessagePump
 
 from engine import AsyncLLM, EngineArgs
-from engine.chat import ReplyStreamParser, chat_reply_special_ids, chat_stop_token_ids, encode_chat
+from engine.chat_format import ChatFormat, ChatPrompt, chat_format_for
 from kimitui.tui.chat_session import Chat
 from kimitui.tui.gen_settings import GenerationSettings
 from kimitui.tui.messages import EngineFailed, EngineReady, LoadProgressed, ReplyFinished
@@ -57,6 +57,7 @@ class EngineBridge:
         self.llm: AsyncLLM | None = None
         self.reply: ReplyState | None = None
         self._reply_worker = None
+        self.chat_format: ChatFormat | None = None  # the checkpoint's (K2's or K3's XTML), set at load
         self._stop_ids: list[int] = []
         self._keep_ids: list[int] = []
 
@@ -81,8 +82,10 @@ class EngineBridge:
         try:
             llm = self.engine_factory(self.engine_args, progress)
             info = model_info(llm, self.engine_args.tensor_parallel_size)
-            self._stop_ids = chat_stop_token_ids(llm.tokenizer) if llm.tokenizer is not None else []
-            self._keep_ids = chat_reply_special_ids(llm.tokenizer) if llm.tokenizer is not None else []
+            if llm.tokenizer is not None:
+                self.chat_format = chat_format_for(llm.tokenizer)
+                self._stop_ids = self.chat_format.stop_token_ids()
+                self._keep_ids = self.chat_format.keep_special_ids()
         except Exception as e:  # shown on the load screen; the traceback goes to the log
             log.exception("loading the model failed")
             notify.post_message(EngineFailed(f"{type(e).__name__}: {e}"))
@@ -97,6 +100,11 @@ class EngineBridge:
 
     # -- replies -------------------------------------------------------------------------
     @property
+    def effort_supported(self) -> bool:
+        """Whether the loaded model's chat format takes a thinking effort (K3's XTML does)."""
+        return self.chat_format is not None and self.chat_format.supports_thinking_effort
+
+    @property
     def generating(self) -> bool:
         return self.reply is not None and not self.reply.done
 
@@ -109,16 +117,22 @@ class EngineBridge:
         ``ReplyFinished`` goes to ``notify`` (default: the app) and bubbles up from there."""
         if self.llm is None:
             raise RuntimeError("the model is not loaded yet")
-        if self.llm.tokenizer is None:
-            raise RuntimeError("this checkpoint has no tokenizer files, so it cannot chat")
-        ids = encode_chat(chat.messages(settings.system_prompt), self.llm.tokenizer,
-                          thinking=settings.thinking)
+        prompt = self.prompt_for(chat, settings)
         state = ReplyState(chat.id)
         self.reply = state
         self._reply_worker = self.app.run_worker(
-            self._stream(state, ids, settings, notify or self.app), group="reply", exclusive=True, exit_on_error=False,
-            name="reply")
+            self._stream(state, prompt, notify or self.app, settings), group="reply", exclusive=True,
+            exit_on_error=False, name="reply")
         return state
+
+    def prompt_for(self, chat: Chat, settings: GenerationSettings) -> ChatPrompt:
+        """``chat`` in the loaded model's chat format, with the thinking settings applied."""
+        if self.llm is None or self.llm.tokenizer is None or self.chat_format is None:
+            raise RuntimeError("this checkpoint has no tokenizer files, so it cannot chat")
+        # The effort selector is the K3 option; a K2 model is not handed it (no note per reply).
+        effort = settings.thinking_effort if self.effort_supported else None
+        return self.chat_format.encode(chat.messages(settings.system_prompt), thinking=settings.thinking,
+                                       thinking_effort=effort)
 
     def stop(self) -> bool:
         """Stop the current reply; its stream's exit aborts the request and frees its KV blocks."""
@@ -127,10 +141,11 @@ class EngineBridge:
         self._reply_worker.cancel()
         return True
 
-    async def _stream(self, state: ReplyState, ids: list[int], settings: GenerationSettings,
-                      notify: MessagePump) -> None:
-        parser = ReplyStreamParser(started_in_thinking=settings.thinking)
+    async def _stream(self, state: ReplyState, prompt: ChatPrompt, notify: MessagePump,
+                      settings: GenerationSettings) -> None:
+        parser = self.chat_format.reply_parser(prompt.started_in_thinking)
         params = settings.sampling_params(self._stop_ids, self._keep_ids)
+        ids = prompt.ids
         seen, metrics, finish, error = 0, None, None, None
         try:
             async for out in self.llm.generate({"prompt_token_ids": ids}, params, f"tui-{uuid.uuid4().hex[:12]}"):

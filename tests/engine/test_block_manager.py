@@ -200,3 +200,25 @@ def test_double_admission_is_refused():
     admit(bm, a)
     with pytest.raises(RuntimeError, match="already holds blocks"):
         bm.allocate(a)
+
+
+def test_hybrid_prefix_hit_ends_at_a_block_with_a_state_snapshot():
+    from engine.kv_cache.state_slots import StateSlots
+
+    slots = StateSlots(max_num_seqs=2, num_snapshots=2)
+    bm = BlockManager(num_blocks=8, block_size=BS, state_slots=slots)
+    a = seq("a", range(1, 18))  # 4 full blocks + 1 token
+    admit(bm, a)
+    compute_all(bm, a)
+    assert bm.match_prefix(seq("x", range(1, 18))) == 0  # blocks cached, but no snapshot yet
+    snap = slots.reserve_snapshot()
+    slots.commit_snapshot(snap, bm.block_hash(a, 1))  # the state after 8 tokens
+    assert bm.match_prefix(seq("x", range(1, 18))) == 8  # 16 cached by MLA, cut back to 8
+    bm.free(a)
+    # Evicting a's blocks (taken by a sequence needing all 8) drops the snapshot with them.
+    big = seq("big", range(100, 132))
+    admit(bm, big)
+    assert slots.num_snapshots_held == 0
+    assert slots.num_free_snapshot_slots == 2
+    bm.free(big)
+    assert bm.match_prefix(seq("y", range(1, 18))) == 0

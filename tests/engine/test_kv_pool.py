@@ -7,7 +7,9 @@ from engine.kv_cache.pool import (
     StateCacheSpec,
     bytes_per_block,
     num_blocks_for_budget,
+    snapshots_for_budget,
 )
+from engine.kv_cache.state import KDAState, KDAStateSpec
 
 K2_MLA = MLACacheSpec(dim=512 + 64, dtype=torch.bfloat16)
 
@@ -73,3 +75,34 @@ def test_invalid_specs_and_sizes():
 def test_device_is_honoured():
     pool = KVCachePool([K2_MLA], num_blocks=1, block_size=2, max_num_seqs=1, device="meta")
     assert pool[0].device.type == "meta"
+
+
+# -- hybrid models: KDA state slots and prefix snapshots ------------------------------------------
+
+KDA = KDAStateSpec(num_heads=2, head_k_dim=4, head_v_dim=4, conv_kernel=4)
+
+
+def test_kda_state_has_a_row_per_sequence_and_per_snapshot():
+    pool = KVCachePool([K2_MLA, KDA], num_blocks=3, block_size=2, max_num_seqs=4, device="cpu", num_snapshots=2)
+    state = pool[1]
+    assert isinstance(state, KDAState) and state.num_slots == 6
+    assert state.recurrent.shape == (6, 2, 4, 4) and state.recurrent.dtype == torch.float32
+    assert state.conv.shape == (6, 2 * (4 + 4 + 4), 3)
+    assert pool.is_hybrid and pool.num_snapshots == 2
+    assert pool.num_bytes == 3 * 2 * 576 * 2 + 6 * KDA.bytes_per_seq()
+    assert "state slots for 4 sequences + 2 prefix snapshots" in pool.describe()
+    # A model without state gets no snapshot rows whatever is asked.
+    assert KVCachePool([K2_MLA], 3, 2, 4, "cpu", num_snapshots=2).num_snapshots == 0
+
+
+def test_budget_sets_aside_state_slots_and_snapshots():
+    per_block = bytes_per_block([K2_MLA, KDA], 16)
+    per_slot = KDA.bytes_per_seq()
+    budget = 100 * per_block + 8 * per_slot
+    assert num_blocks_for_budget([K2_MLA, KDA], 16, budget, max_num_seqs=4) == 100 + (4 * per_slot) // per_block
+    assert num_blocks_for_budget([K2_MLA, KDA], 16, budget, max_num_seqs=4, num_snapshots=4) == 100
+    # Snapshots only where min_blocks still fit, never more than wanted, none without state.
+    assert snapshots_for_budget([K2_MLA, KDA], 16, budget, 4, min_blocks=100, wanted=10) == 4
+    assert snapshots_for_budget([K2_MLA, KDA], 16, budget, 4, min_blocks=100, wanted=2) == 2
+    assert snapshots_for_budget([K2_MLA, KDA], 16, budget, 4, min_blocks=200, wanted=10) == 0
+    assert snapshots_for_budget([K2_MLA], 16, budget, 4, min_blocks=1, wanted=10) == 0

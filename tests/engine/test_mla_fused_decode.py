@@ -23,7 +23,7 @@ def _layer(heads: int, seed: int = 0) -> MLAttention:
     rope = YarnRotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
     layer = MLAttention(config, "model.layers.0.self_attn", rope)
     ops = CpuBackend()
-    for module in layer.modules():  # as DeepseekV3ForCausalLM.set_backend does
+    for module in layer.modules():  # as kernels.backend.attach_backends does
         module.ops = ops
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

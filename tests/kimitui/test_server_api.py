@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from engine import AsyncLLM, EngineArgs, RequestOutput, SamplingParams
+from engine.chat_format import chat_format_for
 from engine.outputs import CompletionOutput
 from kimitui.server import BackgroundServer, create_app
 from kimitui.server import chat as chat_route
@@ -170,7 +171,8 @@ TOOL_REPLY = ('Let me check.<|tool_calls_section_begin|><|tool_call_begin|>funct
 
 def test_tool_calls_become_openai_tool_calls(served):
     state = served[1].state.server
-    chat = chat_route._Chat([1], SamplingParams(), started_in_thinking=False, report_tools=True, top_logprobs=None)
+    chat = chat_route._Chat([1], SamplingParams(), fmt=chat_format_for(state.tokenizer), started_in_thinking=False,
+                            report_tools=True, top_logprobs=None)
     body = chat_route._response(state, "id", chat, _fake_output(TOOL_REPLY + "<|im_end|>", [1, 2], True))
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"

@@ -139,7 +139,7 @@ class MainScreen(Screen):
                 self.query_one(ChatPane).show_status()
                 self.notify("Settings saved for the next reply.", timeout=2)
 
-        self.app.push_screen(SettingsScreen(self.app.gen_settings), chosen)
+        self.app.push_screen(SettingsScreen(self.app.gen_settings, self.app.bridge.effort_supported), chosen)
 
     def action_toggle_thinking(self) -> None:
         s = self.app.gen_settings

@@ -1,4 +1,4 @@
-"""Generation settings: temperature, top-p, top-k, max tokens, thinking, system prompt."""
+"""Generation settings: temperature, top-p, top-k, max tokens, thinking and its effort, system prompt."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, Static, Switch, TextArea
+from textual.widgets import Button, Input, Label, Select, Static, Switch, TextArea
 
+from engine.xtml import THINKING_EFFORTS
 from kimitui.tui.gen_settings import GenerationSettings
 
 # (field, label, parse, input type): Textual's Input restricts what can be typed by type.
@@ -24,9 +25,11 @@ class SettingsScreen(ModalScreen[GenerationSettings | None]):
 
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
-    def __init__(self, current: GenerationSettings) -> None:
+    def __init__(self, current: GenerationSettings, effort_supported: bool = True) -> None:
+        """``effort_supported``: the loaded model's chat format takes a thinking effort (Kimi K3)."""
         super().__init__()
         self.current = current
+        self.effort_supported = effort_supported
 
     def compose(self) -> ComposeResult:
         with Vertical(id="settings-box"):
@@ -38,6 +41,9 @@ class SettingsScreen(ModalScreen[GenerationSettings | None]):
             with Horizontal(classes="field"):
                 yield Label("thinking")
                 yield Switch(self.current.thinking, id="set-thinking")
+                yield Label("effort" if self.effort_supported else "effort (K3 only)", id="set-effort-label")
+                yield Select([(e, e) for e in THINKING_EFFORTS], value=self.current.thinking_effort,
+                             allow_blank=False, id="set-effort", disabled=not self.effort_supported)
             yield Label("system prompt (empty = the model's default)")
             yield TextArea(self.current.system_prompt, id="set-system", soft_wrap=True)
             yield Static("", id="settings-error", markup=False)
@@ -65,6 +71,7 @@ class SettingsScreen(ModalScreen[GenerationSettings | None]):
                 except ValueError:
                     raise ValueError(f"{label}: {raw!r} is not a number") from None
             values["thinking"] = self.query_one("#set-thinking", Switch).value
+            values["thinking_effort"] = self.query_one("#set-effort", Select).value
             values["system_prompt"] = self.query_one("#set-system", TextArea).text.strip()
             settings = self.current.with_(**values)
         except ValueError as e:  # GenerationSettings validates through SamplingParams

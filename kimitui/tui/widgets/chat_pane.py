@@ -123,6 +123,9 @@ class ChatPane(Vertical):
     def show_status(self) -> None:
         s = self.settings()
         n = len(self.history.current.turns)
+        thinking = "on" if s.thinking else "off"
+        if s.thinking and self.bridge.effort_supported:  # K3: the effort the next reply is asked for
+            thinking += f" (effort {s.thinking_effort})"
         self.query_one("#chat-status", Static).update(
-            f"chat {self.history.current.id} · {n} messages · thinking {'on' if s.thinking else 'off'} · "
+            f"chat {self.history.current.id} · {n} messages · thinking {thinking} · "
             f"max {s.max_tokens} tokens · T={s.temperature:g}")

@@ -1,0 +1,256 @@
+"""Kimi Delta Attention (KDA), the linear-attention layer of Kimi Linear and Kimi K3.
+
+Per token (Kimi Linear, arXiv:2510.26692; transformers' ``models/kimi_linear/modeling_kimi_linear.py``):
+q, k, v projections, each through a depthwise causal conv (kernel 4) and SiLU; per-channel forget
+gate g in log space from a low-rank projection; beta = sigmoid(b_proj(x)); the delta-rule recurrence
+of kernels/kda.py on an fp32 state [H, K, V] per sequence; an RMSNorm over each head's output gated
+by sigmoid(output gate); o_proj. Two gate forms:
+
+- Kimi Linear: g = -exp(A_log[h]) * softplus(f_b_proj(f_a_proj(x)) + dt_bias)
+- Kimi K3 (``gate_lower_bound``, fla's "safe gate"):
+  g = gate_lower_bound * sigmoid(exp(A_log[h]) * (f_b_proj(f_a_proj(x)) + dt_bias))
+
+The state lives outside the layer, one slot per sequence (``engine.kv_cache.state.KDAState``):
+rows are laid out decodes first, then prefill chunks, and ``meta.state_slots`` names each
+sequence's slot. Every row is computed whatever ``meta.out_rows`` says: each one moves the state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import QuantConfig
+from engine.kv_cache.state import KDAState, KDAStateSpec
+from engine.layers.attn_metadata import AttentionMetadata
+from engine.layers.linear import Linear, fuse_dense_rows
+from engine.parallel.state import SINGLE, ParallelState
+from kernels import dispatch
+
+
+@dataclass(frozen=True)
+class KDAConfig:
+    """What a KDA layer needs from the model config (``linear_attn_config`` plus three model keys)."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    conv_kernel: int = 4
+    gate_lower_bound: float | None = None  # K3: -5.0; None = Kimi Linear's softplus gate
+    use_full_rank_gate: bool = False  # K3: output gate g_proj [P, D]; else g_a_proj/g_b_proj
+    rms_norm_eps: float = 1e-5
+    quantization: QuantConfig | None = None
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_heads", "head_dim", "conv_kernel"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"linear_attn_config: {name} must be positive, got {getattr(self, name)}")
+        if self.gate_lower_bound is not None and self.gate_lower_bound >= 0:
+            raise ValueError(f"linear_attn_config: gate_lower_bound must be negative (a log-decay), "
+                             f"got {self.gate_lower_bound}")
+
+    @property
+    def proj_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @classmethod
+    def from_linear_attn_config(cls, hidden_size: int, linear_attn_config: dict, rms_norm_eps: float,
+                                quantization: QuantConfig | None = None) -> KDAConfig:
+        c = linear_attn_config
+        missing = [key for key in ("num_heads", "head_dim") if key not in c]
+        if missing:
+            raise ValueError(f"linear_attn_config: missing {', '.join(missing)}")
+        return cls(hidden_size=hidden_size, num_heads=int(c["num_heads"]), head_dim=int(c["head_dim"]),
+                   conv_kernel=int(c.get("short_conv_kernel_size", 4)), gate_lower_bound=c.get("gate_lower_bound"),
+                   use_full_rank_gate=bool(c.get("use_full_rank_gate", False)), rms_norm_eps=rms_norm_eps,
+                   quantization=quantization)
+
+    def state_spec(self, par: ParallelState = SINGLE) -> KDAStateSpec:
+        """What one layer keeps per sequence on this rank (its share of the heads)."""
+        h0, h1 = par.range(self.num_heads)
+        return KDAStateSpec(num_heads=h1 - h0, head_k_dim=self.head_dim, head_v_dim=self.head_dim,
+                            conv_kernel=self.conv_kernel)
+
+
+def kda_gate(a: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+    """Log-space forget gate, fp32. a [T, H, K] = f_b_proj(f_a_proj(x)) + dt_bias; A_log [H]."""
+    rate = A_log.float().exp()[:, None]  # [H, 1]
+    a = a.float()
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(rate * a)
+    return -rate * F.softplus(a, threshold=20.0)  # softplus(a) = a above 20, as transformers does
+
+
+class _ConvWeight(nn.Module):
+    """Holds one depthwise conv weight under its checkpoint name (``q_conv1d.weight`` [P, 1, W], fp32)."""
+
+    def __init__(self, channels: int, kernel: int, shard: tuple[int, int] | None, full: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=torch.float32), requires_grad=False)
+        self.weight.full_shape = (full, 1, kernel)
+        self.weight.shard = None if shard is None else (0, *shard)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: KDAConfig, prefix: str, par: ParallelState = SINGLE,
+                 dtype: torch.dtype = torch.float32):
+        """``dtype``: of the projections; A_log, dt_bias, the conv weights and o_norm stay fp32."""
+        super().__init__()
+        c = config
+        if c.num_heads < par.world_size:
+            raise ValueError(f"{prefix}: {c.num_heads} KDA heads cannot be split over {par.world_size} ranks")
+        self.config, self.par = c, par
+        q = c.quantization
+        # Heads split across ranks (unevenly when needed, as MLA); every per-channel tensor follows its
+        # heads. f_a_proj and g_a_proj (rank head_dim) are replicated; o_proj is row parallel.
+        h0, h1 = par.range(c.num_heads)
+        self.h0, self.num_heads, self.head_dim = h0, h1 - h0, c.head_dim
+        d, P, hd = c.hidden_size, c.proj_size, c.head_dim
+
+        def heads(width: int, axis: int = 0):
+            return (axis, h0 * width, h1 * width) if par.is_parallel else None
+
+        self.q_proj = Linear(d, P, q, f"{prefix}.q_proj", heads(hd), dtype=dtype)
+        self.k_proj = Linear(d, P, q, f"{prefix}.k_proj", heads(hd), dtype=dtype)
+        self.v_proj = Linear(d, P, q, f"{prefix}.v_proj", heads(hd), dtype=dtype)
+        chan = (h0 * hd, h1 * hd) if par.is_parallel else None
+        local = self.num_heads * hd
+        self.q_conv1d = _ConvWeight(local, c.conv_kernel, chan, P)
+        self.k_conv1d = _ConvWeight(local, c.conv_kernel, chan, P)
+        self.v_conv1d = _ConvWeight(local, c.conv_kernel, chan, P)
+        self.f_a_proj = Linear(d, hd, q, f"{prefix}.f_a_proj", dtype=dtype)
+        self.f_b_proj = Linear(hd, P, q, f"{prefix}.f_b_proj", heads(hd), dtype=dtype)
+        self.dt_bias = nn.Parameter(torch.empty(local, dtype=torch.float32), requires_grad=False)
+        self.dt_bias.full_shape, self.dt_bias.shard = (P,), (None if chan is None else (0, *chan))
+        # Per-head decay rate, this rank's heads. Checkpoints store [1, 1, H, 1] (Kimi Linear) or
+        # [128] for 96 heads (K3, first H real): load_A_log reads either.
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
+        self.A_log.weight_loader = self._A_log_loader
+        self.b_proj = Linear(d, c.num_heads, q, f"{prefix}.b_proj", heads(1), dtype=dtype)
+        if c.use_full_rank_gate:
+            self.g_proj = Linear(d, P, q, f"{prefix}.g_proj", heads(hd), dtype=dtype)
+        else:
+            self.g_a_proj = Linear(d, hd, q, f"{prefix}.g_a_proj", dtype=dtype)
+            self.g_b_proj = Linear(hd, P, q, f"{prefix}.g_b_proj", heads(hd), dtype=dtype)
+        self.o_norm = nn.Module()
+        self.o_norm.weight = nn.Parameter(torch.ones(hd, dtype=torch.float32), requires_grad=False)
+        self.o_proj = Linear(P, d, q, f"{prefix}.o_proj", heads(hd, axis=1), dtype=dtype)
+        self.scale = hd ** -0.5
+        # Set by post_load: the input projections as one weight, the three convs as one [3P', W].
+        self.register_buffer("in_proj", None, persistent=False)
+        self.register_buffer("conv_weight", None, persistent=False)
+
+    # --- loading -------------------------------------------------------------------------------
+
+    def load_A_log(self, tensor: torch.Tensor) -> None:
+        """Fill A_log from a checkpoint tensor of shape [1, 1, H, 1] or [n >= H] (this rank's heads)."""
+        H = self.config.num_heads
+        flat = tensor.reshape(-1) if tensor.dim() == 4 and tensor.shape[2] == H and tensor.numel() == H else None
+        if flat is None and tensor.dim() == 1 and tensor.shape[0] >= H:
+            flat = tensor[:H]  # K3 pads per-head A_log to [head_dim]: the first H entries are the heads
+        if flat is None:
+            raise ValueError(f"A_log: shape {list(tensor.shape)}, expected [1, 1, {H}, 1] or [n >= {H}]")
+        self.A_log.data.copy_(flat[self.h0: self.h0 + self.num_heads].float())
+
+    def _A_log_loader(self, param: torch.Tensor, tensor: torch.Tensor) -> None:
+        self.load_A_log(tensor)
+
+    def post_load(self) -> None:
+        """Once the weights are in: fuse the projections that read x into one product and the three
+        conv weights into one (each original parameter re-pointed at its part, no second copy)."""
+        self.in_proj = fuse_dense_rows(*self._in_projs())
+        convs = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        fused = torch.cat([w.data for w in convs])  # [3P', 1, W]
+        start = 0
+        for w in convs:
+            w.data = fused[start: start + w.shape[0]]
+            start += w.shape[0]
+        self.conv_weight = fused[:, 0]
+
+    def _in_projs(self) -> list[Linear]:
+        gate = [self.g_proj] if hasattr(self, "g_proj") else [self.g_a_proj]
+        return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, *gate]
+
+    # --- forward -------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: KDAState) -> torch.Tensor:
+        """x [T, D] -> [T, D]; reads and writes the state of the slots in ``meta.state_slots``."""
+        T = x.shape[0]
+        H, hd = self.num_heads, self.head_dim
+        P = H * hd
+        qkv, f_a, b, g_in = self._project(x)  # g_in: the output gate (full rank) or g_a_proj's output
+        d = meta.num_decode_tokens
+        slots = meta.state_slots
+        n_seq = d + len(meta.prefills)
+        if slots is None or slots.shape != (n_seq,):
+            raise ValueError(f"KDA: meta.state_slots must hold one slot per sequence ({n_seq}), got "
+                             f"{None if slots is None else tuple(slots.shape)}")
+        conv_w = self.conv_weight if self.conv_weight is not None else torch.cat(
+            [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]
+
+        a = (self.f_b_proj(f_a).float() + self.dt_bias).view(T, H, hd)
+        g = kda_gate(a, self.A_log, self.config.gate_lower_bound)  # [T, H, hd] fp32
+        beta = torch.sigmoid(b.float())  # [T, H]
+
+        o = torch.empty(T, H, hd, dtype=x.dtype, device=x.device)
+        if d:
+            dec = slots[:d]
+            y, hist = dispatch.causal_conv1d(qkv[:d], conv_w, state.conv.index_select(0, dec))
+            state.conv.index_copy_(0, dec, hist)
+            qd, kd, vd = (t.view(d, H, hd) for t in y.split(P, dim=-1))
+            o[:d] = dispatch.kda_recurrent(qd, kd, vd, g[:d], beta[:d], state.recurrent, dec, self.scale)
+        if meta.prefills:
+            o[d:] = self._prefill(qkv[d:], g[d:], beta[d:], conv_w, meta, slots[d:], state)
+
+        gate = (g_in if self.config.use_full_rank_gate else self.g_b_proj(g_in)).view(T, H, hd)
+        out = _gated_rms_norm(o, gate, self.o_norm.weight, self.config.rms_norm_eps).to(x.dtype)
+        return self.par.all_reduce(self.o_proj(out.view(T, P)))
+
+    def _prefill(self, qkv, g, beta, conv_w, meta: AttentionMetadata, slots, state: KDAState) -> torch.Tensor:
+        # The prefill chunks, one packed varlen call each for the conv and the chunked recurrence.
+        d = meta.num_decode_tokens
+        cu, fresh, pos = [0], [], d
+        for chunk in meta.prefills:
+            if chunk.start != pos:
+                raise ValueError(f"KDA: prefill chunk rows [{chunk.start}, {chunk.end}) do not follow row {pos} "
+                                 "(chunks must be contiguous, after the decodes)")
+            pos = chunk.end
+            cu.append(chunk.end - d)
+            fresh.append(chunk.context_len == chunk.end - chunk.start)  # nothing cached before: zero state
+        if pos != d + qkv.shape[0]:
+            raise ValueError(f"KDA: prefill chunks end at row {pos}, the batch has {d + qkv.shape[0]} rows")
+        cu_seqlens = torch.tensor(cu, dtype=torch.int64, device=qkv.device)
+        keep = torch.tensor([not f for f in fresh], device=qkv.device)  # [N] True = continue from the slot
+        hist = state.conv.index_select(0, slots) * keep[:, None, None]
+        y, hist = dispatch.causal_conv1d(qkv, conv_w, hist, cu_seqlens)
+        state.conv.index_copy_(0, slots, hist)
+        n, H, hd = qkv.shape[0], self.num_heads, self.head_dim
+        q, k, v = (t.view(n, H, hd) for t in y.split(H * hd, dim=-1))
+        h0 = state.recurrent.index_select(0, slots) * keep[:, None, None, None]
+        o, final = dispatch.kda_chunk(q, k, v, g, beta, h0, cu_seqlens, self.scale)
+        state.recurrent.index_copy_(0, slots, final.to(state.recurrent.dtype))
+        return o
+
+    def _project(self, x: torch.Tensor):
+        """(q|k|v [T, 3P'], f_a [T, hd], b [T, H'], g_proj's [T, P'] or g_a_proj's [T, hd] output)."""
+        projs = self._in_projs()
+        if self.in_proj is None:
+            outs = [p(x) for p in projs]
+            qkv = torch.cat(outs[:3], dim=-1)
+        else:
+            y = dispatch.linear(x, self.in_proj)  # [T, 3P' + hd + H' + gate]
+            sizes = [p.out_features for p in projs]
+            width = sum(sizes[:3])
+            qkv = y[:, :width]  # a view: the conv reads it strided
+            outs = [None] * 3 + list(y[:, width:].split(sizes[3:], dim=-1))
+        return qkv, outs[3], outs[4], outs[5]
+
+
+def _gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over each head's output [T, H, V] times sigmoid(gate), in fp32 (fla's FusedRMSNormGated)."""
+    o = o.float()
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)
+    return o * weight.float() * torch.sigmoid(gate.float())

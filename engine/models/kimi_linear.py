@@ -1,0 +1,227 @@
+"""Kimi Linear (``kimi_linear``, e.g. Kimi-Linear-48B-A3B) and Kimi K3 (``kimi_k3``, the same text
+model inside a vision-language wrapper).
+
+A hybrid stack: KDA (Kimi Delta Attention, linear attention with a fixed-size state per sequence)
+and NoPE MLA layers, placed by the config's 1-indexed ``linear_attn_config.kda_layers`` /
+``full_attn_layers`` lists; a dense first MLP, then MoE (latent MoE in K3). K3 adds SiTU at every
+gated MLP, a sigmoid output gate on MLA, and attention residuals (``engine.layers.attn_res``).
+
+Module and parameter names follow Hugging Face's checkpoint names; ``checkpoint_target`` maps the
+checkpoint's MoE spellings (``block_sparse_moe.``, ``experts.E.w1/w2/w3``) onto them. The
+declarations the engine builds from are described in ``engine.models.registry``.
+References: transformers ``models/kimi_linear/modeling_kimi_linear.py``; Kimi Linear paper
+arXiv:2510.26692; Kimi K3 tech report arXiv:2607.24653.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.kv_cache.pool import CacheSpec, MLACacheSpec
+from engine.layers.activation import GatedActivation
+from engine.layers.attn_metadata import AttentionMetadata
+from engine.layers.attn_res import AttnResProj, attn_res_mix
+from engine.layers.embedding import LMHead, VocabEmbedding
+from engine.layers.latent_moe import KimiMoE
+from engine.layers.mla import MLAttention
+from engine.layers.mlp import MLP
+from engine.layers.norm import RMSNorm
+from engine.models.registry import WeightTarget
+from engine.parallel.state import SINGLE, ParallelState
+from kernels.backend import attach_backends
+from kernels.settings import KernelSettings
+
+# checkpoint MoE spellings -> module names: K3 and transformers' save_pretrained write the MoE (and
+# Kimi Linear's dense first layer) under block_sparse_moe., experts as w1 (gate), w3 (up), w2 (down)
+_MOE = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(.+)$")
+_W_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def _kda_config(config: ModelConfig):
+    from engine.layers.kda import KDAConfig
+
+    la = config.linear_attn
+    return KDAConfig.from_linear_attn_config(config.hidden_size, dict(la.raw), config.rms_norm_eps,
+                                             config.quantization)
+
+
+class KimiDecoderLayer(nn.Module):
+    param_class = "attention"  # the norms and AttnRes mixes; self_attn and mlp declare their own
+
+    def __init__(self, config: ModelConfig, layer_idx: int, par: ParallelState, placement_row: list[int] | None,
+                 dtype: torch.dtype):
+        super().__init__()
+        c = config
+        prefix = f"model.layers.{layer_idx}"
+        self.layer_idx, self.par = layer_idx, par
+        self.is_kda = c.is_kda_layer(layer_idx)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        if self.is_kda:
+            from engine.layers.kda import KimiDeltaAttention
+
+            self.self_attn = KimiDeltaAttention(_kda_config(c), f"{prefix}.self_attn", par, dtype)
+        else:
+            self.self_attn = MLAttention(c, f"{prefix}.self_attn", None, par, dtype)  # NoPE: no rotary at all
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        if c.is_moe_layer(layer_idx):
+            self.mlp = KimiMoE(c, f"{prefix}.mlp", par, placement_row, dtype)
+        else:
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, c.quantization, f"{prefix}.mlp", par, dtype,
+                           act=GatedActivation.from_config(c))
+        self.block_size = c.attn_res_block_size
+        if self.block_size:
+            self.self_attention_res_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+            self.self_attention_res_proj = AttnResProj(c.hidden_size, dtype)
+            self.mlp_res_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+            self.mlp_res_proj = AttnResProj(c.hidden_size, dtype)
+
+    def _attn(self, h: torch.Tensor, meta: AttentionMetadata, cache, last: bool) -> torch.Tensor:
+        """Attention output; in the last layer only ``meta.out_rows``' rows when those are set."""
+        x = self.input_layernorm(h)
+        if self.is_kda:
+            a = self.self_attn(x, meta, cache)  # every row: the state must see all of them
+            return a.index_select(0, meta.out_rows) if last and meta.out_rows is not None else a
+        return self.self_attn(x, meta, cache, last)
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        # one all-reduce for routed experts, shared experts and dense MLP shards together
+        return self.par.all_reduce(self.mlp(self.post_attention_layernorm(h)))
+
+    def forward(self, h: torch.Tensor, meta: AttentionMetadata, cache, last: bool = False) -> torch.Tensor:
+        a = self._attn(h, meta, cache, last)
+        if last and meta.out_rows is not None:
+            h = h.index_select(0, meta.out_rows)
+        h = h + a
+        return h + self._mlp(h)
+
+    def forward_attn_res(self, prefix: torch.Tensor, blocks: list[torch.Tensor], meta: AttentionMetadata, cache,
+                         last: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The AttnRes form (see ``engine.layers.attn_res``): ``prefix`` [T, D] is the running sum of
+        the current block, ``blocks`` the per-token snapshots. -> (new prefix, new blocks)."""
+        eps = self.self_attention_res_norm.eps
+        h = prefix
+        if blocks:
+            h = attn_res_mix(prefix, blocks, self.self_attention_res_norm.weight, eps, self.self_attention_res_proj.weight)
+        snapshot = self.layer_idx % self.block_size == 0
+        a = self._attn(h, meta, cache, last)
+        if last and meta.out_rows is not None:
+            prefix = prefix.index_select(0, meta.out_rows)
+            blocks = [b.index_select(0, meta.out_rows) for b in blocks]
+        if snapshot:
+            blocks, prefix = [*blocks, prefix], a  # the block's sum restarts from this attention output
+        else:
+            prefix = prefix + a
+        h = attn_res_mix(prefix, blocks, self.mlp_res_norm.weight, self.mlp_res_norm.eps, self.mlp_res_proj.weight)
+        return prefix + self._mlp(h), blocks
+
+
+class KimiLinearModel(nn.Module):
+    param_class = "final_norm"  # the final norm and mix; embedding and layers declare their own
+
+    def __init__(self, config: ModelConfig, par: ParallelState, expert_placement: list[list[int]] | None,
+                 dtype: torch.dtype):
+        super().__init__()
+        c = config
+        self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size, par, dtype)
+        rows = expert_placement or [None] * c.num_hidden_layers
+        self.layers = nn.ModuleList(KimiDecoderLayer(c, i, par, rows[i] or None, dtype)
+                                    for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.attn_res = bool(c.attn_res_block_size)
+        if self.attn_res:
+            self.output_attn_res_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+            self.output_attn_res_proj = AttnResProj(c.hidden_size, dtype)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        last = len(self.layers) - 1
+        if not self.attn_res:
+            for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+                h = layer(h, meta, cache, last=i == last)
+            return self.norm(h)
+        blocks: list[torch.Tensor] = []
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            h, blocks = layer.forward_attn_res(h, blocks, meta, cache, last=i == last)
+        h = attn_res_mix(h, blocks, self.output_attn_res_norm.weight, self.output_attn_res_norm.eps,
+                         self.output_attn_res_proj.weight)
+        return self.norm(h)
+
+
+class KimiLinearForCausalLM(nn.Module):
+    """Kimi Linear and Kimi K3 text model. ``forward(input_ids, meta, caches)``: ``caches[i]`` is
+    layer i's paged MLA latent cache tensor or its ``KDAState`` (see ``cache_specs``)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_position: int | None = None,
+                 par: ParallelState = SINGLE, expert_placement: list[list[int]] | None = None):
+        """``dtype``: of the dense weights (KDA's A_log, dt_bias, conv weights and the router stay fp32).
+        ``max_position`` is unused: NoPE layers have no position tables."""
+        super().__init__()
+        self.config = config
+        self.par = par
+        self.model = KimiLinearModel(config, par, expert_placement, dtype)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, config.quantization, par, dtype)
+        if config.tie_word_embeddings:  # one parameter, so neither the loader nor the planner sees two
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:
+        """Hidden states [T, D] (or [K, D] for ``meta.out_rows``) for a flattened batch."""
+        return self.model(input_ids, meta, caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [N, V] fp32
+
+    def post_load(self) -> None:
+        weight = self.model.norm.weight  # the backend, chosen once (see kernels.backend)
+        attach_backends(self, weight.device, weight.dtype, KernelSettings.from_env())
+        for layer in self.model.layers:
+            post = getattr(layer.self_attn, "post_load", None)
+            if post is not None:
+                post()
+            for mlp in (layer.mlp, getattr(layer.mlp, "shared_experts", None)):
+                if isinstance(mlp, MLP):
+                    mlp.post_load()
+            experts = getattr(layer.mlp, "experts", None)
+            if experts is not None:
+                experts.post_load(self.model.norm.weight.dtype)
+
+    # -- declarations (see engine.models.registry) ------------------------------------------------
+    def checkpoint_target(self, name: str) -> WeightTarget | str:
+        """Where checkpoint tensor ``name`` (prefix removed) goes, or why it is skipped. The MoE
+        (and transformers' dense first layer) sits under block_sparse_moe., loaded into mlp.;
+        experts.E.w1 / w3 / w2 are the gate / up / down of expert E."""
+        if not (name.startswith("model.") or name.startswith("lm_head.")):
+            return "not part of the text model"
+        parts = name.split(".")
+        if parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= self.config.num_hidden_layers:
+            return "MTP layer"
+        name = _MOE.sub(r"\1mlp.", name)
+        m = _EXPERT.match(name)
+        if m:
+            return WeightTarget(m[1], f"{_W_NAMES.get(m[3], m[3])}.{m[4]}", int(m[2]))
+        module, _, leaf = name.rpartition(".")
+        return WeightTarget(module, leaf)
+
+    def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
+        """Per layer: the paged MLA latent cache (``dtype``) or the KDA state (fp32) on this rank."""
+        from engine.kv_cache.state import KDAStateSpec
+
+        specs: list[CacheSpec] = []
+        for layer in self.model.layers:
+            if layer.is_kda:
+                la = self.config.linear_attn
+                h0, h1 = self.par.range(la.num_heads)
+                specs.append(KDAStateSpec(num_heads=h1 - h0, head_k_dim=la.head_dim, head_v_dim=la.head_dim,
+                                          conv_kernel=la.short_conv_kernel_size))
+            else:
+                specs.append(MLACacheSpec(dim=self.config.kv_cache_dim, dtype=dtype))
+        return specs
+
+    def routing_stats(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert so far, per MoE layer (for hottest-first placement)."""
+        return {i: layer.mlp.experts.routing_counts.tolist() for i, layer in enumerate(self.model.layers)
+                if hasattr(layer.mlp, "experts")}

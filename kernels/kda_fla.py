@@ -1,0 +1,75 @@
+"""KDA on CUDA/ROCm through fla-core's Triton kernels (optional dependency: ``pip install fla-core``).
+
+Same arguments and results as kernels/kda.py; these wrappers only map them onto fla-core 0.6's API
+(fla-org/flash-linear-attention: ``fla/ops/kda/chunk.py`` ``chunk_kda``,
+``fla/ops/kda/fused_recurrent.py`` ``fused_recurrent_kda_fwd``, ``fla/modules/causal_conv1d/ops.py``):
+
+- fla takes a batch dim: packed sequences are one batch row ``[1, T, ...]`` with ``cu_seqlens``.
+- fla's conv state is ``[N, C, W]``, the last W inputs (its column 0 is never read by a W-tap
+  conv); ours is the last W-1 inputs ``[N, C, W-1]``, so one zero column is put in front and dropped.
+- The decode uses fla's in-place continuous-batching mode (``ssm_state_indices``): each sequence
+  reads and writes its own row of the state pool, no gather or scatter.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def available() -> bool:
+    """Whether fla-core imports here (checked once; a broken install counts as missing)."""
+    if importlib.util.find_spec("fla") is None:
+        return False
+    try:
+        importlib.import_module("fla.ops.kda")
+        importlib.import_module("fla.modules.causal_conv1d")
+    except Exception:
+        return False
+    return True
+
+
+def chunk_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale):
+    """Varlen prefill: q, k [T, H, K]; v [T, H, V]; g [T, H, K]; beta [T, H]; initial_state
+    [N, H, K, V] fp32; cu_seqlens [N+1] int64 on q's device. -> (o [T, H, V], final [N, H, K, V])"""
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    o, final = fla_chunk_kda(
+        q[None], k[None], v[None], g[None], beta[None], scale=scale,
+        initial_state=initial_state.float().contiguous(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long())
+    return o[0], final.float()
+
+
+def recurrent_kda(q, k, v, g, beta, state, slots, scale):
+    """One token per sequence: q, k, g [N, H, K]; v [N, H, V]; beta [N, H]; state [num_slots, H, K, V]
+    fp32, rows ``slots`` [N] updated in place. -> o [N, H, V]"""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    if not state.is_contiguous():
+        raise ValueError("recurrent_kda: the state pool must be contiguous (fla writes it in place by slot)")
+    # [N, 1, ...]: N sequences of one token each.
+    o, _ = fused_recurrent_kda_fwd(
+        q[:, None].contiguous(), k[:, None].contiguous(), v[:, None].contiguous(), g[:, None].contiguous(),
+        beta[:, None].contiguous(), initial_state=state, scale=scale, inplace_final_state=True,
+        ssm_state_indices=slots.to(torch.int32), use_qk_l2norm_in_kernel=True)
+    return o[:, 0]
+
+
+def causal_conv1d(x, weight, history, cu_seqlens=None):
+    """x [T, C]; weight [C, W]; history [N, C, W-1]; cu_seqlens [N+1] or None for one row per
+    sequence. -> (y [T, C] in x.dtype, new history [N, C, W-1] in history.dtype)"""
+    from fla.modules.causal_conv1d import causal_conv1d as fla_conv, causal_conv1d_update
+
+    cache = F.pad(history, (1, 0)).contiguous()  # [N, C, W]
+    if cu_seqlens is None:
+        y, cache = causal_conv1d_update(x.contiguous(), cache, weight=weight, activation="silu")
+        return y, cache[..., 1:].to(history.dtype)
+    y, final = fla_conv(x[None].contiguous(), weight=weight, initial_state=cache, output_final_state=True,
+                        activation="silu", cu_seqlens=cu_seqlens.long())
+    return y[0], final[..., 1:].to(history.dtype)
