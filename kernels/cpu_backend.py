@@ -43,7 +43,10 @@ class CpuBackend(Backend):
     def __init__(self, settings: KernelSettings = KernelSettings(), dtype: torch.dtype = _F32):
         # The C++ kernels compute in float32 only: a bf16/fp16 model never builds them.
         self.cxx = settings.cpu_kernels and dtype == _F32 and cpu_few_rows.available()
-        self.moe_scratch = torch.empty(0, dtype=_F32)  # grown by the C++ MoE up to its cap (64 MB)
+        # grown in place by the C++ MoE up to its cap (64 MB). Never an inference tensor, even when the
+        # backend is made under torch.inference_mode: calls outside it could not resize one.
+        with torch.inference_mode(False):
+            self.moe_scratch = torch.empty(0, dtype=_F32)
         self.moe_lock = threading.Lock()
 
     def __repr__(self) -> str:

@@ -227,3 +227,17 @@ def test_the_extension_builds_where_a_compiler_is():
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler here")
     assert cpu_few_rows.available(), "the C++ CPU kernels failed to build; see the warning logged above"
+
+
+@needs_ext
+def test_the_backend_moe_scratch_works_in_and_out_of_inference_mode():
+    # The dispatch shim may make its backend inside torch.inference_mode and use it outside.
+    w13, w2 = _experts(4, 16, 8)
+    x = torch.randn(3, 16)
+    weights, ids = torch.rand(3, 4).topk(2)
+    with torch.inference_mode():
+        ops = CpuBackend(KernelSettings())
+        inside = ops.moe_experts(x[:1], ids[:1], weights[:1], w13, w2)
+    outside = ops.moe_experts(x, ids, weights, w13, w2)  # more pairs: the scratch grows out here
+    assert ops.moe_scratch.numel() >= 6 * 16
+    assert torch.equal(inside, outside[:1])
