@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import cpu_quant_moe, reference as R  # noqa: E402
+from kernels import cpu_moe, cpu_quant_moe, reference as R  # noqa: E402
 
 SHAPES = {"k2": (7168, 2048), "k3": (3584, 3072)}  # (hidden, expert width): Kimi K2, K3 latent
 
@@ -112,8 +112,8 @@ def main() -> int:
             w = packed_experts(fmt, args.experts, hidden, inter)
             per_expert = sum(t[0].numel() * t.element_size() for t in w.values())
             packs = None
-            if fmt == "int4" and R.int4pack_cpu_supported(2 * inter, hidden, 32):
-                packs = [[R.prepack_int4_cpu(w[n][i], w[f"{n}_scale"][i], k, 32, torch.bfloat16)
+            if fmt == "int4" and cpu_moe.int4pack_cpu_supported(2 * inter, hidden, 32):
+                packs = [[cpu_moe.prepack_int4_cpu(w[n][i], w[f"{n}_scale"][i], k, 32, torch.bfloat16)
                           for i in range(args.experts)] for n, k in (("w13", hidden), ("w2", inter))]
                 packs = [torch.stack([p[0] for p in packs[0]]), torch.stack([p[1] for p in packs[0]]),
                          torch.stack([p[0] for p in packs[1]]), torch.stack([p[1] for p in packs[1]])]
@@ -130,7 +130,7 @@ def main() -> int:
 
                 ours = {dt: best_time(lambda xx=xx: step(xx), args.repeats, args.clock)
                         for dt, xx in (("bf16", xb), ("fp32", x))}
-                int4pack = (best_time(lambda: R.moe_experts_int4pack_cpu(xb, ids, tw.bfloat16(), *packs, 32),
+                int4pack = (best_time(lambda: cpu_moe.moe_experts_int4pack_cpu(xb, ids, tw.bfloat16(), *packs, 32),
                                       args.repeats, args.clock) if packs is not None else None)
                 kt_t = best_time(lambda: kt_run(xb, ids, tw), args.repeats, args.clock) if kt_run is not None else None
                 dense = (best_time(lambda: dense_step(x, ids, dense13, dense2), args.repeats, args.clock)

@@ -1,9 +1,9 @@
 """The C++ few-row CPU kernels against the PyTorch path they replace, in one process.
 
-linear: ``kernels.cpu_few_rows.linear`` against ``kernels.reference.linear_cpu`` (row-blocked MKL
+linear: ``kernels.cpu_few_rows.linear`` against ``kernels.cpu_linear.linear_cpu`` (row-blocked MKL
 products) for 1-24 rows of the 816M benchmark model's shapes and its LM head. moe: one MoE layer
 (64 experts, top-6, hidden 1024, expert width 512) through ``cpu_few_rows.moe`` against
-``reference.moe_experts_reference`` for 1-1024 tokens. mla_decode: one layer's absorbed decode
+``cpu_moe.moe_experts`` for 1-1024 tokens. mla_decode: one layer's absorbed decode
 attention (16 heads, latent 256 + rope 32, 256-token contexts) through ``cpu_few_rows.mla_decode``
 against ``reference.mla_decode_reference`` for 1-16 sequences. Each case cycles through several weights so
 they come from memory, not cache, and keeps the best of ``--repeats`` timings of each side.
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import cpu_few_rows, reference  # noqa: E402
+from kernels import cpu_few_rows, cpu_linear, cpu_moe, reference  # noqa: E402
 
 LINEAR_SHAPES = [(1024, 1024, "expert w13"), (1024, 512, "expert w2"), (5632, 1024, "dense w13"),
                  (32000, 1024, "LM head")]
@@ -69,9 +69,9 @@ def main() -> int:
         weights = [torch.randn(n, k) for _ in range(max(2, (256 << 20) // (n * k * 4)))]
         for m in LINEAR_ROWS:
             x = torch.randn(m, k)
-            torch.testing.assert_close(cpu_few_rows.linear(x, weights[0]), reference.linear_cpu(x, weights[0]),
+            torch.testing.assert_close(cpu_few_rows.linear(x, weights[0]), cpu_linear.linear_cpu(x, weights[0]),
                                        rtol=1e-4, atol=1e-3)
-            base = best_time(cycling(lambda w: reference.linear_cpu(x, w), weights), args.repeats, 20)
+            base = best_time(cycling(lambda w: cpu_linear.linear_cpu(x, w), weights), args.repeats, 20)
             ours = best_time(cycling(lambda w: cpu_few_rows.linear(x, w), weights), args.repeats, 20)
             print(f"{name + f' {n}x{k}':<24}{m:>5}{base * 1e6:>12.0f}{ours * 1e6:>10.0f}{base / ours:>7.2f}x"
                   f"{n * k * 4 / ours / 1e9:>10.1f}")
@@ -83,9 +83,9 @@ def main() -> int:
         x = torch.randn(tokens, d)
         weights, ids = torch.randn(tokens, e).softmax(-1).topk(top_k)
         torch.testing.assert_close(cpu_few_rows.moe(x, ids, weights, *layers[0]),
-                                   reference.moe_experts_reference(x, ids, weights, *layers[0]), rtol=1e-4, atol=1e-4)
+                                   cpu_moe.moe_experts(x, ids, weights, *layers[0]), rtol=1e-4, atol=1e-4)
         calls = max(2, 64 // tokens)
-        base = best_time(cycling(lambda w: reference.moe_experts_reference(x, ids, weights, *w), layers),
+        base = best_time(cycling(lambda w: cpu_moe.moe_experts(x, ids, weights, *w), layers),
                          args.repeats, calls)
         ours = best_time(cycling(lambda w: cpu_few_rows.moe(x, ids, weights, *w), layers), args.repeats, calls)
         print(f"{'':<24}{tokens:>7}{base * 1e3:>12.2f}{ours * 1e3:>9.2f}{base / ours:>7.2f}x")

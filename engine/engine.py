@@ -34,7 +34,6 @@ from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
-from kernels import cpu_few_rows
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +74,6 @@ class LLMEngine:
             self.model, self.load_report = load_model(self.config, self.model_dir, self.device, self.dtype,
                                                       self.max_model_len, progress, par, self.expert_placement)
             self.load_seconds = time.monotonic() - t0
-            if self.device.type == "cpu" and self.dtype == torch.float32:
-                cpu_few_rows.available()  # compile or load the C++ CPU kernels now, not in the first step
             self.cache_pool = self._allocate_cache()
             if self.workers is not None:
                 pool = self.cache_pool  # workers allocate the same cache

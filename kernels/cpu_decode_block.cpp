@@ -14,19 +14,6 @@
 
 using namespace kimitui_cpu;
 
-// cpu_few_rows.cpp and cpu_mla_decode.cpp
-torch::Tensor linear(torch::Tensor x, torch::Tensor w);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13, torch::Tensor w2);
-std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor x, torch::Tensor w, torch::Tensor bias,
-                                                   int64_t top_k, int64_t n_group, int64_t topk_group,
-                                                   bool sigmoid, bool norm, double scaling);
-torch::Tensor mla_decode_absorbed(torch::Tensor q, torch::Tensor kv, torch::Tensor kv_norm_weight, double eps,
-                                  torch::Tensor cos, torch::Tensor sin, torch::Tensor positions, torch::Tensor slots,
-                                  torch::Tensor w_uk, torch::Tensor w_uv, torch::Tensor cache,
-                                  torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                                  double scale);
-
 namespace {
 
 // down(silu(gate) * up), [gate; up] = gate_up @ h (MLP.forward with its fused gate_up weight).
@@ -65,7 +52,7 @@ torch::Tensor attention_block(torch::Tensor x, torch::Tensor positions, torch::T
 torch::Tensor ffn_block(torch::Tensor x, torch::Tensor counts, torch::Tensor norm, double eps, torch::Tensor gate_up,
                         torch::Tensor down, torch::Tensor router_w, torch::Tensor bias, int64_t top_k,
                         int64_t n_group, int64_t topk_group, bool sigmoid, bool norm_topk, double scaling,
-                        torch::Tensor w13, torch::Tensor w2) {
+                        torch::Tensor w13, torch::Tensor w2, torch::Tensor scratch) {
   check_f32(x, "x", 2);
   const auto h = ::rms_norm(x, norm, eps);
   if (!router_w.numel()) return swiglu(h, gate_up, down).add_(x);
@@ -77,7 +64,7 @@ torch::Tensor ffn_block(torch::Tensor x, torch::Tensor counts, torch::Tensor nor
   int64_t* c = counts.data_ptr<int64_t>();
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < ids.numel(); ++i) ++c[id[i]];
-  auto y = ::moe(h, ids, weights, w13, w2);
+  auto y = ::moe(h, ids, weights, w13, w2, scratch);
   if (gate_up.numel()) y.add_(swiglu(h, gate_up, down));
   return y.add_(x);
 }

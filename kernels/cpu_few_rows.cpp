@@ -10,8 +10,6 @@
 
 #include "cpu_few_rows.h"
 
-#include <mutex>
-
 using namespace kimitui_cpu;
 
 namespace {
@@ -19,12 +17,10 @@ namespace {
 constexpr int64_t kBlock = 48;  // weight rows per work item of linear (a multiple of the 3- and 4-row tiles)
 constexpr int64_t kGemmPairs = 32;  // moe: experts with this many pairs or more go to BLAS
 
-// moe's per-pair expert outputs, kept between calls up to 64 MB: a fresh [T * k, D] buffer for a
-// 2048-token prefill of the benchmark model is 50 MB of page faults (about 40 ms) per layer. Calls
-// take turns on it.
+// moe's per-pair expert outputs go to the caller's scratch tensor, grown up to 64 MB and kept
+// between calls: a fresh [T * k, D] buffer for a 2048-token prefill of the benchmark model is 50 MB
+// of page faults (about 40 ms) per layer. The caller owns it and lends it to one call at a time.
 constexpr int64_t kKeptDownFloats = int64_t{16} << 20;
-std::mutex down_mutex;
-std::vector<float> down_buffer;
 
 }  // namespace
 
@@ -47,11 +43,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
 // [g; u] = w13[e] @ x_t. An id outside [0, E) (a pair computed elsewhere) adds nothing. A token gives
 // the same bits alone or in a batch as long as its experts get fewer than kGemmPairs pairs (decode
 // batches); BLAS products, like the PyTorch path's, depend on their row count.
-torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13, torch::Tensor w2) {
+torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13, torch::Tensor w2,
+                  torch::Tensor scratch) {
   check_f32(x, "x", 2);
   check_f32(weights, "topk_weights", 2);
   check_f32(w13, "w13", 3);
   check_f32(w2, "w2", 3);
+  TORCH_CHECK(scratch.device().is_cpu() && scratch.scalar_type() == torch::kFloat32 && scratch.is_contiguous(),
+              "scratch must be a contiguous float32 CPU tensor, got ", scratch.scalar_type(), " ", scratch.sizes());
   TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == torch::kInt64 && ids.is_contiguous() && ids.dim() == 2,
               "topk_ids must be a contiguous 2-d int64 CPU tensor, got ", ids.scalar_type(), " ", ids.sizes());
   const int64_t T = x.size(0), D = x.size(1), top_k = ids.size(1), E = w13.size(0), I2 = w13.size(1), I = I2 / 2;
@@ -82,13 +81,11 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, tor
   // An expert with kGemmPairs pairs or more is a compute-bound product: BLAS, one thread per expert
   // (MKL runs single-threaded inside a parallel region), which measured 74 GFLOP/s a thread against
   // 135 for two threads on one ~190-row product. Fewer pairs: the tiled loops, which stream the weight.
-  std::unique_lock<std::mutex> lock(down_mutex, std::defer_lock);
   std::vector<float> own;  // above kKeptDownFloats: this call's own buffer
   float* dn;
   if (P * D <= kKeptDownFloats) {
-    lock.lock();
-    if (static_cast<int64_t>(down_buffer.size()) < P * D) down_buffer.resize(P * D);
-    dn = down_buffer.data();
+    if (scratch.numel() < P * D) scratch.resize_({P * D});
+    dn = scratch.data_ptr<float>();
   } else {
     own.resize(P * D);
     dn = own.data();
@@ -243,26 +240,6 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 int64_t threads() { return at::get_num_threads(); }
-
-// cpu_mla_decode.cpp
-torch::Tensor mla_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
-                         torch::Tensor context_lens, int64_t block_size, int64_t r, double scale);
-torch::Tensor mla_decode_absorbed(torch::Tensor q, torch::Tensor kv, torch::Tensor kv_norm_weight, double eps,
-                                  torch::Tensor cos, torch::Tensor sin, torch::Tensor positions, torch::Tensor slots,
-                                  torch::Tensor w_uk, torch::Tensor w_uv, torch::Tensor cache,
-                                  torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                                  double scale);
-// cpu_decode_block.cpp
-torch::Tensor attention_block(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor cache,
-                              torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                              torch::Tensor norm, double eps, torch::Tensor in_proj, int64_t q_width,
-                              torch::Tensor q_norm, double q_eps, torch::Tensor q_b, int64_t heads,
-                              torch::Tensor kv_norm, double kv_eps, torch::Tensor cos, torch::Tensor sin,
-                              torch::Tensor w_uk, torch::Tensor w_uv, double scale, torch::Tensor o_proj);
-torch::Tensor ffn_block(torch::Tensor x, torch::Tensor counts, torch::Tensor norm, double eps, torch::Tensor gate_up,
-                        torch::Tensor down, torch::Tensor router_w, torch::Tensor bias, int64_t top_k,
-                        int64_t n_group, int64_t topk_group, bool sigmoid, bool norm_topk, double scaling,
-                        torch::Tensor w13, torch::Tensor w2);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [M, K] @ w [N, K].T for float32 CPU tensors");

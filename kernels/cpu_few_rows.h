@@ -1,5 +1,6 @@
-// Shared pieces of the few-row fp32 CPU kernels (cpu_few_rows.cpp, cpu_mla_decode.cpp): 8-wide
-// vectors, the register-tiled dot products every kernel is built on, and small helpers.
+// Shared pieces of the few-row fp32 CPU kernels (cpu_few_rows.cpp, cpu_mla_decode.cpp,
+// cpu_decode_block.cpp): the entry points each calls in another, 8-wide vectors, the register-tiled
+// dot products every kernel is built on, and small helpers.
 //
 // Each output element of rows() is one dot product accumulated in a fixed order that does not
 // depend on how many rows are computed with it, so a row gives the same bits alone or in a batch.
@@ -14,11 +15,43 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #if defined(__FMA__)
 #include <immintrin.h>
 #endif
+
+
+// The extension's entry points, defined across its translation units and called from each other.
+// cpu_few_rows.cpp
+torch::Tensor linear(torch::Tensor x, torch::Tensor w);
+torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13, torch::Tensor w2,
+                  torch::Tensor scratch);
+std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor x, torch::Tensor w, torch::Tensor bias,
+                                                   int64_t top_k, int64_t n_group, int64_t topk_group,
+                                                   bool sigmoid, bool norm, double scaling);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+int64_t threads();
+// cpu_mla_decode.cpp
+torch::Tensor mla_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
+                         torch::Tensor context_lens, int64_t block_size, int64_t r, double scale);
+torch::Tensor mla_decode_absorbed(torch::Tensor q, torch::Tensor kv, torch::Tensor kv_norm_weight, double eps,
+                                  torch::Tensor cos, torch::Tensor sin, torch::Tensor positions, torch::Tensor slots,
+                                  torch::Tensor w_uk, torch::Tensor w_uv, torch::Tensor cache,
+                                  torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+                                  double scale);
+// cpu_decode_block.cpp
+torch::Tensor attention_block(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor cache,
+                              torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+                              torch::Tensor norm, double eps, torch::Tensor in_proj, int64_t q_width,
+                              torch::Tensor q_norm, double q_eps, torch::Tensor q_b, int64_t heads,
+                              torch::Tensor kv_norm, double kv_eps, torch::Tensor cos, torch::Tensor sin,
+                              torch::Tensor w_uk, torch::Tensor w_uv, double scale, torch::Tensor o_proj);
+torch::Tensor ffn_block(torch::Tensor x, torch::Tensor counts, torch::Tensor norm, double eps, torch::Tensor gate_up,
+                        torch::Tensor down, torch::Tensor router_w, torch::Tensor bias, int64_t top_k,
+                        int64_t n_group, int64_t topk_group, bool sigmoid, bool norm_topk, double scaling,
+                        torch::Tensor w13, torch::Tensor w2, torch::Tensor scratch);
 
 namespace kimitui_cpu {
 

@@ -12,8 +12,9 @@ into each half of a decoder layer for a few decode rows, so the Python between t
 
 The extension is compiled with torch's own toolchain helper (``torch.utils.cpp_extension.load``,
 about 30 s on 2 cores, cached under ``TORCH_EXTENSIONS_DIR``) for the host CPU. Without a
-compiler, or with ``KIMITUI_CPU_KERNELS=0``, ``available()`` is False and the callers keep the
-PyTorch path. ``python -m kernels.cpu_few_rows`` builds it ahead of time.
+compiler ``available()`` is False and the CPU backend (``kernels.cpu_backend``, the only caller,
+which also honours ``KIMITUI_CPU_KERNELS=0`` through its settings) keeps its PyTorch paths.
+``python -m kernels.cpu_few_rows`` builds it ahead of time.
 """
 
 import functools
@@ -37,7 +38,6 @@ MAX_MOE_TOKENS = 4096
 MAX_MLA_SEQS = 16
 _SOURCES = [Path(__file__).with_name(n) for n in ("cpu_few_rows.cpp", "cpu_mla_decode.cpp", "cpu_decode_block.cpp")]
 _HEADER = Path(__file__).with_name("cpu_few_rows.h")
-_NONE = torch.empty(0)  # an absent weight, for the C++ side
 
 
 def _build_tag() -> str:
@@ -64,8 +64,6 @@ def _built(name: str) -> bool:
 
 @functools.cache
 def _module():
-    if os.environ.get("KIMITUI_CPU_KERNELS", "1").lower() in ("0", "false", "off"):
-        return None
     try:
         from torch.utils.cpp_extension import load
 
@@ -106,10 +104,14 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], n)
 
 
-def moe(x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
+def moe(x, topk_ids, topk_weights, w13, w2, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU MoE over dense float32 experts, as ``reference.moe_experts_reference``: x [T, D],
-    topk [T, k], w13 [E, 2I, D], w2 [E, D, I] -> [T, D]."""
-    return _module().moe(x.contiguous(), topk_ids.long().contiguous(), topk_weights.float().contiguous(), w13, w2)
+    topk [T, k], w13 [E, 2I, D], w2 [E, D, I] -> [T, D]. ``scratch``: a float32 CPU tensor the
+    caller owns and lends to one call at a time; the kernel grows it (up to 64 MB) to keep the
+    per-pair expert outputs between calls (None: a buffer for this call only)."""
+    scratch = torch.empty(0) if scratch is None else scratch
+    return _module().moe(x.contiguous(), topk_ids.long().contiguous(), topk_weights.float().contiguous(), w13, w2,
+                         scratch)
 
 
 def moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling):
@@ -138,41 +140,19 @@ def mla_decode_absorbed(q, kv, kv_norm_weight, eps, cos, sin, positions, slots, 
         block_size, float(scale))
 
 
-def attention_block_weights(norm, eps, in_proj, q_width, q_norm, q_eps, q_b, heads, kv_norm, kv_eps, cos, sin, w_uk,
-                            w_uv, scale, o_proj) -> tuple:
-    """The fixed arguments of one layer's ``attention_block``: the input norm (weight, eps); in_proj
-    [q_width + r + rope, D], q_a_proj (or q_proj) stacked on kv_a_proj_with_mqa; q_a_layernorm and
-    q_b_proj (None without a q LoRA); the heads; kv_a_layernorm; the rotary cos/sin tables [P, rope / 2];
-    W_UK [H, nope, r], W_UV [H, v, r]; the softmax scale; o_proj."""
-    return (norm, float(eps), in_proj, int(q_width), _NONE if q_norm is None else q_norm, float(q_eps),
-            _NONE if q_b is None else q_b, int(heads), kv_norm, float(kv_eps), cos, sin, w_uk, w_uv, float(scale),
-            o_proj)
-
-
 def attention_block(x, positions, slots, cache, block_tables, context_lens, block_size, weights) -> torch.Tensor:
     """``x + o_proj(MLA(norm(x)))`` for x [B, D], decodes only (``mla_decode_absorbed``'s positions,
     slots, cache and tables; int64 positions and slots, int32 tables), writing each sequence's newest
-    latent; ``weights`` from ``attention_block_weights``."""
-    return _module().attention_block(x, positions, slots, cache, block_tables, context_lens, block_size, *weights)
+    latent; ``weights``: a ``kernels.cpu_decode_block.AttentionBlockWeights``."""
+    return _module().attention_block(x, positions, slots, cache, block_tables, context_lens, block_size,
+                                     *weights.kernel_args)
 
 
-def ffn_block_weights(norm, eps, gate_up, down, router=None, w13=None, w2=None) -> tuple:
-    """The fixed arguments of one layer's ``ffn_block``: the norm (weight, eps) and the dense SwiGLU MLP
-    (gate_up [2I, D], down [D, I]); or, with ``router`` (weight, bias, top_k, n_group, topk_group,
-    scoring_func, norm_topk_prob, scaling), the routed experts w13 [E, 2I, D], w2 [E, D, I] plus the
-    shared ones (gate_up, down; None when the model has none)."""
-    if router is None:
-        return (norm, float(eps), gate_up, down, _NONE, _NONE, 0, 1, 1, True, True, 1.0, _NONE, _NONE)
-    weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling = router
-    return (norm, float(eps), _NONE if gate_up is None else gate_up, _NONE if down is None else down, weight, bias,
-            int(top_k), int(n_group), int(topk_group), scoring_func == "sigmoid", bool(norm_topk_prob),
-            float(scaling), w13, w2)
-
-
-def ffn_block(x, counts, weights) -> torch.Tensor:
+def ffn_block(x, counts, weights, scratch: torch.Tensor) -> torch.Tensor:
     """``x + ffn(norm(x))`` for x [T, D]; a MoE counts each token's experts into ``counts`` [E] int64
-    (an empty tensor for a dense MLP); ``weights`` from ``ffn_block_weights``."""
-    return _module().ffn_block(x, counts, *weights)
+    (an empty tensor for a dense MLP); ``weights``: a ``kernels.cpu_decode_block.FfnBlockWeights``;
+    ``scratch`` as for ``moe``."""
+    return _module().ffn_block(x, counts, *weights.kernel_args, scratch)
 
 
 def rms_norm(x, weight, eps) -> torch.Tensor:

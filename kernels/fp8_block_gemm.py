@@ -1,9 +1,9 @@
 """Block-FP8 weight GEMM: bf16/fp16 activations times e4m3fn weights with 2-D block scales.
 
-Weight layout (kimi-model.md 4.1): ``w`` float8_e4m3fn [N, K], ``scale_inv`` fp32
+Weight layout (DeepSeek-V3 block FP8, see ``kernels.reference``): ``w`` float8_e4m3fn [N, K], ``scale_inv`` fp32
 [ceil(N/bn), ceil(K/bk)], ``W = w * scale_inv[n // bn, k // bk]``. The weight is upcast in-kernel
 and multiplied in the activation dtype (DeepSeek's ``gemm_impl="bf16"`` path); activations are not
-quantised. fp8 loads work under TRITON_INTERPRET=1 (kernels.md 5.2 lists fp8 dots as exact).
+quantised. fp8 loads work under TRITON_INTERPRET=1 (the interpreter upcasts them exactly; tests/kernels runs them there).
 Reference: ``reference.linear_fp8_block``.
 """
 

@@ -1,6 +1,6 @@
 """Fused MoE experts (SwiGLU), vLLM-style grouped GEMM over expert-sorted token rows.
 
-Pipeline (kernels.md 1.1): ``moe_align_block_size`` sorts the T*k (token, slot) pairs by expert
+Pipeline (vLLM's ``vllm/model_executor/layers/fused_moe/fused_moe.py``): ``moe_align_block_size`` sorts the T*k (token, slot) pairs by expert
 and pads each expert's run to BLOCK_M rows, so every M-tile belongs to one expert. GEMM1 reads
 gate and up rows of w13 in the same program and writes ``silu(gate) * up`` [T*k, I]; GEMM2 reads
 those rows, multiplies by w2 and the routing weight, and writes fp32 [T*k, D]; the k slots are

@@ -1,6 +1,6 @@
 """MXFP4 GEMM: bf16/fp16 activations times OCP MXFP4 weights, dequantised in-kernel with bit maths.
 
-Weight layout (kimi-model.md 4.3): ``packed`` uint8 [N, K/2], low nibble = even column;
+Weight layout (OCP Microscaling Formats v1.0, see ``kernels.reference``): ``packed`` uint8 [N, K/2], low nibble = even column;
 ``scale`` uint8 [N, K/32] E8M0 exponents. Decoding by hand instead of ``tl.dot_scaled`` keeps one
 code path for the interpreter, Hopper (no FP4 units) and CDNA3. Reference: ``reference.linear_mxfp4``.
 """

@@ -1,13 +1,18 @@
-"""PyTorch references for every kernel in this package.
+"""PyTorch references for every kernel in this package: the oracle, and only that.
 
-These are the ground truth the Triton kernels are tested against, and the fallback the engine
-uses where Triton is missing (CPU runs, laptops). Everything stays on the input's device.
+These are the ground truth the Triton kernels, the C++ CPU kernels and the CPU backend's PyTorch
+paths (``kernels.cpu_linear``, ``kernels.cpu_moe``) are tested against, written for clarity rather
+than speed; the reference backend (``KIMITUI_KERNELS=reference``) runs them. Everything stays on the
+input's device.
 
-Quantised formats (kimi-model.md section 4):
-- FP8 block (K2, DeepSeek-V3): ``W = fp8 * scale_inv[i // bn, j // bk]``, fp32 scales.
-- INT4 compressed-tensors "pack-quantized" (K2-Thinking, K2.5, K2.6): int32 words of 8 nibbles,
+Quantised formats:
+- FP8 block (K2, DeepSeek-V3; DeepSeek-V3 ``inference/kernel.py`` ``weight_dequant``):
+  ``W = fp8 * scale_inv[i // bn, j // bk]``, fp32 scales.
+- INT4 compressed-tensors "pack-quantized" (K2-Thinking, K2.5, K2.6; neuralmagic/compressed-tensors
+  ``compressors/quantized_compressors/pack_quantized.py``): int32 words of 8 nibbles,
   lowest nibble = lowest column, offset-8 encoded; ``W = q * scale[i, j // group_size]``.
-- MXFP4 (K3): uint8 bytes of 2 E2M1 codes, low nibble = even column, E8M0 scale per 32 columns.
+- MXFP4 (K3; OCP Microscaling Formats (MX) v1.0 spec): uint8 bytes of 2 E2M1 codes, low nibble =
+  even column, E8M0 scale per 32 columns.
 """
 
 import functools
@@ -187,59 +192,9 @@ def quantize_mxfp4(w):
 # ---------------------------------------------------------------------------------------------
 # Linear layers: x [..., K] -> [..., N], in x.dtype (matmul accumulates in fp32)
 
-# CPU BLAS (MKL, measured on 2 cores) streams the fp32 weight of a product with few rows (decode) on
-# one core at about half the memory bandwidth, and its cost grows with the row count long before
-# the product is compute bound. linear_cpu splits the weight into row blocks of at most
-# _CPU_BLOCK_ROWS rows and runs them as one batched product on all threads. For 1-3 rows the weight
-# is the left operand (``bmm([c, N/c, K], x.T)``: 2-2.5x faster than F.linear); for 4-64 rows the
-# rows are (``bmm(x, [c, K, N/c])``: 15-45% less time than F.linear or the weight-left form at every
-# count measured from 4 to 64, LM head included). Past 64 rows both are compute bound. bf16 and
-# fp16 go to oneDNN through F.linear, which is already faster than a blocked product.
-_CPU_FEW_ROWS = 3
-_CPU_BLOCKED_ROWS = 64
-_CPU_BLOCK_ROWS = 1024
-
-
-@functools.lru_cache(maxsize=256)
-def _row_blocks(n: int, threads: int) -> int:
-    # The fewest blocks, a multiple of the thread count, that split n rows evenly into blocks of at
-    # most _CPU_BLOCK_ROWS rows; else the largest even split up to threads (1: no split).
-    for c in range(threads, n + 1, threads):
-        if n % c == 0 and n // c <= _CPU_BLOCK_ROWS:
-            return c
-    return next((c for c in range(min(threads, n), 0, -1) if n % c == 0), 1)  # n = 0: a rank with no rows
-
-
-def linear_cpu(x, w):
-    """``x [..., K] @ w [N, K].T -> [..., N]`` (as ``F.linear``) shaped for CPU BLAS.
-
-    For up to _CPU_BLOCKED_ROWS rows of fp32 the weight is split into row blocks run as one batched
-    product on all threads (see ``_CPU_FEW_ROWS``); other shapes and dtypes go to ``F.linear``.
-    """
-    n, k = w.shape
-    m = x.numel() // k if k else 0
-    c = _row_blocks(n, torch.get_num_threads())
-    if (not 0 < m <= _CPU_BLOCKED_ROWS or c == 1 or w.dtype != torch.float32 or x.dtype != w.dtype
-            or not w.is_contiguous()):
-        return F.linear(x, w)
-    rows = x.reshape(m, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    blocks = w.view(c, n // c, k)
-    if m <= _CPU_FEW_ROWS:
-        # rows.t() is [K, M] with strides (1, K), which BLAS reads as a transposed operand; a [K, 1]
-        # column with strides (1, 1) (a reshaped row) measured 6x slower.
-        y = torch.bmm(blocks, rows.t().expand(c, k, m))  # [c, N/c, M]
-        y = y.view(n, m).t().contiguous() if m > 1 else y
-    else:
-        y = torch.bmm(rows.expand(c, m, k), blocks.transpose(1, 2)).transpose(0, 1).reshape(m, n)  # [M, N]
-    return y.view(*x.shape[:-1], n)
-
-
 def linear(x, w):
-    """``x [..., K] @ w [N, K].T -> [..., N]`` for a dense weight: ``linear_cpu`` on a CPU,
-    ``F.linear`` elsewhere."""
-    return linear_cpu(x, w) if x.device.type == "cpu" else F.linear(x, w)
+    """``x [..., K] @ w [N, K].T -> [..., N]`` for a dense weight."""
+    return F.linear(x, w)
 
 
 def linear_fp8_block(x, w, scale_inv, block=(128, 128)):
@@ -259,10 +214,6 @@ def linear_mxfp4(x, packed, scale):
 
 def rms_norm(x, weight, eps=1e-6):
     """HF RMSNorm: normalise in fp32, cast to x.dtype, then multiply by weight."""
-    if x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32:
-        # F.rms_norm runs these same operations in one call, bit-identical in fp32 (where the cast is
-        # a no-op): a third of the time of the separate ops on a CPU.
-        return F.rms_norm(x, weight.shape, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -297,84 +248,28 @@ def moe_route(x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sig
 # MoE experts (SwiGLU): y_t = sum_k w_tk * w2[e] @ (silu(gate_e x_t) * (up_e x_t))
 
 
-def _swiglu(x, up_proj, down_proj):
-    # x [c, D]; up_proj(x) -> [c, 2I] (gate columns, then up); down_proj(h [c, I]) -> [c, D]
-    gate_up = up_proj(x)
-    inter = gate_up.shape[-1] // 2
-    return down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
-
-
-def _swiglu_expert(x, w13, w2):
-    # x [c, D], w13 [2I, D] (gate rows, then up), w2 [D, I] -> [c, D]
-    return _swiglu(x, lambda h: linear(h, w13), lambda h: linear(h, w2))
-
-
-def _dense_experts(expert_weights):
-    # expert_weights(e) -> (w13 [2I, D], w2 [D, I]) as matrices: the expert callable _moe_grouped runs
-    return lambda e, rows: _swiglu_expert(rows, *expert_weights(e))
-
-
-# Below this many bytes of gathered rows (T*k rows of D) one gather of every (token, slot) pair runs
-# fewer operations than per-expert gathers (decode); above it, fresh multi-MB buffers cost as much
-# in page faults as the expert products do (prefill), so each expert gathers its own rows.
-_MOE_GATHER_ALL_BYTES = 8 << 20
-
-
-def _moe_grouped(x, topk_ids, topk_weights, num_experts, expert):
-    # Group (token, slot) pairs by expert and run each active expert once on its tokens.
-    # expert(e, rows [c, D]) -> [c, D], so quantised variants touch (dequantise) only the experts
-    # that received tokens. An id equal to num_experts marks a pair computed
-    # elsewhere (another rank, host RAM): it adds nothing.
-    # Every path adds a token's weighted expert outputs in fp32, one at a time, in ascending expert
-    # order, so the paths agree with each other whatever the batch (the products themselves may
-    # round differently with the number of rows BLAS sees).
-    t, top_k = topk_ids.shape
-    topk_ids, slot_order = topk_ids.sort(dim=1)
-    topk_weights = topk_weights.float().gather(1, slot_order)
-    d = x.shape[-1]
-    if t == 1:
-        # One token (single-request decode): its k experts in ascending order, nothing to group.
-        out = torch.zeros(1, d, dtype=torch.float32, device=x.device)
-        for i, e in enumerate(topk_ids[0].tolist()):  # host sync: reference only
-            if e < num_experts:
-                out += expert(e, x).float() * topk_weights[0, i]
-        return out.to(x.dtype)
-    flat_ids = topk_ids.reshape(-1)  # [T*k]
-    order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs sorted by expert
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()[:num_experts]  # host sync: reference only
-    tokens = order // top_k
-    if t * top_k * d * x.element_size() <= _MOE_GATHER_ALL_BYTES:
-        xs = x.index_select(0, tokens)  # [T*k, D], rows grouped by expert
-        y = torch.zeros(t * top_k, d, dtype=torch.float32, device=x.device)
-        start = 0
-        for e, count in enumerate(counts):
-            if count:
-                y[start : start + count] = expert(e, xs[start : start + count])
-            start += count
-        # Back to (token, slot) order by a gather (a scatter is slow on CPUs), then the slots in
-        # order; rows of pairs computed elsewhere stay zero.
-        y = y.index_select(0, torch.argsort(order)).view(t, top_k, d) * topk_weights[..., None]
-        out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
-        for j in range(top_k):
-            out += y[:, j]
-        return out.to(x.dtype)
-    weights = topk_weights.reshape(-1)[order]
-    out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            rows = tokens[start : start + count]
-            y = expert(e, x.index_select(0, rows)).float()  # [c, D]
-            out.index_add_(0, rows, y.mul_(weights[start : start + count, None]))
-        start += count
+def _moe(x, topk_ids, topk_weights, num_experts, expert_weights):
+    # y_t = sum over t's slots, in ascending expert order, of w_tk * w2[e] @ (silu(g) * u), [g; u] =
+    # w13[e] @ x_t, summed in fp32. expert_weights(e) -> (w13 [2I, D], w2 [D, I]) in x.dtype. An id
+    # equal to num_experts marks a pair computed elsewhere (another rank, host RAM): it adds nothing.
+    ids, slot_order = topk_ids.sort(dim=1)
+    weights = topk_weights.float().gather(1, slot_order)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():  # ascending; host sync: reference only
+        if e >= num_experts:
+            continue
+        tokens, slots = (ids == e).nonzero(as_tuple=True)  # each token holds an expert at most once
+        w13, w2 = expert_weights(e)
+        gate_up = F.linear(x.index_select(0, tokens), w13)  # [c, 2I]
+        inter = gate_up.shape[-1] // 2
+        y = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2).float()  # [c, D]
+        out.index_add_(0, tokens, y * weights[tokens, slots, None])
     return out.to(x.dtype)
 
 
 def moe_experts_reference(x, topk_ids, topk_weights, w13, w2):
     """SwiGLU MoE over dense stacked experts: x [T, D], w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I]."""
-    return _moe_grouped(
-        x, topk_ids, topk_weights, w13.shape[0], _dense_experts(lambda e: (w13[e].to(x.dtype), w2[e].to(x.dtype)))
-    )
+    return _moe(x, topk_ids, topk_weights, w13.shape[0], lambda e: (w13[e].to(x.dtype), w2[e].to(x.dtype)))
 
 
 def moe_experts_reference_w4a16(
@@ -393,7 +288,7 @@ def moe_experts_reference_w4a16(
             dequant_int4(w2_packed[e], w2_scale[e], i, group_size, x.dtype),
         )
 
-    return _moe_grouped(x, topk_ids, topk_weights, w13_packed.shape[0], _dense_experts(weights))
+    return _moe(x, topk_ids, topk_weights, w13_packed.shape[0], weights)
 
 
 def moe_experts_reference_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
@@ -408,7 +303,7 @@ def moe_experts_reference_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale
             dequant_mxfp4(w2_packed[e], w2_scale[e], x.dtype),
         )
 
-    return _moe_grouped(x, topk_ids, topk_weights, w13_packed.shape[0], _dense_experts(weights))
+    return _moe(x, topk_ids, topk_weights, w13_packed.shape[0], weights)
 
 
 def moe_experts_reference_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128)):
@@ -420,54 +315,11 @@ def moe_experts_reference_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2,
             dequant_fp8_block(w2[e], w2_scale_inv[e], block, x.dtype),
         )
 
-    return _moe_grouped(x, topk_ids, topk_weights, w13.shape[0], _dense_experts(weights))
+    return _moe(x, topk_ids, topk_weights, w13.shape[0], weights)
 
 
 # ---------------------------------------------------------------------------------------------
-# INT4 experts on a CPU through torch's int4 GEMM (``_weight_int4pack_mm_for_cpu``, the tinygemm
-# CPU kernel). Its weight layout depends on the CPU's vector width, so torch converts it once
-# (``_convert_weight_to_int4pack_for_cpu``); its formula ``(q - 8) * scale + zero`` with zero = 0 is
-# exactly the compressed-tensors one. With bf16 activations it is 8-14x faster per MoE step than
-# dequantising each expert per call (benchmarks/cpu_experts.py); its fp32 kernel is a scalar loop.
-
-
-def int4pack_cpu_supported(n: int, k: int, group_size: int) -> bool:
-    """Whether torch's CPU int4 GEMM takes an [n, k] weight in groups of ``group_size``."""
-    ops = torch.ops.aten
-    return (hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
-            and n % 16 == 0 and k % group_size == 0 and group_size in (32, 64, 128, 256))
-
-
-def prepack_int4_cpu(packed, scale, k, group_size, dtype):
-    """compressed-tensors INT4 (packed int32 [N, K/8], scale [N, K/g]) -> (torch's CPU int4 layout
-    uint8 [N, K/2], scales_and_zeros [K/g, N, 2] in ``dtype``, the activations' dtype)."""
-    codes = int4_nibbles(packed, k).to(torch.int32)  # 0..15
-    weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    scales_zeros = torch.zeros(k // group_size, packed.shape[0], 2, dtype=dtype)
-    scales_zeros[..., 0] = scale.t().to(dtype)
-    return weight, scales_zeros
-
-
-def linear_int4pack_cpu(x, weight, scales_zeros, group_size):
-    """``x [..., K] @ W.T`` for a weight from ``prepack_int4_cpu`` (computed in scales_zeros.dtype)."""
-    rows = x.reshape(-1, x.shape[-1]).to(scales_zeros.dtype).contiguous()
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, group_size, scales_zeros)
-    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
-
-
-def moe_experts_int4pack_cpu(x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size):
-    """MoE with INT4 experts prepacked for the CPU: w13 [E, 2I, D/2] + w13_sz [E, D/g, 2I, 2],
-    w2 [E, D, I/2] + w2_sz [E, I/g, D, 2] (``prepack_int4_cpu`` per expert)."""
-
-    def expert(e, rows):
-        return _swiglu(rows, lambda h: linear_int4pack_cpu(h, w13[e], w13_sz[e], group_size),
-                       lambda h: linear_int4pack_cpu(h, w2[e], w2_sz[e], group_size))
-
-    return _moe_grouped(x, topk_ids, topk_weights, w13.shape[0], expert)
-
-
-# ---------------------------------------------------------------------------------------------
-# MLA decode over a paged latent cache (absorbed form, kimi-model.md section 3)
+# MLA decode over a paged latent cache (absorbed form: DeepSeek-V2 paper, arXiv:2405.04434, section 2.1)
 
 
 def mla_decode_reference(q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale):

@@ -1,6 +1,6 @@
 """W4A16 GEMM: bf16/fp16 activations times compressed-tensors INT4 weights, dequantised in-kernel.
 
-Weight layout (kimi-model.md 4.2): ``packed`` int32 [N, ceil(K/8)], column k in word k // 8 at
+Weight layout (compressed-tensors pack-quantized, see ``kernels.reference``): ``packed`` int32 [N, ceil(K/8)], column k in word k // 8 at
 bits 4*(k % 8), offset-8; ``scale`` [N, ceil(K/group_size)]. Reference: ``reference.linear_w4a16``.
 """
 

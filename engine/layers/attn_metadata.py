@@ -42,10 +42,6 @@ class AttentionMetadata:
     # when the scheduler found one).
     state_slots: torch.Tensor | None = None  # [num_decode_tokens + len(prefills)] int64
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.positions.shape[0])
-
     def decodes_only(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows is all decodes, every row's output wanted (the fused
         CPU decode paths' precondition)."""

@@ -2,7 +2,7 @@
 
 Parameter names equal the checkpoint's (``weight``, ``weight_scale_inv``, ``weight_packed``,
 ``weight_scale``) so the loader copies tensors by name. Quantised weights stay packed in memory;
-the matmul dequantises (Triton on GPU, PyTorch reference on CPU, see ``kernels.dispatch``).
+the matmul dequantises (in the model's backend, see ``kernels.backend``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from torch import nn
 
 from engine.config import QuantConfig
 from engine.loader.source import TensorSource, copy_into
-from kernels import dispatch, reference
+from kernels import reference
+from kernels.backend import REFERENCE, Backend
 
 
 def linear_format(quant: QuantConfig | None, module_name: str) -> str:
@@ -151,6 +152,8 @@ def sharded_params(fmt: str, out_features: int, in_features: int, quant: QuantCo
 class Linear(nn.Module):
     """y = x @ W.T without bias, W stored dense or quantised; optionally one rank's shard of W."""
 
+    ops: Backend = REFERENCE  # the model's backend, set when it is loaded
+
     def __init__(self, in_features: int, out_features: int, quant: QuantConfig | None = None,
                  module_name: str = "", shard: tuple[int, int, int] | None = None,
                  dtype: torch.dtype = torch.float32):
@@ -173,13 +176,13 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "dense":
-            return dispatch.linear(x, self.weight)
+            return self.ops.linear(x, self.weight)
         if self.fmt == "fp8":
-            return dispatch.linear_fp8_block(x, self.weight, self.weight_scale_inv, self.block)
+            return self.ops.linear_fp8_block(x, self.weight, self.weight_scale_inv, self.block)
         if self.fmt == "int4":
-            return dispatch.linear_w4a16(x, self.weight_packed, self.weight_scale, self.in_features,
+            return self.ops.linear_w4a16(x, self.weight_packed, self.weight_scale, self.in_features,
                                          self.quant.group_size)
-        return dispatch.linear_mxfp4(x, self.weight_packed, self.weight_scale)
+        return self.ops.linear_mxfp4(x, self.weight_packed, self.weight_scale)
 
     def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dequantised weight [out, in]; used where the maths needs W itself (absorbed MLA)."""

@@ -18,10 +18,11 @@ from engine.layers.linear import Linear, fuse_dense_rows
 from engine.layers.norm import RMSNorm
 from engine.layers.rope import YarnRotaryEmbedding
 from engine.parallel.state import SINGLE, ParallelState
-from kernels import dispatch
+from kernels.backend import REFERENCE, Backend
 
 
 class MLAttention(nn.Module):
+    ops: Backend = REFERENCE  # the model's backend, set when it is loaded
     param_class = "attention"  # for the planner, see engine.models.registry
 
     def __init__(self, config: ModelConfig, prefix: str, rope: YarnRotaryEmbedding | None,
@@ -76,25 +77,6 @@ class MLAttention(nn.Module):
         self.w_uv = w[:, self.nope:].contiguous()
         self.in_proj = fuse_dense_rows(self._q_in_proj(), self.kv_a_proj_with_mqa)
 
-    def block_weights(self, norm: RMSNorm) -> tuple | None:
-        """The fixed arguments of ``dispatch.attention_block`` (``x + self(norm(x))`` in one C++ call
-        for a step of decodes), or None where this layer cannot take it: quantised or sharded weights,
-        or not float32 CPU tensors. Called once the weights are in."""
-        q_b, q_norm = getattr(self, "q_b_proj", None), getattr(self, "q_a_layernorm", None)
-        if (self.in_proj is None or self.par.is_parallel or self.o_proj.fmt != "dense" or self.rope is None
-                or self.g_proj is not None
-                or (q_b is not None and q_b.fmt != "dense")):
-            return None
-        tensors = [norm.weight, self.in_proj, self.kv_a_layernorm.weight, self.rope.cos, self.rope.sin, self.w_uk,
-                   self.w_uv, self.o_proj.weight] + ([q_norm.weight, q_b.weight] if q_b is not None else [])
-        if not dispatch.decode_block_weights_ok(*tensors):
-            return None
-        return dispatch.cpu_few_rows.attention_block_weights(
-            norm.weight, norm.eps, self.in_proj, self._q_in_proj().out_features,
-            None if q_b is None else q_norm.weight, 0.0 if q_b is None else q_norm.eps,
-            None if q_b is None else q_b.weight, self.num_heads, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
-            self.rope.cos, self.rope.sin, self.w_uk, self.w_uv, self.scale, self.o_proj.weight)
-
     def _compute_dtype(self) -> torch.dtype:
         return self.kv_a_layernorm.weight.dtype
 
@@ -103,7 +85,7 @@ class MLAttention(nn.Module):
         # x: [T, D]; cache: [num_blocks, block_size, r + rope]. Every row's latent goes to the
         # cache; in the last layer (``last``) only meta.out_rows, when set, need an output.
         if (meta.decodes_only(x.shape[0]) and self.rope is not None and self.g_proj is None
-                and dispatch.mla_decode_fusable(x, cache, self.w_uk, self.w_uv)):
+                and self.ops.mla_decode_fusable(x, cache, self.w_uk, self.w_uv)):
             return self._decode_fused(x, meta, cache)
         qmeta = meta
         if last and meta.out_rows is not None:  # queries for the output rows only
@@ -150,7 +132,7 @@ class MLAttention(nn.Module):
         """The two products of the layer input: (q_proj's or q_a_proj's output, kv_a_proj_with_mqa's)."""
         if self.in_proj is None:
             return self._q_in_proj()(x), self.kv_a_proj_with_mqa(x)
-        y = dispatch.linear(x, self.in_proj)
+        y = self.ops.linear(x, self.in_proj)
         n = self._q_in_proj().out_features
         return y[:, :n], y[:, n:]
 
@@ -160,12 +142,12 @@ class MLAttention(nn.Module):
         return self.q_b_proj(self.q_a_layernorm(q_in))
 
     def _decode_fused(self, x, meta: AttentionMetadata, cache):
-        # Decodes only, on a CPU in float32: everything between the projections (the kv norm, rope,
-        # cache write, W_UK, attention, W_UV) is one C++ call instead of ~40 small operations.
+        # Decodes only, where the backend can: everything between the projections (the kv norm, rope,
+        # cache write, W_UK, attention, W_UV) is one call instead of ~40 small operations.
         t = x.shape[0]
         q_in, kv = self._project(x)
         q = self._query(q_in).view(t, self.num_heads, self.qk_dim)
-        out = dispatch.mla_decode_absorbed(
+        out = self.ops.mla_decode_absorbed(
             q, kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.rope.cos,
             self.rope.sin, meta.positions, meta.slot_mapping, self.w_uk, self.w_uv, cache.view(-1, cache.shape[-1]),
             meta.decode_block_tables, meta.decode_context_lens, meta.block_size, self.scale)
@@ -202,7 +184,7 @@ class MLAttention(nn.Module):
         # W_UK folded into the query, head-major bmm: [H, B, nope] @ [H, nope, r] -> [H, B, r]
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk.to(dtype)).transpose(0, 1)
         q = torch.cat([q_lat, q_pe], dim=-1)  # [B, H, r+rope]: one product scores latent and rope parts
-        o_lat = dispatch.mla_decode(q, flat, meta.decode_block_tables, meta.decode_context_lens,
+        o_lat = self.ops.mla_decode(q, flat, meta.decode_block_tables, meta.decode_context_lens,
                                     meta.decode_max_context_len, meta.block_size, self.kv_lora_rank, self.scale)
         # W_UV applied per head: [H, B, r] @ [H, r, v] -> [H, B, v]
         return torch.bmm(o_lat.transpose(0, 1), self.w_uv.to(dtype).transpose(1, 2)).transpose(0, 1)

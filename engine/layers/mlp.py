@@ -10,10 +10,12 @@ from engine.config import QuantConfig
 from engine.layers.activation import GatedActivation
 from engine.layers.linear import Linear, fuse_dense_rows, linear_format, split_unit
 from engine.parallel.state import SINGLE, ParallelState
-from kernels import dispatch
+from kernels.backend import REFERENCE, Backend
 
 
 class MLP(nn.Module):
+    ops: Backend = REFERENCE  # the model's backend, set when it is loaded
+
     def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantConfig | None, prefix: str,
                  par: ParallelState = SINGLE, dtype: torch.dtype = torch.float32, param_class: str = "dense_mlp",
                  act: GatedActivation | None = None):
@@ -36,22 +38,9 @@ class MLP(nn.Module):
         """Once the weights are in: dense gate and up become one product (rows of one weight)."""
         self.gate_up = fuse_dense_rows(self.gate_proj, self.up_proj)
 
-    def fusable(self) -> bool:
-        """Dense gate_up and down on one rank: what ``ffn_block`` (and MoE's) can take."""
-        # the fused C++ blocks compute SiLU only
-        return (self.gate_up is not None and self.down_proj.fmt == "dense" and not self.parallel
-                and self.act.is_silu)
-
-    def block_weights(self, norm: nn.Module) -> tuple | None:
-        """The fixed arguments of ``dispatch.ffn_block`` (``x + self(norm(x))`` in one C++ call), or
-        None where this MLP cannot take it. Called once the weights are in."""
-        if not (self.fusable() and dispatch.decode_block_weights_ok(norm.weight, self.gate_up, self.down_proj.weight)):
-            return None
-        return dispatch.cpu_few_rows.ffn_block_weights(norm.weight, norm.eps, self.gate_up, self.down_proj.weight)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
-        gu = dispatch.linear(x, self.gate_up)
+        gu = self.ops.linear(x, self.gate_up)
         i = self.gate_proj.out_features
         return self.down_proj(self.act(gu[..., :i], gu[..., i:]))

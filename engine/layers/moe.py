@@ -14,12 +14,13 @@ from engine.layers.linear import linear_format, quantized_params, values_per_ele
 from engine.layers.mlp import MLP
 from engine.loader.source import TensorSource
 from engine.parallel.state import SINGLE, ParallelState, split_sizes
-from kernels import dispatch, reference
+from kernels.backend import REFERENCE, Backend
 
 
 class Router(nn.Module):
     """Group-limited top-k over sigmoid scores; the correction bias steers selection only."""
 
+    ops: Backend = REFERENCE  # the model's backend, set when it is loaded
     param_class = "router"  # for the planner, see engine.models.registry
 
     def __init__(self, config: ModelConfig):
@@ -35,12 +36,14 @@ class Router(nn.Module):
         self.e_score_correction_bias.optional = True  # old checkpoints leave the zero bias out
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return dispatch.moe_route(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group,
+        return self.ops.moe_route(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group,
                                   self.topk_group, self.scoring_func, self.norm_topk_prob, self.scaling)
 
 
 class ExpertStack(nn.Module):
     """Stacked weights of ``num`` experts in one format (gate and up fused as w13, gate rows first)."""
+
+    ops: Backend = REFERENCE  # the backend of the device the stack lives on, set when the model is loaded
 
     def __init__(self, config: ModelConfig, fmt: str, num: int, device: torch.device | None = None,
                  dtype: torch.dtype = torch.float32):
@@ -73,35 +76,17 @@ class ExpertStack(nn.Module):
         return None
 
     def prepack_for_cpu(self, dtype: torch.dtype) -> bool:
-        """INT4 experts held by the CPU: convert them once to torch's CPU int4 GEMM layout (for
-        activations of ``dtype``) and drop the checkpoint layout. False where it does not apply.
-
-        Only for bf16 activations: torch vectorises that kernel (about 10x faster than dequantising
-        per call, benchmarks/cpu_experts.py); its fp32 and fp16 kernels are scalar loops, slower at
-        batch 16 than the dequantising path kept for them.
-        """
-        if (self.fmt != "int4" or dtype != torch.bfloat16 or self.w13_weight_packed.device.type != "cpu"
-                or self.num == 0):
+        """INT4 experts: convert them once to the layout the backend's INT4 expert GEMM reads (torch's
+        CPU int4 GEMM, for activations of ``dtype``) and drop the checkpoint layout. False where the
+        backend has no such layout for them (``Backend.prepack_int4_experts``)."""
+        if self.fmt != "int4" or self.num == 0:
             return False
-        if dispatch.cpu_quant_moe_ready(self.fmt, self.w2_weight_packed.shape[1], self.w13_weight_packed.shape[1] // 2,
-                                        self.quant.group_size):
-            return False  # kernels.cpu_quant_moe streams the checkpoint layout itself, faster
-        g = self.quant.group_size
-        (e, n13, w13_words), (_, d, w2_words) = self.w13_weight_packed.shape, self.w2_weight_packed.shape
-        k13, k2 = w13_words * 8, w2_words * 8
-        if k13 != d or k2 != n13 // 2 or not (reference.int4pack_cpu_supported(n13, k13, g)
-                                              and reference.int4pack_cpu_supported(d, k2, g)):
+        packed = self.ops.prepack_int4_experts(self.w13_weight_packed, self.w13_weight_scale, self.w2_weight_packed,
+                                               self.w2_weight_scale, self.quant.group_size, dtype)
+        if packed is None:
             return False
-        for i in range(e):  # into preallocated stacks: one expert's temporaries at a time
-            for proj, packed, scale, k in (("w13", self.w13_weight_packed, self.w13_weight_scale, k13),
-                                           ("w2", self.w2_weight_packed, self.w2_weight_scale, k2)):
-                weight, scales_zeros = reference.prepack_int4_cpu(packed[i], scale[i], k, g, dtype)
-                if i == 0:
-                    self.register_buffer(f"{proj}_int4pack", weight.new_empty(e, *weight.shape), persistent=False)
-                    self.register_buffer(f"{proj}_scales_zeros", scales_zeros.new_empty(e, *scales_zeros.shape),
-                                         persistent=False)
-                getattr(self, f"{proj}_int4pack")[i] = weight
-                getattr(self, f"{proj}_scales_zeros")[i] = scales_zeros
+        for name, t in zip(("w13_int4pack", "w13_scales_zeros", "w2_int4pack", "w2_scales_zeros"), packed):
+            self.register_buffer(name, t, persistent=False)
         for name in ("w13_weight_packed", "w13_weight_scale", "w2_weight_packed", "w2_weight_scale"):
             getattr(self, name).data = torch.empty(0, dtype=getattr(self, name).dtype)
         self.fmt = "int4pack"
@@ -114,21 +99,17 @@ class ExpertStack(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x [T, D], ids [T, k] in 0..num (num: computed elsewhere, adds nothing), weights [T, k] in x.dtype
         if self.fmt == "dense":
-            return dispatch.moe_experts(x, ids, weights, self.w13_weight, self.w2_weight)
+            return self.ops.moe_experts(x, ids, weights, self.w13_weight, self.w2_weight)
         if self.fmt == "int4pack":
-            return dispatch.moe_experts_int4pack_cpu(x, ids, weights, self.w13_int4pack, self.w13_scales_zeros,
+            return self.ops.moe_experts_int4pack_cpu(x, ids, weights, self.w13_int4pack, self.w13_scales_zeros,
                                                      self.w2_int4pack, self.w2_scales_zeros, self.quant.group_size)
-        if self.fmt in ("int4", "mxfp4") and x.device.type == "cpu":  # packed experts read in place by C++
-            return dispatch.moe_experts_cpu_quant(x, ids, weights, self.fmt, self.w13_weight_packed,
-                                                  self.w13_weight_scale, self.w2_weight_packed, self.w2_weight_scale,
-                                                  self.quant.group_size)
         if self.fmt == "int4":
-            return dispatch.moe_experts_w4a16(x, ids, weights, self.w13_weight_packed, self.w13_weight_scale,
+            return self.ops.moe_experts_w4a16(x, ids, weights, self.w13_weight_packed, self.w13_weight_scale,
                                               self.w2_weight_packed, self.w2_weight_scale, self.quant.group_size)
         if self.fmt == "mxfp4":
-            return dispatch.moe_experts_mxfp4(x, ids, weights, self.w13_weight_packed, self.w13_weight_scale,
+            return self.ops.moe_experts_mxfp4(x, ids, weights, self.w13_weight_packed, self.w13_weight_scale,
                                               self.w2_weight_packed, self.w2_weight_scale)
-        return dispatch.moe_experts_fp8(x, ids, weights, self.w13_weight, self.w13_weight_scale_inv,
+        return self.ops.moe_experts_fp8(x, ids, weights, self.w13_weight, self.w13_weight_scale_inv,
                                         self.w2_weight, self.w2_weight_scale_inv, self.quant.weight_block_size)
 
 
@@ -173,6 +154,8 @@ class RoutedExperts(nn.Module):
         on_host = [e for e in range(n) if row[e] == -1 and ep_owner[e] == par.rank]
         self.local = ExpertStack(config, self.fmt, len(on_device), dtype=dtype) if on_device else None
         self.host = ExpertStack(config, self.fmt, len(on_host), torch.device("cpu"), dtype) if on_host else None
+        if self.host is not None:
+            self.host.host_ram = True  # computed by the CPU whatever the model's device (its backend: the CPU's)
         self._slots = {e: ("local", i) for i, e in enumerate(on_device)}
         self._slots.update({e: ("host", i) for i, e in enumerate(on_host)})
         for stack, experts in ((self.local, on_device), (self.host, on_host)):
@@ -190,14 +173,11 @@ class RoutedExperts(nn.Module):
             self.executor = CpuExpertExecutor(self.host, self.host_map)
 
     def post_load(self, dtype: torch.dtype) -> None:
-        """Once the weights are in: CPU-held INT4 stacks switch to torch's CPU int4 GEMM layout."""
+        """Once the weights are in (and each stack has its backend): INT4 stacks take the layout their
+        backend's expert GEMM reads, where it has one (CPU-held ones: torch's CPU int4 GEMM)."""
         for stack in (self.local, self.host):
             if stack is not None:
                 stack.prepack_for_cpu(dtype)
-
-    @property
-    def num_local(self) -> int:
-        return len(self._slots)
 
     def slot(self, expert: int) -> tuple[ExpertStack, int] | None:
         """Where global ``expert`` lives on this rank, or None when another rank holds it."""
@@ -304,26 +284,6 @@ class MoE(nn.Module):
         if config.n_shared_experts:
             self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
                                       config.quantization, f"{prefix}.shared_experts", par, dtype, "shared_experts")
-
-    def block_weights(self, norm: nn.Module) -> tuple | None:
-        """The fixed arguments of ``dispatch.ffn_block`` (``x + self(norm(x))`` in one C++ call, which
-        also counts the routing), or None unless every expert is a dense float32 CPU tensor on this
-        one rank. Called once the weights are in."""
-        experts, shared, g = self.experts, self.shared_experts, self.gate
-        if (self.parallel or not experts.whole_layer_local or experts.local.fmt != "dense"
-                or (shared is not None and not shared.fusable())):
-            return None
-        stack = experts.local
-        tensors = [norm.weight, g.weight, g.e_score_correction_bias, stack.w13_weight, stack.w2_weight]
-        if shared is not None:
-            tensors += [shared.gate_up, shared.down_proj.weight]
-        if not dispatch.decode_block_weights_ok(*tensors):
-            return None
-        router = (g.weight, g.e_score_correction_bias, g.top_k, g.n_group, g.topk_group, g.scoring_func,
-                  g.norm_topk_prob, g.scaling)
-        return dispatch.cpu_few_rows.ffn_block_weights(
-            norm.weight, norm.eps, None if shared is None else shared.gate_up,
-            None if shared is None else shared.down_proj.weight, router, stack.w13_weight, stack.w2_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum (its experts + its shard of the shared experts); the caller reduces."""

@@ -22,7 +22,8 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rope import YarnRotaryEmbedding
 from engine.models.registry import WeightTarget
 from engine.parallel.state import SINGLE, ParallelState
-from kernels import dispatch
+from kernels.backend import attach_backends
+from kernels.settings import KernelSettings
 
 
 class DecoderLayer(nn.Module):
@@ -41,26 +42,16 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, config.quantization, f"{prefix}.mlp", par,
                            dtype)
-        self.attn_block: tuple | None = None  # set by post_load
-        self.ffn_block: tuple | None = None
-        self.ffn_counts: torch.Tensor | None = None
-
-    def post_load(self) -> None:
-        """Once the weights are in (and the attention's and MLP's own post_load ran): the fixed
-        arguments of the fused decode blocks, or None for the layers that run op by op."""
-        self.attn_block = self.self_attn.block_weights(self.input_layernorm)
-        self.ffn_block = self.mlp.block_weights(self.post_attention_layernorm)
-        experts = getattr(self.mlp, "experts", None)
-        self.ffn_counts = experts.routing_counts if experts is not None else torch.empty(0, dtype=torch.int64)
+        # Each residual half in one call where the backend offers it (``Backend.fuse_decoder_layer``,
+        # asked once after loading); None: every step runs op by op.
+        self.fused = None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor,
                 last: bool = False) -> torch.Tensor:
         """``last``: the final layer, which returns only ``meta.out_rows`` when those are set."""
-        # A few decode rows on a CPU in float32: each half of the layer is one C++ call.
-        if self.attn_block is not None and meta.decodes_only(x.shape[0]) and dispatch.decode_block_fusable(x):
-            x = dispatch.attention_block(x, meta.positions, meta.slot_mapping, cache.view(-1, cache.shape[-1]),
-                                         meta.decode_block_tables, meta.decode_context_lens, meta.block_size,
-                                         self.attn_block)
+        fused = self.fused
+        if fused is not None and fused.attention_fusable(x, meta):
+            x = fused.attention(x, meta, cache)  # x + self_attn(input_layernorm(x))
         else:
             a = self.self_attn(self.input_layernorm(x), meta, cache, last)
             if last and meta.out_rows is not None:
@@ -68,8 +59,8 @@ class DecoderLayer(nn.Module):
             # The sums go into the fresh outputs of the attention and the MLP (same values as x + a):
             # on a CPU each new prefill-sized tensor costs more in page faults than the addition itself.
             x = a.add_(x)
-        if self.ffn_block is not None and dispatch.decode_block_fusable(x):
-            return dispatch.ffn_block(x, self.ffn_counts, self.ffn_block)
+        if fused is not None and fused.ffn_fusable(x):
+            return fused.ffn(x)  # x + mlp(post_attention_layernorm(x))
         # one all-reduce for routed experts, shared experts and dense MLP shards together
         return self.par.all_reduce(self.mlp(self.post_attention_layernorm(x))).add_(x)
 
@@ -118,16 +109,22 @@ class DeepseekV3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, V] fp32
 
-    def post_load(self) -> None:
+    def post_load(self, settings: KernelSettings | None = None) -> None:
+        """Once the weights are in: derived weights, then the backend, chosen once from the weights'
+        device and dtype and ``settings`` (default: read from the environment now)."""
         for layer in self.model.layers:
             layer.self_attn.post_load()
             for mlp in (layer.mlp, getattr(layer.mlp, "shared_experts", None)):
                 if isinstance(mlp, MLP):
                     mlp.post_load()
+        settings = KernelSettings.from_env() if settings is None else settings
+        weight = self.model.norm.weight
+        ops = attach_backends(self, weight.device, weight.dtype, settings)
+        for layer in self.model.layers:
+            layer.fused = ops.fuse_decoder_layer(layer)
             experts = getattr(layer.mlp, "experts", None)
             if experts is not None:
-                experts.post_load(layer.self_attn.kv_a_layernorm.weight.dtype)
-            layer.post_load()
+                experts.post_load(weight.dtype)
 
     # -- declarations (see engine.models.registry) ------------------------------------------------
     def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:

@@ -32,6 +32,8 @@ from engine.layers.mlp import MLP
 from engine.layers.norm import RMSNorm
 from engine.models.registry import WeightTarget
 from engine.parallel.state import SINGLE, ParallelState
+from kernels.backend import attach_backends
+from kernels.settings import KernelSettings
 
 # checkpoint MoE spellings -> module names: K3 and transformers' save_pretrained write the MoE (and
 # Kimi Linear's dense first layer) under block_sparse_moe., experts as w1 (gate), w3 (up), w2 (down)
@@ -174,6 +176,8 @@ class KimiLinearForCausalLM(nn.Module):
         return self.lm_head(hidden)  # [N, V] fp32
 
     def post_load(self) -> None:
+        weight = self.model.norm.weight  # the backend, chosen once (see kernels.backend)
+        attach_backends(self, weight.device, weight.dtype, KernelSettings.from_env())
         for layer in self.model.layers:
             post = getattr(layer.self_attn, "post_load", None)
             if post is not None:

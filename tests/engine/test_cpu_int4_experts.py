@@ -7,11 +7,11 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from kernels import reference
+from kernels import cpu_moe
 from tests.helpers.checkpoints import write_hf_checkpoint
 from tests.helpers.quantized import quantize_checkpoint
 
-pytestmark = pytest.mark.skipif(not reference.int4pack_cpu_supported(64, 64, 32),
+pytestmark = pytest.mark.skipif(not cpu_moe.int4pack_cpu_supported(64, 64, 32),
                                 reason="this torch has no CPU int4 GEMM")
 
 
@@ -22,10 +22,10 @@ def _run(path, prompt):
 
 
 def test_bf16_int4_experts_use_the_cpu_int4_gemm_and_match_dequantising(tmp_path, monkeypatch):
-    from kernels import dispatch
+    from kernels.cpu_backend import CpuBackend
 
     # kernels.cpu_quant_moe takes these stacks where it builds; this test is about the int4pack fallback
-    monkeypatch.setattr(dispatch, "cpu_quant_moe_ready", lambda *a: False)
+    monkeypatch.setattr(CpuBackend, "quant_cxx", False)
     hf = write_hf_checkpoint(tmp_path, seed=5, num_hidden_layers=2)
     quantize_checkpoint(tmp_path, "int4", hf)
     prompt = [random.Random(1).randrange(320) for _ in range(60)]
@@ -33,7 +33,7 @@ def test_bf16_int4_experts_use_the_cpu_int4_gemm_and_match_dequantising(tmp_path
     stack = llm.engine.model.model.layers[1].mlp.experts.local
     assert stack.fmt == "int4pack"
     assert stack.w13_weight_packed.numel() == 0  # the checkpoint layout is not kept beside it
-    monkeypatch.setattr(reference, "int4pack_cpu_supported", lambda *a: False)
+    monkeypatch.setattr(cpu_moe, "int4pack_cpu_supported", lambda *a: False)
     llm, dequantised = _run(tmp_path, prompt)
     assert llm.engine.model.model.layers[1].mlp.experts.local.fmt == "int4"
     # Same weights, same bf16 activations; only the accumulation order differs (measured 5e-7). A

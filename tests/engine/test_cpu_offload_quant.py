@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from kernels import cpu_quant_moe, dispatch
+from kernels import cpu_quant_moe
 from tests.helpers.checkpoints import hf_greedy, write_hf_checkpoint
 from tests.helpers.quantized import quantize_checkpoint
 
@@ -56,7 +56,7 @@ def test_bf16_int4_experts_keep_the_checkpoint_layout(tmp_path):
     quantize_checkpoint(tmp_path, "int4", hf)
     with LLM(str(tmp_path), dtype="bfloat16", max_model_len=64, max_num_seqs=1) as llm:
         stack = llm.engine.model.model.layers[1].mlp.experts.local
-        assert dispatch.cpu_quant_moe_ready("int4", stack.w2_weight_packed.shape[1],
-                                            stack.w13_weight_packed.shape[1] // 2, 32)
+        assert stack.ops.quant_experts_native("int4", stack.w2_weight_packed.shape[1],
+                                              stack.w13_weight_packed.shape[1] // 2, 32)
         # not converted to torch's int4pack layout: the C++ kernels stream the packed words in place
         assert stack.fmt == "int4" and stack.w13_weight_packed.dtype == torch.int32

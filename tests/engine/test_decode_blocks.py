@@ -18,10 +18,11 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprob
 def _run(path: str, prompts: list[list[int]], fused: bool, monkeypatch) -> tuple[list, list, dict]:
     llm = LLM(path, max_model_len=128, max_num_seqs=8, enable_prefix_caching=False)
     layers = llm.engine.runner.model.model.layers
-    assert all(layer.attn_block is not None and layer.ffn_block is not None for layer in layers)
+    assert all(layer.fused is not None and layer.fused.attention_weights is not None
+               and layer.fused.ffn_weights is not None for layer in layers)
     if not fused:
         for layer in layers:
-            layer.attn_block = layer.ffn_block = None
+            layer.fused = None
     calls = {"attention": 0, "ffn": 0}
     for name, key in (("attention_block", "attention"), ("ffn_block", "ffn")):
         original = getattr(cpu_few_rows, name)

@@ -1,5 +1,5 @@
 """The fused CPU decode of an MLA layer (one ``mla_decode_absorbed`` call) against the same layer
-run op by op (``KIMITUI_KERNELS=reference``): same outputs, same cache contents."""
+run op by op (the reference backend, ``KIMITUI_KERNELS=reference``): same outputs, same cache contents."""
 
 import pytest
 import torch
@@ -8,7 +8,9 @@ from engine.config import ModelConfig
 from engine.layers.attn_metadata import AttentionMetadata
 from engine.layers.mla import MLAttention
 from engine.layers.rope import YarnRotaryEmbedding
-from kernels import cpu_few_rows, dispatch
+from kernels import cpu_few_rows
+from kernels.backend import REFERENCE
+from kernels.cpu_backend import CpuBackend
 from tests.helpers.checkpoints import BASE
 
 needs_ext = pytest.mark.skipif(not cpu_few_rows.available(), reason="C++ CPU kernels did not build here")
@@ -20,6 +22,9 @@ def _layer(heads: int, seed: int = 0) -> MLAttention:
     c = config
     rope = YarnRotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
     layer = MLAttention(config, "model.layers.0.self_attn", rope)
+    ops = CpuBackend()
+    for module in layer.modules():  # as kernels.backend.attach_backends does
+        module.ops = ops
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in layer.named_parameters():
@@ -44,20 +49,21 @@ def _decode_step(lens: list[int], block_size: int, num_blocks: int, seed: int):
 
 @needs_ext
 @pytest.mark.parametrize("heads,lens", [(4, [1]), (4, [5, 1, 17, 9]), (11, [3, 30])])
-def test_fused_decode_matches_the_op_by_op_layer(monkeypatch, heads, lens):
+def test_fused_decode_matches_the_op_by_op_layer(heads, lens):
     layer = _layer(heads)
     block_size, num_blocks = 4, 40
     meta = _decode_step(lens, block_size, num_blocks, seed=heads)
     width = layer.kv_lora_rank + layer.rope_dim
     cache = torch.randn(num_blocks, block_size, width)
     x = torch.randn(len(lens), 64)
-    assert dispatch.mla_decode_fusable(x, cache, layer.w_uk, layer.w_uv)
+    assert layer.ops.mla_decode_fusable(x, cache, layer.w_uk, layer.w_uv)
 
     fused_cache = cache.clone()
     with torch.inference_mode():
         fused = layer(x, meta, fused_cache)
-        monkeypatch.setenv("KIMITUI_KERNELS", "reference")
-        assert not dispatch.mla_decode_fusable(x, cache, layer.w_uk, layer.w_uv)
+        for module in layer.modules():
+            module.ops = REFERENCE
+        assert not layer.ops.mla_decode_fusable(x, cache, layer.w_uk, layer.w_uv)
         want_cache = cache.clone()
         want = layer(x, meta, want_cache)
     torch.testing.assert_close(fused_cache, want_cache, rtol=1e-5, atol=1e-5)

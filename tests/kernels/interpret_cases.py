@@ -232,14 +232,13 @@ def rms_norm_fp32_fp16_bf16():
 
 @case
 def engine_on_the_device_path_matches_the_cpu_path():
-    # The whole engine with every dispatch call sent to the Triton kernels (interpreted here, on
+    # The whole engine on the Triton backend (device emulation: the kernels interpreted here, on
     # CPU tensors): fused MoE for dense/INT4/MXFP4/FP8 experts, the quantised GEMMs and the paged
     # MLA decode, against the PyTorch path the CPU runs.
     import tempfile
     from pathlib import Path
 
     from engine import LLM, SamplingParams
-    from kernels import dispatch
     from tests.helpers.checkpoints import write_hf_checkpoint
     from tests.helpers.quantized import quantize_checkpoint
 
@@ -252,13 +251,19 @@ def engine_on_the_device_path_matches_the_cpu_path():
                 quantize_checkpoint(Path(tmp), method, hf)
             runs = []
             for device_path in (False, True):
-                saved = dispatch.use_triton
-                dispatch.use_triton = (lambda t: True) if device_path else saved
+                # KIMITUI_EMULATE_DEVICE=1 (read when the model loads): the Triton backend on CPU tensors
+                saved = os.environ.get("KIMITUI_EMULATE_DEVICE")
+                os.environ["KIMITUI_EMULATE_DEVICE"] = "1" if device_path else "0"
                 try:
                     llm = LLM(tmp, max_model_len=64, max_num_seqs=2, enable_prefix_caching=False)
+                    assert type(llm.engine.model.model.layers[0].self_attn.ops).__name__ == (
+                        "TritonBackend" if device_path else "CpuBackend")
                     runs.append([o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)])
                 finally:
-                    dispatch.use_triton = saved
+                    if saved is None:
+                        os.environ.pop("KIMITUI_EMULATE_DEVICE")
+                    else:
+                        os.environ["KIMITUI_EMULATE_DEVICE"] = saved
             for cpu, dev in zip(*runs):
                 assert cpu.token_ids == dev.token_ids, (method, cpu.token_ids, dev.token_ids)
                 for a, b, t in zip(cpu.logprobs, dev.logprobs, cpu.token_ids):

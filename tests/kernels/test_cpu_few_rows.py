@@ -1,13 +1,16 @@
 """The C++ few-row CPU kernels against PyTorch references, their batch independence, their
-thread count, their input checks, and when dispatch uses them."""
+thread count, their input checks, and when the CPU backend uses them."""
 
 import logging
 
 import pytest
 import torch
 
-from kernels import cpu_few_rows, dispatch
+from kernels import cpu_few_rows
 from kernels import reference as ref
+from kernels.backend import REFERENCE
+from kernels.cpu_backend import CpuBackend
+from kernels.settings import KernelSettings
 
 needs_ext = pytest.mark.skipif(not cpu_few_rows.available(), reason="the C++ extension does not build here")
 
@@ -58,10 +61,13 @@ def test_moe_matches_reference(t):
     weights, ids = torch.rand(t, e).topk(top_k)
     ids = ids[:, torch.randperm(top_k)]  # slots in no particular expert order
     ids[0, 1] = e  # a pair computed elsewhere (another rank, host RAM) adds nothing
-    got = cpu_few_rows.moe(x, ids, weights, w13, w2)
+    scratch = torch.empty(0)
+    got = cpu_few_rows.moe(x, ids, weights, w13, w2, scratch)
     torch.testing.assert_close(got, ref.moe_experts_reference(x, ids, weights, w13, w2), rtol=1e-5, atol=1e-5)
+    assert scratch.numel() >= (t * top_k - 1) * d  # the caller's buffer holds the pairs' outputs now
     # The kept output buffer must not carry anything into the next, smaller call.
-    torch.testing.assert_close(cpu_few_rows.moe(x[:1], ids[:1], weights[:1], w13, w2), got[:1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu_few_rows.moe(x[:1], ids[:1], weights[:1], w13, w2, scratch), got[:1], rtol=1e-5,
+                               atol=1e-5)
 
 
 @needs_ext
@@ -113,18 +119,18 @@ def test_bad_inputs_are_named():
 
 
 @needs_ext
-def test_dispatch_routes_few_float32_rows_only(monkeypatch):
+def test_cpu_backend_routes_few_float32_rows_only(monkeypatch):
     calls = []
     real = cpu_few_rows.linear
     monkeypatch.setattr(cpu_few_rows, "linear", lambda x, w: calls.append(x.shape) or real(x, w))
-    monkeypatch.delenv("KIMITUI_KERNELS", raising=False)
+    ops = CpuBackend(KernelSettings())
     w = torch.randn(16, 32)
-    dispatch.linear(torch.randn(2, 3, 32), w)  # 6 rows
-    dispatch.linear(torch.randn(cpu_few_rows.MAX_ROWS + 1, 32), w)  # too many rows: BLAS
-    dispatch.linear(torch.randn(2, 32, dtype=torch.bfloat16), w.bfloat16())  # not float32
+    ops.linear(torch.randn(2, 3, 32), w)  # 6 rows
+    ops.linear(torch.randn(cpu_few_rows.MAX_ROWS + 1, 32), w)  # too many rows: BLAS
+    ops.linear(torch.randn(2, 32, dtype=torch.bfloat16), w.bfloat16())  # not float32
     assert calls == [(2, 3, 32)]
-    monkeypatch.setenv("KIMITUI_KERNELS", "reference")
-    dispatch.linear(torch.randn(2, 32), w)
+    REFERENCE.linear(torch.randn(2, 32), w)  # KIMITUI_KERNELS=reference
+    CpuBackend(KernelSettings(cpu_kernels=False)).linear(torch.randn(2, 32), w)  # KIMITUI_CPU_KERNELS=0
     assert calls == [(2, 3, 32)]
 
 
@@ -134,7 +140,6 @@ def test_build_failure_falls_back_with_a_warning(monkeypatch, caplog):
     def fail(**kwargs):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
-    monkeypatch.delenv("KIMITUI_CPU_KERNELS", raising=False)  # reach the build even when a run turns it off
     monkeypatch.setattr(cpp, "load", fail)
     cpu_few_rows._module.cache_clear()
     try:
@@ -142,11 +147,12 @@ def test_build_failure_falls_back_with_a_warning(monkeypatch, caplog):
             assert not cpu_few_rows.available()
         assert "Ninja is required" in caplog.text
         x, w = torch.randn(2, 32), torch.randn(16, 32)
-        torch.testing.assert_close(dispatch.linear(x, w), x @ w.T)  # the PyTorch path still answers
+        ops = CpuBackend(KernelSettings())
+        assert not ops.cxx
+        torch.testing.assert_close(ops.linear(x, w), x @ w.T)  # the PyTorch path still answers
         monkeypatch.undo()
-        monkeypatch.setenv("KIMITUI_CPU_KERNELS", "0")
         cpu_few_rows._module.cache_clear()
-        assert not cpu_few_rows.available()
+        assert not CpuBackend(KernelSettings.from_env({"KIMITUI_CPU_KERNELS": "0"})).cxx
     finally:
         monkeypatch.undo()
         cpu_few_rows._module.cache_clear()
@@ -221,3 +227,17 @@ def test_the_extension_builds_where_a_compiler_is():
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler here")
     assert cpu_few_rows.available(), "the C++ CPU kernels failed to build; see the warning logged above"
+
+
+@needs_ext
+def test_the_backend_moe_scratch_works_in_and_out_of_inference_mode():
+    # The dispatch shim may make its backend inside torch.inference_mode and use it outside.
+    w13, w2 = _experts(4, 16, 8)
+    x = torch.randn(3, 16)
+    weights, ids = torch.rand(3, 4).topk(2)
+    with torch.inference_mode():
+        ops = CpuBackend(KernelSettings())
+        inside = ops.moe_experts(x[:1], ids[:1], weights[:1], w13, w2)
+    outside = ops.moe_experts(x, ids, weights, w13, w2)  # more pairs: the scratch grows out here
+    assert ops.moe_scratch.numel() >= 6 * 16
+    assert torch.equal(inside, outside[:1])

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_quant_moe, dispatch, reference as R
+from kernels import cpu_quant_moe, reference as R
+from kernels.cpu_backend import CpuBackend
 
 pytestmark = pytest.mark.skipif(not cpu_quant_moe.available(), reason="the C++ extension does not build here")
 
@@ -87,17 +88,17 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch(isa, fmt):
         assert torch.equal(alone[0], batch[t]), f"row {t} differs alone and in a batch ({fmt}, {isa})"
 
 
-def test_dispatch_matches_the_reference_and_takes_bf16():
+def test_cpu_backend_matches_the_reference_and_takes_bf16():
     hidden, inter, e = 64, 32, 4
     p13, s13, _ = _experts("int4", e, 2 * inter, hidden, 7)
     p2, s2, _ = _experts("int4", e, hidden, inter, 8)
     x = torch.randn(6, hidden)
     ids, wts = torch.randint(0, e, (6, 2)), torch.rand(6, 2)
-    got = dispatch.moe_experts_cpu_quant(x, ids, wts, "int4", p13, s13, p2, s2, 32)
+    got = CpuBackend().moe_experts_w4a16(x, ids, wts, p13, s13, p2, s2, 32)
     ref = R.moe_experts_reference_w4a16(x, ids, wts, p13, s13, p2, s2, 32)
     scale = ref.abs().max().item()  # outputs ~ hundreds: compare against the largest
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6 * scale)
-    got16 = dispatch.moe_experts_cpu_quant(x.bfloat16(), ids, wts.bfloat16(), "int4", p13, s13, p2, s2, 32)
+    got16 = CpuBackend().moe_experts_w4a16(x.bfloat16(), ids, wts.bfloat16(), p13, s13, p2, s2, 32)
     assert got16.dtype == torch.bfloat16
     torch.testing.assert_close(got16.float(), ref, rtol=2e-2, atol=1e-2 * scale)
 

@@ -1,29 +1,57 @@
-"""Dispatch picks the reference off-GPU; kernel wrappers reject bad inputs; moe_align_block_size."""
+"""Backend selection (once, from device, dtype and settings); the dispatch shim matches the
+reference; kernel wrappers reject bad inputs; moe_align_block_size."""
 
 import importlib.util
-import types
 
 import pytest
 import torch
 
-from kernels import dispatch
+from kernels import backend, dispatch
 from kernels import reference as ref
+from kernels.cpu_backend import CpuBackend
+from kernels.settings import KernelSettings
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
-def test_cpu_and_meta_tensors_use_reference(monkeypatch):
-    monkeypatch.delenv("KIMITUI_KERNELS", raising=False)
-    assert not dispatch.use_triton(torch.empty(1))
-    assert not dispatch.use_triton(torch.empty(1, device="meta"))
+def test_cpu_and_meta_tensors_use_reference():
+    auto = KernelSettings()
+    assert isinstance(backend.select_backend("cpu", torch.float32, auto), CpuBackend)
+    assert backend.select_backend("meta", torch.float32, auto) is backend.REFERENCE
+    assert backend.select_backend("cpu", torch.float32, KernelSettings(kernels="reference")) is backend.REFERENCE
 
 
 def test_env_forces_reference(monkeypatch):
-    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
-    fake_cuda = types.SimpleNamespace(device=torch.device("cuda", 0))  # only .device is read
-    assert dispatch.use_triton(fake_cuda)
-    monkeypatch.setenv("KIMITUI_KERNELS", "reference")
-    assert not dispatch.use_triton(fake_cuda)
+    monkeypatch.setattr(backend, "triton_available", lambda: True)
+    from kernels.triton_backend import TritonBackend
+
+    assert isinstance(backend.select_backend("cuda", torch.bfloat16, KernelSettings.from_env({})), TritonBackend)
+    forced = KernelSettings.from_env({"KIMITUI_KERNELS": "reference"})
+    assert backend.select_backend("cuda", torch.bfloat16, forced) is backend.REFERENCE
+
+
+def test_settings_are_read_once_and_checked():
+    s = KernelSettings.from_env({"KIMITUI_KERNELS": "Reference", "KIMITUI_CPU_KERNELS": "off",
+                                 "KIMITUI_EMULATE_DEVICE": "1", "TRITON_INTERPRET": "1"})
+    assert s == KernelSettings(kernels="reference", cpu_kernels=False, emulate_device=True, triton_interpret=True)
+    with pytest.raises(Exception):
+        s.kernels = "auto"  # frozen
+    with pytest.raises(ValueError, match="KIMITUI_KERNELS='triton'"):
+        KernelSettings.from_env({"KIMITUI_KERNELS": "triton"})
+    with pytest.raises(ValueError, match="KIMITUI_CPU_KERNELS='maybe'"):
+        KernelSettings.from_env({"KIMITUI_CPU_KERNELS": "maybe"})
+    with pytest.raises(ValueError, match="needs TRITON_INTERPRET=1"):
+        backend.select_backend("cpu", torch.float32, KernelSettings(emulate_device=True))
+
+
+@needs_triton
+def test_emulation_takes_the_device_backend_on_cpu_tensors():
+    from kernels.triton_backend import TritonBackend
+
+    ops = backend.select_backend("cpu", torch.float32, KernelSettings(emulate_device=True, triton_interpret=True))
+    assert isinstance(ops, TritonBackend)
+    assert not ops.mla_decode_fusable(torch.empty(1, 8), torch.empty(4, 8), torch.empty(1), torch.empty(1))
+    assert ops.fuse_decoder_layer(object()) is None  # no C++ decode blocks on the device path
 
 
 def test_dispatch_on_cpu_matches_reference():

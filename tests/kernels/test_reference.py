@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_moe
 from kernels import reference as ref
 
 
@@ -257,7 +258,7 @@ def test_moe_quantised_references_match_naive_loop():
 def test_linear_cpu_equals_f_linear_for_every_row_count():
     import torch.nn.functional as F
 
-    from kernels.reference import linear_cpu
+    from kernels.cpu_linear import linear_cpu
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 128, generator=g)
@@ -268,7 +269,7 @@ def test_linear_cpu_equals_f_linear_for_every_row_count():
     torch.testing.assert_close(linear_cpu(x3, w), F.linear(x3, w), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not ref.int4pack_cpu_supported(64, 64, 32), reason="torch has no CPU int4 GEMM")
+@pytest.mark.skipif(not cpu_moe.int4pack_cpu_supported(64, 64, 32), reason="torch has no CPU int4 GEMM")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_int4pack_cpu_experts_equal_dequantised_experts(dtype, tol):
     d, inter, e = 64, 32, 5
@@ -277,11 +278,12 @@ def test_int4pack_cpu_experts_equal_dequantised_experts(dtype, tol):
     w13, w2 = torch.randn(e, 2 * inter, d) / 4, torch.randn(e, d, inter) / 4
     q13 = [ref.quantize_int4(w13[i]) for i in range(e)]
     q2 = [ref.quantize_int4(w2[i]) for i in range(e)]
-    packs13 = [ref.prepack_int4_cpu(p, s, d, 32, dtype) for p, s in q13]
-    packs2 = [ref.prepack_int4_cpu(p, s, inter, 32, dtype) for p, s in q2]
-    got = ref.moe_experts_int4pack_cpu(x.to(dtype), topk_ids, topk_weights,
-                                       torch.stack([p for p, _ in packs13]), torch.stack([s for _, s in packs13]),
-                                       torch.stack([p for p, _ in packs2]), torch.stack([s for _, s in packs2]), 32)
+    packs13 = [cpu_moe.prepack_int4_cpu(p, s, d, 32, dtype) for p, s in q13]
+    packs2 = [cpu_moe.prepack_int4_cpu(p, s, inter, 32, dtype) for p, s in q2]
+    got = cpu_moe.moe_experts_int4pack_cpu(x.to(dtype), topk_ids, topk_weights,
+                                           torch.stack([p for p, _ in packs13]), torch.stack([s for _, s in packs13]),
+                                           torch.stack([p for p, _ in packs2]), torch.stack([s for _, s in packs2]),
+                                           32)
     assert got.dtype == dtype
     dq13 = torch.stack([ref.dequant_int4(p, s, d) for p, s in q13])
     dq2 = torch.stack([ref.dequant_int4(p, s, inter) for p, s in q2])

@@ -1,0 +1,209 @@
+"""One interface per compute operation, and the choice of its implementation, made once per model.
+
+A layer holds a ``Backend`` in its ``ops`` attribute and calls ``self.ops.linear(x, w)``,
+``self.ops.moe_experts(...)`` and so on; it never asks which backend it is on. The model picks the
+backend when its weights are in (``select_backend(device, dtype, settings)``) and hands the same
+object to every layer (``DeepseekV3ForCausalLM.post_load``); a layer built on its own keeps
+``REFERENCE`` until someone sets its ``ops``.
+
+This base class is the reference backend: every operation is the PyTorch oracle of
+``kernels.reference`` and runs on whatever device its tensors are on. ``CpuBackend``
+(``kernels.cpu_backend``: the C++ few-row kernels and BLAS-shaped PyTorch paths) and
+``TritonBackend`` (``kernels.triton_backend``: CUDA/ROCm, or CPU tensors under the Triton
+interpreter) override what they do better. Operations a backend cannot run fused answer "no"
+(``mla_decode_fusable``, ``fuse_decoder_layer``) and the layer runs op by op.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+from kernels.settings import KernelSettings
+
+
+class Backend:
+    """The PyTorch reference for every operation (the oracle the other backends are tested against)."""
+
+    name = "reference"
+
+    # -- linear layers: x [..., K] -> [..., N] in x.dtype
+
+    def linear(self, x, w):
+        """``x [..., K] @ w [N, K].T -> [..., N]`` for a dense weight."""
+        return F.linear(x, w)
+
+    def linear_fp8_block(self, x, w, scale_inv, block=(128, 128)):
+        """``x [..., K] @ dequant(w [N, K] fp8 e4m3fn, scale_inv).T -> [..., N]`` in x.dtype."""
+        return reference.linear_fp8_block(x, w, scale_inv, block)
+
+    def linear_w4a16(self, x, packed, scale, k, group_size=32):
+        """``x [..., K] @ dequant_int4(packed [N, ceil(K/8)], scale [N, ceil(K/g)]).T -> [..., N]``."""
+        _check_int4_k(x, k)
+        return reference.linear_w4a16(x, packed, scale, k, group_size)
+
+    def linear_mxfp4(self, x, packed, scale):
+        """``x [..., K] @ dequant_mxfp4(packed [N, K/2], scale [N, K/32]).T -> [..., N]``."""
+        return reference.linear_mxfp4(x, packed, scale)
+
+    # -- norms and routing
+
+    def rms_norm(self, x, weight, eps=1e-6):
+        """HF RMSNorm over the last dim of ``x [..., H]``."""
+        return reference.rms_norm(x, weight, eps)
+
+    def moe_route(self, x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid",
+                  norm_topk_prob=True, scaling=1.0):
+        """DeepSeek-V3 router: x [T, D], weight [E, D], bias [E] -> (topk_ids [T, k] int64,
+        topk_weights [T, k] fp32)."""
+        return reference.moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling)
+
+    # -- routed experts (SwiGLU): x [T, D], topk [T, k] -> [T, D]; an id == E adds nothing
+
+    def moe_experts(self, x, topk_ids, topk_weights, w13, w2):
+        """Dense experts: w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I]."""
+        return reference.moe_experts_reference(x, topk_ids, topk_weights, w13, w2)
+
+    def moe_experts_w4a16(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                          group_size=32):
+        """INT4 experts (w13_packed [E, 2I, D/8], scales [E, 2I, D/g]; w2 likewise)."""
+        return reference.moe_experts_reference_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
+                                                      w2_scale, group_size)
+
+    def moe_experts_mxfp4(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
+        """MXFP4 experts (w13_packed [E, 2I, D/2], w13_scale [E, 2I, D/32]; w2 likewise)."""
+        return reference.moe_experts_reference_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
+                                                     w2_scale)
+
+    def moe_experts_fp8(self, x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128)):
+        """Block-FP8 experts (w13 [E, 2I, D] e4m3fn + scale_inv [E, 2I/bn, D/bk]; w2 likewise)."""
+        return reference.moe_experts_reference_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv,
+                                                   block)
+
+    def prepack_int4_experts(self, w13_packed, w13_scale, w2_packed, w2_scale, group_size, dtype):
+        """INT4 experts (as ``moe_experts_w4a16`` takes them) converted once, after loading, to the
+        layout ``moe_experts_int4pack_cpu`` reads for activations of ``dtype``: (w13, w13_sz, w2,
+        w2_sz), or None where this backend has no such layout for them (then they stay as they are)."""
+        return None
+
+    def moe_experts_int4pack_cpu(self, x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size):
+        """INT4 experts in torch's CPU int4 layout (from ``prepack_int4_experts``)."""
+        raise ValueError(f"the {self.name} backend does not run experts prepacked for the CPU int4 GEMM")
+
+    # -- MLA decode over the paged latent cache
+
+    def mla_decode(self, q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale):
+        """q [B, H, r + rope], cache [slots, r + rope], block_tables [B, max_blocks] int32,
+        context_lens [B] int32 -> [B, H, r] in q.dtype."""
+        return reference.mla_decode_reference(q, cache, block_tables, context_lens, max_context_len, block_size,
+                                              kv_lora_rank, scale)
+
+    def mla_decode_fusable(self, x, cache, w_uk, w_uv) -> bool:
+        """Whether a decode-only MLA step on ``x [B, D]`` can run as one ``mla_decode_absorbed`` call."""
+        return False
+
+    def mla_decode_absorbed(self, q, kv, kv_norm_weight, eps, cos, sin, positions, slots, w_uk, w_uv, cache,
+                            block_tables, context_lens, block_size, scale):
+        """Norm, rope and cache write of the newest latents, W_UK absorption, attention over the paged
+        cache and W_UV in one call, where ``mla_decode_fusable`` holds -> [B, H, v]."""
+        raise ValueError(f"the {self.name} backend has no fused MLA decode (mla_decode_fusable is False)")
+
+    # -- Kimi Delta Attention (shapes and meaning: kernels/kda.py; oracle: reference.kda_recurrence_reference)
+
+    def kda_chunk(self, q, k, v, g, beta, initial_state, cu_seqlens, scale):
+        """Prefill of packed sequences from their states: (o [T, H, V], final_state [N, H, K, V] fp32)."""
+        return _kernel("kda", "chunk_kda")(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+
+    def kda_recurrent(self, q, k, v, g, beta, state, slots, scale):
+        """One decode token per sequence; ``state[slots]`` is updated in place. -> o [N, H, V]"""
+        return _kernel("kda", "recurrent_kda")(q, k, v, g, beta, state, slots, scale)
+
+    def causal_conv1d(self, x, weight, history, cu_seqlens=None):
+        """Short causal conv + SiLU continuing each sequence's history: (y [T, C], new history [N, C, W-1])."""
+        return _kernel("kda", "causal_conv1d")(x, weight, history, cu_seqlens)
+
+    # -- whole decoder halves
+
+    def fuse_decoder_layer(self, layer):
+        """An object whose ``attention(x, meta, cache)`` and ``ffn(x)`` run each residual half of
+        ``layer`` in one call for the steps ``fusable(x, meta)`` accepts, or None (run op by op).
+        Asked once per layer, after loading."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _kernel(module: str, name: str):
+    # kernel modules import on first use, so importing kernels never needs triton or fla
+    return getattr(importlib.import_module(f"kernels.{module}"), name)
+
+
+REFERENCE = Backend()  # stateless: the default of a layer nobody has handed a backend yet
+
+
+def _check_int4_k(x, k):
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, the INT4 weight has {k}")
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when the triton package can be imported (checked once)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        importlib.import_module("triton.language")
+    except Exception:  # a broken install (e.g. no compiler backend) counts as missing
+        return False
+    return True
+
+
+def select_backend(device: torch.device | str, dtype: torch.dtype, settings: KernelSettings) -> Backend:
+    """The backend for a model whose weights live on ``device`` in ``dtype``, chosen once.
+
+    ``kernels=reference``: the reference. Device emulation: Triton on CPU tensors (interpreted).
+    A CUDA/ROCm device with triton: Triton. A CPU: the CPU backend (C++ kernels when they build and
+    ``cpu_kernels`` allows). Anything else: the reference.
+    """
+    device = torch.device(device)
+    if settings.kernels == "reference":
+        return REFERENCE
+    if settings.emulate_device:
+        if not settings.triton_interpret:
+            raise ValueError("KIMITUI_EMULATE_DEVICE=1 needs TRITON_INTERPRET=1 (Triton kernels on CPU tensors)")
+        if not triton_available():
+            raise ValueError("KIMITUI_EMULATE_DEVICE=1 needs the triton package, which does not import here")
+        from kernels.triton_backend import TritonBackend
+
+        return TritonBackend()
+    if device.type == "cuda" and triton_available():
+        from kernels.triton_backend import TritonBackend
+
+        return TritonBackend()
+    if device.type == "cpu":
+        from kernels.cpu_backend import CpuBackend
+
+        return CpuBackend(settings, dtype)
+    return REFERENCE
+
+
+def attach_backends(model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype,
+                    settings: KernelSettings) -> Backend:
+    """Choose the backend of a loaded model on ``device`` in ``dtype`` and hand it to every submodule
+    with an ``ops`` attribute; submodules marked ``host_ram`` (experts offloaded to host RAM) get the
+    CPU backend whatever the model's device, an emulated one included. Returns the model's backend."""
+    device = torch.device(device)
+    ops = select_backend(device, dtype, settings)
+    on_cpu = device.type == "cpu" and not settings.emulate_device
+    host_ops = ops if on_cpu else select_backend("cpu", dtype, replace(settings, emulate_device=False))
+    for module in model.modules():
+        if isinstance(getattr(module, "ops", None), Backend):
+            module.ops = host_ops if getattr(module, "host_ram", False) else ops
+    return ops

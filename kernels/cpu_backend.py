@@ -1,0 +1,169 @@
+"""The CPU backend: the C++ few-row kernels where they apply, BLAS-shaped PyTorch everywhere else.
+
+Decode multiplies a few rows of activations by each weight; there the C++ loops of
+``kernels.cpu_few_rows`` (float32, built once per machine) beat BLAS, and a whole decoder half runs
+as one call (``kernels.cpu_decode_block``). Prefill-sized calls, other dtypes, or a machine where the
+extension does not build take ``kernels.cpu_linear`` and ``kernels.cpu_moe``. Whether the extension
+is used is decided once, when the backend is made; each call then only checks its own shape (rows,
+dtype), which a fixed choice cannot know ahead.
+
+The backend owns the C++ MoE's scratch buffer (the per-pair expert outputs, kept between calls so a
+prefill does not page-fault a fresh one in every layer) and the lock that lets one call use it at a
+time (host-RAM experts run on their own thread).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_few_rows, cpu_linear, cpu_moe, cpu_quant_moe, reference
+from kernels.backend import Backend
+from kernels.settings import KernelSettings
+
+_F32 = torch.float32
+
+
+def _f32(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    # float32 activations and float32 contiguous weights: what the C++ kernels take. A plain loop:
+    # this runs for every decode linear, where microseconds add up.
+    if x.dtype != _F32:
+        return False
+    for w in weights:
+        if w.dtype != _F32 or not w.is_contiguous():
+            return False
+    return True
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, settings: KernelSettings = KernelSettings(), dtype: torch.dtype = _F32):
+        # The C++ kernels compute in float32 only: a bf16/fp16 model never builds them.
+        self.settings = settings
+        self.cxx = settings.cpu_kernels and dtype == _F32 and cpu_few_rows.available()
+        # grown in place by the C++ MoE up to its cap (64 MB). Never an inference tensor, even when the
+        # backend is made under torch.inference_mode: calls outside it could not resize one.
+        with torch.inference_mode(False):
+            self.moe_scratch = torch.empty(0, dtype=_F32)
+        self.moe_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"CpuBackend(cxx={self.cxx})"
+
+    # -- linear layers
+
+    def linear(self, x, w):
+        if self.cxx and 0 < x.numel() // max(x.shape[-1], 1) <= cpu_few_rows.MAX_ROWS and _f32(x, w):
+            return cpu_few_rows.linear(x, w)
+        return cpu_linear.linear_cpu(x, w)
+
+    def linear_fp8_block(self, x, w, scale_inv, block=(128, 128)):
+        return cpu_linear.linear_cpu(x, reference.dequant_fp8_block(w, scale_inv, block, dtype=x.dtype))
+
+    def linear_w4a16(self, x, packed, scale, k, group_size=32):
+        if x.shape[-1] != k:
+            raise ValueError(f"x has {x.shape[-1]} input features, the INT4 weight has {k}")
+        return cpu_linear.linear_cpu(x, reference.dequant_int4(packed, scale, k, group_size, dtype=x.dtype))
+
+    def linear_mxfp4(self, x, packed, scale):
+        return cpu_linear.linear_cpu(x, reference.dequant_mxfp4(packed, scale, dtype=x.dtype))
+
+    # -- norms and routing
+
+    def rms_norm(self, x, weight, eps=1e-6):
+        if x.dtype == weight.dtype == _F32:
+            if self.cxx and weight.is_contiguous():
+                return cpu_few_rows.rms_norm(x, weight, eps)
+            # F.rms_norm runs the reference's operations in one call, bit-identical in fp32 (where the
+            # cast is a no-op): a third of the time of the separate ops on a CPU.
+            return F.rms_norm(x, weight.shape, weight, eps)
+        return reference.rms_norm(x, weight, eps)
+
+    def moe_route(self, x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid",
+                  norm_topk_prob=True, scaling=1.0):
+        if self.cxx and 0 < x.shape[0] <= cpu_few_rows.MAX_MOE_TOKENS and _f32(x, weight, bias):
+            return cpu_few_rows.moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob,
+                                          scaling)
+        return reference.moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling)
+
+    # -- routed experts
+
+    def moe_experts(self, x, topk_ids, topk_weights, w13, w2):
+        if self.cxx and 0 < x.shape[0] <= cpu_few_rows.MAX_MOE_TOKENS and _f32(x, w13, w2):
+            with self.moe_lock:
+                return cpu_few_rows.moe(x, topk_ids, topk_weights, w13, w2, self.moe_scratch)
+        return cpu_moe.moe_experts(x, topk_ids, topk_weights, w13, w2)
+
+    def quant_experts_native(self, fmt, hidden, inter, group_size=32) -> bool:
+        """Whether packed ``fmt`` ("int4" / "mxfp4") experts of this shape are read in place by the C++
+        kernels of ``kernels.cpu_quant_moe`` (dequantised in registers), rather than dequantised per call."""
+        return self.quant_cxx and cpu_quant_moe.supports(fmt, hidden, inter, group_size)
+
+    @functools.cached_property
+    def quant_cxx(self) -> bool:
+        # Built on first use (a model without packed experts never compiles it).
+        return self.settings.cpu_kernels and cpu_quant_moe.available()
+
+    def moe_experts_w4a16(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                          group_size=32):
+        if self.quant_experts_native("int4", x.shape[-1], w13_packed.shape[1] // 2, group_size):
+            return cpu_quant_moe.moe(x, topk_ids, topk_weights, "int4", w13_packed, w13_scale, w2_packed, w2_scale,
+                                     group_size)
+        return cpu_moe.moe_experts_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                                         group_size)
+
+    def moe_experts_mxfp4(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
+        if self.quant_experts_native("mxfp4", x.shape[-1], w13_packed.shape[1] // 2):
+            return cpu_quant_moe.moe(x, topk_ids, topk_weights, "mxfp4", w13_packed, w13_scale, w2_packed, w2_scale)
+        return cpu_moe.moe_experts_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
+
+    def moe_experts_fp8(self, x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128)):
+        return cpu_moe.moe_experts_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block)
+
+    def prepack_int4_experts(self, w13_packed, w13_scale, w2_packed, w2_scale, group_size, dtype):
+        # Only for bf16 activations: torch vectorises that kernel (about 10x faster than dequantising
+        # per call, benchmarks/cpu_experts.py); its fp32 and fp16 kernels are scalar loops, slower at
+        # batch 16 than the dequantising path kept for them.
+        if dtype != torch.bfloat16 or w13_packed.device.type != "cpu":
+            return None
+        if self.quant_experts_native("int4", w2_packed.shape[1], w13_packed.shape[1] // 2, group_size):
+            return None  # kernels.cpu_quant_moe streams the checkpoint layout itself, faster
+        (_, n13, w13_words), (_, d, w2_words) = w13_packed.shape, w2_packed.shape
+        k13, k2 = w13_words * 8, w2_words * 8
+        if k13 != d or k2 != n13 // 2 or not (cpu_moe.int4pack_cpu_supported(n13, k13, group_size)
+                                              and cpu_moe.int4pack_cpu_supported(d, k2, group_size)):
+            return None
+        return (*cpu_moe.prepack_int4_stack(w13_packed, w13_scale, k13, group_size, dtype),
+                *cpu_moe.prepack_int4_stack(w2_packed, w2_scale, k2, group_size, dtype))
+
+    def moe_experts_int4pack_cpu(self, x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size):
+        return cpu_moe.moe_experts_int4pack_cpu(x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size)
+
+    # -- MLA decode
+
+    def mla_decode(self, q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale):
+        if self.cxx and 0 < q.shape[0] <= cpu_few_rows.MAX_MLA_SEQS and _f32(q, cache):
+            return cpu_few_rows.mla_decode(q, cache, block_tables, context_lens, block_size, kv_lora_rank, scale)
+        return reference.mla_decode_reference(q, cache, block_tables, context_lens, max_context_len, block_size,
+                                              kv_lora_rank, scale)
+
+    def mla_decode_fusable(self, x, cache, w_uk, w_uv) -> bool:
+        return self.cxx and 0 < x.shape[0] <= cpu_few_rows.MAX_MLA_SEQS and _f32(x, cache, w_uk, w_uv)
+
+    def mla_decode_absorbed(self, q, kv, kv_norm_weight, eps, cos, sin, positions, slots, w_uk, w_uv, cache,
+                            block_tables, context_lens, block_size, scale):
+        return cpu_few_rows.mla_decode_absorbed(q, kv, kv_norm_weight, eps, cos, sin, positions, slots, w_uk, w_uv,
+                                                cache, block_tables, context_lens, block_size, scale)
+
+    # -- whole decoder halves
+
+    def fuse_decoder_layer(self, layer):
+        if not self.cxx:
+            return None
+        from kernels.cpu_decode_block import fuse_decoder_layer
+
+        return fuse_decoder_layer(layer, self)

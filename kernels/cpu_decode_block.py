@@ -1,0 +1,187 @@
+"""Each half of a DeepSeek-V3 decoder layer as one C++ call, for a few float32 rows on a CPU.
+
+``attention``: ``x + o_proj(MLA(input_layernorm(x)))`` for a step of decodes (writes the newest
+latents); ``ffn``: ``x + MoE or MLP(post_attention_layernorm(x))``. They chain the kernels the layer
+calls one by one (``cpu_decode_block.cpp``), in the same order, so the results are bit for bit those
+of the unfused layer; what goes is the Python between the kernels.
+
+The CPU backend builds a ``FusedDecoderLayer`` once per layer after loading
+(``CpuBackend.fuse_decoder_layer``), reading the layer's weights by name into one dataclass per
+half; a half whose weights the kernels cannot take (quantised, sharded, not contiguous float32 CPU
+tensors) stays None and runs op by op.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kernels import cpu_few_rows
+
+_ABSENT = torch.empty(0)  # an absent weight, for the C++ side (never written)
+
+
+def _dense_f32(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionBlockWeights:
+    """The fixed arguments of ``attention_block``, in the C++ function's order."""
+
+    norm: torch.Tensor  # input_layernorm [D]
+    norm_eps: float
+    in_proj: torch.Tensor  # q_a_proj (or q_proj) stacked on kv_a_proj_with_mqa [q_width + r + rope, D]
+    q_width: int
+    q_norm: torch.Tensor  # q_a_layernorm [q_lora_rank], or empty without a q LoRA
+    q_norm_eps: float
+    q_b: torch.Tensor  # q_b_proj [H * (nope + rope), q_lora_rank], or empty
+    heads: int
+    kv_norm: torch.Tensor  # kv_a_layernorm [r]
+    kv_norm_eps: float
+    cos: torch.Tensor  # rotary tables [P, rope / 2]
+    sin: torch.Tensor
+    w_uk: torch.Tensor  # [H, nope, r]
+    w_uv: torch.Tensor  # [H, v, r]
+    scale: float  # softmax scale
+    o_proj: torch.Tensor  # [D, H * v]
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple:
+        """The fields in order, as the C++ function takes them (built once: this runs every step)."""
+        # not dataclasses.astuple, which deep-copies every tensor
+        return tuple(getattr(self, f) for f in self.__dataclass_fields__)
+
+
+@dataclass(frozen=True, eq=False)
+class FfnBlockWeights:
+    """The fixed arguments of ``ffn_block``, in the C++ function's order: a dense SwiGLU MLP
+    (``router`` empty), or a MoE: router, routed experts and the shared experts (when the model has
+    them) as gate_up / down."""
+
+    norm: torch.Tensor  # post_attention_layernorm [D]
+    norm_eps: float
+    gate_up: torch.Tensor  # [2I, D] (gate rows, then up), or empty
+    down: torch.Tensor  # [D, I], or empty
+    router: torch.Tensor  # [E, D], or empty for a dense MLP
+    bias: torch.Tensor  # e_score_correction_bias [E]
+    top_k: int
+    n_group: int
+    topk_group: int
+    sigmoid: bool  # scoring_func == "sigmoid" (else softmax)
+    norm_topk_prob: bool
+    scaling: float
+    w13: torch.Tensor  # routed experts [E, 2I, D]
+    w2: torch.Tensor  # [E, D, I]
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple:
+        """The fields in order, as the C++ function takes them."""
+        return tuple(getattr(self, f) for f in self.__dataclass_fields__)
+
+
+def attention_weights(norm, attn) -> AttentionBlockWeights | None:
+    """``norm`` (the layer's input RMSNorm) and ``attn`` (its ``MLAttention``) by name, or None where
+    the kernel cannot take them: quantised or sharded weights, or not float32 CPU tensors."""
+    q_b = getattr(attn, "q_b_proj", None)
+    q_norm = getattr(attn, "q_a_layernorm", None)
+    q_in = attn.q_proj if q_b is None else attn.q_a_proj
+    # The kernel computes rotary MLA without an output gate (DeepSeek-V3, Kimi K2), not NoPE or gated
+    # MLA (Kimi Linear / K3).
+    if (attn.in_proj is None or attn.par.is_parallel or attn.o_proj.fmt != "dense" or attn.rope is None
+            or getattr(attn, "g_proj", None) is not None or (q_b is not None and q_b.fmt != "dense")):
+        return None
+    tensors = [norm.weight, attn.in_proj, attn.kv_a_layernorm.weight, attn.rope.cos, attn.rope.sin, attn.w_uk,
+               attn.w_uv, attn.o_proj.weight] + ([q_norm.weight, q_b.weight] if q_b is not None else [])
+    if not _dense_f32(*tensors):
+        return None
+    return AttentionBlockWeights(
+        norm=norm.weight, norm_eps=float(norm.eps), in_proj=attn.in_proj, q_width=int(q_in.out_features),
+        q_norm=_ABSENT if q_b is None else q_norm.weight, q_norm_eps=0.0 if q_b is None else float(q_norm.eps),
+        q_b=_ABSENT if q_b is None else q_b.weight, heads=int(attn.num_heads), kv_norm=attn.kv_a_layernorm.weight,
+        kv_norm_eps=float(attn.kv_a_layernorm.eps), cos=attn.rope.cos, sin=attn.rope.sin, w_uk=attn.w_uk,
+        w_uv=attn.w_uv, scale=float(attn.scale), o_proj=attn.o_proj.weight)
+
+
+def _mlp_fusable(mlp) -> bool:
+    # dense gate_up and down on one rank; the kernel computes SiLU only
+    act = getattr(mlp, "act", None)
+    return (mlp.gate_up is not None and mlp.down_proj.fmt == "dense" and not mlp.parallel
+            and (act is None or act.is_silu))
+
+
+def ffn_weights(norm, ffn) -> FfnBlockWeights | None:
+    """``norm`` (the post-attention RMSNorm) and ``ffn`` (an ``MLP``, or a ``MoE`` with ``gate``,
+    ``experts`` and ``shared_experts``) by name, or None unless every weight is a dense float32 CPU
+    tensor on this one rank (a MoE: every routed expert in this process's one stack)."""
+    gate = getattr(ffn, "gate", None)
+    if gate is None:  # a dense MLP
+        if not (_mlp_fusable(ffn) and _dense_f32(norm.weight, ffn.gate_up, ffn.down_proj.weight)):
+            return None
+        return FfnBlockWeights(norm=norm.weight, norm_eps=float(norm.eps), gate_up=ffn.gate_up,
+                               down=ffn.down_proj.weight, router=_ABSENT, bias=_ABSENT, top_k=0, n_group=1,
+                               topk_group=1, sigmoid=True, norm_topk_prob=True, scaling=1.0, w13=_ABSENT, w2=_ABSENT)
+    experts, shared = ffn.experts, ffn.shared_experts
+    if ffn.parallel or not experts.whole_layer_local or experts.local.fmt != "dense":
+        return None
+    if shared is not None and not _mlp_fusable(shared):
+        return None
+    stack = experts.local
+    tensors = [norm.weight, gate.weight, gate.e_score_correction_bias, stack.w13_weight, stack.w2_weight]
+    if shared is not None:
+        tensors += [shared.gate_up, shared.down_proj.weight]
+    if not _dense_f32(*tensors):
+        return None
+    return FfnBlockWeights(
+        norm=norm.weight, norm_eps=float(norm.eps), gate_up=_ABSENT if shared is None else shared.gate_up,
+        down=_ABSENT if shared is None else shared.down_proj.weight, router=gate.weight,
+        bias=gate.e_score_correction_bias, top_k=int(gate.top_k), n_group=int(gate.n_group),
+        topk_group=int(gate.topk_group), sigmoid=gate.scoring_func == "sigmoid",
+        norm_topk_prob=bool(gate.norm_topk_prob), scaling=float(gate.scaling), w13=stack.w13_weight,
+        w2=stack.w2_weight)
+
+
+class FusedDecoderLayer:
+    """The fused halves of one decoder layer; either may be None (that half runs op by op)."""
+
+    def __init__(self, attention: AttentionBlockWeights | None, ffn: FfnBlockWeights | None,
+                 routing_counts: torch.Tensor, backend):
+        self.attention_weights = attention
+        self.ffn_weights = ffn
+        self.routing_counts = routing_counts  # [E] int64, the MoE's counts (empty for a dense MLP)
+        self.backend = backend  # the CpuBackend: its MoE scratch buffer and lock
+
+    def attention_fusable(self, x: torch.Tensor, meta) -> bool:
+        """Whether this step's ``x [T, D]`` goes through ``attention``: decodes only, every output
+        wanted, up to ``MAX_ROWS`` float32 rows."""
+        return (self.attention_weights is not None and 0 < x.shape[0] <= cpu_few_rows.MAX_ROWS
+                and x.dtype == torch.float32 and meta.decodes_only(x.shape[0]))
+
+    def attention(self, x: torch.Tensor, meta, cache: torch.Tensor) -> torch.Tensor:
+        """``x + o_proj(MLA(norm(x)))``; cache [num_blocks, block_size, r + rope]."""
+        return cpu_few_rows.attention_block(x, meta.positions, meta.slot_mapping, cache.view(-1, cache.shape[-1]),
+                                            meta.decode_block_tables, meta.decode_context_lens, meta.block_size,
+                                            self.attention_weights)
+
+    def ffn_fusable(self, x: torch.Tensor) -> bool:
+        """Whether this step's ``x [T, D]`` goes through ``ffn``: up to ``MAX_ROWS`` float32 rows."""
+        return self.ffn_weights is not None and 0 < x.shape[0] <= cpu_few_rows.MAX_ROWS and x.dtype == torch.float32
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """``x + ffn(norm(x))``, counting a MoE's routing into ``routing_counts``."""
+        with self.backend.moe_lock:
+            return cpu_few_rows.ffn_block(x, self.routing_counts, self.ffn_weights, self.backend.moe_scratch)
+
+
+def fuse_decoder_layer(layer, backend) -> FusedDecoderLayer | None:
+    """The fused halves of a loaded DeepSeek-V3 ``DecoderLayer`` (``input_layernorm``, ``self_attn``,
+    ``post_attention_layernorm``, ``mlp``), or None when neither half can be fused."""
+    attention = attention_weights(layer.input_layernorm, layer.self_attn)
+    ffn = ffn_weights(layer.post_attention_layernorm, layer.mlp)
+    if attention is None and ffn is None:
+        return None
+    experts = getattr(layer.mlp, "experts", None)
+    counts = experts.routing_counts if experts is not None else torch.empty(0, dtype=torch.int64)
+    return FusedDecoderLayer(attention, ffn, counts, backend)

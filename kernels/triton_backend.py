@@ -1,0 +1,81 @@
+"""The device backend: Triton kernels for CUDA/ROCm tensors (or CPU tensors under TRITON_INTERPRET=1).
+
+Quantised GEMMs, the fused MoE and the paged MLA decode run as Triton kernels; a dense linear is
+``F.linear`` (cuBLAS/hipBLASLt beat a hand-written GEMM there) and RMSNorm stays the PyTorch
+reference ops, as the model ran them before this boundary existed (the Triton ``rms_norm`` kernel is
+tested against the same reference but the model does not use it). Kimi Delta Attention runs
+fla-core's Triton kernels on CUDA/ROCm tensors when fla imports, else the PyTorch forms of
+``kernels.kda``. Kernel modules import lazily so that importing ``kernels`` never needs triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from kernels.backend import Backend
+
+
+def _fla(x) -> bool:
+    return x.device.type == "cuda" and _kernel("kda_fla", "available")()
+
+
+def _kernel(module: str, name: str):
+    return getattr(importlib.import_module(f"kernels.{module}"), name)
+
+
+def _as_rows(x):
+    # [..., K] -> [M, K] without copying when possible.
+    return x.reshape(-1, x.shape[-1])
+
+
+class TritonBackend(Backend):
+    name = "triton"
+
+    def linear_fp8_block(self, x, w, scale_inv, block=(128, 128)):
+        out = _kernel("fp8_block_gemm", "fp8_block_gemm")(_as_rows(x), w, scale_inv, tuple(block))
+        return out.view(*x.shape[:-1], w.shape[0])
+
+    def linear_w4a16(self, x, packed, scale, k, group_size=32):
+        if x.shape[-1] != k:
+            raise ValueError(f"x has {x.shape[-1]} input features, the INT4 weight has {k}")
+        out = _kernel("w4a16_gemm", "w4a16_gemm")(_as_rows(x), packed, scale, group_size)
+        return out.view(*x.shape[:-1], packed.shape[0])
+
+    def linear_mxfp4(self, x, packed, scale):
+        out = _kernel("mxfp4_gemm", "mxfp4_gemm")(_as_rows(x), packed, scale)
+        return out.view(*x.shape[:-1], packed.shape[0])
+
+    def moe_experts(self, x, topk_ids, topk_weights, w13, w2):
+        return _kernel("fused_moe", "fused_moe")(x, topk_ids, topk_weights, w13, w2)
+
+    def moe_experts_w4a16(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                          group_size=32):
+        return _kernel("fused_moe", "fused_moe_w4a16")(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
+                                                       w2_scale, group_size)
+
+    def moe_experts_mxfp4(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
+        return _kernel("fused_moe", "fused_moe_mxfp4")(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
+                                                       w2_scale)
+
+    def moe_experts_fp8(self, x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128)):
+        return _kernel("fused_moe", "fused_moe_fp8")(x, topk_ids, topk_weights, w13, w13_scale_inv, w2,
+                                                     w2_scale_inv, tuple(block))
+
+    def mla_decode(self, q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale):
+        return _kernel("mla_decode", "mla_decode")(q, cache, block_tables, context_lens, max_context_len, block_size,
+                                                   kv_lora_rank, scale)
+
+    def kda_chunk(self, q, k, v, g, beta, initial_state, cu_seqlens, scale):
+        if _fla(q):
+            return _kernel("kda_fla", "chunk_kda")(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+        return super().kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+
+    def kda_recurrent(self, q, k, v, g, beta, state, slots, scale):
+        if _fla(q):
+            return _kernel("kda_fla", "recurrent_kda")(q, k, v, g, beta, state, slots, scale)
+        return super().kda_recurrent(q, k, v, g, beta, state, slots, scale)
+
+    def causal_conv1d(self, x, weight, history, cu_seqlens=None):
+        if _fla(x):
+            return _kernel("kda_fla", "causal_conv1d")(x, weight, history, cu_seqlens)
+        return super().causal_conv1d(x, weight, history, cu_seqlens)
