@@ -37,6 +37,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = Fals
     g.add_argument("--gpu-memory-gb", type=float, default=None, metavar="G", help="memory per GPU to use")
     g.add_argument("--cpu-offload", type=cpu_offload_arg, default="auto", metavar="auto|none|N",
                    help="routed experts kept in host RAM: planner decides, none, or N per MoE layer")
+    g.add_argument("--numa", default="auto", choices=["auto", "off"],
+                   help="host-RAM experts on a multi-socket CPU: auto = split per NUMA node, computed there; off")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N", help="cap the KV cache at N tokens")
     g.add_argument("--routing-stats", default=None, metavar="FILE",
@@ -60,4 +62,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         gpu_memory_gb=args.gpu_memory_gb,
         kv_cache_tokens=args.kv_cache_tokens,
         routing_stats=args.routing_stats,
+        numa=args.numa,
     )
