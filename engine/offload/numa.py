@@ -19,9 +19,11 @@ Threads: ``os.sched_setaffinity(0, cpus)`` pins the calling thread only. The pac
 libgomp keeps one thread pool per calling (master) thread and creates its threads with
 ``pthread_create``, which inherits the creator's CPU mask, so each node's team stays on its node
 (unless ``OMP_PROC_BIND`` / ``GOMP_CPU_AFFINITY`` rebind them). The team size is
-``at::get_num_threads()`` (whole-machine by default), not the node's CPU count: on two nodes each team
-is twice the node's cores. The kernel takes its work from an atomic counter, so the extra threads
-only time-share; a per-call thread count in the kernel would remove them.
+``at::get_num_threads()``, torch's process-wide intra-op count (each new thread takes it over; by
+default one per core of the machine), not the node's CPU count: on two nodes each team is twice the
+node's cores. Changing it per thread would change process-wide state, so it is left alone. The
+kernel takes its work from an atomic counter, so the extra threads only time-share; a per-call thread
+count in the kernel would remove them. Tensor-parallel worker ranks (``--gpus`` > 1) keep one stack.
 
 Not measured (this project's machines have one node): the bandwidth gain on a real two-socket EPYC /
 Xeon, whether the oversubscribed teams above cost anything, and whether transparent huge pages or
