@@ -35,6 +35,7 @@ class EngineArgs:
     routing_stats: str | None = None  # JSON of tokens per expert per layer from an earlier run
     seed: int = 0
     enforce_eager: bool = False  # vLLM's name: no CUDA/HIP graph capture of decode steps
+    numa: str = "auto"  # host experts per NUMA node: auto (split when >1 node) or off; engine.offload.numa
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -52,6 +53,8 @@ class EngineArgs:
         off = self.cpu_offload
         if not (off in ("auto", "none") or (isinstance(off, int) and off >= 0) or (isinstance(off, str) and off.isdigit())):
             raise ValueError(f"cpu_offload must be auto, none or a non-negative integer, got {off!r}")
+        if self.numa not in ("auto", "off"):
+            raise ValueError(f"numa must be auto or off, got {self.numa!r}")
 
     def resolve_device(self) -> torch.device:
         """'auto' picks the GPU torch sees (CUDA or ROCm), else the CPU."""

@@ -25,6 +25,7 @@ from engine.kv_cache.pool import (KVCachePool, bytes_of_state, bytes_per_block, 
 from engine.kv_cache.state_slots import StateSlots
 from engine.loader import load_model
 from engine.metrics import EngineStats
+from engine.offload.numa import NumaPolicy, place_host_experts, read_topology
 from engine.offload.placement import device_reserve_bytes, expert_placement_for
 from engine.parallel.state import SINGLE
 from engine.parallel.workers import WorkerGroup, WorkerSpec, free_port
@@ -74,6 +75,9 @@ class LLMEngine:
             self.model, self.load_report = load_model(self.config, self.model_dir, self.device, self.dtype,
                                                       self.max_model_len, progress, par, self.expert_placement)
             self.load_seconds = time.monotonic() - t0
+            # host experts split per NUMA node (no-op on one node); worker ranks (tp > 1) keep one stack
+            self.numa_layers, self.numa_workers = place_host_experts(self.model, NumaPolicy(args.numa),
+                                                                     read_topology())
             self.cache_pool = self._allocate_cache()
             if self.workers is not None:
                 pool = self.cache_pool  # workers allocate the same cache

@@ -37,6 +37,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = Fals
     g.add_argument("--gpu-memory-gb", type=float, default=None, metavar="G", help="memory per GPU to use")
     g.add_argument("--cpu-offload", type=cpu_offload_arg, default="auto", metavar="auto|none|N",
                    help="routed experts kept in host RAM: planner decides, none, or N per MoE layer")
+    g.add_argument("--numa", default="auto", choices=["auto", "off"],
+                   help="host-RAM experts on a multi-socket CPU: auto = split per NUMA node, computed there; off")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA/HIP graph capture of decode steps (run every step eagerly)")
@@ -63,4 +65,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         kv_cache_tokens=args.kv_cache_tokens,
         routing_stats=args.routing_stats,
         enforce_eager=args.enforce_eager,
+        numa=args.numa,
     )

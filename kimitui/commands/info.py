@@ -23,6 +23,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=argparse.SUPPRESS, metavar="N", help="devices for the placement")
     p.add_argument("--cpu-offload", type=cpu_offload_arg, default=argparse.SUPPRESS, metavar="auto|none|N")
     p.add_argument("--gpu-memory-gb", type=float, default=argparse.SUPPRESS, metavar="G")
+    p.add_argument("--numa", choices=["auto", "off"], default=argparse.SUPPRESS, help="policy to report")
     p.set_defaults(func=run)
     return p
 
@@ -94,6 +95,20 @@ def demo_lines() -> list[str]:
     return lines
 
 
+def numa_lines(args: argparse.Namespace, root: str | None = None) -> list[str]:
+    """NUMA nodes (CPUs, memory) from sysfs and what --numa would do with host experts on them."""
+    from engine.offload.numa import SYSFS_NODES, NumaPolicy, read_topology
+
+    try:
+        topology = read_topology(root or SYSFS_NODES)
+    except (OSError, ValueError) as e:
+        return [f"n/a: {e}"]
+    policy = NumaPolicy(getattr(args, "numa", "auto"))
+    action = (f"host experts split over {len(topology.nodes)} nodes, computed by threads pinned per node"
+              if policy.split(topology) else "one host-expert stack, unpinned threads")
+    return topology.summary_lines() + [f"policy    --numa {policy.mode}: {action}"]
+
+
 def placement_lines(args: argparse.Namespace) -> list[str]:
     """The planner's placement for --model on --gpus devices (what the engine would build)."""
     from engine.config import ConfigError, ModelConfig
@@ -117,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     from kimitui.telemetry import describe_backends
 
     sections = [("devices", device_lines()), ("telemetry backends", describe_backends()),
-                ("versions", version_lines()), ("demo checkpoint", demo_lines())]
+                ("numa", numa_lines(args)), ("versions", version_lines()),
+                ("demo checkpoint", demo_lines())]
     if getattr(args, "model", None):
         sections.append(("expert placement", placement_lines(args)))
     for i, (title, lines) in enumerate(sections):
