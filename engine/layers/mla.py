@@ -22,10 +22,10 @@ from kernels import dispatch
 
 # Cached tokens expanded through kv_b_proj at once by a prefill chunk. Beyond this the context goes
 # in slices merged by online softmax, so a chunk's live memory is bounded by the slice, not by the
-# context: per slice S * H * (nope + v + rope) expanded keys/values plus H * n * S fp32 scores. For
-# K2 (H = 64, nope + v + rope = 320) at S = 4096 in bf16 that is 160 MiB of keys/values and, for a
-# 2048-query chunk, 2 GiB of scores, where expanding a 128K context whole holds ~5 GiB of
-# keys/values plus SDPA's boolean-mask fallback of [H, n, L] fp32 scores (64 GiB).
+# context: per slice S * H * (2 * nope + v + rope) float32 keys/values (K2, 64 heads, S = 4096:
+# about 0.6 GiB) and one [H, n, S] float32 score buffer (2 GiB for a 2048-query chunk). Expanding a
+# 128K context whole holds about 13 GiB of keys/values, and its boolean mask sends SDPA to the math
+# kernel with [H, n, L] float32 scores.
 PREFILL_SLICE = 4096
 
 
@@ -221,9 +221,9 @@ class MLAttention(nn.Module):
             b = min(a + size, context_len)
             s, v = self._slice_scores(q, a, b, block_table, block_size, flat, dtype)  # [H, n, S], [H, S, v]
             if b - 1 > context_len - n:  # keys past the first query's position: the causal edge
-                s = s.masked_fill(torch.arange(a, b, device=q.device)[None, :] > qpos[:, None], float("-inf"))
+                s.masked_fill_(torch.arange(a, b, device=q.device)[None, :] > qpos[:, None], float("-inf"))
             m_new = s.amax(-1) if m is None else torch.maximum(m, s.amax(-1))
-            p = torch.exp(s - m_new[..., None])
+            p = s.sub_(m_new[..., None]).exp_()  # in place: one [H, n, S] buffer per slice
             pv = torch.bmm(p, v)
             if m is None:
                 l, acc = p.sum(-1), pv
@@ -244,7 +244,7 @@ class MLAttention(nn.Module):
         kv = self.kv_b_proj(lat[:, : self.kv_lora_rank]).view(b - a, self.num_heads, -1).float()
         k_pe = lat[:, None, self.kv_lora_rank:].float().expand(-1, self.num_heads, -1)
         k = torch.cat([kv[..., : self.nope], k_pe], dim=-1).transpose(0, 1)  # [H, S, qk]
-        return torch.bmm(q, k.transpose(1, 2)) * self.scale, kv[..., self.nope:].transpose(0, 1)
+        return torch.bmm(q, k.transpose(1, 2)).mul_(self.scale), kv[..., self.nope:].transpose(0, 1)
 
     def _decode(self, q_nope, q_pe, meta: AttentionMetadata, flat):
         # Absorbed path: one query per sequence, batched over sequences. [B, H, *]
