@@ -20,10 +20,19 @@ from engine.layers.rope import YarnRotaryEmbedding
 from engine.parallel.state import SINGLE, ParallelState
 from kernels.backend import REFERENCE, Backend
 
+# Cached tokens expanded through kv_b_proj at once by a prefill chunk. Beyond this the context goes
+# in slices merged by online softmax, so a chunk's live memory is bounded by the slice, not by the
+# context: per slice S * H * (2 * nope + v + rope) float32 keys/values (K2, 64 heads, S = 4096:
+# about 0.6 GiB) and one [H, n, S] float32 score buffer (2 GiB for a 2048-query chunk). Expanding a
+# 128K context whole holds about 13 GiB of keys/values, and its boolean mask sends SDPA to the math
+# kernel with [H, n, L] float32 scores.
+PREFILL_SLICE = 4096
+
 
 class MLAttention(nn.Module):
     ops: Backend = REFERENCE  # the model's backend, set when it is loaded
     param_class = "attention"  # for the planner, see engine.models.registry
+    prefill_slice = PREFILL_SLICE  # an instance may set its own (tests use small slices)
 
     def __init__(self, config: ModelConfig, prefix: str, rope: YarnRotaryEmbedding | None,
                  par: ParallelState = SINGLE, dtype: torch.dtype = torch.float32):
@@ -155,6 +164,8 @@ class MLAttention(nn.Module):
 
     def _prefill(self, q_nope, q_pe, context_len, block_table, block_size, flat):
         # Naive path for one sequence's chunk of n queries over context_len cached tokens.
+        if context_len > self.prefill_slice:
+            return self._prefill_sliced(q_nope, q_pe, context_len, block_table, block_size, flat)
         n = q_nope.shape[0]
         # index_select copies whole rows: several times faster than advanced indexing on CPU
         lat = flat.index_select(0, gather_slots(block_table, context_len, block_size)).to(q_nope.dtype)  # [L, r+rope]
@@ -177,6 +188,45 @@ class MLAttention(nn.Module):
             mask = torch.arange(context_len, device=q.device)[None, :] <= qpos[:, None]  # [n, L]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return o[0, ..., : self.v_dim].transpose(0, 1)  # [n, H, v]
+
+    def _prefill_sliced(self, q_nope, q_pe, context_len, block_table, block_size, flat):
+        """The naive path over a context longer than ``prefill_slice``: the context goes through
+        kv_b_proj ``prefill_slice`` tokens at a time and each slice's softmax is merged into a running
+        one (online softmax, as in FlashAttention: Dao et al. 2022, arXiv:2205.14135), so nothing of
+        context length is ever live but the slot indices. Scores and sums are float32. -> [n, H, v]"""
+        n, dtype, size = q_nope.shape[0], q_nope.dtype, self.prefill_slice
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1).float()  # [H, n, qk]
+        qpos = torch.arange(context_len - n, context_len, device=q.device)  # query i's position
+        # Slice 0 holds position 0, which every query sees, so the running max is finite from then on.
+        m = l = acc = None  # running max [H, n], sum of exp [H, n], unnormalised output [H, n, v]
+        for a in range(0, context_len, size):
+            b = min(a + size, context_len)
+            s, v = self._slice_scores(q, a, b, block_table, block_size, flat, dtype)  # [H, n, S], [H, S, v]
+            if b - 1 > context_len - n:  # keys past the first query's position: the causal edge
+                s.masked_fill_(torch.arange(a, b, device=q.device)[None, :] > qpos[:, None], float("-inf"))
+            m_new = s.amax(-1) if m is None else torch.maximum(m, s.amax(-1))
+            p = s.sub_(m_new[..., None]).exp_()  # in place: one [H, n, S] buffer per slice
+            pv = torch.bmm(p, v)
+            if m is None:
+                l, acc = p.sum(-1), pv
+            else:
+                alpha = torch.exp(m - m_new)
+                l = l * alpha + p.sum(-1)
+                acc = acc * alpha[..., None] + pv
+            m = m_new
+        return (acc / l[..., None]).transpose(0, 1).to(dtype)
+
+    def _slice_scores(self, q, a, b, block_table, block_size, flat, dtype):
+        """Scaled scores of q [H, n, qk] (float32) against cached positions a..b-1 of one sequence,
+        and those positions' values; kv_b_proj runs in ``dtype`` (the queries' dtype, as in the
+        unsliced path). -> ([H, n, b - a], [H, b - a, v]) float32"""
+        pos = torch.arange(a, b, device=block_table.device)
+        slots = block_table[pos // block_size].long() * block_size + pos % block_size
+        lat = flat.index_select(0, slots).to(dtype)  # [S, r + rope]
+        kv = self.kv_b_proj(lat[:, : self.kv_lora_rank]).view(b - a, self.num_heads, -1).float()
+        k_pe = lat[:, None, self.kv_lora_rank:].float().expand(-1, self.num_heads, -1)
+        k = torch.cat([kv[..., : self.nope], k_pe], dim=-1).transpose(0, 1)  # [H, S, qk]
+        return torch.bmm(q, k.transpose(1, 2)).mul_(self.scale), kv[..., self.nope:].transpose(0, 1)
 
     def _decode(self, q_nope, q_pe, meta: AttentionMetadata, flat):
         # Absorbed path: one query per sequence, batched over sequences. [B, H, *]
