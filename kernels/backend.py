@@ -169,21 +169,19 @@ def select_backend(device: torch.device | str, dtype: torch.dtype, settings: Ker
     """The backend for a model whose weights live on ``device`` in ``dtype``, chosen once.
 
     ``kernels=reference``: the reference. Device emulation: Triton on CPU tensors (interpreted).
-    A CUDA/ROCm device with triton: Triton. A CPU: the CPU backend (C++ kernels when they build and
+    A CUDA/ROCm device: Triton (``TritonUnavailableError`` when it does not import or work). A CPU: the CPU backend (C++ kernels when they build and
     ``cpu_kernels`` allows). Anything else: the reference.
     """
     device = torch.device(device)
     if settings.kernels == "reference":
         return REFERENCE
-    if settings.emulate_device:
-        if not settings.triton_interpret:
-            raise ValueError("KIMITUI_EMULATE_DEVICE=1 needs TRITON_INTERPRET=1 (Triton kernels on CPU tensors)")
-        if not triton_available():
-            raise ValueError("KIMITUI_EMULATE_DEVICE=1 needs the triton package, which does not import here")
-        from kernels.triton_backend import TritonBackend
+    if settings.emulate_device and not settings.triton_interpret:
+        raise ValueError("KIMITUI_EMULATE_DEVICE=1 needs TRITON_INTERPRET=1 (Triton kernels on CPU tensors)")
+    # A GPU (or its emulation) without a working triton is an error naming the package, never a
+    # silent fall back to the reference, which loops over experts with host syncs.
+    from kernels.triton_check import require_triton
 
-        return TritonBackend()
-    if device.type == "cuda" and triton_available():
+    if require_triton(device, settings):
         from kernels.triton_backend import TritonBackend
 
         return TritonBackend()

@@ -28,7 +28,7 @@ from engine.kv_cache.state import KDAState, KDAStateSpec
 from engine.layers.attn_metadata import AttentionMetadata
 from engine.layers.linear import Linear, fuse_dense_rows
 from engine.parallel.state import SINGLE, ParallelState
-from kernels import dispatch
+from kernels.backend import REFERENCE, Backend
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,8 @@ class _ConvWeight(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
+    ops: Backend = REFERENCE  # the model's backend, set when it is loaded
+
     def __init__(self, config: KDAConfig, prefix: str, par: ParallelState = SINGLE,
                  dtype: torch.dtype = torch.float32):
         """``dtype``: of the projections; A_log, dt_bias, the conv weights and o_norm stay fp32."""
@@ -198,10 +200,10 @@ class KimiDeltaAttention(nn.Module):
         o = torch.empty(T, H, hd, dtype=x.dtype, device=x.device)
         if d:
             dec = slots[:d]
-            y, hist = dispatch.causal_conv1d(qkv[:d], conv_w, state.conv.index_select(0, dec))
+            y, hist = self.ops.causal_conv1d(qkv[:d], conv_w, state.conv.index_select(0, dec))
             state.conv.index_copy_(0, dec, hist)
             qd, kd, vd = (t.view(d, H, hd) for t in y.split(P, dim=-1))
-            o[:d] = dispatch.kda_recurrent(qd, kd, vd, g[:d], beta[:d], state.recurrent, dec, self.scale)
+            o[:d] = self.ops.kda_recurrent(qd, kd, vd, g[:d], beta[:d], state.recurrent, dec, self.scale)
         if meta.prefills:
             o[d:] = self._prefill(qkv[d:], g[d:], beta[d:], conv_w, meta, slots[d:], state)
 
@@ -225,12 +227,12 @@ class KimiDeltaAttention(nn.Module):
         cu_seqlens = torch.tensor(cu, dtype=torch.int64, device=qkv.device)
         keep = torch.tensor([not f for f in fresh], device=qkv.device)  # [N] True = continue from the slot
         hist = state.conv.index_select(0, slots) * keep[:, None, None]
-        y, hist = dispatch.causal_conv1d(qkv, conv_w, hist, cu_seqlens)
+        y, hist = self.ops.causal_conv1d(qkv, conv_w, hist, cu_seqlens)
         state.conv.index_copy_(0, slots, hist)
         n, H, hd = qkv.shape[0], self.num_heads, self.head_dim
         q, k, v = (t.view(n, H, hd) for t in y.split(H * hd, dim=-1))
         h0 = state.recurrent.index_select(0, slots) * keep[:, None, None, None]
-        o, final = dispatch.kda_chunk(q, k, v, g, beta, h0, cu_seqlens, self.scale)
+        o, final = self.ops.kda_chunk(q, k, v, g, beta, h0, cu_seqlens, self.scale)
         state.recurrent.index_copy_(0, slots, final.to(state.recurrent.dtype))
         return o
 
@@ -241,7 +243,7 @@ class KimiDeltaAttention(nn.Module):
             outs = [p(x) for p in projs]
             qkv = torch.cat(outs[:3], dim=-1)
         else:
-            y = dispatch.linear(x, self.in_proj)  # [T, 3P' + hd + H' + gate]
+            y = self.ops.linear(x, self.in_proj)  # [T, 3P' + hd + H' + gate]
             sizes = [p.out_features for p in projs]
             width = sum(sizes[:3])
             qkv = y[:, :width]  # a view: the conv reads it strided
