@@ -1,4 +1,4 @@
-"""Residual add + RMSNorm in one Triton launch (reference: ``reference_fused.fused_add_rms_norm``).
+"""Residual add + RMSNorm in one Triton launch (reference: ``reference.fused_add_rms_norm``).
 
 A decoder layer normalises ``x + residual`` twice per layer (before attention, before the MLP) and
 keeps the sum as the next residual. Op by op that is an add, a cast, a square, a mean, an rsqrt, two

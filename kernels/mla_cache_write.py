@@ -1,4 +1,4 @@
-"""MLA's latent-cache write in one Triton launch (reference: ``reference_fused.mla_cache_write``).
+"""MLA's latent-cache write in one Triton launch (reference: ``reference.mla_cache_write``).
 
 Each step, MLA splits ``kv_a_proj_with_mqa``'s output ``kv [T, r + R]`` into the latent (RMSNorm'd
 with ``kv_a_layernorm``) and the shared rope key (rotated by the token's position), concatenates

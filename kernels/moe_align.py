@@ -1,4 +1,4 @@
-"""Expert alignment for the fused MoE in one Triton launch (reference: ``reference_fused.moe_align_block_size``).
+"""Expert alignment for the fused MoE in one Triton launch (reference: ``reference.moe_align_block_size``).
 
 The fused MoE GEMM (``kernels/fused_moe.py``) wants the T*k (token, slot) pairs sorted by expert,
 each expert's run padded to a multiple of BLOCK_M, so that every M-tile belongs to one expert.

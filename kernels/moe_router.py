@@ -1,4 +1,4 @@
-"""MoE routing after the gate GEMM in one Triton launch (reference: ``reference_fused.moe_route_logits``).
+"""MoE routing after the gate GEMM in one Triton launch (reference: ``reference.moe_route_logits``).
 
 DeepSeek-V3's ``noaux_tc`` router, as Kimi K2 uses it: scores = sigmoid(logits) (or softmax);
 selection runs on ``scores + e_score_correction_bias``; with ``n_group > 1`` each group scores the

@@ -1,5 +1,5 @@
 """YaRN rope of MLA's query heads and its shared key in one Triton launch
-(reference: ``reference_fused.rope_mla``).
+(reference: ``reference.rope_mla``).
 
 MLA rotates the last ``qk_rope_head_dim`` channels of every query head (``q_pe [T, H, R]``) and the
 one shared key (``k_pe [T, R]``, the tail of ``kv_a_proj_with_mqa``'s output) by the same positions.

@@ -39,7 +39,7 @@ def _close(got, expected, tol):
 
 @case
 def fused_add_rms_norm_fp32_odd_hidden():
-    from kernels import reference_fused as ref
+    from kernels import reference as ref
     from kernels.fused_add_rms_norm import fused_add_rms_norm
 
     x, r, w = torch.randn(3, 2, 203), torch.randn(3, 2, 203), torch.rand(203) + 0.5
@@ -51,7 +51,7 @@ def fused_add_rms_norm_fp32_odd_hidden():
 
 @case
 def fused_add_rms_norm_fp16_in_place():
-    from kernels import reference_fused as ref
+    from kernels import reference as ref
     from kernels.fused_add_rms_norm import fused_add_rms_norm
 
     x, r = torch.randn(5, 1000).half(), torch.randn(5, 1000).half()
@@ -67,7 +67,7 @@ def fused_add_rms_norm_fp16_in_place():
 
 @case
 def fused_add_rms_norm_fp16_weight_fp32_promotes():
-    from kernels import reference_fused as ref
+    from kernels import reference as ref
     from kernels.fused_add_rms_norm import fused_add_rms_norm
 
     x, r, w = torch.randn(4, 96).half(), torch.randn(4, 96).half(), torch.rand(96) + 0.5
@@ -91,7 +91,7 @@ def _yarn():
 
 @case
 def rope_mla_fp32_strided_views_match_engine():
-    from kernels import reference_fused as ref
+    from kernels import reference as ref
     from kernels.rope_fused import rope_mla
 
     rope = _yarn()
@@ -112,7 +112,7 @@ def rope_mla_fp32_strided_views_match_engine():
 
 @case
 def rope_mla_fp16_in_place_odd_heads():
-    from kernels import reference_fused as ref
+    from kernels import reference as ref
     from kernels.rope_fused import rope_mla
 
     rope = _yarn()
@@ -133,7 +133,7 @@ def rope_mla_fp16_in_place_odd_heads():
 
 
 def _cache_write_case(dtype, cache_dtype, weight_dtype, tol):
-    from kernels import reference_fused as ref
+    from kernels import reference as ref
     from kernels.mla_cache_write import mla_cache_write
 
     rope = _yarn()
@@ -172,7 +172,7 @@ def moe_router_grouped_sigmoid_fp32_matches_moe_route():
     import torch.nn.functional as F
 
     from kernels import reference as base
-    from kernels import reference_fused as ref
+    from kernels import reference as ref
     from kernels.moe_router import moe_route_logits
 
     x, gate, bias = torch.randn(7, 40), torch.randn(24, 40), torch.randn(24) * 0.1
@@ -189,7 +189,7 @@ def moe_router_grouped_sigmoid_fp32_matches_moe_route():
 
 @case
 def moe_router_ties_pick_lower_id_fp16():
-    from kernels import reference_fused as ref
+    from kernels import reference as ref
     from kernels.moe_router import moe_route_logits
 
     # logits from a set of three values: many exact ties between experts and between groups
@@ -203,7 +203,7 @@ def moe_router_ties_pick_lower_id_fp16():
 
 @case
 def moe_router_softmax_odd_experts_no_renorm():
-    from kernels import reference_fused as ref
+    from kernels import reference as ref
     from kernels.moe_router import moe_route_logits
 
     logits = torch.randn(3, 17)
@@ -217,7 +217,7 @@ def moe_router_softmax_odd_experts_no_renorm():
 
 
 def _check_align(topk_ids, block, e):
-    from kernels import reference_fused as ref
+    from kernels import reference as ref
     from kernels.fused_moe import moe_align_block_size as aten_align
     from kernels.moe_align import moe_align_block_size
 
@@ -263,7 +263,7 @@ def fused_moe_with_triton_alignment():
 
 @case
 def launch_count_fused_norm_vs_reference():
-    from kernels import reference_fused as ref
+    from kernels import reference as ref
     from kernels.fused_add_rms_norm import fused_add_rms_norm
     from kernels.launch_count import count_launches
 
@@ -296,7 +296,7 @@ def launch_count_alignment_vs_aten():
 
 @case
 def launch_count_rope_router_cache_write_vs_reference():
-    from kernels import reference_fused as ref
+    from kernels import reference as ref
     from kernels.launch_count import count_launches
     from kernels.mla_cache_write import mla_cache_write
     from kernels.moe_router import moe_route_logits
