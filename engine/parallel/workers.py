@@ -18,6 +18,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -178,14 +179,19 @@ class WorkerGroup:
             if p.exitcode is not None:
                 raise WorkerError(f"tensor-parallel worker rank {rank} exited with code {p.exitcode}")
 
-    def _failure(self, error: Exception) -> str:
-        if self.watchdog.failure:
-            return f"{self.watchdog.failure} ({error})"
-        for rank, p in enumerate(self.procs, start=1):
-            p.join(timeout=2)
-            if p.exitcode is not None:
-                return f"tensor-parallel worker rank {rank} exited with code {p.exitcode} ({error})"
-        return f"tensor-parallel step failed: {error}"
+    def _failure(self, error: Exception, wait_s: float = 10.0) -> str:
+        # A collective failed: a peer is usually dying. Give the watchdog (or the process table) a
+        # few seconds to name it, since a loaded machine can take that long to reap a crashed worker.
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self.watchdog.failure:
+                return f"{self.watchdog.failure} ({error})"
+            for rank, p in enumerate(self.procs, start=1):
+                if p.exitcode is not None:
+                    return f"tensor-parallel worker rank {rank} exited with code {p.exitcode} ({error})"
+            if time.monotonic() >= deadline:
+                return f"tensor-parallel step failed: {error}"
+            time.sleep(0.05)
 
     def shutdown(self) -> None:
         if self._closed:

@@ -34,7 +34,7 @@ from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
 from engine.loader import build_model
 from engine.offload.param_count import compute_dtype
 from kimitui.commands.plan import DEFAULT_RESERVE_GB
-from kernels import dispatch
+from kernels.backend import Backend
 
 K3 = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "kimi_k3.json"
 BLOCK = 64
@@ -112,8 +112,9 @@ def k3_model():
 def stand_ins(monkeypatch, k3_model):
     inter = k3_model[0].moe_intermediate_size
     monkeypatch.setattr(latent_moe, "_routed_experts_act", lambda ex, x, ids, w, act: _experts(x, ids, w, inter))
-    monkeypatch.setattr(dispatch, "causal_conv1d", _conv)
-    monkeypatch.setattr(dispatch, "kda_chunk", _chunk)
+    # the layers call their backend (the reference one for a model never loaded onto a device)
+    monkeypatch.setattr(Backend, "causal_conv1d", lambda self, *a, **k: _conv(*a, **k))
+    monkeypatch.setattr(Backend, "kda_chunk", lambda self, *a, **k: _chunk(*a, **k))
     monkeypatch.setattr(mla, "F", types.SimpleNamespace(**{**vars(torch.nn.functional),
                                                            "scaled_dot_product_attention": _sdpa}))
 
@@ -147,7 +148,7 @@ def step_peak(k3_model, decodes: int = 0, prefill: int = 0) -> int:
         for c in caches:
             known |= {t.untyped_storage()._cdata for t in (c if isinstance(c, torch.Tensor) else vars(c).values())}
         known |= {t.untyped_storage()._cdata for t in tree_flatten(vars(meta))[0] if isinstance(t, torch.Tensor)}
-        ids = torch.zeros(meta.num_tokens, dtype=i64, device=dev)
+        ids = torch.zeros(meta.positions.shape[0], dtype=i64, device=dev)
         with torch.no_grad(), PeakBytes(known) as peak:
             logits = model.compute_logits(model(ids, meta, caches))
     assert tuple(logits.shape) == (decodes or 1, config.vocab_size)
