@@ -9,13 +9,13 @@ this process): the plain CPU path in float32 and the emulated device path in flo
 interpreter multiplies bf16 dots as raw bits, triton issue #11584). Greedy tokens must be equal and
 the log-probs of prompt and generated tokens close.
 
-Tolerance (``LOGPROB_ATOL``): fp16 rounds every stored activation with relative error <= 2^-11
-(4.9e-4). A log-prob is a difference of logits, so an error of ``eps * |logit|`` in each of them,
-accumulated over a few roundings per layer and layer count L (3 to 5 here), bounds it by about
-``2 * L * 4 * 4.9e-4 * max|logit|``; the tiny models' logits stay below ~3, which gives ~0.06. We use
-0.06 and record the measured maxima in the assertion message; the fp32 path itself is pinned to
-Hugging Face by the oracle tests, so this bound only has to catch a wrong kernel, which moves
-log-probs by O(1).
+Tolerance (``LOGPROB_ATOL`` = 0.02): fp16 rounds every stored activation with relative error <= 2^-11
+(4.9e-4). A log-prob is a difference of logits; with a few roundings per layer, L = 3-4 layers and
+logits below ~3 in these tiny models the error stays around ``L * 4 * 4.9e-4 * 3`` ~ 0.02 at worst.
+Measured (2026-12-01): K2 INT4 2.9e-4, K2 FP8 2.9e-4, K3 MXFP4 3.5e-3 (its SiTU experts and KDA
+layers run more fp16 roundings) over 17 log-probs each. The fp32 path itself is pinned to Hugging
+Face by the oracle tests; this bound has to catch a wrong kernel, which moves log-probs by O(1), or a
+wrong routing choice (O(0.1) here).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-LOGPROB_ATOL = 0.06
+LOGPROB_ATOL = 0.02
 PROMPTS = [[5, 17, 3, 99, 41, 7, 63], [250, 2, 8, 120]]
 MAX_TOKENS = 4
 
@@ -79,6 +79,7 @@ def test_emulated_device_path_matches_cpu_path(kind, tmp_path):
         for a_seq, b_seq in zip(cpu[key], dev[key]):
             assert len(a_seq) == len(b_seq)
             worst = max([worst] + [abs(a - b) for a, b in zip(a_seq, b_seq)])
+    print(f"{kind}: max |log-prob difference| {worst:.2e} over {sum(map(len, cpu['prompt_lp'] + cpu['gen_lp']))}")
     assert worst < LOGPROB_ATOL, f"{kind}: max |log-prob difference| {worst:.4f} >= {LOGPROB_ATOL}"
 
 
