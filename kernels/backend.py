@@ -58,6 +58,14 @@ class Backend:
         """HF RMSNorm over the last dim of ``x [..., H]``."""
         return reference.rms_norm(x, weight, eps)
 
+    def add_rms_norm(self, x, residual, weight, eps=1e-6):
+        """A residual add and the norm after it: ``(rms_norm(x + residual) * weight, x + residual)``
+        for ``x, residual [T, H]``; the sum rounds to x.dtype before the norm (HF order). ``x`` must be
+        a fresh tensor the caller gives up: it may hold the sum (here it does, in place: on a CPU each
+        new prefill-sized tensor costs more in page faults than the addition itself)."""
+        s = x.add_(residual)
+        return self.rms_norm(s, weight, eps), s
+
     def moe_route(self, x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid",
                   norm_topk_prob=True, scaling=1.0):
         """DeepSeek-V3 router: x [T, D], weight [E, D], bias [E] -> (topk_ids [T, k] int64,
@@ -103,6 +111,20 @@ class Backend:
         context_lens [B] int32 -> [B, H, r] in q.dtype."""
         return reference.mla_decode_reference(q, cache, block_tables, context_lens, max_context_len, block_size,
                                               kv_lora_rank, scale)
+
+    def mla_rope_query(self, q_pe, rope, positions):
+        """YaRN rope of the query heads' rope channels ``q_pe [T, H, R]`` (a strided view is fine) by
+        ``positions [T]``; ``rope``: the model's ``YarnRotaryEmbedding`` (cos/sin caches). -> [T, H, R]"""
+        return rope(q_pe, positions)
+
+    def mla_cache_write(self, kv, norm_weight, eps, rope, positions, slot_mapping, cache):
+        """Write the newest latents to the flat cache ``[slots, r + R]`` in place: row ``slot_mapping[t]``
+        gets ``[rms_norm(kv[t, :r]) * norm_weight, rope(kv[t, r:])]`` cast to the cache dtype, for
+        ``kv [T, r + R]`` (kv_a_proj_with_mqa's output). ``rope`` None: NoPE, the key is written unrotated."""
+        r = norm_weight.shape[0]
+        c_kv = self.rms_norm(kv[:, :r], norm_weight, eps)
+        k_pe = kv[:, r:] if rope is None else rope(kv[:, None, r:], positions)[:, 0]
+        cache.index_copy_(0, slot_mapping, torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype))
 
     def mla_decode_fusable(self, x, cache, w_uk, w_uv) -> bool:
         """Whether a decode-only MLA step on ``x [B, D]`` can run as one ``mla_decode_absorbed`` call."""

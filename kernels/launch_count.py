@@ -9,7 +9,7 @@ kernels per layer, no host sync in the forward" can be a test instead of a profi
     assert counts.kernels <= 30 * num_layers and not counts.host_syncs
 
 - ATen ops are seen through a ``TorchDispatchMode``. Views and allocations (``empty``) launch no
-  kernel and are not counted; ops run *inside* a Triton launch (the interpreter's own host copies)
+  kernel and are not counted (an op that may alias, such as ``to``, counts when it copied); ops run *inside* a Triton launch (the interpreter's own host copies)
   are not counted either.
 - Triton launches are counted by wrapping ``JITFunction.run`` and the interpreter's
   ``InterpretedFunction.run`` for the duration of the ``with`` block (restored on exit). This is the
@@ -71,6 +71,15 @@ def _has_tensor(out) -> bool:
     return isinstance(out, torch.Tensor)
 
 
+def _copied(out, args) -> bool:
+    # Ops whose schema may alias (``to``, ``contiguous``, ``reshape`` under inference mode) launch a
+    # copy kernel when their output does not share storage with an input (a cast, a gather of strides).
+    if not isinstance(out, torch.Tensor):
+        return False
+    ptr = out.untyped_storage().data_ptr()
+    return all(not isinstance(a, torch.Tensor) or a.untyped_storage().data_ptr() != ptr for a in args)
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, counts: LaunchCounts):
         super().__init__()
@@ -84,7 +93,7 @@ class _Recorder(TorchDispatchMode):
             name = func.overloadpacket.__name__
             if func.namespace in _COLLECTIVE_NAMESPACES:
                 self.counts.collectives[name] += 1
-            elif func.namespace == "aten" and not func.is_view and name not in _NO_KERNEL:
+            elif func.namespace == "aten" and (not func.is_view or _copied(out, args)) and name not in _NO_KERNEL:
                 sync = name in _DATA_DEPENDENT or _is_device_to_host(name, args, kwargs)
                 if sync:
                     self.counts.host_syncs[name] += 1

@@ -6,7 +6,8 @@ the cached rows ``[c_kv, k_pe]`` and its values the latents ``c_kv`` themselves,
 through the block table: no gathered copy of the context. Programs split a sequence's context
 into ``num_splits`` ranges (flash-decoding) so that a small batch still fills the device; each
 keeps a running max and sum (online softmax) over tiles of BLOCK_N cached tokens for BLOCK_H
-heads, and writes its unnormalised partial result; PyTorch then merges the splits.
+heads, and writes its unnormalised partial result; a second launch merges the splits (one launch
+instead of the ~9 PyTorch ops of the same merge: the decode step is launch-bound).
 """
 
 import torch
@@ -72,6 +73,37 @@ def _mla_decode_kernel(
     tl.store(ml + 1, l, mask=mask_h)
 
 
+@triton.jit
+def _mla_merge_kernel(
+    acc_ptr, ml_ptr, out_ptr, H, S,
+    stride_ab, stride_as, stride_ah, stride_mb, stride_ms, stride_mh, stride_ob, stride_oh,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # out[b, h] = sum_s acc[b, s, h] * w_s / sum_s l[b, s, h] * w_s with w_s = exp(m_s - max_s m_s);
+    # a split past its sequence's end kept m = -inf and l = 0 (and acc = 0), so weighs nothing.
+    b = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = heads < H
+    offs_r = tl.arange(0, BLOCK_R)
+    mask = mask_h[:, None] & (offs_r[None, :] < R)
+    ml = ml_ptr + b * stride_mb + heads * stride_mh
+    m_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    for s in range(0, S):
+        m_max = tl.maximum(m_max, tl.load(ml + s * stride_ms, mask=mask_h, other=float("-inf")))
+    m_max = tl.where(mask_h, m_max, 0.0)  # padding heads: no -inf - -inf
+    num = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
+    den = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for s in range(0, S):
+        w = tl.exp(tl.load(ml + s * stride_ms, mask=mask_h, other=float("-inf")) - m_max)  # [BH]
+        den += tl.load(ml + s * stride_ms + 1, mask=mask_h, other=0.0) * w
+        a = tl.load(acc_ptr + b * stride_ab + s * stride_as + heads[:, None] * stride_ah + offs_r[None, :],
+                    mask=mask, other=0.0)
+        num += a * w[:, None]
+    out = num / tl.where(mask_h, den, 1.0)[:, None]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_r[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _num_splits(batch: int, head_blocks: int, max_context_len: int, block_n: int) -> int:
     # Enough programs to fill a large GPU (about 256), never a split shorter than four tiles.
     want = triton.cdiv(256, batch * head_blocks)
@@ -116,8 +148,11 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
         R=r, P=width - r, BLOCK_R=triton.next_power_of_2(r), BLOCK_P=max(16, triton.next_power_of_2(width - r)),
         BLOCK_H=block_h, BLOCK_N=block_n,
     )
-    # Merge the splits: a split past its sequence's end kept m = -inf and l = 0, so weighs nothing.
-    m, l = ml[..., 0], ml[..., 1]  # [B, S, H]
-    weight = torch.exp(m - m.amax(dim=1, keepdim=True))
-    out = (acc * weight[..., None]).sum(dim=1) / (l * weight).sum(dim=1)[..., None]
-    return out.to(q.dtype)
+    out = torch.empty((b, h, r), dtype=q.dtype, device=q.device)
+    _mla_merge_kernel[(b, head_blocks)](
+        acc, ml, out, h, splits,
+        acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
+        out.stride(0), out.stride(1),
+        R=r, BLOCK_R=triton.next_power_of_2(r), BLOCK_H=block_h,
+    )
+    return out

@@ -1,9 +1,10 @@
 """The device backend: Triton kernels for CUDA/ROCm tensors (or CPU tensors under TRITON_INTERPRET=1).
 
 Quantised GEMMs, the fused MoE and the paged MLA decode run as Triton kernels; a dense linear is
-``F.linear`` (cuBLAS/hipBLASLt beat a hand-written GEMM there) and RMSNorm stays the PyTorch
-reference ops, as the model ran them before this boundary existed (the Triton ``rms_norm`` kernel is
-tested against the same reference but the model does not use it). Kimi Delta Attention runs
+``F.linear`` (cuBLAS/hipBLASLt beat a hand-written GEMM there). The small ops around them are one
+launch each instead of op by op (a decode step is launch-bound): RMSNorm, the residual add + norm,
+the router after its gate GEMM, MLA's query rope and its cache write (norm + rope + scatter of the
+newest latents). Each kernel is tested against its oracle in ``kernels.reference``. Kimi Delta Attention runs
 fla-core's Triton kernels on CUDA/ROCm tensors when fla imports, else the PyTorch forms of
 ``kernels.kda``. Kernel modules import lazily so that importing ``kernels`` never needs triton.
 """
@@ -11,6 +12,9 @@ fla-core's Triton kernels on CUDA/ROCm tensors when fla imports, else the PyTorc
 from __future__ import annotations
 
 import importlib
+
+import torch
+import torch.nn.functional as F
 
 from kernels.backend import Backend
 
@@ -44,6 +48,36 @@ class TritonBackend(Backend):
     def linear_mxfp4(self, x, packed, scale):
         out = _kernel("mxfp4_gemm", "mxfp4_gemm")(_as_rows(x), packed, scale)
         return out.view(*x.shape[:-1], packed.shape[0])
+
+    def rms_norm(self, x, weight, eps=1e-6):
+        return _kernel("rms_norm", "rms_norm")(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps=1e-6):
+        # the sum goes into x (the caller's fresh tensor): each program reads its row before writing it
+        return _kernel("fused_add_rms_norm", "fused_add_rms_norm")(x, residual, weight, eps, residual_out=x)
+
+    def moe_route(self, x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid",
+                  norm_topk_prob=True, scaling=1.0):
+        # The gate GEMM in fp32 as the reference computes it (routing is sensitive to rounding), then
+        # sigmoid, bias, group limit, top-k and renormalisation in one launch: 3 launches, no host sync
+        # (the op-by-op group mask needs repeat_interleave, which sizes its output on the host).
+        logits = F.linear(x.float(), weight.float())  # [T, E]
+        return _kernel("moe_router", "moe_route_logits")(logits, bias, top_k, n_group, topk_group, scoring_func,
+                                                        norm_topk_prob, scaling)
+
+    def mla_rope_query(self, q_pe, rope, positions):
+        # The kernel rotates q heads and one key row together; the key is written by mla_cache_write,
+        # so it gets query head 0 and a scratch output here (one launch either way).
+        t, _, r = q_pe.shape
+        scratch = torch.empty((t, r), dtype=q_pe.dtype, device=q_pe.device)
+        q, _ = _kernel("rope_fused", "rope_mla")(q_pe, q_pe[:, 0], rope.cos, rope.sin, positions, k_out=scratch)
+        return q
+
+    def mla_cache_write(self, kv, norm_weight, eps, rope, positions, slot_mapping, cache):
+        if rope is None:  # NoPE (Kimi Linear / K3): the kernel always rotates the key; op by op
+            return super().mla_cache_write(kv, norm_weight, eps, rope, positions, slot_mapping, cache)
+        _kernel("mla_cache_write", "mla_cache_write")(kv, norm_weight, eps, rope.cos, rope.sin, positions,
+                                                     slot_mapping, cache)
 
     def moe_experts(self, x, topk_ids, topk_weights, w13, w2):
         return _kernel("fused_moe", "fused_moe")(x, topk_ids, topk_weights, w13, w2)

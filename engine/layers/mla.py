@@ -104,21 +104,15 @@ class MLAttention(nn.Module):
             q_in = self._q_in_proj()(x)
         else:
             q_in, kv = self._project(x)
-        c_kv = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
         t = x.shape[0]
         q = self._query(q_in).view(t, self.num_heads, self.qk_dim)
-        q_nope = q[..., : self.nope]
-        if self.rope is None:  # NoPE: q_pe and k_pe enter the dot product unrotated
-            q_pe, k_pe = q[..., self.nope:], kv[:, self.kv_lora_rank:]
-        elif qmeta is meta:
-            # The query heads and the shared key rotate by the same positions: one call. [T, H + 1, rope]
-            pe = self.rope(torch.cat([q[..., self.nope:], kv[:, None, self.kv_lora_rank:]], dim=1), meta.positions)
-            q_pe, k_pe = pe[:, :-1], pe[:, -1]
-        else:
-            q_pe = self.rope(q[..., self.nope:], qmeta.positions)
-            k_pe = self.rope(kv[:, None, self.kv_lora_rank:], meta.positions)[:, 0]
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
+        if self.rope is not None:  # NoPE: q_pe (and k_pe) enter the dot product unrotated
+            q_pe = self.ops.mla_rope_query(q_pe, self.rope, qmeta.positions)
+        # every row's normed latent and roped key to its slot; attention then reads them from the cache
         flat = cache.view(-1, cache.shape[-1])
-        flat.index_copy_(0, meta.slot_mapping, torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype))
+        self.ops.mla_cache_write(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.rope, meta.positions,
+                                 meta.slot_mapping, flat)
 
         out = torch.empty(t, self.num_heads, self.v_dim, dtype=x.dtype, device=x.device)
         d = qmeta.num_decode_tokens

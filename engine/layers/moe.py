@@ -165,6 +165,7 @@ class RoutedExperts(nn.Module):
         self.register_buffer("host_map", _expert_map(n, on_host, torch.device("cpu")), persistent=False)
         # tokens routed to each expert, summed over steps (for hottest-first placement next start)
         self.register_buffer("routing_counts", torch.zeros(n, dtype=torch.int64), persistent=False)
+        self.register_buffer("one", torch.ones((), dtype=torch.int64), persistent=False)  # expanded, no fill per step
         self.whole_layer_local = len(on_device) == n
         self.executor = None
         if self.host is not None:
@@ -251,7 +252,7 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         # index_add_ rather than bincount, which syncs with the host on a device to size its output
         flat = topk_ids.reshape(-1)
-        self.routing_counts.index_add_(0, flat, torch.ones_like(flat, dtype=self.routing_counts.dtype))
+        self.routing_counts.index_add_(0, flat, self.one.expand(flat.shape[0]))
         w = topk_weights.to(x.dtype)
         if self.whole_layer_local:
             return self.local(x, topk_ids, w)

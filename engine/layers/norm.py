@@ -18,3 +18,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)`` in one backend call (one launch on a device). ``x``
+        must be a fresh tensor the caller gives up: it may hold the sum."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

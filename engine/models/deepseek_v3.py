@@ -52,17 +52,21 @@ class DecoderLayer(nn.Module):
         fused = self.fused
         if fused is not None and fused.attention_fusable(x, meta):
             x = fused.attention(x, meta, cache)  # x + self_attn(input_layernorm(x))
+            if fused.ffn_fusable(x):
+                return fused.ffn(x)  # x + mlp(post_attention_layernorm(x))
+            h = self.post_attention_layernorm(x)
         else:
             a = self.self_attn(self.input_layernorm(x), meta, cache, last)
             if last and meta.out_rows is not None:
                 x = x.index_select(0, meta.out_rows)
-            # The sums go into the fresh outputs of the attention and the MLP (same values as x + a):
-            # on a CPU each new prefill-sized tensor costs more in page faults than the addition itself.
-            x = a.add_(x)
-        if fused is not None and fused.ffn_fusable(x):
-            return fused.ffn(x)  # x + mlp(post_attention_layernorm(x))
+            if fused is not None and fused.ffn_fusable(a):
+                return fused.ffn(a.add_(x))
+            # x + a and its norm in one backend call (one launch on a device); the sum goes into a,
+            # the attention's fresh output: on a CPU each new prefill-sized tensor costs more in page
+            # faults than the addition itself.
+            h, x = self.post_attention_layernorm.add_forward(a, x)
         # one all-reduce for routed experts, shared experts and dense MLP shards together
-        return self.par.all_reduce(self.mlp(self.post_attention_layernorm(x))).add_(x)
+        return self.par.all_reduce(self.mlp(h)).add_(x)
 
 
 class DeepseekV3Model(nn.Module):

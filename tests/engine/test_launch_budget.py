@@ -1,0 +1,164 @@
+"""Launch budget of one decode step on the emulated device path, for Kimi K2.6's structure.
+
+A decode step on a GPU is launch-bound: its cost is the number of kernels, not their size. This
+test builds a tiny model with K2.6's structure (MLA with q-LoRA; a dense first layer, then MoE
+layers with one shared expert; INT4 routed experts; sigmoid ``noaux_tc`` routing with a correction
+bias; group-limited routing, n_group 4 / topk_group 2, so the grouped path is the one counted),
+loads it in fp16 on the emulated device path (``KIMITUI_EMULATE_DEVICE=1``, ``TRITON_INTERPRET=1``,
+set in a child's environment: the interpreter is chosen when ``@triton.jit`` runs) and counts, with
+``kernels.launch_count.count_launches``, the ATen kernels, Triton launches, collectives and host
+syncs of one decode step of three sequences (``ModelRunner.forward_step``: embedding, layers, final
+norm, logits), split per decoder layer into its attention half (input norm + MLA) and its FFN half
+(residual add + norm, router, experts, shared expert, residual add).
+
+Counts do not depend on the tiny sizes: every op runs once per layer whatever the widths (the
+kernel grids grow, not their number). They are taken on one rank. Tensor parallel adds, per layer,
+exactly two collectives and no other op: the all-reduce after o_proj (heads are split) and the one
+all-reduce of routed + shared expert partial sums (``DecoderLayer.forward``); per step, the
+vocab-parallel embedding's all-reduce and the LM head's gather. A collective is one launch whatever
+the number of ranks, so 6 ranks (K2.6 on six GPUs) add 2 collectives per layer and 2 per step to the
+kernels counted here: 2 x 61 + 2 = 124 per step for the 61 layers of K2.6.
+
+Before the small ops were fused (df1cbad, same structure and batch, fp16): 90 kernels per MoE
+layer (MLA half 48, MoE half 42), 62 for the dense layer, 271 per step, and a host sync per MoE
+layer (the grouped router's ``repeat_interleave``). After (the Triton backend's RMSNorm, residual
+add + norm, router, MLA query rope, MLA cache write and split merge, one launch each): 31 per MoE
+layer (13 + 18), 19 for the dense layer, 103 per step, no host sync: a 2.9x cut per MoE layer. The
+issue's target of <= 30 per layer is NOT met (31), and the 5x cut is not met against these counts
+(its "about 134" was counted differently). What is left per MoE layer: 6 GEMMs (fused q_a/kv_a,
+q_b, o_proj, router gate in fp32, shared gate_up, shared down), 2 bmm + 1 cat + 1 copy of the
+absorbed MLA decode, 3 casts (router input to fp32, routing weights to fp16, the MoE output), the
+fused MoE's zeros + sum, SiLU + mul, index_add_ of the routing counts, 2 residual adds.
+See benchmarks/README.md "Launch budget".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+# K2.6's structure at toy widths: 3 layers = the dense first layer and two MoE layers
+STRUCTURE = dict(num_hidden_layers=3, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                 n_shared_experts=1, first_k_dense_replace=1)
+
+# measured on df1cbad (before) and set from this branch's counts with a margin of one or two launches
+BEFORE = {"moe_layer": 90, "mla_half": 48, "moe_half": 42, "dense_layer": 62, "step": 271, "host_syncs": 2}
+BUDGET = {"moe_layer": 32, "mla_half": 14, "moe_half": 19, "dense_layer": 20, "step": 106}
+
+
+def _measure(tmp_path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("KIMITUI_KERNELS",)}
+    env.update(KIMITUI_EMULATE_DEVICE="1", TRITON_INTERPRET="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "tests.engine.test_launch_budget", str(tmp_path)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"launch-count child failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def table(result: dict) -> str:
+    """The markdown table of benchmarks/README.md "Launch budget"."""
+    rows = ["| part | kernels | ATen | Triton | collectives (1 rank) | host syncs |", "|---|---|---|---|---|---|"]
+    for name, c in result["parts"].items():
+        rows.append(f"| {name} | {c['kernels']} | {c['aten']} | {c['triton']} | {c['collectives']} | {c['host_syncs']} |")
+    return "\n".join(rows)
+
+
+def test_decode_step_stays_under_the_launch_budget(tmp_path):
+    result = _measure(tmp_path)
+    print("\n" + table(result))
+    assert result["backend"] == "TritonBackend"
+    parts = result["parts"]
+    moe, step = parts["MoE layer (MLA + MoE)"], parts["decode step"]
+    assert step["host_syncs"] == 0, result["syncs"]  # no host sync anywhere in the forward
+    assert step["collectives"] == 0  # one rank: the all-reduces are no-ops (see the docstring for 6 ranks)
+    assert moe["kernels"] <= BUDGET["moe_layer"], (moe, result["ops"])
+    assert parts["  MLA half (input norm + attention)"]["kernels"] <= BUDGET["mla_half"]
+    assert parts["  MoE half (add + norm, router, experts, shared, add)"]["kernels"] <= BUDGET["moe_half"]
+    assert parts["dense layer (MLA + MLP)"]["kernels"] <= BUDGET["dense_layer"]
+    assert step["kernels"] <= BUDGET["step"], step
+    # the budget must stay well under the op-by-op counts (a regression to op by op fails here too)
+    assert moe["kernels"] * 2.5 <= BEFORE["moe_layer"] and step["kernels"] * 2.5 <= BEFORE["step"]
+
+
+# -- child: build, load on the emulated device path, count one decode step -------------------------
+
+
+def _snapshot(counts) -> dict:
+    return {"aten": sum(counts.aten.values()), "triton": sum(counts.triton.values()),
+            "collectives": sum(counts.collectives.values()), "host_syncs": sum(counts.host_syncs.values()),
+            "ops": dict(counts.aten) | {f"triton:{k}": v for k, v in counts.triton.items()}}
+
+
+def _diff(a: dict, b: dict) -> dict:
+    out = {k: b[k] - a[k] for k in ("aten", "triton", "collectives", "host_syncs")}
+    out["kernels"] = out["aten"] + out["triton"]
+    return out
+
+
+def _child(path: str) -> None:
+    from engine import LLM
+    from engine.runner import StepInputs
+    from kernels.launch_count import count_launches
+    from tests.helpers.checkpoints import write_hf_checkpoint
+    from tests.helpers.quantized import quantize_checkpoint
+
+    hf = write_hf_checkpoint(Path(path), seed=5, **STRUCTURE)
+    quantize_checkpoint(Path(path), "int4", hf)
+    llm = LLM(path, dtype="float16", max_model_len=96, max_num_seqs=8, enable_prefix_caching=False,
+              kv_cache_tokens=512)
+    runner = llm.engine.runner
+    layers = runner.model.model.layers
+    step = StepInputs(ids=[11, 12, 13], num_decodes=3, decode_tables=[[1, 2], [3], [4, 5, 6]],
+                      decode_lens=[20, 5, 40], prefills=[], sample_rows=[0, 1, 2])
+    runner.forward_step(step)  # warm: lazy buffers, kernel compilation
+    marks: dict[str, list] = {}
+    live = {}
+
+    def mark(name):
+        def hook(*_):
+            marks.setdefault(name, []).append(_snapshot(live["counts"]))
+        return hook
+
+    handles = []
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(mark(f"{i}.start")))
+        handles.append(layer.self_attn.register_forward_hook(mark(f"{i}.attn_end")))
+        handles.append(layer.register_forward_hook(mark(f"{i}.end")))
+    with count_launches() as counts:
+        live["counts"] = counts
+        start = _snapshot(counts)
+        runner.forward_step(step)
+    for h in handles:
+        h.remove()
+    end = _snapshot(counts)
+    moe_i = STRUCTURE["first_k_dense_replace"]  # the first MoE layer
+    m = {k: v[0] for k, v in marks.items()}
+    parts = {
+        "dense layer (MLA + MLP)": _diff(m["0.start"], m["0.end"]),
+        "MoE layer (MLA + MoE)": _diff(m[f"{moe_i}.start"], m[f"{moe_i}.end"]),
+        "  MLA half (input norm + attention)": _diff(m[f"{moe_i}.start"], m[f"{moe_i}.attn_end"]),
+        "  MoE half (add + norm, router, experts, shared, add)": _diff(m[f"{moe_i}.attn_end"], m[f"{moe_i}.end"]),
+        "decode step": _diff(start, end),
+    }
+    ops_moe = {k: m[f"{moe_i}.end"]["ops"].get(k, 0) - m[f"{moe_i}.start"]["ops"].get(k, 0)
+               for k in m[f"{moe_i}.end"]["ops"]}
+    result = {"backend": type(layers[0].self_attn.ops).__name__, "parts": parts,
+              "ops": {k: v for k, v in sorted(ops_moe.items()) if v}, "syncs": dict(counts.host_syncs)}
+    llm.shutdown()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])
