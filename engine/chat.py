@@ -279,14 +279,13 @@ def _held_suffix(buf: str, markers: tuple[str, ...]) -> int:
     return best
 
 
-class ReplyStreamParser:
-    """Incremental ``parse_reply``: ``feed`` text deltas, get reasoning/content/tool-call deltas.
+class StreamParserBase:
+    """What the K2 (``ReplyStreamParser``) and K3 (``engine.xtml_reply.XtmlReplyParser``) reply
+    parsers share: the text buffer, the totals so far and the feed/finish/result surface. A subclass
+    implements ``_step``, which consumes ``self._buf`` from ``self._state`` and returns the delta."""
 
-    Text that might be the start of a tag is held back until it is decided.
-    """
-
-    def __init__(self, started_in_thinking: bool = False):
-        self._state = "reasoning" if started_in_thinking else "start"
+    def __init__(self, state: str):
+        self._state = state
         self._buf = ""
         self._calls_seen = 0
         self.reasoning = ""
@@ -304,6 +303,19 @@ class ReplyStreamParser:
 
     def result(self) -> ParsedReply:
         return ParsedReply(self.reasoning, self.content, list(self.tool_calls))
+
+    def _step(self, final: bool) -> StreamDelta:
+        raise NotImplementedError
+
+
+class ReplyStreamParser(StreamParserBase):
+    """Incremental ``parse_reply``: ``feed`` text deltas, get reasoning/content/tool-call deltas.
+
+    Text that might be the start of a tag is held back until it is decided.
+    """
+
+    def __init__(self, started_in_thinking: bool = False):
+        super().__init__("reasoning" if started_in_thinking else "start")
 
     def _step(self, final: bool) -> StreamDelta:
         reasoning, content, calls = [], [], []
