@@ -7,6 +7,7 @@ set before any kernel module is imported, and setting it inside the pytest proce
 GPU tests), and reports each case as its own pytest test. This module imports no kernel module.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +19,9 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+
+# The pytest side of each file: ``pytestmark = needs_triton`` (skips cleanly without triton).
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
 def case_registry() -> tuple[dict[str, Callable], Callable]:

@@ -7,7 +7,6 @@ module is imported, and setting it in the pytest process would leak into GPU tes
 ``kernels.launch_count`` to show one fused launch replacing the op-by-op reference's kernels.
 """
 
-import importlib.util
 import json
 import os
 import sys
@@ -19,7 +18,7 @@ if __name__ == "__main__":
 import pytest
 import torch
 
-from tests.helpers.interpret import case_registry, run_interpreted
+from tests.helpers.interpret import case_registry, needs_triton, run_interpreted
 from tests.helpers.interpret import close as _close
 
 CASES, case = case_registry()
@@ -336,7 +335,7 @@ if __name__ == "__main__":
 
 # --- pytest side ------------------------------------------------------------------------------
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+pytestmark = needs_triton
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,13 @@ The child (``tests/kernels/interpret_cases.py``) runs every case once; each case
 its own test here. Skips cleanly when triton is not installed.
 """
 
-import importlib.util
-
 import pytest
 
-from tests.helpers.interpret import run_interpreted
+from tests.helpers.interpret import needs_triton, run_interpreted
 from tests.kernels.interpret_cases import CASES
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+pytestmark = needs_triton
+
 
 @pytest.fixture(scope="module")
 def interpreter_results():
