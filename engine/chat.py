@@ -79,7 +79,7 @@ def render_messages(
     ``use_checkpoint_template``; else the built-in Kimi K2 renderer. ``thinking``: None renders
     K2-Instruct style, True opens ``<think>`` in the generation prompt, False closes it at once.
     """
-    tools = _deep_sort(tools) if tools else None
+    tools = deep_sort(tools) if tools else None
     if template is None and use_checkpoint_template and tokenizer is not None:
         template = getattr(tokenizer, "chat_template", None)
     if template is not None:
@@ -106,7 +106,7 @@ def render_messages(
             if not preserve_reasoning and i < last_user:
                 reasoning = ""  # K2-Thinking drops reasoning of finished turns
             out.append(f"{THINK_OPEN}{reasoning}{THINK_CLOSE}")
-        out.append(_content_text(m.get("content")))
+        out.append(content_text(m.get("content")))
         if role == "assistant" and m.get("tool_calls"):
             out.append(TOOL_CALLS_BEGIN)
             for j, call in enumerate(m["tool_calls"]):
@@ -169,15 +169,20 @@ def chat_stop_token_ids(tokenizer) -> list[int]:
     return ids
 
 
-def _content_text(content: Any) -> str:
+def content_text(content: Any, where: str | None = None, error: type[ValueError] = ChatError) -> str:
+    """A message's ``content`` (None, a string, or a list of ``{"type": "text"}`` parts) as one string.
+    Other parts raise ``error``, prefixed with ``where`` (e.g. ``messages[2].content``) when given;
+    the K3 renderer (``engine.xtml``) passes its own error class."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     parts = []
     for part in content:
-        if part.get("type") != "text":
-            raise ChatError(f"content part of type {part.get('type')!r} is not supported (text only)")
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            prefix = f"{where}: " if where else ""
+            raise error(f"{prefix}content part of type {kind!r} is not supported (text only)")
         parts.append(part["text"])
     return "".join(parts)
 
@@ -189,16 +194,16 @@ def _tojson(obj: Any, ensure_ascii: bool = False, indent: int | None = None,
                       sort_keys=sort_keys)
 
 
-def _deep_sort(obj: Any) -> Any:
-    # Kimi's apply_chat_template (tokenization_kimi.py) deep-sorts the keys of `tools` before rendering.
+def deep_sort(obj: Any) -> Any:
+    """``obj`` with every dict's keys sorted, recursively. Kimi's apply_chat_template
+    (tokenization_kimi.py) deep-sorts the keys of ``tools`` before rendering; K3's renderer does too."""
     if isinstance(obj, dict):
-        return {k: _deep_sort(obj[k]) for k in sorted(obj)}
+        return {k: deep_sort(obj[k]) for k in sorted(obj)}
     if isinstance(obj, list):
-        return [_deep_sort(v) for v in obj]
+        return [deep_sort(v) for v in obj]
     return obj
 
 
-@lru_cache(maxsize=16)
 def _compile(template_str: str):
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -274,14 +279,13 @@ def _held_suffix(buf: str, markers: tuple[str, ...]) -> int:
     return best
 
 
-class ReplyStreamParser:
-    """Incremental ``parse_reply``: ``feed`` text deltas, get reasoning/content/tool-call deltas.
+class StreamParserBase:
+    """What the K2 (``ReplyStreamParser``) and K3 (``engine.xtml_reply.XtmlReplyParser``) reply
+    parsers share: the text buffer, the totals so far and the feed/finish/result surface. A subclass
+    implements ``_step``, which consumes ``self._buf`` from ``self._state`` and returns the delta."""
 
-    Text that might be the start of a tag is held back until it is decided.
-    """
-
-    def __init__(self, started_in_thinking: bool = False):
-        self._state = "reasoning" if started_in_thinking else "start"
+    def __init__(self, state: str):
+        self._state = state
         self._buf = ""
         self._calls_seen = 0
         self.reasoning = ""
@@ -299,6 +303,19 @@ class ReplyStreamParser:
 
     def result(self) -> ParsedReply:
         return ParsedReply(self.reasoning, self.content, list(self.tool_calls))
+
+    def _step(self, final: bool) -> StreamDelta:
+        raise NotImplementedError
+
+
+class ReplyStreamParser(StreamParserBase):
+    """Incremental ``parse_reply``: ``feed`` text deltas, get reasoning/content/tool-call deltas.
+
+    Text that might be the start of a tag is held back until it is decided.
+    """
+
+    def __init__(self, started_in_thinking: bool = False):
+        super().__init__("reasoning" if started_in_thinking else "start")
 
     def _step(self, final: bool) -> StreamDelta:
         reasoning, content, calls = [], [], []

@@ -137,7 +137,7 @@ def _random_weights(c: dict) -> dict[str, torch.Tensor]:
     """HF-named bf16 tensors, drawn in a fixed order from one seeded generator."""
     gen = torch.Generator().manual_seed(SEED)
     d, std = c["hidden_size"], c["initializer_range"]
-    h, nope, rope, v = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    h, v = c["num_attention_heads"], c["v_head_dim"]
     out: dict[str, torch.Tensor] = {}
 
     def normal(name: str, *shape: int, scale: float = std) -> None:
@@ -152,35 +152,42 @@ def _random_weights(c: dict) -> dict[str, torch.Tensor]:
         ones(f"{p}.input_layernorm.weight", d)
         ones(f"{p}.post_attention_layernorm.weight", d)
         a = f"{p}.self_attn"
-        normal(f"{a}.q_a_proj.weight", c["q_lora_rank"], d)
-        ones(f"{a}.q_a_layernorm.weight", c["q_lora_rank"])
-        normal(f"{a}.q_b_proj.weight", h * (nope + rope), c["q_lora_rank"])
-        normal(f"{a}.kv_a_proj_with_mqa.weight", c["kv_lora_rank"] + rope, d)
-        ones(f"{a}.kv_a_layernorm.weight", c["kv_lora_rank"])
-        normal(f"{a}.kv_b_proj.weight", h * (nope + v), c["kv_lora_rank"])
+        for name, shape in mla_low_rank_shapes(c):
+            (ones if len(shape) == 1 else normal)(f"{a}.{name}.weight", *shape)
         normal(f"{a}.o_proj.weight", d, h * v)
         m = f"{p}.mlp"
         if i < c["first_k_dense_replace"]:
-            for proj, shape in (("gate_proj", (c["intermediate_size"], d)), ("up_proj", (c["intermediate_size"], d)),
-                                ("down_proj", (d, c["intermediate_size"]))):
+            for proj, shape in swiglu_shapes(c["intermediate_size"], d):
                 normal(f"{m}.{proj}.weight", *shape)
             continue
         inter = c["moe_intermediate_size"]
         normal(f"{m}.gate.weight", c["n_routed_experts"], d)
         out[f"{m}.gate.e_score_correction_bias"] = torch.zeros(c["n_routed_experts"], dtype=torch.float32)
         for e in range(c["n_routed_experts"]):
-            normal(f"{m}.experts.{e}.gate_proj.weight", inter, d)
-            normal(f"{m}.experts.{e}.up_proj.weight", inter, d)
-            normal(f"{m}.experts.{e}.down_proj.weight", d, inter)
-        shared = inter * c["n_shared_experts"]
-        normal(f"{m}.shared_experts.gate_proj.weight", shared, d)
-        normal(f"{m}.shared_experts.up_proj.weight", shared, d)
-        normal(f"{m}.shared_experts.down_proj.weight", d, shared)
+            for proj, shape in swiglu_shapes(inter, d):
+                normal(f"{m}.experts.{e}.{proj}.weight", *shape)
+        for proj, shape in swiglu_shapes(inter * c["n_shared_experts"], d):
+            normal(f"{m}.shared_experts.{proj}.weight", *shape)
         # The real K2 checkpoint carries unused rotary buffers; keep one so the loader's skip path runs.
-    out["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(rope // 2, dtype=torch.bfloat16)
+    out["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(c["qk_rope_head_dim"] // 2, dtype=torch.bfloat16)
     ones("model.norm.weight", d)
     normal("lm_head.weight", c["vocab_size"], d)
     return out
+
+
+def mla_low_rank_shapes(c: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """The low-rank MLA projections and norms K2's (DeepSeek-V3) and K3's MLA layers share, as
+    (name, shape) in the order the demo writers draw them; a 1-D shape is a norm weight (ones)."""
+    d, h = c["hidden_size"], c["num_attention_heads"]
+    nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    q, kv = c["q_lora_rank"], c["kv_lora_rank"]
+    return [("q_a_proj", (q, d)), ("q_a_layernorm", (q,)), ("q_b_proj", (h * (nope + rope), q)),
+            ("kv_a_proj_with_mqa", (kv + rope, d)), ("kv_a_layernorm", (kv,)), ("kv_b_proj", (h * (nope + v), kv))]
+
+
+def swiglu_shapes(inter: int, d: int) -> list[tuple[str, tuple[int, int]]]:
+    """A SwiGLU MLP's ``gate_proj``, ``up_proj`` [inter, d] and ``down_proj`` [d, inter], in draw order."""
+    return [("gate_proj", (inter, d)), ("up_proj", (inter, d)), ("down_proj", (d, inter))]
 
 
 def write_shards(path: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from engine.demo import NUM_BASE_TOKENS, SEED, cache_root, ensure_demo_checkpoint, write_shards
+from engine.demo import (NUM_BASE_TOKENS, SEED, cache_root, ensure_demo_checkpoint, mla_low_rank_shapes, swiglu_shapes,
+                         write_shards)
 
 DEMO_K3_VERSION = 1
 K3_SPECIAL_BASE = 163584  # K3's special block starts here whatever the size of tiktoken.model
@@ -151,7 +152,7 @@ def _random_weights(c: dict) -> dict[str, torch.Tensor]:
     """Checkpoint-named tensors (bf16, F32 where K3 stores F32, U8 for MXFP4), one seeded generator."""
     gen = torch.Generator().manual_seed(SEED + 3)
     d, std, lin = c["hidden_size"], 0.02, c["linear_attn_config"]
-    h, nope, rope, v = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    h, v = c["num_attention_heads"], c["v_head_dim"]
     kh, kd = lin["num_heads"], lin["head_dim"]
     p = kh * kd  # KDA projection width
     latent, inter = c["routed_expert_hidden_size"], c["moe_intermediate_size"]
@@ -194,18 +195,13 @@ def _random_weights(c: dict) -> dict[str, torch.Tensor]:
             ones(f"{a}.o_norm.weight", kd, dtype=torch.float32)
             normal(f"{a}.o_proj.weight", d, p)
         else:
-            normal(f"{a}.q_a_proj.weight", c["q_lora_rank"], d)
-            ones(f"{a}.q_a_layernorm.weight", c["q_lora_rank"])
-            normal(f"{a}.q_b_proj.weight", h * (nope + rope), c["q_lora_rank"])
-            normal(f"{a}.kv_a_proj_with_mqa.weight", c["kv_lora_rank"] + rope, d)
-            ones(f"{a}.kv_a_layernorm.weight", c["kv_lora_rank"])
-            normal(f"{a}.kv_b_proj.weight", h * (nope + v), c["kv_lora_rank"])
+            for name, shape in mla_low_rank_shapes(c):
+                (ones if len(shape) == 1 else normal)(f"{a}.{name}.weight", *shape)
             normal(f"{a}.g_proj.weight", h * v, d)
             normal(f"{a}.o_proj.weight", d, h * v)
         if i < c["first_k_dense_replace"]:
-            normal(f"{lp}.mlp.gate_proj.weight", c["intermediate_size"], d)
-            normal(f"{lp}.mlp.up_proj.weight", c["intermediate_size"], d)
-            normal(f"{lp}.mlp.down_proj.weight", d, c["intermediate_size"])
+            for proj, shape in swiglu_shapes(c["intermediate_size"], d):
+                normal(f"{lp}.mlp.{proj}.weight", *shape)
             continue
         m = f"{lp}.block_sparse_moe"
         normal(f"{m}.gate.weight", c["num_experts"], d)
@@ -217,10 +213,8 @@ def _random_weights(c: dict) -> dict[str, torch.Tensor]:
             mxfp4(f"{m}.experts.{e}.w1", inter, latent)
             mxfp4(f"{m}.experts.{e}.w3", inter, latent)
             mxfp4(f"{m}.experts.{e}.w2", latent, inter)
-        shared = inter * c["num_shared_experts"]
-        normal(f"{m}.shared_experts.gate_proj.weight", shared, d)
-        normal(f"{m}.shared_experts.up_proj.weight", shared, d)
-        normal(f"{m}.shared_experts.down_proj.weight", d, shared)
+        for proj, shape in swiglu_shapes(inter * c["num_shared_experts"], d):
+            normal(f"{m}.shared_experts.{proj}.weight", *shape)
     ones("model.norm.weight", d)
     ones("model.output_attn_res_norm.weight", d)
     normal("model.output_attn_res_proj.weight", 1, d)

@@ -29,6 +29,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from engine.chat import content_text, deep_sort
+
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 MARKERS = (OPEN, CLOSE, SEP, END_OF_MSG)
 # Moonshot's renderer asserts {low, high, max}, while the system message it renders tells the
@@ -125,7 +127,7 @@ def build_segments(messages: list[dict], *, tools: list[dict] | None = None, thi
         role = m.get("role")
         if role not in ROLES:
             raise XtmlError(f"messages[{i}]: unknown role {role!r} (expected one of {', '.join(ROLES)})")
-        content = content_text(m.get("content"), f"messages[{i}].content")
+        content = content_text(m.get("content"), f"messages[{i}].content", XtmlError)
         if role == "assistant":
             calls, results = list(m.get("tool_calls") or []), 0
             reasoning = m.get("reasoning_content") or m.get("reasoning") or ""
@@ -167,30 +169,8 @@ def encode_segments(segments: list[Segment], tokenizer) -> list[int]:
     return ids
 
 
-def content_text(content: Any, where: str = "content") -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise XtmlError(f"{where}: content part of type {kind!r} is not supported (text only)")
-        parts.append(part["text"])
-    return "".join(parts)
-
-
 def compact_json(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
-def deep_sort(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: deep_sort(obj[k]) for k in sorted(obj)}
-    if isinstance(obj, list):
-        return [deep_sort(v) for v in obj]
-    return obj
 
 
 def xtml_type(value: Any) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 
-from engine.chat import ParsedReply, StreamDelta, ToolCall, _held_suffix
+from engine.chat import ParsedReply, StreamDelta, StreamParserBase, ToolCall, _held_suffix
 from engine.xtml import CLOSE, END_OF_MSG, OPEN, SEP, unescape_attr
 
 THINK_BEGIN, THINK_END = f"{OPEN}think{SEP}", f"{CLOSE}think{SEP}"
@@ -45,7 +45,7 @@ def parse_xtml_reply(text: str, *, started_in_thinking: bool = True) -> ParsedRe
     return parser.result()
 
 
-class XtmlReplyParser:
+class XtmlReplyParser(StreamParserBase):
     """Incremental K3 reply parser: ``feed`` text pieces, get reasoning/content/tool-call deltas.
 
     Text that could still become a marker is held back until it is decided, so the deltas do not
@@ -54,25 +54,9 @@ class XtmlReplyParser:
 
     def __init__(self, started_in_thinking: bool = True):
         # The model may repeat the channel opener the prompt already wrote; it can only be first.
-        self._state = "start"
+        super().__init__("start")
         self._first = "think" if started_in_thinking else "response"
-        self._buf = ""
         self._section = ""  # the tool section so far
-        self._calls_seen = 0
-        self.reasoning = ""
-        self.content = ""
-        self.tool_calls: list[ToolCall] = []
-
-    def feed(self, text: str) -> StreamDelta:
-        self._buf += text
-        return self._step(final=False)
-
-    def finish(self) -> StreamDelta:
-        """End of reply: release held-back text (an unfinished tool call is dropped)."""
-        return self._step(final=True)
-
-    def result(self) -> ParsedReply:
-        return ParsedReply(self.reasoning, self.content, list(self.tool_calls))
 
     def _step(self, final: bool) -> StreamDelta:
         out = {"think": [], "response": []}

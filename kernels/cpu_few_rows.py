@@ -20,12 +20,12 @@ which also honours ``KIMITUI_CPU_KERNELS=0`` through its settings) keeps its PyT
 import functools
 import hashlib
 import logging
-import os
 import platform
-import shutil
 from pathlib import Path
 
 import torch
+
+from kernels._build import load_extension
 
 log = logging.getLogger(__name__)
 
@@ -52,40 +52,17 @@ def _build_tag() -> str:
     return hashlib.sha1(key).hexdigest()[:10]
 
 
-def _built(name: str) -> bool:
-    # Only chooses whether to announce a compile; torch's helper is private, so any failure says "built".
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        return Path(_get_build_directory(name, verbose=False), f"{name}.so").exists()
-    except Exception:
-        return True
-
-
 @functools.cache
 def _module():
-    try:
-        from torch.utils.cpp_extension import load
-
-        name = f"kimitui_cpu_few_rows_{_build_tag()}"
-        if not _built(name):
-            log.info("compiling the C++ CPU kernels (once per machine and checkout, about 30 s on 2 cores)")
-        if shutil.which("ninja") is None:  # the ninja wheel's binary, when its venv is not on PATH
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        return load(
-            name=name,
-            sources=[str(p) for p in _SOURCES],
-            # no implicit a * b + c fusing: the kernels fuse explicitly (fmadd), the same in every tile
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as e:  # no compiler or ninja, or an unsupported platform: keep the PyTorch path
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        log.warning("CPU few-row kernels unavailable (%s); using the PyTorch path", reason)
-        return None
+    return load_extension(
+        f"kimitui_cpu_few_rows_{_build_tag()}",
+        _SOURCES,
+        # no implicit a * b + c fusing: the kernels fuse explicitly (fmadd), the same in every tile
+        ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+        log,
+        "CPU few-row kernels",
+        announce="compiling the C++ CPU kernels (once per machine and checkout, about 30 s on 2 cores)",
+    )
 
 
 def available() -> bool:

@@ -21,10 +21,11 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
+
+from kernels._build import load_extension
 
 log = logging.getLogger(__name__)
 
@@ -46,26 +47,15 @@ def _build_tag() -> str:
 def _module():
     if os.environ.get("KIMITUI_CPU_KERNELS", "1").lower() in ("0", "false", "off"):
         return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        if shutil.which("ninja") is None:  # the ninja wheel's binary, when its venv is not on PATH
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        return load(
-            name=f"kimitui_cpu_quant_moe_{_build_tag()}",
-            sources=[str(p) for p in _SOURCES],
-            # no -march: each path carries its own target pragma, the portable one runs anywhere;
-            # no implicit a * b + c fusing, so the register and tiled paths round alike
-            extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as e:  # no compiler or ninja, or an unsupported platform: keep the PyTorch path
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        log.warning("CPU quantised MoE kernels unavailable (%s); using the PyTorch path", reason)
-        return None
+    return load_extension(
+        f"kimitui_cpu_quant_moe_{_build_tag()}",
+        _SOURCES,
+        # no -march: each path carries its own target pragma, the portable one runs anywhere;
+        # no implicit a * b + c fusing, so the register and tiled paths round alike
+        ["-O3", "-ffp-contract=off", "-fopenmp"],
+        log,
+        "CPU quantised MoE kernels",
+    )
 
 
 def available() -> bool:

@@ -4,34 +4,18 @@ run op by op (the reference backend, ``KIMITUI_KERNELS=reference``): same output
 import pytest
 import torch
 
-from engine.config import ModelConfig
 from engine.layers.attn_metadata import AttentionMetadata
 from engine.layers.mla import MLAttention
-from engine.layers.rope import YarnRotaryEmbedding
 from kernels import cpu_few_rows
 from kernels.backend import REFERENCE
 from kernels.cpu_backend import CpuBackend
-from tests.helpers.checkpoints import BASE
+from tests.helpers.mla import random_mla_layer
 
 needs_ext = pytest.mark.skipif(not cpu_few_rows.available(), reason="C++ CPU kernels did not build here")
 
 
 def _layer(heads: int, seed: int = 0) -> MLAttention:
-    config = ModelConfig.from_dict({**BASE, "num_attention_heads": heads, "num_key_value_heads": heads,
-                                    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]})
-    c = config
-    rope = YarnRotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
-    layer = MLAttention(config, "model.layers.0.self_attn", rope)
-    ops = CpuBackend()
-    for module in layer.modules():  # as kernels.backend.attach_backends does
-        module.ops = ops
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            p.copy_(torch.rand(p.shape, generator=g) + 0.5 if "layernorm" in name
-                    else torch.randn(p.shape, generator=g) * 0.2)
-    layer.post_load()
-    return layer
+    return random_mla_layer(heads, seed, ops=CpuBackend())
 
 
 def _decode_step(lens: list[int], block_size: int, num_blocks: int, seed: int):

@@ -5,29 +5,16 @@ than a slice of rows."""
 import pytest
 import torch
 
-from engine.config import ModelConfig
 from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
 from engine.layers.mla import PREFILL_SLICE, MLAttention
-from engine.layers.rope import YarnRotaryEmbedding
-from tests.helpers.checkpoints import BASE
+from tests.helpers.mla import random_mla_layer
 
 SLICE = 64
 BLOCK = 16
 
 
 def _layer(seed: int = 0, heads: int = 4) -> MLAttention:
-    config = ModelConfig.from_dict({**BASE, "num_attention_heads": heads, "num_key_value_heads": heads,
-                                    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]})
-    c = config
-    rope = YarnRotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
-    layer = MLAttention(config, "model.layers.0.self_attn", rope)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            p.copy_(torch.rand(p.shape, generator=g) + 0.5 if "layernorm" in name
-                    else torch.randn(p.shape, generator=g) * 0.2)
-    layer.post_load()
-    return layer
+    return random_mla_layer(heads, seed)
 
 
 def _cache(layer: MLAttention, context_len: int, seed: int):

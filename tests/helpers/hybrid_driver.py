@@ -83,11 +83,10 @@ class HybridDriver:
             row += len(toks)
         return out
 
-    def prompt_logprobs(self, prompts: list[list[int]], budget: int | None = None) -> list[torch.Tensor]:
-        """All prompts prefilled together, in chunks of at most ``budget`` tokens per step (None:
-        one step). -> per prompt [L, V]."""
-        seqs = [self.new_seq() for _ in prompts]
-        parts: list[list[torch.Tensor]] = [[] for _ in prompts]
+    def _prefill(self, seqs, prompts: list[list[int]], budget: int | None):
+        """Prefill ``prompts`` into ``seqs`` together, at most ``budget`` tokens per step (None: one
+        step), earlier prompts first. Yields (prompt index, seq, log-probs [n, V]) per piece, after
+        the step that computed it."""
         while any(s.num_computed < len(p) for s, p in zip(seqs, prompts)):
             left = budget if budget is not None else sum(map(len, prompts))
             items = []
@@ -96,8 +95,16 @@ class HybridDriver:
                 if n > 0:
                     items.append((i, s, p[s.num_computed: s.num_computed + n]))
                     left -= n
-            for (i, _, _), lp in zip(items, self.step([(s, t) for _, s, t in items])):
-                parts[i].append(lp)
+            for (i, s, _), lp in zip(items, self.step([(s, t) for _, s, t in items])):
+                yield i, s, lp
+
+    def prompt_logprobs(self, prompts: list[list[int]], budget: int | None = None) -> list[torch.Tensor]:
+        """All prompts prefilled together, in chunks of at most ``budget`` tokens per step (None:
+        one step). -> per prompt [L, V]."""
+        seqs = [self.new_seq() for _ in prompts]
+        parts: list[list[torch.Tensor]] = [[] for _ in prompts]
+        for i, _, lp in self._prefill(seqs, prompts, budget):
+            parts[i].append(lp)
         for s in seqs:
             self.release(s)
         return [torch.cat(p) for p in parts]
@@ -106,17 +113,9 @@ class HybridDriver:
         """Greedy continuations of ``n`` tokens, all prompts together (batched decodes)."""
         seqs = [self.new_seq() for _ in prompts]
         nxt = [None] * len(prompts)
-        while any(s.num_computed < len(p) for s, p in zip(seqs, prompts)):
-            left = budget if budget is not None else sum(map(len, prompts))
-            items = []
-            for i, (s, p) in enumerate(zip(seqs, prompts)):
-                k = min(len(p) - s.num_computed, left)
-                if k > 0:
-                    items.append((i, s, p[s.num_computed: s.num_computed + k]))
-                    left -= k
-            for (i, s, _), lp in zip(items, self.step([(s, t) for _, s, t in items])):
-                if s.num_computed == len(prompts[i]):
-                    nxt[i] = int(lp[-1].argmax())
+        for i, s, lp in self._prefill(seqs, prompts, budget):
+            if s.num_computed == len(prompts[i]):
+                nxt[i] = int(lp[-1].argmax())
         outs = [[t] for t in nxt]
         for _ in range(n - 1):
             lps = self.step([(s, [o[-1]]) for s, o in zip(seqs, outs)])

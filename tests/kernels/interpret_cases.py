@@ -19,16 +19,10 @@ if __name__ == "__main__":
 
 import torch
 
-CASES = {}
+from tests.helpers.interpret import case_registry
+from tests.helpers.interpret import close as _close
 
-
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
-
-
-def _close(got, expected, tol):
-    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+CASES, case = case_registry()
 
 
 @case

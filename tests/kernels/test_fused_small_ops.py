@@ -7,13 +7,10 @@ module is imported, and setting it in the pytest process would leak into GPU tes
 ``kernels.launch_count`` to show one fused launch replacing the op-by-op reference's kernels.
 """
 
-import importlib.util
 import json
 import os
-import subprocess
 import sys
 import traceback
-from pathlib import Path
 
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"
@@ -21,17 +18,10 @@ if __name__ == "__main__":
 import pytest
 import torch
 
-CASES = {}
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.interpret import case_registry, needs_triton, run_interpreted
+from tests.helpers.interpret import close as _close
 
-
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
-
-
-def _close(got, expected, tol):
-    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+CASES, case = case_registry()
 
 
 # --- residual add + RMSNorm -------------------------------------------------------------------
@@ -345,20 +335,12 @@ if __name__ == "__main__":
 
 # --- pytest side ------------------------------------------------------------------------------
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+pytestmark = needs_triton
 
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "KIMITUI_KERNELS": ""}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.test_fused_small_ops"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"interpreter child failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    return run_interpreted("tests.kernels.test_fused_small_ops")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
