@@ -212,7 +212,7 @@ class LLMEngine:
 
     def save_routing_stats(self, path: str) -> None:
         """Tokens per expert per layer so far, for hottest-first placement at the next start."""
-        from engine.offload.planner import save_routing_stats
+        from engine.offload.routing_stats import save_routing_stats
 
         save_routing_stats(path, self.routing_stats())
 

@@ -7,7 +7,8 @@ import logging
 import torch
 
 from engine.config import ModelConfig
-from engine.offload.planner import PlacementError, load_routing_stats, plan_placement
+from engine.offload.planner import PlacementError, plan_placement
+from engine.offload.routing_stats import load_routing_stats
 from engine.units import GiB
 
 log = logging.getLogger(__name__)

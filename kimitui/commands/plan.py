@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from engine.config import ConfigError, ModelConfig
-from engine.offload.planner import DEFAULT_BLOCK_SIZE, Placement, PlacementError, load_routing_stats, plan_placement
+from engine.offload.planner import DEFAULT_BLOCK_SIZE, Placement, PlacementError, plan_placement
+from engine.offload.routing_stats import load_routing_stats
 from engine.units import GiB
 from kimitui.commands.engine_flags import cpu_offload_arg
 

@@ -13,7 +13,8 @@ from engine.config import ModelConfig
 from engine.layers.linear import linear_format
 from engine.offload.param_count import count_params, meta_model
 from engine.offload.placement import expert_placement_for
-from engine.offload.planner import (GiB, PlacementError, load_routing_stats, plan_placement, save_routing_stats)
+from engine.offload.planner import GiB, PlacementError, plan_placement
+from engine.offload.routing_stats import load_routing_stats, save_routing_stats
 from engine.parallel.state import split_sizes
 
 CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
