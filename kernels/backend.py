@@ -16,9 +16,7 @@ interpreter) override what they do better. Operations a backend cannot run fused
 
 from __future__ import annotations
 
-import functools
 import importlib
-import importlib.util
 from dataclasses import replace
 
 import torch
@@ -173,18 +171,6 @@ REFERENCE = Backend()  # stateless: the default of a layer nobody has handed a b
 def _check_int4_k(x, k):
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the INT4 weight has {k}")
-
-
-@functools.cache
-def triton_available() -> bool:
-    """True when the triton package can be imported (checked once)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    try:
-        importlib.import_module("triton.language")
-    except Exception:  # a broken install (e.g. no compiler backend) counts as missing
-        return False
-    return True
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype, settings: KernelSettings) -> Backend:

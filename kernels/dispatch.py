@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from kernels.backend import Backend, select_backend, triton_available  # noqa: F401  (re-exported)
+from kernels.backend import Backend, select_backend  # noqa: F401  (re-exported)
 from kernels.settings import KernelSettings
 
 

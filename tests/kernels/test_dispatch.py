@@ -21,8 +21,8 @@ def test_cpu_and_meta_tensors_use_reference():
     assert backend.select_backend("cpu", torch.float32, KernelSettings(kernels="reference")) is backend.REFERENCE
 
 
-def test_env_forces_reference(monkeypatch):
-    monkeypatch.setattr(backend, "triton_available", lambda: True)
+@needs_triton
+def test_env_forces_reference():
     from kernels.triton_backend import TritonBackend
 
     assert isinstance(backend.select_backend("cuda", torch.bfloat16, KernelSettings.from_env({})), TritonBackend)
