@@ -47,6 +47,24 @@ class AttentionMetadata:
         CPU decode paths' precondition)."""
         return not self.prefills and self.out_rows is None and self.num_decode_tokens == rows
 
+    def varlen_prefills(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill chunks packed as one varlen batch, for layers that run them in one call (KDA):
+        (cu_seqlens [N+1] int64 over the prefill rows, continues [N] bool: False where a chunk has
+        nothing cached before it and starts from a zero state). Built once per step and device, then
+        shared by every layer."""
+        cached = self.__dict__.setdefault("_varlen_prefills", {})
+        if device not in cached:
+            d, cu, continues = self.num_decode_tokens, [0], []
+            for chunk in self.prefills:
+                if chunk.start != d + cu[-1]:
+                    raise ValueError(f"prefill chunk rows [{chunk.start}, {chunk.end}) do not follow row "
+                                     f"{d + cu[-1]} (chunks must be contiguous, after the decodes)")
+                cu.append(chunk.end - d)
+                continues.append(chunk.context_len != chunk.end - chunk.start)
+            cached[device] = (torch.tensor(cu, dtype=torch.int64, device=device),
+                              torch.tensor(continues, dtype=torch.bool, device=device))
+        return cached[device]
+
 
 def gather_slots(block_table: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
     """Flat cache slots of positions 0..num_tokens-1 of one sequence. -> [num_tokens] int64"""

@@ -213,19 +213,10 @@ class KimiDeltaAttention(nn.Module):
 
     def _prefill(self, qkv, g, beta, conv_w, meta: AttentionMetadata, slots, state: KDAState) -> torch.Tensor:
         # The prefill chunks, one packed varlen call each for the conv and the chunked recurrence.
-        d = meta.num_decode_tokens
-        cu, fresh, pos = [0], [], d
-        for chunk in meta.prefills:
-            if chunk.start != pos:
-                raise ValueError(f"KDA: prefill chunk rows [{chunk.start}, {chunk.end}) do not follow row {pos} "
-                                 "(chunks must be contiguous, after the decodes)")
-            pos = chunk.end
-            cu.append(chunk.end - d)
-            fresh.append(chunk.context_len == chunk.end - chunk.start)  # nothing cached before: zero state
-        if pos != d + qkv.shape[0]:
-            raise ValueError(f"KDA: prefill chunks end at row {pos}, the batch has {d + qkv.shape[0]} rows")
-        cu_seqlens = torch.tensor(cu, dtype=torch.int64, device=qkv.device)
-        keep = torch.tensor([not f for f in fresh], device=qkv.device)  # [N] True = continue from the slot
+        cu_seqlens, keep = meta.varlen_prefills(qkv.device)  # keep [N]: continue from the slot's state
+        end, rows = meta.prefills[-1].end, meta.num_decode_tokens + qkv.shape[0]
+        if end != rows:
+            raise ValueError(f"KDA: prefill chunks end at row {end}, the batch has {rows} rows")
         hist = state.conv.index_select(0, slots) * keep[:, None, None]
         y, hist = self.ops.causal_conv1d(qkv, conv_w, hist, cu_seqlens)
         state.conv.index_copy_(0, slots, hist)
