@@ -46,9 +46,19 @@ def _mxfp4(mode, *shape):
     return packed, scale
 
 
+def _chunked(mode, shape, dtype, scale: float = 1.0):
+    """randn(shape) * scale in ``dtype``, made a few experts at a time: a whole fp32 stack of 384
+    K2 experts would be a 45 GB temporary."""
+    out = torch.empty(shape, dtype=dtype, device=mode.device)
+    for i in range(0, shape[0], 16):
+        part = torch.randn(out[i: i + 16].shape, device=mode.device).mul_(scale)
+        out[i: i + 16] = part.clamp_(-4, 4) if dtype == torch.float8_e4m3fn else part
+    return out
+
+
 def _fp8(mode, *shape, block=(128, 128)):
     n, k = shape[-2], shape[-1]
-    w = torch.randn(*shape, device=mode.device).clamp_(-4, 4).to(torch.float8_e4m3fn)
+    w = _chunked(mode, shape, torch.float8_e4m3fn)
     nb, kb = -(-n // block[0]), -(-k // block[1])
     scale_inv = (torch.rand(*shape[:-2], nb, kb, device=mode.device) + 0.5) / (2 * k ** 0.5)
     return w, scale_inv
@@ -98,8 +108,8 @@ def moe_rows(mode) -> list[Row]:
                          ref.moe_experts_reference_fp8(*args), times, "one pair held elsewhere"))
     del w13, s13, w2, s2
     # bf16 experts (K2 bf16)
-    w13 = (torch.randn(e, 2 * inter, d, device=mode.device) / d ** 0.5).to(mode.dtype)
-    w2 = (torch.randn(e, d, inter, device=mode.device) / inter ** 0.5).to(mode.dtype)
+    w13 = _chunked(mode, (e, 2 * inter, d), mode.dtype, d ** -0.5)
+    w2 = _chunked(mode, (e, d, inter), mode.dtype, inter ** -0.5)
     for t in mode.pick((1, 64), (5,)):
         x = torch.randn(t, d, device=mode.device, dtype=mode.dtype)
         ids, tw = _routing(mode, t, e, k)
@@ -199,7 +209,7 @@ def kda_rows(mode) -> list[Row]:
     want = kda.recurrent_kda(*(a.float() for a in args), want_pool, slots, scale)
     err = max(rel_err(o, want), rel_err(got_pool, want_pool))
     times = _times(mode, lambda: kda_fla.recurrent_kda(*args, pool.clone(), slots, scale),
-                   lambda: kda.recurrent_kda(*(a.float() for a in args), pool.clone(), slots, scale), pool[:n].nbytes * 2)
+                   lambda: kda.recurrent_kda(*(a.float() for a in args), pool.clone(), slots, scale))
     rows.append(Row(S, f"KDA recurrent decode fla vs torch N={n} H={h}", status_for(err, mode.tolerance), err, *times,
                     note="times include a state-pool copy"))
     c = h * dk
