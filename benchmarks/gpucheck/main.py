@@ -28,8 +28,8 @@ from benchmarks.gpucheck.report import markdown, write_outputs
 
 REPO = Path(__file__).resolve().parents[2]
 WHEELS = REPO / "benchmarks" / "wheels"
-# seconds per section: GPU run (sums to 7.5 min) / CPU self-test
-LIMITS = {"tests": (150, 45), "kernels": (130, 60), "model-k2": (80, 50), "model-k3": (60, 40), "offload": (30, 30)}
+# seconds per section: GPU run (7.6 min in all, under the 8 the one-shot is allowed) / CPU self-test
+LIMITS = {"tests": (140, 45), "kernels": (130, 60), "model-k2": (80, 50), "model-k3": (60, 40), "offload": (45, 40)}
 SECTIONS = list(LIMITS)
 
 
