@@ -29,13 +29,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cpu_experts import read_bandwidth  # noqa: E402
+# the engine before torch: it sets OpenMP's wait policy, which libgomp reads when torch loads it
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.offload import overlap_meter  # noqa: E402
+
+import torch  # noqa: E402
+
+from benchmarks.cpu_experts import read_bandwidth  # noqa: E402
 
 
 def hf_config(args):
