@@ -89,3 +89,28 @@ def test_cpu_tensors_never_touch_the_staging_block():
     assert torch.equal(y, torch.full((2, 4), 3.0))
     assert executor.staging.allocations == 0
     executor.shutdown()
+
+
+class _MixingStack:
+    """Output depends on the hidden state, the mapped ids and the weights, so a wrong slice shows."""
+
+    num = 3
+
+    def __call__(self, x, ids, weights):
+        return x * (ids.to(x.dtype).sum(1, keepdim=True) + weights.sum(1, keepdim=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_staged_path_computes_what_the_direct_path_does(dtype):
+    # The worker function and both copies as a device run takes them, on CPU tensors.
+    executor = CpuExpertExecutor(_MixingStack(), torch.tensor([2, -1, 0, 1, -1]))
+    x, _, w = _inputs(7, d=16, k=2, dtype=dtype, seed=5)
+    ids = torch.randint(0, 5, (7, 2), generator=torch.Generator().manual_seed(6))
+    w = w.to(dtype)
+    direct = executor.submit(x, ids, w).result()
+    staging = executor.staging
+    inputs = staging.stage_inputs(x, ids, w)
+    out = executor._compute(inputs, staging, None)
+    assert out.data_ptr() == staging._out.data_ptr()  # the worker wrote the pinned output block
+    assert torch.equal(staging.to_device(out, x.device), direct)
+    executor.shutdown()
