@@ -74,13 +74,15 @@ def write_checkpoint(path: Path, args) -> None:
         if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
             base = name.rsplit(".", 1)[0]
             e, n, k = shape
-            projs = [("gate_proj", n // 2), ("up_proj", n // 2)] if name.endswith("gate_up_proj") else [("down_proj", n)]
+            fused = name.endswith("gate_up_proj")
+            projs = [("gate_proj", n // 2), ("up_proj", n // 2)] if fused else [("down_proj", n)]
             for i in range(e):
                 for proj, rows in projs:
                     # offset-8 nibbles, group 32, bf16 scales: |w| <= 8 * 0.003, activations stay tame
                     tensors[f"{base}.{i}.{proj}.weight_packed"] = torch.randint(
                         -2**31, 2**31 - 1, (rows, k // 8), dtype=torch.int32, generator=g)
-                    tensors[f"{base}.{i}.{proj}.weight_scale"] = torch.full((rows, k // 32), 0.003, dtype=torch.bfloat16)
+                    tensors[f"{base}.{i}.{proj}.weight_scale"] = torch.full((rows, k // 32), 0.003,
+                                                                            dtype=torch.bfloat16)
                     tensors[f"{base}.{i}.{proj}.weight_shape"] = torch.tensor([rows, k], dtype=torch.int32)
         elif "norm" in name:
             tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
