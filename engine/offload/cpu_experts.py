@@ -1,5 +1,7 @@
 """CPU expert executor: routed experts that live in host RAM, computed by CPU threads while the
 device computes its own experts of the same layer (submit, then sync), as KTransformers does.
+On a device run the inputs and the result each cross in one non-blocking copy through pinned memory
+shared by all layers (``engine.offload.host_staging``); ``engine.offload.overlap_meter`` times it.
 
 On a multi-node (NUMA) host, ``split_across`` moves each node's share of the experts into memory
 first-touched on that node and computes it there; see ``engine.offload.numa``."""
