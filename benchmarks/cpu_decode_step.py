@@ -15,7 +15,7 @@ The checkpoint (random weights in compressed-tensors pack-quantized INT4 for the
 for the rest, as Kimi K2.5 ships) is written once into a temporary directory (or ``--keep DIR``,
 reused when it exists). Two clocks: wall time, and this process's CPU seconds over its thread count
 (closer to the time alone on a machine shared with other jobs; see cpu_experts.best_time).
-``--profile`` prints torch.profiler's top operators over the decode steps.
+``--profile`` prints cProfile's top functions (CPU clock) over the decode steps of one request.
 """
 
 from __future__ import annotations
@@ -154,12 +154,16 @@ def run(path: Path, args) -> int:
         paired = torch.ones(total // 4)
         sums = {"wall": [], "cpu": []}
 
-        def decode(record: bool):
+        def decode(record: bool, prof=None):
             llm.engine.add_request(None, list(range(1, args.prompt + 1)), params)
             llm.engine.step()  # prefill
             while llm.engine.has_unfinished_requests():
                 w, c = time.perf_counter(), time.process_time()
+                if prof is not None:
+                    prof.enable()
                 llm.engine.step()
+                if prof is not None:
+                    prof.disable()
                 if record:
                     times["wall"].append(time.perf_counter() - w)
                     times["cpu"].append((time.process_time() - c) / torch.get_num_threads())
@@ -169,13 +173,15 @@ def run(path: Path, args) -> int:
                     sums["cpu"].append((time.process_time() - c) / torch.get_num_threads())
 
         decode(False)  # warm-up: first-touch, lazy builds
-        overlap_meter.enable(llm.engine.model)
         if args.profile:
-            from torch.profiler import ProfilerActivity, profile
+            # cProfile, not torch.profiler: the C++ kernels are plain extension calls torch does not see
+            import cProfile
+            import pstats
 
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                decode(False)
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+            prof = cProfile.Profile(time.process_time)
+            decode(False, prof)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        overlap_meter.enable(llm.engine.model)
         decode(True)
         meter = overlap_meter.report(llm.engine.model)["total"]
     bw = {clock: read_bandwidth(clock) for clock in ("wall", "cpu")}
