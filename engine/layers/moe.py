@@ -256,11 +256,17 @@ class RoutedExperts(nn.Module):
         w = topk_weights.to(x.dtype)
         if self.whole_layer_local:
             return self.local(x, topk_ids, w)
+        # host share first (a worker thread; on a device, one non-blocking copy to pinned memory), then
+        # the device's own experts beside it, then the join: one non-blocking copy back
         pending = self.executor.submit(x, topk_ids, w) if self.executor is not None else None
-        y = run_subset(self.local, self.local_map, x, topk_ids, w) if self.local is not None else torch.zeros_like(x)
+        y = None
+        if self.local is not None:
+            timing = self.executor.timing if self.executor is not None else None
+            with timing.device_span(x.device) if timing is not None else contextlib.nullcontext():
+                y = run_subset(self.local, self.local_map, x, topk_ids, w)
         if pending is not None:
-            y = y + pending.result().to(device=y.device, dtype=y.dtype)
-        return y
+            return pending.add_to(y)
+        return y if y is not None else torch.zeros_like(x)
 
 
 def _expert_sources(prefix: str, experts: list[int], projs: tuple[str, ...], suffix: str) -> dict:
