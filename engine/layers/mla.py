@@ -107,17 +107,23 @@ class MLAttention(nn.Module):
         t = x.shape[0]
         q = self._query(q_in).view(t, self.num_heads, self.qk_dim)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
+        d = qmeta.num_decode_tokens
+        # Decodes only: the absorbed query [B, H, r + rope] is built in place, the rope writing its
+        # tail and the W_UK product its head (no cat: one launch fewer per layer on a device).
+        q_abs = q.new_empty(t, self.num_heads, self.kv_lora_rank + self.rope_dim) if d and d == t else None
         if self.rope is not None:  # NoPE: q_pe (and k_pe) enter the dot product unrotated
-            q_pe = self.ops.mla_rope_query(q_pe, self.rope, qmeta.positions)
+            tail = None if q_abs is None else q_abs[..., self.kv_lora_rank:]
+            q_pe = self.ops.mla_rope_query(q_pe, self.rope, qmeta.positions, out=tail)
+        elif q_abs is not None:
+            q_abs = None  # NoPE keeps the cat: there is no rope launch to write the tail
         # every row's normed latent and roped key to its slot; attention then reads them from the cache
         flat = cache.view(-1, cache.shape[-1])
         self.ops.mla_cache_write(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.rope, meta.positions,
                                  meta.slot_mapping, flat)
 
         out = torch.empty(t, self.num_heads, self.v_dim, dtype=x.dtype, device=x.device)
-        d = qmeta.num_decode_tokens
         if d:
-            out[:d] = self._decode(q_nope[:d], q_pe[:d], qmeta, flat)
+            self._decode(q_nope[:d], q_pe[:d], qmeta, flat, out[:d], q_abs)
         for chunk in qmeta.prefills:
             s, e = chunk.start, chunk.end
             if e > s:
@@ -222,16 +228,22 @@ class MLAttention(nn.Module):
         k = torch.cat([kv[..., : self.nope], k_pe], dim=-1).transpose(0, 1)  # [H, S, qk]
         return torch.bmm(q, k.transpose(1, 2)).mul_(self.scale), kv[..., self.nope:].transpose(0, 1)
 
-    def _decode(self, q_nope, q_pe, meta: AttentionMetadata, flat):
-        # Absorbed path: one query per sequence, batched over sequences. [B, H, *]
+    def _decode(self, q_nope, q_pe, meta: AttentionMetadata, flat, out, q=None):
+        """Absorbed path, one query per sequence, batched over sequences: writes ``out [B, H, v]``.
+        ``q``: None, or the [B, H, r + rope] buffer whose tail already holds the roped ``q_pe``."""
         dtype = q_nope.dtype
-        # W_UK folded into the query, head-major bmm: [H, B, nope] @ [H, nope, r] -> [H, B, r]
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk.to(dtype)).transpose(0, 1)
-        q = torch.cat([q_lat, q_pe], dim=-1)  # [B, H, r+rope]: one product scores latent and rope parts
+        r = self.kv_lora_rank
+        if q is None:
+            q = torch.empty(q_nope.shape[0], self.num_heads, r + self.rope_dim, dtype=dtype, device=q_nope.device)
+            q[..., r:] = q_pe
+        # W_UK folded into the query, head-major bmm [H, B, nope] @ [H, nope, r] -> [H, B, r], written
+        # into the head of q through a transposed view: BLAS takes a row stride of H * (r + rope)
+        # (cuBLAS/hipBLAS batched GEMMs accept it as is, no copy).
+        torch.bmm(q_nope.transpose(0, 1), self.w_uk.to(dtype), out=q[..., :r].transpose(0, 1))
         o_lat = self.ops.mla_decode(q, flat, meta.decode_block_tables, meta.decode_context_lens,
-                                    meta.decode_max_context_len, meta.block_size, self.kv_lora_rank, self.scale)
-        # W_UV applied per head: [H, B, r] @ [H, r, v] -> [H, B, v]
-        return torch.bmm(o_lat.transpose(0, 1), self.w_uv.to(dtype).transpose(1, 2)).transpose(0, 1)
+                                    meta.decode_max_context_len, meta.block_size, r, self.scale)
+        # W_UV per head, [H, B, r] @ [H, r, v] -> [H, B, v], straight into the caller's [B, H, v] rows
+        torch.bmm(o_lat.transpose(0, 1), self.w_uv.to(dtype).transpose(1, 2), out=out.transpose(0, 1))
 
 
 def _pad_heads(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -152,10 +152,14 @@ def _child(path: str) -> None:
         "  MoE half (add + norm, router, experts, shared, add)": _diff(m[f"{moe_i}.attn_end"], m[f"{moe_i}.end"]),
         "decode step": _diff(start, end),
     }
-    ops_moe = {k: m[f"{moe_i}.end"]["ops"].get(k, 0) - m[f"{moe_i}.start"]["ops"].get(k, 0)
-               for k in m[f"{moe_i}.end"]["ops"]}
+    def ops(a: dict, b: dict) -> dict:
+        return {k: v - a["ops"].get(k, 0) for k, v in sorted(b["ops"].items()) if v - a["ops"].get(k, 0)}
+
+    last = len(layers) - 1
+    outside = ops(start, m["0.start"]) | {f"after: {k}": v for k, v in ops(m[f"{last}.end"], end).items()}
     result = {"backend": type(layers[0].self_attn.ops).__name__, "parts": parts,
-              "ops": {k: v for k, v in sorted(ops_moe.items()) if v}, "syncs": dict(counts.host_syncs)}
+              "ops": ops(m[f"{moe_i}.start"], m[f"{moe_i}.end"]), "outside_layers": outside,
+              "syncs": dict(counts.host_syncs)}
     llm.shutdown()
     print(json.dumps(result))
 
