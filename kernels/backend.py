@@ -134,6 +134,19 @@ class Backend:
         q = rope(q_pe, positions)
         return q if out is None else out.copy_(q)
 
+    def mla_absorb_query(self, q, w_uk, rope, positions):
+        """The absorbed decode query ``[q_nope @ W_UK[h], rope(q_pe)]`` per head -> [B, H, r + R], for
+        ``q [B, H, nope + R]`` (q_b_proj's output), ``w_uk [H, nope, r]``, ``rope`` the model's
+        ``YarnRotaryEmbedding``. The rope writes the tail and the bmm the head of one buffer (no cat)."""
+        b, h, width = q.shape
+        nope, r = w_uk.shape[1], w_uk.shape[2]
+        out = torch.empty(b, h, r + width - nope, dtype=q.dtype, device=q.device)
+        self.mla_rope_query(q[..., nope:], rope, positions, out=out[..., r:])
+        # head-major [H, B, nope] @ [H, nope, r] into a transposed view of the head: BLAS takes its row
+        # stride as is (cuBLAS/hipBLAS batched GEMMs included, no copy)
+        torch.bmm(q[..., :nope].transpose(0, 1), w_uk.to(q.dtype), out=out[..., :r].transpose(0, 1))
+        return out
+
     def mla_cache_write(self, kv, norm_weight, eps, rope, positions, slot_mapping, cache):
         """Write the newest latents to the flat cache ``[slots, r + R]`` in place: row ``slot_mapping[t]``
         gets ``[rms_norm(kv[t, :r]) * norm_weight, rope(kv[t, r:])]`` cast to the cache dtype, for
@@ -142,6 +155,13 @@ class Backend:
         c_kv = self.rms_norm(kv[:, :r], norm_weight, eps)
         k_pe = kv[:, r:] if rope is None else rope(kv[:, None, r:], positions)[:, 0]
         cache.index_copy_(0, slot_mapping, torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype))
+
+    def mla_cache_write_q_norm(self, q, q_norm_weight, q_eps, kv, norm_weight, eps, rope, positions, slot_mapping,
+                               cache):
+        """``mla_cache_write`` and the query LoRA's norm ``rms_norm(q) * q_norm_weight`` of ``q [T, Q]``
+        (q_a_proj's output, the other part of the same projection) in one call -> the normed q."""
+        self.mla_cache_write(kv, norm_weight, eps, rope, positions, slot_mapping, cache)
+        return self.rms_norm(q, q_norm_weight, q_eps)
 
     def mla_decode_fusable(self, x, cache, w_uk, w_uv) -> bool:
         """Whether a decode-only MLA step on ``x [B, D]`` can run as one ``mla_decode_absorbed`` call."""

@@ -90,11 +90,24 @@ class TritonBackend(Backend):
                                                  k_out=scratch)
         return q
 
+    def mla_absorb_query(self, q, w_uk, rope, positions):
+        # the W_UK product and the query rope in one launch, written straight into the absorbed query
+        return _kernel("mla_q_absorb", "mla_q_absorb")(q, w_uk.to(q.dtype), rope.cos, rope.sin, positions)
+
     def mla_cache_write(self, kv, norm_weight, eps, rope, positions, slot_mapping, cache):
         if rope is None:  # NoPE (Kimi Linear / K3): the kernel always rotates the key; op by op
             return super().mla_cache_write(kv, norm_weight, eps, rope, positions, slot_mapping, cache)
         _kernel("mla_cache_write", "mla_cache_write")(kv, norm_weight, eps, rope.cos, rope.sin, positions,
                                                      slot_mapping, cache)
+
+    def mla_cache_write_q_norm(self, q, q_norm_weight, q_eps, kv, norm_weight, eps, rope, positions, slot_mapping,
+                               cache):
+        # both norms of the layer input's projection and the key rope in one launch
+        if rope is None:
+            return super().mla_cache_write_q_norm(q, q_norm_weight, q_eps, kv, norm_weight, eps, rope, positions,
+                                                  slot_mapping, cache)
+        return _kernel("mla_cache_write", "mla_cache_write")(kv, norm_weight, eps, rope.cos, rope.sin, positions,
+                                                            slot_mapping, cache, q, q_norm_weight, q_eps)
 
     def moe_experts(self, x, topk_ids, topk_weights, w13, w2):
         return _kernel("fused_moe", "fused_moe")(x, topk_ids, topk_weights, w13, w2)

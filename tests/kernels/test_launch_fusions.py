@@ -188,6 +188,68 @@ def rope_query_into_absorbed_buffer_tail():
     assert torch.all(buf[..., :32] == 7.0)
 
 
+def _rope(dim=16, max_position=128):
+    from engine.config import RopeScaling
+    from engine.layers.rope import YarnRotaryEmbedding
+
+    return YarnRotaryEmbedding(dim, 10000.0, RopeScaling(factor=4.0, original_max_position_embeddings=32), max_position)
+
+
+@case
+def mla_q_absorb_matches_bmm_and_rope():
+    from kernels.backend import REFERENCE
+    from kernels.mla_q_absorb import mla_q_absorb
+
+    rope = _rope()
+    for b, h, nope, r, dtype, tol in ((3, 5, 24, 40, torch.float32, 1e-5), (20, 2, 128, 96, torch.float16, 2e-3)):
+        q = torch.randn(b, h, nope + 16).to(dtype)
+        w_uk = (torch.randn(h, nope, r) / nope ** 0.5).to(dtype)
+        pos = torch.randint(0, 128, (b,))
+        pos[0] = 500  # outside the cache: the rope tail is zeroed, never read out of bounds
+        want = REFERENCE.mla_absorb_query(q, w_uk, rope, pos.clamp(max=127))
+        want[0, :, r:] = 0
+        got = mla_q_absorb(q, w_uk, rope.cos, rope.sin, pos)
+        assert got.shape == (b, h, r + 16) and got.dtype == dtype
+        _close(got, want, tol)
+
+
+@case
+def mla_cache_write_with_query_norm():
+    from kernels import reference as ref
+    from kernels.backend import REFERENCE
+    from kernels.mla_cache_write import mla_cache_write
+
+    rope = _rope()
+    t, qdim, r = 4, 24, 32
+    y = torch.randn(t, qdim + r + 16).half()  # the fused projection: q_a part, then kv
+    q_in, kv = y[:, :qdim], y[:, qdim:]
+    qw, kw = (torch.rand(qdim) + 0.5).half(), (torch.rand(r) + 0.5).half()
+    pos, slots = torch.tensor([3, 9, 0, 100]), torch.tensor([5, -1, 0, 7])  # -1: a padding row
+    cache, want_cache = torch.zeros(8, r + 16).half(), torch.zeros(8, r + 16).half()
+    q_out = mla_cache_write(kv, kw, 1e-6, rope.cos, rope.sin, pos, slots, cache, q_in, qw, 1e-5)
+    want_q = REFERENCE.mla_cache_write_q_norm(q_in, qw, 1e-5, kv, kw, 1e-6, rope, pos, slots.abs(), want_cache)
+    want_cache[1] = 0  # the padding row wrote nothing
+    assert torch.equal(q_out, ref.rms_norm(q_in, qw, 1e-5)) and torch.equal(q_out, want_q)  # every row
+    _close(cache, want_cache, 2e-3)
+    assert mla_cache_write(kv, kw, 1e-6, rope.cos, rope.sin, pos, slots, cache) is None
+
+
+@case
+def mla_decode_short_sequences_under_a_long_bound():
+    from kernels import reference as ref
+    from kernels.mla_decode import mla_decode
+
+    # a graph-sized bound (512) with short and long contexts: each sequence splits its own length
+    b, h, r, block = 4, 3, 32, 16
+    lens = [1, 17, 300, 70]
+    cache = torch.randn(40 * block, r + 8)
+    table = torch.randint(0, 40, (b, 32), dtype=torch.int32)  # 32 blocks: room for 512 tokens
+    q, ctx = torch.randn(b, h, r + 8), torch.tensor(lens, dtype=torch.int32)
+    want = ref.mla_decode_reference(q, cache, table, ctx, max(lens), block, r, 0.2)
+    for bound in (max(lens), 512):
+        _close(mla_decode(q, cache, table, ctx, bound, block, r, 0.2), want, 1e-4)
+
+
 # --- launch counts ------------------------------------------------------------------------------
 
 
@@ -253,8 +315,10 @@ def _bad_calls():
     from kernels.fused_add_rms_norm import fused_add_rms_norm
     from kernels.fused_moe import moe_combine
     from kernels.gated_act import gated_act
+    from kernels.mla_q_absorb import mla_q_absorb
     from kernels.moe_router import moe_route_logits
 
+    cs = torch.zeros(10, 4)
     return [
         (lambda: gated_act(torch.randn(2, 7)), r"gu must be fp16/bf16/fp32 \[..., 2I\]"),
         (lambda: gated_act(torch.randn(2, 8), "gelu"), "kind must be silu or situ"),
@@ -267,12 +331,16 @@ def _bad_calls():
         (lambda: fused_add_rms_norm(torch.randn(2, 8), torch.randn(2, 8), torch.ones(8),
                                     out32=torch.empty(2, 8).half()),
          r"out32 must be torch.float32 \(2, 8\)"),
+        (lambda: mla_q_absorb(torch.randn(2, 3, 24), torch.randn(4, 16, 32), cs, cs, torch.zeros(2).long()),
+         r"w_uk must be \[H=3, nope < 24, r\]"),
+        (lambda: mla_q_absorb(torch.randn(2, 3, 24), torch.randn(3, 16, 32), cs, cs, torch.zeros(3).long()),
+         r"positions must be int32/int64 \[B=2\]"),
         (lambda: gated_act(torch.randn(2, 8)), "need a CUDA/ROCm tensor"),  # valid, but on a CPU
     ]
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the last call is valid under the interpreter")
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(10))
 def test_bad_input_is_one_clear_line(index):
     call, match = _bad_calls()[index]
     with pytest.raises(ValueError, match=match) as info:
