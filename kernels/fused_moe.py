@@ -4,9 +4,9 @@ Pipeline (vLLM's ``vllm/model_executor/layers/fused_moe/fused_moe.py``): ``moe_a
 and pads each expert's run to BLOCK_M rows, so every M-tile belongs to one expert. GEMM1 reads
 gate and up rows of w13 in the same program and writes ``silu(gate) * up`` [T*k, I]; GEMM2 reads
 those rows, multiplies by w2 and the routing weight, and writes fp32 [T*k, D]; a third launch sums
-each token's k slots and casts to the activation dtype. One kernel serves every expert format, decoding weight tiles in-kernel: dense
-(``fused_moe``), compressed-tensors INT4 (``fused_moe_w4a16``), OCP MXFP4 (``fused_moe_mxfp4``,
-Kimi K3.x) and block FP8 (``fused_moe_fp8``). References: ``reference.moe_experts_reference*``.
+each token's k slots and casts to the activation dtype. One kernel serves every expert format,
+decoding weight tiles in-kernel: dense (``fused_moe``), compressed-tensors INT4
+(``fused_moe_w4a16``), OCP MXFP4 (``fused_moe_mxfp4``, Kimi K3.x) and block FP8 (``fused_moe_fp8``). References: ``reference.moe_experts_reference*``.
 """
 
 import torch

@@ -2,11 +2,14 @@
 
 Quantised GEMMs, the fused MoE and the paged MLA decode run as Triton kernels; a dense linear is
 ``F.linear`` (cuBLAS/hipBLASLt beat a hand-written GEMM there). The small ops around them are one
-launch each instead of op by op (a decode step is launch-bound): RMSNorm, the residual add + norm,
-the gated activation of a dense MLP, the router after its gate GEMM, MLA's query rope and its cache
-write (norm + rope + scatter of the newest latents). Each kernel is tested against its oracle in ``kernels.reference``. Kimi Delta Attention runs
-fla-core's Triton kernels on CUDA/ROCm tensors when fla imports, else the PyTorch forms of
-``kernels.kda``. Kernel modules import lazily so that importing ``kernels`` never needs triton.
+launch each instead of op by op (a decode step is launch-bound): RMSNorm, the residual add + norm
+(with the router's fp32 copy), the gated activation of a dense MLP, the router after its gate GEMM
+(with the routing statistics), MLA's cache write (norm + rope + scatter of the newest latents, with
+the query LoRA's norm), its absorbed decode query (W_UK product + rope) and the fused MoE's top-k
+combine. Each kernel is tested against its oracle (``kernels.reference`` or this module's base
+class, ``Backend``). Kimi Delta Attention runs fla-core's Triton kernels on CUDA/ROCm tensors when
+fla imports, else the PyTorch forms of ``kernels.kda``. Kernel modules import lazily so that
+importing ``kernels`` never needs triton.
 """
 
 from __future__ import annotations
@@ -73,12 +76,13 @@ class TritonBackend(Backend):
                   norm_topk_prob=True, scaling=1.0, counts=None, weights_dtype=None):
         # The gate GEMM in fp32 as the reference computes it (routing is sensitive to rounding), then
         # sigmoid, bias, group limit, top-k, renormalisation, the weights' rounding (to the dtype the
-        # experts take them in) and the routing statistics in one launch: 3 launches, no host sync (the
-        # op-by-op group mask needs repeat_interleave, which sizes its output on the host).
+        # experts take them in) and the routing statistics in one launch: 2 launches when x comes in fp32
+        # (the norm's fp32 copy), else 3 with the cast; no host sync (the op-by-op group mask needs
+        # repeat_interleave, which sizes its output on the host).
         logits = F.linear(x.float(), weight.float())  # [T, E]
         return _kernel("moe_router", "moe_route_logits")(logits, bias, top_k, n_group, topk_group, scoring_func,
-                                                        norm_topk_prob, scaling, weights_dtype=weights_dtype or torch.float32,
-                                                        counts=counts)
+                                                        norm_topk_prob, scaling, counts=counts,
+                                                        weights_dtype=weights_dtype or torch.float32)
 
     def mla_rope_query(self, q_pe, rope, positions, out=None):
         # The kernel rotates q heads and one key row together; the key is written by mla_cache_write,
