@@ -311,6 +311,69 @@ def test_launch_fusion_matches_pytorch(name, interpreter_results):
     assert result.startswith("ok"), result
 
 
+# The launch cuts lower to machine code for H200 (sm_90) and MI355X (gfx950) without a GPU, as in
+# test_compile_targets (atomics on int64, tl.dot shapes and constexpr branches only the compiler sees).
+TARGETS = {"sm_90": ("cuda", 90, 32), "gfx950": ("hip", "gfx950", 64)}
+
+
+def _compile_specs():
+    from kernels.fused_add_rms_norm import _fused_add_rms_norm_kernel
+    from kernels.fused_moe import _moe_combine_kernel
+    from kernels.gated_act import _gated_act_kernel
+    from kernels.mla_cache_write import _mla_cache_write_kernel
+    from kernels.mla_q_absorb import _mla_q_absorb_kernel
+    from kernels.moe_router import _moe_router_kernel
+
+    bf16 = "*bf16"
+    act = {"gu_ptr": bf16, "out_ptr": bf16, "beta": "fp32", "linear_beta": "fp32"}
+    return {
+        "gated_act_silu": (_gated_act_kernel, act, dict(ACT=0, BOUND_UP=False, BLOCK=1024)),
+        "gated_act_situ": (_gated_act_kernel, act, dict(ACT=1, BOUND_UP=True, BLOCK=1024)),
+        "moe_combine": (_moe_combine_kernel, {"pairs_ptr": "*fp32", "ids_ptr": "*i64", "y_ptr": bf16},
+                        dict(TOP_K=8, BLOCK_D=1024)),
+        "moe_router_counts": (_moe_router_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64",
+                                                   "weights_ptr": bf16, "counts_ptr": "*i64", "scaling": "fp32"},
+                              dict(TOP_K=8, N_GROUP=1, TOPK_GROUP=1, SOFTMAX=False, RENORMALIZE=True, HAS_BIAS=True,
+                                   COUNT=True, BLOCK_E=512, BLOCK_K=8, BLOCK_G=1)),
+        "mla_q_absorb": (_mla_q_absorb_kernel, {"q_ptr": bf16, "w_ptr": bf16, "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                                                "pos_ptr": "*i64", "out_ptr": bf16},
+                         dict(BLOCK_B=16, BLOCK_R=64, BLOCK_K=64, BLOCK_P=32)),
+        "mla_cache_write_q_norm": (_mla_cache_write_kernel,
+                                   {"kv_ptr": bf16, "w_ptr": bf16, "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                                    "pos_ptr": "*i64", "slot_ptr": "*i64", "cache_ptr": bf16, "q_ptr": bf16,
+                                    "qw_ptr": bf16, "qo_ptr": bf16, "eps": "fp32", "q_eps": "fp32"},
+                                   dict(NORM_DTYPE=None, BLOCK_LAT=512, BLOCK_P=32, HAS_Q=True, BLOCK_Q=2048)),
+        "add_rms_norm_out32": (_fused_add_rms_norm_kernel, {"x_ptr": bf16, "r_ptr": bf16, "w_ptr": bf16,
+                                                            "out_ptr": bf16, "rout_ptr": bf16, "o32_ptr": "*fp32",
+                                                            "eps": "fp32"}, dict(BLOCK=8192, HAS_OUT32=True)),
+    }
+
+
+COMPILE_NAMES = ["gated_act_silu", "gated_act_situ", "moe_combine", "moe_router_counts", "mla_q_absorb",
+                 "mla_cache_write_q_norm", "add_rms_norm_out32"]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"),
+                    reason="kernels are interpreted functions under TRITON_INTERPRET")
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("name", COMPILE_NAMES)
+def test_kernel_compiles_for_gpu_targets(name, target):
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, types, consts = _compile_specs()[name]
+    if not hasattr(fn, "arg_names"):
+        pytest.skip("kernel module was imported in interpreter mode")
+    if "NORM_DTYPE" in consts:
+        consts = {**consts, "NORM_DTYPE": tl.bfloat16}
+    signature = {arg: "constexpr" if arg in consts else types.get(arg, "i32") for arg in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget(*TARGETS[target]),
+                              options={"num_warps": 4})
+    assert "cubin" in compiled.asm or "hsaco" in compiled.asm
+
+
 def _bad_calls():
     from kernels.fused_add_rms_norm import fused_add_rms_norm
     from kernels.fused_moe import moe_combine
