@@ -198,8 +198,10 @@ def _mla(d: _Dims, shape: StepShape) -> int:
     attn = 0
     if shape.decodes:
         bsz = shape.decodes
-        splits = 256 + bsz * cdiv(d.H, 16)  # programs of the split-K decode kernel: partial sums
-        attn = (3 * bsz * d.H * (d.r + d.rope) * d.b + splits * 16 * (d.r + 2) * F32
+        # kernels/mla_decode.py sizes its split-K partial sums [B, splits, H, r] fp32 so that
+        # B * splits * ceil(H / 16) programs are about 256: at most (256 + B * ceil(H/16)) x 16 heads
+        programs = 256 + bsz * cdiv(d.H, 16)
+        attn = (3 * bsz * d.H * (d.r + d.rope) * d.b + programs * 16 * (d.r + 2) * F32
                 + 2 * bsz * d.H * d.v * d.b)
     if shape.prefill_seqs:
         n = cdiv(t - shape.decodes, shape.prefill_seqs)
