@@ -59,9 +59,13 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(self.config, self.model_dir)
         torch.manual_seed(args.seed)
+        # kept back on each device for activations: one number for the expert placement and the cache
+        self.reserve_bytes = device_reserve_bytes(
+            self.config, self.device, args.tensor_parallel_size, max(args.max_num_batched_tokens, args.max_num_seqs),
+            args.max_num_seqs, self.max_model_len, args.tensor_parallel_size == 1 and not args.enforce_eager)
         self.expert_placement = expert_placement_for(
             self.config, args.cpu_offload, self.device, args.tensor_parallel_size, self.max_model_len,
-            args.max_num_seqs, args.gpu_memory_gb, args.routing_stats)
+            args.max_num_seqs, args.gpu_memory_gb, args.routing_stats, self.reserve_bytes)
         self.workers = None
         par = SINGLE
         try:
@@ -141,12 +145,12 @@ class LLMEngine:
     def _device_kv_budget(self) -> int:
         # Experts kept in host RAM do not use the device budget.
         weights = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if ".experts.host." not in n)
-        reserve = device_reserve_bytes(self.device)
+        reserve = self.reserve_bytes
         if self.args.gpu_memory_gb is not None:
             left = int(self.args.gpu_memory_gb * 2**30) - weights - reserve
             if left <= 0:
                 raise MemoryError(f"gpu_memory_gb={self.args.gpu_memory_gb} does not hold the weights "
-                                  f"({weights / 2**30:.2f} GiB) plus a {reserve / 2**30:.0f} GiB reserve")
+                                  f"({weights / 2**30:.2f} GiB) plus a {reserve / 2**30:.2f} GiB activation reserve")
             return left
         free, _total = torch.cuda.mem_get_info(self.device)
         return max(0, int(free * 0.9) - reserve)

@@ -10,14 +10,17 @@ weights, the dtype a GPU run computes in.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.layers.linear import linear_format
 from engine.models.registry import PARAM_CLASSES, parameter_classes
-from engine.parallel.state import ParallelState
+from engine.parallel.state import ParallelState, split_sizes
 
 _TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
                 "float32": torch.float32, "float": torch.float32}
@@ -28,12 +31,24 @@ def compute_dtype(config: ModelConfig) -> torch.dtype:
     return _TORCH_DTYPE.get(config.torch_dtype.removeprefix("torch."), torch.bfloat16)
 
 
-def meta_model(config: ModelConfig, world_size: int = 1, rank: int = 0) -> nn.Module:
-    """Rank ``rank``'s model on the meta device, experts spread evenly over the ranks."""
+def meta_model(config: ModelConfig, world_size: int = 1, rank: int = 0, par: ParallelState | None = None) -> nn.Module:
+    """Rank ``rank``'s model on the meta device, experts spread evenly over the ranks (``par``: the
+    parallel state to build with, default ``ParallelState(rank, world_size)``)."""
     from engine.loader import build_model
 
-    par = ParallelState(rank=rank, world_size=world_size)
+    par = ParallelState(rank=rank, world_size=world_size) if par is None else par
     return build_model(config, torch.device("meta"), compute_dtype(config), par=par)
+
+
+@dataclass(frozen=True)
+class _RecordingState(ParallelState):
+    """A ParallelState that notes every split the model asks it for: (total, unit)."""
+
+    calls: list = field(default_factory=list, compare=False, hash=False)
+
+    def range(self, total: int, unit: int = 1) -> tuple[int, int]:
+        self.calls.append((total, unit))
+        return super().range(total, unit)
 
 
 @dataclass(frozen=True)
@@ -177,16 +192,63 @@ class Footprint:
     num_paged_layers: int = 0     # MLA layers
 
 
-def footprint(config: ModelConfig, num_devices: int) -> Footprint:
-    """Sizes of the whole model and of each rank's share of it, each from its own meta build."""
+def _alignment(config: ModelConfig) -> int:
+    """The modulus a shard's start matters under: 1 when no tensor-parallel Linear is quantised (the
+    split is then just a size), else the FP8 block / INT4 and MXFP4 group, whose scales a shard starting
+    inside a block or group counts differently (engine.layers.linear)."""
+    q = config.quantization
+    if q is None:
+        return 1
+    names = ["lm_head", *(f"model.layers.{config.num_hidden_layers - 1}.self_attn.{p}"
+                          for p in ("q_proj", "q_b_proj", "kv_b_proj", "o_proj", "g_proj", "k_proj", "v_proj"))]
+    if config.layer_types:
+        kda = next((i for i in range(config.num_hidden_layers) if config.is_kda_layer(i)), 0)
+        names += [f"model.layers.{kda}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj",
+                                                                "g_proj", "g_b_proj", "o_proj")]
+    if all(linear_format(q, n) == "dense" for n in names):
+        return 1
+    return math.lcm(*q.weight_block_size, q.group_size, 32)
+
+
+def _rank_keys(config: ModelConfig, num_devices: int, calls: list[tuple[int, int]]) -> list[tuple]:
+    """Per rank, what its build depends on: the size (and start, modulo ``_alignment``) of each split
+    the model makes, and its share of routed experts (spread by split_sizes, engine.layers.moe).
+    Ranks with equal keys build tensors of equal shapes and bytes."""
+    align = _alignment(config)
+    keys = []
+    splits = [split_sizes(total, num_devices, unit) for total, unit in sorted(set(calls))]
+    experts = split_sizes(config.n_routed_experts, num_devices) if config.n_routed_experts else [0] * num_devices
+    for r in range(num_devices):
+        keys.append((experts[r], *((sizes[r], sum(sizes[:r]) % align) for sizes in splits)))
+    return keys
+
+
+@functools.lru_cache(maxsize=16)
+def footprint(config: ModelConfig, num_devices: int, exact: bool = False) -> Footprint:
+    """Sizes of the whole model and of each rank's share of it, from meta builds: one build per class
+    of ranks that split alike (``_rank_keys``), or with ``exact`` one per rank (the oracle). Cached per
+    (config, num_devices): the planner asks again for every context length and policy."""
     whole = meta_model(config)
     size = count_params(config, whole)
     per_device, state = [], []
+    built: dict[tuple, tuple[int, int]] = {}
+    keys: list[tuple] = [()] * num_devices
     for rank in range(num_devices):
-        model = whole if num_devices == 1 else meta_model(config, num_devices, rank)
-        parts = size.parts if num_devices == 1 else part_sizes(model)
-        per_device.append(sum(v.nbytes for k, v in parts.items() if k != "routed_experts"))
-        state.append(state_bytes_per_seq(config, model))
+        if num_devices == 1:
+            model, parts = whole, size.parts
+        elif rank == 0 or exact or keys[rank] not in built:
+            par = _RecordingState(rank=rank, world_size=num_devices)
+            model = meta_model(config, par=par)
+            parts = part_sizes(model)
+            if rank == 0 and not exact:
+                keys = _rank_keys(config, num_devices, par.calls)
+        else:
+            model = None
+        if model is not None:
+            built[keys[rank]] = (sum(v.nbytes for k, v in parts.items() if k != "routed_experts"),
+                                 state_bytes_per_seq(config, model))
+        per_device.append(built[keys[rank]][0])
+        state.append(built[keys[rank]][1])
     cache = cache_layout(config, whole)
     return Footprint(size, tuple(per_device), cache.kv_bytes_per_token, tuple(state), cache.state_bytes_per_seq,
                      cache.num_state_layers, cache.num_paged_layers)

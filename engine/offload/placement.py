@@ -7,6 +7,7 @@ import logging
 import torch
 
 from engine.config import ModelConfig
+from engine.offload.activation_reserve import activation_reserve
 from engine.offload.planner import PlacementError, plan_placement
 from engine.offload.routing_stats import load_routing_stats
 from engine.units import GiB
@@ -14,20 +15,28 @@ from engine.units import GiB
 log = logging.getLogger(__name__)
 
 
-def device_reserve_bytes(device: torch.device) -> int:
-    """Memory a device keeps back for activations and workspace (none when the device is the host)."""
-    return GiB if device.type == "cuda" else 0
+def device_reserve_bytes(config: ModelConfig, device: torch.device, world_size: int, max_num_batched_tokens: int,
+                         max_num_seqs: int, max_model_len: int, decode_graphs: bool) -> int:
+    """Memory each device keeps back for activations and workspace: the planner's estimate for the
+    engine's step sizes (engine.offload.activation_reserve), the one number both the expert placement
+    and the KV cache budget subtract. None when the device is the host: activations then come out of
+    host RAM like everything else, and a ``gpu_memory_gb`` budget on the CPU is a test of the split."""
+    if device.type == "cpu":
+        return 0
+    return activation_reserve(config, world_size, max_num_batched_tokens, max_num_seqs, max_model_len,
+                              decode_graphs).total
 
 
 def expert_placement_for(config: ModelConfig, cpu_offload: str | int, device: torch.device, world_size: int,
                          max_model_len: int, max_num_seqs: int, gpu_memory_gb: float | None = None,
-                         routing_stats_path: str | None = None):
+                         routing_stats_path: str | None = None, reserve_bytes: int = 0):
     """``expert_placement[layer][expert]`` (rank, or -1 for host RAM), or None for an even spread.
 
     On a GPU (or whenever ``gpu_memory_gb`` sets a device budget), "auto" asks the planner what fits
     in each device's memory and "none" refuses (with the shortfall) when it does not; an integer N
     keeps N experts of every MoE layer in host RAM, the coldest ones when routing statistics from a
     previous run are given. On the CPU without a budget the host is the device: nothing moves.
+    ``reserve_bytes``: kept back per device (``device_reserve_bytes``).
     """
     if not config.n_routed_experts:
         return None
@@ -39,7 +48,6 @@ def expert_placement_for(config: ModelConfig, cpu_offload: str | int, device: to
             stats = load_routing_stats(routing_stats_path)
         except FileNotFoundError:
             log.info("no routing statistics at %s yet; experts spread evenly", routing_stats_path)
-    reserve = device_reserve_bytes(device)
     if isinstance(cpu_offload, int):
         if cpu_offload > config.n_routed_experts:
             raise ValueError(f"cpu_offload={cpu_offload} exceeds n_routed_experts={config.n_routed_experts}")
@@ -51,7 +59,7 @@ def expert_placement_for(config: ModelConfig, cpu_offload: str | int, device: to
     else:
         return None  # on the CPU the host is the device: nothing to offload
     plan = plan_placement(config, world_size, memory, max_model_len, max_num_seqs, cpu_offload,
-                          reserve_bytes_per_device=reserve, routing_stats=stats)
+                          reserve_bytes_per_device=reserve_bytes, routing_stats=stats)
     if not plan.fits and cpu_offload != "none":
         raise PlacementError("; ".join(plan.problems) or "the model does not fit")
     rows = [list(r) for r in plan.expert_device]

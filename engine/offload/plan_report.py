@@ -63,6 +63,13 @@ def cache_line(p: Placement) -> str:
             f"split over GPUs) + {mla}; {_gib(p.seq_bytes(p.max_model_len))} GiB at {p.max_model_len:,} tokens")
 
 
+def reserve_line(p: Placement) -> str:
+    """The per-GPU reserve for activations and workspace, and what it is made of."""
+    if p.activation is None:
+        return f"reserve per GPU {_gib(p.devices[0].reserve_bytes)} GiB (given)"
+    return p.activation.line()
+
+
 def render(p: Placement) -> list[str]:
     s = p.model_size
     parts = ", ".join(f"{k.replace('_', ' ')} {_gib(v.nbytes)}"
@@ -75,6 +82,7 @@ def render(p: Placement) -> list[str]:
         f"{p.model}: {s.total.params / 1e12:.3f}T params, {_gib(s.total.nbytes)} GiB ({parts} GiB)",
         *([f"stored as: {storage} GiB"] if storage else []),
         cache_line(p),
+        reserve_line(p),
         f"{p.num_devices} GPU x {_gib(p.devices[0].capacity_bytes)} GiB; max_model_len {p.max_model_len:,} x "
         f"{p.max_num_seqs} seq (block {p.block_size}); cpu_offload {off}; "
         f"KV {p.kv_bytes_per_token / 1024:.1f} KiB/token, replicated on every GPU",

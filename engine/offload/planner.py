@@ -3,7 +3,8 @@
 Order of filling each GPU: non-expert weights (tensor parallel, uneven splits), the MLA latent KV
 cache for ``max_model_len x max_num_seqs`` tokens, the fixed per-sequence state of linear-attention
 layers (Kimi K3's KDA: ``max_num_seqs`` slots, this rank's heads), a reserve for activations and
-workspace; then
+workspace (by default the worst step ``max_num_batched_tokens`` and ``max_num_seqs`` allow,
+engine.offload.activation_reserve); then
 routed experts (expert parallel) while they fit; the rest live in host RAM and run on the CPU
 (KTransformers' split; llama.cpp's ``-ot exps=CPU`` offloads all of them). Sizes are bytes; the
 text renderer prints GiB (2^30), the unit the published checkpoint sizes and ``rocm-smi`` use.
@@ -16,12 +17,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from engine.config import ModelConfig
+from engine.offload.activation_reserve import ActivationReserve, activation_reserve
 from engine.offload.param_count import ModelSize, footprint, moe_layers
 from engine.parallel.state import split_sizes
 from engine.units import GiB
 
-DEFAULT_RESERVE_BYTES = 4 * GiB
 DEFAULT_BLOCK_SIZE = 64   # FlashMLA / vLLM MLA page size
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # the engine's default (engine.args.EngineArgs)
 
 
 class PlacementError(ValueError):
@@ -97,6 +99,7 @@ class Placement:
     num_state_layers: int = 0         # KDA layers
     num_paged_layers: int = 0         # MLA layers
     max_num_seqs_with_placement: int = 0  # sequences of max_model_len that fit beside these weights
+    activation: ActivationReserve | None = None  # what the reserve is made of (None: given explicitly)
 
     @property
     def num_cpu_experts(self) -> int:
@@ -156,6 +159,8 @@ class Placement:
             "expert_device": [list(r) for r in self.expert_device],
             "model_size": {k: {"params": v.params, "bytes": v.nbytes} for k, v in self.model_size.parts.items()},
             "storage_bytes": dict(self.model_size.storage),
+            "reserve": self.activation.to_dict() if self.activation is not None else
+                       {"bytes": self.devices[0].reserve_bytes, "given": True},
         }
 
 
@@ -312,22 +317,34 @@ def _deal(targets: list[int]):
 
 def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_bytes: int, max_model_len: int,
                    max_num_seqs: int, cpu_offload: str | int = "auto",
-                   reserve_bytes_per_device: int = DEFAULT_RESERVE_BYTES, routing_stats: dict | list | None = None,
-                   host_memory_bytes: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> Placement:
+                   reserve_bytes_per_device: int | None = None, routing_stats: dict | list | None = None,
+                   host_memory_bytes: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                   max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                   decode_graphs: bool | None = None) -> Placement:
     """Decide where every weight lives on ``num_devices`` GPUs plus host RAM.
 
     ``cpu_offload``: "auto" puts in host RAM only the routed experts that do not fit; an int N puts
     exactly N experts of every MoE layer there (the coldest by ``routing_stats``, else the highest
     indices); "none" raises ``PlacementError`` (with the shortfall) when the GPUs cannot hold it all.
     ``routing_stats``: tokens routed to each expert, ``{layer: [count per expert]}`` or a nested list.
+    ``reserve_bytes_per_device``: kept back on every GPU for activations and workspace; None (the
+    default) estimates it for steps of ``max_num_batched_tokens`` tokens and ``max_num_seqs``
+    sequences (engine.offload.activation_reserve), with the decode graphs' pool when
+    ``decode_graphs`` (None: as the engine decides, on one GPU only).
     Other plans that do not fit come back with ``fits=False`` and the reasons in ``problems``.
     """
     for name, v in (("num_devices", num_devices), ("max_model_len", max_model_len),
-                    ("max_num_seqs", max_num_seqs), ("block_size", block_size)):
+                    ("max_num_seqs", max_num_seqs), ("block_size", block_size),
+                    ("max_num_batched_tokens", max_num_batched_tokens)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    if memory_per_device_bytes <= 0 or reserve_bytes_per_device < 0:
+    if memory_per_device_bytes <= 0 or (reserve_bytes_per_device is not None and reserve_bytes_per_device < 0):
         raise ValueError("memory_per_device_bytes must be positive and reserve_bytes_per_device non-negative")
+    activation = None
+    if reserve_bytes_per_device is None:
+        graphs = num_devices == 1 if decode_graphs is None else decode_graphs
+        activation = activation_reserve(config, num_devices, max_num_batched_tokens, max_num_seqs, max_model_len, graphs)
+        reserve_bytes_per_device = activation.total
     n_exp = config.n_routed_experts
     policy = _parse_policy(cpu_offload, n_exp)
     stats = _normalize_stats(routing_stats, config) if routing_stats is not None else {}
@@ -393,7 +410,7 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
         max_position_embeddings=config.max_position_embeddings, model_size=fp.size,
         state_bytes_per_seq=sum(fp.state_bytes_per_seq_per_device), num_state_layers=fp.num_state_layers,
         num_paged_layers=fp.num_paged_layers,
-        max_num_seqs_with_placement=_seqs_with_placement(devices, budget, max_model_len))
+        max_num_seqs_with_placement=_seqs_with_placement(devices, budget, max_model_len), activation=activation)
     if policy == "none" and not placement.fits:
         raise PlacementError(_none_message(placement, budget, slots), placement)
     return placement

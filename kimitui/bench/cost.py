@@ -161,14 +161,15 @@ def efficiency_keys(*, total_token_throughput: float, total_output_tokens: int, 
     benchmark window (or None). energy_j counts GPU plus CPU package energy where each is
     measured (`energy_scope` says which); InferenceX counts GPU board power only, which
     flatters CPU-offload engines."""
-    tput_per_gpu = total_token_throughput / num_gpus
+    # No GPU (an in-process run on the CPU): per-GPU throughput and GPU-hour prices mean nothing.
+    tput_per_gpu = total_token_throughput / num_gpus if num_gpus else None
     e = _measured_energy(energy)
     window_s = getattr(energy, "duration_s", None) or duration_s
     power_kw = None if e.joules is None else e.joules / window_s / 1000
     return {
         "num_gpus": num_gpus,
         "tput_per_gpu": tput_per_gpu,
-        "output_tput_per_gpu": (total_output_tokens / duration_s) / num_gpus,
+        "output_tput_per_gpu": (total_output_tokens / duration_s) / num_gpus if num_gpus else None,
         "avg_gpu_power_w": getattr(energy, "avg_gpu_power_w", None),
         "avg_cpu_power_w": getattr(energy, "avg_cpu_power_w", None),
         "per_gpu_avg_power_w": list(e.per_gpu_w),
@@ -177,7 +178,8 @@ def efficiency_keys(*, total_token_throughput: float, total_output_tokens: int, 
         "tokens_per_kwh": (total_tokens / (e.joules / 3.6e6)) if e.joules else None,
         "joules_per_output_token": (e.joules / total_output_tokens)
         if e.joules is not None and total_output_tokens else None,
-        "cost_per_mtok": {t.name: usd_per_mtok(t.usd_per_gpu_hour, tput_per_gpu) for t in pricing_tiers},
+        "cost_per_mtok": {t.name: usd_per_mtok(t.usd_per_gpu_hour, tput_per_gpu) if num_gpus else None
+                          for t in pricing_tiers},
         "pricing_tiers": {t.name: t.usd_per_gpu_hour for t in pricing_tiers},
         "usd_per_kwh": usd_per_kwh,
         "electricity_cost_per_mtok": electricity_usd_per_mtok(power_kw, usd_per_kwh, total_token_throughput),
@@ -192,7 +194,7 @@ def format_efficiency_block(result: dict[str, Any]) -> str:
     """kimitui's block printed under vLLM's: per-GPU throughput, power, energy, cost."""
     row = "{:<40} {:<10}".format
     lines = ["{s:{c}^{n}}".format(s=" Efficiency and Cost ", n=50, c="=")]
-    lines.append(row("GPUs:", result["num_gpus"]))
+    lines.append(row("GPUs:", result["num_gpus"] or "0 (CPU only)"))
     lines.append(row("Total tok/s per GPU:", _fmt(result["tput_per_gpu"], ".2f")))
     lines.append(row("Avg GPU power, all GPUs (W):", _fmt(result.get("avg_gpu_power_w"), ".1f")))
     lines.append(row("Avg CPU package power (W):", _fmt(result.get("avg_cpu_power_w"), ".1f")))

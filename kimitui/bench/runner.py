@@ -52,7 +52,7 @@ class BenchmarkConfig:
     sweep_concurrency: tuple[int, ...] = ()
     base_url: str | None = None
     model: str | None = None
-    num_gpus: int = 1
+    num_gpus: int = 1  # 0: no GPU (the engine runs on the CPU); per-GPU numbers are then n/a
     pricing_tiers: tuple[PricingTier, ...] = DEFAULT_TIERS
     usd_per_kwh: float | None = DEFAULT_USD_PER_KWH
     label: str | None = None
@@ -81,7 +81,7 @@ class BenchmarkConfig:
         need(all(0 < p <= 100 for p in self.metric_percentiles),
              f"--metric-percentiles must lie in (0, 100], got {list(self.metric_percentiles)}")
         need(all(c >= 1 for c in self.sweep_concurrency), "--sweep-concurrency levels must be >= 1")
-        need(self.num_gpus >= 1, f"--num-gpus must be >= 1, got {self.num_gpus}")
+        need(self.num_gpus >= 0, f"--num-gpus must be >= 0, got {self.num_gpus}")
         need(self.usd_per_kwh is None or self.usd_per_kwh >= 0,
              f"--usd-per-kwh must be >= 0, got {self.usd_per_kwh}")
 
@@ -278,8 +278,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     a("--label", type=str, default=None, help="result label (default: the backend name)")
     a("--base-url", type=str, default=None, help="benchmark an OpenAI-compatible server instead of in-process")
     a("--sweep-concurrency", type=str, default=None, help="e.g. 1,2,4,8: one run per level, then the frontier")
-    a("--num-gpus", type=int, default=None, help="GPUs behind the measured server, for per-GPU numbers "
-      "(default: --gpus, else 1)")
+    a("--num-gpus", type=int, default=None, help="GPUs behind the --base-url server, for per-GPU numbers "
+      "(default: --gpus, else 1; 0 for a CPU-only server). In-process runs count the engine's own")
     a("--usd-per-kwh", type=float, default=None, help="electricity price (default from settings.toml, else 0.10)")
     a("--pricing-tier", action="append", default=[], metavar="NAME=USD",
       help="$/GPU/hour tier, repeatable; replaces a tier of the same name")
@@ -295,7 +295,7 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
 
     cost = with_overrides(load_cost_settings(), [parse_pricing_tier(t) for t in args.pricing_tier],
                           args.usd_per_kwh)
-    num_gpus = args.num_gpus or getattr(args, "gpus", None) or 1
+    num_gpus = args.num_gpus if args.num_gpus is not None else getattr(args, "gpus", None) or 1
     return BenchmarkConfig(
         random_input_len=args.random_input_len, random_output_len=args.random_output_len,
         random_range_ratio=args.random_range_ratio, random_prefix_len=args.random_prefix_len,

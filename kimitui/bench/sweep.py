@@ -1,7 +1,7 @@
 """Concurrency sweeps: the throughput-vs-interactivity frontier and InferenceX's ladder.
 
 Interactivity (tok/s per user) = 1000 / median TPOT ms; throughput = total tok/s per GPU
-(InferenceX's `median_intvty` and `tput_per_gpu`). The ladder reads the frontier at fixed
+(InferenceX's `median_intvty` and `tput_per_gpu`), or of the whole host when the run had no GPU. The ladder reads the frontier at fixed
 per-user speeds by linear interpolation between neighbouring frontier points (InferenceX's
 dashboard draws a monotone cubic through them; linear never overshoots the measurements).
 """
@@ -40,7 +40,8 @@ def point_from_result(result: dict[str, Any]) -> SweepPoint | None:
     tpot = result.get("median_tpot_ms")
     if not tpot or result.get("completed", 0) == 0:
         return None
-    return SweepPoint(result.get("max_concurrency"), 1000.0 / tpot, float(result["tput_per_gpu"]))
+    tput = result["tput_per_gpu"] if result.get("num_gpus", 1) else result["total_token_throughput"]
+    return SweepPoint(result.get("max_concurrency"), 1000.0 / tpot, float(tput))
 
 
 def frontier(points: Iterable[SweepPoint]) -> list[SweepPoint]:
@@ -73,25 +74,27 @@ def ladder(front: Sequence[SweepPoint], targets: Sequence[float] = LADDER_TARGET
     return out
 
 
-def format_ladder(values: dict[float, float | None], cost_per_mtok: Any = None) -> str:
+def format_ladder(values: dict[float, float | None], cost_per_mtok: Any = None, per: str = "GPU") -> str:
     """The ladder as a text table; "-" where the frontier does not reach.
-    `cost_per_mtok(tput_per_gpu) -> dict[tier, $]` adds cost columns when given."""
+    `cost_per_mtok(tput_per_gpu) -> dict[tier, $]` adds cost columns when given; ``per``: "GPU", or
+    "host" for a run without GPUs."""
     lines = ["{s:{c}^{n}}".format(s=" Throughput at interactivity targets ", n=50, c="=")]
     for target, tput in values.items():
         cells = "-" if tput is None else f"{tput:,.1f}"
         if cost_per_mtok is not None and tput is not None:
             cells += "  " + "  ".join(f"{k} ${v:.3f}/M" for k, v in cost_per_mtok(tput).items()
                                      if v is not None)
-        lines.append("{:<40} {:<10}".format(f"tok/s/GPU at {target:g} tok/s/user:", cells))
+        lines.append("{:<40} {:<10}".format(f"tok/s/{per} at {target:g} tok/s/user:", cells))
     lines.append("=" * 50)
     return "\n".join(lines)
 
 
-def format_frontier(front: Sequence[SweepPoint | dict[str, Any]]) -> str:
-    """The frontier as a text table, most interactive point first (accepts `asdict` points)."""
+def format_frontier(front: Sequence[SweepPoint | dict[str, Any]], per: str = "GPU") -> str:
+    """The frontier as a text table, most interactive point first (accepts `asdict` points); ``per``:
+    "GPU", or "host" for a run without GPUs."""
     rows = [p if isinstance(p, dict) else asdict(p) for p in front]
     lines = ["{s:{c}^{n}}".format(s=" Throughput vs interactivity frontier ", n=50, c="=")]
-    lines.append("{:<14}{:>18}{:>18}".format("concurrency", "tok/s/user", "tok/s/GPU"))
+    lines.append("{:<14}{:>18}{:>18}".format("concurrency", "tok/s/user", f"tok/s/{per}"))
     for p in sorted(rows, key=lambda p: -p["interactivity"]):
         conc = "-" if p["concurrency"] is None else str(p["concurrency"])
         lines.append("{:<14}{:>18,.2f}{:>18,.2f}".format(conc, p["interactivity"], p["tput_per_gpu"]))

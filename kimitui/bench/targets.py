@@ -24,6 +24,10 @@ class InProcessTarget:
         self.model_name = model_name
         self.tokenizer = llm.tokenizer
         self.max_model_len: int | None = getattr(llm.engine, "max_model_len", None)
+        # GPUs the engine runs on: none when its device is the CPU, else one per tensor-parallel rank
+        engine_device = str(getattr(llm.engine, "device", "cpu"))
+        args = getattr(llm.engine, "args", None)
+        self.num_gpus = 0 if engine_device.startswith("cpu") else getattr(args, "tensor_parallel_size", 1)
         self.describe = f"{model_name} in-process" + (f" on {device}" if device else "")
 
     @classmethod

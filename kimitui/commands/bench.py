@@ -86,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
             target = InProcessTarget.load(engine_args_from(args))
         # The engine clamps --max-model-len to the checkpoint; prompts must fit what it accepts.
         config = replace(config, max_model_len=target.max_model_len or config.max_model_len)
+        if isinstance(target, InProcessTarget):  # the truth, not a flag: 0 when the engine is on the CPU
+            config = replace(config, num_gpus=target.num_gpus)
         from kimitui.telemetry import TelemetrySampler
 
         sampler = TelemetrySampler(interval_s=args.telemetry_interval).start()
@@ -193,10 +195,11 @@ def _print_result(result: dict[str, Any]) -> None:
 
 
 def _print_sweep(sweep: dict[str, Any], config: BenchmarkConfig) -> None:
-    print(format_frontier(sweep["frontier"]))
+    per = "GPU" if config.num_gpus else "host"  # CPU only: throughput of the whole machine, no GPU-hour cost
+    print(format_frontier(sweep["frontier"], per))
     tiers = config.pricing_tiers
-    print(format_ladder(sweep["ladder"], lambda tput: {t.name: usd_per_mtok(t.usd_per_gpu_hour, tput)
-                                                       for t in tiers}))
+    print(format_ladder(sweep["ladder"], per=per, cost_per_mtok=(
+        lambda tput: {t.name: usd_per_mtok(t.usd_per_gpu_hour, tput) for t in tiers}) if config.num_gpus else None))
     if config.save_result and sweep["points"]:
         path = save_result(sweep, config.result_dir, sweep_result_filename(sweep, config.result_filename))
         print(f"kimitui bench: saved {path}", file=sys.stderr)

@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 from engine.config import ConfigError, ModelConfig
-from engine.offload.planner import DEFAULT_BLOCK_SIZE, Placement, PlacementError, plan_placement
+from engine.offload.planner import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, Placement, PlacementError,
+                                    plan_placement)
 from engine.offload.routing_stats import load_routing_stats
 from engine.units import GiB
 from kimitui.commands.engine_flags import cpu_offload_arg
 
 MI355X_MEMORY_GB = 288.0
-DEFAULT_RESERVE_GB = 4.0
 # One sequence by default: `plan` answers "does one request at full context fit". KV grows
 # linearly with --max-num-seqs, so serving plans should pass the concurrency they intend.
 DEFAULT_MAX_NUM_SEQS = 1
@@ -36,13 +36,17 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="context length per sequence (default: the model's max_position_embeddings)")
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, metavar="S",
                    help="concurrent sequences, each with a full-length KV cache (default %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, metavar="T",
+                   help="tokens per engine step, the largest prefill chunk: sizes the activation reserve "
+                        "(default %(default)s, as kimitui serve)")
     p.add_argument("--cpu-offload", type=cpu_offload_arg, default="auto", metavar="auto|none|N",
                    help="auto: experts that do not fit go to host RAM; none: refuse if it does not fit; "
                         "N: N routed experts of every MoE layer in host RAM (default auto)")
     p.add_argument("--host-memory-gb", type=float, metavar="G", help="host RAM available for CPU experts, GiB")
     p.add_argument("--routing-stats", metavar="FILE", help="tokens per expert per layer (JSON); hottest stay on GPU")
-    p.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GB, metavar="G",
-                   help="per-GPU reserve for activations and workspace, GiB (default %(default)s)")
+    p.add_argument("--reserve-gb", type=float, metavar="G",
+                   help="per-GPU reserve for activations and workspace, GiB (default: estimated for "
+                        "--max-num-batched-tokens and --max-num-seqs)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="T",
                    help="KV cache block size in tokens (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -88,8 +92,11 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(e))
     if args.gpus < 1:
         return _fail(f"--gpus must be at least 1, got {args.gpus}")
-    if args.gpu_memory_gb <= 0 or args.reserve_gb < 0 or (args.host_memory_gb is not None and args.host_memory_gb < 0):
+    if args.gpu_memory_gb <= 0 or (args.reserve_gb is not None and args.reserve_gb < 0) or (
+            args.host_memory_gb is not None and args.host_memory_gb < 0):
         return _fail("--gpu-memory-gb must be positive; --reserve-gb and --host-memory-gb non-negative")
+    if args.max_num_batched_tokens < 1 or args.max_num_seqs < 1:
+        return _fail("--max-num-batched-tokens and --max-num-seqs must be at least 1")
     try:
         stats = load_routing_stats(args.routing_stats) if args.routing_stats else None
     except (ValueError, FileNotFoundError) as e:
@@ -98,8 +105,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         placement = plan_placement(
             config, args.gpus, int(args.gpu_memory_gb * GiB), args.max_model_len or config.max_position_embeddings,
-            args.max_num_seqs, cpu_offload=args.cpu_offload, reserve_bytes_per_device=int(args.reserve_gb * GiB),
-            routing_stats=stats, host_memory_bytes=host, block_size=args.block_size)
+            args.max_num_seqs, cpu_offload=args.cpu_offload, routing_stats=stats, host_memory_bytes=host,
+            reserve_bytes_per_device=None if args.reserve_gb is None else int(args.reserve_gb * GiB),
+            block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens)
     except PlacementError as e:
         _emit(e.placement, args.json, str(e))
         print(f"kimitui plan: {e}", file=sys.stderr)

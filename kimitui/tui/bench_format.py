@@ -41,7 +41,7 @@ HEAD: list[tuple[str, str, Callable[[Any], str]]] = [
 ]
 LATENCY = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"))
 TAIL: list[tuple[str, str, Callable[[Any], str]]] = [
-    ("GPUs", "num_gpus", _text),
+    ("GPUs", "num_gpus", lambda v: "0 (CPU only)" if v == 0 else _text(v)),
     ("tput per GPU (tok/s)", "tput_per_gpu", _num(",.2f")),
     ("avg GPU power, all GPUs (W)", "avg_gpu_power_w", _num(".1f")),
     ("avg CPU package power (W)", "avg_cpu_power_w", _num(".1f")),

@@ -144,7 +144,7 @@ def config_from_form(form: dict[str, str], *, max_model_len: int | None, num_gpu
         num_warmups=_parse(form, "num_warmups", "warm-ups", int, blank=(0,)),
         percentile_metrics=PERCENTILE_METRICS,
         sweep_concurrency=parse_concurrency_list(sweep) if sweep else (),
-        model=model, num_gpus=max(1, num_gpus), pricing_tiers=tiers,
+        model=model, num_gpus=max(0, num_gpus), pricing_tiers=tiers,
         usd_per_kwh=_parse(form, "usd_per_kwh", "$ per kWh", float, blank=(None,)),
         label=form.get("label", "").strip() or None, max_model_len=max_model_len,
     )

@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from engine.config import ModelConfig
 from engine.loader import build_model
+from engine.offload import param_count
 from engine.offload.param_count import compute_dtype, meta_model
 from engine.offload.planner import GiB, Placement, plan_placement
 from engine.parallel.state import ParallelState
@@ -99,3 +100,18 @@ def test_k3_on_four_ranks():
 @pytest.mark.parametrize("name", list(MODELS))
 def test_real_shapes(name, gpus):
     dry_run(name, gpus)
+
+
+@pytest.mark.parametrize("name,gpus,builds", [("kimi_k3", 4, 2), ("kimi_k3", 6, 4), ("kimi_k2_instruct", 6, 7)])
+def test_one_build_per_rank_class_equals_one_per_rank(monkeypatch, name, gpus, builds):
+    # The planner builds the whole model, then one meta model per class of ranks that split alike (K3
+    # on 4: 24 heads, 224 experts, 40960 vocab rows each; on 6: 150/149 experts, 598/597 latent
+    # columns, 27307/27306 vocab rows make three classes). FP8 K2 quantises attention, whose 11- and 10-head shards
+    # start at different offsets within the 128-row scale blocks: every rank is its own class.
+    config = ModelConfig.from_pretrained(CONFIGS / f"{name}.json")
+    exact = param_count.footprint.__wrapped__(config, gpus, exact=True)
+    calls = []
+    real = param_count.meta_model
+    monkeypatch.setattr(param_count, "meta_model", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert param_count.footprint.__wrapped__(config, gpus) == exact
+    assert len(calls) == builds

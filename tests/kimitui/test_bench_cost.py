@@ -74,6 +74,20 @@ def test_no_power_source_gives_none_and_na():
     assert "n/a" in block and "$/1M tokens, x:" in block
 
 
+def test_no_gpu_says_so_and_per_gpu_numbers_are_na():
+    k = efficiency_keys(total_token_throughput=100.0, total_output_tokens=200, total_tokens=1000, duration_s=10.0,
+                        num_gpus=0, energy=FakeWindow(gpu_energy_j=None, avg_gpu_power_w=None, per_gpu_avg_power_w=()),
+                        pricing_tiers=(PricingTier("x", 1.8),), usd_per_kwh=0.2)
+    assert k["num_gpus"] == 0 and k["tput_per_gpu"] is None and k["output_tput_per_gpu"] is None
+    assert k["cost_per_mtok"] == {"x": None}
+    # energy is the host's: tokens per kWh and electricity cost still hold
+    assert k["tokens_per_kwh"] == pytest.approx(1000 / (360 / 3.6e6)) and k["electricity_cost_per_mtok"] is not None
+    block = format_efficiency_block(k).splitlines()
+    assert block[1].split() == ["GPUs:", "0", "(CPU", "only)"]
+    assert block[2].split()[-1] == "n/a" and block[2].startswith("Total tok/s per GPU:")
+    assert next(x for x in block if x.startswith("$/1M tokens, x:")).split()[-1] == "n/a"
+
+
 def test_settings_file_and_cli_overrides(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     assert settings_path() == tmp_path / "kimitui" / "settings.toml"

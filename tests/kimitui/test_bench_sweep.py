@@ -43,6 +43,11 @@ def test_point_from_result_and_parsing():
                            "completed": 5})
     assert p == SweepPoint(8, 50.0, 500.0)
     assert point_from_result({"median_tpot_ms": 0.0, "tput_per_gpu": 1.0, "completed": 1}) is None
+    # a run without GPUs has no per-GPU throughput: the frontier is the host's total tok/s
+    cpu = point_from_result({"median_tpot_ms": 20.0, "tput_per_gpu": None, "num_gpus": 0,
+                             "total_token_throughput": 120.0, "max_concurrency": 2, "completed": 5})
+    assert cpu == SweepPoint(2, 50.0, 120.0)
+    assert "tok/s/host at 30 tok/s/user:" in format_ladder(ladder([cpu]), per="host")
     assert parse_concurrency_list("1,2, 4,8") == (1, 2, 4, 8)
     with pytest.raises(ValueError):
         parse_concurrency_list("1,x")

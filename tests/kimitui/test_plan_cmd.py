@@ -77,6 +77,8 @@ def test_routing_stats_flag(capsys, tmp_path):
     (["--config", K26, "--gpus", "0"], "--gpus"),
     (["--config", K26, "--gpus", "4", "--routing-stats", "/nonexistent/stats.json"], "stats.json"),
     (["--config", K26, "--gpus", "4", "--cpu-offload", "999"], "cpu_offload"),
+    (["--config", K26, "--gpus", "4", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+    (["--config", K26, "--gpus", "4", "--reserve-gb", "-1"], "--reserve-gb"),
 ])
 def test_bad_input_exits_2(capsys, tmp_path, argv, needle):
     if "UNKNOWN" in argv:
@@ -86,6 +88,26 @@ def test_bad_input_exits_2(capsys, tmp_path, argv, needle):
     assert run_plan(argv) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
+
+
+def test_reserve_follows_the_step_flags_and_reserve_gb_overrides(capsys):
+    def reserve(*flags: str) -> tuple[int, str]:
+        assert run_plan(["--config", K26, "--gpus", "6", "--max-model-len", "32768", *flags]) == 0
+        out = capsys.readouterr().out
+        line = next(x for x in out.splitlines() if x.startswith("reserve per GPU"))
+        table = [row.split() for row in out.splitlines() if row[:4].strip().isdigit()]
+        assert {row[8] for row in table} == {line.split()[3]}  # the table's reserve column is the line's
+        return float(line.split()[3]), line
+
+    default, line = reserve()
+    assert "2,048-token" in line and "max_num_batched_tokens 2,048, max_num_seqs 1" in line
+    big, line = reserve("--max-num-batched-tokens", "16384", "--max-num-seqs", "64")
+    assert big > default and "16,384" in line and "max_num_seqs 64" in line
+    given, line = reserve("--max-num-batched-tokens", "16384", "--reserve-gb", "2.5")
+    assert given == 2.5 and line == "reserve per GPU 2.50 GiB (given)"
+    assert run_plan(["--config", K26, "--gpus", "6", "--max-num-batched-tokens", "8192", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)["reserve"]
+    assert data["max_num_batched_tokens"] == 8192 and data["given"] is False and data["bytes"] > 0
 
 
 def test_argparse_rejects_bad_flags():
@@ -121,6 +143,6 @@ def test_k3_tells_the_four_and_six_gpu_stories(capsys):
     assert run_plan(["--config", k3, "--gpus", "4"]) == 0  # fits, with CPU experts
     four = capsys.readouterr().out.splitlines()
     assert four[0].startswith("weights do not fit on 4 x 288.00 GiB GPUs")
-    assert four[1].startswith("298-299 of 896 routed experts per MoE layer live in host RAM")
+    assert four[1].startswith("295-296 of 896 routed experts per MoE layer live in host RAM")
     assert "the CPUs compute them" in four[1]
     assert any(line.startswith("fits: yes, with 27") and "experts computed by the CPUs" in line for line in four)

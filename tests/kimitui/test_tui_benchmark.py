@@ -107,7 +107,10 @@ def test_sweep_shows_frontier(llm):
             assert panel.sweep is not None and len(panel.sweep["points"]) == 2
             assert panel.sweep["frontier"]
             text = str(panel.query_one("#bench-frontier-text").render())
-            assert "Throughput vs interactivity frontier" in text and "tok/s/GPU" in text
+            # the engine on the CPU has no GPU: the frontier is the host's tok/s
+            per = "host" if str(llm.engine.device).startswith("cpu") else "GPU"
+            assert "Throughput vs interactivity frontier" in text and f"tok/s/{per}" in text
+            assert all(p["num_gpus"] == (0 if per == "host" else 1) for p in panel.sweep["points"])
             assert screen.query_one("#bench-tabs").active == "tab-frontier"
             assert "Frontier" in screen_text(app)
             assert len(list_runs()) == 2  # each sweep point is a saved run

@@ -58,6 +58,11 @@ class BenchmarkScreen(Screen):
     def max_model_len(self) -> int | None:
         return getattr(getattr(self.llm, "engine", None), "max_model_len", None)
 
+    def _num_gpus(self) -> int:
+        # the engine's own: none when it runs on the CPU (per-GPU numbers are then n/a)
+        device = str(getattr(getattr(self.llm, "engine", None), "device", "cpu"))
+        return 0 if device.startswith("cpu") else self.app.engine_args.tensor_parallel_size
+
     def _model_name(self) -> str:
         # Named as `kimitui bench` names an in-process target, so saved runs line up.
         return (self.app.engine_args.model or getattr(getattr(self.llm, "config", None), "name", None)
@@ -123,7 +128,7 @@ class BenchmarkScreen(Screen):
             return
         try:
             config = config_from_form(form.values(), max_model_len=self.max_model_len,
-                                      num_gpus=self.app.engine_args.tensor_parallel_size,
+                                      num_gpus=self._num_gpus(),
                                       model=self._model_name())
         except ValueError as e:
             form.show_error(str(e))

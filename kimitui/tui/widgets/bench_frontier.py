@@ -14,7 +14,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Static
 
-from kimitui.bench.sweep import format_frontier, format_ladder
+from kimitui.bench.sweep import format_frontier, format_ladder, point_from_result
 
 try:
     from textual_plot import HiResMode, PlotWidget
@@ -78,13 +78,14 @@ class FrontierPanel(Vertical):
 
     def show(self, sweep: dict[str, Any]) -> None:
         self.sweep = sweep
-        measured = [(1000.0 / p["median_tpot_ms"], float(p["tput_per_gpu"]), f"c{p.get('max_concurrency')}")
-                    for p in sweep["points"] if p.get("median_tpot_ms") and p.get("completed")]
+        points = [(p, point_from_result(p)) for p in sweep["points"]]
+        measured = [(q.interactivity, q.tput_per_gpu, f"c{p.get('max_concurrency')}") for p, q in points if q]
+        per = "GPU" if all(p.get("num_gpus", 1) for p in sweep["points"]) else "host"  # no GPU: host tok/s
         front = [(f["interactivity"], f["tput_per_gpu"]) for f in sweep["frontier"]]
         self._plot(measured, front)
         ladder = {float(k): v for k, v in sweep["ladder"].items()}
         self.query_one("#bench-frontier-text", Static).update(
-            format_frontier(sweep["frontier"]) + "\n" + format_ladder(ladder) + f"\n(plot: {PLOT_BACKEND})")
+            format_frontier(sweep["frontier"], per) + "\n" + format_ladder(ladder, per=per) + f"\n(plot: {PLOT_BACKEND})")
 
     def _plot(self, measured: list[tuple[float, float, str]], front: list[tuple[float, float]]) -> None:
         plot = self.query_one("#bench-plot")
