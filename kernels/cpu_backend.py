@@ -140,6 +140,18 @@ class CpuBackend(Backend):
         return (*cpu_moe.prepack_int4_stack(w13_packed, w13_scale, k13, group_size, dtype),
                 *cpu_moe.prepack_int4_stack(w2_packed, w2_scale, k2, group_size, dtype))
 
+    def prepare_quant_experts(self, fmt, w13_packed, w13_scale, w2_packed, w2_scale, group_size):
+        # Host experts stream best as kernels.cpu_quant_moe's tiles (the same bytes, reordered).
+        if w13_packed.device.type != "cpu" or not self.quant_experts_native(fmt, w2_packed.shape[1],
+                                                                             w13_packed.shape[1] // 2, group_size):
+            return None
+        tiled = cpu_quant_moe.prepare(fmt, w13_packed, w13_scale, w2_packed, w2_scale, group_size)
+        return tiled.w13, tiled.w2
+
+    def moe_experts_tiled(self, x, topk_ids, topk_weights, fmt, w13_tiles, w2_tiles, inter):
+        experts = cpu_quant_moe.TiledExperts(fmt, x.shape[-1], inter, w13_tiles, w2_tiles)
+        return cpu_quant_moe.moe(x, topk_ids, topk_weights, fmt, experts, None, None, None)
+
     def moe_experts_int4pack_cpu(self, x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size):
         return cpu_moe.moe_experts_int4pack_cpu(x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size)
 

@@ -200,6 +200,54 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const t
   return out;
 }
 
+// Checkpoint rows [row0, row0 + N) of packed [E, rows, bytes] (uint8 view: byte b holds columns 2b (low
+// nibble) and 2b + 1, for INT4's little-endian int32 words and MXFP4 alike) and their scales [E, rows,
+// bytes] (raw bf16 or E8M0 bytes, one per `ratio` 32-column groups) -> out[:, off : off + the matrix's
+// tile bytes], as kernels/cpu_quant_moe_layout.py's repack (its Python text is the specification).
+void repack(const torch::Tensor& packed, const torch::Tensor& scale, torch::Tensor& out, int64_t off, int64_t row0,
+            int64_t N, int64_t K, int64_t ratio, bool mxfp4) {
+  const int64_t E = packed.size(0), tiles = ceil_div(N, kTileRows);
+  const Tiles shape = expert_tiles(out, 0, K, mxfp4);
+  const int64_t ss = mxfp4 ? 1 : 2, pad = mxfp4 ? 0 : 8;
+  const int64_t pb = packed.size(2), prow = packed.size(1) * pb, sb = scale.size(2), srow = scale.size(1) * sb;
+  const uint8_t* pd = packed.data_ptr<uint8_t>();
+  const uint8_t* sd = scale.data_ptr<uint8_t>();
+  uint8_t* od = out.data_ptr<uint8_t>();
+  const int64_t half_cols = shape.groups * 16;  // bytes of a row's codes, padded to whole groups
+  at::parallel_for(0, E * tiles, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<uint8_t> row(static_cast<size_t>(half_cols) + 4);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = i / tiles, t = i % tiles;
+      uint8_t* tile = od + e * out.size(1) + off + t * shape.tile_bytes;
+      std::memset(tile, 0, static_cast<size_t>(shape.scale_block));
+      uint8_t* codes = tile + shape.scale_block;
+      for (int r = 0; r < kTileRows; ++r) {
+        const int64_t n = t * kTileRows + r;
+        // the row's codes, columns past K (and rows past N) set to the padding code
+        std::fill(row.begin(), row.end(), static_cast<uint8_t>(pad | pad << 4));
+        if (n < N) {
+          const uint8_t* src = pd + e * prow + (row0 + n) * pb;
+          std::memcpy(row.data(), src, static_cast<size_t>(K / 2));
+          if (K % 2) row[K / 2] = static_cast<uint8_t>((src[K / 2] & 15) | pad << 4);
+          const uint8_t* sc = sd + e * srow + (row0 + n) * sb;
+          for (int64_t g = 0; g < shape.groups; ++g)
+            std::memcpy(tile + (g * kTileRows + r) * ss, sc + (g / ratio) * ss, static_cast<size_t>(ss));
+        }
+        for (int64_t b = 0; b < half_cols; b += 4) {  // 8 columns: block L = (b % 16) / 4 of group b / 16
+          uint32_t v;
+          std::memcpy(&v, row.data() + b, 4);
+          // byte j of v holds columns 2j (low nibble, parity 0) and 2j + 1: gather each parity's 4 nibbles
+          const uint32_t lo = v & 0x0F0F0F0Fu, hi = (v >> 4) & 0x0F0F0F0Fu;
+          const uint32_t l2 = lo | (lo >> 4), h2 = hi | (hi >> 4);
+          const uint16_t words[2] = {static_cast<uint16_t>((l2 & 0xFF) | ((l2 >> 8) & 0xFF00)),
+                                     static_cast<uint16_t>((h2 & 0xFF) | ((h2 >> 8) & 0xFF00))};
+          std::memcpy(codes + (b / 16) * 256 + 64 * ((b % 16) / 4) + 4 * r, words, 4);
+        }
+      }
+    }
+  });
+}
+
 const char* isa_name(int64_t isa) {
   return isa == kAvx512Bf16 ? "avx512bf16" : isa == kAvx512 ? "avx512" : isa == kAvx2 ? "avx2+fma" : "scalar";
 }
@@ -208,6 +256,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (int b = 0; b < 256; ++b)
     g_e8m0[b] = b == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, b - 127);
   m.def("moe", &moe, "SwiGLU MoE over INT4 / MXFP4 experts in the tile layout, on the CPU");
+  m.def("repack", &repack, "checkpoint-layout rows of packed experts -> the kernels' tile layout");
   m.def("best_isa", &best_isa,
         "the widest instruction set path this CPU runs: 3 AVX-512 BF16, 2 AVX-512, 1 AVX2+FMA, 0 portable");
   m.def("isa_name", &isa_name, "the name of an instruction set path");

@@ -162,9 +162,19 @@ def prepare(fmt, w13, w13_scale, w2, w2_scale, group_size=32) -> TiledExperts:
     d = w2.shape[1]
     inter = _check_checkpoint(fmt, d, w13, w13_scale, w2, w2_scale, group_size)
     g = group_size if fmt == "int4" else 32
-    gate = layout.repack(fmt, w13[:, :inter], w13_scale[:, :inter], d, g)
-    up = layout.repack(fmt, w13[:, inter:], w13_scale[:, inter:], d, g)
-    return TiledExperts(fmt, d, inter, torch.cat((gate, up), dim=1), layout.repack(fmt, w2, w2_scale, inter, g))
+    e, half = w13.shape[0], layout.matrix_bytes(fmt, inter, d)
+    w13_tiles = torch.empty(e, 2 * half, dtype=torch.uint8)
+    w2_tiles = torch.empty(e, layout.matrix_bytes(fmt, d, inter), dtype=torch.uint8)
+    mod, ratio = _module(), g // 32
+
+    def raw(t):  # bytes, in place: INT4 words and bf16 scales are little-endian in memory
+        return t.contiguous().view(torch.uint8)
+
+    # written in place, no temporaries (kernels.cpu_quant_moe_layout.repack is the same in PyTorch)
+    mod.repack(raw(w13), raw(w13_scale), w13_tiles, 0, 0, inter, d, ratio, fmt == "mxfp4")
+    mod.repack(raw(w13), raw(w13_scale), w13_tiles, half, inter, inter, d, ratio, fmt == "mxfp4")
+    mod.repack(raw(w2), raw(w2_scale), w2_tiles, 0, 0, d, inter, ratio, fmt == "mxfp4")
+    return TiledExperts(fmt, d, inter, w13_tiles, w2_tiles)
 
 
 def unprepare(experts: TiledExperts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@
 // 32-bit lookup give 16 rows x 1 column of float32 codes (FMA against one broadcast activation).
 //
 // Numerics, every path: per (row, token, 32-column group) the codes times the activations are summed
-// in float32 (two partial sums, fixed split), then times the group's scale and added to the row's
+// in float32 (four partial sums, fixed split), then times the group's scale and added to the row's
 // float32 sum, group after group. The codes (-8..7, E2M1 values) and bf16 activations are exact, so the
 // only roundings are float32 additions; no code is ever rounded together with its scale. A token's
 // result does not depend on how many tokens share the call (the token blocks only repeat the loads).
@@ -31,7 +31,10 @@ const float kE2M1Lut[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0
 
 namespace {
 
-constexpr int kAhead = 1024;  // bytes of the tile's stream prefetched ahead of the block being read
+constexpr int kAhead = 1024;
+// Partial sums per (token, group): independent chains, so one token's FMAs do not wait on each other
+// (the split is fixed, whatever the token count: a token's result does not depend on its batch).
+constexpr int kParts = 4;  // bytes of the tile's stream prefetched ahead of the block being read
 
 // f(integral_constant<n>) for a runtime n in [1, N].
 template <int N, class F>
@@ -84,6 +87,8 @@ inline __m512 scales16(const uint8_t* s, int64_t g) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
 }
 
+inline __m512 sum4(const __m512* p) { return _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])); }
+
 template <int C, bool kE8M0>
 void f32_block_avx512(const Tiles& t, const uint8_t* tile, int nr, const float* const* x, float* out, int64_t os) {
   const __m512 lut = _mm512_loadu_ps(kE8M0 ? kE2M1Lut : kInt4Lut);
@@ -92,9 +97,10 @@ void f32_block_avx512(const Tiles& t, const uint8_t* tile, int nr, const float* 
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t g = 0; g < t.groups; ++g) {
     const uint8_t* blk = codes + g * 256;
-    __m512 part[C][2];
+    __m512 part[C][kParts];
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) part[c][0] = part[c][1] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c)
+      for (int p = 0; p < kParts; ++p) part[c][p] = _mm512_setzero_ps();
 #pragma GCC unroll 4
     for (int L = 0; L < 4; ++L) {
       _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + 64 * L), _MM_HINT_T0);
@@ -105,12 +111,12 @@ void f32_block_avx512(const Tiles& t, const uint8_t* tile, int nr, const float* 
         const __m512 w = _mm512_permutexvar_ps(m ? _mm512_srli_epi32(v, 4 * m) : v, lut);
         const int64_t col = g * 32 + 8 * L + 2 * (m & 3) + (m >> 2);
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) part[c][m & 1] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[c][col]), part[c][m & 1]);
+        for (int c = 0; c < C; ++c) part[c][m & 3] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[c][col]), part[c][m & 3]);
       }
     }
     const __m512 s = scales16<kE8M0>(tile, g);
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(_mm512_add_ps(part[c][0], part[c][1]), s, acc[c]);
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(sum4(part[c]), s, acc[c]);
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << nr) - 1);
   for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(out + c * os, keep, acc[c]);
@@ -120,7 +126,7 @@ void f32_block_avx512(const Tiles& t, const uint8_t* tile, int nr, const float* 
 
 void tile_dot_avx512(const Tiles& t, int64_t tile, int nr, const float* const* x, int nc, float* out, int64_t os) {
   const uint8_t* p = t.data + tile * t.tile_bytes;
-  token_blocks<6>(nc, [&](auto c, int c0) {
+  token_blocks<4>(nc, [&](auto c, int c0) {
     if (t.e8m0)
       f32_block_avx512<decltype(c)::value, true>(t, p, nr, x + c0, out + c0 * os, os);
     else
@@ -158,6 +164,8 @@ inline __m512i bf16_table(const float* lut) {
   return _mm512_load_si512(t);
 }
 
+inline __m512 sum4(const __m512* p) { return _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])); }
+
 template <int C, bool kE8M0>
 void bf16_block(const Tiles& t, const uint8_t* tile, int nr, const uint16_t* const* x, float* out, int64_t os,
                 __m512i table) {
@@ -168,9 +176,10 @@ void bf16_block(const Tiles& t, const uint8_t* tile, int nr, const uint16_t* con
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t g = 0; g < t.groups; ++g) {
     const uint8_t* blk = codes + g * 256;
-    __m512 part[C][2];
+    __m512 part[C][kParts];
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) part[c][0] = part[c][1] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c)
+      for (int p = 0; p < kParts; ++p) part[c][p] = _mm512_setzero_ps();
 #pragma GCC unroll 4
     for (int L = 0; L < 4; ++L) {
       _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + 64 * L), _MM_HINT_T0);
@@ -181,12 +190,12 @@ void bf16_block(const Tiles& t, const uint8_t* tile, int nr, const uint16_t* con
         const int64_t k = g * 16 + 4 * L + j;
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c)
-          part[c][j & 1] = _mm512_dpbf16_ps(part[c][j & 1], w, (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[c][k])));
+          part[c][j] = _mm512_dpbf16_ps(part[c][j], w, (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[c][k])));
       }
     }
     const __m512 s = scales16_bf<kE8M0>(tile, g);
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(_mm512_add_ps(part[c][0], part[c][1]), s, acc[c]);
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(sum4(part[c]), s, acc[c]);
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << nr) - 1);
   for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(out + c * os, keep, acc[c]);
@@ -198,7 +207,7 @@ void tile_dot_avx512bf16(const Tiles& t, int64_t tile, int nr, const uint16_t* c
                          int64_t os) {
   const uint8_t* p = t.data + tile * t.tile_bytes;
   const __m512i table = bf16_table(t.e8m0 ? kE2M1Lut : kInt4Lut);
-  token_blocks<6>(nc, [&](auto c, int c0) {
+  token_blocks<4>(nc, [&](auto c, int c0) {
     if (t.e8m0)
       bf16_block<decltype(c)::value, true>(t, p, nr, x + c0, out + c0 * os, os, table);
     else
@@ -227,7 +236,8 @@ inline __m256 scales8(const uint8_t* s, int64_t g, int h, bool e8m0) {
   if (e8m0) {
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 16 * g + 8 * h)));
     __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(b, 23));
-    v = _mm256_blendv_ps(v, _mm256_set1_ps(0x1p-127f), _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, _mm256_setzero_si256())));
+    const __m256 zero = _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, _mm256_setzero_si256()));
+    v = _mm256_blendv_ps(v, _mm256_set1_ps(0x1p-127f), zero);
     return _mm256_blendv_ps(v, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, _mm256_set1_epi32(255))));
   }
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32 * g + 16 * h)));
@@ -245,8 +255,9 @@ void f32_block_avx2(const Tiles& t, const uint8_t* tile, int nr, const float* co
   for (int64_t g = 0; g < t.groups; ++g) {
     const uint8_t* blk = codes + g * 256;
     for (int h = 0; h < 2; ++h) {
-      __m256 part[C][2];
-      for (int c = 0; c < C; ++c) part[c][0] = part[c][1] = _mm256_setzero_ps();
+      __m256 part[C][kParts];
+      for (int c = 0; c < C; ++c)
+        for (int p = 0; p < kParts; ++p) part[c][p] = _mm256_setzero_ps();
 #pragma GCC unroll 4
       for (int L = 0; L < 4; ++L) {
         if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + 64 * L), _MM_HINT_T0);
@@ -255,11 +266,14 @@ void f32_block_avx2(const Tiles& t, const uint8_t* tile, int nr, const float* co
         for (int m = 0; m < 8; ++m) {
           const __m256 w = lookup(m ? _mm256_srli_epi32(v, 4 * m) : v, lut);
           const int64_t col = g * 32 + 8 * L + 2 * (m & 3) + (m >> 2);
-          for (int c = 0; c < C; ++c) part[c][m & 1] = _mm256_fmadd_ps(w, _mm256_set1_ps(x[c][col]), part[c][m & 1]);
+          for (int c = 0; c < C; ++c) part[c][m & 3] = _mm256_fmadd_ps(w, _mm256_set1_ps(x[c][col]), part[c][m & 3]);
         }
       }
       const __m256 s = scales8(tile, g, h, t.e8m0);
-      for (int c = 0; c < C; ++c) acc[c][h] = _mm256_fmadd_ps(_mm256_add_ps(part[c][0], part[c][1]), s, acc[c][h]);
+      for (int c = 0; c < C; ++c) {
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(part[c][0], part[c][1]), _mm256_add_ps(part[c][2], part[c][3]));
+        acc[c][h] = _mm256_fmadd_ps(sum, s, acc[c][h]);
+      }
     }
   }
   for (int c = 0; c < C; ++c) {
@@ -290,15 +304,15 @@ void tile_dot_scalar(const Tiles& t, int64_t tile, int nr, const float* const* x
     for (int r = 0; r < nr; ++r) {
       float acc = 0.0f;
       for (int64_t g = 0; g < t.groups; ++g) {
-        float part[2] = {0.0f, 0.0f};
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int L = 0; L < 4; ++L)
           for (int m = 0; m < 8; ++m) {
             const int j = m & 3, parity = m >> 2;
             const uint8_t byte = codes[g * 256 + 64 * L + 2 * (2 * r + parity) + j / 2];
             const float w = lut[(byte >> (4 * (j & 1))) & 15];
-            part[m & 1] += w * x[c][g * 32 + 8 * L + 2 * j + parity];
+            part[m & 3] += w * x[c][g * 32 + 8 * L + 2 * j + parity];
           }
-        acc += (part[0] + part[1]) * scale_at(p, g * kTileRows + r, t.e8m0);
+        acc += ((part[0] + part[1]) + (part[2] + part[3])) * scale_at(p, g * kTileRows + r, t.e8m0);
       }
       out[c * os + r] = acc;
     }
