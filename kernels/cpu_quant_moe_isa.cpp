@@ -7,7 +7,7 @@
 // 32-bit lookup give 16 rows x 1 column of float32 codes (FMA against one broadcast activation).
 //
 // Numerics, every path: per (row, token, 32-column group) the codes times the activations are summed
-// in float32 (four partial sums, fixed split), then times the group's scale and added to the row's
+// in float32 (a fixed split into partial sums), then times the group's scale and added to the row's
 // float32 sum, group after group. The codes (-8..7, E2M1 values) and bf16 activations are exact, so the
 // only roundings are float32 additions; no code is ever rounded together with its scale. A token's
 // result does not depend on how many tokens share the call (the token blocks only repeat the loads).
@@ -31,10 +31,10 @@ const float kE2M1Lut[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0
 
 namespace {
 
-constexpr int kAhead = 1024;
-// Partial sums per (token, group): independent chains, so one token's FMAs do not wait on each other
-// (the split is fixed, whatever the token count: a token's result does not depend on its batch).
-constexpr int kParts = 4;  // bytes of the tile's stream prefetched ahead of the block being read
+constexpr int kAhead = 1024;  // bytes of the tile's stream prefetched ahead of the block being read
+// Partial sums per (token, group) on AVX-512: independent chains, so one token's FMAs do not wait on
+// each other (the split is fixed, whatever the token count: a token's result does not depend on its batch).
+constexpr int kParts = 4;
 
 // f(integral_constant<n>) for a runtime n in [1, N].
 template <int N, class F>
@@ -244,7 +244,9 @@ inline __m256 scales8(const uint8_t* s, int64_t g, int h, bool e8m0) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
-// The same sums as f32_block_avx512, the 16 rows as two halves of 8 (a 32-byte half of each block).
+// The same sums as f32_block_avx512, the 16 rows as two halves of 8 (a 32-byte half of each block), with
+// two partial sums, not four: 16 ymm registers hold 2 tokens' partials and totals, the table and the
+// decoded vectors without spilling.
 template <int C>
 void f32_block_avx2(const Tiles& t, const uint8_t* tile, int nr, const float* const* x, float* out, int64_t os) {
   const float* l = t.e8m0 ? kE2M1Lut : kInt4Lut;
@@ -255,9 +257,8 @@ void f32_block_avx2(const Tiles& t, const uint8_t* tile, int nr, const float* co
   for (int64_t g = 0; g < t.groups; ++g) {
     const uint8_t* blk = codes + g * 256;
     for (int h = 0; h < 2; ++h) {
-      __m256 part[C][kParts];
-      for (int c = 0; c < C; ++c)
-        for (int p = 0; p < kParts; ++p) part[c][p] = _mm256_setzero_ps();
+      __m256 part[C][2];
+      for (int c = 0; c < C; ++c) part[c][0] = part[c][1] = _mm256_setzero_ps();
 #pragma GCC unroll 4
       for (int L = 0; L < 4; ++L) {
         if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + 64 * L), _MM_HINT_T0);
@@ -266,14 +267,11 @@ void f32_block_avx2(const Tiles& t, const uint8_t* tile, int nr, const float* co
         for (int m = 0; m < 8; ++m) {
           const __m256 w = lookup(m ? _mm256_srli_epi32(v, 4 * m) : v, lut);
           const int64_t col = g * 32 + 8 * L + 2 * (m & 3) + (m >> 2);
-          for (int c = 0; c < C; ++c) part[c][m & 3] = _mm256_fmadd_ps(w, _mm256_set1_ps(x[c][col]), part[c][m & 3]);
+          for (int c = 0; c < C; ++c) part[c][m & 1] = _mm256_fmadd_ps(w, _mm256_set1_ps(x[c][col]), part[c][m & 1]);
         }
       }
       const __m256 s = scales8(tile, g, h, t.e8m0);
-      for (int c = 0; c < C; ++c) {
-        const __m256 sum = _mm256_add_ps(_mm256_add_ps(part[c][0], part[c][1]), _mm256_add_ps(part[c][2], part[c][3]));
-        acc[c][h] = _mm256_fmadd_ps(sum, s, acc[c][h]);
-      }
+      for (int c = 0; c < C; ++c) acc[c][h] = _mm256_fmadd_ps(_mm256_add_ps(part[c][0], part[c][1]), s, acc[c][h]);
     }
   }
   for (int c = 0; c < C; ++c) {
