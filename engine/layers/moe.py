@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.layers.activation import GatedActivation
 from engine.layers.linear import linear_format, quantized_params, values_per_element
 from engine.layers.mlp import MLP
 from engine.loader.source import TensorSource
@@ -49,6 +50,8 @@ class ExpertStack(nn.Module):
                  dtype: torch.dtype = torch.float32):
         super().__init__()
         self.fmt, self.quant, self.num = fmt, config.quantization, num
+        # the CPU tile kernels compute SiLU only; SiTU experts are read as the checkpoint stores them
+        self.silu = GatedActivation.from_config(config).is_silu
         d, i = config.hidden_size, config.moe_intermediate_size
         if fmt == "fp8" and i % self.quant.weight_block_size[0]:
             # gate and up are stacked into w13; their scale blocks only line up on block boundaries
@@ -82,9 +85,11 @@ class ExpertStack(nn.Module):
         ``Backend.prepack_int4_experts``)."""
         if self.fmt not in ("int4", "mxfp4") or self.num == 0:
             return False
-        tiles = self.ops.prepare_quant_experts(self.fmt, self.w13_weight_packed, self.w13_weight_scale,
-                                               self.w2_weight_packed, self.w2_weight_scale, self.quant.group_size)
-        if tiles is not None:  # the backend's own layout (Backend.prepare_quant_experts) replaces the checkpoint's
+        tiles = None
+        if self.silu:  # the backend's own layout (Backend.prepare_quant_experts) replaces the checkpoint's
+            tiles = self.ops.prepare_quant_experts(self.fmt, self.w13_weight_packed, self.w13_weight_scale,
+                                                   self.w2_weight_packed, self.w2_weight_scale, self.quant.group_size)
+        if tiles is not None:
             self.tiled_fmt, self.inter = self.fmt, self.w13_weight_packed.shape[1] // 2
             self.register_buffer("w13_tiles", tiles[0], persistent=False)
             self.register_buffer("w2_tiles", tiles[1], persistent=False)
