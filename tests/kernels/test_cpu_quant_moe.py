@@ -155,10 +155,13 @@ def test_the_isa_is_chosen_once_from_the_cpu_or_the_environment():
     assert cpu_quant_moe.isa() in cpu_quant_moe.ISA_NAMES.values()
     if not os.environ.get("KIMITUI_CPU_ISA"):  # what `kimitui info` prints without building the extension
         assert cpu_quant_moe.planned_isa() == cpu_quant_moe.isa()
-    env = dict(os.environ, KIMITUI_CPU_ISA="scalar")
-    code = "from kernels import cpu_quant_moe as q; print(q.isa())"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "scalar"
+    code = "from kernels import cpu_quant_moe as q; print(q.isa(), q.planned_isa())"
+    for name in cpu_quant_moe.supported_isas():  # each level this CPU runs can be forced, and info says so
+        env = dict(os.environ, KIMITUI_CPU_ISA=name)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        want = cpu_quant_moe.ISA_NAMES[cpu_quant_moe.ISA_CODES[name]]
+        assert out.stdout.split() == [want, want]
+    env = dict(os.environ)
     env["KIMITUI_CPU_ISA"] = "sse9"
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "KIMITUI_CPU_ISA='sse9'" in bad.stderr
