@@ -119,6 +119,16 @@ class Backend:
         """INT4 experts in torch's CPU int4 layout (from ``prepack_int4_experts``)."""
         raise ValueError(f"the {self.name} backend does not run experts prepacked for the CPU int4 GEMM")
 
+    def prepare_quant_experts(self, fmt, w13_packed, w13_scale, w2_packed, w2_scale, group_size):
+        """INT4 / MXFP4 experts (as ``moe_experts_w4a16`` / ``_mxfp4`` take them) converted once, after
+        loading, to the tiles ``moe_experts_tiled`` streams: (w13_tiles, w2_tiles), each [E, bytes], or
+        None where this backend has no such layout for them (then they stay as they are)."""
+        return None
+
+    def moe_experts_tiled(self, x, topk_ids, topk_weights, fmt, w13_tiles, w2_tiles, inter):
+        """Experts in the tile layout of ``prepare_quant_experts`` (``inter``: the expert width)."""
+        raise ValueError(f"the {self.name} backend does not run experts in the CPU tile layout")
+
     # -- MLA decode over the paged latent cache
 
     def mla_decode(self, q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale):

@@ -103,8 +103,8 @@ class CpuBackend(Backend):
         return cpu_moe.moe_experts(x, topk_ids, topk_weights, w13, w2)
 
     def quant_experts_native(self, fmt, hidden, inter, group_size=32) -> bool:
-        """Whether packed ``fmt`` ("int4" / "mxfp4") experts of this shape are read in place by the C++
-        kernels of ``kernels.cpu_quant_moe`` (dequantised in registers), rather than dequantised per call."""
+        """Whether packed ``fmt`` ("int4" / "mxfp4") experts of this shape are computed by the C++ kernels
+        of ``kernels.cpu_quant_moe`` (codes decoded in registers), rather than dequantised per call."""
         return self.quant_cxx and cpu_quant_moe.supports(fmt, hidden, inter, group_size)
 
     @functools.cached_property
@@ -135,7 +135,7 @@ class CpuBackend(Backend):
         if dtype != torch.bfloat16 or w13_packed.device.type != "cpu":
             return None
         if self.quant_experts_native("int4", w2_packed.shape[1], w13_packed.shape[1] // 2, group_size):
-            return None  # kernels.cpu_quant_moe streams the checkpoint layout itself, faster
+            return None  # prepare_quant_experts' tiles (the same bytes) are faster
         (_, n13, w13_words), (_, d, w2_words) = w13_packed.shape, w2_packed.shape
         k13, k2 = w13_words * 8, w2_words * 8
         if k13 != d or k2 != n13 // 2 or not (cpu_moe.int4pack_cpu_supported(n13, k13, group_size)
@@ -143,6 +143,18 @@ class CpuBackend(Backend):
             return None
         return (*cpu_moe.prepack_int4_stack(w13_packed, w13_scale, k13, group_size, dtype),
                 *cpu_moe.prepack_int4_stack(w2_packed, w2_scale, k2, group_size, dtype))
+
+    def prepare_quant_experts(self, fmt, w13_packed, w13_scale, w2_packed, w2_scale, group_size):
+        # Host experts stream best as kernels.cpu_quant_moe's tiles (the same bytes, reordered).
+        if w13_packed.device.type != "cpu" or not self.quant_experts_native(fmt, w2_packed.shape[1],
+                                                                             w13_packed.shape[1] // 2, group_size):
+            return None
+        tiled = cpu_quant_moe.prepare(fmt, w13_packed, w13_scale, w2_packed, w2_scale, group_size)
+        return tiled.w13, tiled.w2
+
+    def moe_experts_tiled(self, x, topk_ids, topk_weights, fmt, w13_tiles, w2_tiles, inter):
+        experts = cpu_quant_moe.TiledExperts(fmt, x.shape[-1], inter, w13_tiles, w2_tiles)
+        return cpu_quant_moe.moe(x, topk_ids, topk_weights, fmt, experts, None, None, None)
 
     def moe_experts_int4pack_cpu(self, x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size):
         return cpu_moe.moe_experts_int4pack_cpu(x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size)

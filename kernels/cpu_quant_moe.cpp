@@ -1,11 +1,16 @@
 // SwiGLU MoE over packed INT4 / MXFP4 experts on the CPU: one call runs a layer's experts for every
-// token of a step, reading the checkpoint's packed weights and dequantising them in registers
-// (cpu_quant_moe_isa.cpp), float32 sums.
+// token of a step, streaming the experts' tiles (kernels/cpu_quant_moe_layout.py) and decoding the
+// 4-bit codes in registers (cpu_quant_moe_isa.cpp), float32 sums.
 //
-// Phase 1 computes h = silu(gate) * up for each (token, expert) pair, phase 2 y = w2 @ h, then each
-// token adds its weighted pairs in ascending expert order, as kernels/reference.py's _moe_grouped.
-// Work items are (expert, 16 weight rows); threads take the next free item from an atomic counter, so
-// an expert with many tokens does not leave the other threads idle at the end of a phase.
+// Phase 1 computes h = act(gate, up) for each (token, expert) pair, phase 2 y = w2 @ h, then each token
+// adds its weighted pairs in ascending expert order, as kernels/reference.py's _moe_grouped. Work items
+// are (expert, 16-row tile); threads take the next free item from an atomic counter, so an expert with
+// many tokens does not leave the other threads idle at the end of a phase. Within an item every token of
+// the expert is computed from the same tile (re-read from cache per block of tokens), so a tile leaves
+// memory once per step whatever the batch.
+//
+// Activations: bf16 ones on the avx512bf16 path stay bf16 (vdpbf16ps), and h is rounded to bf16 for
+// phase 2 as a bf16 model computes it; everywhere else activations and h are float32.
 // Built on first use by kernels/cpu_quant_moe.py.
 #include <torch/extension.h>
 
@@ -14,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -26,66 +32,70 @@ using namespace cpu_quant_moe;
 
 namespace {
 
-// nibble -> value: INT4 stores q + 8; E2M1 (bit 3 the sign) as in the OCP MX spec.
-const float kInt4Lut[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
-const float kE2M1Lut[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 int64_t best_isa() {
   __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512bf16"))
+    return kAvx512Bf16;
   if (__builtin_cpu_supports("avx512f")) return kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
   return kScalar;
 }
 
-int vector_width(int64_t isa) { return isa == kAvx2 ? 8 : 16; }
-
-RowsDot rows_dot_for(int64_t isa) {
-  return isa == kAvx512 ? rows_dot_avx512 : isa == kAvx2 ? rows_dot_avx2 : rows_dot_scalar;
+TileDotF32 f32_kernel(int64_t isa) {
+  return isa >= kAvx512 ? tile_dot_avx512 : isa == kAvx2 ? tile_dot_avx2 : tile_dot_scalar;
 }
 
-// Where column j of an activation row goes: within each 32-column group, each run of w bytes of the
-// packed weight puts its low-nibble (even) columns first, then its odd ones, as dequant32 decodes them.
-inline int64_t activation_position(int64_t j, int w) {
-  const int64_t g = j / 32, i = j % 32, b = i / 2;
-  return g * 32 + (b / w) * 2 * w + (i % 2) * w + b % w;
+// The phase-1 epilogue: h = silu(gate) * up.
+inline float activation(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
+
+inline uint16_t bf16_bits(float f) {  // round to nearest even; NaN stays a (quiet) NaN
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  if (std::isnan(f)) return static_cast<uint16_t>((b >> 16) | 0x40);
+  return static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
 }
 
-// fn(i, scratch) for i in [0, n), each i taken by whichever thread is free next.
+// fn(i) for i in [0, n), each i taken by whichever thread is free next.
 template <class F>
 void for_each_item(int64_t n, F&& fn) {
   std::atomic<int64_t> next{0};
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n)));
 #pragma omp parallel num_threads(threads)
   {
-    Scratch s;
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i, s);
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
   }
 }
 
-// Expert e's matrix of a stacked [E, N, *] packed weight and its [E, N, groups] scales.
-QMat expert_matrix(const torch::Tensor& packed, const torch::Tensor& scale, int64_t e, bool mxfp4, int64_t group,
-                   int64_t K) {
-  const int64_t row_bytes = packed.size(2) * packed.element_size(), n = packed.size(1);
-  const auto* data = static_cast<const uint8_t*>(packed.data_ptr()) + e * n * row_bytes;
-  const auto* sc = static_cast<const uint8_t*>(scale.data_ptr()) + e * n * scale.size(2) * scale.element_size();
-  return QMat{data, row_bytes, sc, scale.size(2), mxfp4, group, K, mxfp4 ? kE2M1Lut : kInt4Lut};
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Expert e's matrix with K input columns of a [E, bytes] tile tensor.
+Tiles expert_tiles(const torch::Tensor& t, int64_t e, int64_t K, bool mxfp4) {
+  const int64_t groups = ceil_div(K, 32);
+  const int64_t scale_block = ceil_div(groups * kTileRows * (mxfp4 ? 1 : 2), 64) * 64;
+  return Tiles{t.data_ptr<uint8_t>() + e * t.size(1), scale_block + groups * 256, scale_block, groups, mxfp4};
 }
+
+// Activation rows of one phase in the kernels' format: float32 or bf16 bits, zero past the columns.
+struct Rows {
+  std::vector<const float*> f32;
+  std::vector<const uint16_t*> bf16;
+};
 
 }  // namespace
 
-// x [T, D] float32, topk_ids [T, k] int64 (ids outside [0, E): computed elsewhere, add nothing),
-// topk_weights [T, k] float32; w13 [E, 2I, *] (gate rows, then up), w2 [E, D, *] packed as described
-// in cpu_quant_moe_isa.cpp, contiguous. -> [T, D] float32. Shapes are checked by cpu_quant_moe.py.
+// x [T, D] float32 or bf16, topk_ids [T, k] int64 (ids outside [0, E): computed elsewhere, add nothing),
+// topk_weights [T, k] float32; w13 [E, bytes] uint8 (gate tiles, then up tiles), w2 [E, bytes] in the tile
+// layout, contiguous; I the expert width. -> [T, D] float32. Shapes are checked by cpu_quant_moe.py.
 torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
-                  const torch::Tensor& w13, const torch::Tensor& w13_scale, const torch::Tensor& w2,
-                  const torch::Tensor& w2_scale, bool mxfp4, int64_t group, int64_t isa) {
-  const int64_t T = x.size(0), D = x.size(1), k = topk_ids.size(1), E = w13.size(0), I = w13.size(1) / 2;
-  const int64_t Dp = (D + 31) / 32 * 32, Ip = (I + 31) / 32 * 32;
-  const int w = vector_width(isa);
-  const RowsDot rows_dot = rows_dot_for(isa);
+                  const torch::Tensor& w13, const torch::Tensor& w2, int64_t I, bool mxfp4, int64_t isa) {
+  const int64_t T = x.size(0), D = x.size(1), k = topk_ids.size(1), E = w13.size(0);
+  const int64_t Dp = ceil_div(D, 32) * 32, Ip = ceil_div(I, 32) * 32;
+  const int64_t tiles_i = ceil_div(I, kTileRows), tiles_d = ceil_div(D, kTileRows);
+  const bool bf16 = isa == kAvx512Bf16 && x.scalar_type() == torch::kBFloat16;
+  const TileDotF32 dot32 = f32_kernel(isa);
   const int64_t* ids = topk_ids.data_ptr<int64_t>();
   const float* tw = topk_weights.data_ptr<float>();
 
@@ -102,57 +112,74 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const t
       pair_token[slot_pair[i]] = i / k;
     }
 
-  // Activations as float32 rows in the kernels' column order, zero-padded to whole 32-column groups.
-  auto opts = x.options().dtype(torch::kFloat32);
-  torch::Tensor xp = torch::zeros({T, Dp}, opts), h = torch::zeros({std::max<int64_t>(P, 1), Ip}, opts);
-  torch::Tensor y = torch::empty({std::max<int64_t>(P, 1), D}, opts), out = torch::zeros({T, D}, opts);
-  const float* xs = x.data_ptr<float>();
-  float *xpd = xp.data_ptr<float>(), *hd = h.data_ptr<float>(), *yd = y.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t j = 0; j < D; ++j) xpd[t * Dp + activation_position(j, w)] = xs[t * D + j];
-  });
-  std::vector<const float*> x_rows(P), h_rows(P);
+  // Activations zero-padded to whole 32-column groups; h likewise (its padding is never written).
+  auto f32 = x.options().dtype(torch::kFloat32);
+  const auto act_dtype = bf16 ? torch::kBFloat16 : torch::kFloat32;
+  torch::Tensor xp = torch::zeros({T, Dp}, x.options().dtype(act_dtype));
+  xp.narrow(1, 0, D).copy_(x);
+  torch::Tensor h = torch::zeros({std::max<int64_t>(P, 1), Ip}, x.options().dtype(act_dtype));
+  torch::Tensor y = torch::empty({std::max<int64_t>(P, 1), D}, f32), out = torch::zeros({T, D}, f32);
+  const int64_t asize = bf16 ? 2 : 4;
+  auto* xb = static_cast<const uint8_t*>(xp.data_ptr());
+  auto* hb = static_cast<uint8_t*>(h.data_ptr());
+  float* yd = y.data_ptr<float>();
+  Rows xr, hr;
   for (int64_t q = 0; q < P; ++q) {
-    x_rows[q] = xpd + pair_token[q] * Dp;
-    h_rows[q] = hd + q * Ip;
+    const uint8_t* xrow = xb + pair_token[q] * Dp * asize;
+    const uint8_t* hrow = hb + q * Ip * asize;
+    if (bf16) {
+      xr.bf16.push_back(reinterpret_cast<const uint16_t*>(xrow));
+      hr.bf16.push_back(reinterpret_cast<const uint16_t*>(hrow));
+    } else {
+      xr.f32.push_back(reinterpret_cast<const float*>(xrow));
+      hr.f32.push_back(reinterpret_cast<const float*>(hrow));
+    }
   }
+  auto dot = [&](const Tiles& m, int64_t tile, int nr, const Rows& rows, int64_t q0, int nc, float* o, int64_t os) {
+    if (bf16)
+      tile_dot_avx512bf16(m, tile, nr, rows.bf16.data() + q0, nc, o, os);
+    else
+      dot32(m, tile, nr, rows.f32.data() + q0, nc, o, os);
+  };
 
-  // (expert, first row) work items of a phase, over the experts that have pairs.
-  auto items = [&](int64_t rows) {
+  // (expert, tile) work items of a phase, over the experts that have pairs.
+  auto items = [&](int64_t tiles) {
     std::vector<std::pair<int64_t, int64_t>> v;
     for (int64_t e = 0; e < E; ++e)
       if (start[e + 1] > start[e])
-        for (int64_t r = 0; r < rows; r += kTileRows) v.emplace_back(e, r);
+        for (int64_t t = 0; t < tiles; ++t) v.emplace_back(e, t);
     return v;
   };
 
-  const auto up_items = items(I);
-  for_each_item(static_cast<int64_t>(up_items.size()), [&](int64_t i, Scratch& s) {
-    const auto [e, j0] = up_items[i];
-    const int nr = static_cast<int>(std::min<int64_t>(kTileRows, I - j0));
+  const auto up_items = items(tiles_i);
+  for_each_item(static_cast<int64_t>(up_items.size()), [&](int64_t i) {
+    const auto [e, t] = up_items[i];
+    const int nr = static_cast<int>(std::min<int64_t>(kTileRows, I - t * kTileRows));
     const int nc = static_cast<int>(start[e + 1] - start[e]);
-    const QMat m = expert_matrix(w13, w13_scale, e, mxfp4, group, D);
+    const Tiles m = expert_tiles(w13, e, D, mxfp4);
     std::vector<float> gu(2 * static_cast<size_t>(nc) * kTileRows);  // [gate | up][token][row]
     float* up = gu.data() + static_cast<int64_t>(nc) * kTileRows;
-    rows_dot(m, j0, nr, x_rows.data() + start[e], nc, gu.data(), kTileRows, s);
-    rows_dot(m, I + j0, nr, x_rows.data() + start[e], nc, up, kTileRows, s);
+    dot(m, t, nr, xr, start[e], nc, gu.data(), kTileRows);
+    dot(m, tiles_i + t, nr, xr, start[e], nc, up, kTileRows);
     for (int c = 0; c < nc; ++c) {
-      float* hrow = hd + (start[e] + c) * Ip;
+      const int64_t at = (start[e] + c) * Ip + t * kTileRows;
       for (int r = 0; r < nr; ++r) {
-        const float g = gu[c * kTileRows + r];
-        hrow[activation_position(j0 + r, w)] = g / (1.0f + std::exp(-g)) * up[c * kTileRows + r];
+        const float v = activation(gu[c * kTileRows + r], up[c * kTileRows + r]);
+        if (bf16)
+          reinterpret_cast<uint16_t*>(hb)[at + r] = bf16_bits(v);
+        else
+          reinterpret_cast<float*>(hb)[at + r] = v;
       }
     }
   });
 
-  const auto down_items = items(D);
-  for_each_item(static_cast<int64_t>(down_items.size()), [&](int64_t i, Scratch& s) {
-    const auto [e, d0] = down_items[i];
-    const int nr = static_cast<int>(std::min<int64_t>(kTileRows, D - d0));
+  const auto down_items = items(tiles_d);
+  for_each_item(static_cast<int64_t>(down_items.size()), [&](int64_t i) {
+    const auto [e, t] = down_items[i];
+    const int nr = static_cast<int>(std::min<int64_t>(kTileRows, D - t * kTileRows));
     const int nc = static_cast<int>(start[e + 1] - start[e]);
-    const QMat m = expert_matrix(w2, w2_scale, e, mxfp4, group, I);
-    rows_dot(m, d0, nr, h_rows.data() + start[e], nc, yd + start[e] * D + d0, D, s);
+    const Tiles m = expert_tiles(w2, e, I, mxfp4);
+    dot(m, t, nr, hr, start[e], nc, yd + start[e] * D + t * kTileRows, D);
   });
 
   // Each token: its pairs' outputs times their weights, added in ascending expert order.
@@ -173,12 +200,64 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const t
   return out;
 }
 
-const char* isa_name(int64_t isa) { return isa == kAvx512 ? "avx512" : isa == kAvx2 ? "avx2+fma" : "scalar"; }
+// Checkpoint rows [row0, row0 + N) of packed [E, rows, bytes] (uint8 view: byte b holds columns 2b (low
+// nibble) and 2b + 1, for INT4's little-endian int32 words and MXFP4 alike) and their scales [E, rows,
+// bytes] (raw bf16 or E8M0 bytes, one per `ratio` 32-column groups) -> out[:, off : off + the matrix's
+// tile bytes], as kernels/cpu_quant_moe_layout.py's repack (its Python text is the specification).
+void repack(const torch::Tensor& packed, const torch::Tensor& scale, torch::Tensor& out, int64_t off, int64_t row0,
+            int64_t N, int64_t K, int64_t ratio, bool mxfp4) {
+  const int64_t E = packed.size(0), tiles = ceil_div(N, kTileRows);
+  const Tiles shape = expert_tiles(out, 0, K, mxfp4);
+  const int64_t ss = mxfp4 ? 1 : 2, pad = mxfp4 ? 0 : 8;
+  const int64_t pb = packed.size(2), prow = packed.size(1) * pb, sb = scale.size(2), srow = scale.size(1) * sb;
+  const uint8_t* pd = packed.data_ptr<uint8_t>();
+  const uint8_t* sd = scale.data_ptr<uint8_t>();
+  uint8_t* od = out.data_ptr<uint8_t>();
+  const int64_t half_cols = shape.groups * 16;  // bytes of a row's codes, padded to whole groups
+  at::parallel_for(0, E * tiles, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<uint8_t> row(static_cast<size_t>(half_cols) + 4);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = i / tiles, t = i % tiles;
+      uint8_t* tile = od + e * out.size(1) + off + t * shape.tile_bytes;
+      std::memset(tile, 0, static_cast<size_t>(shape.scale_block));
+      uint8_t* codes = tile + shape.scale_block;
+      for (int r = 0; r < kTileRows; ++r) {
+        const int64_t n = t * kTileRows + r;
+        // the row's codes, columns past K (and rows past N) set to the padding code
+        std::fill(row.begin(), row.end(), static_cast<uint8_t>(pad | pad << 4));
+        if (n < N) {
+          const uint8_t* src = pd + e * prow + (row0 + n) * pb;
+          std::memcpy(row.data(), src, static_cast<size_t>(K / 2));
+          if (K % 2) row[K / 2] = static_cast<uint8_t>((src[K / 2] & 15) | pad << 4);
+          const uint8_t* sc = sd + e * srow + (row0 + n) * sb;
+          for (int64_t g = 0; g < shape.groups; ++g)
+            std::memcpy(tile + (g * kTileRows + r) * ss, sc + (g / ratio) * ss, static_cast<size_t>(ss));
+        }
+        for (int64_t b = 0; b < half_cols; b += 4) {  // 8 columns: block L = (b % 16) / 4 of group b / 16
+          uint32_t v;
+          std::memcpy(&v, row.data() + b, 4);
+          // byte j of v holds columns 2j (low nibble, parity 0) and 2j + 1: gather each parity's 4 nibbles
+          const uint32_t lo = v & 0x0F0F0F0Fu, hi = (v >> 4) & 0x0F0F0F0Fu;
+          const uint32_t l2 = lo | (lo >> 4), h2 = hi | (hi >> 4);
+          const uint16_t words[2] = {static_cast<uint16_t>((l2 & 0xFF) | ((l2 >> 8) & 0xFF00)),
+                                     static_cast<uint16_t>((h2 & 0xFF) | ((h2 >> 8) & 0xFF00))};
+          std::memcpy(codes + (b / 16) * 256 + 64 * ((b % 16) / 4) + 4 * r, words, 4);
+        }
+      }
+    }
+  });
+}
+
+const char* isa_name(int64_t isa) {
+  return isa == kAvx512Bf16 ? "avx512bf16" : isa == kAvx512 ? "avx512" : isa == kAvx2 ? "avx2+fma" : "scalar";
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (int b = 0; b < 256; ++b)
     g_e8m0[b] = b == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, b - 127);
-  m.def("moe", &moe, "SwiGLU MoE over packed INT4 / MXFP4 experts on the CPU (float32 activations)");
-  m.def("best_isa", &best_isa, "the widest instruction set path this CPU runs: 2 AVX-512, 1 AVX2+FMA, 0 portable");
+  m.def("moe", &moe, "SwiGLU MoE over INT4 / MXFP4 experts in the tile layout, on the CPU");
+  m.def("repack", &repack, "checkpoint-layout rows of packed experts -> the kernels' tile layout");
+  m.def("best_isa", &best_isa,
+        "the widest instruction set path this CPU runs: 3 AVX-512 BF16, 2 AVX-512, 1 AVX2+FMA, 0 portable");
   m.def("isa_name", &isa_name, "the name of an instruction set path");
 }

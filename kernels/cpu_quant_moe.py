@@ -2,17 +2,21 @@
 
 Host experts of real checkpoints are packed: INT4 (K2.5, K2.6; compressed-tensors pack-quantized)
 and MXFP4 (K3). A decode step reads each touched expert once, so the speed limit is memory
-bandwidth; dequantising a whole expert per call (the PyTorch reference) or torch's int4 GEMM reach a
-small fraction of it. These kernels read the packed bytes and scales in place, dequantise in vector
-registers and accumulate in float32; prefill-sized batches dequantise a tile once and reuse it for
-all of an expert's tokens. One call computes a layer's experts for all tokens of a step.
+bandwidth. The experts are converted once, at load (``prepare``), into tiles of 16 output rows that
+each thread streams front to back (``kernels.cpu_quant_moe_layout``: the same nibbles and scales,
+reordered, never a dequantised copy); the kernels decode the 4-bit codes in vector registers, sum
+code x activation per 32-column group in float32 and scale the group's sum. One call computes a
+layer's experts for all tokens of a step; every token routed to an expert is computed from the same
+tile while it is in cache.
 
-The instruction set path is chosen once per process: the widest this CPU supports (AVX-512,
-AVX2 + FMA, portable), or a narrower one named by ``KIMITUI_CPU_ISA`` (``avx512``, ``avx2``,
-``scalar``; tests use it). ``isa()`` names the choice for ``kimitui info``. Like
-``kernels.cpu_few_rows``, the extension is compiled by ``torch.utils.cpp_extension.load`` into
-``TORCH_EXTENSIONS_DIR``; without a compiler, or with ``KIMITUI_CPU_KERNELS=0``, ``available()`` is
-False and callers keep the PyTorch path.
+The instruction set path is chosen once per process: the widest this CPU supports (AVX-512 with
+BF16, AVX-512, AVX2 + FMA, portable), or a narrower one named by ``KIMITUI_CPU_ISA`` (``avx512bf16``,
+``avx512``, ``avx2``, ``scalar``; tests use it). On ``avx512bf16`` bf16 activations are multiplied
+as bf16 (vdpbf16ps, two products per 32-bit lane, exact) and the phase-2 input is rounded to bf16 as
+a bf16 model computes it; everywhere else activations are float32. ``isa()`` names the choice for
+``kimitui info``. Like ``kernels.cpu_few_rows``, the extension is compiled by
+``torch.utils.cpp_extension.load`` into ``TORCH_EXTENSIONS_DIR``; without a compiler, or with
+``KIMITUI_CPU_KERNELS=0``, ``available()`` is False and callers keep the PyTorch path.
 """
 
 from __future__ import annotations
@@ -23,16 +27,21 @@ import logging
 import os
 from pathlib import Path
 
+from dataclasses import dataclass
+
 import torch
 
+from kernels import cpu_quant_moe_layout as layout
 from kernels._build import load_extension
 
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "cpu_quant_moe.cpp", _DIR / "cpu_quant_moe_isa.cpp"]
-_HEADERS = [_DIR / "cpu_quant_moe_common.h", _DIR / "cpu_quant_moe_kernels.h"]
-ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
+_HEADERS = [_DIR / "cpu_quant_moe_common.h"]
+# KIMITUI_CPU_ISA values by code (the C++ best_isa()), narrowest first, and the names isa() prints.
+ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
+ISA_NAMES = {0: "scalar", 1: "avx2+fma", 2: "avx512", 3: "avx512bf16"}
 ENV_ISA = "KIMITUI_CPU_ISA"
 
 
@@ -50,8 +59,7 @@ def _module():
     return load_extension(
         f"kimitui_cpu_quant_moe_{_build_tag()}",
         _SOURCES,
-        # no -march: each path carries its own target pragma, the portable one runs anywhere;
-        # no implicit a * b + c fusing, so the register and tiled paths round alike
+        # no -march: each path carries its own target pragma, the portable one runs anywhere
         ["-O3", "-ffp-contract=off", "-fopenmp"],
         log,
         "CPU quantised MoE kernels",
@@ -73,27 +81,28 @@ def _isa_code() -> int:
     if wanted not in ISA_CODES:
         raise ValueError(f"{ENV_ISA}={wanted!r}: expected one of {', '.join(ISA_CODES)}")
     if ISA_CODES[wanted] > best:
-        raise ValueError(f"{ENV_ISA}={wanted}: this CPU supports at most {_module().isa_name(best)}")
+        raise ValueError(f"{ENV_ISA}={wanted}: this CPU supports at most {ISA_NAMES[best]}")
     return ISA_CODES[wanted]
 
 
 def isa() -> str:
-    """The instruction set path the kernels run here: "avx512", "avx2+fma", "scalar", or
-    "unavailable" when the extension does not build."""
-    return _module().isa_name(_isa_code()) if available() else "unavailable"
+    """The instruction set path the kernels run here (an ``ISA_NAMES`` value), or "unavailable" when
+    the extension does not build."""
+    return ISA_NAMES[_isa_code()] if available() else "unavailable"
 
 
 def planned_isa() -> str:
     """The path ``isa()`` will report, from /proc/cpuinfo and ``KIMITUI_CPU_ISA``, without building
-    the extension (for ``kimitui info``): "avx512", "avx2+fma" or "scalar"."""
+    the extension (for ``kimitui info``)."""
     try:
-        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), [])
+        flags = set(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                          if line.startswith("flags")), []))
     except OSError:
-        flags = []
-    best = 2 if "avx512f" in flags else 1 if {"avx2", "fma"} <= set(flags) else 0
+        flags = set()
+    best = (3 if {"avx512f", "avx512bw", "avx512_bf16"} <= flags else 2 if "avx512f" in flags
+            else 1 if {"avx2", "fma"} <= flags else 0)
     wanted = ISA_CODES.get(os.environ.get(ENV_ISA, "").strip().lower(), best)
-    return {2: "avx512", 1: "avx2+fma", 0: "scalar"}[min(best, wanted)]
+    return ISA_NAMES[min(best, wanted)]
 
 
 def supported_isas() -> list[str]:
@@ -109,16 +118,21 @@ def supports(fmt: str, k13: int, k2: int, group_size: int) -> bool:
     return fmt == "mxfp4" and k13 % 32 == 0 and k2 % 32 == 0
 
 
-def moe(x, topk_ids, topk_weights, fmt, w13, w13_scale, w2, w2_scale, group_size=32, isa_name=None):
-    """SwiGLU MoE over packed experts, as ``reference.moe_experts_reference_w4a16`` / ``_mxfp4``:
-    x [T, D] (float32 or bf16), topk_ids [T, k] (ids outside [0, E) add nothing), topk_weights [T, k];
-    INT4: w13 int32 [E, 2I, ceil(D/8)], w13_scale bf16 [E, 2I, ceil(D/g)], w2 [E, D, ceil(I/8)] + scales;
-    MXFP4: w13 uint8 [E, 2I, D/2], w13_scale uint8 [E, 2I, D/32], w2 [E, D, I/2] + scales.
-    -> [T, D] in x.dtype (float32 sums). ``isa_name`` forces a path (tests); default ``isa()``."""
-    if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"cpu_quant_moe: x {list(x.shape)}, topk_ids {list(topk_ids.shape)} and topk_weights "
-                         f"{list(topk_weights.shape)} must be [T, D], [T, k], [T, k]")
-    d, e, n13 = x.shape[1], w13.shape[0], w13.shape[1]
+@dataclass(frozen=True)
+class TiledExperts:
+    """A layer's experts in the kernels' tile layout (``prepare``): w13 [E, bytes] uint8 (gate tiles,
+    then up tiles), w2 [E, bytes]; ``hidden`` and ``inter`` fix where each tile starts."""
+
+    fmt: str
+    hidden: int
+    inter: int
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+
+def _check_checkpoint(fmt, d, w13, w13_scale, w2, w2_scale, group_size) -> int:
+    """Validate checkpoint-layout experts (as ``moe`` documents them); -> the expert width I."""
+    e, n13 = w13.shape[0], w13.shape[1]
     inter = n13 // 2
     if fmt == "int4":
         if group_size % 32:
@@ -130,7 +144,6 @@ def moe(x, topk_ids, topk_weights, fmt, w13, w13_scale, w2, w2_scale, group_size
     elif fmt == "mxfp4":
         if d % 32 or inter % 32:
             raise ValueError(f"cpu_quant_moe: MXFP4 needs hidden ({d}) and expert width ({inter}) multiples of 32")
-        group_size = 32
         want = {"w13": (torch.uint8, [e, n13, d // 2]), "w13_scale": (torch.uint8, [e, n13, d // 32]),
                 "w2": (torch.uint8, [e, d, inter // 2]), "w2_scale": (torch.uint8, [e, d, inter // 32])}
     else:
@@ -140,13 +153,69 @@ def moe(x, topk_ids, topk_weights, fmt, w13, w13_scale, w2, w2_scale, group_size
         if t.dtype != dtype or list(t.shape) != shape or t.device.type != "cpu":
             raise ValueError(f"cpu_quant_moe: {fmt} {name} is {t.dtype} {list(t.shape)} on {t.device}, expected "
                              f"{dtype} {shape} on the CPU")
-        if not t.is_contiguous():
-            raise ValueError(f"cpu_quant_moe: {fmt} {name} must be contiguous")
+    return inter
+
+
+def prepare(fmt, w13, w13_scale, w2, w2_scale, group_size=32) -> TiledExperts:
+    """Checkpoint-layout experts (as ``moe`` takes them) -> the tile layout the kernels stream. A pure
+    function of its inputs; the caller drops the checkpoint tensors to keep one copy in RAM."""
+    d = w2.shape[1]
+    inter = _check_checkpoint(fmt, d, w13, w13_scale, w2, w2_scale, group_size)
+    g = group_size if fmt == "int4" else 32
+    e, half = w13.shape[0], layout.matrix_bytes(fmt, inter, d)
+    w13_tiles = torch.empty(e, 2 * half, dtype=torch.uint8)
+    w2_tiles = torch.empty(e, layout.matrix_bytes(fmt, d, inter), dtype=torch.uint8)
+    mod, ratio = _module(), g // 32
+
+    def raw(t):  # bytes, in place: INT4 words and bf16 scales are little-endian in memory
+        return t.contiguous().view(torch.uint8)
+
+    # written in place, no temporaries (kernels.cpu_quant_moe_layout.repack is the same in PyTorch)
+    mod.repack(raw(w13), raw(w13_scale), w13_tiles, 0, 0, inter, d, ratio, fmt == "mxfp4")
+    mod.repack(raw(w13), raw(w13_scale), w13_tiles, half, inter, inter, d, ratio, fmt == "mxfp4")
+    mod.repack(raw(w2), raw(w2_scale), w2_tiles, 0, 0, d, inter, ratio, fmt == "mxfp4")
+    return TiledExperts(fmt, d, inter, w13_tiles, w2_tiles)
+
+
+def unprepare(experts: TiledExperts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The checkpoint layout back (w13, w13_scale, w2, w2_scale; INT4 with group size 32): for code that
+    reads experts as the checkpoint stores them."""
+    f, d, i = experts.fmt, experts.hidden, experts.inter
+    half = layout.matrix_bytes(f, i, d)
+    gate, up = layout.unpack(f, experts.w13[:, :half], i, d), layout.unpack(f, experts.w13[:, half:], i, d)
+    w2, s2 = layout.unpack(f, experts.w2, d, i)
+    return torch.cat((gate[0], up[0]), dim=1), torch.cat((gate[1], up[1]), dim=1), w2, s2
+
+
+def moe(x, topk_ids, topk_weights, fmt, w13, w13_scale, w2, w2_scale, group_size=32, isa_name=None):
+    """SwiGLU MoE over packed experts, as ``reference.moe_experts_reference_w4a16`` / ``_mxfp4``:
+    x [T, D] (float32 or bf16), topk_ids [T, k] (ids outside [0, E) add nothing), topk_weights [T, k].
+    w13 a ``TiledExperts`` (w13_scale, w2, w2_scale None), or the checkpoint layout, converted on
+    every call (slow: load-time callers ``prepare`` once) --
+    INT4: w13 int32 [E, 2I, ceil(D/8)], w13_scale bf16 [E, 2I, ceil(D/g)], w2 [E, D, ceil(I/8)] + scales;
+    MXFP4: w13 uint8 [E, 2I, D/2], w13_scale uint8 [E, 2I, D/32], w2 [E, D, I/2] + scales.
+    -> [T, D] in x.dtype (float32 sums). ``isa_name`` forces a path (tests); default ``isa()``."""
+    if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"cpu_quant_moe: x {list(x.shape)}, topk_ids {list(topk_ids.shape)} and topk_weights "
+                         f"{list(topk_weights.shape)} must be [T, D], [T, k], [T, k]")
+    experts = w13 if isinstance(w13, TiledExperts) else prepare(fmt, w13, w13_scale, w2, w2_scale, group_size)
+    if experts.fmt != fmt or experts.hidden != x.shape[1]:
+        raise ValueError(f"cpu_quant_moe: {experts.fmt} experts of hidden size {experts.hidden} called as {fmt} "
+                         f"with x {list(x.shape)}")
+    f, d, i = fmt, experts.hidden, experts.inter
+    want13, want2 = 2 * layout.matrix_bytes(f, i, d), layout.matrix_bytes(f, d, i)
+    for name, t, n in (("w13", experts.w13, want13), ("w2", experts.w2, want2)):
+        if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != n or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"cpu_quant_moe: tiled {name} is {t.dtype} {list(t.shape)} on {t.device}, expected "
+                             f"contiguous uint8 [E, {n}] on the CPU")
+    if experts.w2.shape[0] != experts.w13.shape[0]:
+        raise ValueError(f"cpu_quant_moe: w13 has {experts.w13.shape[0]} experts, w2 {experts.w2.shape[0]}")
     code = _isa_code() if isa_name is None else ISA_CODES.get(isa_name, -1)
     if not 0 <= code <= _module().best_isa():
         raise ValueError(f"cpu_quant_moe: instruction set {isa_name!r} is not one this CPU runs ({supported_isas()})")
-    out = _module().moe(x.float().contiguous(), topk_ids.long().contiguous(), topk_weights.float().contiguous(),
-                        w13, w13_scale, w2, w2_scale, fmt == "mxfp4", group_size, code)
+    xin = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+    out = _module().moe(xin.contiguous(), topk_ids.long().contiguous(), topk_weights.float().contiguous(),
+                        experts.w13, experts.w2, i, fmt == "mxfp4", code)
     return out.to(x.dtype)
 
 

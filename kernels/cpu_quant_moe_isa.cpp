@@ -1,151 +1,319 @@
-// The vector kernels of cpu_quant_moe.cpp, compiled three times under `#pragma GCC target`: AVX-512,
-// AVX2 + FMA and a portable path, from cpu_quant_moe_kernels.h, each behind its own namespace with its
-// vector primitives. The build passes no -march flag, so only the chosen path's instructions run and
-// the portable one runs on any x86-64 CPU.
+// The tile kernels of cpu_quant_moe.cpp, one per instruction set, each under its own `#pragma GCC
+// target`: the build passes no -march flag, so only the chosen path's instructions run and the portable
+// one runs on any x86-64 CPU. The tile layout (kernels/cpu_quant_moe_layout.py) puts "lanes = output
+// rows": a 64-byte block holds 16 rows x 8 columns as 32 words, word i = (row i / 2, column parity
+// i % 2), nibble j of it = column 8L + 2j + parity. A shift by 4j and a 16-bit table lookup give 16 rows
+// x 2 columns of bf16 codes (vdpbf16ps against one broadcast activation pair); a shift by 4m and a
+// 32-bit lookup give 16 rows x 1 column of float32 codes (FMA against one broadcast activation).
 //
-// INT4 (compressed-tensors pack-quantized: int32 words of 8 offset-8 nibbles, lowest nibble = lowest
-// column) and MXFP4 (bytes of two E2M1 codes, low nibble = even column) are, on a little-endian CPU,
-// both bytes whose low nibble is the even column: one decoder serves both, nibble -> 16-entry table
-// (q - 8, or the E2M1 values) -> times the group scale.
-#include "cpu_quant_moe_common.h"
-
+// Numerics, every path: per (row, token, 32-column group) the codes times the activations are summed
+// in float32 (a fixed split into partial sums), then times the group's scale and added to the row's
+// float32 sum, group after group. The codes (-8..7, E2M1 values) and bf16 activations are exact, so the
+// only roundings are float32 additions; no code is ever rounded together with its scale. A token's
+// result does not depend on how many tokens share the call (the token blocks only repeat the loads).
 #include <immintrin.h>
 
-#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <type_traits>
+
+#include "cpu_quant_moe_common.h"
 
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-#error "the INT4 decoder reads int32 words as little-endian bytes"
+#error "the tile layout's 16-bit words are little-endian"
 #endif
+
+namespace cpu_quant_moe {
+
+const float kInt4Lut[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+const float kE2M1Lut[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+namespace {
+
+constexpr int kAhead = 1024;  // bytes of the tile's stream prefetched ahead of the block being read
+// Partial sums per (token, group) on AVX-512: independent chains, so one token's FMAs do not wait on
+// each other (the split is fixed, whatever the token count: a token's result does not depend on its batch).
+constexpr int kParts = 4;
+
+// f(integral_constant<n>) for a runtime n in [1, N].
+template <int N, class F>
+inline void with_count(int n, F&& f) {
+  if constexpr (N > 0) {
+    if (n == N)
+      f(std::integral_constant<int, N>{});
+    else
+      with_count<N - 1>(n, f);
+  }
+}
+
+// block(integral_constant<C>, c0) over tokens [0, nc) in blocks of up to Cmax.
+template <int Cmax, class F>
+inline void token_blocks(int nc, F&& block) {
+  int c0 = 0;
+  for (; c0 + Cmax <= nc; c0 += Cmax) block(std::integral_constant<int, Cmax>{}, c0);
+  if (c0 < nc) with_count<Cmax - 1>(nc - c0, [&](auto c) { block(c, c0); });
+}
+
+// Scalar float of scale i of a tile's scale block.
+inline float scale_at(const uint8_t* s, int64_t i, bool e8m0) {
+  if (e8m0) return g_e8m0[s[i]];
+  uint16_t b;
+  std::memcpy(&b, s + 2 * i, 2);
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;  // bf16 is the top half of a float32
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+}  // namespace
 
 // ---------------------------------------------------------------------------------------------- AVX-512
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx2,fma")
-namespace isa_avx512 {
-using namespace cpu_quant_moe;
-constexpr int W = 16;
-// One token: 4 rows per block (4 weight + 4 scale streams per thread) measured faster than 8 at batch 1.
-constexpr int kFusedR1 = 4, kFusedR = 4, kFusedC = 4, kMicroR = 4, kMicroC = 6;
-using Vec = __m512;
-using Lut = __m512;
-inline Lut make_lut(const float* t) { return _mm512_loadu_ps(t); }
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
-inline Lut scale_lut(const Lut& lut, float s) { return _mm512_mul_ps(lut, _mm512_set1_ps(s)); }
-// 16 bytes -> out[0] = their low nibbles' values (even columns), out[1] = their high nibbles' (odd).
-inline void dequant32(const uint8_t* b, const Lut& lut, Vec* out) {
-  const __m512i by = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
-  out[0] = _mm512_permutexvar_ps(_mm512_and_si512(by, _mm512_set1_epi32(15)), lut);
-  out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(by, 4), lut);
+namespace {
+
+// The 16 scales (rows) of group g as float32: bf16 widened, or E8M0 as an exponent (0 and 255, the
+// denormal 2^-127 and NaN, patched).
+template <bool kE8M0>
+inline __m512 scales16(const uint8_t* s, int64_t g) {
+  if (kE8M0) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16 * g)));
+    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(b, 23));
+    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512()), _mm512_set1_ps(0x1p-127f));
+    return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(255)), _mm512_set1_ps(NAN));
+  }
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32 * g)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
 }
-#include "cpu_quant_moe_kernels.h"
-}  // namespace isa_avx512
+
+inline __m512 sum4(const __m512* p) { return _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])); }
+
+template <int C, bool kE8M0>
+void f32_block_avx512(const Tiles& t, const uint8_t* tile, int nr, const float* const* x, float* out, int64_t os) {
+  const __m512 lut = _mm512_loadu_ps(kE8M0 ? kE2M1Lut : kInt4Lut);
+  const uint8_t* codes = tile + t.scale_block;
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < t.groups; ++g) {
+    const uint8_t* blk = codes + g * 256;
+    __m512 part[C][kParts];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      for (int p = 0; p < kParts; ++p) part[c][p] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int L = 0; L < 4; ++L) {
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + 64 * L), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(blk + 64 * L);
+#pragma GCC unroll 8
+      for (int m = 0; m < 8; ++m) {
+        // permutexvar reads the low 4 bits of each lane: no mask after the shift
+        const __m512 w = _mm512_permutexvar_ps(m ? _mm512_srli_epi32(v, 4 * m) : v, lut);
+        const int64_t col = g * 32 + 8 * L + 2 * (m & 3) + (m >> 2);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) part[c][m & 3] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[c][col]), part[c][m & 3]);
+      }
+    }
+    const __m512 s = scales16<kE8M0>(tile, g);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(sum4(part[c]), s, acc[c]);
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << nr) - 1);
+  for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(out + c * os, keep, acc[c]);
+}
+
+}  // namespace
+
+void tile_dot_avx512(const Tiles& t, int64_t tile, int nr, const float* const* x, int nc, float* out, int64_t os) {
+  const uint8_t* p = t.data + tile * t.tile_bytes;
+  token_blocks<4>(nc, [&](auto c, int c0) {
+    if (t.e8m0)
+      f32_block_avx512<decltype(c)::value, true>(t, p, nr, x + c0, out + c0 * os, os);
+    else
+      f32_block_avx512<decltype(c)::value, false>(t, p, nr, x + c0, out + c0 * os, os);
+  });
+}
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------------------------------------- AVX-512 BF16
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512bf16,avx2,fma")
+namespace {
+
+template <bool kE8M0>
+inline __m512 scales16_bf(const uint8_t* s, int64_t g) {
+  if (kE8M0) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16 * g)));
+    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(b, 23));
+    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512()), _mm512_set1_ps(0x1p-127f));
+    return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(255)), _mm512_set1_ps(NAN));
+  }
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32 * g)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+
+// nibble -> bf16 bits of its code, 32 entries (entry i = code of i & 15): vpermw reads 5 index bits, so
+// a word shifted by 4j needs no mask.
+inline __m512i bf16_table(const float* lut) {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &lut[i & 15], 4);
+    t[i] = static_cast<uint16_t>(bits >> 16);  // exact: every code has at most 3 significant bits
+  }
+  return _mm512_load_si512(t);
+}
+
+inline __m512 sum4(const __m512* p) { return _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])); }
+
+template <int C, bool kE8M0>
+void bf16_block(const Tiles& t, const uint8_t* tile, int nr, const uint16_t* const* x, float* out, int64_t os,
+                __m512i table) {
+  const uint8_t* codes = tile + t.scale_block;
+  const uint32_t* xp[C];  // activation pairs (columns 2k, 2k + 1) as one 32-bit lane
+  for (int c = 0; c < C; ++c) xp[c] = reinterpret_cast<const uint32_t*>(x[c]);
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < t.groups; ++g) {
+    const uint8_t* blk = codes + g * 256;
+    __m512 part[C][kParts];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      for (int p = 0; p < kParts; ++p) part[c][p] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int L = 0; L < 4; ++L) {
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + 64 * L), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(blk + 64 * L);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(j ? _mm512_srli_epi16(v, 4 * j) : v, table);
+        const int64_t k = g * 16 + 4 * L + j;
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c)
+          part[c][j] = _mm512_dpbf16_ps(part[c][j], w, (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[c][k])));
+      }
+    }
+    const __m512 s = scales16_bf<kE8M0>(tile, g);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(sum4(part[c]), s, acc[c]);
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << nr) - 1);
+  for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(out + c * os, keep, acc[c]);
+}
+
+}  // namespace
+
+void tile_dot_avx512bf16(const Tiles& t, int64_t tile, int nr, const uint16_t* const* x, int nc, float* out,
+                         int64_t os) {
+  const uint8_t* p = t.data + tile * t.tile_bytes;
+  const __m512i table = bf16_table(t.e8m0 ? kE2M1Lut : kInt4Lut);
+  token_blocks<4>(nc, [&](auto c, int c0) {
+    if (t.e8m0)
+      bf16_block<decltype(c)::value, true>(t, p, nr, x + c0, out + c0 * os, os, table);
+    else
+      bf16_block<decltype(c)::value, false>(t, p, nr, x + c0, out + c0 * os, os, table);
+  });
+}
 #pragma GCC pop_options
 
 // ---------------------------------------------------------------------------------------------- AVX2
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
-namespace isa_avx2 {
-using namespace cpu_quant_moe;
-constexpr int W = 8;
-// 16 ymm registers: R x C accumulators plus the weight / activation vectors must fit.
-constexpr int kFusedR1 = 4, kFusedR = 4, kFusedC = 2, kMicroR = 4, kMicroC = 3;
-using Vec = __m256;
-struct Lut {
+namespace {
+
+struct Lut8 {
   __m256 lo, hi;  // entries 0-7 and 8-15
 };
-inline Lut make_lut(const float* t) { return {_mm256_loadu_ps(t), _mm256_loadu_ps(t + 8)}; }
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+
+// A 16-entry lookup from two 8-entry permutes (low 3 index bits); bit 3 (moved to the sign bit) picks.
+inline __m256 lookup(__m256i idx, const Lut8& lut) {
+  const __m256 pick = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut.lo, idx), _mm256_permutevar8x32_ps(lut.hi, idx), pick);
 }
-// A 16-entry lookup from two 8-entry permutes; bit 3 of the index (moved to the sign bit) picks one.
-inline Vec lookup(__m256i idx, const Lut& lut) {
-  const __m256 mask = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
-  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut.lo, idx), _mm256_permutevar8x32_ps(lut.hi, idx), mask);
+
+// The 8 scales of rows 8h .. 8h + 7 of group g.
+inline __m256 scales8(const uint8_t* s, int64_t g, int h, bool e8m0) {
+  if (e8m0) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 16 * g + 8 * h)));
+    __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(b, 23));
+    const __m256 zero = _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, _mm256_setzero_si256()));
+    v = _mm256_blendv_ps(v, _mm256_set1_ps(0x1p-127f), zero);
+    return _mm256_blendv_ps(v, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, _mm256_set1_epi32(255))));
+  }
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32 * g + 16 * h)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
-inline Lut scale_lut(const Lut& lut, float s) {
-  const __m256 sv = _mm256_set1_ps(s);
-  return {_mm256_mul_ps(lut.lo, sv), _mm256_mul_ps(lut.hi, sv)};
-}
-// Bytes 8c..8c+7 -> out[2c] = their low nibbles' values, out[2c + 1] = their high nibbles'.
-inline void dequant32(const uint8_t* b, const Lut& lut, Vec* out) {
-  const __m256i fifteen = _mm256_set1_epi32(15);
-  for (int c = 0; c < 2; ++c) {
-    const __m256i by = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * c)));
-    out[2 * c] = lookup(_mm256_and_si256(by, fifteen), lut);
-    out[2 * c + 1] = lookup(_mm256_srli_epi32(by, 4), lut);
+
+// The same sums as f32_block_avx512, the 16 rows as two halves of 8 (a 32-byte half of each block), with
+// two partial sums, not four: 16 ymm registers hold 2 tokens' partials and totals, the table and the
+// decoded vectors without spilling.
+template <int C>
+void f32_block_avx2(const Tiles& t, const uint8_t* tile, int nr, const float* const* x, float* out, int64_t os) {
+  const float* l = t.e8m0 ? kE2M1Lut : kInt4Lut;
+  const Lut8 lut{_mm256_loadu_ps(l), _mm256_loadu_ps(l + 8)};
+  const uint8_t* codes = tile + t.scale_block;
+  __m256 acc[C][2];
+  for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < t.groups; ++g) {
+    const uint8_t* blk = codes + g * 256;
+    for (int h = 0; h < 2; ++h) {
+      __m256 part[C][2];
+      for (int c = 0; c < C; ++c) part[c][0] = part[c][1] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+      for (int L = 0; L < 4; ++L) {
+        if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + 64 * L), _MM_HINT_T0);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * L + 32 * h));
+#pragma GCC unroll 8
+        for (int m = 0; m < 8; ++m) {
+          const __m256 w = lookup(m ? _mm256_srli_epi32(v, 4 * m) : v, lut);
+          const int64_t col = g * 32 + 8 * L + 2 * (m & 3) + (m >> 2);
+          for (int c = 0; c < C; ++c) part[c][m & 1] = _mm256_fmadd_ps(w, _mm256_set1_ps(x[c][col]), part[c][m & 1]);
+        }
+      }
+      const __m256 s = scales8(tile, g, h, t.e8m0);
+      for (int c = 0; c < C; ++c) acc[c][h] = _mm256_fmadd_ps(_mm256_add_ps(part[c][0], part[c][1]), s, acc[c][h]);
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    alignas(32) float row[16];
+    _mm256_store_ps(row, acc[c][0]);
+    _mm256_store_ps(row + 8, acc[c][1]);
+    std::memcpy(out + c * os, row, sizeof(float) * nr);
   }
 }
-#include "cpu_quant_moe_kernels.h"
-}  // namespace isa_avx2
+
+}  // namespace
+
+void tile_dot_avx2(const Tiles& t, int64_t tile, int nr, const float* const* x, int nc, float* out, int64_t os) {
+  const uint8_t* p = t.data + tile * t.tile_bytes;
+  token_blocks<2>(nc, [&](auto c, int c0) { f32_block_avx2<decltype(c)::value>(t, p, nr, x + c0, out + c0 * os, os); });
+}
 #pragma GCC pop_options
 
 // ---------------------------------------------------------------------------------------------- portable
-namespace isa_scalar {
-using namespace cpu_quant_moe;
-constexpr int W = 16;  // same column order as AVX-512; plain loops the compiler may vectorise (SSE2)
-constexpr int kFusedR1 = 4, kFusedR = 2, kFusedC = 2, kMicroR = 2, kMicroC = 2;
-struct Vec {
-  float v[W];
-};
-struct Lut {
-  float t[16];
-};
-inline Lut make_lut(const float* t) {
-  Lut l;
-  std::memcpy(l.t, t, sizeof(l.t));
-  return l;
+// The same sums in plain loops (the build's -ffp-contract=off keeps a * b + c two roundings, like the
+// FMA paths' products of exact codes and activations, which need no rounding in the first place only
+// for bf16 activations: float32 ones may differ from the vector paths in the last bits).
+void tile_dot_scalar(const Tiles& t, int64_t tile, int nr, const float* const* x, int nc, float* out, int64_t os) {
+  const uint8_t* p = t.data + tile * t.tile_bytes;
+  const uint8_t* codes = p + t.scale_block;
+  const float* lut = t.e8m0 ? kE2M1Lut : kInt4Lut;
+  for (int c = 0; c < nc; ++c)
+    for (int r = 0; r < nr; ++r) {
+      float acc = 0.0f;
+      for (int64_t g = 0; g < t.groups; ++g) {
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int L = 0; L < 4; ++L)
+          for (int m = 0; m < 8; ++m) {
+            const int j = m & 3, parity = m >> 2;
+            const uint8_t byte = codes[g * 256 + 64 * L + 2 * (2 * r + parity) + j / 2];
+            const float w = lut[(byte >> (4 * (j & 1))) & 15];
+            part[m & 3] += w * x[c][g * 32 + 8 * L + 2 * j + parity];
+          }
+        acc += ((part[0] + part[1]) + (part[2] + part[3])) * scale_at(p, g * kTileRows + r, t.e8m0);
+      }
+      out[c * os + r] = acc;
+    }
 }
-inline Vec vzero() { return Vec{}; }
-inline Vec vload(const float* p) {
-  Vec r;
-  std::memcpy(r.v, p, sizeof(r.v));
-  return r;
-}
-inline void vstore(float* p, const Vec& v) { std::memcpy(p, v.v, sizeof(v.v)); }
-inline Vec vfma(const Vec& a, const Vec& b, Vec c) {
-  for (int i = 0; i < W; ++i) c.v[i] += a.v[i] * b.v[i];  // two roundings (-ffp-contract=off)
-  return c;
-}
-inline float vsum(const Vec& v) {
-  float s = 0.0f;
-  for (int i = 0; i < W; ++i) s += v.v[i];
-  return s;
-}
-inline Lut scale_lut(Lut lut, float s) {
-  for (float& v : lut.t) v *= s;
-  return lut;
-}
-inline void dequant32(const uint8_t* b, const Lut& lut, Vec* out) {
-  for (int i = 0; i < 16; ++i) {
-    out[0].v[i] = lut.t[b[i] & 15];
-    out[1].v[i] = lut.t[b[i] >> 4];
-  }
-}
-#include "cpu_quant_moe_kernels.h"
-}  // namespace isa_scalar
 
-namespace cpu_quant_moe {
-// The entry points cpu_quant_moe.cpp calls through RowsDot; W fixes the activation layout.
-void rows_dot_avx512(const QMat& m, int64_t r0, int nr, const float* const* xs, int nc, float* out, int64_t os,
-                     Scratch& s) {
-  isa_avx512::rows_dot(m, r0, nr, xs, nc, out, os, s);
-}
-void rows_dot_avx2(const QMat& m, int64_t r0, int nr, const float* const* xs, int nc, float* out, int64_t os,
-                   Scratch& s) {
-  isa_avx2::rows_dot(m, r0, nr, xs, nc, out, os, s);
-}
-void rows_dot_scalar(const QMat& m, int64_t r0, int nr, const float* const* xs, int nc, float* out, int64_t os,
-                     Scratch& s) {
-  isa_scalar::rows_dot(m, r0, nr, xs, nc, out, os, s);
-}
 }  // namespace cpu_quant_moe

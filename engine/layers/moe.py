@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.layers.activation import GatedActivation
 from engine.layers.linear import linear_format, quantized_params, values_per_element
 from engine.layers.mlp import MLP
 from engine.loader.source import TensorSource
@@ -53,6 +54,8 @@ class ExpertStack(nn.Module):
                  dtype: torch.dtype = torch.float32):
         super().__init__()
         self.fmt, self.quant, self.num = fmt, config.quantization, num
+        # the CPU tile kernels compute SiLU only; SiTU experts are read as the checkpoint stores them
+        self.silu = GatedActivation.from_config(config).is_silu
         d, i = config.hidden_size, config.moe_intermediate_size
         if fmt == "fp8" and i % self.quant.weight_block_size[0]:
             # gate and up are stacked into w13; their scale blocks only line up on block boundaries
@@ -80,10 +83,23 @@ class ExpertStack(nn.Module):
         return None
 
     def prepack_for_cpu(self, dtype: torch.dtype) -> bool:
-        """INT4 experts: convert them once to the layout the backend's INT4 expert GEMM reads (torch's
-        CPU int4 GEMM, for activations of ``dtype``) and drop the checkpoint layout. False where the
-        backend has no such layout for them (``Backend.prepack_int4_experts``)."""
-        if self.fmt != "int4" or self.num == 0:
+        """INT4 / MXFP4 experts: convert them once to the layout the backend's expert kernels read (the CPU's
+        tiles; else, INT4 only, torch's CPU int4 GEMM for activations of ``dtype``) and drop the checkpoint
+        layout. False where the backend has no such layout for them (``Backend.prepare_quant_experts``,
+        ``Backend.prepack_int4_experts``)."""
+        if self.fmt not in ("int4", "mxfp4") or self.num == 0:
+            return False
+        tiles = None
+        if self.silu:  # the backend's own layout (Backend.prepare_quant_experts) replaces the checkpoint's
+            tiles = self.ops.prepare_quant_experts(self.fmt, self.w13_weight_packed, self.w13_weight_scale,
+                                                   self.w2_weight_packed, self.w2_weight_scale, self.quant.group_size)
+        if tiles is not None:
+            self.tiled_fmt, self.inter = self.fmt, self.w13_weight_packed.shape[1] // 2
+            self.register_buffer("w13_tiles", tiles[0], persistent=False)
+            self.register_buffer("w2_tiles", tiles[1], persistent=False)
+            self._drop_checkpoint_layout("tiles")
+            return True
+        if self.fmt != "int4":
             return False
         packed = self.ops.prepack_int4_experts(self.w13_weight_packed, self.w13_weight_scale, self.w2_weight_packed,
                                                self.w2_weight_scale, self.quant.group_size, dtype)
@@ -91,10 +107,13 @@ class ExpertStack(nn.Module):
             return False
         for name, t in zip(("w13_int4pack", "w13_scales_zeros", "w2_int4pack", "w2_scales_zeros"), packed):
             self.register_buffer(name, t, persistent=False)
+        self._drop_checkpoint_layout("int4pack")
+        return True
+
+    def _drop_checkpoint_layout(self, fmt: str) -> None:
         for name in ("w13_weight_packed", "w13_weight_scale", "w2_weight_packed", "w2_weight_scale"):
             getattr(self, name).data = torch.empty(0, dtype=getattr(self, name).dtype)
-        self.fmt = "int4pack"
-        return True
+        self.fmt = fmt
 
     def param_dtype(self, proj: str, suffix: str) -> torch.dtype | None:
         p = getattr(self, f"{'w2' if proj == 'down_proj' else 'w13'}_{suffix}", None)
@@ -104,6 +123,9 @@ class ExpertStack(nn.Module):
         # x [T, D], ids [T, k] in 0..num (num: computed elsewhere, adds nothing), weights [T, k] in x.dtype
         if self.fmt == "dense":
             return self.ops.moe_experts(x, ids, weights, self.w13_weight, self.w2_weight)
+        if self.fmt == "tiles":
+            return self.ops.moe_experts_tiled(x, ids, weights, self.tiled_fmt, self.w13_tiles, self.w2_tiles,
+                                              self.inter)
         if self.fmt == "int4pack":
             return self.ops.moe_experts_int4pack_cpu(x, ids, weights, self.w13_int4pack, self.w13_scales_zeros,
                                                      self.w2_int4pack, self.w2_scales_zeros, self.quant.group_size)
@@ -178,8 +200,8 @@ class RoutedExperts(nn.Module):
             self.executor = CpuExpertExecutor(self.host, self.host_map)
 
     def post_load(self, dtype: torch.dtype) -> None:
-        """Once the weights are in (and each stack has its backend): INT4 stacks take the layout their
-        backend's expert GEMM reads, where it has one (CPU-held ones: torch's CPU int4 GEMM)."""
+        """Once the weights are in (and each stack has its backend): INT4 / MXFP4 stacks take the layout their
+        backend reads, where it has one (CPU-held ones: kernels.cpu_quant_moe tiles)."""
         for stack in (self.local, self.host):
             if stack is not None:
                 stack.prepack_for_cpu(dtype)

@@ -32,13 +32,15 @@ def test_offloaded_packed_experts_give_the_same_tokens(tmp_path, monkeypatch, me
 
     with LLM(str(tmp_path), dtype=dtype, max_model_len=128, max_num_seqs=2, cpu_offload="none") as llm:
         experts = llm.engine.model.model.layers[1].mlp.experts
-        assert experts.host is None and experts.local.fmt == method  # packed, no dequantised copy
+        local = experts.local  # packed, as the kernels' tiles, no dequantised copy and no checkpoint copy
+        assert experts.host is None and (local.fmt, local.tiled_fmt) == ("tiles", method)
+        assert local.w13_tiles.dtype == torch.uint8 and local.w13_weight_packed.numel() == 0
         plain = llm.generate(prompts, PARAMS)
     n_experts = llm.engine.config.n_routed_experts
     with LLM(str(tmp_path), dtype=dtype, max_model_len=128, max_num_seqs=2, cpu_offload=n_experts - 2) as llm:
         host = llm.engine.model.model.layers[1].mlp.experts.host
-        assert host is not None and host.num == n_experts - 2 and host.fmt == method
-        assert host.w13_weight_packed.device.type == "cpu"
+        assert host is not None and host.num == n_experts - 2 and (host.fmt, host.tiled_fmt) == ("tiles", method)
+        assert host.w13_tiles.device.type == "cpu" and host.w13_tiles.shape[0] == host.num
         calls.clear()
         offloaded = llm.generate(prompts, PARAMS)
     assert calls and set(calls) == {method}  # the host experts went through the C++ kernels
@@ -51,12 +53,11 @@ def test_offloaded_packed_experts_give_the_same_tokens(tmp_path, monkeypatch, me
         assert plain[0].outputs[0].token_ids == hf_greedy(hf, prompts[0], 8)
 
 
-def test_bf16_int4_experts_keep_the_checkpoint_layout(tmp_path):
+def test_bf16_int4_experts_take_the_tile_layout(tmp_path):
     hf = write_hf_checkpoint(tmp_path, seed=8, num_hidden_layers=2)
     quantize_checkpoint(tmp_path, "int4", hf)
     with LLM(str(tmp_path), dtype="bfloat16", max_model_len=64, max_num_seqs=1) as llm:
         stack = llm.engine.model.model.layers[1].mlp.experts.local
-        assert stack.ops.quant_experts_native("int4", stack.w2_weight_packed.shape[1],
-                                              stack.w13_weight_packed.shape[1] // 2, 32)
-        # not converted to torch's int4pack layout: the C++ kernels stream the packed words in place
-        assert stack.fmt == "int4" and stack.w13_weight_packed.dtype == torch.int32
+        assert stack.ops.quant_experts_native("int4", llm.engine.config.hidden_size, stack.inter, 32)
+        # not converted to torch's int4pack layout: the C++ kernels stream their tiles of the same words
+        assert stack.fmt == "tiles" and stack.tiled_fmt == "int4" and stack.w13_tiles.dtype == torch.uint8

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_quant_moe, reference as R
+from kernels import cpu_quant_moe, cpu_quant_moe_layout as layout, reference as R
 from kernels.cpu_backend import CpuBackend
 
 pytestmark = pytest.mark.skipif(not cpu_quant_moe.available(), reason="the C++ extension does not build here")
@@ -19,15 +19,15 @@ pytestmark = pytest.mark.skipif(not cpu_quant_moe.available(), reason="the C++ e
 ISAS = cpu_quant_moe.supported_isas() if cpu_quant_moe.available() else []
 
 
-def _experts(fmt, e, n, k, seed):
+def _experts(fmt, e, n, k, seed, group=32):
     """Packed weights [e, n, *] of random experts and their float64 dequantised values [e, n, k]."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(e, n, k, generator=g)
     if fmt == "int4":
-        parts = [R.quantize_int4(w[i], 32) for i in range(e)]
+        parts = [R.quantize_int4(w[i], group) for i in range(e)]
         packed = torch.stack([p for p, _ in parts])
         scale = torch.stack([s.to(torch.bfloat16) for _, s in parts])
-        return packed, scale, R.dequant_int4(packed, scale, k, 32, torch.float64)
+        return packed, scale, R.dequant_int4(packed, scale, k, group, torch.float64)
     parts = [R.quantize_mxfp4(w[i]) for i in range(e)]
     packed, scale = torch.stack([p for p, _ in parts]), torch.stack([s for _, s in parts])
     return packed, scale, R.dequant_mxfp4(packed, scale, torch.float64)
@@ -59,7 +59,7 @@ def test_matches_float64_dequantised(isa, fmt, hidden, inter, dtype):
     p13, s13, w13 = _experts(fmt, e, 2 * inter, hidden, 1)
     p2, s2, w2 = _experts(fmt, e, hidden, inter, 2)
     g = torch.Generator().manual_seed(3)
-    for tokens in (1, 3, 9, 150):  # registers path (<= 4 per expert), tiled path, > one 128-token block
+    for tokens in (1, 3, 9, 150):  # one token per expert, a part block (< 4 per expert), many blocks
         x = torch.randn(tokens, hidden, generator=g).to(dtype)
         ids = torch.randint(0, e + 1, (tokens, top_k), generator=g)  # id e: computed elsewhere, adds nothing
         wts = torch.rand(tokens, top_k, generator=g)
@@ -73,19 +73,45 @@ def test_matches_float64_dequantised(isa, fmt, hidden, inter, dtype):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
-def test_a_row_gives_the_same_bits_alone_and_in_a_batch(isa, fmt):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gives_the_same_bits_alone_and_in_a_batch(isa, fmt, dtype):
     hidden, inter, e = 96, 80 if fmt == "int4" else 96, 4
-    p13, s13, _ = _experts(fmt, e, 2 * inter, hidden, 4)
-    p2, s2, _ = _experts(fmt, e, hidden, inter, 5)
+    w13, w2 = _experts(fmt, e, 2 * inter, hidden, 4)[:2], _experts(fmt, e, hidden, inter, 5)[:2]
+    experts = cpu_quant_moe.prepare(fmt, *w13, *w2)
     g = torch.Generator().manual_seed(6)
-    x = torch.randn(200, hidden, generator=g)
-    ids = torch.randint(0, e, (200, 2), generator=g)
-    wts = torch.rand(200, 2, generator=g)
-    batch = cpu_quant_moe.moe(x, ids, wts, fmt, p13, s13, p2, s2, isa_name=isa)
-    # every expert sees ~100 tokens in the batch (tiled path, two token blocks) and one alone (registers)
-    for t in (0, 7, 131, 199):
-        alone = cpu_quant_moe.moe(x[t:t + 1], ids[t:t + 1], wts[t:t + 1], fmt, p13, s13, p2, s2, isa_name=isa)
-        assert torch.equal(alone[0], batch[t]), f"row {t} differs alone and in a batch ({fmt}, {isa})"
+    x = torch.randn(203, hidden, generator=g).to(dtype)
+    ids = torch.randint(0, e, (203, 2), generator=g)
+    wts = torch.rand(203, 2, generator=g)
+    batch = cpu_quant_moe.moe(x, ids, wts, fmt, experts, None, None, None, isa_name=isa)
+    # every expert sees ~100 tokens in the batch (full token blocks and a part one) and one alone
+    for t in (0, 7, 131, 202):
+        alone = cpu_quant_moe.moe(x[t:t + 1], ids[t:t + 1], wts[t:t + 1], fmt, experts, None, None, None,
+                                  isa_name=isa)
+        assert torch.equal(alone[0], batch[t]), f"row {t} differs alone and in a batch ({fmt}, {isa}, {dtype})"
+
+
+@pytest.mark.parametrize("fmt,n,k,group", [("int4", 40, 72, 32), ("int4", 33, 256, 128), ("mxfp4", 64, 96, 32)])
+def test_the_tile_layout_is_the_specified_reordering_of_the_same_codes_and_scales(fmt, n, k, group):
+    e = 3
+    p13, s13, w13 = _experts(fmt, e, 2 * n, k, 11, group)
+    p2, s2, w2 = _experts(fmt, e, k, n, 12, group)
+    tiled = cpu_quant_moe.prepare(fmt, p13, s13, p2, s2, group)
+    # the C++ conversion writes what the PyTorch specification in kernels/cpu_quant_moe_layout.py says
+    # (INT4 cases with rows and columns past whole tiles; MXFP4 widths are whole 32-column blocks)
+    spec13 = torch.cat((layout.repack(fmt, p13[:, :n], s13[:, :n], k, group),
+                        layout.repack(fmt, p13[:, n:], s13[:, n:], k, group)), dim=1)
+    assert torch.equal(tiled.w13, spec13)
+    assert torch.equal(tiled.w2, layout.repack(fmt, p2, s2, n, group))
+    # same bytes as the checkpoint where rows and columns fill whole tiles (Kimi K2's w13, K3's w2)
+    assert layout.matrix_bytes("int4", 4096, 7168) == 4096 * 7168 // 2 + 4096 * 7168 // 32 * 2
+    assert layout.matrix_bytes("mxfp4", 3584, 3072) == 3584 * 3072 // 2 + 3584 * 3072 // 32
+    # and converts back to the same weights (INT4 scales then come one per 32 columns)
+    b13, c13, b2, c2 = cpu_quant_moe.unprepare(tiled)
+    if fmt == "int4":
+        back13, back2 = R.dequant_int4(b13, c13, k, 32, torch.float64), R.dequant_int4(b2, c2, n, 32, torch.float64)
+    else:
+        back13, back2 = R.dequant_mxfp4(b13, c13, torch.float64), R.dequant_mxfp4(b2, c2, torch.float64)
+    assert torch.equal(back13, w13) and torch.equal(back2, w2)
 
 
 def test_cpu_backend_matches_the_reference_and_takes_bf16():
@@ -117,16 +143,25 @@ def test_bad_input_names_the_tensor():
         cpu_quant_moe.moe(x, ids, wts, "mxfp4", p13, s13, p2, s2, isa_name="sse9")
     with pytest.raises(ValueError, match="topk_weights"):
         cpu_quant_moe.moe(x, ids, wts[:, :1], "mxfp4", p13, s13, p2, s2)
+    tiled = cpu_quant_moe.prepare("mxfp4", p13, s13, p2, s2)
+    with pytest.raises(ValueError, match="tiled w2 is"):
+        cpu_quant_moe.moe(x, ids, wts, "mxfp4", cpu_quant_moe.TiledExperts("mxfp4", 64, 32, tiled.w13, tiled.w2[:, 1:]),
+                          None, None, None)
+    with pytest.raises(ValueError, match="mxfp4 experts of hidden size 64 called as int4"):
+        cpu_quant_moe.moe(x, ids, wts, "int4", tiled, None, None, None)
 
 
 def test_the_isa_is_chosen_once_from_the_cpu_or_the_environment():
-    assert cpu_quant_moe.isa() in ("avx512", "avx2+fma", "scalar")
+    assert cpu_quant_moe.isa() in cpu_quant_moe.ISA_NAMES.values()
     if not os.environ.get("KIMITUI_CPU_ISA"):  # what `kimitui info` prints without building the extension
         assert cpu_quant_moe.planned_isa() == cpu_quant_moe.isa()
-    env = dict(os.environ, KIMITUI_CPU_ISA="scalar")
-    code = "from kernels import cpu_quant_moe as q; print(q.isa())"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "scalar"
+    code = "from kernels import cpu_quant_moe as q; print(q.isa(), q.planned_isa())"
+    for name in cpu_quant_moe.supported_isas():  # each level this CPU runs can be forced, and info says so
+        env = dict(os.environ, KIMITUI_CPU_ISA=name)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        want = cpu_quant_moe.ISA_NAMES[cpu_quant_moe.ISA_CODES[name]]
+        assert out.stdout.split() == [want, want]
+    env = dict(os.environ)
     env["KIMITUI_CPU_ISA"] = "sse9"
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "KIMITUI_CPU_ISA='sse9'" in bad.stderr
