@@ -221,6 +221,7 @@ class MLAttention(nn.Module):
                 l = l * alpha + p.sum(-1)
                 acc = acc * alpha[..., None] + pv
             m = m_new
+            del s, v, p, pv  # free this slice before the next one is made: one slice live, not two
         return (acc / l[..., None]).transpose(0, 1).to(dtype)
 
     def _slice_scores(self, q, a, b, block_table, block_size, flat, dtype):

@@ -179,11 +179,9 @@ def _mla_prefill(d: _Dims, n: int, ctx: int) -> int:
         return (ctx * (d.r + d.rope) * d.b + ctx * d.H * (d.nope + d.v) * d.b + 2 * n * d.H * width * d.b
                 + 2 * ctx * d.H * width * d.b)
     s = PREFILL_SLICE
-    # Per slice: its fp32 scores [H, n, S] and fp32 keys/values; the loop's names hold the previous
-    # slice's scores and values while the next slice's are made, so two slices are live at once (the
-    # last one is shorter when the context is not a multiple of the slice).
-    pair = s + min(s, ctx - s * (cdiv(ctx, s) - 1)) if cdiv(ctx, s) == 2 else 2 * s
-    kept = pair * (d.H * n * F32 + d.H * (d.nope + d.v) * F32)
+    # Per slice: its fp32 scores [H, n, S] and fp32 keys/values; the loop frees a slice before the
+    # next one is made, so one slice is live at a time.
+    kept = s * (d.H * n * F32 + d.H * (d.nope + d.v) * F32)
     made = s * (d.r + d.rope) * d.b + s * d.H * (d.nope + d.v) * d.b + s * d.H * d.qk * F32 + n * s
     return (n * d.H * d.qk * (F32 + d.b)                       # fp32 queries (and the cat they come from)
             + kept + made
