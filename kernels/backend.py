@@ -266,6 +266,10 @@ def attach_backends(model: torch.nn.Module, device: torch.device | str, dtype: t
     ops = select_backend(device, dtype, settings)
     on_cpu = device.type == "cpu" and not settings.emulate_device
     host_ops = ops if on_cpu else select_backend("cpu", dtype, replace(settings, emulate_device=False))
+    if ops.name == "triton" and device.type == "cuda" and any(getattr(m, "needs_fla", False) for m in model.modules()):
+        from kernels.kda_fla import require
+
+        require()  # KDA layers on a GPU: fla-core or a clear error, never the PyTorch loops in silence
     for module in model.modules():
         if isinstance(getattr(module, "ops", None), Backend):
             module.ops = host_ops if getattr(module, "host_ram", False) else ops

@@ -22,16 +22,30 @@ import torch.nn.functional as F
 
 
 @functools.cache
-def available() -> bool:
-    """Whether fla-core imports here (checked once; a broken install counts as missing)."""
+def unavailable_reason() -> str | None:
+    """Why fla-core cannot serve KDA here (checked once; a broken install counts as missing), or None."""
     if importlib.util.find_spec("fla") is None:
-        return False
+        return "fla-core is not installed"
     try:
         importlib.import_module("fla.ops.kda")
         importlib.import_module("fla.modules.causal_conv1d")
-    except Exception:
-        return False
-    return True
+    except Exception as e:  # noqa: BLE001 - any import failure means the package is unusable
+        return f"fla-core does not import ({type(e).__name__}: {e})"
+    return None
+
+
+def available() -> bool:
+    """Whether fla-core imports here."""
+    return unavailable_reason() is None
+
+
+def require() -> None:
+    """Raise, naming the package, when a model with KDA layers would run on a GPU without fla-core:
+    the PyTorch forms of kernels/kda.py are the CPU path and an oracle, far too slow to serve from."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"Kimi Delta Attention on a GPU needs fla-core>=0.6 ({reason}): "
+                           "pip install fla-core, or set KIMITUI_KERNELS=reference to run the PyTorch reference path")
 
 
 def chunk_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale):

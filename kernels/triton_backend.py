@@ -8,7 +8,8 @@ launch each instead of op by op (a decode step is launch-bound): RMSNorm, the re
 the query LoRA's norm), its absorbed decode query (W_UK product + rope) and the fused MoE's top-k
 combine. Each kernel is tested against its oracle (``kernels.reference`` or this module's base
 class, ``Backend``). Kimi Delta Attention runs fla-core's Triton kernels on CUDA/ROCm tensors when
-fla imports, else the PyTorch forms of ``kernels.kda``. Kernel modules import lazily so that
+fla imports (a model with KDA layers on a GPU without it is refused by ``attach_backends``), else
+the PyTorch forms of ``kernels.kda``. Kernel modules import lazily so that
 importing ``kernels`` never needs triton.
 """
 

@@ -96,6 +96,7 @@ class _ConvWeight(nn.Module):
 
 class KimiDeltaAttention(nn.Module):
     ops: Backend = REFERENCE  # the model's backend, set when it is loaded
+    needs_fla = True  # on a GPU the Triton backend runs KDA through fla-core (checked by attach_backends)
 
     def __init__(self, config: KDAConfig, prefix: str, par: ParallelState = SINGLE,
                  dtype: torch.dtype = torch.float32):

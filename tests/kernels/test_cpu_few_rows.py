@@ -231,7 +231,7 @@ def test_the_extension_builds_where_a_compiler_is():
 
 @needs_ext
 def test_the_backend_moe_scratch_works_in_and_out_of_inference_mode():
-    # The dispatch shim may make its backend inside torch.inference_mode and use it outside.
+    # A backend made inside torch.inference_mode (a model loaded there) may be used outside it.
     w13, w2 = _experts(4, 16, 8)
     x = torch.randn(3, 16)
     weights, ids = torch.rand(3, 4).topk(2)

@@ -10,12 +10,14 @@ built for another CUDA does) in a child process, so the pytest process's own tri
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,3 +56,34 @@ def test_gpu_backend_without_triton_is_an_error_naming_it(tmp_path, how, reason)
     out = proc.stdout.strip().splitlines()[-1]
     assert out.startswith("RAISED the cuda device needs the 'triton' package"), out
     assert reason in out and "KIMITUI_KERNELS=reference" in out
+
+
+class _KDALike(torch.nn.Module):
+    """What attach_backends looks at in a model with Kimi Delta Attention layers."""
+
+    needs_fla = True
+
+    def __init__(self):
+        super().__init__()
+        from kernels.backend import REFERENCE
+
+        self.ops = REFERENCE
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_kda_model_on_a_gpu_without_fla_core_is_an_error_naming_it(monkeypatch):
+    from kernels import kda_fla
+    from kernels.backend import REFERENCE, attach_backends
+    from kernels.settings import KernelSettings
+
+    monkeypatch.setitem(sys.modules, "fla", None)  # what importlib reports for an absent package
+    kda_fla.unavailable_reason.cache_clear()
+    try:
+        model = torch.nn.Sequential(_KDALike())
+        with pytest.raises(RuntimeError, match=r"needs fla-core>=0.6 \(fla-core is not installed\).*KIMITUI_KERNELS=reference"):
+            attach_backends(model, "cuda", torch.bfloat16, KernelSettings())
+        assert attach_backends(model, "cuda", torch.bfloat16, KernelSettings(kernels="reference")) is REFERENCE
+        # the CPU and the emulated device path keep kernels/kda.py: no fla-core needed there
+        attach_backends(model, "cpu", torch.float32, KernelSettings(cpu_kernels=False))
+    finally:
+        kda_fla.unavailable_reason.cache_clear()
