@@ -2,8 +2,9 @@
 // token of a step, reading the checkpoint's packed weights and dequantising them in registers
 // (cpu_quant_moe_isa.cpp), float32 sums.
 //
-// Phase 1 computes h = silu(gate) * up for each (token, expert) pair, phase 2 y = w2 @ h, then each
-// token adds its weighted pairs in ascending expert order, as kernels/reference.py's _moe_grouped.
+// Phase 1 computes h = act(gate, up) (SiLU's silu(gate) * up, or Kimi K3's SiTU) for each (token,
+// expert) pair, phase 2 y = w2 @ h, then each token adds its weighted pairs in ascending expert
+// order, as kernels/reference.py's _moe_grouped.
 // Work items are (expert, 16 weight rows); threads take the next free item from an atomic counter, so
 // an expert with many tokens does not leave the other threads idle at the end of a phase.
 // Built on first use by kernels/cpu_quant_moe.py.
@@ -74,14 +75,30 @@ QMat expert_matrix(const torch::Tensor& packed, const torch::Tensor& scale, int6
   return QMat{data, row_bytes, sc, scale.size(2), mxfp4, group, K, mxfp4 ? kE2M1Lut : kInt4Lut};
 }
 
+// The gated activation of phase 1's epilogue, as kernels/activation.py: SiLU (act 0) silu(g) * u, or
+// SiTU (act 1) beta * tanh(g / beta) * sigmoid(g) times linear_beta * tanh(u / linear_beta) (u itself
+// when linear_beta <= 0, i.e. None), all in float32.
+struct GatedAct {
+  int64_t act;
+  float beta, linear_beta;
+  float operator()(float g, float u) const {
+    if (act == 0) return g / (1.0f + std::exp(-g)) * u;
+    const float gate = beta * std::tanh(g / beta) / (1.0f + std::exp(-g));
+    return gate * (linear_beta > 0.0f ? linear_beta * std::tanh(u / linear_beta) : u);
+  }
+};
+
 }  // namespace
 
 // x [T, D] float32, topk_ids [T, k] int64 (ids outside [0, E): computed elsewhere, add nothing),
 // topk_weights [T, k] float32; w13 [E, 2I, *] (gate rows, then up), w2 [E, D, *] packed as described
-// in cpu_quant_moe_isa.cpp, contiguous. -> [T, D] float32. Shapes are checked by cpu_quant_moe.py.
+// in cpu_quant_moe_isa.cpp, contiguous; act, beta, linear_beta: the gated activation (GatedAct).
+// -> [T, D] float32. Shapes are checked by cpu_quant_moe.py.
 torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
                   const torch::Tensor& w13, const torch::Tensor& w13_scale, const torch::Tensor& w2,
-                  const torch::Tensor& w2_scale, bool mxfp4, int64_t group, int64_t isa) {
+                  const torch::Tensor& w2_scale, bool mxfp4, int64_t group, int64_t isa, int64_t act, double beta,
+                  double linear_beta) {
+  const GatedAct gated{act, static_cast<float>(beta), static_cast<float>(linear_beta)};
   const int64_t T = x.size(0), D = x.size(1), k = topk_ids.size(1), E = w13.size(0), I = w13.size(1) / 2;
   const int64_t Dp = (D + 31) / 32 * 32, Ip = (I + 31) / 32 * 32;
   const int w = vector_width(isa);
@@ -140,8 +157,7 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const t
     for (int c = 0; c < nc; ++c) {
       float* hrow = hd + (start[e] + c) * Ip;
       for (int r = 0; r < nr; ++r) {
-        const float g = gu[c * kTileRows + r];
-        hrow[activation_position(j0 + r, w)] = g / (1.0f + std::exp(-g)) * up[c * kTileRows + r];
+        hrow[activation_position(j0 + r, w)] = gated(gu[c * kTileRows + r], up[c * kTileRows + r]);
       }
     }
   });
@@ -178,7 +194,7 @@ const char* isa_name(int64_t isa) { return isa == kAvx512 ? "avx512" : isa == kA
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (int b = 0; b < 256; ++b)
     g_e8m0[b] = b == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, b - 127);
-  m.def("moe", &moe, "SwiGLU MoE over packed INT4 / MXFP4 experts on the CPU (float32 activations)");
+  m.def("moe", &moe, "gated (SiLU / SiTU) MoE over packed INT4 / MXFP4 experts on the CPU (float32 activations)");
   m.def("best_isa", &best_isa, "the widest instruction set path this CPU runs: 2 AVX-512, 1 AVX2+FMA, 0 portable");
   m.def("isa_name", &isa_name, "the name of an instruction set path");
 }

@@ -1,5 +1,9 @@
 """Mixture of experts: sigmoid noaux_tc router, routed experts (expert parallel, some optionally in
-host RAM computed by the CPU), shared experts (tensor parallel)."""
+host RAM computed by the CPU), shared experts (tensor parallel).
+
+The routed experts' gated activation (SiLU, or Kimi K3's SiTU) comes from the config and goes to
+whichever backend op computes a stack (the device's fused MoE, the host's CPU kernels): every path
+runs the model's own activation, or the model is refused at load."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.layers.activation import GatedActivation
 from engine.layers.linear import linear_format, quantized_params, values_per_element
 from engine.layers.mlp import MLP
 from engine.loader.source import TensorSource
@@ -49,6 +54,9 @@ class ExpertStack(nn.Module):
                  dtype: torch.dtype = torch.float32):
         super().__init__()
         self.fmt, self.quant, self.num = fmt, config.quantization, num
+        act = GatedActivation.from_config(config)
+        # what the backend ops take: None for SiLU (their default, SwiGLU), else the activation
+        self.activation = None if act.is_silu else act
         d, i = config.hidden_size, config.moe_intermediate_size
         if fmt == "fp8" and i % self.quant.weight_block_size[0]:
             # gate and up are stacked into w13; their scale blocks only line up on block boundaries
@@ -98,19 +106,30 @@ class ExpertStack(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x [T, D], ids [T, k] in 0..num (num: computed elsewhere, adds nothing), weights [T, k] in x.dtype
+        act = self.activation
         if self.fmt == "dense":
-            return self.ops.moe_experts(x, ids, weights, self.w13_weight, self.w2_weight)
+            return self.ops.moe_experts(x, ids, weights, self.w13_weight, self.w2_weight, activation=act)
         if self.fmt == "int4pack":
             return self.ops.moe_experts_int4pack_cpu(x, ids, weights, self.w13_int4pack, self.w13_scales_zeros,
-                                                     self.w2_int4pack, self.w2_scales_zeros, self.quant.group_size)
+                                                     self.w2_int4pack, self.w2_scales_zeros, self.quant.group_size,
+                                                     activation=act)
         if self.fmt == "int4":
             return self.ops.moe_experts_w4a16(x, ids, weights, self.w13_weight_packed, self.w13_weight_scale,
-                                              self.w2_weight_packed, self.w2_weight_scale, self.quant.group_size)
+                                              self.w2_weight_packed, self.w2_weight_scale, self.quant.group_size,
+                                              activation=act)
         if self.fmt == "mxfp4":
             return self.ops.moe_experts_mxfp4(x, ids, weights, self.w13_weight_packed, self.w13_weight_scale,
-                                              self.w2_weight_packed, self.w2_weight_scale)
+                                              self.w2_weight_packed, self.w2_weight_scale, activation=act)
         return self.ops.moe_experts_fp8(x, ids, weights, self.w13_weight, self.w13_weight_scale_inv,
-                                        self.w2_weight, self.w2_weight_scale_inv, self.quant.weight_block_size)
+                                        self.w2_weight, self.w2_weight_scale_inv, self.quant.weight_block_size,
+                                        activation=act)
+
+    def check_activation(self) -> None:
+        """Refuse (at load) a backend whose expert ops do not compute this stack's activation."""
+        kind = "silu" if self.activation is None else self.activation.kind
+        if kind not in self.ops.expert_activations:
+            raise ValueError(f"the {self.ops.name} backend's MoE kernels compute {', '.join(self.ops.expert_activations)}"
+                             f", not the experts' activation {kind!r}")
 
 
 def run_subset(stack: ExpertStack, expert_map: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -174,10 +193,12 @@ class RoutedExperts(nn.Module):
             self.executor = CpuExpertExecutor(self.host, self.host_map)
 
     def post_load(self, dtype: torch.dtype) -> None:
-        """Once the weights are in (and each stack has its backend): INT4 stacks take the layout their
-        backend's expert GEMM reads, where it has one (CPU-held ones: torch's CPU int4 GEMM)."""
+        """Once the weights are in (and each stack has its backend): the backend must compute the
+        experts' activation; INT4 stacks take the layout their backend's expert GEMM reads, where it
+        has one (CPU-held ones: torch's CPU int4 GEMM)."""
         for stack in (self.local, self.host):
             if stack is not None:
+                stack.check_activation()
                 stack.prepack_for_cpu(dtype)
 
     def slot(self, expert: int) -> tuple[ExpertStack, int] | None:

@@ -27,7 +27,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import engine.layers.latent_moe as latent_moe
 import engine.layers.mla as mla
 from engine.config import ModelConfig
 from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
@@ -111,7 +110,8 @@ def k3_model():
 @pytest.fixture
 def stand_ins(monkeypatch, k3_model):
     inter = k3_model[0].moe_intermediate_size
-    monkeypatch.setattr(latent_moe, "_routed_experts_act", lambda ex, x, ids, w, act: _experts(x, ids, w, inter))
+    for op in ("moe_experts", "moe_experts_w4a16", "moe_experts_mxfp4", "moe_experts_fp8"):
+        monkeypatch.setattr(Backend, op, lambda self, x, ids, w, *a, **k: _experts(x, ids, w, inter))
     # the layers call their backend (the reference one for a model never loaded onto a device)
     monkeypatch.setattr(Backend, "causal_conv1d", lambda self, *a, **k: _conv(*a, **k))
     monkeypatch.setattr(Backend, "kda_chunk", lambda self, *a, **k: _chunk(*a, **k))
