@@ -1,4 +1,5 @@
-"""Routed experts (SwiGLU, or SiTU: ``activation``) on a CPU in PyTorch (the CPU backend's path when the C++ MoE does not apply).
+"""Routed experts (SwiGLU, or SiTU: ``activation``) on a CPU in PyTorch (the CPU backend's path when
+the C++ MoE does not apply).
 
 ``moe_grouped`` groups (token, slot) pairs by expert and runs each active expert once on all its
 tokens, so a quantised expert is dequantised once per call, and only if it received tokens. INT4

@@ -128,8 +128,9 @@ class ExpertStack(nn.Module):
         """Refuse (at load) a backend whose expert ops do not compute this stack's activation."""
         kind = "silu" if self.activation is None else self.activation.kind
         if kind not in self.ops.expert_activations:
-            raise ValueError(f"the {self.ops.name} backend's MoE kernels compute {', '.join(self.ops.expert_activations)}"
-                             f", not the experts' activation {kind!r}")
+            supported = ", ".join(self.ops.expert_activations)
+            raise ValueError(f"the {self.ops.name} backend's MoE kernels compute {supported}, not the experts' "
+                             f"activation {kind!r}")
 
 
 def run_subset(stack: ExpertStack, expert_map: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,

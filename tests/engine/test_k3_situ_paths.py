@@ -99,6 +99,27 @@ def test_emulated_device_with_host_experts_matches_the_reference(ckpt):
     assert worst < 0.02
 
 
+def test_a_backend_without_situ_experts_is_refused_at_load(ckpt):
+    import dataclasses
+
+    from engine.config import ModelConfig
+    from engine.layers.moe import RoutedExperts
+    from kernels.backend import Backend
+
+    class SiluOnly(Backend):
+        name = "silu-only"
+        expert_activations = ("silu",)
+
+    config = ModelConfig.from_pretrained(ckpt[0])
+    experts = RoutedExperts(dataclasses.replace(config, hidden_size=config.routed_expert_hidden_size),
+                            "model.layers.1.mlp.experts")
+    assert experts.local.activation.kind == "situ" and experts.local.activation.linear_beta == 25.0
+    experts.post_load(torch.float32)  # the reference backend computes SiTU
+    experts.local.ops = SiluOnly()
+    with pytest.raises(ValueError, match="silu-only backend's MoE kernels compute silu, not the experts' activation"):
+        experts.post_load(torch.float32)
+
+
 # -- child: load, generate, report ----------------------------------------------------------------
 
 
