@@ -5,11 +5,21 @@
     out = llm.generate("Hello", SamplingParams(max_tokens=8))
 """
 
-from engine.args import EngineArgs
-from engine.async_llm import AsyncLLM
-from engine.llm import LLM
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+import os
+
+# OpenMP threads that finish a parallel region sleep instead of spinning (libgomp's default spins for
+# up to ~300,000 iterations first). A CPU decode step runs a few hundred short regions; when other
+# work shares the cores (other processes, the TUI, a host-expert team beside torch's) each spinning
+# thread burns the time the late thread needs, and the step took 10x longer here (benchmarks/README.md,
+# "CPU-only decode step"). libgomp reads this once, when torch loads it: it only takes effect when the
+# engine is imported before torch, and a value the user set wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from engine.args import EngineArgs  # noqa: E402
+from engine.async_llm import AsyncLLM  # noqa: E402
+from engine.llm import LLM  # noqa: E402
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
            "EngineArgs"]

@@ -50,6 +50,12 @@ class Backend:
         """``x [..., K] @ dequant_mxfp4(packed [N, K/2], scale [N, K/32]).T -> [..., N]``."""
         return reference.linear_mxfp4(x, packed, scale)
 
+    def gated_act(self, gu, act):
+        """``act(gu[..., :I], gu[..., I:])`` for the fused gate/up product ``gu [..., 2I]`` of a dense
+        MLP; ``act``: its ``engine.layers.activation.GatedActivation``. -> [..., I] in gu.dtype"""
+        i = gu.shape[-1] // 2
+        return act(gu[..., :i], gu[..., i:])
+
     # -- norms and routing
 
     def rms_norm(self, x, weight, eps=1e-6):
@@ -64,11 +70,22 @@ class Backend:
         s = x.add_(residual)
         return self.rms_norm(s, weight, eps), s
 
+    def add_rms_norm_fp32(self, x, residual, weight, eps=1e-6):
+        """``add_rms_norm`` and an fp32 copy of its normalised output (exact: ``out.float()``; the
+        output itself when it is fp32): ``(out, x + residual, out32)``. The MoE router's input, which
+        the router would otherwise cast in a launch of its own."""
+        out, s = self.add_rms_norm(x, residual, weight, eps)
+        return out, s, out.float()
+
     def moe_route(self, x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid",
-                  norm_topk_prob=True, scaling=1.0):
+                  norm_topk_prob=True, scaling=1.0, counts=None, weights_dtype=None):
         """DeepSeek-V3 router: x [T, D], weight [E, D], bias [E] -> (topk_ids [T, k] int64,
-        topk_weights [T, k] fp32)."""
-        return reference.moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling)
+        topk_weights [T, k] computed in fp32, rounded to ``weights_dtype`` when given). ``counts``: None,
+        or the int64 [E] routing statistics, to which each chosen expert adds one."""
+        ids, weights = reference.moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob,
+                                           scaling)
+        count_routing(counts, ids)
+        return ids, weights if weights_dtype is None else weights.to(weights_dtype)
 
     # -- routed experts: x [T, D], topk [T, k] -> [T, D]; an id == E adds nothing. ``activation``: the
     # experts' gated activation (kernels.activation.GatedActivation; None: SiLU, i.e. SwiGLU)
@@ -118,10 +135,25 @@ class Backend:
         return reference.mla_decode_reference(q, cache, block_tables, context_lens, max_context_len, block_size,
                                               kv_lora_rank, scale)
 
-    def mla_rope_query(self, q_pe, rope, positions):
+    def mla_rope_query(self, q_pe, rope, positions, out=None):
         """YaRN rope of the query heads' rope channels ``q_pe [T, H, R]`` (a strided view is fine) by
-        ``positions [T]``; ``rope``: the model's ``YarnRotaryEmbedding`` (cos/sin caches). -> [T, H, R]"""
-        return rope(q_pe, positions)
+        ``positions [T]``; ``rope``: the model's ``YarnRotaryEmbedding`` (cos/sin caches). ``out``: None,
+        or a [T, H, R] view (last dim contiguous) to write into. -> [T, H, R] (``out`` when given)"""
+        q = rope(q_pe, positions)
+        return q if out is None else out.copy_(q)
+
+    def mla_absorb_query(self, q, w_uk, rope, positions):
+        """The absorbed decode query ``[q_nope @ W_UK[h], rope(q_pe)]`` per head -> [B, H, r + R], for
+        ``q [B, H, nope + R]`` (q_b_proj's output), ``w_uk [H, nope, r]``, ``rope`` the model's
+        ``YarnRotaryEmbedding``. The rope writes the tail and the bmm the head of one buffer (no cat)."""
+        b, h, width = q.shape
+        nope, r = w_uk.shape[1], w_uk.shape[2]
+        out = torch.empty(b, h, r + width - nope, dtype=q.dtype, device=q.device)
+        self.mla_rope_query(q[..., nope:], rope, positions, out=out[..., r:])
+        # head-major [H, B, nope] @ [H, nope, r] into a transposed view of the head: BLAS takes its row
+        # stride as is (cuBLAS/hipBLAS batched GEMMs included, no copy)
+        torch.bmm(q[..., :nope].transpose(0, 1), w_uk.to(q.dtype), out=out[..., :r].transpose(0, 1))
+        return out
 
     def mla_cache_write(self, kv, norm_weight, eps, rope, positions, slot_mapping, cache):
         """Write the newest latents to the flat cache ``[slots, r + R]`` in place: row ``slot_mapping[t]``
@@ -131,6 +163,13 @@ class Backend:
         c_kv = self.rms_norm(kv[:, :r], norm_weight, eps)
         k_pe = kv[:, r:] if rope is None else rope(kv[:, None, r:], positions)[:, 0]
         cache.index_copy_(0, slot_mapping, torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype))
+
+    def mla_cache_write_q_norm(self, q, q_norm_weight, q_eps, kv, norm_weight, eps, rope, positions, slot_mapping,
+                               cache):
+        """``mla_cache_write`` and the query LoRA's norm ``rms_norm(q) * q_norm_weight`` of ``q [T, Q]``
+        (q_a_proj's output, the other part of the same projection) in one call -> the normed q."""
+        self.mla_cache_write(kv, norm_weight, eps, rope, positions, slot_mapping, cache)
+        return self.rms_norm(q, q_norm_weight, q_eps)
 
     def mla_decode_fusable(self, x, cache, w_uk, w_uv) -> bool:
         """Whether a decode-only MLA step on ``x [B, D]`` can run as one ``mla_decode_absorbed`` call."""
@@ -166,6 +205,14 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def count_routing(counts: torch.Tensor | None, ids: torch.Tensor) -> None:
+    """Add one to ``counts [E]`` per routed (token, expert) pair of ``ids`` (None: nothing). index_add_
+    rather than bincount, which syncs with the host on a device to size its output."""
+    if counts is not None:
+        flat = ids.reshape(-1)
+        counts.index_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype))
 
 
 def _kernel(module: str, name: str):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_few_rows, cpu_linear, cpu_moe, cpu_quant_moe, reference
-from kernels.backend import Backend
+from kernels.backend import Backend, count_routing
 from kernels.settings import KernelSettings
 
 _F32 = torch.float32
@@ -91,11 +91,15 @@ class CpuBackend(Backend):
         return reference.rms_norm(x, weight, eps)
 
     def moe_route(self, x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid",
-                  norm_topk_prob=True, scaling=1.0):
+                  norm_topk_prob=True, scaling=1.0, counts=None, weights_dtype=None):
         if self.cxx and 0 < x.shape[0] <= cpu_few_rows.MAX_MOE_TOKENS and _f32(x, weight, bias):
-            return cpu_few_rows.moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob,
-                                          scaling)
-        return reference.moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling)
+            ids, weights = cpu_few_rows.moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func,
+                                                  norm_topk_prob, scaling)
+        else:
+            ids, weights = reference.moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func,
+                                               norm_topk_prob, scaling)
+        count_routing(counts, ids)
+        return ids, weights if weights_dtype is None else weights.to(weights_dtype)
 
     # -- routed experts
 

@@ -23,9 +23,9 @@ _MAX_BLOCK = 65536  # one row in one block: 7168 (Kimi K2) pads to 8192
 
 @triton.jit
 def _fused_add_rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, H,
-    stride_x, stride_r, stride_o, stride_ro, eps,
-    BLOCK: tl.constexpr,
+    x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, o32_ptr, H,
+    stride_x, stride_r, stride_o, stride_ro, stride_o32, eps,
+    BLOCK: tl.constexpr, HAS_OUT32: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -39,7 +39,10 @@ def _fused_add_rms_norm_kernel(
     h = sf * tl.rsqrt(tl.sum(sf * sf, axis=0) / H + eps)
     h = h.to(rout_ptr.dtype.element_ty).to(tl.float32)  # HF rounds before the weight multiply
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (h * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+    if HAS_OUT32:  # the same values upcast (exact): the MoE router's fp32 input, without a cast launch
+        tl.store(o32_ptr + row * stride_o32 + offs, y.to(tl.float32), mask=mask)
 
 
 def _rows(t: torch.Tensor, name: str, h: int) -> torch.Tensor:
@@ -56,12 +59,15 @@ def fused_add_rms_norm(
     eps: float = 1e-6,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    out32: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) * weight, x + residual)`` for ``x, residual [..., H]``, one launch.
 
     The sum has x's dtype; the normalised output has torch's promotion of (weight, x), as HF.
     ``out`` / ``residual_out`` are written in place when given (persistent decode buffers; passing
     ``residual_out=residual`` updates the residual stream in place, as vLLM's fused_add_rms_norm).
+    ``out32``: None, or an fp32 tensor of x's shape that also receives the normalised output (exactly
+    ``out.float()``, in the same launch).
     """
     for name, t in (("x", x), ("residual", residual), ("weight", weight)):
         if t.dtype not in FLOAT_DTYPES:
@@ -82,18 +88,23 @@ def fused_add_rms_norm(
     for name, t, dtype in (("out", out, out_dtype), ("residual_out", residual_out, x.dtype)):
         if t.shape != x.shape or t.dtype != dtype:
             raise ValueError(f"fused_add_rms_norm: {name} must be {dtype} {tuple(x.shape)}, got {t.dtype} {tuple(t.shape)}")
-    check_device(x, residual, weight, out, residual_out)
+    if out32 is not None and (out32.shape != x.shape or out32.dtype != torch.float32):
+        raise ValueError(f"fused_add_rms_norm: out32 must be torch.float32 {tuple(x.shape)}, got {out32.dtype} "
+                         f"{tuple(out32.shape)}")
+    check_device(x, residual, weight, out, residual_out, *([] if out32 is None else [out32]))
 
     xr, rr = _rows(x, "x", h), _rows(residual, "residual", h)  # [R, H]
     orows, rorows = _rows(out, "out", h), _rows(residual_out, "residual_out", h)
-    if not (_same_storage(orows, out) and _same_storage(rorows, residual_out)):
-        raise ValueError("fused_add_rms_norm: out and residual_out must be viewable as [rows, H] without a copy")
+    o32rows = orows if out32 is None else _rows(out32, "out32", h)  # orows: a dummy pointer, never written
+    pairs = [(orows, out), (rorows, residual_out)] + ([] if out32 is None else [(o32rows, out32)])
+    if not all(_same_storage(v, t) for v, t in pairs):
+        raise ValueError("fused_add_rms_norm: out, residual_out and out32 must be viewable as [rows, H] without a copy")
     block = triton.next_power_of_2(h)
     if xr.shape[0]:
         _fused_add_rms_norm_kernel[(xr.shape[0],)](
-            xr, rr, weight, orows, rorows, h,
-            xr.stride(0), rr.stride(0), orows.stride(0), rorows.stride(0), eps,
-            BLOCK=block, num_warps=8 if block >= 4096 else 4,
+            xr, rr, weight, orows, rorows, o32rows, h,
+            xr.stride(0), rr.stride(0), orows.stride(0), rorows.stride(0), o32rows.stride(0), eps,
+            BLOCK=block, HAS_OUT32=out32 is not None, num_warps=8 if block >= 4096 else 4,
         )
     return out, residual_out
 

@@ -4,10 +4,11 @@ Pipeline (vLLM's ``vllm/model_executor/layers/fused_moe/fused_moe.py``): ``moe_a
 and pads each expert's run to BLOCK_M rows, so every M-tile belongs to one expert. GEMM1 reads
 gate and up rows of w13 in the same program and writes ``act(gate, up)`` [T*k, I] (SiLU's
 ``silu(gate) * up``, or Kimi K3's SiTU: ``activation``, see ``kernels.activation``); GEMM2 reads
-those rows, multiplies by w2 and the routing weight, and writes fp32 [T*k, D]; the k slots are
-summed in PyTorch. One kernel serves every expert format, decoding weight tiles in-kernel: dense
-(``fused_moe``), compressed-tensors INT4 (``fused_moe_w4a16``), OCP MXFP4 (``fused_moe_mxfp4``,
-Kimi K3.x) and block FP8 (``fused_moe_fp8``). References: ``reference.moe_experts_reference*``.
+those rows, multiplies by w2 and the routing weight, and writes fp32 [T*k, D]; a third launch sums
+each token's k slots and casts to the activation dtype. One kernel serves every expert format,
+decoding weight tiles in-kernel: dense (``fused_moe``), compressed-tensors INT4
+(``fused_moe_w4a16``), OCP MXFP4 (``fused_moe_mxfp4``, Kimi K3.x) and block FP8 (``fused_moe_fp8``).
+References: ``reference.moe_experts_reference*``.
 """
 
 import torch
@@ -16,6 +17,7 @@ import triton.language as tl
 
 from kernels._checks import FLOAT_DTYPES, check_device, interpreting
 from kernels.activation import GatedActivation, resolve
+from kernels.gated_act import _tanh  # portable tanh (no libdevice), shared with the dense MLP's launch
 from kernels.mxfp4_gemm import MXFP4_BLOCK, _e2m1_to_float
 
 # Weight formats of the experts (constexpr WFMT of the kernel).
@@ -101,14 +103,6 @@ def _load_b(b_ptr, s_ptr, expert, offs_n, offs_k, mask,
 
 
 @triton.jit
-def _tanh(x):
-    # tanh from sigmoid: portable (no libdevice call, which differs between CUDA and ROCm), fp32, and
-    # saturating to +-1 for large |x| (sigmoid's exp overflows to inf, 1 / inf = 0). Its absolute error
-    # near 0 (~1e-7) is far below the fp16/bf16 rounding of the activations that follow.
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
-
-
-@triton.jit
 def _fused_moe_kernel(
     a_ptr, b_ptr, s_ptr, c_ptr, topk_weights_ptr,
     sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
@@ -168,6 +162,26 @@ def _fused_moe_kernel(
 
 
 
+@triton.jit
+def _moe_combine_kernel(
+    pairs_ptr, ids_ptr, y_ptr, D, num_experts,
+    stride_p, stride_i, stride_y,
+    TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # y[t] = sum over the token's k slots of its pair rows, in slot order and fp32 (as a sum over
+    # dim 1 of [T, k, D]), rounded once. Pairs computed elsewhere (id == E) were never written: they
+    # are skipped here instead of zero-filled beforehand (no zeros launch, no read of zeros).
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = cols < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        width = tl.where(tl.load(ids_ptr + t * stride_i + j) < num_experts, D, 0)  # 0: nothing to read
+        row = tl.load(pairs_ptr + (t * TOP_K + j) * stride_p + cols, mask=cols < width, other=0.0)
+        acc += row.to(tl.float32)
+    tl.store(y_ptr + t * stride_y + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 def _check_routing(x, topk_ids, topk_weights):
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x must be a 2-D fp16/bf16/fp32 tensor [T, D], got {tuple(x.shape)} {x.dtype}")
@@ -210,8 +224,8 @@ def _run(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, inter, wfmt, g
     num_blocks = expert_ids.shape[0]
     routing = topk_weights.reshape(-1).contiguous()  # [T*k]
     hidden = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)  # act(gate, up)
-    # zeros: rows of pairs computed elsewhere (id == E) are never written
-    out = torch.zeros((num_pairs, d), dtype=torch.float32, device=x.device)
+    # rows of pairs computed elsewhere (id == E) are never written; the combine skips them
+    out = torch.empty((num_pairs, d), dtype=torch.float32, device=x.device)
     s13 = w13 if w13_scale is None else w13_scale  # dummy pointer for dense weights
     s2 = w2 if w2_scale is None else w2_scale
     meta = dict(WFMT=wfmt, GROUP_SIZE=group_size, QBLOCK_N=qblock_n, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -234,7 +248,28 @@ def _run(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, inter, wfmt, g
         *scale_strides(s2, w2_scale is None), out.stride(0), out.stride(1),
         TOP_K=1, GATED=False, MUL_ROUTED_WEIGHT=True, **meta,
     )
-    return out.view(t, top_k, d).sum(dim=1).to(x.dtype)  # [T, D]
+    return moe_combine(out, topk_ids, w13.shape[0], x.dtype)  # [T, D]
+
+
+def moe_combine(pairs: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's sum over its k slots of the weighted expert rows ``pairs [T*k, D]`` (fp32, row
+    ``t*k + j`` for slot j of token t), cast to ``dtype`` -> [T, D]. Slots whose id is ``num_experts``
+    (computed elsewhere) are skipped: their rows are never read. One launch (op by op: zeros for the
+    skipped rows, a sum and a cast)."""
+    t, top_k = topk_ids.shape
+    if pairs.dim() != 2 or pairs.shape[0] != t * top_k or pairs.stride(-1) != 1:
+        raise ValueError(f"moe_combine: pairs must be [T*k={t * top_k}, D] with a contiguous last dim, got "
+                         f"{tuple(pairs.shape)}")
+    d = pairs.shape[1]
+    y = torch.empty((t, d), dtype=dtype, device=pairs.device)
+    ids = topk_ids if topk_ids.stride(-1) == 1 else topk_ids.contiguous()
+    check_device(pairs, ids)
+    if t and d:
+        block_d = min(1024, triton.next_power_of_2(d))
+        _moe_combine_kernel[(t, triton.cdiv(d, block_d))](
+            pairs, ids, y, d, num_experts, pairs.stride(0), ids.stride(0), y.stride(0), TOP_K=top_k, BLOCK_D=block_d,
+        )
+    return y
 
 
 def _check_shapes(expected: dict):

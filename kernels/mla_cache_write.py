@@ -5,7 +5,9 @@ with ``kv_a_layernorm``) and the shared rope key (rotated by the token's positio
 them again, casts to the cache dtype and scatters the rows to their cache slots
 (``engine/layers/mla.py``): a norm (about eight ops), a rope, a cat, a cast and an index_copy. Here
 one program per token reads its kv row once and writes the finished cache row to
-``cache[slot_mapping[t]]``, with no intermediate tensors.
+``cache[slot_mapping[t]]``, with no intermediate tensors. With a query LoRA, the other part of the
+same projection (``q_a_proj``'s output) is RMSNorm'd by ``q_a_layernorm`` in the same program: both
+norms of the layer input's projection in one launch.
 
 Numerics follow the PyTorch path step for step: the norm rounds to the activation dtype before the
 weight multiply and to torch's promotion of (weight, activation) after it; the rope runs in fp32 and
@@ -24,11 +26,19 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 
 @triton.jit
 def _mla_cache_write_kernel(
-    kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, cache_ptr,
-    R_LAT, HALF, P, NUM_SLOTS, stride_kv, stride_cp, stride_cache, eps,
+    kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, cache_ptr, q_ptr, qw_ptr, qo_ptr,
+    R_LAT, HALF, P, NUM_SLOTS, stride_kv, stride_cp, stride_cache, eps, Q_DIM, stride_q, stride_qo, q_eps,
     NORM_DTYPE: tl.constexpr, BLOCK_LAT: tl.constexpr, BLOCK_P: tl.constexpr,
+    HAS_Q: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    if HAS_Q:  # the query LoRA's RMSNorm, for every row (padding rows included: they are the caller's)
+        oq = tl.arange(0, BLOCK_Q)
+        mq = oq < Q_DIM
+        xq = tl.load(q_ptr + t * stride_q + oq, mask=mq, other=0.0).to(tl.float32)
+        hq = (xq * tl.rsqrt(tl.sum(xq * xq, axis=0) / Q_DIM + q_eps)).to(q_ptr.dtype.element_ty).to(tl.float32)
+        wq = tl.load(qw_ptr + oq, mask=mq, other=0.0).to(tl.float32)
+        tl.store(qo_ptr + t * stride_qo + oq, (hq * wq).to(qo_ptr.dtype.element_ty), mask=mq)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if (slot < 0) | (slot >= NUM_SLOTS):  # padding rows; never a write outside the cache
         return
@@ -66,8 +76,14 @@ def mla_cache_write(
     positions: torch.Tensor,
     slot_mapping: torch.Tensor,
     cache: torch.Tensor,
-) -> None:
+    q: torch.Tensor | None = None,
+    q_norm_weight: torch.Tensor | None = None,
+    q_eps: float = 1e-6,
+) -> torch.Tensor | None:
     """Write ``[rms_norm(kv[:, :r]), rope(kv[:, r:])]`` to ``cache`` rows ``slot_mapping`` in place.
+    With ``q [T, Q]`` (``q_a_proj``'s output, a view with a contiguous last dim is fine) and
+    ``q_norm_weight [Q]``, also returns ``rms_norm(q) * q_norm_weight`` (HF numerics, dtype: torch's
+    promotion of the two) from the same launch; else None.
 
     ``kv [T, r + R]`` (a view with a contiguous last dim is fine), ``norm_weight [r]``, ``cos``/``sin``
     fp32 ``[P, R/2]``, ``positions``/``slot_mapping`` int32/int64 ``[T]`` (a slot outside the cache,
@@ -94,12 +110,26 @@ def mla_cache_write(
     if cache.shape[-1] != width or cache.dtype not in FLOAT_DTYPES or not cache.is_contiguous():
         raise ValueError(f"mla_cache_write: cache must be contiguous fp16/bf16/fp32 [..., {width}], "
                          f"got {cache.dtype} {tuple(cache.shape)}")
+    q_out = None
+    if q is not None:
+        if q.dim() != 2 or q.shape[0] != t or q.dtype not in FLOAT_DTYPES or q.stride(-1) != 1:
+            raise ValueError(f"mla_cache_write: q must be fp16/bf16/fp32 [T={t}, Q] with a contiguous last dim, "
+                             f"got {q.dtype} {tuple(q.shape)}")
+        if (q_norm_weight is None or q_norm_weight.shape != (q.shape[1],) or q_norm_weight.dtype not in FLOAT_DTYPES
+                or not q_norm_weight.is_contiguous()):
+            raise ValueError(f"mla_cache_write: q_norm_weight must be contiguous float [Q={q.shape[1]}], got "
+                             f"{None if q_norm_weight is None else tuple(q_norm_weight.shape)}")
+        q_out = torch.empty(q.shape, dtype=torch.promote_types(q_norm_weight.dtype, q.dtype), device=q.device)
     flat = cache.view(-1, width)  # [slots, r + R]
-    check_device(kv, norm_weight, cos, sin, positions, slot_mapping, flat)
+    check_device(kv, norm_weight, cos, sin, positions, slot_mapping, flat, *([] if q is None else [q, q_norm_weight]))
     if t:
+        qa = (q, q_norm_weight, q_out) if q is not None else (kv, norm_weight, kv)  # dummies, never read
         _mla_cache_write_kernel[(t,)](
-            kv, norm_weight, cos, sin, positions, slot_mapping, flat,
+            kv, norm_weight, cos, sin, positions, slot_mapping, flat, *qa,
             r, rope // 2, cos.shape[0], flat.shape[0], kv.stride(0), cos.stride(0), flat.stride(0), eps,
+            qa[0].shape[1], qa[0].stride(0), qa[2].stride(0), q_eps,
             NORM_DTYPE=_TL_DTYPES[torch.promote_types(norm_weight.dtype, kv.dtype)],
             BLOCK_LAT=triton.next_power_of_2(r), BLOCK_P=triton.next_power_of_2(rope // 2),
+            HAS_Q=q is not None, BLOCK_Q=triton.next_power_of_2(qa[0].shape[1]),
         )
+    return q_out

@@ -4,7 +4,10 @@
 Each sequence has one query per head: ``q = [q_nope @ W_UK, q_pe]`` of width r + rope. Its keys are
 the cached rows ``[c_kv, k_pe]`` and its values the latents ``c_kv`` themselves, read in place
 through the block table: no gathered copy of the context. Programs split a sequence's context
-into ``num_splits`` ranges (flash-decoding) so that a small batch still fills the device; each
+into ``num_splits`` ranges (flash-decoding) so that a small batch still fills the device. The grid
+depends only on the batch and a bound on the context (the step's longest, or a CUDA graph's
+capacity); each sequence's ranges are sized in the kernel from its own length, so a short sequence
+next to a long one, or under a graph captured for long ones, still spreads over the splits. Each
 keeps a running max and sum (online softmax) over tiles of BLOCK_N cached tokens for BLOCK_H
 heads, and writes its unnormalised partial result; a second launch merges the splits (one launch
 instead of the ~9 PyTorch ops of the same merge: the decode step is launch-bound).
@@ -20,18 +23,23 @@ from kernels._checks import FLOAT_DTYPES, check_device, interpreting
 @triton.jit
 def _mla_decode_kernel(
     q_ptr, cache_ptr, table_ptr, lens_ptr, acc_ptr, ml_ptr,
-    H, split_len, block_size, scale,
+    H, num_splits, block_size, scale,
     stride_qb, stride_qh, stride_cs, stride_tb,
     stride_ab, stride_as, stride_ah, stride_mb, stride_ms, stride_mh,
     R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
     context = tl.load(lens_ptr + b)
+    # This sequence's own split length: its context in num_splits ranges of whole tiles, at least
+    # MIN_TILES tiles each (the grid is fixed by the batch's bound, e.g. a CUDA graph's capacity, so a
+    # short sequence still spreads over several programs instead of filling the first split alone).
+    tiles = (context + BLOCK_N - 1) // BLOCK_N
+    split_len = tl.maximum((tiles + num_splits - 1) // num_splits, MIN_TILES) * BLOCK_N
     start = split * split_len
-    end = tl.minimum(start + split_len, context)
+    end = tl.minimum(start + split_len, context)  # start >= end: an empty split, merged as nothing
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = heads < H
@@ -104,10 +112,14 @@ def _mla_merge_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_MIN_TILES = 4  # the shortest split, in tiles of BLOCK_N tokens
+
+
 def _num_splits(batch: int, head_blocks: int, max_context_len: int, block_n: int) -> int:
-    # Enough programs to fill a large GPU (about 256), never a split shorter than four tiles.
+    # Enough programs to fill a large GPU (about 256); no more splits than the longest context has
+    # minimum-length splits (the kernel sizes each sequence's splits from its own length).
     want = triton.cdiv(256, batch * head_blocks)
-    return max(1, min(want, triton.cdiv(max_context_len, 4 * block_n)))
+    return max(1, min(want, triton.cdiv(max_context_len, _MIN_TILES * block_n)))
 
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -137,16 +149,15 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
     block_n = 16 if interpreting() else 64
     head_blocks = triton.cdiv(h, block_h)
     splits = _num_splits(b, head_blocks, max_context_len, block_n)
-    split_len = triton.cdiv(triton.cdiv(max_context_len, splits), block_n) * block_n
     acc = torch.empty((b, splits, h, r), dtype=torch.float32, device=q.device)
     ml = torch.empty((b, splits, h, 2), dtype=torch.float32, device=q.device)  # running max, sum
     _mla_decode_kernel[(b, head_blocks, splits)](
         q, cache, block_tables, context_lens, acc, ml,
-        h, split_len, block_size, scale,
+        h, splits, block_size, scale,
         q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
         R=r, P=width - r, BLOCK_R=triton.next_power_of_2(r), BLOCK_P=max(16, triton.next_power_of_2(width - r)),
-        BLOCK_H=block_h, BLOCK_N=block_n,
+        BLOCK_H=block_h, BLOCK_N=block_n, MIN_TILES=_MIN_TILES,
     )
     out = torch.empty((b, h, r), dtype=q.dtype, device=q.device)
     _mla_merge_kernel[(b, head_blocks)](

@@ -29,10 +29,10 @@ def _first_argmax(v, idx, BIG: tl.constexpr):
 
 @triton.jit
 def _moe_router_kernel(
-    logits_ptr, bias_ptr, ids_ptr, weights_ptr,
+    logits_ptr, bias_ptr, ids_ptr, weights_ptr, counts_ptr,
     E, stride_l, stride_i, stride_w, scaling,
     TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr, COUNT: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -81,7 +81,11 @@ def _moe_router_kernel(
         top_w = top_w / (tl.sum(top_w, axis=0) + 1e-20)
     mask_k = k < TOP_K
     tl.store(ids_ptr + t * stride_i + k, top_ids.to(ids_ptr.dtype.element_ty), mask=mask_k)
-    tl.store(weights_ptr + t * stride_w + k, top_w * scaling, mask=mask_k)
+    # weights round once, from fp32, to the dtype asked for (the experts' activation dtype)
+    tl.store(weights_ptr + t * stride_w + k, (top_w * scaling).to(weights_ptr.dtype.element_ty), mask=mask_k)
+    if COUNT:  # routing statistics: a token's k experts are distinct; tokens add up atomically
+        tl.atomic_add(counts_ptr + top_ids, tl.full((BLOCK_K,), 1, tl.int32).to(counts_ptr.dtype.element_ty),
+                      mask=mask_k)
 
 
 def moe_route_logits(
@@ -94,11 +98,15 @@ def moe_route_logits(
     norm_topk_prob: bool = True,
     scaling: float = 1.0,
     ids_dtype: torch.dtype = torch.int64,
+    weights_dtype: torch.dtype = torch.float32,
+    counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits ``[T, E]`` (the gate GEMM's output) -> ``(topk_ids [T, k], topk_weights [T, k] fp32)``.
+    """Router logits ``[T, E]`` (the gate GEMM's output) -> ``(topk_ids [T, k], topk_weights [T, k])``.
 
     ``bias``: the fp32 ``e_score_correction_bias [E]`` (None: no bias). Ids come in descending order
-    of biased score, ties to the lower id. One launch, no host sync.
+    of biased score, ties to the lower id. Weights are computed in fp32 and stored in
+    ``weights_dtype``. ``counts``: None, or an int32/int64 ``[E]`` tensor to which each chosen expert
+    adds one (routing statistics, in the same launch). One launch, no host sync.
     """
     if logits.dim() != 2 or logits.dtype not in FLOAT_DTYPES or logits.stride(-1) != 1:
         raise ValueError(f"moe_route_logits: logits must be fp16/bf16/fp32 [T, E] with a contiguous last dim, "
@@ -119,15 +127,22 @@ def moe_route_logits(
                          f"(experts in the {topk_group} kept groups)")
     if ids_dtype not in (torch.int32, torch.int64):
         raise ValueError(f"moe_route_logits: ids_dtype must be int32 or int64, got {ids_dtype}")
+    if weights_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"moe_route_logits: weights_dtype must be fp16/bf16/fp32, got {weights_dtype}")
+    if counts is not None and (counts.shape != (e,) or counts.dtype not in (torch.int32, torch.int64)
+                               or not counts.is_contiguous()):
+        raise ValueError(f"moe_route_logits: counts must be a contiguous int32/int64 [E={e}], got {counts.dtype} "
+                         f"{tuple(counts.shape)}")
     ids = torch.empty((t, top_k), dtype=ids_dtype, device=logits.device)
-    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
-    check_device(logits, ids, *([] if bias is None else [bias]))
+    weights = torch.empty((t, top_k), dtype=weights_dtype, device=logits.device)
+    check_device(logits, ids, *([] if bias is None else [bias]), *([] if counts is None else [counts]))
     if t:
         _moe_router_kernel[(t,)](
-            logits, logits if bias is None else bias, ids, weights,
+            logits, logits if bias is None else bias, ids, weights, ids if counts is None else counts,
             e, logits.stride(0), ids.stride(0), weights.stride(0), float(scaling),
             TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
             SOFTMAX=scoring_func == "softmax", RENORMALIZE=bool(norm_topk_prob), HAS_BIAS=bias is not None,
+            COUNT=counts is not None,
             BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
             BLOCK_G=triton.next_power_of_2(n_group),
         )

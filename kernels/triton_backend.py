@@ -2,11 +2,14 @@
 
 Quantised GEMMs, the fused MoE and the paged MLA decode run as Triton kernels; a dense linear is
 ``F.linear`` (cuBLAS/hipBLASLt beat a hand-written GEMM there). The small ops around them are one
-launch each instead of op by op (a decode step is launch-bound): RMSNorm, the residual add + norm,
-the router after its gate GEMM, MLA's query rope and its cache write (norm + rope + scatter of the
-newest latents). Each kernel is tested against its oracle in ``kernels.reference``. Kimi Delta Attention runs
-fla-core's Triton kernels on CUDA/ROCm tensors when fla imports, else the PyTorch forms of
-``kernels.kda``. Kernel modules import lazily so that importing ``kernels`` never needs triton.
+launch each instead of op by op (a decode step is launch-bound): RMSNorm, the residual add + norm
+(with the router's fp32 copy), the gated activation of a dense MLP, the router after its gate GEMM
+(with the routing statistics), MLA's cache write (norm + rope + scatter of the newest latents, with
+the query LoRA's norm), its absorbed decode query (W_UK product + rope) and the fused MoE's top-k
+combine. Each kernel is tested against its oracle (``kernels.reference`` or this module's base
+class, ``Backend``). Kimi Delta Attention runs fla-core's Triton kernels on CUDA/ROCm tensors when
+fla imports, else the PyTorch forms of ``kernels.kda``. Kernel modules import lazily so that
+importing ``kernels`` never needs triton.
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ class TritonBackend(Backend):
         out = _kernel("mxfp4_gemm", "mxfp4_gemm")(_as_rows(x), packed, scale)
         return out.view(*x.shape[:-1], packed.shape[0])
 
+    def gated_act(self, gu, act):
+        # SiLU or SiTU and the multiply in one launch (op by op: two, or about eight for SiTU)
+        return _kernel("gated_act", "gated_act")(gu, act.kind, act.beta, act.linear_beta)
+
     def rms_norm(self, x, weight, eps=1e-6):
         return _kernel("rms_norm", "rms_norm")(x, weight, eps)
 
@@ -56,28 +63,55 @@ class TritonBackend(Backend):
         # the sum goes into x (the caller's fresh tensor): each program reads its row before writing it
         return _kernel("fused_add_rms_norm", "fused_add_rms_norm")(x, residual, weight, eps, residual_out=x)
 
+    def add_rms_norm_fp32(self, x, residual, weight, eps=1e-6):
+        if torch.promote_types(weight.dtype, x.dtype) == torch.float32:  # the output is the fp32 copy
+            out, s = self.add_rms_norm(x, residual, weight, eps)
+            return out, s, out
+        out32 = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        out, s = _kernel("fused_add_rms_norm", "fused_add_rms_norm")(x, residual, weight, eps, residual_out=x,
+                                                                     out32=out32)
+        return out, s, out32
+
     def moe_route(self, x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid",
-                  norm_topk_prob=True, scaling=1.0):
+                  norm_topk_prob=True, scaling=1.0, counts=None, weights_dtype=None):
         # The gate GEMM in fp32 as the reference computes it (routing is sensitive to rounding), then
-        # sigmoid, bias, group limit, top-k and renormalisation in one launch: 3 launches, no host sync
-        # (the op-by-op group mask needs repeat_interleave, which sizes its output on the host).
+        # sigmoid, bias, group limit, top-k, renormalisation, the weights' rounding (to the dtype the
+        # experts take them in) and the routing statistics in one launch: 2 launches when x comes in fp32
+        # (the norm's fp32 copy), else 3 with the cast; no host sync (the op-by-op group mask needs
+        # repeat_interleave, which sizes its output on the host).
         logits = F.linear(x.float(), weight.float())  # [T, E]
         return _kernel("moe_router", "moe_route_logits")(logits, bias, top_k, n_group, topk_group, scoring_func,
-                                                        norm_topk_prob, scaling)
+                                                        norm_topk_prob, scaling, counts=counts,
+                                                        weights_dtype=weights_dtype or torch.float32)
 
-    def mla_rope_query(self, q_pe, rope, positions):
+    def mla_rope_query(self, q_pe, rope, positions, out=None):
         # The kernel rotates q heads and one key row together; the key is written by mla_cache_write,
-        # so it gets query head 0 and a scratch output here (one launch either way).
+        # so it gets query head 0 and a scratch output here (one launch either way). ``out`` (the tail
+        # of the absorbed query buffer) is written through its strides.
         t, _, r = q_pe.shape
         scratch = torch.empty((t, r), dtype=q_pe.dtype, device=q_pe.device)
-        q, _ = _kernel("rope_fused", "rope_mla")(q_pe, q_pe[:, 0], rope.cos, rope.sin, positions, k_out=scratch)
+        q, _ = _kernel("rope_fused", "rope_mla")(q_pe, q_pe[:, 0], rope.cos, rope.sin, positions, q_out=out,
+                                                 k_out=scratch)
         return q
+
+    def mla_absorb_query(self, q, w_uk, rope, positions):
+        # the W_UK product and the query rope in one launch, written straight into the absorbed query
+        return _kernel("mla_q_absorb", "mla_q_absorb")(q, w_uk.to(q.dtype), rope.cos, rope.sin, positions)
 
     def mla_cache_write(self, kv, norm_weight, eps, rope, positions, slot_mapping, cache):
         if rope is None:  # NoPE (Kimi Linear / K3): the kernel always rotates the key; op by op
             return super().mla_cache_write(kv, norm_weight, eps, rope, positions, slot_mapping, cache)
         _kernel("mla_cache_write", "mla_cache_write")(kv, norm_weight, eps, rope.cos, rope.sin, positions,
                                                      slot_mapping, cache)
+
+    def mla_cache_write_q_norm(self, q, q_norm_weight, q_eps, kv, norm_weight, eps, rope, positions, slot_mapping,
+                               cache):
+        # both norms of the layer input's projection and the key rope in one launch
+        if rope is None:
+            return super().mla_cache_write_q_norm(q, q_norm_weight, q_eps, kv, norm_weight, eps, rope, positions,
+                                                  slot_mapping, cache)
+        return _kernel("mla_cache_write", "mla_cache_write")(kv, norm_weight, eps, rope.cos, rope.sin, positions,
+                                                            slot_mapping, cache, q, q_norm_weight, q_eps)
 
     def moe_experts(self, x, topk_ids, topk_weights, w13, w2, activation=None):
         return _kernel("fused_moe", "fused_moe")(x, topk_ids, topk_weights, w13, w2, activation=activation)

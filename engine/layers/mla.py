@@ -105,19 +105,32 @@ class MLAttention(nn.Module):
         else:
             q_in, kv = self._project(x)
         t = x.shape[0]
-        q = self._query(q_in).view(t, self.num_heads, self.qk_dim)
-        q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
-        if self.rope is not None:  # NoPE: q_pe (and k_pe) enter the dot product unrotated
-            q_pe = self.ops.mla_rope_query(q_pe, self.rope, qmeta.positions)
         # every row's normed latent and roped key to its slot; attention then reads them from the cache
         flat = cache.view(-1, cache.shape[-1])
-        self.ops.mla_cache_write(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.rope, meta.positions,
-                                 meta.slot_mapping, flat)
+        kv_norm = self.kv_a_layernorm
+        if hasattr(self, "q_a_proj") and q_in.shape[0] == kv.shape[0]:
+            # the query LoRA's norm rides along with the latent's (one launch on a device)
+            q_a = self.ops.mla_cache_write_q_norm(q_in, self.q_a_layernorm.weight, self.q_a_layernorm.eps, kv,
+                                                  kv_norm.weight, kv_norm.eps, self.rope, meta.positions,
+                                                  meta.slot_mapping, flat)
+            q = self.q_b_proj(q_a)
+        else:
+            q = self._query(q_in)
+            self.ops.mla_cache_write(kv, kv_norm.weight, kv_norm.eps, self.rope, meta.positions, meta.slot_mapping,
+                                     flat)
+        q = q.view(t, self.num_heads, self.qk_dim)
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
+        d = qmeta.num_decode_tokens
+        q_abs = None
+        if d and d == t and self.rope is not None:
+            # decodes only: the absorbed query [B, H, r + rope] (W_UK product and rope) in one call
+            q_abs = self.ops.mla_absorb_query(q, self.w_uk, self.rope, qmeta.positions)
+        elif self.rope is not None:  # NoPE: q_pe (and k_pe) enter the dot product unrotated
+            q_pe = self.ops.mla_rope_query(q_pe, self.rope, qmeta.positions)
 
         out = torch.empty(t, self.num_heads, self.v_dim, dtype=x.dtype, device=x.device)
-        d = qmeta.num_decode_tokens
         if d:
-            out[:d] = self._decode(q_nope[:d], q_pe[:d], qmeta, flat)
+            self._decode(q_nope[:d], q_pe[:d], qmeta, flat, out[:d], q_abs)
         for chunk in qmeta.prefills:
             s, e = chunk.start, chunk.end
             if e > s:
@@ -222,16 +235,22 @@ class MLAttention(nn.Module):
         k = torch.cat([kv[..., : self.nope], k_pe], dim=-1).transpose(0, 1)  # [H, S, qk]
         return torch.bmm(q, k.transpose(1, 2)).mul_(self.scale), kv[..., self.nope:].transpose(0, 1)
 
-    def _decode(self, q_nope, q_pe, meta: AttentionMetadata, flat):
-        # Absorbed path: one query per sequence, batched over sequences. [B, H, *]
+    def _decode(self, q_nope, q_pe, meta: AttentionMetadata, flat, out, q=None):
+        """Absorbed path, one query per sequence, batched over sequences: writes ``out [B, H, v]``.
+        ``q``: None (built here from ``q_nope`` and the roped ``q_pe``), or the absorbed query
+        ``[B, H, r + rope]`` already made."""
         dtype = q_nope.dtype
-        # W_UK folded into the query, head-major bmm: [H, B, nope] @ [H, nope, r] -> [H, B, r]
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk.to(dtype)).transpose(0, 1)
-        q = torch.cat([q_lat, q_pe], dim=-1)  # [B, H, r+rope]: one product scores latent and rope parts
+        r = self.kv_lora_rank
+        if q is None:
+            q = torch.empty(q_nope.shape[0], self.num_heads, r + self.rope_dim, dtype=dtype, device=q_nope.device)
+            q[..., r:] = q_pe
+            # W_UK folded into the query, head-major bmm [H, B, nope] @ [H, nope, r] -> [H, B, r], written
+            # into the head of q through a transposed view (cuBLAS/hipBLAS take its row stride as is)
+            torch.bmm(q_nope.transpose(0, 1), self.w_uk.to(dtype), out=q[..., :r].transpose(0, 1))
         o_lat = self.ops.mla_decode(q, flat, meta.decode_block_tables, meta.decode_context_lens,
-                                    meta.decode_max_context_len, meta.block_size, self.kv_lora_rank, self.scale)
-        # W_UV applied per head: [H, B, r] @ [H, r, v] -> [H, B, v]
-        return torch.bmm(o_lat.transpose(0, 1), self.w_uv.to(dtype).transpose(1, 2)).transpose(0, 1)
+                                    meta.decode_max_context_len, meta.block_size, r, self.scale)
+        # W_UV per head, [H, B, r] @ [H, r, v] -> [H, B, v], straight into the caller's [B, H, v] rows
+        torch.bmm(o_lat.transpose(0, 1), self.w_uv.to(dtype).transpose(1, 2), out=out.transpose(0, 1))
 
 
 def _pad_heads(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -41,6 +41,4 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
-        gu = self.ops.linear(x, self.gate_up)
-        i = self.gate_proj.out_features
-        return self.down_proj(self.act(gu[..., :i], gu[..., i:]))
+        return self.down_proj(self.ops.gated_act(self.ops.linear(x, self.gate_up), self.act))

@@ -40,9 +40,13 @@ class Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(c.n_routed_experts, dtype=f32), requires_grad=False)
         self.e_score_correction_bias.optional = True  # old checkpoints leave the zero bias out
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | None = None,
+                weights_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``counts``: None, or the [E] routing statistics each chosen expert adds one to (in the
+        router's launch); the weights come in fp32, or rounded to ``weights_dtype``."""
         return self.ops.moe_route(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group,
-                                  self.topk_group, self.scoring_func, self.norm_topk_prob, self.scaling)
+                                  self.topk_group, self.scoring_func, self.norm_topk_prob, self.scaling, counts=counts,
+                                  weights_dtype=weights_dtype)
 
 
 class ExpertStack(nn.Module):
@@ -271,18 +275,26 @@ class RoutedExperts(nn.Module):
     def _param_name(self, stack: ExpertStack, proj: str, suffix: str) -> str:
         return f"{'local' if stack is self.local else 'host'}.{'w2' if proj == 'down_proj' else 'w13'}_{suffix}"
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        # index_add_ rather than bincount, which syncs with the host on a device to size its output
-        flat = topk_ids.reshape(-1)
-        self.routing_counts.index_add_(0, flat, self.one.expand(flat.shape[0]))
-        w = topk_weights.to(x.dtype)
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                counted: bool = False) -> torch.Tensor:
+        """``counted``: the router already added this routing to ``routing_counts`` (in its launch)."""
+        if not counted:  # index_add_ rather than bincount, which syncs with the host on a device
+            flat = topk_ids.reshape(-1)
+            self.routing_counts.index_add_(0, flat, self.one.expand(flat.shape[0]))
+        w = topk_weights.to(x.dtype)  # no copy where the router wrote them in x.dtype
         if self.whole_layer_local:
             return self.local(x, topk_ids, w)
+        # host share first (a worker thread; on a device, one non-blocking copy to pinned memory), then
+        # the device's own experts beside it, then the join: one non-blocking copy back
         pending = self.executor.submit(x, topk_ids, w) if self.executor is not None else None
-        y = run_subset(self.local, self.local_map, x, topk_ids, w) if self.local is not None else torch.zeros_like(x)
+        y = None
+        if self.local is not None:
+            timing = self.executor.timing if self.executor is not None else None
+            with timing.device_span(x.device) if timing is not None else contextlib.nullcontext():
+                y = run_subset(self.local, self.local_map, x, topk_ids, w)
         if pending is not None:
-            y = y + pending.result().to(device=y.device, dtype=y.dtype)
-        return y
+            return pending.add_to(y)
+        return y if y is not None else torch.zeros_like(x)
 
 
 def _expert_sources(prefix: str, experts: list[int], projs: tuple[str, ...], suffix: str) -> dict:
@@ -308,10 +320,11 @@ class MoE(nn.Module):
             self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
                                       config.quantization, f"{prefix}.shared_experts", par, dtype, "shared_experts")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum (its experts + its shard of the shared experts); the caller reduces."""
-        topk_ids, topk_weights = self.gate(x)
-        y = self.experts(x, topk_ids, topk_weights)
+    def forward(self, x: torch.Tensor, x32: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's partial sum (its experts + its shard of the shared experts); the caller reduces.
+        ``x32``: None, or ``x.float()`` already made (the router computes in fp32)."""
+        topk_ids, topk_weights = self.gate(x if x32 is None else x32, self.experts.routing_counts, x.dtype)
+        y = self.experts(x, topk_ids, topk_weights, counted=True)
         if self.shared_experts is not None:
             y = y.add_(self.shared_experts(x))  # y is this call's own output: add in place
         return y

@@ -46,27 +46,41 @@ class DecoderLayer(nn.Module):
         # asked once after loading); None: every step runs op by op.
         self.fused = None
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor,
-                last: bool = False) -> torch.Tensor:
-        """``last``: the final layer, which returns only ``meta.out_rows`` when those are set."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata, cache: torch.Tensor,
+                last: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """vLLM's residual form: the hidden state is ``x + residual`` (``x`` alone when ``residual`` is
+        None, as after the embedding) and the layer returns ``(out, residual')`` whose sum is its
+        output, leaving the last addition to the next norm (each norm adds the residual in its own
+        launch: a layer never launches a residual add). ``x`` must be a fresh tensor the layer may
+        overwrite. ``last``: the final layer, which returns only ``meta.out_rows`` when those are set."""
         fused = self.fused
         if fused is not None and fused.attention_fusable(x, meta):
+            # the backend's whole-half calls take and return the hidden state itself
+            x = x if residual is None else x.add_(residual)
             x = fused.attention(x, meta, cache)  # x + self_attn(input_layernorm(x))
             if fused.ffn_fusable(x):
-                return fused.ffn(x)  # x + mlp(post_attention_layernorm(x))
-            h = self.post_attention_layernorm(x)
+                return fused.ffn(x), None  # x + mlp(post_attention_layernorm(x))
+            h, x = self.post_attention_layernorm(x), x
         else:
-            a = self.self_attn(self.input_layernorm(x), meta, cache, last)
+            if residual is None:
+                h, residual = self.input_layernorm(x), x
+            else:  # the previous layer's output added to its residual and normed, in one launch
+                h, residual = self.input_layernorm.add_forward(x, residual)
+            a = self.self_attn(h, meta, cache, last)
             if last and meta.out_rows is not None:
-                x = x.index_select(0, meta.out_rows)
+                residual = residual.index_select(0, meta.out_rows)
             if fused is not None and fused.ffn_fusable(a):
-                return fused.ffn(a.add_(x))
-            # x + a and its norm in one backend call (one launch on a device); the sum goes into a,
-            # the attention's fresh output: on a CPU each new prefill-sized tensor costs more in page
+                return fused.ffn(a.add_(residual)), None
+            # residual + a and its norm in one backend call (one launch on a device); the sum goes into
+            # a, the attention's fresh output: on a CPU each new prefill-sized tensor costs more in page
             # faults than the addition itself.
-            h, x = self.post_attention_layernorm.add_forward(a, x)
-        # one all-reduce for routed experts, shared experts and dense MLP shards together
-        return self.par.all_reduce(self.mlp(h)).add_(x)
+            if isinstance(self.mlp, MoE):  # the router's fp32 input from the norm's launch, not a cast
+                h, x, h32 = self.post_attention_layernorm.add_forward_fp32(a, residual)
+                return self.par.all_reduce(self.mlp(h, h32)), x
+            h, x = self.post_attention_layernorm.add_forward(a, residual)
+        # one all-reduce for routed experts, shared experts and dense MLP shards together; the residual
+        # add is the next norm's
+        return self.par.all_reduce(self.mlp(h)), x
 
 
 class DeepseekV3Model(nn.Module):
@@ -83,11 +97,11 @@ class DeepseekV3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]):
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         last = len(self.layers) - 1
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(x, meta, cache, last=i == last)
-        return self.norm(x)
+            x, residual = layer(x, residual, meta, cache, last=i == last)
+        return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
 
 
 class DeepseekV3ForCausalLM(nn.Module):

@@ -1,5 +1,7 @@
 """CPU expert executor: routed experts that live in host RAM, computed by CPU threads while the
 device computes its own experts of the same layer (submit, then sync), as KTransformers does.
+On a device run the inputs and the result each cross in one non-blocking copy through pinned memory
+shared by all layers (``engine.offload.host_staging``); ``engine.offload.overlap_meter`` times it.
 
 On a multi-node (NUMA) host, ``split_across`` moves each node's share of the experts into memory
 first-touched on that node and computes it there; see ``engine.offload.numa``."""
@@ -8,12 +10,16 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from engine.offload import numa
+from engine.offload.host_staging import HostStaging
+from engine.offload.overlap_meter import LayerTiming
 
 
 class NodeWorkers:
@@ -78,6 +84,10 @@ class CpuExpertExecutor:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kimitui-cpu-experts")
         self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False)
         self._workers: NodeWorkers | None = None
+        # device runs: one staging block per model, shared by its layers (``share_staging``); this
+        # layer's own until then. Allocated on the first device call only.
+        self.staging = HostStaging()
+        self.timing: LayerTiming | None = LayerTiming() if _timing_requested() else None
         self.nodes: list[tuple[tuple[int, ...], object, torch.Tensor]] = []  # (cpus, sub-stack, map) per node
 
     def split_across(self, topology: numa.NumaTopology, workers: NodeWorkers) -> list[tuple[int, int]]:
@@ -99,17 +109,42 @@ class CpuExpertExecutor:
             t.data = torch.empty(0, dtype=t.dtype)
         return ranges
 
-    def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor) -> Future:
-        """Start the host experts' share of this layer; ``.result()`` is [T, D] on the CPU."""
+    def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor) -> PendingHostExperts:
+        """Start the host experts' share of this layer on the worker thread and return at once.
+
+        CPU tensors (a CPU-only run) go to the worker as they are. Device tensors take one
+        non-blocking copy into the pinned staging block (``HostStaging``): this thread never waits
+        for the device here, so it goes on to enqueue the device's own experts while the copy and the
+        CPU work run; ``PendingHostExperts.add_to`` joins."""
+        if x.device.type == "cpu":
+            inputs, staging = (x, topk_ids, weights), None
+        else:
+            staging = self.staging
+            inputs = staging.stage_inputs(x, topk_ids, weights)
+        timing = self.timing
+        future = self._pool.submit(self._compute, inputs, staging, timing)
+        return PendingHostExperts(future, x.device, staging, timing)
+
+    def _compute(self, inputs, staging: HostStaging | None, timing: LayerTiming | None) -> torch.Tensor:
+        # on the worker thread: [T, D] on the CPU (in the pinned output block on a device run)
         from engine.layers.moe import run_subset
 
-        # The copies to host wait for the device; the matmuls then run beside the device's experts.
-        x_cpu, ids_cpu, w_cpu = x.to("cpu"), topk_ids.to("cpu"), weights.to("cpu")
+        t0 = time.perf_counter()
+        if staging is not None:
+            staging.wait_inputs()
+        t1 = time.perf_counter()
+        x, ids, w = inputs
         if not self.nodes:
-            return self._pool.submit(run_subset, self.stack, self.expert_map, x_cpu, ids_cpu, w_cpu)
-        parts = [self._workers.pool(cpus).submit(run_subset, sub, node_map, x_cpu, ids_cpu, w_cpu)
-                 for cpus, sub, node_map in self.nodes]
-        return self._pool.submit(_sum_parts, parts, x_cpu.dtype)
+            out = run_subset(self.stack, self.expert_map, x, ids, w)
+        else:
+            parts = [self._workers.pool(cpus).submit(run_subset, sub, node_map, x, ids, w)
+                     for cpus, sub, node_map in self.nodes]
+            out = _sum_parts(parts, x.dtype)
+        if staging is not None:
+            out = staging.output(x.shape[0]).copy_(out)
+        if timing is not None:
+            timing.add_host(t1 - t0, time.perf_counter() - t1)
+        return out
 
     def shutdown(self) -> None:
         """Stop the worker thread once its queued work is done."""
@@ -123,3 +158,47 @@ def _sum_parts(parts: list[Future], dtype: torch.dtype) -> torch.Tensor:
     for p in parts[1:]:
         out += p.result().float()
     return out.to(dtype)
+
+
+class PendingHostExperts:
+    """A layer's host experts in flight (``CpuExpertExecutor.submit``)."""
+
+    def __init__(self, future: Future, device: torch.device, staging: HostStaging | None,
+                 timing: LayerTiming | None):
+        self._future, self.device, self._staging, self._timing = future, device, staging, timing
+
+    def result(self) -> torch.Tensor:
+        """Wait for the worker; -> [T, D] on the CPU (a view of the pinned block on a device run:
+        valid until the next layer's worker writes it)."""
+        if self._timing is None:
+            return self._future.result()
+        t0 = time.perf_counter()
+        out = self._future.result()
+        self._timing.add_wait(time.perf_counter() - t0)
+        return out
+
+    def add_to(self, y: torch.Tensor | None) -> torch.Tensor:
+        """``y`` (the device experts' [T, D] output, owned by the caller, or None) plus the host
+        result, on ``y``'s device: one non-blocking copy from the pinned block, ordered on the
+        current stream (no host sync)."""
+        out = self.result()
+        if self._staging is not None:
+            out = self._staging.to_device(out, self.device)
+        return out if y is None else y.add_(out)
+
+
+def share_staging(model: torch.nn.Module) -> int:
+    """Give every host-expert executor of ``model`` one staging block (layers run one after another,
+    so one block sized to the largest step serves them all); -> executors sharing it."""
+    staging, count = HostStaging(), 0
+    for m in model.modules():
+        executor = getattr(m, "executor", None)
+        if isinstance(executor, CpuExpertExecutor):
+            executor.staging = staging
+            count += 1
+    return count
+
+
+def _timing_requested() -> bool:
+    # read when a layer is built, never per call (see engine.offload.overlap_meter)
+    return os.environ.get("KIMITUI_OFFLOAD_TIMING", "").strip().lower() in ("1", "true", "on", "yes")

@@ -180,11 +180,14 @@ def first_touch_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def place_host_experts(model: torch.nn.Module, policy: NumaPolicy, topology: NumaTopology):
-    """Split every host-expert executor of ``model`` across ``topology``'s nodes when the policy says so;
-    -> (number of layers split, the node workers they share, or None)."""
+    """Split every host-expert executor of ``model`` across ``topology``'s nodes when the policy says so
+    (and give them one shared staging block, ``cpu_experts.share_staging``); -> (number of layers
+    split, the node workers they share, or None)."""
+    from engine.offload.cpu_experts import NodeWorkers, share_staging
+
+    share_staging(model)  # one pinned staging block for all layers (device runs), whatever the policy
     if not policy.split(topology):
         return 0, None
-    from engine.offload.cpu_experts import NodeWorkers
 
     workers = NodeWorkers()
     count = 0

@@ -21,14 +21,17 @@ kernels counted here: 2 x 61 + 2 = 124 per step for the 61 layers of K2.6.
 
 Before the small ops were fused (df1cbad, same structure and batch, fp16): 90 kernels per MoE
 layer (MLA half 48, MoE half 42), 62 for the dense layer, 271 per step, and a host sync per MoE
-layer (the grouped router's ``repeat_interleave``). After (the Triton backend's RMSNorm, residual
-add + norm, router, MLA query rope, MLA cache write and split merge, one launch each): 31 per MoE
-layer (13 + 18), 19 for the dense layer, 103 per step, no host sync: a 2.9x cut per MoE layer. The
-issue's target of <= 30 per layer is NOT met (31), and the 5x cut is not met against these counts
-(its "about 134" was counted differently). What is left per MoE layer: 6 GEMMs (fused q_a/kv_a,
-q_b, o_proj, router gate in fp32, shared gate_up, shared down), 2 bmm + 1 cat + 1 copy of the
-absorbed MLA decode, 3 casts (router input to fp32, routing weights to fp16, the MoE output), the
-fused MoE's zeros + sum, SiLU + mul, index_add_ of the routing counts, 2 residual adds.
+layer (the grouped router's ``repeat_interleave``). With the first fused kernels (RMSNorm, residual
+add + norm, router, query rope, cache write, split merge; ce2e1c0): 31 per MoE layer (13 + 18), 19
+for the dense layer, 103 per step, no host sync. Now: 20 per MoE layer (9 + 11), 13 for the dense
+layer, 75 per step, no host sync: 4.5x fewer than df1cbad and 6.7x fewer than the issue's count
+("about 134 per MoE layer", which asks for at most 134 / 5 = 26.8, and at most 30 per layer).
+What runs per MoE layer, one launch each: MLA half: add + norm (the residual form: a layer returns
+``(out, residual)`` and the next norm adds them), fused q_a/kv_a GEMM, cache write + q_a norm, q_b
+GEMM, absorbed query (W_UK product + query rope), MLA decode, split merge, W_UV bmm, o_proj GEMM;
+MoE half: add + norm (+ the router's fp32 copy), router gate GEMM, router (+ weights in fp16 +
+routing statistics), expert alignment, 2 fused-MoE GEMMs, combine (top-k sum + cast), shared
+gate_up GEMM, SiLU-and-mul, shared down GEMM, the add of shared and routed outputs.
 See benchmarks/README.md "Launch budget".
 """
 
@@ -51,9 +54,11 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 STRUCTURE = dict(num_hidden_layers=3, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
                  n_shared_experts=1, first_k_dense_replace=1)
 
-# measured on df1cbad (before) and set from this branch's counts with a margin of one or two launches
+# measured on df1cbad (before) and set from this branch's counts (20, 9, 11, 13, 75) with a margin of
+# one or two launches
 BEFORE = {"moe_layer": 90, "mla_half": 48, "moe_half": 42, "dense_layer": 62, "step": 271, "host_syncs": 2}
-BUDGET = {"moe_layer": 32, "mla_half": 14, "moe_half": 19, "dense_layer": 20, "step": 106}
+BUDGET = {"moe_layer": 22, "mla_half": 10, "moe_half": 12, "dense_layer": 15, "step": 78}
+ISSUE_MOE_LAYER = 134  # issue 20's count per MoE layer before the work: at least a 5x cut, at most 30
 
 
 def _measure(tmp_path) -> dict:
@@ -88,8 +93,9 @@ def test_decode_step_stays_under_the_launch_budget(tmp_path):
     assert parts["  MoE half (add + norm, router, experts, shared, add)"]["kernels"] <= BUDGET["moe_half"]
     assert parts["dense layer (MLA + MLP)"]["kernels"] <= BUDGET["dense_layer"]
     assert step["kernels"] <= BUDGET["step"], step
-    # the budget must stay well under the op-by-op counts (a regression to op by op fails here too)
-    assert moe["kernels"] * 2.5 <= BEFORE["moe_layer"] and step["kernels"] * 2.5 <= BEFORE["step"]
+    # the issue's acceptance, and well under the op-by-op counts (a regression to op by op fails too)
+    assert moe["kernels"] * 5 <= ISSUE_MOE_LAYER and moe["kernels"] <= 30
+    assert moe["kernels"] * 4 <= BEFORE["moe_layer"] and step["kernels"] * 3 <= BEFORE["step"]
 
 
 # -- child: build, load on the emulated device path, count one decode step -------------------------
@@ -152,10 +158,14 @@ def _child(path: str) -> None:
         "  MoE half (add + norm, router, experts, shared, add)": _diff(m[f"{moe_i}.attn_end"], m[f"{moe_i}.end"]),
         "decode step": _diff(start, end),
     }
-    ops_moe = {k: m[f"{moe_i}.end"]["ops"].get(k, 0) - m[f"{moe_i}.start"]["ops"].get(k, 0)
-               for k in m[f"{moe_i}.end"]["ops"]}
+    def ops(a: dict, b: dict) -> dict:
+        return {k: v - a["ops"].get(k, 0) for k, v in sorted(b["ops"].items()) if v - a["ops"].get(k, 0)}
+
+    last = len(layers) - 1
+    outside = ops(start, m["0.start"]) | {f"after: {k}": v for k, v in ops(m[f"{last}.end"], end).items()}
     result = {"backend": type(layers[0].self_attn.ops).__name__, "parts": parts,
-              "ops": {k: v for k, v in sorted(ops_moe.items()) if v}, "syncs": dict(counts.host_syncs)}
+              "ops": ops(m[f"{moe_i}.start"], m[f"{moe_i}.end"]), "outside_layers": outside,
+              "syncs": dict(counts.host_syncs)}
     llm.shutdown()
     print(json.dumps(result))
 

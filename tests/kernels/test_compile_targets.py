@@ -41,7 +41,7 @@ def _specs():
                       dict(QBLOCK_N=128, QBLOCK_K=128, **TILES)),
         "mla_decode": (_mla_decode_kernel, {"q_ptr": "*bf16", "cache_ptr": "*bf16", "table_ptr": "*i32",
                                             "lens_ptr": "*i32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "scale": "fp32"},
-                       dict(R=512, P=64, BLOCK_R=512, BLOCK_P=64, BLOCK_H=16, BLOCK_N=64)),
+                       dict(R=512, P=64, BLOCK_R=512, BLOCK_P=64, BLOCK_H=16, BLOCK_N=64, MIN_TILES=4)),
         "rms_norm": (_rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
                      dict(BLOCK=8192)),
     }

@@ -1,11 +1,11 @@
 """KDA on the CPU: the chunked prefill and one-token decode forms against the per-token recurrence,
-the short conv with history against one conv over the whole sequence, and the dispatch entry points."""
+the short conv with history against one conv over the whole sequence, and the backend entry points."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import dispatch, kda
+from kernels import kda
 from kernels import reference as ref
 
 
@@ -148,17 +148,21 @@ def test_bad_shapes_raise_clear_errors():
         kda.causal_conv1d(torch.randn(4, 5), torch.randn(5, 4), torch.zeros(1, 5, 4), _cu([4]))
 
 
-def test_dispatch_entry_points_run_the_cpu_forms():
+def test_backend_entry_points_run_the_cpu_forms():
+    from kernels.backend import select_backend
+    from kernels.settings import KernelSettings
+
+    ops = select_backend("cpu", torch.float32, KernelSettings())  # what a CPU model's KDA layers call
     cu = _cu([3, 70])
     q, k, v, g, beta = _inputs(73)
     h0 = torch.randn(2, 3, 16, 8)
-    o, hT = dispatch.kda_chunk(q, k, v, g, beta, h0, cu, 0.25)
+    o, hT = ops.kda_chunk(q, k, v, g, beta, h0, cu, 0.25)
     o_ref, hT_ref = kda.chunk_kda(q, k, v, g, beta, h0, cu, 0.25)
     assert torch.equal(o, o_ref) and torch.equal(hT, hT_ref)
     pool = torch.zeros(3, 3, 16, 8)
-    o = dispatch.kda_recurrent(q[:2], k[:2], v[:2], g[:2], beta[:2], pool, torch.tensor([2, 0]), 0.25)
+    o = ops.kda_recurrent(q[:2], k[:2], v[:2], g[:2], beta[:2], pool, torch.tensor([2, 0]), 0.25)
     assert o.shape == (2, 3, 8) and pool[1].abs().sum() == 0 and pool[2].abs().sum() > 0
-    y, h = dispatch.causal_conv1d(torch.randn(73, 4), torch.randn(4, 4), torch.zeros(2, 4, 3), cu)
+    y, h = ops.causal_conv1d(torch.randn(73, 4), torch.randn(4, 4), torch.zeros(2, 4, 3), cu)
     assert y.shape == (73, 4) and h.shape == (2, 4, 3)
 
 

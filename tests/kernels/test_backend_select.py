@@ -1,12 +1,12 @@
-"""Backend selection (once, from device, dtype and settings); the dispatch shim matches the
-reference; kernel wrappers reject bad inputs; moe_align_block_size."""
+"""Backend selection (once, from device, dtype and settings); the CPU backend a CPU model gets
+matches the reference; kernel wrappers reject bad inputs; moe_align_block_size."""
 
 import importlib.util
 
 import pytest
 import torch
 
-from kernels import backend, dispatch
+from kernels import backend
 from kernels import reference as ref
 from kernels.cpu_backend import CpuBackend
 from kernels.settings import KernelSettings
@@ -54,27 +54,28 @@ def test_emulation_takes_the_device_backend_on_cpu_tensors():
     assert ops.fuse_decoder_layer(object()) is None  # no C++ decode blocks on the device path
 
 
-def test_dispatch_on_cpu_matches_reference():
+def test_cpu_backend_matches_reference():
+    ops = backend.select_backend("cpu", torch.float32, KernelSettings())
     torch.manual_seed(0)
     x = torch.randn(2, 3, 64)
     w = torch.randn(40, 64)
     p, s = ref.quantize_int4(w)
-    torch.testing.assert_close(dispatch.linear_w4a16(x, p, s, 64), ref.linear_w4a16(x, p, s, 64))
+    torch.testing.assert_close(ops.linear_w4a16(x, p, s, 64), ref.linear_w4a16(x, p, s, 64))
     q, si = ref.quantize_fp8_block(w)
-    torch.testing.assert_close(dispatch.linear_fp8_block(x, q, si), ref.linear_fp8_block(x, q, si))
+    torch.testing.assert_close(ops.linear_fp8_block(x, q, si), ref.linear_fp8_block(x, q, si))
     pm, sm = ref.quantize_mxfp4(w)
-    torch.testing.assert_close(dispatch.linear_mxfp4(x, pm, sm), ref.linear_mxfp4(x, pm, sm))
+    torch.testing.assert_close(ops.linear_mxfp4(x, pm, sm), ref.linear_mxfp4(x, pm, sm))
     weight = torch.rand(64)
-    torch.testing.assert_close(dispatch.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5))
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5))
     ids, tw = torch.tensor([[0, 1], [1, 2]]), torch.rand(2, 2)
     w13, w2 = torch.randn(3, 16, 64), torch.randn(3, 64, 8)
     # On a CPU the experts may run in kernels.cpu_few_rows, which sums the products in another order.
     torch.testing.assert_close(
-        dispatch.moe_experts(x[0, :2], ids, tw, w13, w2), ref.moe_experts_reference(x[0, :2], ids, tw, w13, w2),
+        ops.moe_experts(x[0, :2], ids, tw, w13, w2), ref.moe_experts_reference(x[0, :2], ids, tw, w13, w2),
         rtol=1e-5, atol=1e-4,
     )
     with pytest.raises(ValueError, match="input features"):
-        dispatch.linear_w4a16(x, p, s, 32)
+        ops.linear_w4a16(x, p, s, 32)
 
 
 @needs_triton

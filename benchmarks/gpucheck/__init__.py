@@ -1,0 +1,1 @@
+"""The GPU one-shot check, split by section (entry point: benchmarks/gpu_check.py)."""
