@@ -87,27 +87,34 @@ class Backend:
         count_routing(counts, ids)
         return ids, weights if weights_dtype is None else weights.to(weights_dtype)
 
-    # -- routed experts (SwiGLU): x [T, D], topk [T, k] -> [T, D]; an id == E adds nothing
+    # -- routed experts: x [T, D], topk [T, k] -> [T, D]; an id == E adds nothing. ``activation``: the
+    # experts' gated activation (kernels.activation.GatedActivation; None: SiLU, i.e. SwiGLU)
 
-    def moe_experts(self, x, topk_ids, topk_weights, w13, w2):
+    # the GatedActivation kinds every moe_experts* op of this backend computes; a model whose experts
+    # use another is refused when it is loaded (RoutedExperts.post_load), never run with the wrong one
+    expert_activations = ("silu", "situ")
+
+    def moe_experts(self, x, topk_ids, topk_weights, w13, w2, activation=None):
         """Dense experts: w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I]."""
-        return reference.moe_experts_reference(x, topk_ids, topk_weights, w13, w2)
+        return reference.moe_experts_reference(x, topk_ids, topk_weights, w13, w2, activation)
 
     def moe_experts_w4a16(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                          group_size=32):
+                          group_size=32, activation=None):
         """INT4 experts (w13_packed [E, 2I, D/8], scales [E, 2I, D/g]; w2 likewise)."""
         return reference.moe_experts_reference_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
-                                                      w2_scale, group_size)
+                                                      w2_scale, group_size, activation)
 
-    def moe_experts_mxfp4(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
+    def moe_experts_mxfp4(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                          activation=None):
         """MXFP4 experts (w13_packed [E, 2I, D/2], w13_scale [E, 2I, D/32]; w2 likewise)."""
         return reference.moe_experts_reference_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
-                                                     w2_scale)
+                                                     w2_scale, activation)
 
-    def moe_experts_fp8(self, x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128)):
+    def moe_experts_fp8(self, x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128),
+                        activation=None):
         """Block-FP8 experts (w13 [E, 2I, D] e4m3fn + scale_inv [E, 2I/bn, D/bk]; w2 likewise)."""
         return reference.moe_experts_reference_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv,
-                                                   block)
+                                                   block, activation)
 
     def prepack_int4_experts(self, w13_packed, w13_scale, w2_packed, w2_scale, group_size, dtype):
         """INT4 experts (as ``moe_experts_w4a16`` takes them) converted once, after loading, to the
@@ -115,7 +122,8 @@ class Backend:
         w2_sz), or None where this backend has no such layout for them (then they stay as they are)."""
         return None
 
-    def moe_experts_int4pack_cpu(self, x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size):
+    def moe_experts_int4pack_cpu(self, x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size,
+                                 activation=None):
         """INT4 experts in torch's CPU int4 layout (from ``prepack_int4_experts``)."""
         raise ValueError(f"the {self.name} backend does not run experts prepacked for the CPU int4 GEMM")
 
@@ -125,7 +133,7 @@ class Backend:
         None where this backend has no such layout for them (then they stay as they are)."""
         return None
 
-    def moe_experts_tiled(self, x, topk_ids, topk_weights, fmt, w13_tiles, w2_tiles, inter):
+    def moe_experts_tiled(self, x, topk_ids, topk_weights, fmt, w13_tiles, w2_tiles, inter, activation=None):
         """Experts in the tile layout of ``prepare_quant_experts`` (``inter``: the expert width)."""
         raise ValueError(f"the {self.name} backend does not run experts in the CPU tile layout")
 

@@ -38,6 +38,13 @@ def _f32(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return True
 
 
+def _act_kwargs(activation) -> dict:
+    # the gated activation as the C++ MoE kernels' wrappers take it; None: SiLU
+    if activation is None:
+        return {}
+    return dict(act=activation.kind, beta=activation.beta, linear_beta=activation.linear_beta)
+
+
 class CpuBackend(Backend):
     name = "cpu"
 
@@ -96,11 +103,12 @@ class CpuBackend(Backend):
 
     # -- routed experts
 
-    def moe_experts(self, x, topk_ids, topk_weights, w13, w2):
+    def moe_experts(self, x, topk_ids, topk_weights, w13, w2, activation=None):
         if self.cxx and 0 < x.shape[0] <= cpu_few_rows.MAX_MOE_TOKENS and _f32(x, w13, w2):
             with self.moe_lock:
-                return cpu_few_rows.moe(x, topk_ids, topk_weights, w13, w2, self.moe_scratch)
-        return cpu_moe.moe_experts(x, topk_ids, topk_weights, w13, w2)
+                return cpu_few_rows.moe(x, topk_ids, topk_weights, w13, w2, self.moe_scratch,
+                                        **_act_kwargs(activation))
+        return cpu_moe.moe_experts(x, topk_ids, topk_weights, w13, w2, activation)
 
     def quant_experts_native(self, fmt, hidden, inter, group_size=32) -> bool:
         """Whether packed ``fmt`` ("int4" / "mxfp4") experts of this shape are computed by the C++ kernels
@@ -113,20 +121,25 @@ class CpuBackend(Backend):
         return self.settings.cpu_kernels and cpu_quant_moe.available()
 
     def moe_experts_w4a16(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                          group_size=32):
+                          group_size=32, activation=None):
         if self.quant_experts_native("int4", x.shape[-1], w13_packed.shape[1] // 2, group_size):
             return cpu_quant_moe.moe(x, topk_ids, topk_weights, "int4", w13_packed, w13_scale, w2_packed, w2_scale,
-                                     group_size)
+                                     group_size, **_act_kwargs(activation))
         return cpu_moe.moe_experts_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                                         group_size)
+                                         group_size, activation)
 
-    def moe_experts_mxfp4(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
+    def moe_experts_mxfp4(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                          activation=None):
         if self.quant_experts_native("mxfp4", x.shape[-1], w13_packed.shape[1] // 2):
-            return cpu_quant_moe.moe(x, topk_ids, topk_weights, "mxfp4", w13_packed, w13_scale, w2_packed, w2_scale)
-        return cpu_moe.moe_experts_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
+            return cpu_quant_moe.moe(x, topk_ids, topk_weights, "mxfp4", w13_packed, w13_scale, w2_packed, w2_scale,
+                                     **_act_kwargs(activation))
+        return cpu_moe.moe_experts_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                                         activation)
 
-    def moe_experts_fp8(self, x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128)):
-        return cpu_moe.moe_experts_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block)
+    def moe_experts_fp8(self, x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128),
+                        activation=None):
+        return cpu_moe.moe_experts_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block,
+                                       activation)
 
     def prepack_int4_experts(self, w13_packed, w13_scale, w2_packed, w2_scale, group_size, dtype):
         # Only for bf16 activations: torch vectorises that kernel (about 10x faster than dequantising
@@ -152,12 +165,15 @@ class CpuBackend(Backend):
         tiled = cpu_quant_moe.prepare(fmt, w13_packed, w13_scale, w2_packed, w2_scale, group_size)
         return tiled.w13, tiled.w2
 
-    def moe_experts_tiled(self, x, topk_ids, topk_weights, fmt, w13_tiles, w2_tiles, inter):
+    def moe_experts_tiled(self, x, topk_ids, topk_weights, fmt, w13_tiles, w2_tiles, inter, activation=None):
         experts = cpu_quant_moe.TiledExperts(fmt, x.shape[-1], inter, w13_tiles, w2_tiles)
-        return cpu_quant_moe.moe(x, topk_ids, topk_weights, fmt, experts, None, None, None)
+        return cpu_quant_moe.moe(x, topk_ids, topk_weights, fmt, experts, None, None, None,
+                                 **_act_kwargs(activation))
 
-    def moe_experts_int4pack_cpu(self, x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size):
-        return cpu_moe.moe_experts_int4pack_cpu(x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size)
+    def moe_experts_int4pack_cpu(self, x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size,
+                                 activation=None):
+        return cpu_moe.moe_experts_int4pack_cpu(x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size,
+                                                activation)
 
     # -- MLA decode
 

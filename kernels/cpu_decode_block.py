@@ -124,7 +124,9 @@ def ffn_weights(norm, ffn) -> FfnBlockWeights | None:
                                down=ffn.down_proj.weight, router=_ABSENT, bias=_ABSENT, top_k=0, n_group=1,
                                topk_group=1, sigmoid=True, norm_topk_prob=True, scaling=1.0, w13=_ABSENT, w2=_ABSENT)
     experts, shared = ffn.experts, ffn.shared_experts
-    if ffn.parallel or not experts.whole_layer_local or experts.local.fmt != "dense":
+    # the kernel's MoE runs SiLU experts only (its C++ moe() takes SiTU, ffn_block does not pass it)
+    if (ffn.parallel or not experts.whole_layer_local or experts.local.fmt != "dense"
+            or getattr(experts.local, "activation", None) is not None):
         return None
     if shared is not None and not _mlp_fusable(shared):
         return None

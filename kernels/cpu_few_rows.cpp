@@ -39,12 +39,15 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
   return y;
 }
 
-// SwiGLU experts: y_t = sum over t's slots, in ascending expert order, of weight * w2[e] @ (silu(g) * u),
-// [g; u] = w13[e] @ x_t. An id outside [0, E) (a pair computed elsewhere) adds nothing. A token gives
-// the same bits alone or in a batch as long as its experts get fewer than kGemmPairs pairs (decode
-// batches); BLAS products, like the PyTorch path's, depend on their row count.
+// Gated experts: y_t = sum over t's slots, in ascending expert order, of weight * w2[e] @ act(g, u),
+// [g; u] = w13[e] @ x_t; act silu(g) * u, or SiTU (gated_mul). An id outside [0, E) (a pair computed
+// elsewhere) adds nothing. A token gives the same bits alone or in a batch as long as its experts get
+// fewer than kGemmPairs pairs (decode batches); BLAS products, like the PyTorch path's, depend on
+// their row count.
 torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13, torch::Tensor w2,
-                  torch::Tensor scratch) {
+                  torch::Tensor scratch, int64_t act, double beta, double linear_beta) {
+  TORCH_CHECK(act == 0 || (act == 1 && beta > 0), "activation ", act, " with beta ", beta,
+              " is not SiLU (0) or SiTU (1) with a positive beta");
   check_f32(x, "x", 2);
   check_f32(weights, "topk_weights", 2);
   check_f32(w13, "w13", 3);
@@ -96,10 +99,10 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, tor
   const float* w2p = w2.data_ptr<float>();
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
   dynamic_for(static_cast<int64_t>(active.size()), [&](int64_t i) {
-    thread_local std::vector<float> gu, act, xg;  // kept across calls: no page faults per call
+    thread_local std::vector<float> gu, h, xg;  // kept across calls: no page faults per call
     const int64_t e = active[i], g = count[e], m = count[e + 1] - g;
     if (static_cast<int64_t>(gu.size()) < m * I2) gu.resize(m * I2);
-    if (static_cast<int64_t>(act.size()) < m * I) act.resize(m * I);
+    if (static_cast<int64_t>(h.size()) < m * I) h.resize(m * I);
     const bool gemm = m >= kGemmPairs;
     if (gemm) {
       if (static_cast<int64_t>(xg.size()) < m * D) xg.resize(m * D);
@@ -109,12 +112,14 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, tor
     } else {
       rows(xs.data() + g, m, w13p + e * I2 * D, D, row_ptrs(gu.data(), m, I2).data(), 0, I2);
     }
-    for (int64_t p = 0; p < m; ++p) silu_mul(gu.data() + p * I2, gu.data() + p * I2 + I, act.data() + p * I, I);
+    for (int64_t p = 0; p < m; ++p)
+      gated_mul(gu.data() + p * I2, gu.data() + p * I2 + I, h.data() + p * I, I, act, static_cast<float>(beta),
+                static_cast<float>(linear_beta));
     if (gemm) {
       auto y = torch::from_blob(dn + g * D, {m, D}, f32);
-      at::mm_out(y, torch::from_blob(act.data(), {m, I}, f32), w2.select(0, e).t());
+      at::mm_out(y, torch::from_blob(h.data(), {m, I}, f32), w2.select(0, e).t());
     } else {
-      rows(row_ptrs<const float>(act.data(), m, I).data(), m, w2p + e * D * I, I, row_ptrs(dn + g * D, m, D).data(),
+      rows(row_ptrs<const float>(h.data(), m, I).data(), m, w2p + e * D * I, I, row_ptrs(dn + g * D, m, D).data(),
            0, D);
     }
   });
@@ -243,7 +248,7 @@ int64_t threads() { return at::get_num_threads(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [M, K] @ w [N, K].T for float32 CPU tensors");
-  m.def("moe", &moe, "SwiGLU MoE over dense float32 experts on the CPU");
+  m.def("moe", &moe, "gated (SiLU / SiTU) MoE over dense float32 experts on the CPU");
   m.def("mla_decode", &mla_decode, "absorbed MLA decode over the paged latent cache, float32 on the CPU");
   m.def("mla_decode_absorbed", &mla_decode_absorbed,
         "a whole absorbed MLA decode step after the projections (cache write included), float32 on the CPU");

@@ -26,8 +26,9 @@
 // The extension's entry points, defined across its translation units and called from each other.
 // cpu_few_rows.cpp
 torch::Tensor linear(torch::Tensor x, torch::Tensor w);
+// act: 0 SiLU, 1 SiTU with beta / linear_beta (<= 0: up unbounded), see gated_mul
 torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13, torch::Tensor w2,
-                  torch::Tensor scratch);
+                  torch::Tensor scratch, int64_t act = 0, double beta = 1.0, double linear_beta = 0.0);
 std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor x, torch::Tensor w, torch::Tensor bias,
                                                    int64_t top_k, int64_t n_group, int64_t topk_group,
                                                    bool sigmoid, bool norm, double scaling);
@@ -111,6 +112,19 @@ inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
     std::memcpy(out + j, &y, sizeof y);
   }
   for (; j < n; ++j) out[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+}
+
+// out[j] = act(g[j], u[j]) for j < n, as kernels/activation.py: SiLU (act 0, silu_mul) or Kimi K3's
+// SiTU (act 1): beta * tanh(g / beta) * sigmoid(g) times linear_beta * tanh(u / linear_beta), or times
+// u when linear_beta <= 0 (None), in float32. SiTU runs as a plain loop: K3's experts are packed
+// (kernels/cpu_quant_moe), so this float32 path serves unquantised checkpoints and tests.
+inline void gated_mul(const float* g, const float* u, float* out, int64_t n, int64_t act, float beta,
+                      float linear_beta) {
+  if (act == 0) return silu_mul(g, u, out, n);
+  for (int64_t j = 0; j < n; ++j) {
+    const float up = linear_beta > 0.0f ? linear_beta * std::tanh(u[j] / linear_beta) : u[j];
+    out[j] = beta * std::tanh(g[j] / beta) / (1.0f + std::exp(-g[j])) * up;
+  }
 }
 
 // Prefetch into L2 the float at p + offset. The address is formed in integer arithmetic: the

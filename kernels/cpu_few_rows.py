@@ -81,14 +81,19 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], n)
 
 
-def moe(x, topk_ids, topk_weights, w13, w2, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """SwiGLU MoE over dense float32 experts, as ``reference.moe_experts_reference``: x [T, D],
+def moe(x, topk_ids, topk_weights, w13, w2, scratch: torch.Tensor | None = None, act: str = "silu",
+        beta: float = 1.0, linear_beta: float | None = None) -> torch.Tensor:
+    """Gated MoE over dense float32 experts, as ``reference.moe_experts_reference``: x [T, D],
     topk [T, k], w13 [E, 2I, D], w2 [E, D, I] -> [T, D]. ``scratch``: a float32 CPU tensor the
     caller owns and lends to one call at a time; the kernel grows it (up to 64 MB) to keep the
-    per-pair expert outputs between calls (None: a buffer for this call only)."""
+    per-pair expert outputs between calls (None: a buffer for this call only). ``act`` "silu" or
+    "situ" with ``beta`` / ``linear_beta`` (None: up unbounded), as ``kernels.activation``."""
+    if act not in ("silu", "situ") or (linear_beta is not None and linear_beta <= 0):
+        raise ValueError(f"cpu_few_rows.moe: activation {act!r} (linear_beta={linear_beta}) is not silu or situ "
+                         "with positive betas")
     scratch = torch.empty(0) if scratch is None else scratch
     return _module().moe(x.contiguous(), topk_ids.long().contiguous(), topk_weights.float().contiguous(), w13, w2,
-                         scratch)
+                         scratch, int(act == "situ"), float(beta), 0.0 if linear_beta is None else float(linear_beta))
 
 
 def moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling):

@@ -1,4 +1,5 @@
-"""Routed experts on a CPU in PyTorch (the CPU backend's path when the C++ MoE does not apply).
+"""Routed experts (SwiGLU, or SiTU: ``activation``) on a CPU in PyTorch (the CPU backend's path when
+the C++ MoE does not apply).
 
 ``moe_grouped`` groups (token, slot) pairs by expert and runs each active expert once on all its
 tokens, so a quantised expert is dequantised once per call, and only if it received tokens. INT4
@@ -13,21 +14,23 @@ from kernels.cpu_linear import linear_cpu
 from kernels.reference import dequant_fp8_block, dequant_int4, dequant_mxfp4, int4_nibbles
 
 
-def _swiglu(x, up_proj, down_proj):
-    # x [c, D]; up_proj(x) -> [c, 2I] (gate columns, then up); down_proj(h [c, I]) -> [c, D]
+def _swiglu(x, up_proj, down_proj, activation=None):
+    # x [c, D]; up_proj(x) -> [c, 2I] (gate columns, then up); down_proj(h [c, I]) -> [c, D];
+    # activation: a kernels.activation.GatedActivation (None: SiLU)
     gate_up = up_proj(x)
     inter = gate_up.shape[-1] // 2
-    return down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    return down_proj(F.silu(gate) * up if activation is None else activation(gate, up))
 
 
-def _swiglu_expert(x, w13, w2):
+def _swiglu_expert(x, w13, w2, activation=None):
     # x [c, D], w13 [2I, D] (gate rows, then up), w2 [D, I] -> [c, D]
-    return _swiglu(x, lambda h: linear_cpu(h, w13), lambda h: linear_cpu(h, w2))
+    return _swiglu(x, lambda h: linear_cpu(h, w13), lambda h: linear_cpu(h, w2), activation)
 
 
-def _dense_experts(expert_weights):
+def _dense_experts(expert_weights, activation=None):
     # expert_weights(e) -> (w13 [2I, D], w2 [D, I]) as matrices: the expert callable moe_grouped runs
-    return lambda e, rows: _swiglu_expert(rows, *expert_weights(e))
+    return lambda e, rows: _swiglu_expert(rows, *expert_weights(e), activation)
 
 
 # Below this many bytes of gathered rows (T*k rows of D) one gather of every (token, slot) pair runs
@@ -86,14 +89,15 @@ def moe_grouped(x, topk_ids, topk_weights, num_experts, expert):
     return out.to(x.dtype)
 
 
-def moe_experts(x, topk_ids, topk_weights, w13, w2):
-    """SwiGLU MoE over dense stacked experts: x [T, D], w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I]."""
-    return moe_grouped(
-        x, topk_ids, topk_weights, w13.shape[0], _dense_experts(lambda e: (w13[e].to(x.dtype), w2[e].to(x.dtype)))
-    )
+def moe_experts(x, topk_ids, topk_weights, w13, w2, activation=None):
+    """Gated MoE over dense stacked experts: x [T, D], w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I].
+    ``activation`` (here and below): a ``kernels.activation.GatedActivation``, None for SiLU."""
+    return moe_grouped(x, topk_ids, topk_weights, w13.shape[0],
+                       _dense_experts(lambda e: (w13[e].to(x.dtype), w2[e].to(x.dtype)), activation))
 
 
-def moe_experts_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32):
+def moe_experts_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32,
+                      activation=None):
     """INT4 experts: w13_packed [E, 2I, ceil(D/8)], w13_scale [E, 2I, ceil(D/g)]; w2 likewise."""
     d, i = x.shape[-1], w13_packed.shape[1] // 2  # w13 holds 2I rows
 
@@ -101,26 +105,27 @@ def moe_experts_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packe
         return (dequant_int4(w13_packed[e], w13_scale[e], d, group_size, x.dtype),
                 dequant_int4(w2_packed[e], w2_scale[e], i, group_size, x.dtype))
 
-    return moe_grouped(x, topk_ids, topk_weights, w13_packed.shape[0], _dense_experts(weights))
+    return moe_grouped(x, topk_ids, topk_weights, w13_packed.shape[0], _dense_experts(weights, activation))
 
 
-def moe_experts_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
+def moe_experts_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, activation=None):
     """MXFP4 experts: w13_packed [E, 2I, D/2], w13_scale [E, 2I, D/32]; w2 likewise."""
 
     def weights(e):
         return dequant_mxfp4(w13_packed[e], w13_scale[e], x.dtype), dequant_mxfp4(w2_packed[e], w2_scale[e], x.dtype)
 
-    return moe_grouped(x, topk_ids, topk_weights, w13_packed.shape[0], _dense_experts(weights))
+    return moe_grouped(x, topk_ids, topk_weights, w13_packed.shape[0], _dense_experts(weights, activation))
 
 
-def moe_experts_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128)):
+def moe_experts_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128),
+                    activation=None):
     """Block-FP8 experts: w13 [E, 2I, D] + scale_inv [E, 2I/bn, D/bk], w2 [E, D, I] + scale_inv."""
 
     def weights(e):
         return (dequant_fp8_block(w13[e], w13_scale_inv[e], block, x.dtype),
                 dequant_fp8_block(w2[e], w2_scale_inv[e], block, x.dtype))
 
-    return moe_grouped(x, topk_ids, topk_weights, w13.shape[0], _dense_experts(weights))
+    return moe_grouped(x, topk_ids, topk_weights, w13.shape[0], _dense_experts(weights, activation))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,13 +174,13 @@ def linear_int4pack_cpu(x, weight, scales_zeros, group_size):
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
-def moe_experts_int4pack_cpu(x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size):
+def moe_experts_int4pack_cpu(x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size, activation=None):
     """MoE with INT4 experts prepacked for the CPU: w13 [E, 2I, D/2] + w13_sz [E, D/g, 2I, 2],
     w2 [E, D, I/2] + w2_sz [E, I/g, D, 2] (``prepack_int4_cpu`` per expert)."""
 
     def expert(e, rows):
         return _swiglu(rows, lambda h: linear_int4pack_cpu(h, w13[e], w13_sz[e], group_size),
-                       lambda h: linear_int4pack_cpu(h, w2[e], w2_sz[e], group_size))
+                       lambda h: linear_int4pack_cpu(h, w2[e], w2_sz[e], group_size), activation)
 
     return moe_grouped(x, topk_ids, topk_weights, w13.shape[0], expert)
 

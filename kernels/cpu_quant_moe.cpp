@@ -2,7 +2,7 @@
 // token of a step, streaming the experts' tiles (kernels/cpu_quant_moe_layout.py) and decoding the
 // 4-bit codes in registers (cpu_quant_moe_isa.cpp), float32 sums.
 //
-// Phase 1 computes h = act(gate, up) for each (token, expert) pair, phase 2 y = w2 @ h, then each token
+// Phase 1 computes h = act(gate, up) (SiLU's silu(gate) * up, or Kimi K3's SiTU) for each (token, expert) pair, phase 2 y = w2 @ h, then each token
 // adds its weighted pairs in ascending expert order, as kernels/reference.py's _moe_grouped. Work items
 // are (expert, 16-row tile); threads take the next free item from an atomic counter, so an expert with
 // many tokens does not leave the other threads idle at the end of a phase. Within an item every token of
@@ -48,9 +48,6 @@ TileDotF32 f32_kernel(int64_t isa) {
   return isa >= kAvx512 ? tile_dot_avx512 : isa == kAvx2 ? tile_dot_avx2 : tile_dot_scalar;
 }
 
-// The phase-1 epilogue: h = silu(gate) * up.
-inline float activation(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
-
 inline uint16_t bf16_bits(float f) {  // round to nearest even; NaN stays a (quiet) NaN
   uint32_t b;
   std::memcpy(&b, &f, 4);
@@ -78,6 +75,19 @@ Tiles expert_tiles(const torch::Tensor& t, int64_t e, int64_t K, bool mxfp4) {
   return Tiles{t.data_ptr<uint8_t>() + e * t.size(1), scale_block + groups * 256, scale_block, groups, mxfp4};
 }
 
+// The gated activation of phase 1's epilogue, as kernels/activation.py: SiLU (act 0) silu(g) * u, or
+// SiTU (act 1) beta * tanh(g / beta) * sigmoid(g) times linear_beta * tanh(u / linear_beta) (u itself
+// when linear_beta <= 0, i.e. None), all in float32.
+struct GatedAct {
+  int64_t act;
+  float beta, linear_beta;
+  float operator()(float g, float u) const {
+    if (act == 0) return g / (1.0f + std::exp(-g)) * u;
+    const float gate = beta * std::tanh(g / beta) / (1.0f + std::exp(-g));
+    return gate * (linear_beta > 0.0f ? linear_beta * std::tanh(u / linear_beta) : u);
+  }
+};
+
 // Activation rows of one phase in the kernels' format: float32 or bf16 bits, zero past the columns.
 struct Rows {
   std::vector<const float*> f32;
@@ -88,9 +98,12 @@ struct Rows {
 
 // x [T, D] float32 or bf16, topk_ids [T, k] int64 (ids outside [0, E): computed elsewhere, add nothing),
 // topk_weights [T, k] float32; w13 [E, bytes] uint8 (gate tiles, then up tiles), w2 [E, bytes] in the tile
-// layout, contiguous; I the expert width. -> [T, D] float32. Shapes are checked by cpu_quant_moe.py.
+// layout, contiguous; I the expert width; act, beta, linear_beta: the gated activation (GatedAct).
+// -> [T, D] float32. Shapes are checked by cpu_quant_moe.py.
 torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
-                  const torch::Tensor& w13, const torch::Tensor& w2, int64_t I, bool mxfp4, int64_t isa) {
+                  const torch::Tensor& w13, const torch::Tensor& w2, int64_t I, bool mxfp4, int64_t isa, int64_t act,
+                  double beta, double linear_beta) {
+  const GatedAct gated{act, static_cast<float>(beta), static_cast<float>(linear_beta)};
   const int64_t T = x.size(0), D = x.size(1), k = topk_ids.size(1), E = w13.size(0);
   const int64_t Dp = ceil_div(D, 32) * 32, Ip = ceil_div(I, 32) * 32;
   const int64_t tiles_i = ceil_div(I, kTileRows), tiles_d = ceil_div(D, kTileRows);
@@ -164,7 +177,7 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const t
     for (int c = 0; c < nc; ++c) {
       const int64_t at = (start[e] + c) * Ip + t * kTileRows;
       for (int r = 0; r < nr; ++r) {
-        const float v = activation(gu[c * kTileRows + r], up[c * kTileRows + r]);
+        const float v = gated(gu[c * kTileRows + r], up[c * kTileRows + r]);
         if (bf16)
           reinterpret_cast<uint16_t*>(hb)[at + r] = bf16_bits(v);
         else
@@ -255,7 +268,7 @@ const char* isa_name(int64_t isa) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (int b = 0; b < 256; ++b)
     g_e8m0[b] = b == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, b - 127);
-  m.def("moe", &moe, "SwiGLU MoE over INT4 / MXFP4 experts in the tile layout, on the CPU");
+  m.def("moe", &moe, "gated (SiLU / SiTU) MoE over INT4 / MXFP4 experts in the tile layout, on the CPU");
   m.def("repack", &repack, "checkpoint-layout rows of packed experts -> the kernels' tile layout");
   m.def("best_isa", &best_isa,
         "the widest instruction set path this CPU runs: 3 AVX-512 BF16, 2 AVX-512, 1 AVX2+FMA, 0 portable");

@@ -1,4 +1,5 @@
-"""SwiGLU MoE over packed INT4 / MXFP4 experts on the CPU (``cpu_quant_moe*.cpp``), built on first use.
+"""Gated (SwiGLU, or Kimi K3's SiTU) MoE over packed INT4 / MXFP4 experts on the CPU
+(``cpu_quant_moe*.cpp``), built on first use.
 
 Host experts of real checkpoints are packed: INT4 (K2.5, K2.6; compressed-tensors pack-quantized)
 and MXFP4 (K3). A decode step reads each touched expert once, so the speed limit is memory
@@ -187,14 +188,17 @@ def unprepare(experts: TiledExperts) -> tuple[torch.Tensor, torch.Tensor, torch.
     return torch.cat((gate[0], up[0]), dim=1), torch.cat((gate[1], up[1]), dim=1), w2, s2
 
 
-def moe(x, topk_ids, topk_weights, fmt, w13, w13_scale, w2, w2_scale, group_size=32, isa_name=None):
-    """SwiGLU MoE over packed experts, as ``reference.moe_experts_reference_w4a16`` / ``_mxfp4``:
+def moe(x, topk_ids, topk_weights, fmt, w13, w13_scale, w2, w2_scale, group_size=32, isa_name=None, act="silu",
+        beta=1.0, linear_beta=None):
+    """Gated MoE over packed experts, as ``reference.moe_experts_reference_w4a16`` / ``_mxfp4``:
     x [T, D] (float32 or bf16), topk_ids [T, k] (ids outside [0, E) add nothing), topk_weights [T, k].
     w13 a ``TiledExperts`` (w13_scale, w2, w2_scale None), or the checkpoint layout, converted on
     every call (slow: load-time callers ``prepare`` once) --
     INT4: w13 int32 [E, 2I, ceil(D/8)], w13_scale bf16 [E, 2I, ceil(D/g)], w2 [E, D, ceil(I/8)] + scales;
     MXFP4: w13 uint8 [E, 2I, D/2], w13_scale uint8 [E, 2I, D/32], w2 [E, D, I/2] + scales.
-    -> [T, D] in x.dtype (float32 sums). ``isa_name`` forces a path (tests); default ``isa()``."""
+    -> [T, D] in x.dtype (float32 sums). ``isa_name`` forces a path (tests); default ``isa()``.
+    ``act`` "silu" or "situ" with its ``beta`` / ``linear_beta`` (None: up unbounded), as
+    ``kernels.activation.GatedActivation``; computed in float32."""
     if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"cpu_quant_moe: x {list(x.shape)}, topk_ids {list(topk_ids.shape)} and topk_weights "
                          f"{list(topk_weights.shape)} must be [T, D], [T, k], [T, k]")
@@ -210,12 +214,16 @@ def moe(x, topk_ids, topk_weights, fmt, w13, w13_scale, w2, w2_scale, group_size
                              f"contiguous uint8 [E, {n}] on the CPU")
     if experts.w2.shape[0] != experts.w13.shape[0]:
         raise ValueError(f"cpu_quant_moe: w13 has {experts.w13.shape[0]} experts, w2 {experts.w2.shape[0]}")
+    if act not in ("silu", "situ") or (act == "situ" and (beta <= 0 or (linear_beta is not None and linear_beta <= 0))):
+        raise ValueError(f"cpu_quant_moe: activation {act!r} (beta={beta}, linear_beta={linear_beta}) is not silu or "
+                         "situ with positive betas")
     code = _isa_code() if isa_name is None else ISA_CODES.get(isa_name, -1)
     if not 0 <= code <= _module().best_isa():
         raise ValueError(f"cpu_quant_moe: instruction set {isa_name!r} is not one this CPU runs ({supported_isas()})")
     xin = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
     out = _module().moe(xin.contiguous(), topk_ids.long().contiguous(), topk_weights.float().contiguous(),
-                        experts.w13, experts.w2, i, fmt == "mxfp4", code)
+                        experts.w13, experts.w2, i, fmt == "mxfp4", code, int(act == "situ"), float(beta),
+                        0.0 if linear_beta is None else float(linear_beta))
     return out.to(x.dtype)
 
 

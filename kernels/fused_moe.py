@@ -2,11 +2,13 @@
 
 Pipeline (vLLM's ``vllm/model_executor/layers/fused_moe/fused_moe.py``): ``moe_align_block_size`` sorts the T*k (token, slot) pairs by expert
 and pads each expert's run to BLOCK_M rows, so every M-tile belongs to one expert. GEMM1 reads
-gate and up rows of w13 in the same program and writes ``silu(gate) * up`` [T*k, I]; GEMM2 reads
+gate and up rows of w13 in the same program and writes ``act(gate, up)`` [T*k, I] (SiLU's
+``silu(gate) * up``, or Kimi K3's SiTU: ``activation``, see ``kernels.activation``); GEMM2 reads
 those rows, multiplies by w2 and the routing weight, and writes fp32 [T*k, D]; a third launch sums
 each token's k slots and casts to the activation dtype. One kernel serves every expert format,
 decoding weight tiles in-kernel: dense (``fused_moe``), compressed-tensors INT4
-(``fused_moe_w4a16``), OCP MXFP4 (``fused_moe_mxfp4``, Kimi K3.x) and block FP8 (``fused_moe_fp8``). References: ``reference.moe_experts_reference*``.
+(``fused_moe_w4a16``), OCP MXFP4 (``fused_moe_mxfp4``, Kimi K3.x) and block FP8 (``fused_moe_fp8``).
+References: ``reference.moe_experts_reference*``.
 """
 
 import torch
@@ -14,6 +16,8 @@ import triton
 import triton.language as tl
 
 from kernels._checks import FLOAT_DTYPES, check_device, interpreting
+from kernels.activation import GatedActivation, resolve
+from kernels.gated_act import _tanh  # portable tanh (no libdevice), shared with the dense MLP's launch
 from kernels.mxfp4_gemm import MXFP4_BLOCK, _e2m1_to_float
 
 # Weight formats of the experts (constexpr WFMT of the kernel).
@@ -104,8 +108,9 @@ def _fused_moe_kernel(
     sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
     N, K, num_valid_tokens,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
-    stride_cm, stride_cn,
+    stride_cm, stride_cn, act_beta, act_linear_beta,
     TOP_K: tl.constexpr, GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    ACTIVATION: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
     WFMT: tl.constexpr, GROUP_SIZE: tl.constexpr, QBLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -139,7 +144,13 @@ def _fused_moe_kernel(
                            stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk, WFMT, GROUP_SIZE, QBLOCK_N)
             acc_up = tl.dot(a, b_up.to(a.dtype), acc_up, input_precision="ieee")
     if GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up
+        if ACTIVATION == 1:  # SiTU (kernels.activation): both halves bounded by scaled tanh, in fp32
+            gate = act_beta * _tanh(acc / act_beta) * tl.sigmoid(acc)
+            if HAS_LINEAR_BETA:
+                acc_up = act_linear_beta * _tanh(acc_up / act_linear_beta)
+            acc = gate * acc_up
+        else:  # SiLU
+            acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_ROUTED_WEIGHT:
         w = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
@@ -191,7 +202,17 @@ def _check_placement(x, *tensors):
         raise ValueError("expert weights and scales must be contiguous")
 
 
-def _run(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, inter, wfmt, group_size, qblock_n=1):
+def _act_meta(activation: GatedActivation | None) -> dict:
+    # The kernel's activation arguments: the kind and whether up is bounded are compile-time (one
+    # specialisation per model), the betas plain fp32 scalars.
+    act = resolve(activation)
+    linear_beta = act.linear_beta
+    return dict(act_beta=float(act.beta), act_linear_beta=1.0 if linear_beta is None else float(linear_beta),
+                ACTIVATION=act.code, HAS_LINEAR_BETA=linear_beta is not None)
+
+
+def _run(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, inter, wfmt, group_size, qblock_n=1,
+         activation=None):
     t, d = x.shape
     top_k = topk_ids.shape[1]
     num_pairs = t * top_k
@@ -202,13 +223,13 @@ def _run(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, inter, wfmt, g
     sorted_ids, expert_ids, num_post = _align(topk_ids, block_m, w13.shape[0])
     num_blocks = expert_ids.shape[0]
     routing = topk_weights.reshape(-1).contiguous()  # [T*k]
-    hidden = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)  # silu(gate) * up
+    hidden = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)  # act(gate, up)
     # rows of pairs computed elsewhere (id == E) are never written; the combine skips them
     out = torch.empty((num_pairs, d), dtype=torch.float32, device=x.device)
     s13 = w13 if w13_scale is None else w13_scale  # dummy pointer for dense weights
     s2 = w2 if w2_scale is None else w2_scale
     meta = dict(WFMT=wfmt, GROUP_SIZE=group_size, QBLOCK_N=qblock_n, BLOCK_M=block_m, BLOCK_N=block_n,
-                BLOCK_K=block_k)
+                BLOCK_K=block_k, **_act_meta(activation))
 
     def scale_strides(s, dense):
         return (0, 0, 0) if dense else (s.stride(0), s.stride(1), s.stride(2))
@@ -258,8 +279,9 @@ def _check_shapes(expected: dict):
             raise ValueError(f"{name} must be {names} {list(shape)}, got {tuple(tensor.shape)} {tensor.dtype}")
 
 
-def fused_moe(x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
-    """SwiGLU MoE over dense experts: x [T, D], w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I] -> [T, D]."""
+def fused_moe(x, topk_ids, topk_weights, w13, w2, activation: GatedActivation | None = None) -> torch.Tensor:
+    """Gated MoE over dense experts: x [T, D], w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I] -> [T, D].
+    ``activation``: SiLU (None) or SiTU, here and in the other formats' functions."""
     _check_routing(x, topk_ids, topk_weights)
     if w13.dim() != 3 or w13.shape[2] != x.shape[1] or w13.shape[1] % 2:
         raise ValueError(f"w13 must be [E, 2I, D={x.shape[1]}], got {tuple(w13.shape)}")
@@ -269,13 +291,14 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
         "w2": (w2, (e, x.shape[1], inter), FLOAT_DTYPES),
     })
     _check_placement(x, topk_ids, topk_weights, w13, w2)
-    return _run(x, topk_ids, topk_weights, w13, w2, None, None, inter, DENSE, 1)
+    return _run(x, topk_ids, topk_weights, w13, w2, None, None, inter, DENSE, 1, activation=activation)
 
 
 def fused_moe_w4a16(
-    x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size: int = 32
+    x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size: int = 32,
+    activation: GatedActivation | None = None,
 ) -> torch.Tensor:
-    """SwiGLU MoE over INT4 experts (compressed-tensors pack-quantized).
+    """Gated MoE over INT4 experts (compressed-tensors pack-quantized).
 
     w13_packed int32 [E, 2I, ceil(D/8)], w13_scale [E, 2I, ceil(D/g)], w2_packed int32
     [E, D, ceil(I/8)], w2_scale [E, D, ceil(I/g)] -> [T, D] in x.dtype.
@@ -295,11 +318,13 @@ def fused_moe_w4a16(
         "w2_scale": (w2_scale, (e, d, -(-inter // group_size)), FLOAT_DTYPES),
     })
     _check_placement(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
-    return _run(x, topk_ids, topk_weights, w13_packed, w2_packed, w13_scale, w2_scale, inter, INT4, group_size)
+    return _run(x, topk_ids, topk_weights, w13_packed, w2_packed, w13_scale, w2_scale, inter, INT4, group_size,
+                activation=activation)
 
 
-def fused_moe_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale) -> torch.Tensor:
-    """SwiGLU MoE over OCP MXFP4 experts: w13_packed uint8 [E, 2I, D/2], w13_scale uint8 E8M0
+def fused_moe_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                    activation: GatedActivation | None = None) -> torch.Tensor:
+    """Gated MoE over OCP MXFP4 experts: w13_packed uint8 [E, 2I, D/2], w13_scale uint8 E8M0
     [E, 2I, D/32]; w2_packed uint8 [E, D, I/2], w2_scale uint8 [E, D, I/32] -> [T, D] in x.dtype."""
     _check_routing(x, topk_ids, topk_weights)
     d = x.shape[1]
@@ -316,11 +341,13 @@ def fused_moe_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
         "w2_scale": (w2_scale, (e, d, inter // MXFP4_BLOCK), u8),
     })
     _check_placement(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
-    return _run(x, topk_ids, topk_weights, w13_packed, w2_packed, w13_scale, w2_scale, inter, MXFP4, MXFP4_BLOCK)
+    return _run(x, topk_ids, topk_weights, w13_packed, w2_packed, w13_scale, w2_scale, inter, MXFP4, MXFP4_BLOCK,
+                activation=activation)
 
 
-def fused_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128)) -> torch.Tensor:
-    """SwiGLU MoE over block-FP8 experts: w13 e4m3fn [E, 2I, D] + fp32 scale_inv [E, 2I/bn, D/bk]
+def fused_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128),
+                  activation: GatedActivation | None = None) -> torch.Tensor:
+    """Gated MoE over block-FP8 experts: w13 e4m3fn [E, 2I, D] + fp32 scale_inv [E, 2I/bn, D/bk]
     (ceil), w2 e4m3fn [E, D, I] + scale_inv [E, D/bn, I/bk] -> [T, D] in x.dtype."""
     _check_routing(x, topk_ids, topk_weights)
     d = x.shape[1]
@@ -341,4 +368,5 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_in
         "w2_scale_inv": (w2_scale_inv, (e, -(-d // bn), -(-inter // bk)), f32),
     })
     _check_placement(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv)
-    return _run(x, topk_ids, topk_weights, w13, w2, w13_scale_inv, w2_scale_inv, inter, FP8, bk, bn)
+    return _run(x, topk_ids, topk_weights, w13, w2, w13_scale_inv, w2_scale_inv, inter, FP8, bk, bn,
+                activation=activation)

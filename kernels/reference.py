@@ -245,10 +245,11 @@ def moe_route(x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sig
 
 
 # ---------------------------------------------------------------------------------------------
-# MoE experts (SwiGLU): y_t = sum_k w_tk * w2[e] @ (silu(gate_e x_t) * (up_e x_t))
+# MoE experts (SwiGLU): y_t = sum_k w_tk * w2[e] @ (silu(gate_e x_t) * (up_e x_t)); every function
+# takes ``activation`` (a kernels.activation.GatedActivation, None: SiLU) in place of silu(g) * u.
 
 
-def _moe(x, topk_ids, topk_weights, num_experts, expert_weights):
+def _moe(x, topk_ids, topk_weights, num_experts, expert_weights, activation=None):
     # y_t = sum over t's slots, in ascending expert order, of w_tk * w2[e] @ (silu(g) * u), [g; u] =
     # w13[e] @ x_t, summed in fp32. expert_weights(e) -> (w13 [2I, D], w2 [D, I]) in x.dtype. An id
     # equal to num_experts marks a pair computed elsewhere (another rank, host RAM): it adds nothing.
@@ -262,18 +263,21 @@ def _moe(x, topk_ids, topk_weights, num_experts, expert_weights):
         w13, w2 = expert_weights(e)
         gate_up = F.linear(x.index_select(0, tokens), w13)  # [c, 2I]
         inter = gate_up.shape[-1] // 2
-        y = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2).float()  # [c, D]
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        h = F.silu(gate) * up if activation is None else activation(gate, up)
+        y = F.linear(h, w2).float()  # [c, D]
         out.index_add_(0, tokens, y * weights[tokens, slots, None])
     return out.to(x.dtype)
 
 
-def moe_experts_reference(x, topk_ids, topk_weights, w13, w2):
+def moe_experts_reference(x, topk_ids, topk_weights, w13, w2, activation=None):
     """SwiGLU MoE over dense stacked experts: x [T, D], w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I]."""
-    return _moe(x, topk_ids, topk_weights, w13.shape[0], lambda e: (w13[e].to(x.dtype), w2[e].to(x.dtype)))
+    return _moe(x, topk_ids, topk_weights, w13.shape[0], lambda e: (w13[e].to(x.dtype), w2[e].to(x.dtype)),
+                activation)
 
 
 def moe_experts_reference_w4a16(
-    x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32
+    x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, activation=None
 ):
     """MoE with INT4 experts.
 
@@ -288,10 +292,11 @@ def moe_experts_reference_w4a16(
             dequant_int4(w2_packed[e], w2_scale[e], i, group_size, x.dtype),
         )
 
-    return _moe(x, topk_ids, topk_weights, w13_packed.shape[0], weights)
+    return _moe(x, topk_ids, topk_weights, w13_packed.shape[0], weights, activation)
 
 
-def moe_experts_reference_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
+def moe_experts_reference_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                                activation=None):
     """MoE with MXFP4 experts.
 
     w13_packed [E, 2I, D/2], w13_scale [E, 2I, D/32], w2_packed [E, D, I/2], w2_scale [E, D, I/32].
@@ -303,10 +308,11 @@ def moe_experts_reference_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale
             dequant_mxfp4(w2_packed[e], w2_scale[e], x.dtype),
         )
 
-    return _moe(x, topk_ids, topk_weights, w13_packed.shape[0], weights)
+    return _moe(x, topk_ids, topk_weights, w13_packed.shape[0], weights, activation)
 
 
-def moe_experts_reference_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128)):
+def moe_experts_reference_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128),
+                              activation=None):
     """MoE with block-FP8 experts: w13 [E, 2I, D] + scale_inv [E, 2I/bn, D/bk], w2 [E, D, I] + scale_inv."""
 
     def weights(e):
@@ -315,7 +321,7 @@ def moe_experts_reference_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2,
             dequant_fp8_block(w2[e], w2_scale_inv[e], block, x.dtype),
         )
 
-    return _moe(x, topk_ids, topk_weights, w13.shape[0], weights)
+    return _moe(x, topk_ids, topk_weights, w13.shape[0], weights, activation)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -114,21 +114,23 @@ class TritonBackend(Backend):
         return _kernel("mla_cache_write", "mla_cache_write")(kv, norm_weight, eps, rope.cos, rope.sin, positions,
                                                             slot_mapping, cache, q, q_norm_weight, q_eps)
 
-    def moe_experts(self, x, topk_ids, topk_weights, w13, w2):
-        return _kernel("fused_moe", "fused_moe")(x, topk_ids, topk_weights, w13, w2)
+    def moe_experts(self, x, topk_ids, topk_weights, w13, w2, activation=None):
+        return _kernel("fused_moe", "fused_moe")(x, topk_ids, topk_weights, w13, w2, activation=activation)
 
     def moe_experts_w4a16(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                          group_size=32):
+                          group_size=32, activation=None):
         return _kernel("fused_moe", "fused_moe_w4a16")(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
-                                                       w2_scale, group_size)
+                                                       w2_scale, group_size, activation=activation)
 
-    def moe_experts_mxfp4(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale):
+    def moe_experts_mxfp4(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                          activation=None):
         return _kernel("fused_moe", "fused_moe_mxfp4")(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
-                                                       w2_scale)
+                                                       w2_scale, activation=activation)
 
-    def moe_experts_fp8(self, x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128)):
+    def moe_experts_fp8(self, x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128),
+                        activation=None):
         return _kernel("fused_moe", "fused_moe_fp8")(x, topk_ids, topk_weights, w13, w13_scale_inv, w2,
-                                                     w2_scale_inv, tuple(block))
+                                                     w2_scale_inv, tuple(block), activation=activation)
 
     def mla_decode(self, q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale):
         return _kernel("mla_decode", "mla_decode")(q, cache, block_tables, context_lens, max_context_len, block_size,

@@ -1,5 +1,9 @@
 """Mixture of experts: sigmoid noaux_tc router, routed experts (expert parallel, some optionally in
-host RAM computed by the CPU), shared experts (tensor parallel)."""
+host RAM computed by the CPU), shared experts (tensor parallel).
+
+The routed experts' gated activation (SiLU, or Kimi K3's SiTU) comes from the config and goes to
+whichever backend op computes a stack (the device's fused MoE, the host's CPU kernels): every path
+runs the model's own activation, or the model is refused at load."""
 
 from __future__ import annotations
 
@@ -54,8 +58,9 @@ class ExpertStack(nn.Module):
                  dtype: torch.dtype = torch.float32):
         super().__init__()
         self.fmt, self.quant, self.num = fmt, config.quantization, num
-        # the CPU tile kernels compute SiLU only; SiTU experts are read as the checkpoint stores them
-        self.silu = GatedActivation.from_config(config).is_silu
+        act = GatedActivation.from_config(config)
+        # what the backend ops take: None for SiLU (their default, SwiGLU), else the activation
+        self.activation = None if act.is_silu else act
         d, i = config.hidden_size, config.moe_intermediate_size
         if fmt == "fp8" and i % self.quant.weight_block_size[0]:
             # gate and up are stacked into w13; their scale blocks only line up on block boundaries
@@ -89,10 +94,9 @@ class ExpertStack(nn.Module):
         ``Backend.prepack_int4_experts``)."""
         if self.fmt not in ("int4", "mxfp4") or self.num == 0:
             return False
-        tiles = None
-        if self.silu:  # the backend's own layout (Backend.prepare_quant_experts) replaces the checkpoint's
-            tiles = self.ops.prepare_quant_experts(self.fmt, self.w13_weight_packed, self.w13_weight_scale,
-                                                   self.w2_weight_packed, self.w2_weight_scale, self.quant.group_size)
+        # the backend's own layout (Backend.prepare_quant_experts) replaces the checkpoint's
+        tiles = self.ops.prepare_quant_experts(self.fmt, self.w13_weight_packed, self.w13_weight_scale,
+                                               self.w2_weight_packed, self.w2_weight_scale, self.quant.group_size)
         if tiles is not None:
             self.tiled_fmt, self.inter = self.fmt, self.w13_weight_packed.shape[1] // 2
             self.register_buffer("w13_tiles", tiles[0], persistent=False)
@@ -121,22 +125,34 @@ class ExpertStack(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x [T, D], ids [T, k] in 0..num (num: computed elsewhere, adds nothing), weights [T, k] in x.dtype
+        act = self.activation
         if self.fmt == "dense":
-            return self.ops.moe_experts(x, ids, weights, self.w13_weight, self.w2_weight)
+            return self.ops.moe_experts(x, ids, weights, self.w13_weight, self.w2_weight, activation=act)
         if self.fmt == "tiles":
             return self.ops.moe_experts_tiled(x, ids, weights, self.tiled_fmt, self.w13_tiles, self.w2_tiles,
-                                              self.inter)
+                                              self.inter, activation=act)
         if self.fmt == "int4pack":
             return self.ops.moe_experts_int4pack_cpu(x, ids, weights, self.w13_int4pack, self.w13_scales_zeros,
-                                                     self.w2_int4pack, self.w2_scales_zeros, self.quant.group_size)
+                                                     self.w2_int4pack, self.w2_scales_zeros, self.quant.group_size,
+                                                     activation=act)
         if self.fmt == "int4":
             return self.ops.moe_experts_w4a16(x, ids, weights, self.w13_weight_packed, self.w13_weight_scale,
-                                              self.w2_weight_packed, self.w2_weight_scale, self.quant.group_size)
+                                              self.w2_weight_packed, self.w2_weight_scale, self.quant.group_size,
+                                              activation=act)
         if self.fmt == "mxfp4":
             return self.ops.moe_experts_mxfp4(x, ids, weights, self.w13_weight_packed, self.w13_weight_scale,
-                                              self.w2_weight_packed, self.w2_weight_scale)
+                                              self.w2_weight_packed, self.w2_weight_scale, activation=act)
         return self.ops.moe_experts_fp8(x, ids, weights, self.w13_weight, self.w13_weight_scale_inv,
-                                        self.w2_weight, self.w2_weight_scale_inv, self.quant.weight_block_size)
+                                        self.w2_weight, self.w2_weight_scale_inv, self.quant.weight_block_size,
+                                        activation=act)
+
+    def check_activation(self) -> None:
+        """Refuse (at load) a backend whose expert ops do not compute this stack's activation."""
+        kind = "silu" if self.activation is None else self.activation.kind
+        if kind not in self.ops.expert_activations:
+            supported = ", ".join(self.ops.expert_activations)
+            raise ValueError(f"the {self.ops.name} backend's MoE kernels compute {supported}, not the experts' "
+                             f"activation {kind!r}")
 
 
 def run_subset(stack: ExpertStack, expert_map: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -200,10 +216,12 @@ class RoutedExperts(nn.Module):
             self.executor = CpuExpertExecutor(self.host, self.host_map)
 
     def post_load(self, dtype: torch.dtype) -> None:
-        """Once the weights are in (and each stack has its backend): INT4 / MXFP4 stacks take the layout their
-        backend reads, where it has one (CPU-held ones: kernels.cpu_quant_moe tiles)."""
+        """Once the weights are in (and each stack has its backend): the backend must compute the
+        experts' activation; INT4 / MXFP4 stacks take the layout their backend reads, where it has one
+        (CPU-held ones: kernels.cpu_quant_moe tiles)."""
         for stack in (self.local, self.host):
             if stack is not None:
+                stack.check_activation()
                 stack.prepack_for_cpu(dtype)
 
     def slot(self, expert: int) -> tuple[ExpertStack, int] | None:

@@ -182,9 +182,7 @@ def first_touch_copy(t: torch.Tensor) -> torch.Tensor:
 def place_host_experts(model: torch.nn.Module, policy: NumaPolicy, topology: NumaTopology):
     """Split every host-expert executor of ``model`` across ``topology``'s nodes when the policy says so
     (and give them one shared staging block, ``cpu_experts.share_staging``); -> (number of layers
-    split, the node workers they share, or None). Experts computed by an expert-by-expert reference
-    path (non-SiLU activations, ``engine/layers/latent_moe.py``) keep one stack: that path reads the
-    stack directly."""
+    split, the node workers they share, or None)."""
     from engine.offload.cpu_experts import NodeWorkers, share_staging
 
     share_staging(model)  # one pinned staging block for all layers (device runs), whatever the policy
@@ -192,12 +190,10 @@ def place_host_experts(model: torch.nn.Module, policy: NumaPolicy, topology: Num
         return 0, None
 
     workers = NodeWorkers()
-    skip = {id(m.experts) for m in model.modules()
-            if hasattr(m, "experts") and getattr(getattr(m, "act", None), "is_silu", True) is False}
     count = 0
     for m in model.modules():
         executor = getattr(m, "executor", None)
-        if executor is not None and id(m) not in skip and hasattr(executor, "split_across"):
+        if executor is not None and hasattr(executor, "split_across"):
             executor.split_across(topology, workers)
             count += 1
     return count, workers

@@ -37,7 +37,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import engine.layers.latent_moe as latent_moe
 import engine.layers.mla as mla
 from engine.config import ModelConfig
 from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
@@ -98,16 +97,6 @@ def _fused_moe(x, ids, weights, w13, *rest, **kw):
     return out.view(t, k, -1).sum(1).to(x.dtype)
 
 
-def _situ_experts(x, ids, weights, inter):
-    k = ids.shape[1]
-    rows = x.repeat_interleave(k, 0)                                               # [T*k, L]
-    gu = torch.empty(rows.shape[0], 2 * inter, dtype=x.dtype, device=x.device)    # [T*k, 2I]
-    act = gu[:, :inter] * gu[:, inter:]                                            # [T*k, I]
-    y = torch.empty(rows.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    del act
-    return (y.view(-1, k, x.shape[1]) * weights[..., None].float()).sum(1).to(x.dtype)
-
-
 def _gemm(x, w, *rest, **kw):  # a quantised GEMM writes only its output
     return torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=x.device)
 
@@ -162,8 +151,6 @@ def fake_model(name: str, tp: int):
 
 @pytest.fixture
 def stand_ins(monkeypatch):
-    monkeypatch.setattr(latent_moe, "_routed_experts_act",
-                        lambda ex, x, ids, w, act: _situ_experts(x, ids, w, ex.local.w2_weight_packed.shape[-1] * 2))
     for op in ("moe_experts", "moe_experts_w4a16", "moe_experts_mxfp4", "moe_experts_fp8"):
         monkeypatch.setattr(Backend, op, lambda self, *a, **k: _fused_moe(*a, **k))
     for op in ("linear_fp8_block", "linear_w4a16", "linear_mxfp4"):

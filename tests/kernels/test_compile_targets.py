@@ -32,7 +32,8 @@ def _specs():
 
     gemm = {"x_ptr": "*bf16", "out_ptr": "*bf16"}
     moe = {"a_ptr": "*bf16", "s_ptr": "*bf16", "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32",
-           "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32"}
+           "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32", "act_beta": "fp32",
+           "act_linear_beta": "fp32"}
     specs = {
         "w4a16": (_w4a16_gemm_kernel, {**gemm, "w_ptr": "*i32", "s_ptr": "*bf16"}, dict(GROUP_SIZE=32, **TILES)),
         "mxfp4": (_mxfp4_gemm_kernel, {**gemm, "w_ptr": "*u8", "s_ptr": "*u8"}, TILES),
@@ -50,13 +51,17 @@ def _specs():
         for gated in (True, False):
             types = {**moe, "b_ptr": b_type, "s_ptr": s_type, "c_ptr": "*bf16" if gated else "*fp32"}
             consts = dict(TOP_K=8 if gated else 1, GATED=gated, MUL_ROUTED_WEIGHT=not gated, WFMT=wfmt,
-                          GROUP_SIZE=group, QBLOCK_N=128 if fmt == "fp8" else 1, **TILES)
+                          GROUP_SIZE=group, QBLOCK_N=128 if fmt == "fp8" else 1, ACTIVATION=0, HAS_LINEAR_BETA=False,
+                          **TILES)
             specs[f"moe_{fmt}_{'gemm1' if gated else 'gemm2'}"] = (_fused_moe_kernel, types, consts)
+            if gated:  # Kimi K3's SiTU epilogue (tanh from sigmoid), up bounded
+                specs[f"moe_{fmt}_gemm1_situ"] = (_fused_moe_kernel, types,
+                                                  {**consts, "ACTIVATION": 1, "HAS_LINEAR_BETA": True})
     return specs
 
 
 SPEC_NAMES = ["w4a16", "mxfp4", "fp8_block", "rms_norm", "mla_decode"] + [
-    f"moe_{fmt}_{gemm}" for fmt in ("dense", "int4", "mxfp4", "fp8") for gemm in ("gemm1", "gemm2")
+    f"moe_{fmt}_{gemm}" for fmt in ("dense", "int4", "mxfp4", "fp8") for gemm in ("gemm1", "gemm2", "gemm1_situ")
 ]
 
 
