@@ -16,8 +16,7 @@ estimated and the worst is kept:
 
 Assumptions (the GPU kernels, not the CPU reference paths): fused MoE as kernels/fused_moe.py
 allocates it (all T*k (token, expert) pairs on every rank, [T*k, I] hidden and fp32 [T*k, D]
-output), or for a non-SiLU activation (K3's SiTU) the worst case of one fused pass, [T*k, 2I]
-gate/up plus [T*k, I] activation; MLA prefill attention through a flash/efficient SDPA kernel (no
+output; K3's SiTU is computed in the same GEMM epilogue as SiLU); MLA prefill attention through a flash/efficient SDPA kernel (no
 [H, n, L] scores); quantised linears write only their output. Logits cover the sampled rows only
 (one per sequence): ``prompt_logprobs`` requests add [rows, vocab] fp32 and are not covered.
 
@@ -156,11 +155,9 @@ def _router(d: _Dims, t: int) -> int:
 def _experts(d: _Dims, t: int) -> int:
     pairs = t * d.k
     align = pairs * 6 * I64  # moe_align_block_size's sort keys, order, ranks, destinations
-    if d.silu:  # kernels/fused_moe.py: [T*k, I] hidden, fp32 [T*k, D] output, its fp32 k-sum
-        return align + pairs * d.I * d.b + pairs * d.De * F32 + t * d.De * (F32 + d.b)
-    # one fused pass with the activation outside the GEMM: gathered rows, [T*k, 2I], then [T*k, I]
-    # or the fp32 output and its routing-weighted copy
-    return align + pairs * (d.De * d.b + 2 * d.I * d.b + max(d.I * d.b, 2 * d.De * F32)) + t * d.De * (F32 + d.b)
+    # kernels/fused_moe.py (SiLU or SiTU in its GEMM epilogue): [T*k, I] hidden, fp32 [T*k, D] output,
+    # its fp32 k-sum
+    return align + pairs * d.I * d.b + pairs * d.De * F32 + t * d.De * (F32 + d.b)
 
 
 def _moe(d: _Dims, t: int) -> int:
@@ -213,8 +210,9 @@ def _kda(d: _Dims, shape: StepShape) -> int:
     proj = t * (3 * P + d.hd + d.Hk + (P if d.full_gate else d.hd)) * d.b
     gates = t * P * (d.b + 3 * F32) + t * d.Hk * F32  # f_b_proj's output, fp32 a and g, beta
     o = t * P * d.b
-    # a prefill's state: gathered from its slot, masked, the final one (decodes update in place)
-    state = 3 * shape.prefill_seqs * d.Hk * d.hd * d.hd * F32
+    # a prefill's state: gathered from its slot (then masked: the gather is freed as the product is
+    # made) and the final one, two live at once (engine/layers/kda.py _prefill; decodes update in place)
+    state = 2 * shape.prefill_seqs * d.Hk * d.hd * d.hd * F32
     conv = t * 3 * P * d.b + t * P * 3 * d.b  # the conv's output, the contiguous q/k/v the kernels read
     chunks = cdiv(t, 64) * d.Hk * d.hd * d.hd * F32 + t * d.Hk * 2 * d.hd * F32  # chunked delta rule
     recur = state + conv + (chunks if shape.prefill_seqs else 0)
