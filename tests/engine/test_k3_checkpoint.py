@@ -10,6 +10,8 @@ import random
 import pytest
 import torch
 
+from kernels import cpu_quant_moe
+
 from engine import LLM, SamplingParams
 from tests.helpers.hybrid_driver import HybridDriver
 from tests.helpers.k3_checkpoint import write_k3_checkpoint
@@ -60,12 +62,20 @@ def test_loads_real_layout(k3):
     layer = model.model.layers[1]
     stack = layer.mlp.experts.local
     if drv.config.quantization is not None:
-        # routed experts stay packed, byte for byte; w1 is the gate half of w13, w3 the up half
-        assert stack.fmt == "mxfp4" and stack.w13_weight_packed.dtype == torch.uint8
-        i = stack.w13_weight_packed.shape[1] // 2
-        assert torch.equal(stack.w13_weight_packed[5, :i], tensors["model.layers.1.block_sparse_moe.experts.5.w1.weight_packed"])
-        assert torch.equal(stack.w13_weight_packed[5, i:], tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight_packed"])
-        assert torch.equal(stack.w2_weight_scale[7], tensors["model.layers.1.block_sparse_moe.experts.7.w2.weight_scale"])
+        # routed experts stay packed, byte for byte (on the CPU reordered into the kernels' tiles, which
+        # give the checkpoint layout back); w1 is the gate half of w13, w3 the up half
+        if stack.fmt == "tiles":
+            assert stack.tiled_fmt == "mxfp4" and stack.w13_weight_packed.numel() == 0
+            width = tensors["model.layers.1.block_sparse_moe.experts.7.w2.weight_scale"].shape[0]  # the latent
+            w13, _, _, w2_scale = cpu_quant_moe.unprepare(
+                cpu_quant_moe.TiledExperts("mxfp4", width, stack.inter, stack.w13_tiles, stack.w2_tiles))
+        else:
+            assert stack.fmt == "mxfp4" and stack.w13_weight_packed.dtype == torch.uint8
+            w13, w2_scale = stack.w13_weight_packed, stack.w2_weight_scale
+        i = w13.shape[1] // 2
+        assert torch.equal(w13[5, :i], tensors["model.layers.1.block_sparse_moe.experts.5.w1.weight_packed"])
+        assert torch.equal(w13[5, i:], tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight_packed"])
+        assert torch.equal(w2_scale[7], tensors["model.layers.1.block_sparse_moe.experts.7.w2.weight_scale"])
         # the router, latent projections and shared experts are dense although not in the ignore list
         assert layer.mlp.routed_expert_down_proj.fmt == "dense" and layer.mlp.routed_expert_up_proj.fmt == "dense"
         assert layer.mlp.shared_experts.gate_proj.fmt == "dense"
