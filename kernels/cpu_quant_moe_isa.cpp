@@ -140,17 +140,7 @@ void tile_dot_avx512(const Tiles& t, int64_t tile, int nr, const float* const* x
 #pragma GCC target("avx512f,avx512bw,avx512bf16,avx2,fma")
 namespace {
 
-template <bool kE8M0>
-inline __m512 scales16_bf(const uint8_t* s, int64_t g) {
-  if (kE8M0) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16 * g)));
-    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(b, 23));
-    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512()), _mm512_set1_ps(0x1p-127f));
-    return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(255)), _mm512_set1_ps(NAN));
-  }
-  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32 * g)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-}
+// scales16 and sum4 of the AVX-512 region above serve here too (a superset target may call them).
 
 // nibble -> bf16 bits of its code, 32 entries (entry i = code of i & 15): vpermw reads 5 index bits, so
 // a word shifted by 4j needs no mask.
@@ -163,8 +153,6 @@ inline __m512i bf16_table(const float* lut) {
   }
   return _mm512_load_si512(t);
 }
-
-inline __m512 sum4(const __m512* p) { return _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])); }
 
 template <int C, bool kE8M0>
 void bf16_block(const Tiles& t, const uint8_t* tile, int nr, const uint16_t* const* x, float* out, int64_t os,
@@ -193,7 +181,7 @@ void bf16_block(const Tiles& t, const uint8_t* tile, int nr, const uint16_t* con
           part[c][j] = _mm512_dpbf16_ps(part[c][j], w, (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[c][k])));
       }
     }
-    const __m512 s = scales16_bf<kE8M0>(tile, g);
+    const __m512 s = scales16<kE8M0>(tile, g);
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(sum4(part[c]), s, acc[c]);
   }
