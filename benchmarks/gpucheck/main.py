@@ -75,7 +75,8 @@ def env_rows(emulate: bool) -> list[Row]:
     wheels = fla_wheels()
     rows.append(Row("env", "fla-core wheel", PASS if wheels else SKIP,
                     note=(f"found {wheels[-1].name} (on the sections' PYTHONPATH)" if wheels else
-                          "not found: KDA runs its PyTorch form; pip download --no-deps fla-core -d benchmarks/wheels")))
+                          "not found: on a GPU the K3 rows fail (KDA layers need fla-core); "
+                          "pip download --no-deps fla-core -d benchmarks/wheels")))
     return rows
 
 
