@@ -1,5 +1,5 @@
 """Shared plumbing for the Triton-interpreter test files (``test_triton_interpret`` with its child
-``interpret_cases``, and ``test_fused_small_ops``).
+``interpret_cases``, ``test_fused_small_ops`` and ``test_launch_fusions``).
 
 Each such file registers its cases with ``case``, runs them all once in a fresh child process with
 ``TRITON_INTERPRET=1`` (the interpreter is chosen when ``@triton.jit`` runs, so the variable must be
@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,3 +53,18 @@ def run_interpreted(module: str) -> dict[str, str]:
     if proc.returncode != 0 or not lines:
         pytest.fail(f"interpreter child failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(lines[-1])
+
+
+def child_main(cases: dict[str, Callable]) -> None:
+    """The child's side of ``run_interpreted``: run the named cases (all when none are named on the
+    command line), print ``{case name: "ok" | "ok: note" | traceback}`` as one JSON line, exit 0."""
+    torch.manual_seed(0)
+    results = {}
+    for name in sys.argv[1:] or list(cases):
+        try:
+            note = cases[name]()
+            results[name] = "ok" if note is None else f"ok: {note}"
+        except Exception:
+            results[name] = traceback.format_exc(limit=6)
+    print(json.dumps(results))
+    sys.exit(0)

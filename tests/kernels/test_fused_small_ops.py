@@ -7,10 +7,7 @@ module is imported, and setting it in the pytest process would leak into GPU tes
 ``kernels.launch_count`` to show one fused launch replacing the op-by-op reference's kernels.
 """
 
-import json
 import os
-import sys
-import traceback
 
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"
@@ -18,7 +15,7 @@ if __name__ == "__main__":
 import pytest
 import torch
 
-from tests.helpers.interpret import case_registry, needs_triton, run_interpreted
+from tests.helpers.interpret import case_registry, child_main, needs_triton, run_interpreted
 from tests.helpers.interpret import close as _close
 
 CASES, case = case_registry()
@@ -316,21 +313,8 @@ def launch_count_rope_router_cache_write_vs_reference():
     return "kernels fused vs reference: " + ", ".join(notes)
 
 
-def _run_cases(names):
-    torch.manual_seed(0)
-    results = {}
-    for name in names:
-        try:
-            note = CASES[name]()
-            results[name] = "ok" if note is None else f"ok: {note}"
-        except Exception:
-            results[name] = traceback.format_exc(limit=6)
-    return results
-
-
 if __name__ == "__main__":
-    print(json.dumps(_run_cases(sys.argv[1:] or list(CASES))))
-    sys.exit(0)
+    child_main(CASES)
 
 
 # --- pytest side ------------------------------------------------------------------------------

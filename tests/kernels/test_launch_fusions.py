@@ -7,10 +7,7 @@ buffer. Same plumbing as ``test_fused_small_ops``: the cases run once in a child
 interpreter on, each reported as its own test; the launch-count cases show the launches saved.
 """
 
-import json
 import os
-import sys
-import traceback
 
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"
@@ -19,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers.interpret import case_registry, needs_triton, run_interpreted
+from tests.helpers.interpret import case_registry, child_main, needs_triton, run_interpreted
 from tests.helpers.interpret import close as _close
 
 CASES, case = case_registry()
@@ -277,21 +274,8 @@ def launch_counts_of_the_cuts():
     return ", ".join(notes)
 
 
-def _run_cases(names):
-    torch.manual_seed(0)
-    results = {}
-    for name in names:
-        try:
-            note = CASES[name]()
-            results[name] = "ok" if note is None else f"ok: {note}"
-        except Exception:
-            results[name] = traceback.format_exc(limit=6)
-    return results
-
-
 if __name__ == "__main__":
-    print(json.dumps(_run_cases(sys.argv[1:] or list(CASES))))
-    sys.exit(0)
+    child_main(CASES)
 
 
 # --- pytest side ------------------------------------------------------------------------------
