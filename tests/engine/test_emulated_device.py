@@ -121,25 +121,16 @@ def test_plain_small_ops_match_their_kernels_references():
 
 
 def _child(path: str, dtype: str) -> None:
-    from engine import LLM, SamplingParams
+    from engine import LLM
     from kernels.backend import Backend
-    from kernels.launch_count import count_launches
+    from tests.helpers.greedy_run import greedy_run
 
     llm = LLM(path, dtype=dtype, max_model_len=64, max_num_seqs=2, enable_prefix_caching=False)
     model = llm.engine.model
     backends = sorted({type(m.ops).__name__ for m in model.modules() if isinstance(getattr(m, "ops", None), Backend)})
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0, prompt_logprobs=0)
-    with count_launches() as counts:
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    result = {"backends": backends, "tokens": [], "prompt_lp": [], "gen_lp": [],
-              "triton_launches": sum(counts.triton.values())}
-    for prompt, out in zip(PROMPTS, outs):
-        gen = out.outputs[0]
-        result["tokens"].append(list(gen.token_ids))
-        result["prompt_lp"].append([d[t] for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
-        result["gen_lp"].append([d[t] for d, t in zip(gen.logprobs, gen.token_ids)])
+    record, counts = greedy_run(llm, PROMPTS, MAX_TOKENS)
     llm.shutdown()
-    print(json.dumps(result))
+    print(json.dumps({"backends": backends, **record, "triton_launches": sum(counts.triton.values())}))
 
 
 if __name__ == "__main__":

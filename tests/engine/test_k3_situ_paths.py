@@ -124,9 +124,9 @@ def test_a_backend_without_situ_experts_is_refused_at_load(ckpt):
 
 
 def _child(path: str, dtype: str, offload: str) -> None:
-    from engine import LLM, SamplingParams
+    from engine import LLM
     from engine.layers.moe import RoutedExperts
-    from kernels.launch_count import count_launches
+    from tests.helpers.greedy_run import greedy_run
 
     llm = LLM(path, dtype=dtype, max_model_len=64, max_num_seqs=2, enable_prefix_caching=False,
               cpu_offload=offload if offload == "none" else int(offload))
@@ -138,19 +138,11 @@ def _child(path: str, dtype: str, offload: str) -> None:
             if stack is not None:
                 assert stack.activation is not None and stack.activation.kind == "situ"
                 stacks.setdefault(name, set()).add(type(stack.ops).__name__)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0, prompt_logprobs=0)
-    with torch.inference_mode(), count_launches() as counts:
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    result = {"stacks": {k: sorted(v) for k, v in sorted(stacks.items())}, "triton": dict(counts.triton),
-              "host_experts": [m.host.num for m in experts if m.host is not None], "tokens": [], "prompt_lp": [],
-              "gen_lp": []}
-    for prompt, out in zip(PROMPTS, outs):
-        gen = out.outputs[0]
-        result["tokens"].append(list(gen.token_ids))
-        result["prompt_lp"].append([d[t] for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
-        result["gen_lp"].append([d[t] for d, t in zip(gen.logprobs, gen.token_ids)])
+    with torch.inference_mode():
+        record, counts = greedy_run(llm, PROMPTS, MAX_TOKENS)
     llm.shutdown()
-    print(json.dumps(result))
+    print(json.dumps({"stacks": {k: sorted(v) for k, v in sorted(stacks.items())}, "triton": dict(counts.triton),
+                      "host_experts": [m.host.num for m in experts if m.host is not None], **record}))
 
 
 if __name__ == "__main__":

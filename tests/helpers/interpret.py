@@ -1,5 +1,6 @@
 """Shared plumbing for the Triton-interpreter test files (``test_triton_interpret`` with its child
-``interpret_cases``, ``test_fused_small_ops`` and ``test_launch_fusions``).
+``interpret_cases``, ``fused_moe_situ_cases``, ``test_fused_small_ops`` and
+``test_launch_fusions``).
 
 Each such file registers its cases with ``case``, runs them all once in a fresh child process with
 ``TRITON_INTERPRET=1`` (the interpreter is chosen when ``@triton.jit`` runs, so the variable must be

@@ -7,17 +7,14 @@ and up reach several betas: the tanh bounds are exercised, not only their linear
 and fp16 only (the interpreter's bf16 dot is wrong, triton issue #11584).
 """
 
-import json
 import os
-import sys
-import traceback
 
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
-from tests.helpers.interpret import case_registry
+from tests.helpers.interpret import case_registry, child_main
 from tests.helpers.interpret import close as _close
 
 CASES, case = case_registry()
@@ -131,17 +128,5 @@ def silu_spelled_out_equals_the_default():
     assert torch.equal(fused_moe(x, ids, w, w13, w2), fused_moe(x, ids, w, w13, w2, activation=GatedActivation()))
 
 
-def main(names):
-    torch.manual_seed(0)
-    results = {}
-    for name in names or CASES:
-        try:
-            CASES[name]()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    child_main(CASES)

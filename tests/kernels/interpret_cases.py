@@ -9,17 +9,14 @@ The interpreter's ``tl.dot`` is wrong for bf16 (it multiplies the raw uint16 bit
 #11584), so cases use fp32 and fp16.
 """
 
-import json
 import os
-import sys
-import traceback
 
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
-from tests.helpers.interpret import case_registry
+from tests.helpers.interpret import case_registry, child_main
 from tests.helpers.interpret import close as _close
 
 CASES, case = case_registry()
@@ -264,17 +261,5 @@ def engine_on_the_device_path_matches_the_cpu_path():
                     assert abs(a[t] - b[t]) < 1e-3, (method, a[t], b[t])
 
 
-def main(names):
-    torch.manual_seed(0)
-    results = {}
-    for name in names or CASES:
-        try:
-            CASES[name]()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    child_main(CASES)

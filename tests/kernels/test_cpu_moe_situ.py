@@ -13,31 +13,11 @@ from kernels import reference as R
 from kernels.activation import GatedActivation
 from kernels.cpu_backend import CpuBackend
 from kernels.settings import KernelSettings
+from tests.helpers.moe_oracle import moe64
 
 # beta 0.5 with up bounded at 0.75; Moonshot's default beta 1.0 with up unbounded
 ACTS = [GatedActivation("situ", 0.5, 0.75), GatedActivation("situ", 1.0, None)]
 ACT_IDS = ["beta0.5_lin0.75", "beta1_unbounded"]
-
-
-def _situ64(gate, up, act):
-    # SiTU in float64, from its definition (Kimi K3 tech report, arXiv:2607.24653)
-    g = act.beta * torch.tanh(gate / act.beta) * torch.sigmoid(gate)
-    u = up if act.linear_beta is None else act.linear_beta * torch.tanh(up / act.linear_beta)
-    return g * u
-
-
-def _oracle(x, ids, weights, w13, w2, act):
-    # float64, pair by pair; w13 [E, 2I, D], w2 [E, D, I] already dequantised
-    x, w13, w2 = x.double(), w13.double(), w2.double()
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
-    inter = w13.shape[1] // 2
-    for t in range(x.shape[0]):
-        for s in range(ids.shape[1]):
-            e = int(ids[t, s])
-            if 0 <= e < w13.shape[0]:
-                gu = w13[e] @ x[t]
-                out[t] += float(weights[t, s]) * (w2[e] @ _situ64(gu[:inter], gu[inter:], act))
-    return out
 
 
 def _case(t, e=5, d=64, inter=32, k=3, seed=0):
@@ -62,7 +42,7 @@ def _stack(quantize, w):
 @pytest.mark.parametrize("t", [1, 9])
 def test_dense_paths(act, t):
     x, ids, w, w13, w2 = _case(t, seed=t)
-    want = _oracle(x, ids, w, w13, w2, act)
+    want = moe64(x, ids, w, w13, w2, act)
     silu = R.moe_experts_reference(x, ids, w, w13, w2)
     assert _err(silu, want) > 1e-2  # SiTU is not SwiGLU here: the oracle can tell them apart
     assert _err(R.moe_experts_reference(x, ids, w, w13, w2, act), want) < 1e-5
@@ -73,7 +53,7 @@ def test_dense_paths(act, t):
         # a batch large enough for the BLAS branch of an expert (kGemmPairs pairs)
         xb, idb, wb, _, _ = _case(200, seed=5)
         got = cpu_few_rows.moe(xb, idb, wb, w13, w2, act="situ", beta=act.beta, linear_beta=act.linear_beta)
-        assert _err(got, _oracle(xb, idb, wb, w13, w2, act)) < 1e-5
+        assert _err(got, moe64(xb, idb, wb, w13, w2, act)) < 1e-5
     for cpu_kernels in (True, False):
         ops = CpuBackend(KernelSettings(cpu_kernels=cpu_kernels))
         assert _err(ops.moe_experts(x, ids, w, w13, w2, activation=act), want) < 1e-5
@@ -85,18 +65,18 @@ def test_quantised_pytorch_paths(act):
     p13, s13 = _stack(R.quantize_int4, w13)
     p2, s2 = _stack(R.quantize_int4, w2)
     d13, d2 = R.dequant_int4(p13, s13, 64, 32, torch.float64), R.dequant_int4(p2, s2, 32, 32, torch.float64)
-    want = _oracle(x, ids, w, d13, d2, act)
+    want = moe64(x, ids, w, d13, d2, act)
     assert _err(R.moe_experts_reference_w4a16(x, ids, w, p13, s13, p2, s2, 32, act), want) < 1e-5
     assert _err(cpu_moe.moe_experts_w4a16(x, ids, w, p13, s13, p2, s2, 32, act), want) < 1e-5
     m13, ms13 = _stack(R.quantize_mxfp4, w13)
     m2, ms2 = _stack(R.quantize_mxfp4, w2)
-    want = _oracle(x, ids, w, R.dequant_mxfp4(m13, ms13, torch.float64), R.dequant_mxfp4(m2, ms2, torch.float64), act)
+    want = moe64(x, ids, w, R.dequant_mxfp4(m13, ms13, torch.float64), R.dequant_mxfp4(m2, ms2, torch.float64), act)
     assert _err(R.moe_experts_reference_mxfp4(x, ids, w, m13, ms13, m2, ms2, act), want) < 1e-5
     assert _err(cpu_moe.moe_experts_mxfp4(x, ids, w, m13, ms13, m2, ms2, act), want) < 1e-5
     block = (16, 32)
     f13, fs13 = _stack(lambda m: R.quantize_fp8_block(m, block), w13)
     f2, fs2 = _stack(lambda m: R.quantize_fp8_block(m, block), w2)
-    want = _oracle(x, ids, w, R.dequant_fp8_block(f13, fs13, block, torch.float64),
+    want = moe64(x, ids, w, R.dequant_fp8_block(f13, fs13, block, torch.float64),
                    R.dequant_fp8_block(f2, fs2, block, torch.float64), act)
     assert _err(R.moe_experts_reference_fp8(x, ids, w, f13, fs13, f2, fs2, block, act), want) < 1e-5
     assert _err(cpu_moe.moe_experts_fp8(x, ids, w, f13, fs13, f2, fs2, block, act), want) < 1e-5
@@ -110,7 +90,7 @@ def test_int4pack_path():
     x, ids, w, w13, w2 = _case(6, seed=4)
     p13, s13 = _stack(R.quantize_int4, w13)
     p2, s2 = _stack(R.quantize_int4, w2)
-    want = _oracle(x, ids, w, R.dequant_int4(p13, s13, 64, 32, torch.float64),
+    want = moe64(x, ids, w, R.dequant_int4(p13, s13, 64, 32, torch.float64),
                    R.dequant_int4(p2, s2, 32, 32, torch.float64), act)
     packed = (*cpu_moe.prepack_int4_stack(p13, s13, 64, 32, torch.bfloat16),
               *cpu_moe.prepack_int4_stack(p2, s2, 32, 32, torch.bfloat16))
@@ -137,7 +117,7 @@ def test_packed_cxx_moe(isa, fmt, act):
         p13, s13 = _stack(R.quantize_mxfp4, w13)
         p2, s2 = _stack(R.quantize_mxfp4, w2)
         d13, d2 = R.dequant_mxfp4(p13, s13, torch.float64), R.dequant_mxfp4(p2, s2, torch.float64)
-    want = _oracle(x, ids, w, d13, d2, act)
+    want = moe64(x, ids, w, d13, d2, act)
     for xs, idx, ws, ref in ((x, ids, w, want), (x[:1], ids[:1], w[:1], want[:1])):
         got = cpu_quant_moe.moe(xs, idx, ws, fmt, p13, s13, p2, s2, 32, isa_name=isa, act="situ", beta=act.beta,
                                 linear_beta=act.linear_beta)

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels import cpu_quant_moe, cpu_quant_moe_layout as layout, reference as R
 from kernels.cpu_backend import CpuBackend
+from tests.helpers.moe_oracle import moe64
 
 pytestmark = pytest.mark.skipif(not cpu_quant_moe.available(), reason="the C++ extension does not build here")
 
@@ -31,19 +31,6 @@ def _experts(fmt, e, n, k, seed, group=32):
     parts = [R.quantize_mxfp4(w[i]) for i in range(e)]
     packed, scale = torch.stack([p for p, _ in parts]), torch.stack([s for _, s in parts])
     return packed, scale, R.dequant_mxfp4(packed, scale, torch.float64)
-
-
-def _oracle(x, ids, weights, w13, w2):
-    # float64, pair by pair: y_t = sum_k w_tk * w2[e] @ (silu(gate_e x_t) * up_e x_t)
-    x, out = x.double(), torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
-    inter = w13.shape[1] // 2
-    for t in range(x.shape[0]):
-        for s in range(ids.shape[1]):
-            e = int(ids[t, s])
-            if 0 <= e < w13.shape[0]:
-                gu = w13[e] @ x[t]
-                out[t] += float(weights[t, s]) * (w2[e] @ (F.silu(gu[:inter]) * gu[inter:]))
-    return out
 
 
 # Shapes with tails: hidden 72 (INT4: a 32-column group cut at 8, a packed row of 36 bytes), expert
@@ -65,7 +52,7 @@ def test_matches_float64_dequantised(isa, fmt, hidden, inter, dtype):
         wts = torch.rand(tokens, top_k, generator=g)
         y = cpu_quant_moe.moe(x, ids, wts, fmt, p13, s13, p2, s2, 32, isa_name=isa)
         assert y.dtype == dtype and y.shape == (tokens, hidden)
-        ref = _oracle(x.float(), ids, wts, w13, w2)
+        ref = moe64(x.float(), ids, wts, w13, w2)
         tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
         err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < tol, f"{fmt} {isa} {dtype} tokens={tokens}: relative error {err:.2e}"
