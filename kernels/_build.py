@@ -2,17 +2,27 @@
 
 Both are built on first use by ``torch.utils.cpp_extension.load`` into ``TORCH_EXTENSIONS_DIR``.
 A failed build (no compiler, no ninja, an unsupported platform) is not an error: the caller gets
-None, logs one warning and keeps its PyTorch path. Each module keeps its own build tag (what makes
-its cached copy stale differs: ``-march=native`` code depends on the CPU, portable code does not).
+None, logs one warning and keeps its PyTorch path. Each module names its cached copy with
+``build_tag`` and what else makes that copy stale (``-march=native`` code depends on the CPU,
+portable code does not).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
 from pathlib import Path
 from types import ModuleType
+
+
+def build_tag(sources: list[Path], headers: list[Path], extra: str = "") -> str:
+    """A short hash naming one build: torch rebuilds when a source changes, not a header, so the headers'
+    text is part of the name, as is the first source's path (two checkouts must not rebuild each
+    other's copy) and ``extra`` (whatever else the compiled code depends on)."""
+    key = f"{extra} {sources[0].resolve()}".encode() + b"".join(h.read_bytes() for h in headers)
+    return hashlib.sha1(key).hexdigest()[:10]
 
 
 def built(name: str) -> bool:

@@ -18,6 +18,8 @@
 #include <tuple>
 #include <vector>
 
+#include "gated_act.h"
+
 #if defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -121,10 +123,7 @@ inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
 inline void gated_mul(const float* g, const float* u, float* out, int64_t n, int64_t act, float beta,
                       float linear_beta) {
   if (act == 0) return silu_mul(g, u, out, n);
-  for (int64_t j = 0; j < n; ++j) {
-    const float up = linear_beta > 0.0f ? linear_beta * std::tanh(u[j] / linear_beta) : u[j];
-    out[j] = beta * std::tanh(g[j] / beta) / (1.0f + std::exp(-g[j])) * up;
-  }
+  for (int64_t j = 0; j < n; ++j) out[j] = situ_mul(g[j], u[j], beta, linear_beta);
 }
 
 // Prefetch into L2 the float at p + offset. The address is formed in integer arithmetic: the

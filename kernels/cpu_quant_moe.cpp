@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cpu_quant_moe_common.h"
+#include "gated_act.h"
 
 namespace cpu_quant_moe {
 float g_e8m0[256];
@@ -76,15 +77,12 @@ Tiles expert_tiles(const torch::Tensor& t, int64_t e, int64_t K, bool mxfp4) {
 }
 
 // The gated activation of phase 1's epilogue, as kernels/activation.py: SiLU (act 0) silu(g) * u, or
-// SiTU (act 1) beta * tanh(g / beta) * sigmoid(g) times linear_beta * tanh(u / linear_beta) (u itself
-// when linear_beta <= 0, i.e. None), all in float32.
+// SiTU (act 1, gated_act.h), in float32.
 struct GatedAct {
   int64_t act;
   float beta, linear_beta;
   float operator()(float g, float u) const {
-    if (act == 0) return g / (1.0f + std::exp(-g)) * u;
-    const float gate = beta * std::tanh(g / beta) / (1.0f + std::exp(-g));
-    return gate * (linear_beta > 0.0f ? linear_beta * std::tanh(u / linear_beta) : u);
+    return act == 0 ? g / (1.0f + std::exp(-g)) * u : situ_mul(g, u, beta, linear_beta);
   }
 };
 

@@ -23,7 +23,6 @@ a bf16 model computes it; everywhere else activations are float32. ``isa()`` nam
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 from pathlib import Path
@@ -33,24 +32,17 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_quant_moe_layout as layout
-from kernels._build import load_extension
+from kernels._build import build_tag, load_extension
 
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "cpu_quant_moe.cpp", _DIR / "cpu_quant_moe_isa.cpp"]
-_HEADERS = [_DIR / "cpu_quant_moe_common.h"]
+_HEADERS = [_DIR / "cpu_quant_moe_common.h", _DIR / "gated_act.h"]
 # KIMITUI_CPU_ISA values by code (the C++ best_isa()), narrowest first, and the names isa() prints.
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 ISA_NAMES = {0: "scalar", 1: "avx2+fma", 2: "avx512", 3: "avx512bf16"}
 ENV_ISA = "KIMITUI_CPU_ISA"
-
-
-def _build_tag() -> str:
-    # torch rebuilds when a source changes, not a header: the headers' text is part of the name, as is
-    # the source path (two checkouts must not rebuild each other's copy).
-    key = str(_SOURCES[0].resolve()).encode() + b"".join(h.read_bytes() for h in _HEADERS)
-    return hashlib.sha1(key).hexdigest()[:10]
 
 
 @functools.cache
@@ -58,7 +50,7 @@ def _module():
     if os.environ.get("KIMITUI_CPU_KERNELS", "1").lower() in ("0", "false", "off"):
         return None
     return load_extension(
-        f"kimitui_cpu_quant_moe_{_build_tag()}",
+        f"kimitui_cpu_quant_moe_{build_tag(_SOURCES, _HEADERS)}",
         _SOURCES,
         # no -march: each path carries its own target pragma, the portable one runs anywhere
         ["-O3", "-ffp-contract=off", "-fopenmp"],
