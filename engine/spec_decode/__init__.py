@@ -1,0 +1,13 @@
+"""Speculative decoding: proposers draft tokens, the target model verifies them in one step.
+
+- ``config.py``: ``SpeculativeConfig``, vLLM's ``speculative_config`` dict, validated once.
+- ``proposer.py``: the proposer interface the engine calls after every step.
+- ``ngram.py`` / ``suffix.py``: draft-model-free proposers (prompt lookup, suffix tree).
+- ``eagle3*.py``: EAGLE-3 drafters over a Kimi K2.x target's hidden states.
+- ``rejection.py``: the verification rule (greedy, and standard rejection sampling otherwise).
+- ``stats.py``: acceptance counters (vLLM's ``spec_decode_*``).
+"""
+
+from engine.spec_decode.config import SpeculativeConfig
+
+__all__ = ["SpeculativeConfig"]
