@@ -37,10 +37,12 @@ With those, everything below runs. Not covered here: bf16 inputs (the interprete
 multiplies raw bits, triton issue #11584), fp32 TF32 dots and the config fla's autotuner picks on a
 real GPU, and the backward kernels (inference does not use them).
 
-Speed (2-core VM, triton 3.9, shared with other jobs): fla's default intra-chunk kernel
-(``chunk_kda_fwd_kernel_intra_token_parallel``) runs one program per token with a 20-step binary
-search over ``cu_seqlens`` and dominates; the safe-gate path is several times cheaper. Cases that
-take longer are marked slow (``-m slow``).
+Speed (CPU seconds on a 2-core VM shared with other jobs, triton 3.9): importing fla (it pulls in
+all of ``fla.ops`` and torch's inductor) ~10 s; the wrapper's chunk case ~9 s, of which fla's default
+intra-chunk kernel (``chunk_kda_fwd_kernel_intra_token_parallel``: one program per token, each with a
+20-step binary search over ``cu_seqlens``) takes ~6 s; the same sizes through the safe-gate kernel
+(``chunk_kda_fwd_kernel_intra_sub_chunk``) ~0.9 s; decode and conv cases 0.3-2 s. The two slow cases
+(``-m slow``: 230 rows of 4 heads, fp16 inputs) take ~40 s and ~10 s.
 """
 
 import os
@@ -85,7 +87,8 @@ def _interpreter_workarounds(gather) -> None:
     def visit_for(self, node):
         node = self.generic_visit(node)
         fn = node.iter.func if isinstance(node.iter, ast.Call) else None
-        is_range = (isinstance(fn, ast.Name) and fn.id == "range") or (isinstance(fn, ast.Attribute) and fn.attr == "range")
+        is_range = (isinstance(fn, ast.Name) and fn.id == "range") or \
+            (isinstance(fn, ast.Attribute) and fn.attr == "range")
         if is_range and isinstance(node.target, ast.Name):
             name = node.target.id
             wrap = ast.Call(func=ast.Attribute(value=ast.Name(id="interpreter_semantic", ctx=ast.Load()),
@@ -99,6 +102,11 @@ def _interpreter_workarounds(gather) -> None:
     import fla.ops.kda.chunk_intra
 
     fla.ops.kda.chunk_intra.gather = gather
+
+
+def _scale(K: int) -> float:
+    """Not fla's default (K ** -0.5), so a scale the wrapper failed to pass would show."""
+    return 0.7 * K**-0.5
 
 
 def _close(got, want, what, tol=TOL):
@@ -129,7 +137,7 @@ def _chunk_through_wrapper(cu, H, K, V, dtype=torch.float32):
     assert not q.is_contiguous()
     g, beta = _gates(T, H, K)
     h0 = torch.randn(N, H, K, V)
-    scale = K**-0.5
+    scale = _scale(K)
     start = time.process_time()
     o, final = kda_fla.chunk_kda(q, k, v, g, beta, h0, cu_seqlens, scale)
     spent = time.process_time() - start
@@ -137,7 +145,8 @@ def _chunk_through_wrapper(cu, H, K, V, dtype=torch.float32):
     want_o, want_final = kda.chunk_kda(q, k, v, g, beta, h0, cu_seqlens, scale)
     # fp16 inputs: fla keeps its intermediates (w, u, the per-chunk states) in the input dtype.
     tol = TOL if dtype == torch.float32 else 2e-3
-    errs = [_close(o, want_o, "o vs kda.chunk_kda", tol), _close(final, want_final, "final state vs kda.chunk_kda", tol)]
+    errs = [_close(o, want_o, "o vs kda.chunk_kda", tol),
+            _close(final, want_final, "final state vs kda.chunk_kda", tol)]
     oracle_o, oracle_final = ref.kda_recurrence_reference(q, k, v, g, beta, h0, cu_seqlens, scale)
     errs += [_close(o, oracle_o, "o vs per-token oracle", tol), _close(final, oracle_final, "final vs oracle", tol)]
     return f"max err {max(errs):.1e}, fla {spent:.1f} s cpu"
@@ -171,9 +180,9 @@ def recurrent_kda_wrapper_decode_slots():
         q, k, v = _qkv_views(N, H, K, V)
         g, beta = _gates(N, H, K)
         t0 = time.process_time()
-        o = kda_fla.recurrent_kda(q, k, v, g, beta, pool, slots, K**-0.5)
+        o = kda_fla.recurrent_kda(q, k, v, g, beta, pool, slots, _scale(K))
         spent += time.process_time() - t0
-        want = kda.recurrent_kda(q, k, v, g, beta, pool_ours, slots, K**-0.5)
+        want = kda.recurrent_kda(q, k, v, g, beta, pool_ours, slots, _scale(K))
         _close(o, want, "o vs kda.recurrent_kda")
         outs.append(o)
         ins.append((q, k, v, g, beta))
@@ -181,7 +190,7 @@ def recurrent_kda_wrapper_decode_slots():
     assert torch.equal(pool[[1, 3]], before[[1, 3]]), "slots outside `slots` changed"
     # The same tokens as N packed sequences of `steps` rows through the per-token oracle.
     packed = [torch.stack([step[j] for step in ins], 1).flatten(0, 1) for j in range(5)]
-    o_ref, final_ref = ref.kda_recurrence_reference(*packed, before[slots], torch.arange(N + 1) * steps, K**-0.5)
+    o_ref, final_ref = ref.kda_recurrence_reference(*packed, before[slots], torch.arange(N + 1) * steps, _scale(K))
     err = _close(torch.stack(outs, 1).flatten(0, 1), o_ref, "o vs oracle")
     _close(pool[slots], final_ref, "states vs oracle")
     return f"max err {err:.1e}, fla {spent:.1f} s cpu for {steps} steps"
@@ -239,16 +248,16 @@ def chunk_kda_safe_gate_in_kernel_k3():
     h0 = torch.randn(N, H, K, V)
     t0 = time.process_time()
     o, final = fla.ops.kda.chunk_kda(
-        q[None], k[None], v[None], a_raw[None], beta[None], scale=K**-0.5, initial_state=h0,
+        q[None], k[None], v[None], a_raw[None], beta[None], scale=_scale(K), initial_state=h0,
         output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, safe_gate=True,
         lower_bound=LOWER_BOUND, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu)
     spent = time.process_time() - t0
     g = kda_gate(a_raw + dt_bias.view(H, K), A_log, LOWER_BOUND)
-    want_o, want_final = kda.chunk_kda(q, k, v, g, beta, h0, cu, K**-0.5)
+    want_o, want_final = kda.chunk_kda(q, k, v, g, beta, h0, cu, _scale(K))
     errs = [_close(o[0], want_o, "o"), _close(final, want_final, "final state")]
     # The same safe-gate kernels with the gate precomputed (what the wrapper could pass for K3).
     o2, final2 = fla.ops.kda.chunk_kda(
-        q[None], k[None], v[None], g[None], beta[None], scale=K**-0.5, initial_state=h0,
+        q[None], k[None], v[None], g[None], beta[None], scale=_scale(K), initial_state=h0,
         output_final_state=True, use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=LOWER_BOUND,
         cu_seqlens=cu)
     errs += [_close(o2[0], want_o, "o, precomputed gate"), _close(final2, want_final, "final, precomputed gate")]
@@ -271,11 +280,11 @@ def fused_recurrent_kda_gate_in_kernel_k3():
     pool_ours = pool.clone()
     o, _ = fused_recurrent_kda_fwd(
         q[:, None], k[:, None], v[:, None], a_raw[:, None], b_logit[:, None], A_log=A_log, dt_bias=dt_bias,
-        initial_state=pool, scale=K**-0.5, inplace_final_state=True, ssm_state_indices=slots.int(),
+        initial_state=pool, scale=_scale(K), inplace_final_state=True, ssm_state_indices=slots.int(),
         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
         lower_bound=LOWER_BOUND)
     g = kda_gate(a_raw + dt_bias.view(H, K), A_log, LOWER_BOUND)
-    want = kda.recurrent_kda(q, k, v, g, torch.sigmoid(b_logit), pool_ours, slots, K**-0.5)
+    want = kda.recurrent_kda(q, k, v, g, torch.sigmoid(b_logit), pool_ours, slots, _scale(K))
     return f"max err {max(_close(o[:, 0], want, 'o'), _close(pool, pool_ours, 'state pool')):.1e}"
 
 
@@ -285,31 +294,47 @@ def fused_recurrent_kda_spec_decode_semantics():
 
     from kernels import reference as ref
 
-    # Speculative decoding (verify pass): each sequence n feeds T = 1 + drafts tokens.
-    # ssm_state_indices [N, T] int32: the state after token t is written in place to pool row
-    # indices[n, t]; the state read at the start is pool row indices[n, num_accepted_tokens[n] - 1]
-    # (the slot holding the state after the last token accepted in the previous step).
-    H, K, V, N, T = 2, 32, 32, 2, 3
-    pool = torch.randn(8, H, K, V)
-    before = pool.clone()
-    indices = torch.tensor([[1, 4, 6], [0, 3, 5]], dtype=torch.int32)
-    accepted = torch.tensor([2, 1], dtype=torch.int32)  # seq 0 reads row 4, seq 1 reads row 0
-    q, k, v = torch.randn(N, T, H, K), torch.randn(N, T, H, K), torch.randn(N, T, H, V)
-    g, beta = LOWER_BOUND * torch.sigmoid(torch.randn(N, T, H, K)), torch.rand(N, T, H)
-    o, _ = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, scale=K**-0.5, inplace_final_state=True,
-                                   ssm_state_indices=indices, num_accepted_tokens=accepted,
-                                   use_qk_l2norm_in_kernel=True)
-    errs = []
-    for n in range(N):
-        start = before[indices[n, accepted[n] - 1].long()][None]
-        for t in range(T):  # the state after t + 1 tokens
-            rows = slice(0, t + 1)
-            o_ref, s_ref = ref.kda_recurrence_reference(q[n, rows], k[n, rows], v[n, rows], g[n, rows],
-                                                        beta[n, rows], start, torch.tensor([0, t + 1]), K**-0.5)
-            errs.append(_close(pool[indices[n, t].long()], s_ref[0], f"seq {n} state after token {t}"))
-        errs.append(_close(o[n], o_ref, f"seq {n} outputs"))
-    assert torch.equal(pool[[2, 7]], before[[2, 7]]), "rows outside ssm_state_indices changed"
-    return f"max err {max(errs):.1e}"
+    # Speculative decoding (verify pass): sequence n feeds T_n = 1 + drafts tokens. With
+    # ssm_state_indices [N, max T] int32 (contiguous rows) and num_accepted_tokens [N] int32, the
+    # state read at the start is pool row indices[n, num_accepted_tokens[n] - 1] (the slot holding
+    # the state after the last token accepted in the previous step) and the state after token t is
+    # written in place to pool row indices[n, t]; no other row is touched. Both layouts: batched
+    # [N, T, ...] and varlen ([1, sum T_n, ...] with cu_seqlens, rows of indices padded).
+    H, K, V = 2, 32, 32
+    notes = []
+    for layout, lens in (("batched", [3, 3]), ("varlen", [3, 1])):
+        N, total = len(lens), sum(lens)
+        pool = torch.randn(8, H, K, V)
+        before = pool.clone()
+        indices = torch.tensor([[1, 4, 6], [0, 3, 5]], dtype=torch.int32)
+        accepted = torch.tensor([2, 3], dtype=torch.int32)  # seq 0 reads row 4, seq 1 row 5
+        q, k, v = torch.randn(total, H, K), torch.randn(total, H, K), torch.randn(total, H, V)
+        g, beta = LOWER_BOUND * torch.sigmoid(torch.randn(total, H, K)), torch.rand(total, H)
+        if layout == "batched":
+            args = [t.view(N, lens[0], *t.shape[1:]) for t in (q, k, v, g, beta)]
+            cu = None
+        else:
+            args = [t[None] for t in (q, k, v, g, beta)]
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        o, _ = fused_recurrent_kda_fwd(*args, initial_state=pool, scale=_scale(K), inplace_final_state=True,
+                                       ssm_state_indices=indices, num_accepted_tokens=accepted,
+                                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+        o = o.reshape(total, H, V)
+        errs, bos, written = [], 0, set()
+        for n, length in enumerate(lens):
+            start = before[indices[n, accepted[n] - 1].long()][None]
+            for t in range(length):  # the state after t + 1 tokens
+                rows = slice(bos, bos + t + 1)
+                o_ref, s_ref = ref.kda_recurrence_reference(q[rows], k[rows], v[rows], g[rows], beta[rows], start,
+                                                            torch.tensor([0, t + 1]), _scale(K))
+                errs.append(_close(pool[indices[n, t].long()], s_ref[0], f"{layout}: seq {n} state after token {t}"))
+                written.add(int(indices[n, t]))
+            errs.append(_close(o[bos:bos + length], o_ref, f"{layout}: seq {n} outputs"))
+            bos += length
+        others = [r for r in range(8) if r not in written]
+        assert torch.equal(pool[others], before[others]), f"{layout}: rows outside the written slots changed"
+        notes.append(f"{layout} max err {max(errs):.1e}")
+    return ", ".join(notes)
 
 
 # --- larger K3-like cases (slow under the interpreter) -----------------------------------------
