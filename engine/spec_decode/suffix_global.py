@@ -35,7 +35,7 @@ class GlobalSuffixCache:
         self.max_cached_requests = max_cached_requests
         self.max_cached_tokens = max_cached_tokens
         self.max_candidates = max_candidates
-        self.buf = np.full(1024, SENTINEL, dtype=np.int32)
+        self.buf = np.full(min(1024, 1 << (max_cached_tokens - 1).bit_length()), SENTINEL, dtype=np.int32)
         self.lo = 0  # absolute position of the oldest live token
         self.head = 0  # next absolute position to write
         self._spans: OrderedDict[int, tuple[int, int]] = OrderedDict()  # serial -> (start, end incl. sentinel)
