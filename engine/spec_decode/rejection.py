@@ -105,7 +105,8 @@ def rejection_sample(logits: torch.Tensor, num_drafts: list[int], draft_token_id
     q_start = torch.cumsum(k_t, 0) - k_t  # [N]
     row_of_t = (q_start + torch.arange(n, device=device))[:, None] + torch.minimum(positions[None, :], k_t[:, None])
     q_of_t = (q_start[:, None] + positions[None, :]).clamp(max=max(total - 1, 0))  # [N, max_k + 1]
-    seq_of_row_t = torch.repeat_interleave(torch.arange(n, device=device), k_t + 1, output_size=total + n)
+    # the sequence of each logits row: [R] (searchsorted, unlike repeat_interleave, never sizes on the host)
+    seq_of_row_t = torch.searchsorted(torch.cumsum(k_t + 1, 0), torch.arange(total + n, device=device), right=True)
     drafts_t = flat_drafts[q_of_t[:, :max_k]]  # [N, max_k]; entries past k_i are never read as drafts
 
     greedy_seq = batch.temperature == 0  # [N]

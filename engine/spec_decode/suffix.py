@@ -26,8 +26,12 @@ time, a busy 2-core x86 machine, 500k tokens in the global cache): about 0.3 ms 
 a finished 500-token output into the global cache. Memory: the histories of live requests (4 bytes
 a token) and the bounded global cache.
 
-``finish`` sees only the tokens of the last ``propose``: the request's final sampled token(s) do
-not reach the global cache.
+Where this differs from the reference: a request's output joins the global cache when it
+finishes (arctic-inference adds it token by token, so running requests see each other's outputs);
+``finish`` sees only the tokens of the last ``propose``, so the final sampled token(s) are not
+cached; equally frequent continuations go to the most recent occurrence (the reference's order is
+its hash map's); and the global side reads at most the 4096 most recent occurrences of the
+context's last token (``suffix_global.py``).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import torch
 from engine.layers.sampler import SamplingBatch, sample
 from engine.spec_decode import rejection
 from engine.spec_decode.rejection import rejection_sample, to_lists
+from kernels.launch_count import count_launches
 
 
 def make_batch(temps, top_ks=None, top_ps=None, generators=None) -> SamplingBatch:
@@ -39,6 +40,19 @@ def test_greedy_accepts_while_draft_is_argmax_then_the_argmax():
     assert out.dtype == torch.int64 and out.shape == (4, 4)
     assert to_lists(out) == [argmax[0:4], [argmax[4]], [argmax[5]], [argmax[8], argmax[9]]]
     assert out[1].tolist() == [argmax[4], -1, -1, -1]
+
+
+@pytest.mark.parametrize("with_draft_probs", [False, True])
+def test_no_host_sync(with_draft_probs):
+    torch.manual_seed(4)
+    ks = [2, 0, 3]
+    logits = torch.randn(sum(ks) + 3, 20)
+    draft_probs = torch.rand(5, 20).softmax(-1) if with_draft_probs else None
+    batch = make_batch([0.0, 0.8, 1.2], [0, 5, 0], [1.0, 1.0, 0.9], [None, None, torch.Generator().manual_seed(1)])
+    with count_launches() as counts:
+        out = rejection_sample(logits, ks, [[1, 2], [], [3, 4, 5]], batch, draft_probs)
+    assert counts.kernels > 0 and dict(counts.host_syncs) == {}
+    assert out.shape == (3, 4) and all(1 <= len(r) <= k + 1 for r, k in zip(to_lists(out), ks))
 
 
 def test_bad_input_is_a_one_line_error():
@@ -186,11 +200,11 @@ def _accept_with_p_ignoring_q(p_draft, q_draft):
     return p_draft
 
 
-@pytest.mark.parametrize("with_draft_probs", [False, True], ids=["one-hot", "draft-probs"])
-@pytest.mark.parametrize("wrong", ["always-accept", "resample-from-p", "ignore-q"])
+@pytest.mark.parametrize("wrong, with_draft_probs", [
+    ("always-accept", False), ("always-accept", True), ("resample-from-p", False), ("resample-from-p", True),
+    ("ignore-q", True),  # one-hot drafts have no q to ignore
+])
 def test_the_check_catches_wrong_rules(monkeypatch, wrong, with_draft_probs):
-    if wrong == "ignore-q" and not with_draft_probs:
-        pytest.skip("one-hot drafts have no q to ignore")
     if wrong == "always-accept":
         monkeypatch.setattr(rejection, "_accept_prob", _always_accept)
     elif wrong == "resample-from-p":
