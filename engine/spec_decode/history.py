@@ -56,11 +56,13 @@ class HistoryTable:
 
     def sync(self, seq: Sequence) -> TokenHistory:
         """The history of ``seq`` with every token it has now. Tokens are only ever appended to a
-        sequence; if the cached copy no longer agrees (shorter sequence, or a different last
-        token: a reused id), it is rebuilt from scratch."""
+        sequence; if the cached copy no longer agrees (shorter sequence, another prompt
+        length or a different last token: a reused id), it is rebuilt from scratch."""
         h = self._by_id.get(seq.seq_id)
         n = seq.num_tokens
-        if h is not None and (h.num_tokens > n or (h.num_tokens and seq.token_id(h.num_tokens - 1) != h.buf[h.num_tokens - 1])):
+        if h is not None and h.num_tokens and (
+                h.num_tokens > n or h.num_prompt_tokens != seq.num_prompt_tokens
+                or seq.token_id(h.num_tokens - 1) != h.buf[h.num_tokens - 1]):
             h = None
         if h is None:
             h = self._by_id[seq.seq_id] = TokenHistory(seq.num_prompt_tokens)

@@ -40,6 +40,12 @@ def test_greedy_accepts_while_draft_is_argmax_then_the_argmax():
     assert out.dtype == torch.int64 and out.shape == (4, 4)
     assert to_lists(out) == [argmax[0:4], [argmax[4]], [argmax[5]], [argmax[8], argmax[9]]]
     assert out[1].tolist() == [argmax[4], -1, -1, -1]
+    # the same greedy sequences batched with sampled ones (top-k, top-p, draft probs) answer the same
+    mixed = torch.cat([logits, torch.randn(3, 11)])
+    batch = make_batch([0.0] * 4 + [1.0], [0] * 4 + [3], [1.0] * 4 + [0.9])
+    q = torch.rand(10, 11).softmax(-1)
+    got = rejection_sample(mixed, num_drafts + [2], drafts + [[1, 2]], batch, draft_probs=q)
+    assert to_lists(got)[:4] == to_lists(out)
 
 
 @pytest.mark.parametrize("with_draft_probs", [False, True])
