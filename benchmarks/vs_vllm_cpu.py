@@ -232,7 +232,7 @@ def cpu_description() -> str:
 class Worker:
     """One engine in its own process; results come back on a pipe, its logs go to a file."""
 
-    def __init__(self, name: str, python: str, extra: list[str], args, log_dir: Path):
+    def __init__(self, name: str, python: str, extra: list[str], args, log_dir: Path, env: dict | None = None):
         self.name = name
         self.log = log_dir / f"{name.replace(' ', '_')}.log"
         read_fd, write_fd = os.pipe()
@@ -242,7 +242,7 @@ class Worker:
                "--max-num-seqs", str(max(args.concurrency)), "--vocab", str(MODEL_CONFIG["vocab_size"])]
         if args.vllm_eager:
             cmd.append("--vllm-eager")
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                                          pass_fds=(write_fd,), text=True, env=env, cwd=str(ROOT))
@@ -297,6 +297,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=MODEL_CONFIG["num_hidden_layers"],
                     help="decoder layers (fewer: a quicker smoke run)")
     ap.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no torch.compile)")
+    ap.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an environment variable for the vLLM worker only (repeatable), e.g. "
+                         "VLLM_ENABLE_V1_MULTIPROCESSING=0 or LD_PRELOAD=...")
     # worker-only flags
     ap.add_argument("--worker", choices=("vllm", "kimitui"), help=argparse.SUPPRESS)
     ap.add_argument("--result-fd", type=int, help=argparse.SUPPRESS)
@@ -322,6 +325,9 @@ def main() -> int:
         ap.error("--vllm-python is required (or --no-vllm); see benchmarks/README.md for the venv recipe")
     if args.layers < 2:
         ap.error("--layers must be >= 2 (one dense layer, then MoE layers)")
+    for item in args.vllm_env:
+        if "=" not in item or not item.split("=", 1)[0]:
+            ap.error(f"--vllm-env takes KEY=VALUE, got {item!r}")
     config = dict(MODEL_CONFIG, num_hidden_layers=args.layers)
 
     tmp = tempfile.TemporaryDirectory(prefix="kimitui-vs-vllm-")
@@ -337,7 +343,8 @@ def main() -> int:
     workers: list[Worker] = []
     try:
         if not args.no_vllm:
-            workers.append(Worker("vLLM", args.vllm_python, ["vllm"], args, logs))
+            env = dict(item.split("=", 1) for item in args.vllm_env)
+            workers.append(Worker("vLLM", args.vllm_python, ["vllm"], args, logs, env))
         for d in dtypes:
             workers.append(Worker(f"kimitui {d}", sys.executable, ["kimitui", "--dtype", d], args, logs))
         for w in workers:
@@ -373,7 +380,8 @@ def main() -> int:
     print()
     print(f"best of {args.rounds} rounds; ratios against {base} (above 1.0x: faster than {base}); "
           "TTFT = wall time until every request has its first token")
-    head = f"{'n':>3}  {'engine':<17}{'tok/s':>9}{'ratio':>8}{'tok/s cpu':>11}{'ratio':>8}{'TTFT ms':>10}{'ratio':>8}  greedy tokens vs {base}"
+    head = (f"{'n':>3}  {'engine':<17}{'tok/s':>9}{'ratio':>8}{'tok/s cpu':>11}{'ratio':>8}{'TTFT ms':>10}"
+            f"{'ratio':>8}  greedy tokens vs {base}")
     print(head)
     print("-" * len(head))
     for n in args.concurrency:
