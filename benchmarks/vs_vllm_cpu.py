@@ -150,6 +150,10 @@ def _load_vllm(args):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; MLA's cache is 576 values a token a layer
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    # The OpenMP wait policy our engine sets (engine/__init__.py): libgomp's default spinning costs
+    # vLLM 5-10x on a machine shared with other jobs (benchmarks/README.md), so both engines get the
+    # same one; --vllm-env OMP_WAIT_POLICY=... (or exporting it for both) measures another.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
     import vllm
     from vllm import LLM, SamplingParams
@@ -166,7 +170,8 @@ def _load_vllm(args):
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    return generate, f"vLLM {vllm.__version__} bf16, torch {torch.__version__}"
+    return generate, (f"vLLM {vllm.__version__} bf16, torch {torch.__version__}, "
+                      f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
 
 
 def worker(args) -> int:
