@@ -11,7 +11,8 @@ each engine runs in its own process: vLLM's under ``--vllm-python``, ours (one p
 under this Python. All of them load once, then take turns at every concurrency level, round after
 round, and each cell keeps its best round, so a noisy neighbour slows one turn rather than one
 engine. The workers are this same file started with ``--worker``; only the vLLM worker imports vLLM,
-and only inside its own process.
+and only inside its own process. vLLM gets our engine's threads and OpenMP wait policy (unpinned,
+``PASSIVE``) unless the environment or ``--vllm-env KEY=VALUE`` says otherwise.
 
 The model (random weights, written once by this script, bf16 safetensors): DeepSeek-V3 / Kimi K2
 architecture, ``model_type`` ``kimi_k2``, hidden 1024, 8 layers (the first dense), MLA with 8 heads,
