@@ -17,6 +17,9 @@ Models: ``successor`` (dense, the arranged one), ``random`` (same shapes, all we
 are rejected, which prices the verification's extra rows), and ``moe`` (every layer MoE, 64 experts
 top-8, arranged like ``successor``): verifying ``1 + k`` tokens reads the union of their experts.
 
+The ``wrong`` proposer drafts random tokens, nearly always rejected: it prices what failed
+speculation costs (random-weight models often loop, so prompt lookup can succeed even on them).
+
 For each (model, workload, batch) the baseline (no speculation) and every proposer run alternately,
 ``--repeats`` times, best kept; printed: decode tok/s, speedup over the baseline, acceptance rate, mean
 acceptance length. The engine is built once per model with ``num_speculative_tokens`` set; the
@@ -140,6 +143,22 @@ def decode_rate(outs) -> float:
     return tokens / (t1 - t0)
 
 
+class WrongDrafts:
+    """Drafts k uniformly random tokens: nearly always rejected, so a step pays for k verification
+    rows and gains nothing. What speculation costs where it fails (the ``wrong`` proposer)."""
+
+    needs_hidden = False
+
+    def __init__(self, vocab: int, seed: int = 0):
+        self.vocab, self.rng = vocab, random.Random(seed)
+
+    def propose(self, seqs, max_drafts, hidden=None):
+        return [[self.rng.randrange(3, self.vocab) for _ in range(k)] for k in max_drafts]
+
+    def finish(self, seq_id):
+        pass
+
+
 def run_point(llm, proposer, batch_prompts, tokens: int):
     eng = llm.engine
     eng.proposer = proposer
@@ -157,7 +176,8 @@ def main() -> int:
     ap.add_argument("--models", default="successor,random,moe")
     ap.add_argument("--workloads", default="repeat,random")
     ap.add_argument("--batches", default="1,4,16")
-    ap.add_argument("--proposers", default="ngram,suffix")
+    ap.add_argument("--proposers", default="ngram,suffix,wrong",
+                    help="ngram, suffix, and wrong (random drafts: the cost of verification that always fails)")
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--keep", help="write (or reuse) the checkpoints under this directory")
     args = ap.parse_args()
@@ -192,9 +212,14 @@ def main() -> int:
                     stats, tokens = {}, {}
                     for _ in range(args.repeats):
                         for name in names:
-                            proposer = None if name == "none" else make_proposer(
-                                SpeculativeConfig.parse({**spec, "method": name} if name != "suffix" else
-                                                        {"method": "suffix", "num_speculative_tokens": args.k}))
+                            if name == "none":
+                                proposer = None
+                            elif name == "wrong":
+                                proposer = WrongDrafts(args.vocab)
+                            else:
+                                proposer = make_proposer(SpeculativeConfig.parse(
+                                    {**spec, "method": name} if name != "suffix" else
+                                    {"method": "suffix", "num_speculative_tokens": args.k}))
                             rate, st, toks = run_point(llm, proposer, ps, args.tokens)
                             best[name] = max(best[name], rate)
                             stats[name], tokens[name] = st, toks
