@@ -36,6 +36,9 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False  # vLLM's name: no CUDA/HIP graph capture of decode steps
     numa: str = "auto"  # host experts per NUMA node: auto (split when >1 node) or off; engine.offload.numa
+    # vLLM's dict (or its JSON): {"method": "ngram" | "suffix" | "eagle3", "num_speculative_tokens": k, ...};
+    # parsed into engine.spec_decode.SpeculativeConfig (``speculative``). None: no speculation.
+    speculative_config: dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -55,6 +58,14 @@ class EngineArgs:
             raise ValueError(f"cpu_offload must be auto, none or a non-negative integer, got {off!r}")
         if self.numa not in ("auto", "off"):
             raise ValueError(f"numa must be auto or off, got {self.numa!r}")
+        self.speculative  # noqa: B018 (validates the dict now, not at load time)
+
+    @property
+    def speculative(self):
+        """``speculative_config`` parsed (engine.spec_decode.SpeculativeConfig), or None."""
+        from engine.spec_decode.config import SpeculativeConfig
+
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def resolve_device(self) -> torch.device:
         """'auto' picks the GPU torch sees (CUDA or ROCm), else the CPU."""

@@ -35,6 +35,8 @@ from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
+from engine.spec_decode.proposer import make_proposer
+from engine.spec_decode.stats import SpecDecodeStats
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +58,16 @@ class LLMEngine:
         self.dtype = args.resolve_dtype(self.device, self.config.torch_dtype)
         self.max_model_len = min(args.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
+        self.speculative = args.speculative  # SpeculativeConfig or None
+        self.num_spec_tokens = self.speculative.num_speculative_tokens if self.speculative else 0
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(self.config, self.model_dir)
         torch.manual_seed(args.seed)
         # kept back on each device for activations: one number for the expert placement and the cache
+        decode_rows = args.max_num_seqs * (1 + self.num_spec_tokens)  # a verifying decode runs 1 + k rows
         self.reserve_bytes = device_reserve_bytes(
-            self.config, self.device, args.tensor_parallel_size, max(args.max_num_batched_tokens, args.max_num_seqs),
-            args.max_num_seqs, self.max_model_len, args.tensor_parallel_size == 1 and not args.enforce_eager)
+            self.config, self.device, args.tensor_parallel_size, max(args.max_num_batched_tokens, decode_rows),
+            decode_rows, self.max_model_len, args.tensor_parallel_size == 1 and not args.enforce_eager)
         self.expert_placement = expert_placement_for(
             self.config, args.cpu_offload, self.device, args.tensor_parallel_size, self.max_model_len,
             args.max_num_seqs, args.gpu_memory_gb, args.routing_stats, self.reserve_bytes)
@@ -85,11 +90,14 @@ class LLMEngine:
             self.cache_pool = self._allocate_cache()
             if self.workers is not None:
                 pool = self.cache_pool  # workers allocate the same cache
-                self.workers.broadcast((pool.num_blocks, pool.max_num_seqs, pool.num_snapshots))
+                self.workers.broadcast((pool.num_blocks, pool.max_num_seqs, pool.num_snapshots, pool.num_spec_slots,
+                                     self.num_spec_tokens))
         except BaseException:
             self.shutdown()
             raise
         self._finalizer = weakref.finalize(self, _shutdown_workers, self.workers)
+        self.proposer = make_proposer(self.speculative, self.model) if self.speculative else None
+        self.spec_stats = SpecDecodeStats()
         log.info("%s", self.cache_pool.describe())
         slots = StateSlots(args.max_num_seqs, self.cache_pool.num_snapshots) if self.cache_pool.is_hybrid else None
         self.block_manager = BlockManager(self.cache_pool.num_blocks, args.block_size, args.enable_prefix_caching,
@@ -100,9 +108,12 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             block_size=args.block_size,
             enable_chunked_prefill=args.enable_chunked_prefill,
+            num_lookahead_slots=self.speculative.num_lookahead_slots if self.speculative else 0,
         ), self.block_manager)
         self.runner = ModelRunner(self.model, self.cache_pool.caches, args.block_size, self.device, self.workers,
-                                  args.max_num_seqs, self.max_model_len, self._decode_graphs())
+                                  args.max_num_seqs, self.max_model_len, self._decode_graphs(),
+                                  num_spec_tokens=self.num_spec_tokens, spec_scratch_base=self.cache_pool.spec_scratch_base,
+                                  keep_hidden=bool(self.proposer is not None and self.proposer.needs_hidden))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -119,7 +130,10 @@ class LLMEngine:
         # Hybrid models: a state slot per sequence, and as many prefix snapshots again if they fit.
         wanted_snapshots = a.max_num_seqs if has_state(specs) and a.enable_prefix_caching else 0
         wanted_tokens = a.kv_cache_tokens or (self.max_model_len * a.max_num_seqs + a.block_size)
-        budget = wanted_tokens * bytes_per_block(specs, 1) + bytes_of_state(specs, a.max_num_seqs + wanted_snapshots)
+        # speculative decoding on a hybrid model: a scratch state per sequence and draft position
+        spec_slots = a.max_num_seqs * self.num_spec_tokens if has_state(specs) else 0
+        budget = wanted_tokens * bytes_per_block(specs, 1) + bytes_of_state(
+            specs, a.max_num_seqs + wanted_snapshots + spec_slots)
         if a.gpu_memory_gb is not None or self.device.type == "cuda":
             budget = min(budget, self._device_kv_budget())
         elif a.kv_cache_tokens is None:
@@ -131,7 +145,7 @@ class LLMEngine:
         # Snapshots only where they leave a max_model_len sequence its blocks (or all blocks asked for).
         snapshots = snapshots_for_budget(specs, a.block_size, int(budget), a.max_num_seqs,
                                          min(min_blocks, wanted_tokens // a.block_size), wanted_snapshots)
-        num_blocks = num_blocks_for_budget(specs, a.block_size, int(budget), a.max_num_seqs, snapshots)
+        num_blocks = num_blocks_for_budget(specs, a.block_size, int(budget), a.max_num_seqs, snapshots + spec_slots)
         if num_blocks < 1:
             state = bytes_of_state(specs, a.max_num_seqs) / 2**30
             raise MemoryError(f"no memory left for the KV cache on {self.device} after loading the weights"
@@ -140,7 +154,7 @@ class LLMEngine:
         if num_blocks < min_blocks:
             log.warning("KV cache holds %d tokens, less than max_model_len %d", num_blocks * a.block_size,
                         self.max_model_len)
-        return KVCachePool(specs, num_blocks, a.block_size, a.max_num_seqs, self.device, snapshots)
+        return KVCachePool(specs, num_blocks, a.block_size, a.max_num_seqs, self.device, snapshots, spec_slots)
 
     def _device_kv_budget(self) -> int:
         # Experts kept in host RAM do not use the device budget.
@@ -197,6 +211,8 @@ class LLMEngine:
             return False
         self.scheduler.abort(request_id)
         self.runner.release(request_id)
+        if self.proposer is not None:
+            self.proposer.finish(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -227,16 +243,34 @@ class LLMEngine:
             return []
         self.output_processor.on_scheduled(sched)
         result = self.runner.execute(sched)
+        self.spec_stats.observe_step(sched.scheduled, result.sampled)
         finished = self.scheduler.postprocess(sched, result.sampled)
         processed = self.output_processor.process_outputs(sched, result, finished)
         self._retire(processed)
+        if self.proposer is not None:
+            self._propose(result)
         return processed.outputs
+
+    def _propose(self, result) -> None:
+        """Drafts for every sequence that decodes next step, verified by that step."""
+        seqs, budgets = [], []
+        for seq in self.scheduler.running:
+            if seq.num_uncomputed_tokens == 1:
+                seqs.append(seq)
+                budgets.append(min(self.num_spec_tokens, seq.spec_budget(self.max_model_len)))
+        if not seqs and result.hidden is None:
+            return
+        drafts = self.proposer.propose(seqs, budgets, result.hidden)
+        for seq, d, k in zip(seqs, drafts, budgets):
+            seq.spec_token_ids = list(d[:k])
 
     def _retire(self, processed: ProcessedStep) -> None:
         for rid in processed.stop:  # stop strings are found in text, after the scheduler's checks
             self.scheduler.finish(rid, "stop")
         for rid in processed.finished:
             self.runner.release(rid)
+            if self.proposer is not None:
+                self.proposer.finish(rid)
 
     # -- observability ---------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -255,6 +289,7 @@ class LLMEngine:
             total_prompt_tokens=out.total_prompt_tokens,
             total_generation_tokens=out.total_generation_tokens,
             num_finished=out.num_finished,
+            spec_decode=self.spec_stats.copy() if self.proposer is not None else None,
         )
 
 

@@ -20,6 +20,8 @@ class EngineStats:
     total_prompt_tokens: int
     total_generation_tokens: int
     num_finished: int
+    # speculative decoding's acceptance counters (engine.spec_decode.stats.SpecDecodeStats), None when off
+    spec_decode: object | None = None
 
 
 class ThroughputWindow:

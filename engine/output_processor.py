@@ -39,6 +39,7 @@ class RequestState:
     stopped_by_string: bool = False
     cumulative_logprob: float = 0.0
     finished: bool = False
+    num_seen: int = 0  # output tokens already turned into text (a verified decode brings several)
 
 
 @dataclass
@@ -91,7 +92,7 @@ class OutputProcessor:
         finished while applying them (EOS, stop token id, max_tokens, context limit)."""
         now = time.monotonic() if now is None else now
         prefill_tokens = sum(s.num_new_tokens for s in sched.scheduled if s.is_prefill)
-        decode_tokens = sum(1 for t in result.sampled if t is not None)
+        decode_tokens = sum(len(t) if isinstance(t, list) else 1 for t in result.sampled if t is not None)
         self.throughput.record(prefill_tokens, decode_tokens, now)
         finished_ids = {s.seq_id for s in finished}
         step = ProcessedStep()
@@ -107,7 +108,15 @@ class OutputProcessor:
             if token is None and rid not in finished_ids:
                 continue  # a prefill chunk short of the prompt's end: nothing to show yet
             if token is not None:
-                self._on_token(req, token, lp, now)
+                # what the scheduler appended: one token, or a verified decode's accepted drafts and
+                # its sampled token, cut at the first stop condition
+                new = req.seq.output_token_ids[req.num_seen:]
+                lps = lp if isinstance(lp, list) else [lp]
+                for j, t in enumerate(new):
+                    self._on_token(req, t, lps[j] if j < len(lps) else None, now, last=j == len(new) - 1)
+                    if req.stopped_by_string:  # the rest never happened, as one token at a time
+                        del req.seq.output_token_ids[req.num_seen:]
+                        break
             if req.stopped_by_string:
                 step.stop.append(rid)
             if rid in finished_ids or req.seq.is_finished or req.stopped_by_string:
@@ -117,7 +126,8 @@ class OutputProcessor:
             step.outputs.append(self._output(req))
         return step
 
-    def _on_token(self, req: RequestState, token: int, lp: dict | None, now: float) -> None:
+    def _on_token(self, req: RequestState, token: int, lp: dict | None, now: float, last: bool = True) -> None:
+        req.num_seen += 1
         m = req.metrics
         if m.first_token_time is None:
             m.first_token_time = now
@@ -130,7 +140,7 @@ class OutputProcessor:
             return
         before = len(req.text)
         req.text += req.detok.add([token])
-        if req.seq.is_finished:
+        if req.seq.is_finished and last:
             req.text += req.detok.flush()  # the last token may have held back a partial character
         elif req.params.stop_strings:
             self._check_stop_strings(req, req.params.stop_strings, before)

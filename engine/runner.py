@@ -9,6 +9,13 @@ tensors. The scheduler decides the slots and the snapshot copies (plain ints in 
 every rank applies the same ones); the runner zeroes the slots of sequences starting at position
 0, restores prefix snapshots into slots before the forward pass and saves slots into snapshots
 after it.
+
+Speculative decoding: a decode that carries draft tokens becomes ``1 + k`` decode rows of the same
+sequence at consecutive positions (each row its own context length over the same block table), so
+verification runs through exactly the decode path a plain decode takes and greedy output is the
+same token for token. KDA layers then step those rows position by position and save the state after
+each position into scratch slots; after acceptance the state after the last accepted position is
+copied back into the sequence's slot at the start of its next step (every rank applies the same copy).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from engine.kv_cache.state import KDAState
 from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
 from engine.layers.sampler import SamplingBatch, logprob_dicts, prompt_logprob_dicts, sample
 from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.spec_decode.proposer import StepHidden
+from engine.spec_decode.verify import KDASpecStep, kda_spec_steps, verify_and_logprobs
 from engine.step_buffers import StepBuffers
 
 
@@ -53,14 +62,21 @@ class StepInputs:
     state_resets: list[int] = field(default_factory=list)
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: rows of each decoding sequence, in order (1 = a plain decode). Empty when
+    # no sequence of the step verifies drafts.
+    spec_lens: list[int] = field(default_factory=list)
+    keep_all_rows: bool = False  # a model drafter reads every row's hidden state
 
 
 @dataclass
 class StepResult:
-    sampled: list[int | None]  # per scheduled seq; None when the chunk did not reach the end
-    logprobs: list[dict[int, float] | None]  # per scheduled seq, for requests that asked
+    # per scheduled seq: the sampled token; for a decode that verified drafts the list of its
+    # accepted drafts then one sampled token; None when the chunk did not reach the end
+    sampled: list[int | list[int] | None]
+    logprobs: list[dict[int, float] | list[dict[int, float]] | None]  # per scheduled seq, when asked
     # seq_id -> (position of the first token covered, log-probs of prompt tokens from there on)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    hidden: StepHidden | None = None  # the target's aux hidden states, when a model drafter reads them
 
 
 class ModelRunner:
@@ -72,8 +88,17 @@ class ModelRunner:
 
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
                  workers=None, max_num_seqs: int | None = None, max_model_len: int | None = None,
-                 decode_graphs: bool | None = None):
+                 decode_graphs: bool | None = None, num_spec_tokens: int = 0, spec_scratch_base: int = 0,
+                 keep_hidden: bool = False):
+        """``num_spec_tokens``: the most drafts a decode verifies (0: no speculation); KDA scratch
+        slot ``spec_scratch_base + slot * num_spec_tokens + j`` holds sequence slot ``slot``'s state
+        after its verified position ``j``. ``keep_hidden``: return the target's aux hidden states
+        (``StepResult.hidden``) for a model drafter."""
         self.model = model
+        self.num_spec_tokens = num_spec_tokens
+        self.spec_scratch_base = spec_scratch_base
+        self.keep_hidden = keep_hidden
+        self._rollbacks: dict[str, tuple[int, int]] = {}  # seq_id -> (scratch slot, its slot) for its next step
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -83,7 +108,8 @@ class ModelRunner:
         self.states = [c for c in kv_caches if isinstance(c, KDAState)]  # the KDA layers' slots
         self.table_shape = None  # (max_num_seqs, max_blocks_per_seq) of the fixed decode tables
         if max_num_seqs is not None and max_model_len is not None:
-            self.table_shape = (max_num_seqs, -(-max_model_len // block_size))
+            # a decode that verifies k drafts takes 1 + k rows of the decode tables
+            self.table_shape = (max_num_seqs * (1 + num_spec_tokens), -(-max_model_len // block_size))
         if decode_graphs is None:
             decode_graphs = device.type == "cuda" and workers is None
         self.graphs = None
@@ -95,12 +121,18 @@ class ModelRunner:
 
     def release(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
+        self._rollbacks.pop(seq_id, None)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         # Decodes first (one row each, batched absorbed attention), then prefill chunks.
         order = [s for s in out.scheduled if not s.is_prefill] + [s for s in out.scheduled if s.is_prefill]
         inputs = self.prepare(order)
-        inputs.state_restores, inputs.state_saves = out.state_restores, out.state_saves
+        # KDA state rollbacks of last step's verified decodes, for the sequences that run on (a
+        # preempted or finished one restarts from a zero state or a snapshot instead).
+        rollbacks = [self._rollbacks[s.seq.seq_id] for s in order
+                     if not s.is_prefill and s.start > 0 and s.seq.seq_id in self._rollbacks]
+        self._rollbacks.clear()
+        inputs.state_restores, inputs.state_saves = rollbacks + out.state_restores, out.state_saves
         if self.workers is not None:
             self.workers.broadcast(inputs)
         sample_logits, prompt_logits = self.forward_step(inputs)
@@ -108,11 +140,25 @@ class ModelRunner:
 
     def prepare(self, order: list[ScheduledSeq]) -> StepInputs:
         inp = StepInputs([], 0, [], [], [], [])
+        inp.keep_all_rows = self.keep_hidden
+        verifying = any(s.spec_token_ids for s in order)
         for s in order:
             seq = s.seq
             row = len(inp.ids)
-            inp.ids.extend(seq.tokens_in_range(s.start, s.end))
             table = seq.block_table
+            if s.spec_token_ids:  # the last sampled token, then the drafts, one decode row each
+                n = s.num_new_tokens
+                inp.ids.append(seq.token_id(s.start))
+                inp.ids.extend(s.spec_token_ids)
+                inp.num_decodes += n
+                inp.decode_tables.extend([list(table)] * n)
+                inp.decode_lens.extend(range(s.start + 1, s.end + 1))
+                inp.sample_rows.extend(range(row, row + n))
+                inp.spec_lens.append(n)
+                if seq.state_slot is not None:
+                    inp.state_slots.extend([seq.state_slot] * n)
+                continue
+            inp.ids.extend(seq.tokens_in_range(s.start, s.end))
             if s.is_prefill:
                 inp.prefills.append((row, row + s.num_new_tokens, s.end, list(table)))
                 k = getattr(seq.sampling_params, "prompt_logprobs", None)
@@ -125,6 +171,8 @@ class ModelRunner:
                 inp.num_decodes += 1
                 inp.decode_tables.append(list(table))
                 inp.decode_lens.append(s.end)
+                if verifying:
+                    inp.spec_lens.append(1)
             if s.do_sample:
                 inp.sample_rows.append(row + s.num_new_tokens - 1)
             if seq.state_slot is not None:
@@ -150,7 +198,7 @@ class ModelRunner:
         positions, slots = [], []  # built on the device from block tables: no per-token Python
         meta = AttentionMetadata(positions=None, slot_mapping=None, block_size=bs,
                                  num_decode_tokens=inp.num_decodes, prefills=chunks)
-        graphed = self.graphs is not None and self.graphs.accepts(
+        graphed = self.graphs is not None and not inp.keep_all_rows and self.graphs.accepts(
             inp.num_decodes, len(inp.ids), bool(inp.prefills), bool(inp.state_slots))
         if inp.num_decodes:
             self._decode_inputs(inp, meta)
@@ -171,7 +219,7 @@ class ModelRunner:
             slots.append(c.block_table[pos // bs].long() * bs + pos % bs)
         meta.positions, meta.slot_mapping = torch.cat(positions), torch.cat(slots)
         ids = buf.put("ids", inp.ids, torch.int64)
-        keep, bounds = output_rows(inp)
+        keep, bounds = (None, []) if inp.keep_all_rows else output_rows(inp)
         row = {r: i for i, r in enumerate(keep)} if keep is not None else None  # batch row -> hidden row
         if keep is not None:
             meta.out_rows = buf.put("out_rows", keep, torch.int64)
@@ -221,6 +269,9 @@ class ModelRunner:
             raise ValueError("the step carries state slots but the KV cache has no KDA state (KDAState) layer")
         buf = self.buffers
         meta.state_slots = buf.put("state_slots", inp.state_slots, torch.int64)
+        if inp.spec_lens and any(n > 1 for n in inp.spec_lens):
+            meta.kda_spec = kda_spec_steps(inp.spec_lens, inp.state_slots, self.spec_scratch_base,
+                                           self.num_spec_tokens, self.device)
         if inp.state_resets:
             resets = buf.put("state_resets", inp.state_resets, torch.int64)
             for state in self.states:
@@ -244,16 +295,61 @@ class ModelRunner:
             gens = [self._generator(s.seq.seq_id, p.seed) for s, p in zip(sample_seqs, params)]
             batch = SamplingBatch.build(params, gens, self.device, self.buffers)
             self.buffers.end_step()  # the next step's inputs wait for these pinned copies
-            sampled = sample(logits, batch)
-            tokens, *lps = sampled.to_host()  # the one host sync of the step
-            lp_rows = logprob_dicts(params, tokens, *lps)
-            for j, s in enumerate(sample_seqs):
-                result.sampled[pos[id(s)]] = tokens[j]
-                result.logprobs[pos[id(s)]] = lp_rows[j]
+            if inp.spec_lens:  # some decode verifies drafts: one row per position, the rule decides
+                drafts = [list(s.spec_token_ids) for s in sample_seqs]
+                outs, lp_lists = verify_and_logprobs(logits, drafts, batch, params)  # the one host sync
+                for j, s in enumerate(sample_seqs):
+                    spec = bool(s.spec_token_ids)
+                    result.sampled[pos[id(s)]] = outs[j] if spec else outs[j][0]
+                    lp = lp_lists[j]
+                    result.logprobs[pos[id(s)]] = lp if spec or lp is None else lp[0]
+                    if spec:
+                        self._note_rollback(s, len(outs[j]) - 1)
+            else:
+                sampled = sample(logits, batch)
+                tokens, *lps = sampled.to_host()  # the one host sync of the step
+                lp_rows = logprob_dicts(params, tokens, *lps)
+                for j, s in enumerate(sample_seqs):
+                    result.sampled[pos[id(s)]] = tokens[j]
+                    result.logprobs[pos[id(s)]] = lp_rows[j]
+        if self.keep_hidden:
+            result.hidden = self._hidden(order, result.sampled, pos)
         # The scheduler expects results in its own order.
         result.sampled = [result.sampled[pos[id(s)]] for s in scheduled]
         result.logprobs = [result.logprobs[pos[id(s)]] for s in scheduled]
         return result
+
+    def _note_rollback(self, s: ScheduledSeq, accepted: int) -> None:
+        """KDA state: after ``accepted`` of its drafts, the sequence continues from the state after
+        verified position ``accepted``; the last position's state is already in its slot."""
+        slot = s.seq.state_slot
+        if slot is not None and accepted < len(s.spec_token_ids):
+            scratch = self.spec_scratch_base + slot * self.num_spec_tokens + accepted
+            self._rollbacks[s.seq.seq_id] = (scratch, slot)
+
+    def _hidden(self, order, sampled, pos) -> StepHidden | None:
+        """The model's aux hidden states of this step, with each sequence's valid rows: a prefill
+        chunk's rows, a decode's verified token and its accepted drafts."""
+        aux = getattr(self.model, "aux_hidden", None)
+        if aux is None:
+            return None
+        hidden = StepHidden(aux)
+        row = 0
+        for s in order:
+            seq, out = s.seq, sampled[pos[id(s)]]
+            if s.is_prefill:
+                n = s.num_new_tokens
+                nxt = seq.tokens_in_range(s.start + 1, min(s.end + 1, seq.num_tokens))
+                if out is not None:
+                    nxt.append(out)
+            else:
+                out = out if isinstance(out, list) else [out]
+                n, nxt = len(out), list(out)
+            if len(nxt) == n:  # rows whose next token is known (all, unless the prompt was cut mid-step)
+                hidden.spans[seq.seq_id] = (row, n, s.start)
+                hidden.next_tokens[seq.seq_id] = nxt
+            row += s.num_new_tokens
+        return hidden
 
     def _generator(self, seq_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

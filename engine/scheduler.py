@@ -37,12 +37,17 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Hybrid models: a prefix snapshot every this many blocks of a prompt (and at its last full block).
     snapshot_every_blocks: int = 32
+    # Speculative decoding with a model drafter: KV slots reserved past the tokens a step computes,
+    # which the drafter writes while it chains its guesses (0 for draft-free proposers).
+    num_lookahead_slots: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                      "snapshot_every_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_lookahead_slots < 0:
+            raise ValueError(f"num_lookahead_slots must be >= 0, got {self.num_lookahead_slots}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -63,6 +68,8 @@ class ScheduledSeq:
     prompt + earlier output) being caught up on; a decode computes exactly its last sampled token.
     ``do_sample``: the chunk reaches the end of the sequence, so the runner samples a token;
     otherwise the runner returns None for it.
+    ``spec_token_ids``: a decode's draft tokens (speculative decoding), verified in the same step:
+    ``num_new_tokens`` = 1 + their number, one row each after the last sampled token.
     """
 
     seq: Sequence
@@ -70,6 +77,7 @@ class ScheduledSeq:
     is_prefill: bool
     start: int = 0
     do_sample: bool = True
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -192,19 +200,24 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room
             is_decode = seq.num_uncomputed_tokens == 1
-            num_new = 1 if is_decode else min(seq.num_uncomputed_tokens, prefill_budget)
+            drafts: list[int] = []
+            if is_decode:
+                # Draft tokens are budgeted like any others, before the prefill chunks (as vLLM's
+                # running requests come first); what does not fit is dropped, never carried over.
+                drafts = seq.spec_token_ids[: max(0, min(prefill_budget, seq.spec_budget(self.config.max_model_len)))]
+                seq.spec_token_ids = []
+            num_new = 1 + len(drafts) if is_decode else min(seq.num_uncomputed_tokens, prefill_budget)
             if num_new == 0:
                 continue
             snap = None if is_decode else self._snapshot_boundary(seq, num_new)  # a decode crosses none
             if snap is not None:
                 num_new = snap - seq.num_computed_tokens
-            if not self._reserve(seq, num_new, out.preempted):
+            if not self._reserve(seq, num_new + self._lookahead(seq, num_new), out.preempted):
                 continue
-            if not is_decode:
-                prefill_budget -= num_new
+            prefill_budget -= num_new - (1 if is_decode else 0)
             if snap is not None:
                 self._plan_save(seq, snap, out)
-            (decodes if is_decode else prefills).append(self._scheduled(seq, num_new))
+            (decodes if is_decode else prefills).append(self._scheduled(seq, num_new, drafts))
         budget -= sum(item.num_new_tokens for item in decodes + prefills)
 
         # Admit waiting sequences; never right after a preemption (they would fight for blocks).
@@ -228,6 +241,7 @@ class Scheduler:
                 num_new = snap - seq.num_computed_tokens
             if not bm.append_slots(seq, num_new):
                 raise RuntimeError(f"block manager refused {seq.seq_id!r} after can_allocate")
+            bm.append_slots(seq, num_new + self._lookahead(seq, num_new))  # best effort, beyond the step
             if self.state_slots is not None:
                 self._give_state_slot(seq, out)
                 if snap is not None:
@@ -260,6 +274,13 @@ class Scheduler:
             seq = item.seq
             if seq.status != SequenceStatus.RUNNING:
                 continue  # aborted or finished while the step ran
+            if isinstance(token_id, list):
+                reason = self._apply_verified(item, token_id)
+                if reason is not None:
+                    self.running.remove(seq)
+                    self._finish(seq, reason)
+                    finished.append(seq)
+                continue
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_computed(seq)
             if token_id is None:
@@ -275,17 +296,46 @@ class Scheduler:
         self._commit_saves(output)
         return finished
 
+    def _apply_verified(self, item: ScheduledSeq, tokens: list[int]) -> str | None:
+        """A decode that verified drafts: ``tokens`` = the accepted drafts, then one sampled token.
+
+        The verified token and the accepted drafts now have their KV; the rejected positions'
+        cache slots hold stale values past ``num_computed_tokens``, which the next steps overwrite
+        before any attention reads them, and only blocks of computed tokens are ever hashed. Tokens
+        after a stop condition are dropped, as if they had been produced one step at a time.
+        Returns the finish reason, or None."""
+        seq = item.seq
+        if not tokens or len(tokens) > len(item.spec_token_ids) + 1:
+            raise ValueError(f"{seq.seq_id!r}: {len(tokens)} tokens back for {len(item.spec_token_ids)} drafts")
+        for t in tokens[:-1]:
+            seq.append_token(t)
+            reason = self._check_stop(seq)
+            if reason is not None:
+                return reason
+        seq.num_computed_tokens += len(tokens)  # the verified token + the accepted drafts
+        self.block_manager.register_computed(seq)
+        seq.append_token(tokens[-1])
+        return self._check_stop(seq)
+
     # -- internals -------------------------------------------------------------------------
 
-    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+    def _scheduled(self, seq: Sequence, num_new: int, drafts: list[int] = ()) -> ScheduledSeq:
         start = seq.num_computed_tokens
         return ScheduledSeq(
             seq=seq,
             num_new_tokens=num_new,
             is_prefill=seq.num_uncomputed_tokens > 1,
             start=start,
-            do_sample=start + num_new == seq.num_tokens,
+            do_sample=start + num_new - len(drafts) == seq.num_tokens,
+            spec_token_ids=tuple(drafts),
         )
+
+    def _lookahead(self, seq: Sequence, num_new: int) -> int:
+        """Extra KV slots a model drafter writes after a step that ends ``seq`` (0 otherwise)."""
+        end = seq.num_computed_tokens + num_new
+        if not self.config.num_lookahead_slots or end < seq.num_tokens:
+            return 0
+        return max(0, min(self.config.num_lookahead_slots, self.config.max_model_len - end))
 
     # -- hybrid state slots and snapshots ---------------------------------------------------
 
@@ -362,6 +412,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         self._free_state_slot(seq)  # restarts from a zero state or a snapshot when re-admitted
+        seq.spec_token_ids = []
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.PREEMPTED

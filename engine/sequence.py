@@ -56,6 +56,7 @@ class Sequence:
         "num_cached_tokens",
         "block_table",
         "state_slot",
+        "spec_token_ids",
         "status",
         "finish_reason",
         "arrival_time",
@@ -81,6 +82,9 @@ class Sequence:
         self.block_table: list[int] = []
         # Hybrid (KDA) models: this sequence's recurrent-state slot while it runs, else None.
         self.state_slot: int | None = None
+        # Speculative decoding: tokens a proposer guessed follow ``token_ids``; the next step
+        # verifies them. They are not part of the sequence until accepted.
+        self.spec_token_ids: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -129,6 +133,15 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+
+    def spec_budget(self, max_model_len: int) -> int:
+        """How many draft tokens may follow the next decode: a step that verifies ``k`` drafts
+        yields up to ``k + 1`` tokens, which must fit both ``max_tokens`` and the context limit."""
+        left = max_model_len - self.num_tokens
+        max_tokens = getattr(self.sampling_params, "max_tokens", None)
+        if max_tokens is not None:
+            left = min(left, max_tokens - self.num_output_tokens)
+        return max(0, left - 1)
 
     def __repr__(self) -> str:
         return (

@@ -138,6 +138,7 @@ class KVCachePool:
         max_num_seqs: int,
         device: torch.device | str,
         num_snapshots: int = 0,
+        num_spec_slots: int = 0,
     ) -> None:
         if num_snapshots < 0:
             raise ValueError(f"num_snapshots must be >= 0, got {num_snapshots}")
@@ -151,10 +152,13 @@ class KVCachePool:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.num_snapshots = num_snapshots if has_state(self.specs) else 0
+        # speculative decoding: scratch states of verified positions (engine/runner.py), after the snapshots
+        self.num_spec_slots = num_spec_slots if has_state(self.specs) else 0
+        self.spec_scratch_base = max_num_seqs + self.num_snapshots
         self.device = torch.device(device)
-        # State kinds get one row per sequence slot, then one per snapshot slot.
+        # State kinds get one row per sequence slot, then one per snapshot slot, then the scratch slots.
         self.caches: list = [
-            spec.allocate(num_blocks, block_size, max_num_seqs + self.num_snapshots, self.device)
+            spec.allocate(num_blocks, block_size, max_num_seqs + self.num_snapshots + self.num_spec_slots, self.device)
             for spec in self.specs
         ]
 

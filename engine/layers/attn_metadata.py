@@ -41,6 +41,10 @@ class AttentionMetadata:
     # zero state; any other row continues from its slot's state (restored from a prefix snapshot
     # when the scheduler found one).
     state_slots: torch.Tensor | None = None  # [num_decode_tokens + len(prefills)] int64
+    # Speculative decoding on hybrid models: when a decode verifies drafts, its 1 + k rows share one
+    # slot, so KDA layers step the decode rows position by position (engine.spec_decode.verify.KDASpecStep
+    # per position) and keep each position's state for the rollback. None: one row per decode.
+    kda_spec: list | None = None
 
     def decodes_only(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows is all decodes, every row's output wanted (the fused

@@ -199,18 +199,36 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(b.float())  # [T, H]
 
         o = torch.empty(T, H, hd, dtype=x.dtype, device=x.device)
-        if d:
-            dec = slots[:d]
-            y, hist = self.ops.causal_conv1d(qkv[:d], conv_w, state.conv.index_select(0, dec))
-            state.conv.index_copy_(0, dec, hist)
-            qd, kd, vd = (t.view(d, H, hd) for t in y.split(P, dim=-1))
-            o[:d] = self.ops.kda_recurrent(qd, kd, vd, g[:d], beta[:d], state.recurrent, dec, self.scale)
+        if d and meta.kda_spec is not None:
+            self._verify(qkv[:d], g[:d], beta[:d], conv_w, meta.kda_spec, slots[:d], state, o)
+        elif d:
+            o[:d] = self._decode(qkv[:d], g[:d], beta[:d], conv_w, slots[:d], state)
         if meta.prefills:
             o[d:] = self._prefill(qkv[d:], g[d:], beta[d:], conv_w, meta, slots[d:], state)
 
         gate = (g_in if self.config.use_full_rank_gate else self.g_b_proj(g_in)).view(T, H, hd)
         out = _gated_rms_norm(o, gate, self.o_norm.weight, self.config.rms_norm_eps).to(x.dtype)
         return self.par.all_reduce(self.o_proj(out.view(T, P)))
+
+    def _decode(self, qkv, g, beta, conv_w, slots, state: KDAState) -> torch.Tensor:
+        """One token per row, each row a different sequence: one recurrent step in each slot."""
+        d, H, hd = qkv.shape[0], self.num_heads, self.head_dim
+        y, hist = self.ops.causal_conv1d(qkv, conv_w, state.conv.index_select(0, slots))
+        state.conv.index_copy_(0, slots, hist)
+        q, k, v = (t.view(d, H, hd) for t in y.split(H * hd, dim=-1))
+        return self.ops.kda_recurrent(q, k, v, g, beta, state.recurrent, slots, self.scale)
+
+    def _verify(self, qkv, g, beta, conv_w, steps, slots, state: KDAState, o) -> None:
+        """Speculative verification: a sequence's draft rows share its slot, so the decode rows are
+        stepped position by position (each step exactly a plain decode step over the sequences that
+        have that position), and after each position but a sequence's last the state is kept in a
+        scratch slot, from which the runner restores the last accepted position's state."""
+        for step in steps:
+            r = step.rows
+            o[r] = self._decode(qkv[r], g[r], beta[r], conv_w, slots[r], state)
+            if step.save_src is not None:
+                state.recurrent.index_copy_(0, step.save_dst, state.recurrent.index_select(0, step.save_src))
+                state.conv.index_copy_(0, step.save_dst, state.conv.index_select(0, step.save_src))
 
     def _prefill(self, qkv, g, beta, conv_w, meta: AttentionMetadata, slots, state: KDAState) -> torch.Tensor:
         # The prefill chunks, one packed varlen call each for the conv and the chunked recurrence.

@@ -211,13 +211,17 @@ class _Budget:
     policy: str | int
     host_capacity: int | None
     state_per_seq: tuple[int, ...] = ()  # per device: KDA state bytes of one sequence on that rank
+    states_per_seq: int = 1  # 1 + num_speculative_tokens with speculative decoding (scratch states)
+    drafter_kv_per_token: int = 0  # an EAGLE-3 drafter's KV, on the first GPU only
 
     def state(self, d: int) -> int:
-        return self.max_num_seqs * self.state_per_seq[d] if self.state_per_seq else 0
+        return self.max_num_seqs * self.state_per_seq[d] * self.states_per_seq if self.state_per_seq else 0
 
     def fixed(self, kv: int) -> list[int]:
         """Per device: everything but the routed experts."""
-        return [ne + kv + self.state(d) + self.reserve for d, ne in enumerate(self.non_expert)]
+        drafter_kv = kv * self.drafter_kv_per_token // self.kv_per_token if self.kv_per_token else 0
+        return [ne + kv + self.state(d) + self.reserve + (drafter_kv if d == 0 else 0)
+                for d, ne in enumerate(self.non_expert)]
 
     def kv_bytes(self, model_len: int) -> int:
         # Each sequence holds whole blocks. With tensor-parallel MLA the latent is not split by head,
@@ -320,7 +324,7 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
                    reserve_bytes_per_device: int | None = None, routing_stats: dict | list | None = None,
                    host_memory_bytes: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                   decode_graphs: bool | None = None) -> Placement:
+                   decode_graphs: bool | None = None, speculative=None) -> Placement:
     """Decide where every weight lives on ``num_devices`` GPUs plus host RAM.
 
     ``cpu_offload``: "auto" puts in host RAM only the routed experts that do not fit; an int N puts
@@ -331,6 +335,8 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
     default) estimates it for steps of ``max_num_batched_tokens`` tokens and ``max_num_seqs``
     sequences (engine.offload.activation_reserve), with the decode graphs' pool when
     ``decode_graphs`` (None: as the engine decides, on one GPU only).
+    ``speculative``: a SpeculativeConfig; its verification rows, KDA scratch states and an EAGLE-3
+    drafter's weights and KV (first GPU) are counted (engine.spec_decode.footprint).
     Other plans that do not fit come back with ``fits=False`` and the reasons in ``problems``.
     """
     for name, v in (("num_devices", num_devices), ("max_model_len", max_model_len),
@@ -341,9 +347,11 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
     if memory_per_device_bytes <= 0 or (reserve_bytes_per_device is not None and reserve_bytes_per_device < 0):
         raise ValueError("memory_per_device_bytes must be positive and reserve_bytes_per_device non-negative")
     activation = None
+    k = speculative.num_speculative_tokens if speculative is not None else 0
     if reserve_bytes_per_device is None:
         graphs = num_devices == 1 if decode_graphs is None else decode_graphs
-        activation = activation_reserve(config, num_devices, max_num_batched_tokens, max_num_seqs, max_model_len, graphs)
+        activation = activation_reserve(config, num_devices, max(max_num_batched_tokens, max_num_seqs * (1 + k)),
+                                        max_num_seqs * (1 + k), max_model_len, graphs)
         reserve_bytes_per_device = activation.total
     n_exp = config.n_routed_experts
     policy = _parse_policy(cpu_offload, n_exp)
@@ -353,9 +361,17 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
     # cannot make raises here, naming the tensor
     fp = footprint(config, num_devices)
     e = fp.size.routed_expert.nbytes
-    budget = _Budget(int(memory_per_device_bytes), fp.non_expert_per_device, int(reserve_bytes_per_device),
+    non_expert, drafter_kv = list(fp.non_expert_per_device), 0
+    if speculative is not None and speculative.method == "eagle3":
+        from engine.spec_decode.footprint import drafter_footprint
+
+        drafter = drafter_footprint(speculative.model, config.hidden_size, config.vocab_size)
+        non_expert[0] += drafter.weight_bytes
+        drafter_kv = drafter.kv_bytes_per_token
+    budget = _Budget(int(memory_per_device_bytes), tuple(non_expert), int(reserve_bytes_per_device),
                      fp.kv_bytes_per_token, max_num_seqs, block_size, e, len(layers), n_exp, policy,
-                     None if host_memory_bytes is None else int(host_memory_bytes), fp.state_bytes_per_seq_per_device)
+                     None if host_memory_bytes is None else int(host_memory_bytes), fp.state_bytes_per_seq_per_device,
+                     1 + k, drafter_kv)
 
     kv = budget.kv_bytes(max_model_len)
     slots = budget.slots(kv)
@@ -383,7 +399,9 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
         rows[layer] = tuple(row)
 
     heads, vocab = split_sizes(config.num_attention_heads, num_devices), split_sizes(config.vocab_size, num_devices)
-    devices = tuple(DevicePlan(d, heads[d], vocab[d], budget.non_expert[d], per_device[d], per_device[d] * e, kv,
+    dkv = kv * budget.drafter_kv_per_token // budget.kv_per_token if budget.kv_per_token else 0
+    devices = tuple(DevicePlan(d, heads[d], vocab[d], budget.non_expert[d], per_device[d], per_device[d] * e,
+                               kv + (dkv if d == 0 else 0),
                                budget.reserve, budget.capacity, budget.state(d)) for d in range(num_devices))
     host_bytes = (total - sum(counts)) * e
     problems = [f"GPU {d.index} needs {d.total_bytes / GiB:.2f} GiB but has {d.capacity_bytes / GiB:.2f} GiB "

@@ -103,12 +103,13 @@ def _worker_main(rank: int, spec: WorkerSpec, heartbeat=None) -> None:
                               expert_placement=spec.expert_placement)
         # Rank 0 sized the pool; every rank allocates the same blocks and state slots (its own
         # share of each layer), since the scheduler's block and slot ids index all of them.
-        num_blocks, max_num_seqs, num_snapshots = broadcast_object(control)
+        num_blocks, max_num_seqs, num_snapshots, num_spec_slots, num_spec_tokens = broadcast_object(control)
         pool = KVCachePool(model.cache_specs(dtype), num_blocks, spec.block_size, max_num_seqs, device,
-                           num_snapshots)
+                           num_snapshots, num_spec_slots)
         # Same fixed-capacity decode tables as rank 0; tensor-parallel steps stay eager (no graphs).
         runner = ModelRunner(model, pool.caches, spec.block_size, device, max_num_seqs=max_num_seqs,
-                             max_model_len=spec.max_model_len, decode_graphs=False)
+                             max_model_len=spec.max_model_len, decode_graphs=False,
+                             num_spec_tokens=num_spec_tokens, spec_scratch_base=pool.spec_scratch_base)
         while True:
             inputs = broadcast_object(control)
             if inputs is None:

@@ -22,6 +22,7 @@ from kimitui.bench.arrivals import dispatch, run_warmups
 from kimitui.bench.cost import (DEFAULT_TIERS, DEFAULT_USD_PER_KWH, PricingTier, load_cost_settings,
                                 parse_pricing_tier, usd_per_mtok, with_overrides)
 from kimitui.bench.metrics import METRICS, calculate_metrics, result_json
+from kimitui.bench.spec_counters import read_spec_counters
 from kimitui.bench.sweep import frontier, ladder, parse_concurrency_list, point_from_result
 from kimitui.bench.workload import sample_random
 
@@ -136,6 +137,7 @@ async def run_benchmark(config: BenchmarkConfig, client: Any, tokenizer: Any, sa
     cancel = cancel_event or asyncio.Event()
     await run_warmups(requests[0], client, config.num_warmups, config.max_concurrency)
 
+    spec_before = await read_spec_counters(client)
     done = 0
     if sampler is not None:
         await _bracket_sample(sampler)
@@ -169,6 +171,9 @@ async def run_benchmark(config: BenchmarkConfig, client: Any, tokenizer: Any, sa
         num_gpus=config.num_gpus, energy=energy, pricing_tiers=config.pricing_tiers,
         usd_per_kwh=config.usd_per_kwh, telemetry_backends=_backend_status(sampler),
     )
+    spec_after = await read_spec_counters(client)
+    if spec_before is not None and spec_after is not None:
+        result.update(spec_after.since(spec_before).as_json())  # vLLM bench's spec_decode_* keys
     result["random_input_len"] = config.random_input_len
     result["random_output_len"] = config.random_output_len
     result["random_range_ratio"] = config.random_range_ratio

@@ -20,6 +20,19 @@ def cpu_offload_arg(value: str) -> str | int:
     return n
 
 
+def speculative_config_arg(value: str) -> dict:
+    """argparse type of ``--speculative-config``: a JSON object checked as EngineArgs will check it."""
+    from engine.spec_decode.config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    import json
+
+    return json.loads(value)
+
+
 def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = False, subcommand: bool = False) -> None:
     """``subcommand``: the flags are also accepted before the subcommand (``kimitui --model X serve``);
     their defaults are suppressed here so argparse does not overwrite values given up front."""
@@ -45,6 +58,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = Fals
     g.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N", help="cap the KV cache at N tokens")
     g.add_argument("--routing-stats", default=None, metavar="FILE",
                    help="tokens per expert per layer from an earlier run (JSON): hottest experts stay on the GPUs")
+    g.add_argument("--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s dict: {"method": "ngram"|"suffix"|"eagle3", '
+                        '"num_speculative_tokens": K, "prompt_lookup_min": N, "prompt_lookup_max": M, "model": DIR}')
     if subcommand:
         for action in g._group_actions:  # argparse has no public way to re-default a group
             action.default = argparse.SUPPRESS
@@ -66,4 +82,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         routing_stats=args.routing_stats,
         enforce_eager=args.enforce_eager,
         numa=args.numa,
+        speculative_config=getattr(args, "speculative_config", None),
     )

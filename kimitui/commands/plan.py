@@ -15,8 +15,9 @@ from engine.config import ConfigError, ModelConfig
 from engine.offload.planner import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, Placement, PlacementError,
                                     plan_placement)
 from engine.offload.routing_stats import load_routing_stats
+from engine.spec_decode.config import SpeculativeConfig
 from engine.units import GiB
-from kimitui.commands.engine_flags import cpu_offload_arg
+from kimitui.commands.engine_flags import cpu_offload_arg, speculative_config_arg
 
 MI355X_MEMORY_GB = 288.0
 # One sequence by default: `plan` answers "does one request at full context fit". KV grows
@@ -49,6 +50,9 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "--max-num-batched-tokens and --max-num-seqs)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="T",
                    help="KV cache block size in tokens (default %(default)s)")
+    p.add_argument("--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
+                   help="count speculative decoding's memory: verification rows, KDA scratch states, an "
+                        "eagle3 drafter's weights and KV (as the engine flag)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
     return p
@@ -107,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
             config, args.gpus, int(args.gpu_memory_gb * GiB), args.max_model_len or config.max_position_embeddings,
             args.max_num_seqs, cpu_offload=args.cpu_offload, routing_stats=stats, host_memory_bytes=host,
             reserve_bytes_per_device=None if args.reserve_gb is None else int(args.reserve_gb * GiB),
-            block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens)
+            block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+            speculative=SpeculativeConfig.parse(args.speculative_config))
     except PlacementError as e:
         _emit(e.placement, args.json, str(e))
         print(f"kimitui plan: {e}", file=sys.stderr)

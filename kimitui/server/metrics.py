@@ -82,6 +82,16 @@ class ServerMetrics:
         metric("kimitui:generation_tokens_total", "counter", "Tokens generated.", stats.total_generation_tokens)
         metric("kimitui:num_preemptions_total", "counter", "Requests preempted for lack of KV blocks.",
                stats.num_preemptions)
+        spec = getattr(stats, "spec_decode", None)
+        if spec is not None:  # vLLM's spec_decode_* counters, under our prefix
+            metric("kimitui:spec_decode_num_drafts", "counter", "Sequences' drafts verified.", spec.num_drafts)
+            metric("kimitui:spec_decode_num_draft_tokens", "counter", "Draft tokens verified.", spec.num_draft_tokens)
+            metric("kimitui:spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted.",
+                   spec.num_accepted_tokens)
+            pname = "kimitui:spec_decode_num_accepted_tokens_per_pos"
+            out += [f"# HELP {pname} Draft tokens accepted, by position in the draft.", f"# TYPE {pname} counter"]
+            for j, n in enumerate(spec.accepted_per_pos):
+                out.append(f'{pname}{{{lab},position="{j}"}} {n}')
         name = "kimitui:request_success_total"
         out += [f"# HELP {name} Requests finished, by finish reason (abort: client went away).",
                 f"# TYPE {name} counter"]

@@ -42,12 +42,13 @@ def close(got: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
     torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
 
 
-def run_interpreted(module: str) -> dict[str, str]:
-    """Run ``python -m module`` under the interpreter; its last stdout line is the JSON
-    ``{case name: "ok" | "ok: note" | traceback}``. Fails the calling test when the child fails."""
+def run_interpreted(module: str, *cases: str) -> dict[str, str]:
+    """Run ``python -m module [case ...]`` under the interpreter (all its cases when none are named);
+    its last stdout line is the JSON ``{case name: "ok" | "ok: note" | traceback}``. Fails the
+    calling test when the child fails."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "KIMITUI_KERNELS": ""}
     proc = subprocess.run(
-        [sys.executable, "-m", module],
+        [sys.executable, "-m", module, *cases],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
     lines = proc.stdout.strip().splitlines()

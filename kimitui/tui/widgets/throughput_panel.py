@@ -69,4 +69,12 @@ class ThroughputPanel(Vertical):
             f"{s.kv_cache_capacity_tokens if s else NA} tokens",
             f"prefix hits  {pct(s.prefix_cache_hit_rate, fraction=True) if s else NA}",
         ]
+        spec = getattr(s, "spec_decode", None) if s else None
+        if spec is not None:  # speculative decoding is on
+            per_pos = " ".join(f"{v:.0%}" for v in spec.per_position_rates()[:8]) or NA
+            lines += [
+                f"spec accept  {pct(spec.acceptance_rate, fraction=True) if spec.num_drafts else NA}  "
+                f"mean length {num(spec.acceptance_length, '.2f')}  ({spec.num_drafts} drafts)",
+                f"  per pos    {per_pos}",
+            ]
         self.query_one("#throughput-body", Static).update("\n".join(lines))

@@ -1,0 +1,89 @@
+"""The verification step's two halves that are not scheduling: the per-position KDA layout of a
+step's verified decodes, and turning the target's logits of every verified position into accepted
+tokens and their log-probabilities (one device-to-host copy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.spec_decode.rejection import rejection_sample
+
+
+@dataclass
+class KDASpecStep:
+    """One verified position ``j`` across a step's decodes: ``rows`` [n] (decode rows at their j-th
+    position, one per sequence that has one), and after the step the slot copies ``save_src`` ->
+    ``save_dst`` [m] (each sequence with a later position keeps its state after ``j`` in a scratch slot)."""
+
+    rows: torch.Tensor
+    save_src: torch.Tensor | None
+    save_dst: torch.Tensor | None
+
+
+def kda_spec_steps(spec_lens: list[int], state_slots: list[int], scratch_base: int, num_spec_tokens: int,
+                   device: torch.device) -> list[KDASpecStep]:
+    """Position-major layout of the decode rows: ``spec_lens[i]`` rows for decoding sequence ``i``
+    (laid out one sequence after another); ``state_slots`` holds a slot per decode row."""
+    firsts, row = [], 0
+    for n in spec_lens:
+        firsts.append(row)
+        row += n
+    steps = []
+    for j in range(max(spec_lens)):
+        live = [i for i, n in enumerate(spec_lens) if n > j]
+        rows = [firsts[i] + j for i in live]
+        keep = [state_slots[firsts[i]] for i in live if spec_lens[i] > j + 1]
+        src = torch.tensor(keep, dtype=torch.int64, device=device) if keep else None
+        dst = None
+        if keep:
+            dst = torch.tensor([scratch_base + s * num_spec_tokens + j for s in keep], dtype=torch.int64,
+                               device=device)
+        steps.append(KDASpecStep(torch.tensor(rows, dtype=torch.int64, device=device), src, dst))
+    return steps
+
+
+def verify_and_logprobs(logits: torch.Tensor, drafts: list[list[int]], batch, params: list):
+    """Accept drafts and sample one more token per sequence; ``logits`` [R, V] fp32 hold
+    ``len(drafts[i]) + 1`` rows for sequence ``i``, in order. Returns (tokens per sequence, the
+    log-prob dicts of those tokens per sequence or None where not asked), read back in one copy."""
+    num_drafts = [len(d) for d in drafts]
+    out = rejection_sample(logits, num_drafts, drafts, batch)  # [N, K + 1], -1 padded
+    n, width = out.shape
+    cols = [out.reshape(-1).double()]
+    k = max(batch.max_logprobs, 0)
+    if batch.max_logprobs >= 0:
+        lens = torch.tensor([d + 1 for d in num_drafts], device=logits.device)
+        seq_of_row = torch.repeat_interleave(torch.arange(n, device=logits.device), lens)
+        starts = lens.cumsum(0) - lens
+        pos_of_row = torch.arange(logits.shape[0], device=logits.device) - starts[seq_of_row]
+        tok = out[seq_of_row, pos_of_row].clamp(min=0)
+        logp = logits.log_softmax(dim=-1)
+        cols.append(logp.gather(1, tok[:, None])[:, 0].double())
+        if k:
+            top = logp.topk(k, dim=-1)
+            cols += [top.indices.reshape(-1).double(), top.values.reshape(-1).double()]
+    flat = torch.cat(cols).tolist()  # the one sync
+    tokens = [[int(t) for t in flat[i * width: (i + 1) * width] if t >= 0] for i in range(n)]
+    if batch.max_logprobs < 0:
+        return tokens, [None] * n
+    R = logits.shape[0]
+    at = n * width
+    chosen = flat[at: at + R]
+    ids = flat[at + R: at + R + R * k]
+    vals = flat[at + R + R * k:]
+    lps, row = [], 0
+    for i, p in enumerate(params):
+        rows = range(row, row + len(tokens[i]))
+        row += num_drafts[i] + 1
+        if p.logprobs is None:
+            lps.append(None)
+            continue
+        seq_lps = []
+        for j, r in enumerate(rows):
+            d = {int(t): v for t, v in zip(ids[r * k: r * k + p.logprobs], vals[r * k: r * k + p.logprobs])}
+            d[tokens[i][j]] = chosen[r]
+            seq_lps.append(d)
+        lps.append(seq_lps)
+    return tokens, lps

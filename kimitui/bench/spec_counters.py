@@ -1,0 +1,65 @@
+"""Speculative-decoding counters of the server under test, read before and after a run, for vLLM's
+``spec_decode_*`` keys in the result JSON (as ``vllm bench serve`` reads them from ``/metrics``).
+
+In process they come from the engine's stats; over HTTP from the server's Prometheus text: vLLM's
+``vllm:spec_decode_*`` or kimitui's ``kimitui:spec_decode_*`` counters (SGLang exposes none of these;
+the keys are then absent)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.spec_decode.stats import SpecDecodeStats
+
+_NAMES = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
+
+
+async def read_spec_counters(client: Any) -> SpecDecodeStats | None:
+    """The cumulative counters now, or None when the target has no speculative decoding."""
+    engine = getattr(client, "engine", None)
+    if engine is not None:
+        stats = engine.stats()
+        spec = getattr(stats, "spec_decode", None)
+        return spec.copy() if spec is not None else None
+    base_url = getattr(client, "base_url", None)
+    http = getattr(client, "_http", None)
+    if base_url is None or http is None:
+        return None
+    try:
+        from kimitui.bench.clients import _headers
+
+        resp = await http.get(base_url.removesuffix("/v1") + "/metrics", headers=_headers(getattr(client, "api_key", None)))
+        if resp.status_code != 200:
+            return None
+        return parse_spec_counters(resp.text)
+    except Exception:  # a server without /metrics: no keys, never a failed benchmark
+        return None
+
+
+def parse_spec_counters(text: str) -> SpecDecodeStats | None:
+    """``SpecDecodeStats`` from Prometheus exposition text (``prometheus_client``'s parser), summing
+    over label sets (a server may label by model or engine); per-position counters by ``position``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
+    for family in text_string_to_metric_families(text):
+        for prefix in ("vllm:spec_decode_", "kimitui:spec_decode_"):
+            if not family.name.startswith(prefix):
+                continue
+            key = family.name[len(prefix):]
+            if key not in _NAMES:
+                continue
+            for sample in family.samples:
+                if not sample.name.endswith("_total") and family.type == "counter" and sample.name != family.name:
+                    continue  # _created samples
+                if key == "num_accepted_tokens_per_pos":
+                    pos = int(sample.labels.get("position", 0))
+                    per_pos[pos] = per_pos.get(pos, 0) + sample.value
+                else:
+                    found[key] = found.get(key, 0) + sample.value
+    if "num_drafts" not in found:
+        return None
+    return SpecDecodeStats(int(found.get("num_drafts", 0)), int(found.get("num_draft_tokens", 0)),
+                           int(found.get("num_accepted_tokens", 0)),
+                           [int(per_pos[j]) for j in sorted(per_pos)])
