@@ -14,6 +14,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.helpers.checkpoints import write_hf_checkpoint
+from tests.helpers.eagle3_reference import hf_aux_states
 
 LAYERS = 4
 
@@ -24,22 +25,6 @@ def target(tmp_path_factory):
     hf = write_hf_checkpoint(path, seed=3, num_hidden_layers=LAYERS)
     llm = LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=2, enable_prefix_caching=False)
     return hf, llm
-
-
-def hf_states(hf, ids: list[int]) -> list[torch.Tensor]:
-    """[embedding, output of layer 0, ..., output of layer L-1] (pre-norm), each [T, D]."""
-    outs = []
-    hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
-             for layer in hf.model.layers]
-    try:
-        with torch.no_grad():
-            t = torch.tensor([ids])
-            emb = hf.model.embed_tokens(t)
-            hf(t)
-    finally:
-        for h in hooks:
-            h.remove()
-    return [s[0].float() for s in [emb] + outs]
 
 
 def run_capturing(llm, ids, n):
@@ -70,8 +55,7 @@ def test_aux_hidden_matches_hf_layer_outputs(target, layer_ids):
         steps, gen = run_capturing(llm, prompt, 4)
     finally:
         model.set_aux_hidden_layers(None)
-    ref = hf_states(hf, prompt + gen)
-    want = torch.cat([ref[k] for k in sorted(layer_ids)], dim=-1)  # [T, n*D], ascending ids
+    want = hf_aux_states(hf, prompt + gen, layer_ids)  # [T, n*D], ascending ids
     rows = torch.cat(steps)  # one prefill step, then one row per decode step
     assert rows.shape == (len(prompt) + len(gen) - 1, len(layer_ids) * 64)
     torch.testing.assert_close(rows, want[: rows.shape[0]], atol=2e-4, rtol=2e-4)
