@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from kernels import cpu_few_rows
+from kernels.settings import KernelSettings
 from tests.helpers.checkpoints import write_hf_checkpoint
 from tests.helpers.eagle3_reference import hf_aux_states
 
@@ -56,6 +58,8 @@ def test_aux_hidden_matches_hf_layer_outputs(target, layer_ids):
     finally:
         model.set_aux_hidden_layers(None)
     want = hf_aux_states(hf, prompt + gen, layer_ids)  # [T, n*D], ascending ids
+    if cpu_few_rows.available() and KernelSettings.from_env().cpu_kernels:
+        assert all(layer.fused is not None for layer in model.model.layers)  # the decodes took the fused path
     rows = torch.cat(steps)  # one prefill step, then one row per decode step
     assert rows.shape == (len(prompt) + len(gen) - 1, len(layer_ids) * 64)
     torch.testing.assert_close(rows, want[: rows.shape[0]], atol=2e-4, rtol=2e-4)
