@@ -97,6 +97,8 @@ class LLMEngine:
             raise
         self._finalizer = weakref.finalize(self, _shutdown_workers, self.workers)
         self.proposer = make_proposer(self.speculative, self.model) if self.speculative else None
+        if hasattr(self.proposer, "bind_cache"):  # a model drafter's own KV cache, on the target's block ids
+            self.proposer.bind_cache(self.cache_pool.num_blocks, args.block_size)
         self.spec_stats = SpecDecodeStats()
         log.info("%s", self.cache_pool.describe())
         slots = StateSlots(args.max_num_seqs, self.cache_pool.num_snapshots) if self.cache_pool.is_hybrid else None

@@ -348,6 +348,7 @@ class ModelRunner:
             if len(nxt) == n:  # rows whose next token is known (all, unless the prompt was cut mid-step)
                 hidden.spans[seq.seq_id] = (row, n, s.start)
                 hidden.next_tokens[seq.seq_id] = nxt
+                hidden.seqs[seq.seq_id] = seq
             row += s.num_new_tokens
         return hidden
 

@@ -95,12 +95,51 @@ class DeepseekV3Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, rope, par, rows[i] or None, dtype)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # EAGLE-3 drafters read the hidden states of a few layers (see set_aux_hidden_layers); None
+        # keeps the plain loop below, so a model without a drafter pays nothing.
+        self.aux_layers: tuple[int, ...] | None = None
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]):
         x, residual = self.embed_tokens(input_ids), None
+        if self.aux_layers is not None:
+            return self._forward_capturing(x, meta, kv_caches)
         last = len(self.layers) - 1
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, meta, cache, last=i == last)
+        return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
+
+    def _forward_capturing(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]):
+        """``forward`` that also leaves ``aux_hidden`` [T, len(aux_layers) * D]: for each aux id k, in
+        ascending order, the hidden state entering layer k (the embedding for k = 0, the final
+        pre-norm hidden for k = L), for every row of the step. Id k is what vLLM's
+        ``aux_hidden_state_layers`` and EAGLE-3 training (``hidden_states[k]`` of Hugging Face's
+        ``output_hidden_states``) mean by it. When the last layer's output is an aux state, that
+        layer computes every row and the rows to keep (``meta.out_rows``) are taken after it."""
+        ids, n_layers, d = self.aux_layers, len(self.layers), x.shape[-1]
+        aux = x.new_empty(x.shape[0], len(ids) * d)
+        cols = {k: aux[:, j * d:(j + 1) * d] for j, k in enumerate(ids)}
+        residual = None
+        take_after = n_layers in cols and meta.out_rows is not None
+
+        def capture(k: int) -> None:
+            # a fresh sum (or copy): the next layer may overwrite x, and the fused CPU path hands
+            # over the whole hidden state with residual None
+            if residual is None:
+                cols[k].copy_(x)
+            else:
+                torch.add(x, residual, out=cols[k])
+
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            if i in cols:
+                capture(i)
+            x, residual = layer(x, residual, meta, cache, last=i == n_layers - 1 and not take_after)
+        if n_layers in cols:
+            capture(n_layers)
+        if take_after:
+            x = x.index_select(0, meta.out_rows)
+            residual = None if residual is None else residual.index_select(0, meta.out_rows)
+        self.aux_hidden = aux
         return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
 
 
@@ -126,6 +165,27 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, V] fp32
+
+    def set_aux_hidden_layers(self, layer_ids) -> None:
+        """Keep, after each forward, the hidden states EAGLE-3 drafters read in ``aux_hidden``: for
+        each id k (0..num_hidden_layers) the hidden state entering layer k, i.e. the previous layer's
+        output plus its residual (see ``DeepseekV3Model._forward_capturing``). Ids are taken in
+        ascending order, as vLLM concatenates them. None (or empty) turns capturing off."""
+        if not layer_ids:
+            self.model.aux_layers = self.model.aux_hidden = None
+            return
+        n = self.config.num_hidden_layers
+        ids = sorted(int(k) for k in layer_ids)
+        if len(set(ids)) != len(ids) or not all(0 <= k <= n for k in ids):
+            raise ValueError(f"aux hidden layer ids must be distinct and in 0..{n} (the target has {n} layers), "
+                             f"got {list(layer_ids)}")
+        self.model.aux_layers = tuple(ids)
+        self.model.aux_hidden = None
+
+    @property
+    def aux_hidden(self) -> torch.Tensor | None:
+        """The last forward's aux hidden states [T, n_aux * hidden] (None when capturing is off)."""
+        return self.model.aux_hidden
 
     def post_load(self, settings: KernelSettings | None = None) -> None:
         """Once the weights are in: derived weights, then the backend, chosen once from the weights'

@@ -41,11 +41,15 @@ class StepHidden:
     drafts), at consecutive positions from ``first_position``.
     ``next_tokens[seq_id]``: for each of those rows, the token that follows it (the next prompt
     token, an accepted draft, or the token sampled this step).
+    ``seqs[seq_id]``: the sequence itself, also for rows of sequences that do not decode next (a
+    prefill chunk short of the prompt's end): a drafter with a KV cache on the target's block ids
+    writes those rows too, through ``seq.block_table``.
     """
 
     aux: torch.Tensor
     spans: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     next_tokens: dict[str, list[int]] = field(default_factory=dict)
+    seqs: dict[str, Sequence] = field(default_factory=dict)
 
 
 class Proposer(Protocol):
