@@ -199,8 +199,8 @@ def main() -> int:
             spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
                     "prompt_lookup_max": 5}
             llm = LLM(str(path), dtype="float32", max_model_len=512, max_num_seqs=16, speculative_config=spec)
-            print(f"\n## model {kind}: {size / 1e9:.2f} GB bf16 on disk, float32 compute "
-                  f"({2 * size / 1e6:.0f} MB read per decode step), k={args.k}")
+            print(f"\n## model {kind}: {size / 1e9:.2f} GB bf16 on disk, {2 * size / 1e9:.2f} GB of float32 weights "
+                  f"(a dense model's decode step reads them all; an MoE step its routed experts' share), k={args.k}")
             print(f"{'workload':8} {'batch':>5} {'proposer':8} {'tok/s':>8} {'speedup':>8} {'accept':>7} "
                   f"{'mean len':>8}")
             for workload in args.workloads.split(","):

@@ -96,7 +96,7 @@ class LLMEngine:
             self.shutdown()
             raise
         self._finalizer = weakref.finalize(self, _shutdown_workers, self.workers)
-        self.proposer = make_proposer(self.speculative, self.model) if self.speculative else None
+        self.proposer = make_proposer(self.speculative, self.model, self.model_dir) if self.speculative else None
         if hasattr(self.proposer, "bind_cache"):  # a model drafter's own KV cache, on the target's block ids
             self.proposer.bind_cache(self.cache_pool.num_blocks, args.block_size)
         self.spec_stats = SpecDecodeStats()
@@ -136,13 +136,19 @@ class LLMEngine:
         spec_slots = a.max_num_seqs * self.num_spec_tokens if has_state(specs) else 0
         budget = wanted_tokens * bytes_per_block(specs, 1) + bytes_of_state(
             specs, a.max_num_seqs + wanted_snapshots + spec_slots)
+        drafter = self._drafter_footprint()
         if a.gpu_memory_gb is not None or self.device.type == "cuda":
-            budget = min(budget, self._device_kv_budget())
+            # an EAGLE-3 drafter loads after the cache: its weights come out of the same memory
+            budget = min(budget, self._device_kv_budget() - (drafter.weight_bytes if drafter else 0))
         elif a.kv_cache_tokens is None:
             # Host RAM is shared with everything else: at most 1 GiB or a tenth of what is free.
             import psutil
 
             budget = min(budget, 1 << 30, psutil.virtual_memory().available // 10)
+        if drafter is not None and a.kv_cache_tokens is None:
+            # the drafter's KV lives on the same block ids: every block costs the target's and its bytes
+            per_token = bytes_per_block(specs, 1)
+            budget = budget * per_token // (per_token + drafter.kv_bytes_per_token)
         min_blocks = -(-self.max_model_len // a.block_size)
         # Snapshots only where they leave a max_model_len sequence its blocks (or all blocks asked for).
         snapshots = snapshots_for_budget(specs, a.block_size, int(budget), a.max_num_seqs,
@@ -157,6 +163,15 @@ class LLMEngine:
             log.warning("KV cache holds %d tokens, less than max_model_len %d", num_blocks * a.block_size,
                         self.max_model_len)
         return KVCachePool(specs, num_blocks, a.block_size, a.max_num_seqs, self.device, snapshots, spec_slots)
+
+    def _drafter_footprint(self):
+        """An EAGLE-3 drafter's weights and KV per token (engine.spec_decode.footprint), or None."""
+        if self.speculative is None or self.speculative.method != "eagle3":
+            return None
+        from engine.spec_decode.footprint import drafter_footprint
+
+        return drafter_footprint(self.speculative.model, self.config.hidden_size, self.config.vocab_size,
+                                 self.dtype.itemsize)
 
     def _device_kv_budget(self) -> int:
         # Experts kept in host RAM do not use the device budget.

@@ -27,22 +27,25 @@ from engine.spec_decode.proposer import StepHidden
 class Eagle3Proposer:
     needs_hidden = True
 
-    def __init__(self, config, target, settings=None):
+    def __init__(self, config, target, settings=None, model_dir=None):
         """``config``: the SpeculativeConfig (``model`` = drafter directory); ``target``: the loaded
         Kimi K2.x model, whose aux layers are switched on here and whose embedding is shared when
         the drafter ships none."""
         if not hasattr(target, "set_aux_hidden_layers"):
             raise ValueError(f"speculative_config: eagle3 needs a Kimi K2.x (DeepSeek-V3) target, got "
                              f"{type(target).__name__}")
-        par = getattr(target, "par", None)
-        if par is not None and par.is_parallel:
-            raise ValueError("speculative_config: eagle3 with tensor parallel is not supported yet (the drafter "
-                             "runs on rank 0 and would need the whole target embedding there)")
         weight = target.model.norm.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.num_speculative_tokens = config.num_speculative_tokens
+        embedding = target.model.embed_tokens
+        par = getattr(target, "par", None)
+        if par is not None and par.is_parallel:
+            # Tensor parallel: the drafter runs on rank 0 alone (replicated there, the other ranks never
+            # call it); the target's embedding is split by vocabulary over the ranks and its lookup is a
+            # collective, so rank 0 keeps a whole copy for the drafter (checkpoints without embed_tokens).
+            embedding = _whole_embedding(model_dir, target.config, self.device, self.dtype)
         self.drafter: Eagle3Drafter = load_eagle3(config.model, target.config, self.device, self.dtype,
-                                                  target_embedding=target.model.embed_tokens)
+                                                  target_embedding=embedding)
         self._attach_backend(settings)
         target.set_aux_hidden_layers(self.drafter.config.aux_layer_ids)
         self.cache: torch.Tensor | None = None
@@ -150,3 +153,17 @@ class Eagle3Proposer:
                 out[live[a]].append(flat[at + r])
             at += len(act)
         return out
+
+
+def _whole_embedding(model_dir, config, device: torch.device, dtype: torch.dtype):
+    """The target's whole token embedding read from its checkpoint (``model.embed_tokens.weight`` under
+    the family's prefix), on ``device``: what a drafter on rank 0 shares under tensor parallel."""
+    from engine.layers.embedding import VocabEmbedding
+    from engine.loader.checkpoint import CheckpointReader
+
+    if model_dir is None:
+        raise ValueError("speculative_config: eagle3 with tensor parallel needs the target's checkpoint directory")
+    emb = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype).to(device)
+    weight = CheckpointReader(model_dir).get(f"{config.weight_prefix}model.embed_tokens.weight")
+    emb.weight.data.copy_(weight.to(device=device, dtype=dtype))
+    return emb

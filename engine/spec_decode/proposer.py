@@ -63,9 +63,10 @@ class Proposer(Protocol):
         """``seq_id`` finished or was aborted: drop (or archive) what was kept for it."""
 
 
-def make_proposer(config, target=None) -> Proposer:
+def make_proposer(config, target=None, model_dir=None) -> Proposer:
     """The proposer of ``config.method``; ``target``: the loaded target model (eagle3 shares its
-    embedding and reads its config)."""
+    embedding and reads its config); ``model_dir``: the target's checkpoint (eagle3 under tensor
+    parallel reads the whole embedding from it)."""
     if config.method == "ngram":
         from engine.spec_decode.ngram import NgramProposer
 
@@ -80,5 +81,5 @@ def make_proposer(config, target=None) -> Proposer:
     if config.method == "eagle3":
         from engine.spec_decode.eagle3_proposer import Eagle3Proposer
 
-        return Eagle3Proposer(config, target)
+        return Eagle3Proposer(config, target, model_dir=model_dir)
     raise ValueError(f"speculative_config: no proposer for method {config.method!r}")

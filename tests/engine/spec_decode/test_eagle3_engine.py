@@ -117,3 +117,14 @@ def test_every_draft_matches_a_dense_recomputation(ckpts):
             want.append(int(d2t_ids[(normed[-1] @ w["lm_head.weight"].double().T).argmax()]))
             inputs, hidden = inputs + [want[-1]], hidden + [pre[-1]]
         assert drafts == want, f"drafts after {p + 1} tokens"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_ranks(ckpts):
+    # the drafter runs on rank 0 with a whole copy of the target's (vocabulary-split) embedding
+    target, _, drafter, _, _ = ckpts
+    prompts = _prompts(3, [9, 30, 14], seed=2)
+    ref = _greedy(_llm(target), prompts, 10)
+    with _llm(target, drafter, tensor_parallel_size=2) as llm:
+        assert _greedy(llm, prompts, 10) == ref
+        assert llm.engine.stats().spec_decode.num_drafts > 0
