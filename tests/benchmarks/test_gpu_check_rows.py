@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -142,17 +144,42 @@ def _env(*front: Path) -> dict[str, str]:
     return env
 
 
+def _blocker(folder: Path, *extra: str) -> Path:
+    """A sitecustomize folder blocking the bare machine's absent packages and ``extra``."""
+    write_sitecustomize(folder)
+    text = (folder / "sitecustomize.py").read_text()
+    (folder / "sitecustomize.py").write_text(text.replace("ABSENT = frozenset(", f"ABSENT = frozenset({extra!r} + "))
+    return folder
+
+
+def test_gpu_engine_tests_cpu_side_runs_without_psutil(tmp_path):
+    # tests/engine/test_engine_gpu.py compares against a CPU engine, on an image that may lack psutil
+    code = """
+try:
+    import psutil
+except ImportError:
+    pass
+else:
+    raise SystemExit("psutil imported: the blocker is not active")
+from engine.demo import demo_checkpoint
+from tests.engine import test_engine_gpu
+outs = test_engine_gpu._generate(demo_checkpoint(), "cpu")
+print("TOKENS", [len(o.token_ids) for o in outs])
+"""
+    env = _env(_blocker(tmp_path / "site", "psutil"))
+    env["KIMITUI_CPU_KERNELS"] = "0"  # as the one-shot's tests section runs them
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "TOKENS [8, 8, 8]" in proc.stdout
+
+
 def test_fla_row_passes_only_when_fla_imports(tmp_path):
     pytest.importorskip("fla", reason="fla-core is not installed here")
     pytest.importorskip("einops", reason="einops is not installed here")
     row = carried.fla_row(_env(), emulate=False, folder=tmp_path)
     assert row.status == PASS and "fla-core 0.6.0 imports" in row.note, row.note
     # einops blocked, as on an image where only the fla-core wheel was carried
-    blocker = tmp_path / "site"
-    (blocker / "sitecustomize.py").parent.mkdir()
-    write_sitecustomize(blocker)
-    text = (blocker / "sitecustomize.py").read_text()
-    (blocker / "sitecustomize.py").write_text(text.replace("ABSENT = frozenset(", "ABSENT = frozenset(('einops',) + "))
+    blocker = _blocker(tmp_path / "site", "einops")
     for emulate, status in ((False, FAIL), (True, SKIP)):
         row = carried.fla_row(_env(blocker), emulate=emulate, folder=tmp_path)
         assert row.status == status and "does not import" in row.note and "einops" in row.note, row.note
