@@ -9,6 +9,8 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 
+import torch
+
 from engine.args import EngineArgs
 from engine.engine import LLMEngine
 from engine.metrics import EngineStats
@@ -96,6 +98,10 @@ class AsyncLLM:
     # -- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        if engine.device.type == "cuda":
+            # The current device is per thread (a new one starts on GPU 0) and Triton launches, like
+            # graph capture's stream, on the current device: select the engine's here as well.
+            torch.cuda.set_device(engine.device)
         while not self._stop.is_set():
             block = not engine.has_unfinished_requests()
             try:

@@ -12,10 +12,11 @@ KDA on a GPU is fla-core's Triton kernels (``kernels/kda_fla.py``) against the P
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import torch
 
-from benchmarks.gpucheck.common import SKIP, Row, best_ms, rel_err, status_for, sync
+from benchmarks.gpucheck.common import FAIL, SKIP, Row, best_ms, rel_err, status_for, sync
 from kernels import reference as ref
 
 S = "kernels"
@@ -93,10 +94,9 @@ def _touched(ids, e) -> int:
     return int(torch.unique(ids[ids < e]).numel())
 
 
-def moe_rows(mode) -> list[Row]:
+def moe_rows(mode) -> Iterator[Row]:
     from kernels import fused_moe as fm
 
-    rows = []
     e, d, inter, k = mode.pick((384, 7168, 2048, 8), (8, 64, 32, 2))
     e = _experts_that_fit(mode, e, 3 * 2 * inter * d * mode.dtype.itemsize)  # the bf16 stack is the largest
     shape = f"E={e} D={d} I={inter} top-{k}"
@@ -109,8 +109,8 @@ def moe_rows(mode) -> list[Row]:
         x = torch.randn(t, d, device=mode.device, dtype=mode.dtype)
         ids, tw = _routing(mode, t, e, k)
         args = (x, ids, tw, w13, s13, w2, s2)
-        rows.append(_check(mode, f"fused MoE INT4 {shape} T={t}", lambda: fm.fused_moe_w4a16(*args),
-                           lambda: ref.moe_experts_reference_w4a16(*args), _touched(ids, e) * per_expert))
+        yield _check(mode, f"fused MoE INT4 {shape} T={t}", lambda: fm.fused_moe_w4a16(*args),
+                     lambda: ref.moe_experts_reference_w4a16(*args), _touched(ids, e) * per_expert)
     del w13, s13, w2, s2
     # block FP8 (K2-Instruct), a pair held elsewhere in each batch (id == E)
     block = mode.pick((128, 128), (16, 16))  # the toy expert width is below one 128-row block
@@ -122,9 +122,9 @@ def moe_rows(mode) -> list[Row]:
         ids, tw = _routing(mode, t, e, k)
         ids[0, -1] = e
         args = (x, ids, tw, w13, s13, w2, s2, block)
-        rows.append(_check(mode, f"fused MoE FP8 {shape} T={t}", lambda: fm.fused_moe_fp8(*args),
-                           lambda: ref.moe_experts_reference_fp8(*args), _touched(ids, e) * per_expert,
-                           "one pair held elsewhere"))
+        yield _check(mode, f"fused MoE FP8 {shape} T={t}", lambda: fm.fused_moe_fp8(*args),
+                     lambda: ref.moe_experts_reference_fp8(*args), _touched(ids, e) * per_expert,
+                     "one pair held elsewhere")
     del w13, s13, w2, s2
     # bf16 experts (K2 bf16)
     w13 = _chunked(mode, (e, 2 * inter, d), mode.dtype, d ** -0.5)
@@ -133,15 +133,13 @@ def moe_rows(mode) -> list[Row]:
         x = torch.randn(t, d, device=mode.device, dtype=mode.dtype)
         ids, tw = _routing(mode, t, e, k)
         args = (x, ids, tw, w13, w2)
-        rows.append(_check(mode, f"fused MoE {str(mode.dtype)[6:]} {shape} T={t}", lambda: fm.fused_moe(*args),
-                           lambda: ref.moe_experts_reference(*args), _touched(ids, e) * (w13[0].nbytes + w2[0].nbytes)))
-    return rows
+        yield _check(mode, f"fused MoE {str(mode.dtype)[6:]} {shape} T={t}", lambda: fm.fused_moe(*args),
+                     lambda: ref.moe_experts_reference(*args), _touched(ids, e) * (w13[0].nbytes + w2[0].nbytes))
 
 
-def moe_mxfp4_rows(mode) -> list[Row]:
+def moe_mxfp4_rows(mode) -> Iterator[Row]:
     from kernels import fused_moe as fm
 
-    rows = []
     e, d, inter, k = mode.pick((896, 3584, 3072, 16), (8, 64, 32, 2))  # K3's latent MoE
     e = _experts_that_fit(mode, e, 3 * inter * d * 0.6)  # 4-bit codes + a scale byte per 32
     w13, s13 = _mxfp4(mode, e, 2 * inter, d)
@@ -151,50 +149,48 @@ def moe_mxfp4_rows(mode) -> list[Row]:
         x = torch.randn(t, d, device=mode.device, dtype=mode.dtype)
         ids, tw = _routing(mode, t, e, k)
         args = (x, ids, tw, w13, s13, w2, s2)
-        rows.append(_check(mode, f"fused MoE MXFP4 E={e} D={d} I={inter} top-{k} T={t}", lambda: fm.fused_moe_mxfp4(*args),
-                           lambda: ref.moe_experts_reference_mxfp4(*args), _touched(ids, e) * per_expert))
-    return rows
+        yield _check(mode, f"fused MoE MXFP4 E={e} D={d} I={inter} top-{k} T={t}", lambda: fm.fused_moe_mxfp4(*args),
+                     lambda: ref.moe_experts_reference_mxfp4(*args), _touched(ids, e) * per_expert)
 
 
-def gemm_rows(mode) -> list[Row]:
+def gemm_rows(mode) -> Iterator[Row]:
     from kernels.fp8_block_gemm import fp8_block_gemm
     from kernels.mxfp4_gemm import mxfp4_gemm
     from kernels.w4a16_gemm import w4a16_gemm
 
-    rows = []
     # FP8: K2-Instruct's dense MLP gate+up [2 x 18432, 7168]
     n, kk = mode.pick((36864, 7168), (48, 64))
     w, s = _fp8(mode, n, kk)
     for m in mode.pick((1, 64, 2048), (3,)):
         x = torch.randn(m, kk, device=mode.device, dtype=mode.dtype)
-        rows.append(_check(mode, f"FP8 block GEMM M={m} N={n} K={kk}", lambda: fp8_block_gemm(x, w, s),
-                           lambda: ref.linear_fp8_block(x, w, s), w.nbytes + s.nbytes))
+        yield _check(mode, f"FP8 block GEMM M={m} N={n} K={kk}", lambda: fp8_block_gemm(x, w, s),
+                     lambda: ref.linear_fp8_block(x, w, s), w.nbytes + s.nbytes)
     # INT4 w4a16: an expert's gate+up [2 x 2048, 7168]
     n, kk = mode.pick((4096, 7168), (48, 64))
     p, s = _int4(mode, n, kk)
     for m in mode.pick((1, 64), (3,)):
         x = torch.randn(m, kk, device=mode.device, dtype=mode.dtype)
-        rows.append(_check(mode, f"w4a16 GEMM M={m} N={n} K={kk}", lambda: w4a16_gemm(x, p, s),
-                           lambda: ref.linear_w4a16(x, p, s, kk), p.nbytes + s.nbytes))
+        yield _check(mode, f"w4a16 GEMM M={m} N={n} K={kk}", lambda: w4a16_gemm(x, p, s),
+                     lambda: ref.linear_w4a16(x, p, s, kk), p.nbytes + s.nbytes)
     # MXFP4: a K3 latent expert's gate+up [2 x 3072, 3584]
     n, kk = mode.pick((6144, 3584), (48, 64))
     p, s = _mxfp4(mode, n, kk)
     for m in mode.pick((1, 64), (3,)):
         x = torch.randn(m, kk, device=mode.device, dtype=mode.dtype)
-        rows.append(_check(mode, f"MXFP4 GEMM M={m} N={n} K={kk}", lambda: mxfp4_gemm(x, p, s),
-                           lambda: ref.linear_mxfp4(x, p, s), p.nbytes + s.nbytes))
-    return rows
+        yield _check(mode, f"MXFP4 GEMM M={m} N={n} K={kk}", lambda: mxfp4_gemm(x, p, s),
+                     lambda: ref.linear_mxfp4(x, p, s), p.nbytes + s.nbytes)
 
 
-def kda_rows(mode) -> list[Row]:
+def kda_rows(mode) -> Iterator[Row]:
     from kernels import kda, kda_fla
 
     if mode.device.type != "cuda":
-        return [Row(S, "KDA fla-core vs kernels/kda.py", SKIP, note="fla-core's kernels need a CUDA/ROCm device")]
+        yield Row(S, "KDA fla-core vs kernels/kda.py", SKIP, note="fla-core's kernels need a CUDA/ROCm device")
+        return
     if not kda_fla.available():
-        return [Row(S, "KDA fla-core vs kernels/kda.py", SKIP,
-                    note="fla-core not importable (benchmarks/wheels/fla_core-*.whl missing?): the engine would "
-                         "run the PyTorch KDA")]
+        yield Row(S, "KDA fla-core vs kernels/kda.py", FAIL,
+                  note=f"{kda_fla.unavailable_reason()}: K3 cannot run on this GPU (see the env rows)")
+        return
     dev, dt = mode.device, mode.dtype
     h, dk = 96, 128  # K3's KDA heads
     lens = [1000, 3000, 17]
@@ -206,9 +202,9 @@ def kda_rows(mode) -> list[Row]:
     h0 = torch.randn(len(lens), h, dk, dk, device=dev) * 0.1
     scale = dk ** -0.5
     # the reference gets the same (bf16-valued) inputs in fp32: what differs is the kernels' arithmetic
-    rows = [_check(mode, f"KDA chunk prefill fla vs torch T={t} ({len(lens)} seqs) H={h}",
-                   lambda: kda_fla.chunk_kda(q, k, v, g, beta, h0, cu, scale),
-                   lambda: kda.chunk_kda(q.float(), k.float(), v.float(), g, beta, h0, cu, scale))]
+    yield _check(mode, f"KDA chunk prefill fla vs torch T={t} ({len(lens)} seqs) H={h}",
+                 lambda: kda_fla.chunk_kda(q, k, v, g, beta, h0, cu, scale),
+                 lambda: kda.chunk_kda(q.float(), k.float(), v.float(), g, beta, h0, cu, scale))
     n = 64
     pool = torch.randn(2 * n, h, dk, dk, device=dev) * 0.1
     slots = torch.randperm(2 * n, device=dev)[:n]
@@ -218,16 +214,15 @@ def kda_rows(mode) -> list[Row]:
         state = pool.clone()  # both update the pool in place: each call starts from the same one
         return fn(*inputs, state, slots, scale), state
 
-    rows.append(_check(mode, f"KDA recurrent decode fla vs torch N={n} H={h}", lambda: run(kda_fla.recurrent_kda, args),
-                       lambda: run(kda.recurrent_kda, [a.float() for a in args]),
-                       note="times include a copy of the state pool"))
+    yield _check(mode, f"KDA recurrent decode fla vs torch N={n} H={h}", lambda: run(kda_fla.recurrent_kda, args),
+                 lambda: run(kda.recurrent_kda, [a.float() for a in args]),
+                 note="times include a copy of the state pool")
     c = h * dk
     x = torch.randn(t, c, device=dev).to(dt)
     w = torch.randn(c, 4, device=dev) * 0.5
     hist = torch.randn(len(lens), c, 3, device=dev).to(dt)
-    rows.append(_check(mode, f"KDA short conv fla vs torch T={t} C={c}", lambda: kda_fla.causal_conv1d(x, w, hist, cu),
-                       lambda: kda.causal_conv1d(x, w, hist, cu), 2 * x.nbytes))
-    return rows
+    yield _check(mode, f"KDA short conv fla vs torch T={t} C={c}", lambda: kda_fla.causal_conv1d(x, w, hist, cu),
+                 lambda: kda.causal_conv1d(x, w, hist, cu), 2 * x.nbytes)
 
 
 CHECKS = [

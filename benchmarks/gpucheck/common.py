@@ -1,8 +1,9 @@
 """What every section of the GPU one-shot shares: its rows, its clock, its error measure, its deadline.
 
 A section runs in its own process (``python -m benchmarks.gpucheck.section NAME``) and appends one
-JSON line per check to a file, so a section that crashes or is killed at its time limit keeps the
-rows it finished. ``Mode`` holds what differs between a real GPU run and the CPU self-test
+JSON line per row to a file as soon as the row is measured (a check that measures several shapes
+yields its rows one by one), so a section that crashes or is killed at its time limit keeps the
+rows it finished, those of a check it was killed in included. ``Mode`` holds what differs between a real GPU run and the CPU self-test
 (``--emulate``: ``KIMITUI_EMULATE_DEVICE=1 TRITON_INTERPRET=1``, tiny shapes): the device, the
 dtype and whether shapes are Kimi's or toy ones; the checks themselves are the same code.
 """
@@ -14,6 +15,7 @@ import math
 import os
 import time
 import traceback
+import types
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -84,13 +86,23 @@ class Sink:
         print(format_row(row), flush=True)
 
     def run(self, name: str, check, *args, min_left: float = 5.0) -> None:
-        """Run ``check(*args)`` (which returns a Row or a list of them) unless the section's time is
-        nearly spent; an exception becomes an ERROR row naming it, and the section goes on."""
+        """Run ``check(*args)`` unless the section's time is nearly spent. ``check`` returns a Row or
+        a list of them, or yields its rows one at a time: each is written the moment it is yielded,
+        and between two the deadline is checked again. An exception becomes an ERROR row naming it
+        (after the rows already yielded), and the section goes on."""
         if self.deadline.left() < min_left:
             self.add(Row(self.section, name, SKIP, note="section time limit reached"))
             return
         try:
             out = check(*args)
+            if isinstance(out, types.GeneratorType):
+                for row in out:
+                    self.add(row)
+                    if self.deadline.left() < min_left:
+                        out.close()
+                        self.add(Row(self.section, f"{name}: the rest", SKIP, note="section time limit reached"))
+                        return
+                return
         except Exception as e:  # one failed check must not lose the section's other rows
             tb = traceback.extract_tb(e.__traceback__)[-1]
             where = f"{os.path.basename(tb.filename)}:{tb.lineno}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Iterator
 
 from benchmarks.gpucheck.common import FAIL, PASS, SKIP, Row
 from benchmarks.gpucheck.models import Bench, build_random_model, decode_step, kimi_config
@@ -26,7 +27,7 @@ def offload_rows(mode, sink) -> None:
     sink.run("host-expert overlap", _measure, mode)
 
 
-def _measure(mode) -> list[Row]:
+def _measure(mode) -> Iterator[Row]:
     meter = importlib.import_module("engine.offload.overlap_meter")
     config = kimi_config("k2", 2, tiny=mode.emulate)
     experts = config.n_routed_experts
@@ -36,19 +37,18 @@ def _measure(mode) -> list[Row]:
     model = build_random_model(config, mode, max_model_len, expert_placement=placement)
     bench = Bench(model, mode, max_num_seqs=mode.pick(64, 4), max_model_len=max_model_len)
     runner = bench.runner(False)  # host experts cannot be captured in a device graph
-    rows = []
     for n in mode.pick((1, 64), (1, 4)):
         inp = bench.decode_inputs(n, mode.pick(1024, 20))
         decode_step(runner, inp)  # warm-up: pinned buffers, worker threads, kernels
         if meter.enable(model) == 0:
-            return [Row(S, "host-expert overlap", FAIL, note="no layer has host experts: the placement was ignored")]
+            yield Row(S, "host-expert overlap", FAIL, note="no layer has host experts: the placement was ignored")
+            return
         for _ in range(mode.pick(5, 2)):
             decode_step(runner, inp)
         total = meter.report(model)["total"]
         hidden = total.get("hidden_fraction")
-        rows.append(Row(S, f"K2.6 shape, {host}/{experts} experts on the host, B={n}", PASS if hidden is not None else FAIL,
-                        note=(f"hidden fraction {hidden:.2f}" if hidden is not None else "no host time recorded")
-                        + f"; per layer call: host {total['host_s'] * 1e3 / max(1, total['calls']):.2f} ms, "
-                        f"waited {total['wait_s'] * 1e3 / max(1, total['calls']):.2f} ms, "
-                        f"device experts {total['device_s'] * 1e3 / max(1, total['calls']):.2f} ms"))
-    return rows
+        calls = max(1, total["calls"])
+        note = "hidden fraction " + (f"{hidden:.2f}" if hidden is not None else "unknown: no host time recorded")
+        yield Row(S, f"K2.6 shape, {host}/{experts} experts on the host, B={n}", PASS if hidden is not None else FAIL,
+                  note=f"{note}; per layer call: host {total['host_s'] * 1e3 / calls:.2f} ms, "
+                       f"waited {total['wait_s'] * 1e3 / calls:.2f} ms, device experts {total['device_s'] * 1e3 / calls:.2f} ms")

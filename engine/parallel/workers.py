@@ -1,20 +1,30 @@
 """One process per device over torch.distributed: rank 0 is the engine process (scheduler,
 tokenizer, sampling); ranks 1..N-1 are spawned workers that mirror every model step.
 
-Workers receive each step's ``StepInputs`` (plain Python) by broadcast over a CPU control channel
-and run the same forward pass, so the model's all-reduces and all-gathers pair up. The control
-channel is a gloo process group created alongside the model's NCCL (or gloo) group: the
-pickled inputs travel host to host, never as tensors through NCCL, so neither side waits on a
-device to learn a step's size (``broadcast_object_list`` over NCCL would copy the payload to the
-GPU, and the workers would read its length back with ``.item()`` and the bytes with ``.cpu()``). A worker that dies surfaces in rank 0 as a
-``WorkerError``, never as a hang: rank 0's watchdog sees the death on a pipe within a second and
-stops the group, which fails the pending collective (``engine/parallel/watchdog.py``).
+Workers receive each step's ``StepInputs`` (plain Python, pickled) on a pipe from rank 0 and run the
+same forward pass, so the model's all-reduces and all-gathers pair up. The pipe, not a collective,
+is where an idle worker waits, because a wait there has no deadline: a server with no requests for
+hours must still answer the next one. A collective fails after the process group's timeout
+(``KIMITUI_DIST_TIMEOUT_S``, default 1800 s), so a worker parked in a broadcast for the next step
+(as this module once did) died after 30 idle minutes and took the group with it. Only real
+collectives, entered by every rank within one step of each other, are bounded by that timeout. A
+keep-alive from rank 0 would also work, but it needs a thread of its own racing the engine's sends
+and wakes every rank all the time; the pipe costs nothing while idle, carries the inputs host to
+host (never through NCCL, so no rank waits on a device to learn a step's size), and ends with EOF
+when rank 0 goes away, so orphaned workers exit at once instead of hanging in a collective.
+
+A worker that dies surfaces in rank 0 as a ``WorkerError``, never as a hang: rank 0's watchdog sees
+the death on a pipe within a second and stops the group, which fails the pending collective
+(``engine/parallel/watchdog.py``); a send to its closed pipe fails at once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
+import pickle
 import socket
 import sys
 import threading
@@ -32,8 +42,28 @@ from engine.parallel.watchdog import Heartbeat, Watchdog, stop_workers
 
 log = logging.getLogger(__name__)
 
-# Generous: workers load their shards before the first collective that follows start-up.
-_TIMEOUT = timedelta(minutes=30)
+ENV_DIST_TIMEOUT = "KIMITUI_DIST_TIMEOUT_S"
+DEFAULT_DIST_TIMEOUT_S = 1800.0
+# The rendezvous waits for every worker to import torch and connect; a worker that dies meanwhile is
+# caught by rank 0's watchdog, so this only bounds a start-up that hangs.
+_STARTUP_TIMEOUT_S = 1800.0
+
+
+def dist_timeout_s(env=None) -> float:
+    """Seconds one collective may wait for its peers (``KIMITUI_DIST_TIMEOUT_S``, default 1800).
+
+    It bounds the model's all-reduces and all-gathers, which every rank enters within one step of
+    the others, never a worker's wait for work (see the module docstring)."""
+    raw = (os.environ if env is None else env).get(ENV_DIST_TIMEOUT, "").strip()
+    if not raw:
+        return DEFAULT_DIST_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_DIST_TIMEOUT}={raw!r} is not a number of seconds") from None
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"{ENV_DIST_TIMEOUT}={raw!r}: the timeout must be a positive number of seconds")
+    return seconds
 
 
 class WorkerError(RuntimeError):
@@ -51,6 +81,7 @@ class WorkerSpec:
     block_size: int
     expert_placement: list[list[int]] | None
     threads_per_rank: int
+    dist_timeout_s: float | None = None  # None: KIMITUI_DIST_TIMEOUT_S as rank 0 reads it (WorkerGroup sets it)
 
 
 def free_port() -> int:
@@ -63,27 +94,27 @@ def rank_device(device_type: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
 
 
-def init_rank(spec: WorkerSpec, rank: int) -> tuple[ParallelState, object]:
-    """Join the process group: NCCL (RCCL on ROCm) between GPUs, gloo on the CPU. Returns the
-    model's parallel state and the CPU control group (a gloo group over the same ranks)."""
+def init_rank(spec: WorkerSpec, rank: int) -> ParallelState:
+    """Join the process group: NCCL (RCCL on ROCm) between GPUs, gloo on the CPU.
+
+    The rendezvous store gets the generous start-up timeout (workers import torch and connect at
+    their own pace); the group's collectives get ``spec.dist_timeout_s``."""
     backend = "nccl" if spec.device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank,
-                            world_size=spec.world_size, timeout=_TIMEOUT)
-    # Every rank calls new_group in the same order, as torch.distributed requires. A group of its
-    # own on the CPU too: step inputs never interleave with the model's collectives, and the path
-    # a GPU run takes is the one CPU tests run.
-    control = dist.new_group(backend="gloo", timeout=_TIMEOUT)
-    return ParallelState(rank=rank, world_size=spec.world_size, group=dist.group.WORLD), control
+    timeout = spec.dist_timeout_s or dist_timeout_s()
+    store = dist.TCPStore("127.0.0.1", spec.port, spec.world_size, is_master=rank == 0,
+                          timeout=timedelta(seconds=max(timeout, _STARTUP_TIMEOUT_S)))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=spec.world_size,
+                            timeout=timedelta(seconds=timeout))
+    return ParallelState(rank=rank, world_size=spec.world_size, group=dist.group.WORLD)
 
 
-def broadcast_object(group, obj=None):
-    """Rank 0's ``obj`` on every rank, over the CPU ``group`` (pickled, host memory only)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group, device=torch.device("cpu"))
-    return box[0]
+def next_message(conn):
+    """A worker's wait for rank 0's next message: blocks without a deadline. Raises EOFError once
+    rank 0 has closed its end (shut down or died)."""
+    return pickle.loads(conn.recv_bytes())
 
 
-def _worker_main(rank: int, spec: WorkerSpec, heartbeat=None) -> None:
+def _worker_main(rank: int, spec: WorkerSpec, heartbeat, work) -> None:
     from engine.config import ModelConfig
     from engine.kv_cache.pool import KVCachePool
     from engine.loader import load_model
@@ -96,14 +127,17 @@ def _worker_main(rank: int, spec: WorkerSpec, heartbeat=None) -> None:
         device = rank_device(spec.device_type, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        par, control = init_rank(spec, rank)
+        par = init_rank(spec, rank)
         config = ModelConfig.from_pretrained(spec.model_dir)
         dtype = getattr(torch, spec.dtype)
         model, _ = load_model(config, spec.model_dir, device, dtype, spec.max_model_len, par=par,
                               expert_placement=spec.expert_placement)
         # Rank 0 sized the pool; every rank allocates the same blocks and state slots (its own
         # share of each layer), since the scheduler's block and slot ids index all of them.
-        num_blocks, max_num_seqs, num_snapshots, num_spec_slots, num_spec_tokens = broadcast_object(control)
+        try:
+            num_blocks, max_num_seqs, num_snapshots, num_spec_slots, num_spec_tokens = next_message(work)
+        except EOFError:  # rank 0's own start-up failed (it reports why) and it closed the pipe
+            return
         pool = KVCachePool(model.cache_specs(dtype), num_blocks, spec.block_size, max_num_seqs, device,
                            num_snapshots, num_spec_slots)
         # Same fixed-capacity decode tables as rank 0; tensor-parallel steps stay eager (no graphs).
@@ -111,8 +145,9 @@ def _worker_main(rank: int, spec: WorkerSpec, heartbeat=None) -> None:
                              max_model_len=spec.max_model_len, decode_graphs=False,
                              num_spec_tokens=num_spec_tokens, spec_scratch_base=pool.spec_scratch_base)
         while True:
-            inputs = broadcast_object(control)
-            if inputs is None:
+            try:
+                inputs = next_message(work)
+            except EOFError:  # rank 0 closed its end: shut down, or died (nobody is left to serve)
                 break
             runner.forward_step(inputs)
     except Exception:
@@ -128,16 +163,21 @@ class WorkerGroup:
     """Ranks 1..N-1 as child processes, and rank 0's handle on them."""
 
     def __init__(self, spec: WorkerSpec):
+        if spec.dist_timeout_s is None:  # read once here, so every rank uses rank 0's value
+            spec = dataclasses.replace(spec, dist_timeout_s=dist_timeout_s())
         self.spec = spec
         ctx = mp.get_context("spawn")
-        pipes = [ctx.Pipe(duplex=False) for _ in range(1, spec.world_size)]  # (rank 0's end, the worker's)
-        self.procs = [ctx.Process(target=_worker_main, args=(r, spec, send), name=f"kimitui-rank{r}", daemon=True)
-                      for r, (_, send) in zip(range(1, spec.world_size), pipes)]
-        for p, (_, send) in zip(self.procs, pipes):
+        pipes = [ctx.Pipe(duplex=False) for _ in range(1, spec.world_size)]  # heartbeats: (rank 0's end, the worker's)
+        work = [ctx.Pipe(duplex=False) for _ in range(1, spec.world_size)]  # step inputs: (the worker's end, rank 0's)
+        self.procs = [ctx.Process(target=_worker_main, args=(r, spec, send, recv), name=f"kimitui-rank{r}",
+                                  daemon=True)
+                      for r, (_, send), (recv, _) in zip(range(1, spec.world_size), pipes, work)]
+        for p, (_, send), (recv, _) in zip(self.procs, pipes, work):
             p.start()
             send.close()  # the worker holds its end; rank 0 then reads EOF when it dies
+            recv.close()  # and the worker alone reads its inputs
+        self._work = [send for _, send in work]
         self._closed = False
-        self.control = None  # the CPU control group, once joined
         self.watchdog = Watchdog({r: (p, recv) for r, (p, (recv, _)) in enumerate(zip(self.procs, pipes), start=1)},
                                  on_failure=lambda _: stop_workers(self.procs))  # unblocks rank 0
 
@@ -147,7 +187,7 @@ class WorkerGroup:
 
         def connect():
             try:
-                box["par"], box["control"] = init_rank(self.spec, 0)
+                box["par"] = init_rank(self.spec, 0)
             except BaseException as e:  # reported below
                 box["error"] = e
 
@@ -163,14 +203,16 @@ class WorkerGroup:
                                       "during start-up (see its traceback above)")
         if "error" in box:
             raise WorkerError(f"could not form the tensor-parallel group: {box['error']}")
-        self.control = box["control"]
         return box["par"]
 
     def broadcast(self, obj) -> None:
+        """Send ``obj`` (a step's inputs) to every worker; it returns once the bytes are in the pipes."""
         self.check()
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            broadcast_object(self.control, obj)
-        except Exception as e:
+            for conn in self._work:
+                conn.send_bytes(payload)
+        except (OSError, ValueError) as e:  # a worker's end is closed: it died
             raise WorkerError(self._failure(e)) from None
 
     def check(self) -> None:
@@ -199,11 +241,8 @@ class WorkerGroup:
             return
         self._closed = True
         self.watchdog.stop()  # workers are about to exit on purpose
-        if all(p.exitcode is None for p in self.procs):
-            try:
-                broadcast_object(self.control, None)
-            except Exception:  # a dead peer: nothing left to tell
-                pass
+        for conn in self._work:
+            conn.close()  # a worker reads EOF and exits; closing never blocks, even on a hung one
         for p in self.procs:
             p.join(timeout=10)
             if p.exitcode is None:

@@ -109,15 +109,20 @@ def test_wrappers_map_arguments_like_the_cpu_forms(fake_fla):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not kda_fla.available(), reason="needs a GPU and fla-core")
 def test_fla_on_gpu_matches_cpu_forms():
+    # bf16 q, k, v as the engine feeds them (fp32 gate and beta), the reference given the same bf16
+    # values in fp32. Fed fp32, fla's dots would run in TF32 (10-bit mantissa) and be judged against a
+    # tolerance fp32 arithmetic alone could meet. The output is bf16, so the bound is a few bf16 ulps
+    # (2^-8) relative to the largest value, as the GPU one-shot's KDA row allows.
     torch.manual_seed(0)
     H, K, V = 4, 128, 128
     cu = torch.tensor([0, 100, 101, 300])
     T, N = 300, 3
-    q, k = torch.randn(T, H, K), torch.randn(T, H, K)
-    v, g, beta = torch.randn(T, H, V), -torch.rand(T, H, K), torch.rand(T, H)
+    q, k = torch.randn(T, H, K).bfloat16(), torch.randn(T, H, K).bfloat16()
+    v, g, beta = torch.randn(T, H, V).bfloat16(), -torch.rand(T, H, K), torch.rand(T, H)
     h0 = torch.randn(N, H, K, V) * 0.1
-    want = kda.chunk_kda(q, k, v, g, beta, h0, cu, K**-0.5)
+    want = kda.chunk_kda(q.float(), k.float(), v.float(), g, beta, h0, cu, K**-0.5)
     dev = [t.cuda() for t in (q, k, v, g, beta, h0, cu)]
     got = kda_fla.chunk_kda(*dev, K**-0.5)
     for a, b in zip(got, want):
-        torch.testing.assert_close(a.cpu(), b, atol=2e-3, rtol=2e-3)
+        err = (a.cpu().float() - b).abs().max() / b.abs().max()
+        assert err < 2e-2, err
