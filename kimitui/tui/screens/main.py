@@ -36,7 +36,8 @@ def benchmark_available() -> bool:
 
 
 def welcome_text(info: ModelInfo) -> str:
-    lines = [f"{info.name} is ready. Type below: Enter sends, Shift+Enter or Ctrl+J adds a newline.",
+    where = f"{info.name} at {info.remote}" if info.remote else info.name
+    lines = [f"{where} is ready. Type below: Enter sends, Shift+Enter or Ctrl+J adds a newline.",
              "Esc stops a reply, Ctrl+N starts a new chat, F2 changes sampling, F1 lists every key."]
     if info.is_demo:
         lines.insert(0, f"This is the built-in demo checkpoint: {DEMO_NOTE}. "
@@ -91,7 +92,7 @@ class MainScreen(Screen):
 
     def _poll_stats(self) -> None:
         stats = self.app.stats_source()
-        if stats is not None:
+        if stats is not None and stats.total_generation_tokens is not None:
             self.energy.record(self.app.clock(), stats.total_generation_tokens)
         self.query_one(ThroughputPanel).update_stats(stats)
 
