@@ -1,5 +1,5 @@
 """Hardware history: bounded rings (memory flat after 100,000 samples), node totals, and the
-history graphs drawn in the hardware panel (text snapshot, F7 toggles)."""
+history graphs drawn in the hardware panel (text snapshot, F8 toggles)."""
 
 from __future__ import annotations
 

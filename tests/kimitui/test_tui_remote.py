@@ -215,3 +215,41 @@ def test_tui_against_kimitui_serve_chats_shows_metrics_and_benchmarks(tmp_path_f
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_agent_telemetry_shows_the_remote_nodes_gpus_with_history():
+    """`kimitui agent` on the "GPU node" (fake GPU backends), `--telemetry-url` in the TUI."""
+    from kimitui.telemetry import TelemetrySampler
+    from kimitui.telemetry.agent import AgentServer
+    from kimitui.telemetry.remote import RemoteTelemetry
+    from kimitui.tui.widgets.hardware_graphs import HardwareGraphs
+    from kimitui.tui.widgets.hardware_panel import HardwarePanel
+    from tests.kimitui.test_telemetry_agent import FakeCpu, FakeHost, FakeNodeGpus
+
+    node_sampler = TelemetrySampler(interval_s=0.1, backends=[FakeNodeGpus(700.0), FakeCpu(300.0), FakeHost()])
+    node_sampler.start()
+    agent = AgentServer(node_sampler.latest, "127.0.0.1", 0, token="t", node="gpu-node").start()
+    server = serve(fake_openai_app())
+    sampler = TelemetrySampler(interval_s=0.1, backends=[RemoteTelemetry([agent.url], token="t")])
+
+    async def scenario():
+        app = KimiApp(EngineArgs(), sampler=sampler, bridge_factory=lambda a: RemoteBridge(a, server.url, num_gpus=2))
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(app, pilot)
+            await wait_for(pilot, lambda: "GPU1 " in screen_text(app) and "701/1400 W" in screen_text(app))
+            text = screen_text(app)
+            assert "node 1701 W (GPUs 1401 + CPU 300)" in text and "GPUs     2" in text
+            panel = app.screen.query_one(HardwarePanel)
+            await wait_for(pilot, lambda: len(panel.history.node) >= 5)
+            await pilot.press("f8")
+            await pilot.pause(0.3)
+            assert panel.query_one(HardwareGraphs).display
+            assert "power W per GPU" in screen_text(app)
+
+    try:
+        run(scenario())
+    finally:
+        server.stop()
+        agent.stop()
+        node_sampler.stop()
+    assert sampler._closed  # the app stopped the sampler it was given

@@ -124,7 +124,7 @@ class RemoteBridge:
     def shutdown(self) -> None:
         self._stop.set()
         if self._poller is not None and self._poller is not threading.current_thread():
-            self._poller.join(timeout=2 * CONNECT_TIMEOUT_S)
+            self._poller.join(timeout=1.0)  # a daemon: a scrape stuck on a slow server dies with us
         if self._reply_worker is not None:
             self._reply_worker.cancel()
 

@@ -40,7 +40,9 @@ def welcome_text(info: ModelInfo) -> str:
     where = f"{info.name} at {info.remote}" if info.remote else info.name
     lines = [f"{where} is ready. Type below: Enter sends, Shift+Enter or Ctrl+J adds a newline.",
              "Esc stops a reply, Ctrl+N starts a new chat, F2 changes sampling, F1 lists every key."]
-    if info.is_demo:
+    if info.is_demo and info.remote:
+        lines.insert(0, f"The server runs kimitui's built-in demo checkpoint: {DEMO_NOTE}.")
+    elif info.is_demo:
         lines.insert(0, f"This is the built-in demo checkpoint: {DEMO_NOTE}. "
                         "It shows every part of kimitui working; run with --model DIR for a real Kimi.")
     return "\n\n".join(lines)
@@ -54,7 +56,7 @@ class MainScreen(Screen):
         Binding("f3", "chats", "Chats"),
         Binding("ctrl+t", "toggle_thinking", "Thinking"),
         Binding("f5", "benchmark", "Benchmark"),
-        Binding("f7", "toggle_graphs", "Graphs"),
+        Binding("f8", "toggle_graphs", "Graphs"),
     ]
 
     def __init__(self, info: ModelInfo) -> None:

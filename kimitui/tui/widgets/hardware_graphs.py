@@ -1,4 +1,4 @@
-"""History graphs of the hardware panel (F7): per-GPU power with the power cap drawn across it,
+"""History graphs of the hardware panel (F8): per-GPU power with the power cap drawn across it,
 per-GPU utilisation and memory use, and the node total power, over the last minutes.
 
 Braille line plots from textual-plot; one colour per GPU, the same in every plot. The x axis is

@@ -1,5 +1,5 @@
 """Hardware: one row per GPU (power against its cap, utilisation, HBM, temperature), then the
-host (CPU %, RAM, CPU package power), the node total power and energy per output token. F7
+host (CPU %, RAM, CPU package power), the node total power and energy per output token. F8
 switches the GPU rows for history graphs (hardware_graphs.py) and back. Every missing reading
 shows "n/a"."""
 
