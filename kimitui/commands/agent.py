@@ -16,7 +16,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("agent", help="serve this node's telemetry as Prometheus metrics",
                               description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine only)")
-    p.add_argument("--port", type=int, default=9400, help="TCP port (default %(default)s; 0 picks a free one)")
+    p.add_argument("--port", type=int, default=9410, help="TCP port (default %(default)s; 0 picks a free one)")
     p.add_argument("--token", default=os.environ.get("KIMITUI_AGENT_TOKEN"), metavar="T",
                    help="require 'Authorization: Bearer T' (default: $KIMITUI_AGENT_TOKEN)")
     p.add_argument("--interval", type=float, default=1.0, metavar="S", help="sampling period in seconds")

@@ -21,7 +21,7 @@ SCRAPE_TIMEOUT_S = 2.0
 
 
 def metrics_url(url: str) -> str:
-    """``http://node:9400`` and ``http://node:9400/metrics`` both name the agent's metrics."""
+    """``http://node:9410`` and ``http://node:9410/metrics`` both name the agent's metrics."""
     url = url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"--telemetry-url must start with http:// or https://, got {url!r}")
