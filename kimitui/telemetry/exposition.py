@@ -1,4 +1,5 @@
-"""Telemetry samples as Prometheus metrics (``kimitui agent``) and back (``--telemetry-url``).
+"""Telemetry samples as Prometheus metrics (``kimitui agent``) and back (``--telemetry-url``, which
+also reads NVIDIA's DCGM exporter).
 
 Written and read with ``prometheus_client`` (its collector types and its text parser), so any
 Prometheus can scrape an agent too. Names follow Prometheus' conventions: base units (watts,
@@ -82,50 +83,89 @@ class NodeReading:
 
 
 def parse(text: str, default_node: str) -> list[NodeReading]:
-    """Readings per node from an agent's exposition text; ValueError (one line) on anything else."""
+    """Readings per node from a ``kimitui agent``'s or an NVIDIA DCGM exporter's exposition text;
+    ValueError (one line) on anything else."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    try:
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    except Exception as e:  # the parser raises several types on garbage
+        raise ValueError(f"not Prometheus text: {type(e).__name__}: {e}") from None
+    names = {s.name for s in samples}
+    if any(n.startswith(PREFIX) for n in names):
+        return _parse_agent(samples, default_node)
+    if any(n.startswith("DCGM_FI_DEV_") for n in names):
+        return _parse_dcgm(samples, default_node)
+    raise ValueError("no kimitui agent (kimitui_gpu_*) or DCGM exporter (DCGM_FI_DEV_*) metrics in the text")
+
+
+def _parse_agent(samples, default_node: str) -> list[NodeReading]:
     gpu_by_name = {PREFIX + n + ("_total" if kind == "counter" else ""): attr
                    for attr, (n, kind, _) in GPU_FIELDS.items()}
     host_by_name = {PREFIX + n + ("_total" if kind == "counter" else ""): attr
                     for attr, (n, kind, _) in HOST_FIELDS.items()}
     nodes: dict[str, dict] = {}
-    try:
-        families = list(text_string_to_metric_families(text))
-    except Exception as e:  # the parser raises several types on garbage
-        raise ValueError(f"not Prometheus text: {type(e).__name__}: {e}") from None
-    seen = False
-    for family in families:
-        for s in family.samples:
-            node = s.labels.get("node", default_node)
+    for s in samples:
+        node = s.labels.get("node", default_node)
+        if s.name in gpu_by_name:
             entry = nodes.setdefault(node, {"gpus": {}, "host": {}})
-            if s.name in gpu_by_name:
-                seen = True
-                key = int(s.labels.get("gpu", 0))
-                gpu = entry["gpus"].setdefault(key, {"name": s.labels.get("name", "GPU"),
-                                                     "vendor": s.labels.get("vendor", "")})
-                gpu[gpu_by_name[s.name]] = s.value
-            elif s.name in host_by_name:
-                seen = True
-                entry["host"][host_by_name[s.name]] = s.value
-    if not seen:
-        raise ValueError("no kimitui agent metrics (kimitui_gpu_*, kimitui_cpu_*) in the text")
-    out = []
-    for node, entry in nodes.items():
-        if not entry["gpus"] and not entry["host"]:
+            key = int(s.labels.get("gpu", 0))
+            gpu = entry["gpus"].setdefault(key, {"name": s.labels.get("name", "GPU"),
+                                                 "vendor": s.labels.get("vendor", "")})
+            gpu[gpu_by_name[s.name]] = s.value
+        elif s.name in host_by_name:
+            nodes.setdefault(node, {"gpus": {}, "host": {}})["host"][host_by_name[s.name]] = s.value
+    return [_reading(node, entry["gpus"], entry["host"]) for node, entry in nodes.items()]
+
+
+# NVIDIA dcgm-exporter's default counters (etc/default-counters.csv): watts, percent, MiB,
+# Celsius, millijoules; rows labelled gpu, modelName and Hostname.
+_DCGM = {
+    "DCGM_FI_DEV_POWER_USAGE": ("power_w", 1.0),
+    "DCGM_FI_DEV_POWER_MGMT_LIMIT": ("power_cap_w", 1.0),
+    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": ("energy_j", 1e-3),
+    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION_total": ("energy_j", 1e-3),
+    "DCGM_FI_DEV_GPU_UTIL": ("util_pct", 1.0),
+    "DCGM_FI_DEV_MEM_COPY_UTIL": ("mem_util_pct", 1.0),
+    "DCGM_FI_DEV_FB_USED": ("mem_used_bytes", 2**20),
+    "DCGM_FI_DEV_FB_FREE": ("_fb_free", 2**20),
+    "DCGM_FI_DEV_FB_RESERVED": ("_fb_reserved", 2**20),
+    "DCGM_FI_DEV_FB_TOTAL": ("mem_total_bytes", 2**20),
+    "DCGM_FI_DEV_GPU_TEMP": ("temp_c", 1.0),
+}
+
+
+def _parse_dcgm(samples, default_node: str) -> list[NodeReading]:
+    nodes: dict[str, dict] = {}
+    for s in samples:
+        field_scale = _DCGM.get(s.name)
+        if field_scale is None:
             continue
-        gpus = []
-        for index in sorted(entry["gpus"]):
-            fields = dict(entry["gpus"][index])
-            for key in ("mem_used_bytes", "mem_total_bytes"):
-                if key in fields:
-                    fields[key] = int(fields[key])
-            gpus.append(GpuSample(index=index, **fields))
-        h = entry["host"]
-        ram = {k: int(h[k]) for k in ("ram_used_bytes", "ram_total_bytes") if k in h}
-        out.append(NodeReading(node, gpus, CpuPower(h.get("cpu_power_w"), h.get("cpu_energy_j")),
-                               HostStats(cpu_util_pct=h.get("cpu_util_pct"), **ram)))
-    return out
+        attr, scale = field_scale
+        node = s.labels.get("Hostname") or default_node
+        gpus = nodes.setdefault(node, {})
+        gpu = gpus.setdefault(int(s.labels.get("gpu", 0)), {"name": s.labels.get("modelName", "NVIDIA GPU"),
+                                                             "vendor": "nvidia"})
+        gpu[attr] = s.value * scale
+    for gpus in nodes.values():
+        for gpu in gpus.values():
+            free, reserved = gpu.pop("_fb_free", None), gpu.pop("_fb_reserved", 0.0)
+            if "mem_total_bytes" not in gpu and free is not None and "mem_used_bytes" in gpu:
+                gpu["mem_total_bytes"] = gpu["mem_used_bytes"] + free + reserved
+    return [_reading(node, gpus, {}) for node, gpus in nodes.items()]
+
+
+def _reading(node: str, gpus_by_index: dict, h: dict) -> NodeReading:
+    gpus = []
+    for index in sorted(gpus_by_index):
+        fields = dict(gpus_by_index[index])
+        for key in ("mem_used_bytes", "mem_total_bytes"):
+            if key in fields:
+                fields[key] = int(fields[key])
+        gpus.append(GpuSample(index=index, **fields))
+    ram = {k: int(h[k]) for k in ("ram_used_bytes", "ram_total_bytes") if k in h}
+    return NodeReading(node, gpus, CpuPower(h.get("cpu_power_w"), h.get("cpu_energy_j")),
+                       HostStats(cpu_util_pct=h.get("cpu_util_pct"), **ram))
 
 
 def combine(readings: list[NodeReading], label_nodes: bool) -> tuple[tuple[GpuSample, ...], CpuPower, HostStats]:

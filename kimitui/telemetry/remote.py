@@ -1,5 +1,5 @@
-"""A telemetry backend that reads other machines: ``kimitui agent`` endpoints given by
-``--telemetry-url`` (one per node). The TUI then shows the GPUs where the model runs, and
+"""A telemetry backend that reads other machines: ``kimitui agent`` (or NVIDIA DCGM exporter)
+endpoints given by ``--telemetry-url`` (one per node). The TUI then shows the GPUs where the model runs, and
 with several URLs their sum: the node or cluster total.
 
 One scrape per URL per sampler tick, with a short timeout: a node that does not answer costs

@@ -86,7 +86,7 @@ def test_exposition_round_trip_keeps_every_reading():
 
 
 def test_parse_rejects_other_text():
-    with pytest.raises(ValueError, match="no kimitui agent metrics"):
+    with pytest.raises(ValueError, match="no kimitui agent"):
         parse("# TYPE foo gauge\nfoo 1\n", "n")
     with pytest.raises(ValueError, match="not Prometheus text"):
         parse("{ this is json }", "n")
@@ -141,3 +141,17 @@ def test_agent_command_help_lists_its_flags():
     assert out.returncode == 0, out.stderr
     for flag in ("--host", "--port", "--token", "--interval"):
         assert flag in out.stdout
+
+
+def test_dcgm_exporter_text_in_si_units():
+    from pathlib import Path
+
+    text = (Path(__file__).parent / "fixtures" / "dcgm_exporter.txt").read_text()
+    (node,) = parse(text, default_node="x")
+    assert node.node == "h200-node"
+    g0, g1 = node.gpus
+    assert (g0.index, g0.name, g0.vendor) == (0, "NVIDIA H200", "nvidia")
+    assert (g0.power_w, g0.util_pct, g0.temp_c) == (512.25, 97.0, 54.0)
+    assert g0.energy_j == pytest.approx(123456.789)  # mJ -> J
+    assert g0.mem_used_bytes == 133120 * 2**20 and g0.mem_total_bytes == (133120 + 10240) * 2**20
+    assert g1.power_w == 498.5 and node.cpu.power_w is None
