@@ -96,7 +96,7 @@ def write_checkpoint(path: Path, args, kind: str) -> list[int]:
             t = torch.zeros(shape)
         else:  # small enough that the residual stream keeps the input embedding's direction
             t = torch.randn(shape, generator=g) * (0.004 if arranged else 0.02)
-        if "experts.gate_up_proj" in name or "experts.down_proj" in name:
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):  # fused [E, ...]
             base, proj = name.rsplit(".", 1)
             for i in range(shape[0]):
                 if proj == "gate_up_proj":

@@ -11,7 +11,15 @@ next to a long one, or under a graph captured for long ones, still spreads over 
 keeps a running max and sum (online softmax) over tiles of BLOCK_N cached tokens for BLOCK_H
 heads, and writes its unnormalised partial result; a second launch merges the splits (one launch
 instead of the ~9 PyTorch ops of the same merge: the decode step is launch-bound).
+
+Every head block reads the whole latent context of its sequence, so the heads per program decide
+how often the cache is read: 64 heads in blocks of 16 read it four times. The tile is therefore
+chosen per architecture (``mla_decode_launch_params``): as many heads per program as the registers
+and shared memory / LDS of the device hold without spilling, read from the device's properties.
 """
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -113,20 +121,195 @@ def _mla_merge_kernel(
 
 
 _MIN_TILES = 4  # the shortest split, in tiles of BLOCK_N tokens
+_MERGE_BLOCK_H = 16  # heads per program of the merge (its [16, r] fp32 sum needs no larger tile)
 
 
-def _num_splits(batch: int, head_blocks: int, max_context_len: int, block_n: int) -> int:
-    # Enough programs to fill a large GPU (about 256); no more splits than the longest context has
-    # minimum-length splits (the kernel sizes each sequence's splits from its own length).
-    want = triton.cdiv(256, batch * head_blocks)
+@dataclass(frozen=True)
+class GpuLimits:
+    """What one program may hold on a GPU: shared memory / LDS and registers."""
+
+    arch: str  # "sm_90", "gfx942", ...
+    backend: str  # "cuda" | "hip"
+    warp_size: int
+    shared_bytes: int  # shared memory (CUDA: the opt-in maximum per block) or LDS one program may use
+    regs_per_program: int  # 32-bit registers one program may hold, over all its threads
+    max_regs_per_thread: int
+
+
+# Known targets. Sources: sm_90 - CUDA C++ Programming Guide, "Technical Specifications per Compute
+# Capability": 227 KB (232,448 B) shared memory per block with opt-in, 64K 32-bit registers per
+# block, 255 per thread (fla-org/flash-linear-attention ``fla/utils`` uses the same 232,448 B for
+# Hopper). gfx942 (MI300X/MI325X, CDNA3) - AMD CDNA3 ISA reference and the MI300 "hardware
+# specifications" table of the ROCm docs: 64 KB LDS per CU, 512 VGPRs per lane (256 arch + 256
+# accumulation) per wave, 4 SIMDs per CU. gfx950 (MI350X/MI355X, CDNA4) - CDNA4 ISA reference and
+# the same ROCm table: LDS grown to 160 KB (163,840 B) per CU, registers as CDNA3 (the HIP runtime
+# of some ROCm releases still reports 64 KB: lightseekorg/tokenspeed PR #119 "Correct gfx950 LDS
+# size to 160 KB"). For AMD, a workgroup of <= 4 waves puts one wave on each SIMD, so each lane can
+# have all 512 registers.
+_AMD_VGPRS = 512
+KNOWN_GPUS = {
+    "sm_90": GpuLimits("sm_90", "cuda", 32, 232448, 65536, 255),
+    "gfx942": GpuLimits("gfx942", "hip", 64, 64 * 1024, _AMD_VGPRS * 64 * 4, _AMD_VGPRS),
+    "gfx950": GpuLimits("gfx950", "hip", 64, 160 * 1024, _AMD_VGPRS * 64 * 4, _AMD_VGPRS),
+}
+
+
+def gpu_limits(arch_or_props) -> GpuLimits:
+    """``GpuLimits`` for an architecture name ("sm_90", "gfx950", or a ROCm ``gcnArchName`` such as
+    "gfx942:sramecc+:xnack-") or a ``torch.cuda.get_device_properties(...)`` object.
+
+    On CUDA the shared memory and registers come from the properties (``shared_memory_per_block_optin``,
+    ``regs_per_multiprocessor``); on ROCm the LDS size is taken from the architecture (64 KB on gfx942,
+    160 KB on gfx950) because the properties have reported 64 KB for gfx950, and from
+    ``shared_memory_per_block`` only for an architecture not in the table.
+    """
+    if isinstance(arch_or_props, str):
+        name = arch_or_props.split(":")[0].strip().lower()
+        if name in KNOWN_GPUS:
+            return KNOWN_GPUS[name]
+        if name.startswith("sm_") and name[3:].isdigit():  # another NVIDIA part: Hopper's limits are its ceiling
+            return GpuLimits(name, "cuda", 32, 48 * 1024 if int(name[3:]) < 70 else 99 * 1024, 65536, 255)
+        if name.startswith("gfx"):  # another AMD part: the smallest LDS of the table
+            return GpuLimits(name, "hip", 64, 64 * 1024, _AMD_VGPRS * 64 * 4, _AMD_VGPRS)
+        raise ValueError(f"unknown GPU architecture {arch_or_props!r}: expected sm_NN, gfxNNN or device properties")
+    props = arch_or_props
+    gcn = str(getattr(props, "gcnArchName", "") or "")
+    if gcn.startswith("gfx"):
+        name = gcn.split(":")[0]
+        if name in KNOWN_GPUS:
+            return KNOWN_GPUS[name]
+        lds = int(getattr(props, "shared_memory_per_block", 0) or 64 * 1024)
+        warp = int(getattr(props, "warp_size", 0) or 64)
+        return GpuLimits(name, "hip", warp, lds, _AMD_VGPRS * warp * 4, _AMD_VGPRS)
+    major, minor = getattr(props, "major", None), getattr(props, "minor", None)
+    if major is None or minor is None:
+        raise ValueError(f"device properties without a compute capability or gcnArchName: {props!r}")
+    name = f"sm_{major}{minor}"
+    base = KNOWN_GPUS.get(name) or gpu_limits(name)
+    shared = int(getattr(props, "shared_memory_per_block_optin", 0) or base.shared_bytes)
+    regs = min(int(getattr(props, "regs_per_multiprocessor", 0) or base.regs_per_program), 65536)
+    warp = int(getattr(props, "warp_size", 0) or 32)
+    return GpuLimits(name, "cuda", warp, shared, regs, 255)
+
+
+@dataclass(frozen=True)
+class MLALaunchParams:
+    """The decode kernel's tile for one architecture and model shape.
+
+    ``shared_bytes`` and ``regs_per_thread`` are the estimates the choice was made on (see
+    ``_estimate``); ``fits`` is False only when even the smallest tile exceeds them.
+    """
+
+    arch: str
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    shared_bytes: int
+    regs_per_thread: int
+    fits: bool = True
+
+    def head_blocks(self, num_heads: int) -> int:
+        """Programs per sequence and split along the heads: how many times the latent cache is read."""
+        return triton.cdiv(num_heads, self.block_h)
+
+
+def _estimate(limits: GpuLimits, block_h, block_n, warps, stages, block_r, block_p, nbytes):
+    """(shared bytes, 32-bit registers per thread) of one program, as triton 3.9 allocates them.
+
+    Fitted to the compiler's own reports (``metadata.shared``; ptxas ``-v``; the AMDGPU ``NumVgprs``,
+    ``NumAgprs`` and ``ScratchSize``) for r = 512, rope = 64, bf16, and checked for every chosen tile
+    by tests/kernels/test_compile_targets.py:
+    - every program holds the fp32 accumulator [BLOCK_H, BLOCK_R] and the query [BLOCK_H, width]
+      spread over its threads;
+    - CUDA (sm_90, wgmma): the key tile is staged in shared memory (with the query, and room for the
+      second operand layout, hence 2 x BLOCK_H rows), each thread also holds its share of the loaded
+      tile and of the [BLOCK_H, BLOCK_N] scores, plus about 72 registers of addresses and softmax state;
+    - AMD (MFMA): the waves split the heads, so every wave holds the whole [width, BLOCK_N] key tile
+      as the score product's operand - about three copies per lane (the loaded tile and two operand
+      layouts); LDS holds the pipelined key tiles and the probabilities, or the largest operand
+      conversion ([max(BLOCK_H, BLOCK_N), BLOCK_R]), whichever is larger.
+    """
+    width = block_r + block_p
+    threads = warps * limits.warp_size
+    acc_q = block_h * (block_r * 4 + width * nbytes) / 4 / threads
+    if limits.backend == "cuda":
+        regs = acc_q + block_n * width * nbytes / 4 / threads + 2 * block_h * block_n / threads + 72
+        shared = (block_n + 2 * block_h) * width * nbytes
+    else:
+        regs = acc_q + 3 * block_n * width * nbytes / 4 / limits.warp_size + 20
+        shared = max(stages * block_n * width * nbytes + block_h * block_n * nbytes,
+                     max(block_h, block_n) * block_r * nbytes)
+    return int(shared), int(regs + 0.999)
+
+
+def mla_decode_launch_params(arch_or_props, num_heads: int, kv_lora_rank: int, rope_dim: int,
+                             dtype: torch.dtype) -> MLALaunchParams:
+    """The decode tile for a GPU (name or ``torch.cuda.get_device_properties`` object, see ``gpu_limits``).
+
+    Heads per program: all of them (rounded up to a power of two) when the tile fits the program's
+    registers and shared memory / LDS, so the latent cache is read once per sequence; else the
+    largest power of two that fits (at least 16, the smallest ``tl.dot`` M). Then the longest key
+    tile (32, else 16 tokens) and, on CUDA, 8 warps before 4. Pipelining: 2 stages on CUDA and on
+    gfx950 (async copies), 1 on other AMD parts (as vLLM's Triton MLA on ROCm,
+    ``vllm/v1/attention/ops/triton_decode_attention.py``).
+    Kimi K2 (64 heads, r 512, rope 64, bf16): H200 32 heads x 32 tokens, 8 warps (the cache read
+    twice, not four times); MI300X and MI355X 64 heads x 16 tokens, 4 waves (read once).
+    """
+    if num_heads < 1 or kv_lora_rank < 1 or rope_dim < 0:
+        raise ValueError(f"num_heads ({num_heads}) and kv_lora_rank ({kv_lora_rank}) must be positive, "
+                         f"rope_dim ({rope_dim}) not negative")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be fp16/bf16/fp32, got {dtype}")
+    limits = gpu_limits(arch_or_props)
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    block_r, block_p = triton.next_power_of_2(kv_lora_rank), max(16, triton.next_power_of_2(rope_dim))
+    stages = 2 if limits.backend == "cuda" or limits.arch == "gfx950" else 1
+    warps_options = (8, 4) if limits.backend == "cuda" else (4,)
+    block_h = max(16, triton.next_power_of_2(num_heads))
+    candidates = []
+    while block_h >= 16:
+        for block_n in (32, 16):
+            for warps in warps_options:
+                candidates.append((block_h, block_n, warps))
+        block_h //= 2
+    for block_h, block_n, warps in candidates:
+        shared, regs = _estimate(limits, block_h, block_n, warps, stages, block_r, block_p, nbytes)
+        cap = min(limits.max_regs_per_thread, limits.regs_per_program // (warps * limits.warp_size))
+        if shared <= limits.shared_bytes and regs <= cap:
+            return MLALaunchParams(limits.arch, block_h, block_n, warps, stages, shared, regs)
+    block_h, block_n, warps = candidates[-1]
+    shared, regs = _estimate(limits, block_h, block_n, warps, stages, block_r, block_p, nbytes)
+    return MLALaunchParams(limits.arch, block_h, block_n, warps, stages, shared, regs, fits=False)
+
+
+def _interpreter_params(num_heads: int) -> MLALaunchParams:
+    # Under TRITON_INTERPRET=1 (CPU tensors) nothing spills: all heads in one block as on a large GPU,
+    # short key tiles to keep the interpreted loop cheap.
+    return MLALaunchParams("interpreter", max(16, triton.next_power_of_2(num_heads)), 16, 4, 1, 0, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_params(index: int, num_heads: int, r: int, rope: int, dtype: torch.dtype) -> MLALaunchParams:
+    return mla_decode_launch_params(torch.cuda.get_device_properties(index), num_heads, r, rope, dtype)
+
+
+def _num_splits(batch: int, head_blocks: int, max_context_len: int, block_n: int, block_h: int = 16) -> int:
+    # About 256 programs of 16 heads' worth (4096 head rows) to fill a large GPU: a program of more
+    # heads counts as several, which keeps the fp32 partial sums [B, splits, H, r] within the bound
+    # engine/offload/activation_reserve.py reserves for them. No more splits than the longest context
+    # has minimum-length splits (the kernel sizes each sequence's splits from its own length).
+    want = triton.cdiv(256 * 16, batch * head_blocks * block_h)
     return max(1, min(want, triton.cdiv(max_context_len, _MIN_TILES * block_n)))
 
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-               max_context_len: int, block_size: int, kv_lora_rank: int, scale: float) -> torch.Tensor:
+               max_context_len: int, block_size: int, kv_lora_rank: int, scale: float,
+               params: MLALaunchParams | None = None) -> torch.Tensor:
     """Absorbed MLA decode: q [B, H, r + rope], cache [slots, r + rope] (latent then rope key),
     block_tables [B, max_blocks] int32, context_lens [B] int32 (>= 1, <= max_context_len) -> [B, H, r]
-    in q.dtype."""
+    in q.dtype. ``params`` overrides the tile chosen for the device (tests run each architecture's
+    tile under the interpreter)."""
     if q.dim() != 3 or q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q must be a 3-D fp16/bf16/fp32 tensor [B, H, r + rope], got {tuple(q.shape)} {q.dtype}")
     b, h, width = q.shape
@@ -145,10 +328,14 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
     if q.stride(-1) != 1 or cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
         raise ValueError("q, cache and block_tables must be contiguous in their last dimension")
     check_device(q, cache, block_tables, context_lens)
-    block_h = 16
-    block_n = 16 if interpreting() else 64
-    head_blocks = triton.cdiv(h, block_h)
-    splits = _num_splits(b, head_blocks, max_context_len, block_n)
+    if params is None:
+        if q.device.type == "cuda":
+            params = _device_params(q.device.index if q.device.index is not None else torch.cuda.current_device(),
+                                    h, r, width - r, q.dtype)
+        else:
+            params = _interpreter_params(h)
+    head_blocks = params.head_blocks(h)
+    splits = _num_splits(b, head_blocks, max_context_len, params.block_n, params.block_h)
     acc = torch.empty((b, splits, h, r), dtype=torch.float32, device=q.device)
     ml = torch.empty((b, splits, h, 2), dtype=torch.float32, device=q.device)  # running max, sum
     _mla_decode_kernel[(b, head_blocks, splits)](
@@ -157,13 +344,14 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
         q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
         R=r, P=width - r, BLOCK_R=triton.next_power_of_2(r), BLOCK_P=max(16, triton.next_power_of_2(width - r)),
-        BLOCK_H=block_h, BLOCK_N=block_n, MIN_TILES=_MIN_TILES,
+        BLOCK_H=params.block_h, BLOCK_N=params.block_n, MIN_TILES=_MIN_TILES,
+        num_warps=params.num_warps, num_stages=params.num_stages,
     )
     out = torch.empty((b, h, r), dtype=q.dtype, device=q.device)
-    _mla_merge_kernel[(b, head_blocks)](
+    _mla_merge_kernel[(b, triton.cdiv(h, _MERGE_BLOCK_H))](
         acc, ml, out, h, splits,
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
         out.stride(0), out.stride(1),
-        R=r, BLOCK_R=triton.next_power_of_2(r), BLOCK_H=block_h,
+        R=r, BLOCK_R=triton.next_power_of_2(r), BLOCK_H=_MERGE_BLOCK_H,
     )
     return out

@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         _emit(e.placement, args.json, str(e))
         print(f"kimitui plan: {e}", file=sys.stderr)
         return 1
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))
     _emit(placement, args.json)
     return 0 if placement.fits else 1

@@ -35,12 +35,15 @@ def _prompts(n, lens, seed=0):
     return [[rng.randrange(3, 250) for _ in range(lens[i % len(lens)])] for i in range(n)]
 
 
-def _generate(path, prompts, max_tokens, proposer=None, logprobs=None, **kw):
+def _generate(path, prompts, max_tokens, proposer=None, logprobs=None, warm=(), **kw):
+    """``warm``: prompts generated first, one request at a time (their blocks then are cached)."""
     llm = LLM(str(path), max_model_len=256, max_num_seqs=kw.pop("max_num_seqs", 4),
               speculative_config=SPEC if proposer is not None else None, **kw)
     if proposer is not None:
         llm.engine.proposer = proposer
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+    for p in warm:
+        llm.generate([{"prompt_token_ids": p}], params)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return llm, outs
 
@@ -48,6 +51,8 @@ def _generate(path, prompts, max_tokens, proposer=None, logprobs=None, **kw):
 def _check_same(path, prompts, max_tokens, **kw):
     _, ref = _generate(path, prompts, max_tokens, **kw)
     answers = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, ref)}
+    for p in kw.get("warm", ()):
+        answers.setdefault(tuple(p), answers.get(tuple(p), []))
     proposer = ScriptedProposer(answers)
     llm, outs = _generate(path, prompts, max_tokens, proposer=proposer, **kw)
     for p, a, b in zip(prompts, ref, outs):
@@ -88,7 +93,7 @@ def test_prefix_cache_identical(ckpt, k2_path, k3_path):
     path = k2_path if ckpt == "k2" else k3_path
     shared = _prompts(1, [48], seed=7)[0]
     prompts = [shared + [5 + i] for i in range(3)] + [shared]
-    llm, _, _ = _check_same(path, prompts, 20)
+    llm, _, _ = _check_same(path, prompts, 20, warm=[shared])
     assert llm.engine.block_manager.prefix_cache_hit_rate > 0
 
 

@@ -86,7 +86,7 @@ def test_sampled_decoding_seeded_and_reproducible(k2_path):  # noqa: F811
 
 
 def test_k3_soak_with_aborts_and_preemption_leaks_nothing(k3_path):  # noqa: F811
-    llm = LLM(str(k3_path), max_model_len=256, max_num_seqs=4, kv_cache_tokens=192, speculative_config=SPEC)
+    llm = LLM(str(k3_path), max_model_len=128, max_num_seqs=4, kv_cache_tokens=192, speculative_config=SPEC)
     eng = llm.engine
     rng = random.Random(0)
     prompts = _prompts(12, [40, 17, 64, 9, 33], seed=9)
