@@ -196,6 +196,8 @@ def test_tui_against_kimitui_serve_chats_shows_metrics_and_benchmarks(tmp_path_f
                 await pilot.pause(1.5)
                 text = screen_text(app)
                 assert "kimitui /metrics" in text and "24 tokens" in text
+                turn = app.chats.current.turns[-1]
+                print("reply:", turn.stats, "| server:", app.bridge.stats().ttft_p50, app.bridge.stats().tpot_p50)
                 assert app.bridge.stats().total_generation_tokens >= 24
                 await pilot.press("f5")
                 await wait_for(pilot, lambda: isinstance(app.screen, BenchmarkScreen))
@@ -253,3 +255,32 @@ def test_agent_telemetry_shows_the_remote_nodes_gpus_with_history():
         agent.stop()
         node_sampler.stop()
     assert sampler._closed  # the app stopped the sampler it was given
+
+
+def test_stop_mid_reply_and_quit_while_streaming():
+    fake = fake_openai_app(slow_after=4)
+    server = serve(fake)
+    timings = {}
+
+    async def scenario():
+        app = make_app(server.url)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(app, pilot)
+            await say(app, pilot, "hi")
+            await wait_for(pilot, lambda: fake.state.streaming.is_set() and "Hello" in app.bridge.reply.content)
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: app.bridge.reply.done, timeout=10)
+            await pilot.pause(0.1)
+            turn = app.chats.current.turns[-1]
+            assert turn.content == "Hello" and "stopped" in turn.stats
+            fake.state.streaming.clear()
+            await say(app, pilot, "again")  # stalls again; quitting must not wait for it
+            await wait_for(pilot, lambda: fake.state.streaming.is_set())
+            timings["quit"] = time.monotonic()
+        timings["left"] = time.monotonic()
+
+    try:
+        run(scenario())
+    finally:
+        server.stop()
+    assert timings["left"] - timings["quit"] < 5.0

@@ -1,8 +1,8 @@
 """The ``Bridge`` (bridge_api.py) over an OpenAI-compatible server: kimitui serve, vLLM, SGLang.
 
-Replies stream from ``/v1/chat/completions`` on the UI loop (an async worker, like the engine
-bridge's), each over a fresh connection, so a server that went away and came back is simply
-reached again by the next message. The throughput numbers come from the server's Prometheus
+Replies stream from ``/v1/chat/completions`` on a worker thread with its own event loop (so the
+client's TTFT / TPOT are not stretched by the UI drawing), each over a fresh connection, so a
+server that went away and came back is simply reached again by the next message. The throughput numbers come from the server's Prometheus
 ``/metrics``, scraped by one daemon thread every second (parsing a large vLLM exposition never
 costs the UI a frame); ``stats()`` only hands out the latest result.
 """
@@ -13,6 +13,7 @@ import asyncio
 import logging
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,6 +54,9 @@ class RemoteBridge:
         self.metrics_period_s = metrics_period_s
         self.reply: ReplyState | None = None
         self._reply_worker = None
+        self._reply_loop: asyncio.AbstractEventLoop | None = None
+        self._reply_task: asyncio.Task | None = None
+        self._stop_asked = False
         self._tracker = ServerStatsTracker()
         self._client_rate = ClientTokenRate()
         self._server_stats = None
@@ -125,8 +129,7 @@ class RemoteBridge:
         self._stop.set()
         if self._poller is not None and self._poller is not threading.current_thread():
             self._poller.join(timeout=1.0)  # a daemon: a scrape stuck on a slow server dies with us
-        if self._reply_worker is not None:
-            self._reply_worker.cancel()
+        self.stop()  # a reply still streaming: its connection closes, the server aborts it
 
     # -- server metrics ----------------------------------------------------------------------
     def _poll(self) -> None:
@@ -183,15 +186,38 @@ class RemoteBridge:
         body = self.request_body(chat, settings)
         state = ReplyState(chat.id)
         self.reply = state
-        self._reply_worker = self.app.run_worker(self._stream(state, body, notify or self.app), group="reply",
-                                                 exclusive=True, exit_on_error=False, name="reply")
+        self._stop_asked = False
+        self._reply_worker = self.app.run_worker(partial(self._stream_thread, state, body, notify or self.app),
+                                                 thread=True, group="reply", exit_on_error=False, name="reply")
         return state
 
     def stop(self) -> bool:
-        if not self.generating or self._reply_worker is None:
+        """Cancel the stream on its loop; closing the connection makes the server abort the request."""
+        if not self.generating:
             return False
-        self._reply_worker.cancel()  # closing the stream makes the server abort the request
+        self._stop_asked = True  # seen by the reply thread if its loop is not up yet
+        loop, task = self._reply_loop, self._reply_task
+        if loop is None or task is None:
+            return True
+        try:
+            loop.call_soon_threadsafe(task.cancel)
+        except RuntimeError:  # the loop just closed: the reply is over anyway
+            return False
         return True
+
+    def _stream_thread(self, state: ReplyState, body: dict, notify: MessagePump) -> None:
+        """The reply's own event loop on a worker thread: chunks are read (and TTFT / TPOT timed) as
+        they arrive, however busy the UI loop is drawing."""
+        loop = asyncio.new_event_loop()
+        try:
+            self._reply_task = loop.create_task(self._stream(state, body, notify))
+            self._reply_loop = loop
+            if self._stop_asked:
+                self._reply_task.cancel()
+            loop.run_until_complete(self._reply_task)
+        finally:
+            self._reply_loop = None
+            loop.close()
 
     async def _stream(self, state: ReplyState, body: dict, notify: MessagePump) -> None:
         import httpx
