@@ -81,3 +81,31 @@ def test_history_graphs_snapshot_and_toggle():
             assert panel.query_one("#gpu-rows").display
 
     asyncio.run(scenario())
+
+
+def test_throughput_panel_draws_ttft_and_tpot_over_replies():
+    from kimitui.tui.formatting import spark
+    from kimitui.tui.messages import ReplyFinished
+    from kimitui.tui.widgets.throughput_panel import ThroughputPanel
+
+    assert spark([0.0, 0.5, 1.0, None]) == "▁▅█ " and spark([]) == "" and spark([2.0, 2.0]) == "██"
+
+    class Panel(App):
+        def compose(self) -> ComposeResult:
+            yield ThroughputPanel(id="throughput")
+
+    async def scenario():
+        app = Panel()
+        async with app.run_test(size=(64, 24)) as pilot:
+            panel = app.query_one(ThroughputPanel)
+            panel.update_reply(ReplyFinished(1, "", "a", 8, 0.1, 0.01, "stop"))
+            await pilot.pause(0.05)
+            body = str(panel.query_one("#throughput-body").render())
+            assert "trend" not in body  # one reply is no trend yet
+            for ttft, tpot in ((0.4, 0.02), (0.2, None)):
+                panel.update_reply(ReplyFinished(1, "", "a", 8, ttft, tpot, "stop"))
+            await pilot.pause(0.05)
+            body = str(panel.query_one("#throughput-body").render())
+            assert "TTFT trend ▃█▅  max 400.0 ms" in body and "TPOT trend ▅█   max 20.0 ms" in body  # from 0
+
+    asyncio.run(scenario())

@@ -13,11 +13,12 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
 
-from kimitui.tui.formatting import NA, ms, num, pct
+from kimitui.tui.formatting import NA, ms, num, pct, spark
 from kimitui.tui.messages import ReplyFinished
 
 WINDOW_S = 60.0
 POINT_EVERY_S = 1.0  # one sparkline point per second: 60 points across the window
+REPLY_TREND = 24  # TTFT / TPOT of the last replies, drawn as one line each
 
 
 class ThroughputPanel(Vertical):
@@ -28,6 +29,7 @@ class ThroughputPanel(Vertical):
         self._last_point = float("-inf")
         self._stats = None
         self._reply: ReplyFinished | None = None
+        self._replies: deque[tuple[float | None, float | None]] = deque(maxlen=REPLY_TREND)
 
     def compose(self) -> ComposeResult:
         yield Static("decode n/a", id="decode-now", markup=False)
@@ -53,6 +55,7 @@ class ThroughputPanel(Vertical):
 
     def update_reply(self, msg: ReplyFinished) -> None:
         self._reply = msg
+        self._replies.append((msg.ttft, msg.tpot))
         self._render_body()
 
     def _render_body(self) -> None:
@@ -67,6 +70,12 @@ class ThroughputPanel(Vertical):
             f"prefill      {num(get('prefill_tokens_per_s'), '.1f', 'tok/s')}",
             f"last reply   TTFT {ms(r.ttft) if r else NA}  TPOT {ms(r.tpot) if r else NA}",
             f"             {num(rate, '.1f', 'tok/s')}  {r.num_tokens if r else 0} tokens",
+        ]
+        if len(self._replies) > 1:  # over time: one mark per reply, oldest left
+            ttfts, tpots = [a for a, _ in self._replies], [b for _, b in self._replies]
+            lines += [f"  TTFT trend {spark(ttfts)}  max {ms(max((v for v in ttfts if v is not None), default=None))}",
+                      f"  TPOT trend {spark(tpots)}  max {ms(max((v for v in tpots if v is not None), default=None))}"]
+        lines += [
             f"requests     {num(get('num_running'), 'd')} running, {num(get('num_waiting'), 'd')} waiting",
             f"KV cache     {pct(get('kv_cache_usage'), fraction=True)} of {num(get('kv_cache_capacity_tokens'), 'd')} tokens",
             f"prefix hits  {pct(get('prefix_cache_hit_rate'), fraction=True)}",
