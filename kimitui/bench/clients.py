@@ -107,6 +107,14 @@ class InProcessClient:
         pass
 
 
+def server_root(base_url: str) -> str:
+    """The server's root URL: ``http://host:8000``, ``http://host:8000/`` and ``http://host:8000/v1``
+    all name the same server (vLLM's ``--base-url`` takes the root, OpenAI clients take ``/v1``);
+    routes are then ``root + "/v1/..."`` and ``root + "/metrics"``."""
+    root = base_url.strip().rstrip("/")
+    return root.removesuffix("/v1").rstrip("/")
+
+
 def _headers(api_key: str | None, request_id: str | None = None) -> dict[str, str]:
     headers = {"Content-Type": "application/json"}
     key = api_key or os.environ.get("OPENAI_API_KEY")
@@ -127,7 +135,7 @@ class OpenAICompletionsClient:
                  temperature: float | None = None, ignore_eos: bool = True):
         import httpx
 
-        self.base_url = base_url.rstrip("/")
+        self.base_url = server_root(base_url)
         self.model = model
         self.api_key = api_key
         self.temperature = temperature
@@ -212,7 +220,7 @@ async def fetch_models(base_url: str, api_key: str | None = None, timeout_s: flo
     --model is not given). Raises RuntimeError with the URL on failure."""
     import httpx
 
-    url = f"{base_url.rstrip('/')}/v1/models"
+    url = f"{server_root(base_url)}/v1/models"
     try:
         async with httpx.AsyncClient(timeout=timeout_s) as http:
             resp = await http.get(url, headers=_headers(api_key))

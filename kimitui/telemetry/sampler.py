@@ -20,6 +20,8 @@ Callback = Callable[[Sample], None]
 
 def _blank(reading: Any) -> Any:
     """The same shape as ``reading`` with every value unknown (keeps failed GPUs listed as n/a)."""
+    if isinstance(reading, list):  # a backend that reads several kinds at once (remote nodes)
+        return [_blank(r) for r in reading]
     if isinstance(reading, tuple):
         return tuple(GpuSample(g.index, g.name, g.vendor) for g in reading)
     if isinstance(reading, CpuPower):
@@ -33,7 +35,10 @@ def _compose(t: float, wall: float, readings: Sequence[Any]) -> Sample:
     gpus: list[GpuSample] = []
     cpu = CpuPower()
     host = HostStats()
+    flat: list[Any] = []
     for reading in readings:
+        flat.extend(reading if isinstance(reading, list) else [reading])
+    for reading in flat:
         if isinstance(reading, tuple):
             gpus.extend(reading)
         elif isinstance(reading, CpuPower):

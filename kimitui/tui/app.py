@@ -1,4 +1,5 @@
-"""The kimitui app: a shell. Screens hold the UI, the bridge holds the engine."""
+"""The kimitui app: a shell. Screens hold the UI, the bridge holds the engine (in process, or a
+remote server's client: ``bridge_factory``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from textual.binding import Binding
 
 from engine import EngineArgs
 from kimitui.tui.bridge import EngineBridge, EngineFactory
+from kimitui.tui.bridge_api import Bridge
 from kimitui.tui.chat_session import ChatHistory
 from kimitui.tui.commands import KimiCommands
 from kimitui.tui.gen_settings import GenerationSettings
@@ -40,7 +42,8 @@ class KimiApp(App):
     def __init__(self, engine_args: EngineArgs, *, theme: str | None = None, sampler=None,
                  engine_factory: EngineFactory | None = None, stats_source: Callable | None = None,
                  clock: Callable[[], float] = time.monotonic, settings_file: Path | None = None,
-                 user_themes: Path | None = None, generation: GenerationSettings | None = None) -> None:
+                 user_themes: Path | None = None, generation: GenerationSettings | None = None,
+                 bridge_factory: Callable[[App], Bridge] | None = None) -> None:
         super().__init__()
         self.engine_args = engine_args
         self.requested_theme = theme
@@ -48,7 +51,8 @@ class KimiApp(App):
         self.clock = clock
         self.settings_file = settings_file
         self.user_themes = user_themes
-        self.bridge = EngineBridge(self, engine_args, engine_factory)
+        self.bridge: Bridge = (bridge_factory(self) if bridge_factory is not None
+                               else EngineBridge(self, engine_args, engine_factory))
         self.stats_source = stats_source or self.bridge.stats
         self.chats = ChatHistory()
         self.gen_settings = generation or GenerationSettings()
@@ -63,7 +67,7 @@ class KimiApp(App):
         self.theme_changed_signal.subscribe(self, self._theme_changed)
         if self.sampler is not None:
             self.sampler.start()
-        loading = LoadScreen(self.engine_args.model or "the built-in demo model", self.clock)
+        loading = LoadScreen(self.bridge.load_title, self.clock)
         self.push_screen(loading)
         self.bridge.load(notify=loading)  # EngineReady bubbles up from the load screen to here
         if not self.is_headless:

@@ -1,9 +1,10 @@
-"""One benchmark run (or sweep) against the app's loaded engine, off the UI thread.
+"""One benchmark run (or sweep) against the app's bridge (loaded engine or remote server), off the
+UI thread.
 
 The job runs kimitui.bench's ``run_benchmark`` / ``run_sweep`` on a worker thread with its own
 event loop: prompt building (a decode/re-encode round trip per prompt, like vLLM) and metric
 math then never stall a key press. AsyncLLM serves streams from any loop, so the chat and the
-benchmark share the one engine. Progress travels as coalescing messages; Cancel sets the
+benchmark share the one engine; a remote server gets its own HTTP client on the job's loop. Progress travels as coalescing messages; Cancel sets the
 benchmark's cancel event on the job's loop, which aborts the requests in flight.
 """
 
@@ -19,7 +20,6 @@ from typing import Any
 from textual.message import Message
 from textual.message_pump import MessagePump
 
-from kimitui.bench.clients import InProcessClient
 from kimitui.bench.runner import BenchmarkConfig, run_benchmark, sweep_summary
 from kimitui.tui.bench_store import save_run
 
@@ -55,11 +55,12 @@ class BenchFinished(Message):
 
 
 class BenchJob:
-    def __init__(self, config: BenchmarkConfig, llm: Any, model_name: str, sampler: Any,
+    def __init__(self, config: BenchmarkConfig, source: Any, sampler: Any,
                  notify: MessagePump, save_dir: Path | None = None) -> None:
+        """``source``: a bridge_api.BenchSource (tokenizer, model name, client factory)."""
         self.config = config
-        self.llm = llm
-        self.model_name = model_name
+        self.source = source
+        self.model_name = source.model_name
         self.sampler = sampler
         self.notify = notify
         self.save_dir = save_dir
@@ -127,10 +128,15 @@ class BenchJob:
 
     async def _points(self) -> None:
         cfg = self.config
-        # Text prompts like `kimitui bench`: the same seed builds the same token ids as a
-        # --base-url run against this checkpoint would.
-        client = InProcessClient(self.llm, model=self.model_name, temperature=cfg.temperature,
-                                 ignore_eos=cfg.ignore_eos, text_prompts=self.llm.tokenizer is not None)
+        self.tokenizer = self.source.resolve_tokenizer()
+        client = self.source.make_client(cfg)
+        try:
+            await self._run_points(client)
+        finally:
+            await client.aclose()
+
+    async def _run_points(self, client: Any) -> None:
+        cfg = self.config
         # One run_benchmark per sweep level, as run_sweep does, but kept here so the points
         # finished before a cancel survive (run_sweep only returns at the end).
         levels = cfg.sweep_concurrency or (cfg.max_concurrency,)
@@ -141,7 +147,7 @@ class BenchJob:
             self._dispatching = False
             self._post("preparing", 0, cfg.num_prompts, 0.0)
             point_cfg = replace(cfg, max_concurrency=c, sweep_concurrency=())
-            self._results.append(await run_benchmark(point_cfg, client, self.llm.tokenizer, self.sampler,
+            self._results.append(await run_benchmark(point_cfg, client, self.tokenizer, self.sampler,
                                                      self._progress, self._cancel))
             self._dispatching = False
 

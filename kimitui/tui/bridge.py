@@ -21,6 +21,7 @@ from textual.message_pump import MessagePump
 
 from engine import AsyncLLM, EngineArgs
 from engine.chat_format import ChatFormat, ChatPrompt, chat_format_for
+from kimitui.tui.bridge_api import BenchSource
 from kimitui.tui.chat_session import Chat
 from kimitui.tui.gen_settings import GenerationSettings
 from kimitui.tui.messages import EngineFailed, EngineReady, LoadProgressed, ReplyFinished
@@ -50,6 +51,8 @@ class ReplyState:
 
 
 class EngineBridge:
+    """The ``Bridge`` (bridge_api.py) over an ``AsyncLLM`` loaded in this process."""
+
     def __init__(self, app: App, engine_args: EngineArgs, engine_factory: EngineFactory | None = None) -> None:
         self.app = app
         self.engine_args = engine_args
@@ -60,6 +63,14 @@ class EngineBridge:
         self.chat_format: ChatFormat | None = None  # the checkpoint's (K2's or K3's XTML), set at load
         self._stop_ids: list[int] = []
         self._keep_ids: list[int] = []
+
+    @property
+    def load_title(self) -> str:
+        return f"Loading {self.engine_args.model or 'the built-in demo model'}"
+
+    @property
+    def ready(self) -> bool:
+        return self.llm is not None
 
     # -- loading -------------------------------------------------------------------------
     def load(self, notify: MessagePump | None = None) -> None:
@@ -124,6 +135,30 @@ class EngineBridge:
             self._stream(state, prompt, notify or self.app, settings), group="reply", exclusive=True,
             exit_on_error=False, name="reply")
         return state
+
+    def bench_source(self) -> BenchSource:
+        """The loaded engine, driven in process by kimitui.bench's InProcessClient."""
+        llm = self.llm
+        if llm is None:
+            return BenchSource(problem="The model is not loaded yet.")
+        if llm.tokenizer is None:
+            return BenchSource(problem="This checkpoint has no tokenizer files, so prompts cannot be built.")
+        engine = getattr(llm, "engine", None)
+        # Named as `kimitui bench` names an in-process target, so saved runs line up.
+        name = self.engine_args.model or getattr(getattr(llm, "config", None), "name", None) or "kimitui-demo"
+        # the engine's own GPUs: none when it runs on the CPU (per-GPU numbers are then n/a)
+        device = str(getattr(engine, "device", "cpu"))
+        num_gpus = 0 if device.startswith("cpu") else self.engine_args.tensor_parallel_size
+
+        def make_client(config):
+            from kimitui.bench.clients import InProcessClient
+
+            # Text prompts like `kimitui bench`: the same seed builds the same token ids as a
+            # --base-url run against this checkpoint would.
+            return InProcessClient(llm, model=name, temperature=config.temperature, ignore_eos=config.ignore_eos,
+                                   text_prompts=True)
+
+        return BenchSource(name, llm.tokenizer, getattr(engine, "max_model_len", None), num_gpus, make_client)
 
     def prompt_for(self, chat: Chat, settings: GenerationSettings) -> ChatPrompt:
         """``chat`` in the loaded model's chat format, with the thinking settings applied."""

@@ -62,3 +62,18 @@ def duration(seconds: float | None) -> str:
 def clean(text: str) -> str:
     """Drop control characters (random-weight models emit them) that would upset a terminal."""
     return "".join(c for c in text if c in "\n\t" or (c >= " " and not 0x7F <= ord(c) <= 0x9F))
+
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def spark(values, floor: float = 0.0) -> str:
+    """A one-line text sparkline of ``values`` (None drawn as a space), scaled from ``floor`` to the
+    largest value."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return ""
+    top = max(known)
+    span = (top - floor) or 1.0
+    return "".join(" " if v is None else SPARK[min(len(SPARK) - 1, max(0, round((v - floor) / span * (len(SPARK) - 1))))]
+                   for v in values)

@@ -22,6 +22,23 @@ class ModelInfo:
     num_layers: int | None
     num_routed_experts: int | None
     cache: CacheLayout | None = None  # KDA / MLA layer counts and per-sequence cache bytes
+    remote: str | None = None  # the server's URL and kind when the model runs elsewhere
+
+
+def remote_info(name: str, url: str, server: str, max_model_len: int | None, num_gpus: int) -> ModelInfo:
+    """A model served at ``url``: only what the server says about it (name, context length);
+    our own demo served by `kimitui serve` is still marked as noise."""
+    return ModelInfo(name=name, is_demo="kimitui-demo" in name or name in ("demo", "demo-k3"), parameters=None,
+                     precision="n/a", num_gpus=num_gpus, device=url, experts="n/a",
+                     max_model_len=max_model_len, num_layers=None, num_routed_experts=None,
+                     remote=f"{url} ({server})")
+
+
+def remote_lines(info: ModelInfo) -> list[str]:
+    """The model panel for a remote model: what the server told us, marked remote."""
+    gpus = str(info.num_gpus) if info.num_gpus else "n/a (--num-gpus N or --telemetry-url)"
+    context = f"{info.max_model_len:,} tokens" if info.max_model_len else "n/a"
+    return [info.name, f"REMOTE   {info.remote}", f"context  {context}", f"GPUs     {gpus}"]
 
 
 def model_info(llm, num_gpus: int) -> ModelInfo:

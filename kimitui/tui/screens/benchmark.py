@@ -1,6 +1,6 @@
 """The benchmark screen (F5): presets and a form on the left; progress, results, the sweep
-frontier and saved runs on the right. Runs go against the engine the chat already uses
-(the bridge's AsyncLLM), on a worker thread, so neither the UI nor the chat ever waits on it.
+frontier and saved runs on the right. Runs go against what the chat already uses (the bridge's
+engine or remote server), on a worker thread, so neither the UI nor the chat ever waits on it.
 """
 
 from __future__ import annotations
@@ -49,24 +49,15 @@ class BenchmarkScreen(Screen):
         self.runs_finished = 0  # runs ended (finished, cancelled or failed) since the screen opened
         self._esc_armed_at = float("-inf")
 
-    # -- engine facts ----------------------------------------------------------------------
+    # -- target facts ----------------------------------------------------------------------
     @property
-    def llm(self):
-        return self.app.bridge.llm
+    def source(self):
+        """What runs are made against: the bridge's engine or remote server (bridge_api.BenchSource)."""
+        return self.app.bridge.bench_source()
 
     @property
     def max_model_len(self) -> int | None:
-        return getattr(getattr(self.llm, "engine", None), "max_model_len", None)
-
-    def _num_gpus(self) -> int:
-        # the engine's own: none when it runs on the CPU (per-GPU numbers are then n/a)
-        device = str(getattr(getattr(self.llm, "engine", None), "device", "cpu"))
-        return 0 if device.startswith("cpu") else self.app.engine_args.tensor_parallel_size
-
-    def _model_name(self) -> str:
-        # Named as `kimitui bench` names an in-process target, so saved runs line up.
-        return (self.app.engine_args.model or getattr(getattr(self.llm, "config", None), "name", None)
-                or "kimitui-demo")
+        return self.source.max_model_len
 
     @property
     def running(self) -> bool:
@@ -92,7 +83,7 @@ class BenchmarkScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.sub_title = "benchmark: vllm bench serve metrics against the loaded model"
+        self.sub_title = f"benchmark: vllm bench serve metrics against {self.source.target}"
         context = f" (context {self.max_model_len:,} tokens)" if self.max_model_len else ""
         self.query_one("#bench-left").border_title = "workload" + context
         self.set_interval(LIVE_PERIOD_S, self._poll_live, name="bench-live")
@@ -120,22 +111,19 @@ class BenchmarkScreen(Screen):
         if self.running:
             return
         form = self.query_one(BenchForm)
-        if self.llm is None:
-            form.show_error("The model is not loaded yet.")
-            return
-        if self.llm.tokenizer is None:
-            form.show_error("This checkpoint has no tokenizer files, so prompts cannot be built.")
+        source = self.source
+        if source.problem:
+            form.show_error(source.problem)
             return
         try:
-            config = config_from_form(form.values(), max_model_len=self.max_model_len,
-                                      num_gpus=self._num_gpus(),
-                                      model=self._model_name())
+            config = config_from_form(form.values(), max_model_len=source.max_model_len,
+                                      num_gpus=source.num_gpus, model=source.model_name)
         except ValueError as e:
             form.show_error(str(e))
             return
         form.show_error(None)
         self.description = describe(config)
-        self.job = BenchJob(config, self.llm, self._model_name(), self.app.sampler, notify=self)
+        self.job = BenchJob(config, source, self.app.sampler, notify=self)
         form.set_running(True)
         self.query_one(BenchProgress).start(self.description, config.num_prompts)
         self.query_one("#bench-result-note", Static).update("")

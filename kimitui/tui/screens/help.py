@@ -18,6 +18,7 @@ KEYS = [
     ("Ctrl+T", "thinking on/off"),
     ("F4", "next theme (the choice is saved)"),
     ("F5", "benchmark screen: presets, sweeps, saved runs (there: Ctrl+R run, Ctrl+X cancel, F6 next tab, Esc back)"),
+    ("F8", "hardware panel: compact rows or history graphs (power with the cap, utilisation, memory, node total)"),
     ("Ctrl+P", "command palette: every action, themes"),
     ("F1", "this help"),
     ("Ctrl+Q", "quit"),

@@ -19,20 +19,21 @@ from kimitui.tui.run import log_path
 class LoadScreen(Screen):
     BINDINGS = [Binding("ctrl+q", "app.quit", "Quit")]
 
-    def __init__(self, model_label: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, title: str, clock: Callable[[], float] = time.monotonic) -> None:
+        """``title``: "Loading <model>" (or "Connecting to <url>" for a remote server)."""
         super().__init__(id="load")
-        self.model_label = model_label
+        self.title_text = title
         self.clock = clock
         self._t0: float | None = None
 
     def compose(self) -> ComposeResult:
         with Center():
             with Vertical(id="load-box"):
-                yield Static(f"Loading {self.model_label}", id="load-title", markup=False)
+                yield Static(self.title_text, id="load-title", markup=False)
                 # Our own ETA below uses bytes/s since the first progress report; the bar's own
                 # ETA would count from mount, including the time before any bytes moved.
                 yield ProgressBar(total=None, show_eta=False, id="load-bar")
-                yield Static("reading the checkpoint index…", id="load-detail", markup=False)
+                yield Static("", id="load-detail", markup=False)
         yield Footer()
 
     def on_load_progressed(self, p: LoadProgressed) -> None:
@@ -49,7 +50,8 @@ class LoadScreen(Screen):
             f"{(rate or 0) / 2**20:.0f} MiB/s   ETA {duration(eta)}")
 
     def on_engine_failed(self, msg: EngineFailed) -> None:
-        self.query_one("#load-title", Static).update(f"Could not load {self.model_label}")
+        failed = self.title_text.replace("Loading", "Could not load", 1).replace("Connecting to", "Could not connect to", 1)
+        self.query_one("#load-title", Static).update(failed)
         self.query_one("#load-detail", Static).update(
             f"{msg.error}\n\nDetails in the log ({log_path()}). Ctrl+Q quits; `kimitui --help` lists engine flags.")
         self.query_one(ProgressBar).display = False

@@ -15,6 +15,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header
 
 from kimitui.tui.messages import ReplyFinished, TelemetryUpdated
+from kimitui.tui.hw_history import HISTORY_S
 from kimitui.tui.model_info import DEMO_NOTE, ModelInfo
 from kimitui.tui.screens.chats import ChatsScreen
 from kimitui.tui.screens.settings import SettingsScreen
@@ -36,9 +37,12 @@ def benchmark_available() -> bool:
 
 
 def welcome_text(info: ModelInfo) -> str:
-    lines = [f"{info.name} is ready. Type below: Enter sends, Shift+Enter or Ctrl+J adds a newline.",
+    where = f"{info.name} at {info.remote}" if info.remote else info.name
+    lines = [f"{where} is ready. Type below: Enter sends, Shift+Enter or Ctrl+J adds a newline.",
              "Esc stops a reply, Ctrl+N starts a new chat, F2 changes sampling, F1 lists every key."]
-    if info.is_demo:
+    if info.is_demo and info.remote:
+        lines.insert(0, f"The server runs kimitui's built-in demo checkpoint: {DEMO_NOTE}.")
+    elif info.is_demo:
         lines.insert(0, f"This is the built-in demo checkpoint: {DEMO_NOTE}. "
                         "It shows every part of kimitui working; run with --model DIR for a real Kimi.")
     return "\n\n".join(lines)
@@ -52,12 +56,14 @@ class MainScreen(Screen):
         Binding("f3", "chats", "Chats"),
         Binding("ctrl+t", "toggle_thinking", "Thinking"),
         Binding("f5", "benchmark", "Benchmark"),
+        Binding("f8", "toggle_graphs", "Graphs"),
     ]
 
     def __init__(self, info: ModelInfo) -> None:
         super().__init__(id="main")
         self.info = info
         self.energy = TokenEnergyMeter()
+        self.energy_window = TokenEnergyMeter(HISTORY_S)  # over the graphs' window
         self._unsubscribe = None
 
     def compose(self) -> ComposeResult:
@@ -91,14 +97,16 @@ class MainScreen(Screen):
 
     def _poll_stats(self) -> None:
         stats = self.app.stats_source()
-        if stats is not None:
+        if stats is not None and stats.total_generation_tokens is not None:
             self.energy.record(self.app.clock(), stats.total_generation_tokens)
+            self.energy_window.record(self.app.clock(), stats.total_generation_tokens)
         self.query_one(ThroughputPanel).update_stats(stats)
 
     def on_telemetry_updated(self, msg: TelemetryUpdated) -> None:
         sample = msg.sample
-        history = self.app.sampler.history(since_t=sample.t - self.energy.window_s - 5)
-        self.query_one(HardwarePanel).update_sample(sample, self.energy.joules_per_token(history, sample.t))
+        history = self.app.sampler.history(since_t=sample.t - self.energy_window.window_s - 5)
+        self.query_one(HardwarePanel).update_sample(sample, self.energy.joules_per_token(history, sample.t),
+                                                    self.energy_window.joules_per_token(history, sample.t))
 
     def on_reply_finished(self, msg: ReplyFinished) -> None:
         self.query_one(ThroughputPanel).update_reply(msg)
@@ -146,6 +154,10 @@ class MainScreen(Screen):
         self.app.gen_settings = s.with_(thinking=not s.thinking)
         self.query_one(ChatPane).show_status()
         self.notify(f"Thinking {'on' if not s.thinking else 'off'} for the next reply.", timeout=2)
+
+    def action_toggle_graphs(self) -> None:
+        shown = self.query_one(HardwarePanel).toggle_graphs()
+        self.notify(f"Hardware: {'history graphs' if shown else 'compact rows'}", timeout=2)
 
     def action_benchmark(self) -> None:
         if not benchmark_available():

@@ -13,7 +13,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Static
 
-from kimitui.tui.bridge import EngineBridge
+from kimitui.tui.bridge_api import Bridge
 from kimitui.tui.chat_session import ChatHistory, Turn
 from kimitui.tui.formatting import ms
 from kimitui.tui.gen_settings import GenerationSettings
@@ -37,7 +37,7 @@ def reply_stats(msg: ReplyFinished, elapsed_s: float | None = None) -> str:
 
 
 class ChatPane(Vertical):
-    def __init__(self, bridge: EngineBridge, history: ChatHistory,
+    def __init__(self, bridge: Bridge, history: ChatHistory,
                  settings: Callable[[], GenerationSettings], welcome: str = "", **kwargs) -> None:
         super().__init__(**kwargs)
         self.bridge, self.history, self.settings = bridge, history, settings
@@ -60,7 +60,7 @@ class ChatPane(Vertical):
         if self.bridge.generating:
             self.app.notify("A reply is still streaming: Esc stops it.", severity="warning")
             return
-        if self.bridge.llm is None:
+        if not self.bridge.ready:
             self.app.notify("The model is still loading.", severity="warning")
             return
         chat = self.history.current

@@ -6,7 +6,7 @@ from __future__ import annotations
 from textual.widgets import Static
 
 from kimitui.tui.formatting import count
-from kimitui.tui.model_info import DEMO_NOTE, ModelInfo, architecture_lines
+from kimitui.tui.model_info import DEMO_NOTE, ModelInfo, architecture_lines, remote_lines
 
 
 class ModelPanel(Static):
@@ -17,7 +17,7 @@ class ModelPanel(Static):
         self.border_title = "model"
 
     def show(self, info: ModelInfo) -> None:
-        lines = [
+        lines = remote_lines(info) if info.remote else [
             info.name,
             f"params   {count(info.parameters)}  ({info.num_layers} layers, {info.num_routed_experts} experts)",
             f"precision {info.precision}",
