@@ -7,9 +7,10 @@ the keys are then absent)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.spec_decode.stats import SpecDecodeStats
+if TYPE_CHECKING:  # importing the engine package loads torch: only where the counters are built
+    from engine.spec_decode.stats import SpecDecodeStats
 
 _NAMES = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
 
@@ -18,8 +19,8 @@ async def read_spec_counters(client: Any) -> SpecDecodeStats | None:
     """The cumulative counters now, or None when the target has no speculative decoding."""
     engine = getattr(client, "engine", None)
     if engine is not None:
-        stats = engine.stats()
-        spec = getattr(stats, "spec_decode", None)
+        stats = getattr(engine, "stats", None)
+        spec = getattr(stats(), "spec_decode", None) if callable(stats) else None
         return spec.copy() if spec is not None else None
     base_url = getattr(client, "base_url", None)
     http = getattr(client, "_http", None)
@@ -40,6 +41,8 @@ def parse_spec_counters(text: str) -> SpecDecodeStats | None:
     """``SpecDecodeStats`` from Prometheus exposition text (``prometheus_client``'s parser), summing
     over label sets (a server may label by model or engine); per-position counters by ``position``."""
     from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.spec_decode.stats import SpecDecodeStats
 
     found: dict[str, float] = {}
     per_pos: dict[int, float] = {}
