@@ -62,7 +62,7 @@ class LLMEngine:
         # kept back on each device for activations: one number for the expert placement and the cache
         self.reserve_bytes = device_reserve_bytes(
             self.config, self.device, args.tensor_parallel_size, max(args.max_num_batched_tokens, args.max_num_seqs),
-            args.max_num_seqs, self.max_model_len, args.tensor_parallel_size == 1 and not args.enforce_eager)
+            args.max_num_seqs, self.max_model_len, not args.enforce_eager)
         self.expert_placement = expert_placement_for(
             self.config, args.cpu_offload, self.device, args.tensor_parallel_size, self.max_model_len,
             args.max_num_seqs, args.gpu_memory_gb, args.routing_stats, self.reserve_bytes)
@@ -72,7 +72,8 @@ class LLMEngine:
             if args.tensor_parallel_size > 1:
                 spec = WorkerSpec(str(self.model_dir), args.tensor_parallel_size, free_port(), self.device.type,
                                   str(self.dtype).removeprefix("torch."), self.max_model_len, args.block_size,
-                                  self.expert_placement, max(1, torch.get_num_threads() // args.tensor_parallel_size))
+                                  self.expert_placement, max(1, torch.get_num_threads() // args.tensor_parallel_size),
+                                  self._decode_graphs())
                 self.workers = WorkerGroup(spec)
                 par = self.workers.join_as_rank0()
             t0 = time.monotonic()

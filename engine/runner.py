@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.graph_runner import DecodeGraphRunner, GraphConfig
+from engine.graph_runner import DecodeGraphRunner, GraphConfig, default_decode_graphs
 from engine.kv_cache.state import KDAState
 from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
 from engine.layers.sampler import SamplingBatch, logprob_dicts, prompt_logprob_dicts, sample
@@ -67,8 +67,9 @@ class ModelRunner:
     """``max_num_seqs`` / ``max_model_len``: the decode block tables' fixed capacity
     [max_num_seqs, ceil(max_model_len / block_size)] (None: sized by each step, growing).
     ``decode_graphs``: run decode-only steps through ``DecodeGraphRunner`` (needs the capacity);
-    None = on a cuda/rocm device with a single rank, where the graphs are captured; True on a CPU
-    runs the same static-buffer path with direct calls."""
+    None = on a cuda/rocm device, where the graphs are captured (every rank of a tensor-parallel
+    group alike), or on an emulated one; True on a CPU runs the same static-buffer path with direct
+    calls."""
 
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
                  workers=None, max_num_seqs: int | None = None, max_model_len: int | None = None,
@@ -85,7 +86,7 @@ class ModelRunner:
         if max_num_seqs is not None and max_model_len is not None:
             self.table_shape = (max_num_seqs, -(-max_model_len // block_size))
         if decode_graphs is None:
-            decode_graphs = device.type == "cuda" and workers is None
+            decode_graphs = default_decode_graphs(device)
         self.graphs = None
         if decode_graphs:
             if self.table_shape is None:
@@ -157,8 +158,11 @@ class ModelRunner:
         if graphed:
             ids = buf.put("ids", inp.ids, torch.int64)
             sample_rows = buf.put("sample_rows", inp.sample_rows, torch.int64) if inp.sample_rows else None
+            saves = self._state_indices(inp, meta)
             buf.end_step()
-            hidden = self.graphs.run(ids, meta.decode_block_tables, meta.decode_context_lens)
+            hidden = self.graphs.run(ids, meta.decode_block_tables, meta.decode_context_lens, meta.state_slots)
+            if saves is not None:
+                _copy_state_slots(self.states, *saves)
             return (self.model.compute_logits(hidden[sample_rows]) if sample_rows is not None else None), []
         if inp.num_decodes:
             pos = meta.decode_context_lens.long() - 1  # [D] each decode writes its newest token

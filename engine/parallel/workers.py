@@ -51,6 +51,7 @@ class WorkerSpec:
     block_size: int
     expert_placement: list[list[int]] | None
     threads_per_rank: int
+    decode_graphs: bool | None = False  # rank 0's ModelRunner argument: every rank must take the same path
 
 
 def free_port() -> int:
@@ -106,9 +107,10 @@ def _worker_main(rank: int, spec: WorkerSpec, heartbeat=None) -> None:
         num_blocks, max_num_seqs, num_snapshots = broadcast_object(control)
         pool = KVCachePool(model.cache_specs(dtype), num_blocks, spec.block_size, max_num_seqs, device,
                            num_snapshots)
-        # Same fixed-capacity decode tables as rank 0; tensor-parallel steps stay eager (no graphs).
+        # Same fixed-capacity decode tables and decode graph choice as rank 0: graphed steps pad to
+        # the same bucket on every rank, so the collectives inside match.
         runner = ModelRunner(model, pool.caches, spec.block_size, device, max_num_seqs=max_num_seqs,
-                             max_model_len=spec.max_model_len, decode_graphs=False)
+                             max_model_len=spec.max_model_len, decode_graphs=spec.decode_graphs)
         while True:
             inputs = broadcast_object(control)
             if inputs is None:
