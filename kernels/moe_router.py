@@ -85,11 +85,10 @@ def _moe_router_kernel(
     # weights round once, from fp32, to the dtype asked for (the experts' activation dtype)
     tl.store(weights_ptr + t * stride_w + k, (top_w * scaling).to(weights_ptr.dtype.element_ty), mask=mask_k)
     if COUNT:  # routing statistics: a token's k experts are distinct; tokens add up atomically
-        count_k = mask_k
-        if ROW_MASK:  # a graph's padding rows and capture warm-ups read 0 here: they count nothing
-            count_k = count_k & (tl.load(count_rows_ptr + t) != 0)
-        tl.atomic_add(counts_ptr + top_ids, tl.full((BLOCK_K,), 1, tl.int32).to(counts_ptr.dtype.element_ty),
-                      mask=count_k)
+        one = tl.full((BLOCK_K,), 1, tl.int32)
+        if ROW_MASK:  # a graph's padding rows and capture warm-ups read 0 here: they add 0
+            one = one * (tl.load(count_rows_ptr + t) != 0).to(tl.int32)
+        tl.atomic_add(counts_ptr + top_ids, one.to(counts_ptr.dtype.element_ty), mask=mask_k)
 
 
 def moe_route_logits(
