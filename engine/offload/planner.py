@@ -330,7 +330,7 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
     ``reserve_bytes_per_device``: kept back on every GPU for activations and workspace; None (the
     default) estimates it for steps of ``max_num_batched_tokens`` tokens and ``max_num_seqs``
     sequences (engine.offload.activation_reserve), with the decode graphs' pool when
-    ``decode_graphs`` (None: as the engine decides, on every GPU unless eager).
+    ``decode_graphs`` (None: as the engine decides, on one GPU only).
     Other plans that do not fit come back with ``fits=False`` and the reasons in ``problems``.
     """
     for name, v in (("num_devices", num_devices), ("max_model_len", max_model_len),
@@ -342,7 +342,7 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
         raise ValueError("memory_per_device_bytes must be positive and reserve_bytes_per_device non-negative")
     activation = None
     if reserve_bytes_per_device is None:
-        graphs = True if decode_graphs is None else decode_graphs
+        graphs = num_devices == 1 if decode_graphs is None else decode_graphs
         activation = activation_reserve(config, num_devices, max_num_batched_tokens, max_num_seqs, max_model_len, graphs)
         reserve_bytes_per_device = activation.total
     n_exp = config.n_routed_experts
