@@ -230,7 +230,8 @@ def count_routing(counts: torch.Tensor | None, ids: torch.Tensor, count_rows: to
         counts.index_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype))
         return
     t, k = ids.shape
-    counts.index_add_(0, flat, (count_rows[:t] != 0).to(counts.dtype).repeat_interleave(k))
+    # expand + reshape (a copy), not repeat_interleave, which asks the host for its output size
+    counts.index_add_(0, flat, (count_rows[:t] != 0).to(counts.dtype)[:, None].expand(t, k).reshape(-1))
 
 
 def _kernel(module: str, name: str):
