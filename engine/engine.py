@@ -67,7 +67,7 @@ class LLMEngine:
         decode_rows = args.max_num_seqs * (1 + self.num_spec_tokens)  # a verifying decode runs 1 + k rows
         self.reserve_bytes = device_reserve_bytes(
             self.config, self.device, args.tensor_parallel_size, max(args.max_num_batched_tokens, decode_rows),
-            decode_rows, self.max_model_len, args.tensor_parallel_size == 1 and not args.enforce_eager)
+            decode_rows, self.max_model_len, not args.enforce_eager)
         self.expert_placement = expert_placement_for(
             self.config, args.cpu_offload, self.device, args.tensor_parallel_size, self.max_model_len,
             args.max_num_seqs, args.gpu_memory_gb, args.routing_stats, self.reserve_bytes)
@@ -77,7 +77,8 @@ class LLMEngine:
             if args.tensor_parallel_size > 1:
                 spec = WorkerSpec(str(self.model_dir), args.tensor_parallel_size, free_port(), self.device.type,
                                   str(self.dtype).removeprefix("torch."), self.max_model_len, args.block_size,
-                                  self.expert_placement, max(1, torch.get_num_threads() // args.tensor_parallel_size))
+                                  self.expert_placement, max(1, torch.get_num_threads() // args.tensor_parallel_size),
+                                  decode_graphs=self._decode_graphs())
                 self.workers = WorkerGroup(spec)
                 par = self.workers.join_as_rank0()
             t0 = time.monotonic()

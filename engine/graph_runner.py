@@ -19,17 +19,30 @@ touched and no "skip this slot" convention is needed from every cache-write path
 
 On a device other than cuda (ROCm reports cuda too) the same static-buffer / bucket / padding path
 runs, with the graph replaced by a direct call of the model: that is the path tests exercise on a
-CPU. Hybrid (KDA) steps and tensor-parallel steps stay eager (see ``DecodeGraphRunner.accepts``).
+CPU, and the one device emulation (``KIMITUI_EMULATE_DEVICE=1``) takes by default, as a GPU run would.
+
+Hybrid models (Kimi Linear / K3): each row's KDA state slot is one more static buffer the graph reads
+(``slots``), so a replay updates whichever slots the step's sequences hold. Padding rows and capture
+warm-ups address a spare slot and count no routing statistics (engine/graph_padding.py).
+
+Tensor parallel: every rank runs this runner on the same inputs (the workers mirror each step), so
+every rank pads to the same bucket, captures the same bucket at the same step and replays the same
+graph; the collectives are captured inside it, as vLLM does with NCCL. On gloo (CPU ranks, and the
+emulated device) the direct calls make the same collectives in the same order.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from engine.graph_padding import RoutingRows, add_padding_slot
+from engine.kv_cache.state import KDAState
 from engine.layers.attn_metadata import AttentionMetadata
+from kernels.settings import KernelSettings
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +63,13 @@ class GraphConfig:
     def max_context_len(self) -> int:
         """The attention bound every captured step uses: what a full block table holds."""
         return self.max_blocks_per_seq * self.block_size
+
+
+def default_decode_graphs(device: torch.device) -> bool:
+    """Whether decode-only steps go through ``DecodeGraphRunner`` unless told: on a cuda/rocm device
+    (captured), and on a CPU that emulates one (``KIMITUI_EMULATE_DEVICE=1``: the same static-buffer
+    path with direct calls, so the emulation takes the branch a GPU run takes)."""
+    return device.type == "cuda" or (device.type == "cpu" and KernelSettings.from_env().emulate_device)
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -85,12 +105,21 @@ class DecodeGraphRunner:
         self.ids = torch.zeros(s, dtype=torch.int64, device=device)  # [S]
         self.tables = torch.zeros(s, w, dtype=torch.int32, device=device)  # [S, W]
         self.lens = torch.ones(s, dtype=torch.int32, device=device)  # [S], >= 1 for every row
+        # Hybrid models: each row's KDA state slot; rows past the step's address the spare slot.
+        self.states = [c for c in kv_caches if isinstance(c, KDAState)]
+        self.pad_slot = add_padding_slot(self.states)  # None without KDA layers
+        self.slots = (torch.full((s,), self.pad_slot, dtype=torch.int64, device=device)
+                      if self.pad_slot is not None else None)  # [S]
+        self._pad_index = (torch.full((1,), self.pad_slot, dtype=torch.int64, device=device)
+                           if self.pad_slot is not None else None)
+        self.routing = RoutingRows(model, s, device)  # which rows the routing statistics count
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None  # memory pool shared by all buckets' graphs (largest captured first)
 
     def accepts(self, num_decodes: int, num_rows: int, has_prefills: bool, stateful: bool) -> bool:
-        """Whether a step can run here: decodes only, within capacity, every row kept, no KDA slots."""
-        return (not has_prefills and not stateful and 0 < num_decodes == num_rows
+        """Whether a step can run here: decodes only, within capacity, every row kept, KDA slots only
+        where the cache has KDA states."""
+        return (not has_prefills and (not stateful or self.slots is not None) and 0 < num_decodes == num_rows
                 and num_decodes <= self.cfg.max_num_seqs)
 
     def _metadata(self, b: int) -> AttentionMetadata:
@@ -102,15 +131,35 @@ class DecodeGraphRunner:
         slots = tables[rows, pos // bs].long() * bs + pos % bs  # [b]
         return AttentionMetadata(positions=pos, slot_mapping=slots, block_size=bs, num_decode_tokens=b,
                                  decode_block_tables=tables, decode_context_lens=lens,
-                                 decode_max_context_len=self.cfg.max_context_len)
+                                 decode_max_context_len=self.cfg.max_context_len,
+                                 state_slots=None if self.slots is None else self.slots[:b])
 
     def _forward(self, b: int) -> torch.Tensor:
-        return self.model(self.ids[:b], self._metadata(b), self.kv_caches)
+        if self.states:
+            # The spare slot starts each step as a copy of row 0's state, so a padding row computes
+            # exactly what row 0 computes: its MLA layers then write row 0's cache slot with row 0's
+            # own latent (as in a model without KDA), while its KDA update lands in the spare slot.
+            row0 = self.slots[:1]
+            for st in self.states:
+                st.recurrent.index_copy_(0, self._pad_index, st.recurrent.index_select(0, row0))
+                st.conv.index_copy_(0, self._pad_index, st.conv.index_select(0, row0))
+        with self.routing.installed():
+            return self.model(self.ids[:b], self._metadata(b), self.kv_caches)
 
-    def _fill(self, ids: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, b: int) -> None:
-        """Copy the step's device tensors ids [n], tables [n, W'] (W' <= W), lens [n] into the static
-        buffers and pad rows n..b-1 with row 0."""
+    def _fill(self, ids: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, state_slots: torch.Tensor | None,
+              b: int) -> None:
+        """Copy the step's device tensors ids [n], tables [n, W'] (W' <= W), lens [n] and state_slots [n]
+        (hybrid models) into the static buffers; pad rows n..b-1 with row 0 (the spare state slot for
+        KDA) and count the routing of rows 0..n-1 only."""
         n = ids.shape[0]
+        if (state_slots is None) != (self.slots is None):
+            raise ValueError("a decode graph step of a hybrid model needs its state slots, and only such a step "
+                             f"has them (got {'none' if state_slots is None else 'slots'})")
+        if self.slots is not None:
+            self.slots[:n].copy_(state_slots)
+            if b > n:
+                self.slots[n:b].fill_(self.pad_slot)
+        self.routing.set(n)
         w = tables.shape[1]
         if w > self.cfg.max_blocks_per_seq:
             raise ValueError(f"decode block tables are {w} blocks wide, above the graph capacity "
@@ -124,19 +173,23 @@ class DecodeGraphRunner:
             self.lens[n:b].copy_(self.lens[:1].expand(b - n))
 
     @torch.inference_mode()
-    def run(self, ids: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """Hidden states [n, D] of a decode-only step of n rows (inputs already on the device)."""
+    def run(self, ids: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+            state_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [n, D] of a decode-only step of n rows (inputs already on the device;
+        ``state_slots`` [n]: each row's KDA slot, hybrid models only)."""
         n = ids.shape[0]
         b = bucket_for(n, self.buckets)
-        self._fill(ids, tables, lens, b)
+        self._fill(ids, tables, lens, state_slots, b)
         if not self.cfg.capture:
             return self._forward(b)[:n]
         entry = self._graphs.get(b)
         if entry is None:
             # Captured lazily, on this step's own (already filled) inputs: the warm-up runs write
-            # the same cache slots with the same values as the replay below, so nothing is lost.
+            # the same cache slots with the same values as the replay below, so nothing is lost;
+            # their KDA rows go to the spare slot and they count no routing (``_parked``).
             try:
-                entry = self._capture(b)
+                with self._parked(n, b):
+                    entry = self._capture(b)
             except Exception as e:  # an op the graph cannot hold (a host sync, CPU-offloaded experts)
                 log.warning("decode graph capture failed (%s); running decode steps eagerly", e)
                 self.cfg = GraphConfig(self.cfg.max_num_seqs, self.cfg.max_blocks_per_seq,
@@ -145,6 +198,21 @@ class DecodeGraphRunner:
         graph, out = entry
         graph.replay()
         return out[:n]
+
+    @contextmanager
+    def _parked(self, n: int, b: int):
+        """Inside: every row's KDA slot is the spare one and no row counts routing (warm-ups run the
+        model for real); after, even if the capture failed, the step's own values are back."""
+        real = self.slots[:b].clone() if self.slots is not None else None
+        if real is not None:
+            self.slots[:b].fill_(self.pad_slot)
+        self.routing.set(0)
+        try:
+            yield
+        finally:
+            if real is not None:
+                self.slots[:b].copy_(real)
+            self.routing.set(n)
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm-up on a side stream (lazy inits, Triton autotuning, cuBLAS workspaces) before capture.

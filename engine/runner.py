@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.graph_runner import DecodeGraphRunner, GraphConfig
+from engine.graph_runner import DecodeGraphRunner, GraphConfig, default_decode_graphs
 from engine.kv_cache.state import KDAState
 from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
 from engine.layers.sampler import SamplingBatch, logprob_dicts, prompt_logprob_dicts, sample
@@ -83,8 +83,9 @@ class ModelRunner:
     """``max_num_seqs`` / ``max_model_len``: the decode block tables' fixed capacity
     [max_num_seqs, ceil(max_model_len / block_size)] (None: sized by each step, growing).
     ``decode_graphs``: run decode-only steps through ``DecodeGraphRunner`` (needs the capacity);
-    None = on a cuda/rocm device with a single rank, where the graphs are captured; True on a CPU
-    runs the same static-buffer path with direct calls."""
+    None = on a cuda/rocm device, where the graphs are captured (every rank of a tensor-parallel
+    group alike), or on an emulated one; True on a CPU runs the same static-buffer path with direct
+    calls."""
 
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
                  workers=None, max_num_seqs: int | None = None, max_model_len: int | None = None,
@@ -111,7 +112,7 @@ class ModelRunner:
             # a decode that verifies k drafts takes 1 + k rows of the decode tables
             self.table_shape = (max_num_seqs * (1 + num_spec_tokens), -(-max_model_len // block_size))
         if decode_graphs is None:
-            decode_graphs = device.type == "cuda" and workers is None
+            decode_graphs = default_decode_graphs(device)
         self.graphs = None
         if decode_graphs:
             if self.table_shape is None:
@@ -198,15 +199,21 @@ class ModelRunner:
         positions, slots = [], []  # built on the device from block tables: no per-token Python
         meta = AttentionMetadata(positions=None, slot_mapping=None, block_size=bs,
                                  num_decode_tokens=inp.num_decodes, prefills=chunks)
-        graphed = self.graphs is not None and not inp.keep_all_rows and self.graphs.accepts(
+        # a hybrid model's verifying decodes share a slot over several rows: stepped position by
+        # position (KDA layers), which the graphs' one-row-per-slot replay does not do
+        kda_verify = bool(inp.state_slots) and any(n > 1 for n in inp.spec_lens)
+        graphed = self.graphs is not None and not inp.keep_all_rows and not kda_verify and self.graphs.accepts(
             inp.num_decodes, len(inp.ids), bool(inp.prefills), bool(inp.state_slots))
         if inp.num_decodes:
             self._decode_inputs(inp, meta)
         if graphed:
             ids = buf.put("ids", inp.ids, torch.int64)
             sample_rows = buf.put("sample_rows", inp.sample_rows, torch.int64) if inp.sample_rows else None
+            saves = self._state_indices(inp, meta)
             buf.end_step()
-            hidden = self.graphs.run(ids, meta.decode_block_tables, meta.decode_context_lens)
+            hidden = self.graphs.run(ids, meta.decode_block_tables, meta.decode_context_lens, meta.state_slots)
+            if saves is not None:
+                _copy_state_slots(self.states, *saves)
             return (self.model.compute_logits(hidden[sample_rows]) if sample_rows is not None else None), []
         if inp.num_decodes:
             pos = meta.decode_context_lens.long() - 1  # [D] each decode writes its newest token

@@ -78,13 +78,14 @@ class Backend:
         return out, s, out.float()
 
     def moe_route(self, x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid",
-                  norm_topk_prob=True, scaling=1.0, counts=None, weights_dtype=None):
+                  norm_topk_prob=True, scaling=1.0, counts=None, weights_dtype=None, count_rows=None):
         """DeepSeek-V3 router: x [T, D], weight [E, D], bias [E] -> (topk_ids [T, k] int64,
         topk_weights [T, k] computed in fp32, rounded to ``weights_dtype`` when given). ``counts``: None,
-        or the int64 [E] routing statistics, to which each chosen expert adds one."""
+        or the int64 [E] routing statistics, to which each chosen expert adds one; ``count_rows``: None,
+        or an integer [>= T] tensor, 0 for the rows that must not count (``count_routing``)."""
         ids, weights = reference.moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob,
                                            scaling)
-        count_routing(counts, ids)
+        count_routing(counts, ids, count_rows)
         return ids, weights if weights_dtype is None else weights.to(weights_dtype)
 
     # -- routed experts: x [T, D], topk [T, k] -> [T, D]; an id == E adds nothing. ``activation``: the
@@ -217,12 +218,20 @@ class Backend:
         return f"{type(self).__name__}()"
 
 
-def count_routing(counts: torch.Tensor | None, ids: torch.Tensor) -> None:
-    """Add one to ``counts [E]`` per routed (token, expert) pair of ``ids`` (None: nothing). index_add_
-    rather than bincount, which syncs with the host on a device to size its output."""
-    if counts is not None:
-        flat = ids.reshape(-1)
+def count_routing(counts: torch.Tensor | None, ids: torch.Tensor, count_rows: torch.Tensor | None = None) -> None:
+    """Add one to ``counts [E]`` per routed (token, expert) pair of ``ids [T, k]`` (None: nothing).
+    ``count_rows``: None, or an integer [>= T] tensor whose row t, when 0, keeps token t out (a decode
+    graph's padding rows and its capture warm-ups, engine/graph_runner.py). index_add_ rather than
+    bincount, which syncs with the host on a device to size its output."""
+    if counts is None:
+        return
+    flat = ids.reshape(-1)
+    if count_rows is None:
         counts.index_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype))
+        return
+    t, k = ids.shape
+    # expand + reshape (a copy), not repeat_interleave, which asks the host for its output size
+    counts.index_add_(0, flat, (count_rows[:t] != 0).to(counts.dtype)[:, None].expand(t, k).reshape(-1))
 
 
 def _kernel(module: str, name: str):

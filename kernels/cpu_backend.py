@@ -91,14 +91,14 @@ class CpuBackend(Backend):
         return reference.rms_norm(x, weight, eps)
 
     def moe_route(self, x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid",
-                  norm_topk_prob=True, scaling=1.0, counts=None, weights_dtype=None):
+                  norm_topk_prob=True, scaling=1.0, counts=None, weights_dtype=None, count_rows=None):
         if self.cxx and 0 < x.shape[0] <= cpu_few_rows.MAX_MOE_TOKENS and _f32(x, weight, bias):
             ids, weights = cpu_few_rows.moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func,
                                                   norm_topk_prob, scaling)
         else:
             ids, weights = reference.moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func,
                                                norm_topk_prob, scaling)
-        count_routing(counts, ids)
+        count_routing(counts, ids, count_rows)
         return ids, weights if weights_dtype is None else weights.to(weights_dtype)
 
     # -- routed experts

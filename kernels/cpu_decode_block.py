@@ -149,10 +149,11 @@ class FusedDecoderLayer:
     """The fused halves of one decoder layer; either may be None (that half runs op by op)."""
 
     def __init__(self, attention: AttentionBlockWeights | None, ffn: FfnBlockWeights | None,
-                 routing_counts: torch.Tensor, backend):
+                 routing_counts: torch.Tensor, backend, experts=None):
         self.attention_weights = attention
         self.ffn_weights = ffn
         self.routing_counts = routing_counts  # [E] int64, the MoE's counts (empty for a dense MLP)
+        self.experts = experts  # the MoE's RoutedExperts (None for a dense MLP), for its count_rows
         self.backend = backend  # the CpuBackend: its MoE scratch buffer and lock
 
     def attention_fusable(self, x: torch.Tensor, meta) -> bool:
@@ -168,8 +169,10 @@ class FusedDecoderLayer:
                                             self.attention_weights)
 
     def ffn_fusable(self, x: torch.Tensor) -> bool:
-        """Whether this step's ``x [T, D]`` goes through ``ffn``: up to ``MAX_ROWS`` float32 rows."""
-        return self.ffn_weights is not None and 0 < x.shape[0] <= cpu_few_rows.MAX_ROWS and x.dtype == torch.float32
+        """Whether this step's ``x [T, D]`` goes through ``ffn``: up to ``MAX_ROWS`` float32 rows, every
+        row's routing counted (the C++ block counts them all; a decode graph's padding rows must not)."""
+        return (self.ffn_weights is not None and 0 < x.shape[0] <= cpu_few_rows.MAX_ROWS and x.dtype == torch.float32
+                and getattr(self.experts, "count_rows", None) is None)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         """``x + ffn(norm(x))``, counting a MoE's routing into ``routing_counts``."""
@@ -186,4 +189,4 @@ def fuse_decoder_layer(layer, backend) -> FusedDecoderLayer | None:
         return None
     experts = getattr(layer.mlp, "experts", None)
     counts = experts.routing_counts if experts is not None else torch.empty(0, dtype=torch.int64)
-    return FusedDecoderLayer(attention, ffn, counts, backend)
+    return FusedDecoderLayer(attention, ffn, counts, backend, experts)

@@ -29,10 +29,11 @@ def _first_argmax(v, idx, BIG: tl.constexpr):
 
 @triton.jit
 def _moe_router_kernel(
-    logits_ptr, bias_ptr, ids_ptr, weights_ptr, counts_ptr,
+    logits_ptr, bias_ptr, ids_ptr, weights_ptr, counts_ptr, count_rows_ptr,
     E, stride_l, stride_i, stride_w, scaling,
     TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
     SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr, COUNT: tl.constexpr,
+    ROW_MASK: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -84,8 +85,10 @@ def _moe_router_kernel(
     # weights round once, from fp32, to the dtype asked for (the experts' activation dtype)
     tl.store(weights_ptr + t * stride_w + k, (top_w * scaling).to(weights_ptr.dtype.element_ty), mask=mask_k)
     if COUNT:  # routing statistics: a token's k experts are distinct; tokens add up atomically
-        tl.atomic_add(counts_ptr + top_ids, tl.full((BLOCK_K,), 1, tl.int32).to(counts_ptr.dtype.element_ty),
-                      mask=mask_k)
+        one = tl.full((BLOCK_K,), 1, tl.int32)
+        if ROW_MASK:  # a graph's padding rows and capture warm-ups read 0 here: they add 0
+            one = one * (tl.load(count_rows_ptr + t) != 0).to(tl.int32)
+        tl.atomic_add(counts_ptr + top_ids, one.to(counts_ptr.dtype.element_ty), mask=mask_k)
 
 
 def moe_route_logits(
@@ -100,13 +103,16 @@ def moe_route_logits(
     ids_dtype: torch.dtype = torch.int64,
     weights_dtype: torch.dtype = torch.float32,
     counts: torch.Tensor | None = None,
+    count_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits ``[T, E]`` (the gate GEMM's output) -> ``(topk_ids [T, k], topk_weights [T, k])``.
 
     ``bias``: the fp32 ``e_score_correction_bias [E]`` (None: no bias). Ids come in descending order
     of biased score, ties to the lower id. Weights are computed in fp32 and stored in
     ``weights_dtype``. ``counts``: None, or an int32/int64 ``[E]`` tensor to which each chosen expert
-    adds one (routing statistics, in the same launch). One launch, no host sync.
+    adds one (routing statistics, in the same launch). ``count_rows``: None (every row counts), or an
+    integer ``[>= T]`` tensor whose row t, when 0, keeps token t out of ``counts`` (the padding rows
+    of a decode graph and its capture warm-ups). One launch, no host sync.
     """
     if logits.dim() != 2 or logits.dtype not in FLOAT_DTYPES or logits.stride(-1) != 1:
         raise ValueError(f"moe_route_logits: logits must be fp16/bf16/fp32 [T, E] with a contiguous last dim, "
@@ -133,16 +139,22 @@ def moe_route_logits(
                                or not counts.is_contiguous()):
         raise ValueError(f"moe_route_logits: counts must be a contiguous int32/int64 [E={e}], got {counts.dtype} "
                          f"{tuple(counts.shape)}")
+    if count_rows is not None and (count_rows.dim() != 1 or count_rows.shape[0] < t or count_rows.dtype.is_floating_point
+                                   or not count_rows.is_contiguous()):
+        raise ValueError(f"moe_route_logits: count_rows must be a contiguous integer [>= T={t}], got "
+                         f"{count_rows.dtype} {tuple(count_rows.shape)}")
     ids = torch.empty((t, top_k), dtype=ids_dtype, device=logits.device)
     weights = torch.empty((t, top_k), dtype=weights_dtype, device=logits.device)
-    check_device(logits, ids, *([] if bias is None else [bias]), *([] if counts is None else [counts]))
+    check_device(logits, ids, *([] if bias is None else [bias]), *([] if counts is None else [counts]),
+                 *([] if count_rows is None else [count_rows]))
+    row_mask = counts is not None and count_rows is not None
     if t:
         _moe_router_kernel[(t,)](
             logits, logits if bias is None else bias, ids, weights, ids if counts is None else counts,
-            e, logits.stride(0), ids.stride(0), weights.stride(0), float(scaling),
+            count_rows if row_mask else ids, e, logits.stride(0), ids.stride(0), weights.stride(0), float(scaling),
             TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
             SOFTMAX=scoring_func == "softmax", RENORMALIZE=bool(norm_topk_prob), HAS_BIAS=bias is not None,
-            COUNT=counts is not None,
+            COUNT=counts is not None, ROW_MASK=row_mask,
             BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
             BLOCK_G=triton.next_power_of_2(n_group),
         )

@@ -74,7 +74,7 @@ class TritonBackend(Backend):
         return out, s, out32
 
     def moe_route(self, x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid",
-                  norm_topk_prob=True, scaling=1.0, counts=None, weights_dtype=None):
+                  norm_topk_prob=True, scaling=1.0, counts=None, weights_dtype=None, count_rows=None):
         # The gate GEMM in fp32 as the reference computes it (routing is sensitive to rounding), then
         # sigmoid, bias, group limit, top-k, renormalisation, the weights' rounding (to the dtype the
         # experts take them in) and the routing statistics in one launch: 2 launches when x comes in fp32
@@ -83,7 +83,8 @@ class TritonBackend(Backend):
         logits = F.linear(x.float(), weight.float())  # [T, E]
         return _kernel("moe_router", "moe_route_logits")(logits, bias, top_k, n_group, topk_group, scoring_func,
                                                         norm_topk_prob, scaling, counts=counts,
-                                                        weights_dtype=weights_dtype or torch.float32)
+                                                        weights_dtype=weights_dtype or torch.float32,
+                                                        count_rows=count_rows)
 
     def mla_rope_query(self, q_pe, rope, positions, out=None):
         # The kernel rotates q heads and one key row together; the key is written by mla_cache_write,

@@ -65,9 +65,11 @@ class KimiMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum [T, D]; the caller reduces over ranks."""
-        topk_ids, topk_weights = self.gate(x)
+        # the routing statistics in the router's launch (skipping a decode graph's padding rows)
+        experts = self.experts
+        topk_ids, topk_weights = self.gate(x, experts.routing_counts, count_rows=experts.count_rows)
         z = x if self.latent is None else self.routed_expert_down_proj(x)  # [T, L]
-        y = self.experts(z, topk_ids, topk_weights)  # the kernels compute SiTU in their epilogue
+        y = experts(z, topk_ids, topk_weights, counted=True)  # the kernels compute SiTU in their epilogue
         if self.latent is not None:
             y = self.par.all_reduce(y)
             if self.routed_expert_norm is not None:

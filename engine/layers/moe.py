@@ -19,7 +19,7 @@ from engine.layers.linear import linear_format, quantized_params, values_per_ele
 from engine.layers.mlp import MLP
 from engine.loader.source import TensorSource
 from engine.parallel.state import SINGLE, ParallelState, split_sizes
-from kernels.backend import REFERENCE, Backend
+from kernels.backend import REFERENCE, Backend, count_routing
 
 
 class Router(nn.Module):
@@ -41,12 +41,18 @@ class Router(nn.Module):
         self.e_score_correction_bias.optional = True  # old checkpoints leave the zero bias out
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor | None = None,
-                weights_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                weights_dtype: torch.dtype | None = None,
+                count_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``counts``: None, or the [E] routing statistics each chosen expert adds one to (in the
-        router's launch); the weights come in fp32, or rounded to ``weights_dtype``."""
+        router's launch), skipping the rows where ``count_rows`` (None: none) is 0; the weights come
+        in fp32, or rounded to ``weights_dtype``."""
+        if count_rows is None:  # the call every eager step makes (backends without the argument too)
+            return self.ops.moe_route(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group,
+                                      self.topk_group, self.scoring_func, self.norm_topk_prob, self.scaling,
+                                      counts=counts, weights_dtype=weights_dtype)
         return self.ops.moe_route(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group,
                                   self.topk_group, self.scoring_func, self.norm_topk_prob, self.scaling, counts=counts,
-                                  weights_dtype=weights_dtype)
+                                  weights_dtype=weights_dtype, count_rows=count_rows)
 
 
 class ExpertStack(nn.Module):
@@ -207,6 +213,10 @@ class RoutedExperts(nn.Module):
         self.register_buffer("host_map", _expert_map(n, on_host, torch.device("cpu")), persistent=False)
         # tokens routed to each expert, summed over steps (for hottest-first placement next start)
         self.register_buffer("routing_counts", torch.zeros(n, dtype=torch.int64), persistent=False)
+        # None: every row of a step counts. A decode graph sets an integer [max_num_seqs] buffer here
+        # while it runs the model, 0 on its padding rows and everywhere during capture warm-ups, so
+        # that only real tokens count (engine/graph_runner.py); a replay reads its current values.
+        self.count_rows: torch.Tensor | None = None
         self.register_buffer("one", torch.ones((), dtype=torch.int64), persistent=False)  # expanded, no fill per step
         self.whole_layer_local = len(on_device) == n
         self.executor = None
@@ -296,7 +306,9 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 counted: bool = False) -> torch.Tensor:
         """``counted``: the router already added this routing to ``routing_counts`` (in its launch)."""
-        if not counted:  # index_add_ rather than bincount, which syncs with the host on a device
+        if not counted and self.count_rows is not None:
+            count_routing(self.routing_counts, topk_ids, self.count_rows)
+        elif not counted:  # index_add_ rather than bincount, which syncs with the host on a device
             flat = topk_ids.reshape(-1)
             self.routing_counts.index_add_(0, flat, self.one.expand(flat.shape[0]))
         w = topk_weights.to(x.dtype)  # no copy where the router wrote them in x.dtype
@@ -341,7 +353,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, x32: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's partial sum (its experts + its shard of the shared experts); the caller reduces.
         ``x32``: None, or ``x.float()`` already made (the router computes in fp32)."""
-        topk_ids, topk_weights = self.gate(x if x32 is None else x32, self.experts.routing_counts, x.dtype)
+        topk_ids, topk_weights = self.gate(x if x32 is None else x32, self.experts.routing_counts, x.dtype,
+                                           self.experts.count_rows)
         y = self.experts(x, topk_ids, topk_weights, counted=True)
         if self.shared_experts is not None:
             y = y.add_(self.shared_experts(x))  # y is this call's own output: add in place

@@ -82,6 +82,7 @@ class WorkerSpec:
     expert_placement: list[list[int]] | None
     threads_per_rank: int
     dist_timeout_s: float | None = None  # None: KIMITUI_DIST_TIMEOUT_S as rank 0 reads it (WorkerGroup sets it)
+    decode_graphs: bool | None = False  # rank 0's ModelRunner argument: every rank must take the same path
 
 
 def free_port() -> int:
@@ -140,9 +141,10 @@ def _worker_main(rank: int, spec: WorkerSpec, heartbeat, work) -> None:
             return
         pool = KVCachePool(model.cache_specs(dtype), num_blocks, spec.block_size, max_num_seqs, device,
                            num_snapshots, num_spec_slots)
-        # Same fixed-capacity decode tables as rank 0; tensor-parallel steps stay eager (no graphs).
+        # Same fixed-capacity decode tables and decode graph choice as rank 0: graphed steps pad to
+        # the same bucket on every rank, so the collectives inside match.
         runner = ModelRunner(model, pool.caches, spec.block_size, device, max_num_seqs=max_num_seqs,
-                             max_model_len=spec.max_model_len, decode_graphs=False,
+                             max_model_len=spec.max_model_len, decode_graphs=spec.decode_graphs,
                              num_spec_tokens=num_spec_tokens, spec_scratch_base=pool.spec_scratch_base)
         while True:
             try:
