@@ -173,6 +173,7 @@ print("TOKENS", [len(o.token_ids) for o in outs])
     assert "TOKENS [8, 8, 8]" in proc.stdout
 
 
+@pytest.mark.slow  # three child imports of fla (each loads torch's compiler stack): over a minute on 2 cores
 def test_fla_row_passes_only_when_fla_imports(tmp_path):
     pytest.importorskip("fla", reason="fla-core is not installed here")
     pytest.importorskip("einops", reason="einops is not installed here")
