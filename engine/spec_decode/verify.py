@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.layers.sampler import logprob_dicts
 from engine.spec_decode.rejection import rejection_sample
 
 
@@ -73,6 +74,8 @@ def verify_and_logprobs(logits: torch.Tensor, drafts: list[list[int]], batch, pa
     chosen = flat[at: at + R]
     ids = flat[at + R: at + R + R * k]
     vals = flat[at + R + R * k:]
+    # each sequence's output rows (its verified token and accepted drafts) as rows of the sampler's
+    # log-prob dicts, built by the sampler's own helper
     lps, row = [], 0
     for i, p in enumerate(params):
         rows = range(row, row + len(tokens[i]))
@@ -80,10 +83,7 @@ def verify_and_logprobs(logits: torch.Tensor, drafts: list[list[int]], batch, pa
         if p.logprobs is None:
             lps.append(None)
             continue
-        seq_lps = []
-        for j, r in enumerate(rows):
-            d = {int(t): v for t, v in zip(ids[r * k: r * k + p.logprobs], vals[r * k: r * k + p.logprobs])}
-            d[tokens[i][j]] = chosen[r]
-            seq_lps.append(d)
-        lps.append(seq_lps)
+        top_ids = [[int(t) for t in ids[r * k: (r + 1) * k]] for r in rows] if k else None
+        top_vals = [vals[r * k: (r + 1) * k] for r in rows] if k else None
+        lps.append(logprob_dicts([p] * len(rows), tokens[i], [chosen[r] for r in rows], top_ids, top_vals))
     return tokens, lps
