@@ -201,9 +201,22 @@ class LLMEngine:
         if bad is not None:
             raise PromptError(f"token id {bad} is outside the vocabulary (vocab_size={self.config.vocab_size})")
         seq = Sequence(request_id, ids, params, () if params.ignore_eos else self.eos_token_ids, arrival_time)
+        if params.structured_outputs is not None:  # compiled here, so a bad schema fails this request only
+            stop_ids = [*seq.eos_token_ids, *params.stop_token_ids]
+            self._structured().add(request_id, params.structured_outputs, stop_ids)
         self.scheduler.add(seq)
         self.output_processor.add_request(seq, params, text)
         return request_id
+
+    def _structured(self):
+        """The runner's grammar masks (engine/structured), made on the first constrained request."""
+        if self.runner.structured is None:
+            if self.tokenizer is None:
+                raise PromptError(f"structured outputs need tokenizer files, and {self.model_dir} has none")
+            from engine.structured.manager import StructuredOutputManager
+
+            self.runner.structured = StructuredOutputManager(self.tokenizer, self.config.vocab_size, self.device)
+        return self.runner.structured
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -105,6 +105,8 @@ class ModelRunner:
         self.device = device
         self.workers = workers  # WorkerGroup mirroring each step on ranks 1..N-1, or None
         self._generators: dict[str, torch.Generator] = {}
+        # grammar masks of constrained requests (engine/structured); the engine sets it on the first one
+        self.structured = None
         self.buffers = StepBuffers(device)  # step inputs, reused across steps
         self.states = [c for c in kv_caches if isinstance(c, KDAState)]  # the KDA layers' slots
         self.table_shape = None  # (max_num_seqs, max_blocks_per_seq) of the fixed decode tables
@@ -123,6 +125,8 @@ class ModelRunner:
     def release(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
         self._rollbacks.pop(seq_id, None)
+        if self.structured is not None:
+            self.structured.release(seq_id)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         # Decodes first (one row each, batched absorbed attention), then prefill chunks.
@@ -300,6 +304,10 @@ class ModelRunner:
             sample_seqs = [s for s in order if s.do_sample]
             params = [s.seq.sampling_params for s in sample_seqs]
             gens = [self._generator(s.seq.seq_id, p.seed) for s, p in zip(sample_seqs, params)]
+            if self.structured is not None and self.structured.requests:
+                # before temperature / top-k / top-p; a verified decode's rows are masked position by position
+                drafts = [list(s.spec_token_ids) for s in sample_seqs] if inp.spec_lens else None
+                logits = self.structured.mask_logits(logits, [s.seq for s in sample_seqs], drafts)
             batch = SamplingBatch.build(params, gens, self.device, self.buffers)
             self.buffers.end_step()  # the next step's inputs wait for these pinned copies
             if inp.spec_lens:  # some decode verifies drafts: one row per position, the rule decides

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured.params import StructuredOutputs
+
 MAX_LOGPROBS = 20
 
 
@@ -27,6 +29,8 @@ class SamplingParams:
     # special tokens kept in the text even with skip_special_tokens (chat: <think> and tool-call tags)
     keep_special_token_ids: list[int] | None = None
     n: int = 1
+    # grammar-constrained decoding (JSON schema, JSON object, tool calls): engine/structured/
+    structured_outputs: StructuredOutputs | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -46,6 +50,8 @@ class SamplingParams:
              f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
             (self.n == 1, f"n must be 1 (parallel sampling is not supported), got {self.n}"),
         ]
+        checks.append((self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+                       "structured_outputs must be an engine.structured.StructuredOutputs"))
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             checks.append((v is None or 0 <= v <= MAX_LOGPROBS, f"{name} must be in 0..{MAX_LOGPROBS}, got {v}"))

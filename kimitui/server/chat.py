@@ -22,6 +22,7 @@ from kimitui.server.logprobs import TokenText, chat_logprobs
 from kimitui.server.protocol import ChatCompletionRequest
 from kimitui.server.sampling import build_sampling_params, check_supported, resolve_max_tokens
 from kimitui.server.state import ServerState, server_state
+from kimitui.server.structured import chat_constraint, check_tool_choice, compile_constraint
 from kimitui.server.streaming import SSE_DONE, merged, sse, sse_response, unless_disconnected
 
 router = APIRouter()
@@ -85,9 +86,7 @@ async def _prepare(state: ServerState, req: ChatCompletionRequest) -> _Chat:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     choice = req.tool_choice
-    if isinstance(choice, dict) or choice not in (None, "auto", "none"):
-        raise bad_request(f"tool_choice {choice!r} is not supported (no constrained decoding); use "
-                          "'auto' or 'none'", param="tool_choice")
+    check_tool_choice(choice, req.tools)
     report_tools = bool(req.tools) and choice != "none"
     messages = []
     for i, m in enumerate(req.messages):
@@ -117,11 +116,15 @@ async def _prepare(state: ServerState, req: ChatCompletionRequest) -> _Chat:
                         else (req.max_tokens, "max_tokens"))
     max_tokens = resolve_max_tokens(requested, len(ids), state.max_model_len, param)
     k = (req.top_logprobs or 0) if req.logprobs else None
+    # response_format / tool_choice "required" or named: grammar-constrained decoding (engine/structured)
+    constraint, field = chat_constraint(req, fmt, tok, prompt.started_in_thinking)
+    await compile_constraint(state, constraint, field)
     # The reply parser needs the format's tags (K2: <think> and tool-call tokens; K3's XTML
     # brackets are text anyway); other special tokens are dropped.
     params = build_sampling_params(req, max_tokens=max_tokens, logprobs=k,
                                    extra_stop_token_ids=fmt.stop_token_ids(), skip_special_tokens=True,
-                                   logprobs_param="top_logprobs", keep_special_token_ids=fmt.keep_special_ids())
+                                   logprobs_param="top_logprobs", keep_special_token_ids=fmt.keep_special_ids(),
+                                   structured_outputs=constraint)
     return _Chat(ids, params, fmt, prompt.started_in_thinking, report_tools, k)
 
 

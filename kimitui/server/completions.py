@@ -17,6 +17,7 @@ from kimitui.server.logprobs import TextOffsets, TokenText, completion_logprobs
 from kimitui.server.protocol import CompletionRequest
 from kimitui.server.sampling import build_sampling_params, check_supported, resolve_max_tokens
 from kimitui.server.state import ServerState, server_state
+from kimitui.server.structured import compile_constraint, completion_constraint
 from kimitui.server.streaming import SSE_DONE, merged, sse, sse_response, unless_disconnected
 
 router = APIRouter()
@@ -57,7 +58,9 @@ async def create_completion(request: Request) -> Response:
     check_supported(req)
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
-    prompts = [await _prepare(state, req, p) for p in normalize_prompts(req.prompt)]
+    constraint = completion_constraint(req)  # response_format: the completion text is the JSON
+    await compile_constraint(state, constraint, "response_format")
+    prompts = [await _prepare(state, req, p, constraint) for p in normalize_prompts(req.prompt)]
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = [state.llm.generate({"prompt_token_ids": p.ids, "prompt": p.text}, p.params, f"{rid}-{i}")
                for i, p in enumerate(prompts)]
@@ -70,7 +73,8 @@ async def create_completion(request: Request) -> Response:
     return JSONResponse(_response(state, req, rid, prompts, finals))
 
 
-async def _prepare(state: ServerState, req: CompletionRequest, prompt: str | list[int]) -> _Prompt:
+async def _prepare(state: ServerState, req: CompletionRequest, prompt: str | list[int],
+                   constraint=None) -> _Prompt:
     if isinstance(prompt, str):
         text, ids = prompt, await state.encode(prompt)
     else:
@@ -80,7 +84,7 @@ async def _prepare(state: ServerState, req: CompletionRequest, prompt: str | lis
     k = req.logprobs
     params = build_sampling_params(req, max_tokens=max_tokens, logprobs=k,
                                    prompt_logprobs=k if req.echo and k is not None else None,
-                                   skip_special_tokens=req.skip_special_tokens)
+                                   skip_special_tokens=req.skip_special_tokens, structured_outputs=constraint)
     return _Prompt(text, ids, params)
 
 

@@ -57,6 +57,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     skip_special_tokens: bool = True
+    response_format: dict[str, Any] | None = None
 
 
 class ChatMessage(_Body):
@@ -77,4 +78,5 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None

@@ -52,7 +52,8 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
 def build_sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
                           prompt_logprobs: int | None = None, extra_stop_token_ids: list[int] = (),
                           skip_special_tokens: bool = True, logprobs_param: str = "logprobs",
-                          keep_special_token_ids: list[int] | None = None) -> SamplingParams:
+                          keep_special_token_ids: list[int] | None = None,
+                          structured_outputs=None) -> SamplingParams:
     stop_ids = list(req.stop_token_ids or [])
     stop_ids += [t for t in extra_stop_token_ids if t not in stop_ids]
     try:
@@ -71,6 +72,7 @@ def build_sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int
             skip_special_tokens=skip_special_tokens,
             keep_special_token_ids=keep_special_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            structured_outputs=structured_outputs,
         )
     except ValueError as e:
         # The engine's messages start with the field name ("top_p must be in (0, 1], got 2.0").
