@@ -96,8 +96,6 @@ class RequestGrammar:
             for j in range(len(drafts) + 1):
                 open_ = gate is None or gate.open
                 if open_:
-                    if self.matcher.is_stopped():
-                        break
                     self.fill(rows[j])
                     filled[j] = True
                 if j == len(drafts):
@@ -108,6 +106,8 @@ class RequestGrammar:
                     continue
                 if not _has(rows[j], d):
                     break  # refused: verification rejects this draft
+                if d in self.stop_ids:
+                    break  # the request ends there; (llguidance cannot roll back its end token)
                 if not self.matcher.consume_token(self._as_grammar_token(d)):
                     self.failed = True  # allowed by its own mask yet refused: the matcher is broken
                     log.warning("request %s: draft %d allowed by the mask but refused (%s)", self.request_id, d,

@@ -208,6 +208,12 @@ def test_draft_masks_equal_one_token_at_a_time(k2):
                 break
             assert ref.matcher.consume_token(drafts[j])
         assert _mask(g, width, k2.vocab_size) == before  # rolled back
+    # a draft that ends the request: masks up to it, and the matcher is not left stopped
+    drafts = good + [k2.eos_token_ids[0]]
+    rows = np.full((len(drafts) + 1, width), 0xFFFFFFFF, dtype=np.uint32)
+    assert g.fill_drafts(rows, drafts) == [True] * len(drafts) + [False]
+    assert _allowed(rows[-2], k2.vocab_size) == set(k2.eos_token_ids)
+    assert not g.matcher.is_stopped() and _mask(g, width, k2.vocab_size) == before
 
 
 def test_draft_masks_open_the_gate_inside_the_drafts(k2):
