@@ -11,6 +11,8 @@ forward pass, then sent over in one copy.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -19,6 +21,9 @@ from engine.structured.grammar import compiler_for, require_llguidance, token_by
 from engine.structured.matcher import RequestGrammar
 from engine.structured.params import StructuredOutputs
 from engine.structured.reasoning import ReasoningGate
+
+
+_PARALLEL_ROWS = 8  # plain rows from which the masks are filled by llguidance's thread pool
 
 
 class StructuredOutputManager:
@@ -31,6 +36,7 @@ class StructuredOutputManager:
         self.width = (self.compiler.vocab_size + 31) // 32  # int32 words per mask row
         self._token_bytes = token_bytes_of(tokenizer)
         self._executor = llg.LLExecutor(num_threads) if num_threads else llg.LLExecutor()
+        self._cores = num_threads or os.cpu_count() or 1
         self.requests: dict[str, RequestGrammar] = {}
 
     def add(self, request_id: str, spec: StructuredOutputs, stop_ids) -> None:
@@ -71,11 +77,14 @@ class StructuredOutputManager:
                 parallel.append((g, at))
                 masked.append((at, row))
             at += len(d) + 1
-        if parallel:
+        if len(parallel) >= _PARALLEL_ROWS and self._cores > 4:
             self._executor.unsafe_compute_mask_ptr([(g.matcher, b) for g, b in parallel], bits.ctypes.data,
                                                    self.width * 4, n)
             for g, b in parallel:
                 g.fixup(words[b])
+        else:  # a thread pool costs more than it saves on a few rows or cores (a JSON mask is ~10 us)
+            for g, b in parallel:
+                g.fill(words[b])
         # a row with nothing allowed (a matcher in error) is left unmasked rather than sampled from -inf
         masked = [(b, r) for b, r in masked if words[b].any()]
         if not masked:

@@ -19,7 +19,7 @@ from engine.chat_format import chat_format_for  # noqa: E402
 from engine.engine import _resolve_model  # noqa: E402
 from engine.structured import StructuredOutputs  # noqa: E402
 from engine.structured import grammar as grammar_mod  # noqa: E402
-from engine.structured.bitmask import apply_bitmask  # noqa: E402
+from engine.structured.bitmask import apply_bitmask, apply_bitmask_torch  # noqa: E402
 from engine.structured.chat_constraints import response_format_constraint, tool_call_constraint  # noqa: E402
 from engine.structured.grammar import GrammarError, check, compiler_for  # noqa: E402
 from engine.structured.matcher import RequestGrammar  # noqa: E402
@@ -126,11 +126,18 @@ def test_apply_bitmask_matches_reference():
             word = int(bits[i, v // 32]) & 0xFFFFFFFF
             if not (word >> (v % 32)) & 1:
                 want[r, v] = float("-inf")
-    got = apply_bitmask(logits.clone(), rows, bits)
-    assert torch.equal(got, want)
-    # a bitmask narrower than the logits masks the ids past it
-    got = apply_bitmask(logits.clone(), rows, bits[:, :2])
-    assert torch.isinf(got[rows][:, 64:]).all() and torch.equal(got[1], logits[1])
+    sparse = bits.clone()
+    sparse[1] = 0
+    sparse[1, 0] = 5  # ids 0 and 2 only: the CPU path's rebuilt row
+    want_sparse = want.clone()
+    want_sparse[0] = float("-inf")
+    want_sparse[0, [0, 2]] = logits[0, [0, 2]]
+    for apply in (apply_bitmask, apply_bitmask_torch):  # the CPU path and the device path
+        assert torch.equal(apply(logits.clone(), rows, bits), want)
+        assert torch.equal(apply(logits.clone(), rows, sparse), want_sparse)
+        # a bitmask narrower than the logits masks the ids past it
+        got = apply(logits.clone(), rows, bits[:, :2])
+        assert torch.isinf(got[rows][:, 64:]).all() and torch.equal(got[1], logits[1])
 
 
 def test_mask_is_exactly_the_tokens_the_grammar_takes(k2):
