@@ -126,7 +126,7 @@ def test_chat_specific_errors(url):
     msgs = [{"role": "user", "content": "x"}]
     r = post(url, "/v1/chat/completions", {"messages": msgs, "top_logprobs": 2})
     assert r.status_code == 400 and error_of(r)["param"] == "top_logprobs"
-    r = post(url, "/v1/chat/completions", {"messages": msgs, "tool_choice": "required",
+    r = post(url, "/v1/chat/completions", {"messages": msgs, "tool_choice": {"type": "function", "function": {"name": "g"}},
                                            "tools": [{"type": "function", "function": {"name": "f"}}]})
     assert r.status_code == 400 and error_of(r)["param"] == "tool_choice"
     r = post(url, "/v1/chat/completions", {"messages": msgs, "chat_template_kwargs": {"thinking": "yes"}})
