@@ -204,8 +204,12 @@ class LLMEngine:
         if params.structured_outputs is not None:  # compiled here, so a bad schema fails this request only
             stop_ids = [*seq.eos_token_ids, *params.stop_token_ids]
             self._structured().add(request_id, params.structured_outputs, stop_ids)
-        self.scheduler.add(seq)
-        self.output_processor.add_request(seq, params, text)
+        try:
+            self.scheduler.add(seq)
+            self.output_processor.add_request(seq, params, text)
+        except BaseException:
+            self.runner.release(request_id)
+            raise
         return request_id
 
     def _structured(self):
