@@ -38,7 +38,7 @@ class SamplingFields(_Body):
     best_of: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Accepted only at their neutral values (see sampling.py): the engine has no penalties.
+    # OpenAI's penalties and vLLM's repetition_penalty (engine/layers/penalties.py)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None

@@ -89,7 +89,8 @@ def test_validation_errors_name_the_field(url, path, body, field):
     ({"logprobs": 21}, "logprobs", "logprobs must be in 0..20"),
     ({"n": 2}, "n", "n must be 1"),
     ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be in (0, 100]"),
     ({"prompt": ""}, "prompt", "empty"),
     ({"prompt": [1, 999999]}, "prompt", "outside the vocabulary"),
     ({"prompt": "\ud800"}, "prompt", "lone surrogate"),
@@ -107,6 +108,15 @@ def test_neutral_unsupported_fields_are_accepted(url):
     r = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 1, "repetition_penalty": 1.0,
                                       "logprobs": None, "user": "me", "frequency_penalty": 0})
     assert r.status_code == 200
+
+
+def test_penalties_reach_the_sampler(url):
+    body = {"prompt": [5, 6, 5, 6, 5, 6], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    plain = post(url, "/v1/completions", body).json()["choices"][0]["text"]
+    # negative penalties reward repeats: a random-weight model, which rarely repeats, starts to
+    r = post(url, "/v1/completions", {**body, "repetition_penalty": 0.2, "frequency_penalty": -2.0,
+                                      "presence_penalty": -2.0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] != plain
 
 
 def test_context_overflow_names_both_numbers(url):
