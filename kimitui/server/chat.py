@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from engine import RequestOutput, SamplingParams
 from engine.chat import StreamDelta, ToolCall
 from engine.chat_format import ChatFormat, chat_format_for
-from engine.xtml import THINKING_EFFORTS
+from engine.xtml_options import THINKING_EFFORTS, OptionError, response_format_type, tool_choice_name
 from kimitui.server.body import read_body
 from kimitui.server.errors import bad_request, engine_error, error_body
 from kimitui.server.logprobs import TokenText, chat_logprobs
@@ -80,15 +80,32 @@ def _template_options(kwargs: dict | None) -> dict:
     return options
 
 
+def _check_option(check, value):
+    try:
+        return check(value)
+    except OptionError as e:
+        raise bad_request(str(e), param=e.param) from None
+
+
+def _check_tool_choice(req: ChatCompletionRequest) -> bool:
+    """Validate ``tool_choice`` against ``tools`` (OpenAI's rules); True when replies may call tools.
+    Every choice is rendered by the chat format (K3 writes "none" and "required" as system messages);
+    "required" and a named function are enforced by constrained decoding, not by the prompt."""
+    choice = req.tool_choice
+    name = _check_option(tool_choice_name, choice)
+    if (name is not None or choice == "required") and not req.tools:
+        raise bad_request(f"tool_choice {choice!r} needs tools", param="tool_choice")
+    if name is not None and name not in {(t.get("function") or t).get("name") for t in req.tools}:
+        raise bad_request(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
+    return bool(req.tools) and choice != "none"
+
+
 async def _prepare(state: ServerState, req: ChatCompletionRequest) -> _Chat:
     tok = state.require_tokenizer("chat messages")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-    choice = req.tool_choice
-    if isinstance(choice, dict) or choice not in (None, "auto", "none"):
-        raise bad_request(f"tool_choice {choice!r} is not supported (no constrained decoding); use "
-                          "'auto' or 'none'", param="tool_choice")
-    report_tools = bool(req.tools) and choice != "none"
+    report_tools = _check_tool_choice(req)
+    _check_option(response_format_type, req.response_format)
     messages = []
     for i, m in enumerate(req.messages):
         # The checkpoint template would render an image part as a media placeholder with no
@@ -101,12 +118,16 @@ async def _prepare(state: ServerState, req: ChatCompletionRequest) -> _Chat:
         if d["role"] == "developer":  # OpenAI's newer name for the system role
             d["role"] = "system"
         messages.append(d)
-    tools = req.tools if report_tools else None
+    tools = req.tools or None
     size = sum(len(str(m.get("content", ""))) for m in messages) + len(str(tools or ""))
     fmt = chat_format_for(tok)
     options = _template_options(req.chat_template_kwargs)
     try:
-        prompt = await state.run_blocking(size, partial(fmt.encode, messages, tools=tools, **options))
+        prompt = await state.run_blocking(size, partial(
+            fmt.encode, messages, tools=tools, tool_choice=req.tool_choice, response_format=req.response_format,
+            reasoning_effort=req.reasoning_effort, **options))
+    except OptionError as e:  # a request option the format does not take (reasoning_effort "medium" on K3)
+        raise bad_request(str(e), param=e.param) from None
     except Exception as e:  # noqa: BLE001 - ChatError, template errors: the messages are at fault
         raise bad_request(f"cannot render the messages in the chat format: {e}", param="messages") from None
     if prompt.note:

@@ -76,5 +76,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    # "auto", "none", "required" or {"type": "function", "function": {"name": ...}} (OpenAI's shapes).
     tool_choice: str | dict[str, Any] | None = None
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}.
+    response_format: dict[str, Any] | None = None
+    # OpenAI's effort names; Kimi K3 maps them onto its thinking effort (engine/xtml_options.py).
+    reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None

@@ -136,9 +136,15 @@ def test_chat_specific_errors(url):
     msgs = [{"role": "user", "content": "x"}]
     r = post(url, "/v1/chat/completions", {"messages": msgs, "top_logprobs": 2})
     assert r.status_code == 400 and error_of(r)["param"] == "top_logprobs"
-    r = post(url, "/v1/chat/completions", {"messages": msgs, "tool_choice": "required",
-                                           "tools": [{"type": "function", "function": {"name": "f"}}]})
-    assert r.status_code == 400 and error_of(r)["param"] == "tool_choice"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for choice, says in (("sometimes", "must be one of auto, none, required"), ({"type": "function"}, "named"),
+                         ({"type": "function", "function": {"name": "g"}}, "'g', which is not in tools")):
+        r = post(url, "/v1/chat/completions", {"messages": msgs, "tool_choice": choice, "tools": tools})
+        assert r.status_code == 400 and error_of(r)["param"] == "tool_choice" and says in error_of(r)["message"]
+    r = post(url, "/v1/chat/completions", {"messages": msgs, "tool_choice": "required"})
+    assert r.status_code == 400 and "needs tools" in error_of(r)["message"]
+    r = post(url, "/v1/chat/completions", {"messages": msgs, "response_format": {"type": "yaml"}})
+    assert r.status_code == 400 and error_of(r)["param"] == "response_format"
     r = post(url, "/v1/chat/completions", {"messages": msgs, "chat_template_kwargs": {"thinking": "yes"}})
     assert r.status_code == 400 and "true or false" in error_of(r)["message"]
     r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
