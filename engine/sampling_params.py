@@ -27,6 +27,8 @@ class SamplingParams:
     # special tokens kept in the text even with skip_special_tokens (chat: <think> and tool-call tags)
     keep_special_token_ids: list[int] | None = None
     n: int = 1
+    # best_of: sample this many, return the n with the highest cumulative log-prob (None: n)
+    best_of: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -44,7 +46,8 @@ class SamplingParams:
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
-            (self.n == 1, f"n must be 1 (parallel sampling is not supported), got {self.n}"),
+            (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (self.best_of is None or self.best_of >= self.n, f"best_of must be >= n ({self.n}), got {self.best_of}"),
         ]
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
