@@ -112,6 +112,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             block_size=args.block_size,
             enable_chunked_prefill=args.enable_chunked_prefill,
+            snapshot_every_blocks=args.state_snapshot_interval // args.block_size,
             num_lookahead_slots=self.speculative.num_lookahead_slots if self.speculative else 0,
         ), self.block_manager)
         self.runner = ModelRunner(self.model, self.cache_pool.caches, args.block_size, self.device, self.workers,
