@@ -4,7 +4,8 @@ Kimi K3's headline workload is agentic coding: long sessions where each turn rep
 conversation so far, so the prefix cache (and on hybrid models the KDA state snapshot at the end
 of the previous turn) decides the time to first token. Each of `--num-prompts` sessions runs
 `--multi-turn-turns` turns one after another, waiting `--multi-turn-think-time` seconds between a
-reply and the next user message; sessions run side by side (`--max-concurrency` caps how many).
+reply and the next user message; sessions start together and run side by side (`--max-concurrency`
+caps how many; `--request-rate` does not apply).
 All sessions share one prefix: tool definitions (JSON, as an agent declares them) and a system
 prompt, `--multi-turn-system-len` tokens together. Turn k's prompt is that prefix, then every
 earlier user message and reply (the reply's token ids exactly as generated), then a new user

@@ -76,12 +76,10 @@ def _check(result: dict) -> None:
     assert result["multi_turn_system_len"] == 64
 
 
-@pytest.mark.slow
 def test_multi_turn_in_process(tmp_path, capsys):
     _check(_run(WORKLOAD, tmp_path, capsys))
 
 
-@pytest.mark.slow
 def test_multi_turn_over_http(tmp_path, capsys):
     uvicorn = pytest.importorskip("uvicorn")
     from engine import AsyncLLM, EngineArgs
