@@ -38,11 +38,11 @@ def _computed_prompt(engine: LLMEngine) -> int:
 def test_n_returns_n_choices_reproducible_with_a_seed_and_the_prompt_computed_once(demo_llm):
     eng = demo_llm.engine
     prompt = _prompt(100)  # 6 full blocks + 4 tokens
-    params = SamplingParams(temperature=1.0, max_tokens=8, n=4, seed=7, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, max_tokens=5, n=4, seed=7, ignore_eos=True)
     before, hits_before = _computed_prompt(eng), eng.stats().prefix_cache_hits
     [out] = demo_llm.generate({"prompt_token_ids": prompt}, params)
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
-    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
+    assert all(len(c.token_ids) == 5 and c.finish_reason == "length" for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different seeds, different samples
     # the prompt ran once; each other child recomputed only the last partial block (4 tokens)
     tail = len(prompt) - (len(prompt) - 1) // BS * BS
@@ -53,16 +53,16 @@ def test_n_returns_n_choices_reproducible_with_a_seed_and_the_prompt_computed_on
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
     # child i samples with seed + i: child 2 is the n=1 request seeded with 9
     [single] = demo_llm.generate({"prompt_token_ids": prompt},
-                                 SamplingParams(temperature=1.0, max_tokens=8, seed=9, ignore_eos=True))
+                                 SamplingParams(temperature=1.0, max_tokens=5, seed=9, ignore_eos=True))
     assert single.outputs[0].token_ids == out.outputs[2].token_ids
 
 
 def test_best_of_returns_the_n_highest_cumulative_logprobs(demo_llm):
     prompt = _prompt(40, seed=1)
     [every] = demo_llm.generate({"prompt_token_ids": prompt},
-                                SamplingParams(max_tokens=6, n=5, seed=3, logprobs=0, ignore_eos=True))
+                                SamplingParams(max_tokens=4, n=4, seed=3, logprobs=0, ignore_eos=True))
     [best] = demo_llm.generate({"prompt_token_ids": prompt},
-                               SamplingParams(max_tokens=6, n=2, best_of=5, seed=3, ignore_eos=True))
+                               SamplingParams(max_tokens=4, n=2, best_of=4, seed=3, ignore_eos=True))
     ranked = sorted(every.outputs, key=lambda c: -c.cumulative_logprob)[:2]
     assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked]
     assert [c.index for c in best.outputs] == [0, 1]
