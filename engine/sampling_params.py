@@ -31,6 +31,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # best_of: sample this many, return the n with the highest cumulative log-prob (None: n)
+    best_of: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -53,7 +55,8 @@ class SamplingParams:
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
-            (self.n == 1, f"n must be 1 (parallel sampling is not supported), got {self.n}"),
+            (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (self.best_of is None or self.best_of >= self.n, f"best_of must be >= n ({self.n}), got {self.best_of}"),
         ]
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)

@@ -57,6 +57,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     skip_special_tokens: bool = True
+    return_token_ids: bool = False  # vLLM's extra: each choice also carries its generated token ids
 
 
 class ChatMessage(_Body):

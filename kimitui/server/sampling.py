@@ -6,12 +6,16 @@ from engine import SamplingParams
 from kimitui.server.errors import bad_request
 from kimitui.server.protocol import SamplingFields
 
+MAX_N = 128  # OpenAI's limit on n; best_of has the same bound here
+
 
 def check_supported(req: SamplingFields) -> None:
-    if req.n != 1:
-        raise bad_request(f"n must be 1 (parallel sampling is not supported), got {req.n}", param="n")
-    if req.best_of not in (None, 1):
-        raise bad_request(f"best_of must be 1 (not supported), got {req.best_of}", param="best_of")
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be in 1..{MAX_N}, got {req.n}", param="n")
+    if req.best_of is not None and not req.n <= req.best_of <= MAX_N:
+        raise bad_request(f"best_of must be in n..{MAX_N} (n={req.n}), got {req.best_of}", param="best_of")
+    if req.stream and (req.best_of or req.n) > req.n:
+        raise bad_request("best_of > n cannot be streamed (the choices are known only at the end)", param="best_of")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by this server", param="logit_bias")
     # Values that would overflow the int64 tensors of a batched step: caught here, because a
@@ -65,6 +69,8 @@ def build_sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int
             skip_special_tokens=skip_special_tokens,
             keep_special_token_ids=keep_special_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            n=req.n,
+            best_of=req.best_of,
         )
     except ValueError as e:
         # The engine's messages start with the field name ("top_p must be in (0, 1], got 2.0").
