@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -165,9 +164,12 @@ def part_router(m32, mh, dtype, gen):
     from kernels import reference
 
     logits = F.linear(x, gh.weight.to(dtype))
-    s = torch.sigmoid(logits).float()  # the rule below runs on these half-rounded scores
-    ids_n, w_n = reference.moe_route(torch.logit(s.clamp(1e-7, 1 - 1e-7)), torch.eye(s.shape[1]), gh.e_score_correction_bias,
-                                     gh.top_k, gh.n_group, gh.topk_group, "sigmoid", gh.norm_topk_prob, gh.scaling)
+    s = torch.sigmoid(logits).float()
+    # the engine's top-k rule on these half-rounded scores: fed as logits through an identity
+    # "router weight", so its sigmoid gives the same scores back (to fp32 rounding)
+    ids_n, w_n = reference.moe_route(torch.logit(s.clamp(1e-7, 1 - 1e-7)), torch.eye(s.shape[1]),
+                                     gh.e_score_correction_bias, gh.top_k, gh.n_group, gh.topk_group, "sigmoid",
+                                     gh.norm_topk_prob, gh.scaling)
     inn, wn = by_expert(ids_n, w_n.to(dtype))
     keep = agree & (inn == i32).all(dim=1)
     return (wh[keep], w32[keep], w32[keep], wn[keep],
@@ -178,8 +180,7 @@ def part_router(m32, mh, dtype, gen):
 def _experts_inputs(m32, mh, dtype, gen):
     i = moe_layer(m32)
     moe32, moeh = m32.model.layers[i].mlp, mh.model.layers[i].mlp
-    z = _hidden(gen, ROWS, moe32.routed_expert_down_proj.out_features
-                if hasattr(moe32.routed_expert_down_proj, "out_features") else 32, 0.5).to(dtype)
+    z = _hidden(gen, ROWS, moe32.routed_expert_down_proj.out_features, 0.5).to(dtype)  # a latent row
     x = _hidden(gen, ROWS, moe32.gate.weight.shape[1], 1.0)
     ids, w = moe32.gate(x)  # fp32 routing, shared by every run
     return moe32, moeh, z, ids, w
@@ -253,15 +254,14 @@ def part_latent_moe(m32, mh, dtype, gen):
     moe32, moeh = m32.model.layers[i].mlp, mh.model.layers[i].mlp
     x = _hidden(gen, ROWS, moe32.gate.weight.shape[1], 1.0).to(dtype)
     out, ref = moeh(x), moe32(x.float())
-    return out, ref, ref.to(dtype), out
+    return out, ref, ref.to(dtype), out  # no all-half variant: it is the sum of the parts above
 
 
 def part_mla_gate(m32, mh, dtype, gen):
     """The NoPE MLA output gate: attn_out * sigmoid(g_proj(x)) before o_proj."""
     i = mla_layer(m32)
     a32, ah = m32.model.layers[i].self_attn, mh.model.layers[i].self_attn
-    d = a32.g_proj.weight.shape[1] if hasattr(a32.g_proj, "weight") else 64
-    x = _hidden(gen, ROWS, d, 1.0).to(dtype)
+    x = _hidden(gen, ROWS, a32.g_proj.in_features, 1.0).to(dtype)
     o = (torch.randn(ROWS, ah.num_heads * ah.v_dim, generator=gen) * 0.5).to(dtype)
     out = o * torch.sigmoid(ah.g_proj(x))  # as MLAttention.forward writes it
     ref = o.float() * torch.sigmoid(a32.g_proj(x.float()))

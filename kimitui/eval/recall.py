@@ -213,7 +213,8 @@ def http_target(base_url: str, model: str | None, tokenizer_for: Callable[[str],
         raise ConnectionError(f"no models are served at {root}/v1/models")
     card = next((c for c in cards if c.get("id") == model), None) if model else cards[0]
     if card is None:
-        raise ValueError(f"model {model!r} is not served at {root} (served: {', '.join(c.get('id', '?') for c in cards)})")
+        served = ", ".join(c.get("id", "?") for c in cards)
+        raise ValueError(f"model {model!r} is not served at {root} (served: {served})")
     model = card["id"]
     tokenizer = tokenizer_for(model)
     fmt = chat_format_for(tokenizer)
