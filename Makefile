@@ -28,11 +28,17 @@ venv: $(VENV)/.installed
 run: venv
 	$(PY) -m kimitui.cli $(ARGS)
 
+# Test files run on TEST_WORKERS processes (pytest-xdist, whole files per worker so module
+# fixtures are built once): most tests wait on servers, subprocesses and small kernels rather than
+# filling a core, so two workers finish well ahead of one even on two cores. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: venv
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-all: venv
-	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "" $(XDIST) $(PYTEST_ARGS)
 
 bench: venv
 	$(PY) benchmarks/cpu_vs_transformers.py

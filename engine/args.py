@@ -39,6 +39,9 @@ class EngineArgs:
     # vLLM's dict (or its JSON): {"method": "ngram" | "suffix" | "eagle3", "num_speculative_tokens": k, ...};
     # parsed into engine.spec_decode.SpeculativeConfig (``speculative``). None: no speculation.
     speculative_config: dict | str | None = None
+    # Hybrid (KDA) models: a prefix state snapshot every this many prompt tokens (a multiple of
+    # block_size), besides those at a prompt's and a finished request's last full block.
+    state_snapshot_interval: int = 512
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -56,6 +59,9 @@ class EngineArgs:
         off = self.cpu_offload
         if not (off in ("auto", "none") or (isinstance(off, int) and off >= 0) or (isinstance(off, str) and off.isdigit())):
             raise ValueError(f"cpu_offload must be auto, none or a non-negative integer, got {off!r}")
+        if self.state_snapshot_interval < self.block_size or self.state_snapshot_interval % self.block_size:
+            raise ValueError(f"state_snapshot_interval must be a positive multiple of block_size ({self.block_size}), "
+                             f"got {self.state_snapshot_interval}")
         if self.numa not in ("auto", "off"):
             raise ValueError(f"numa must be auto or off, got {self.numa!r}")
         self.speculative  # noqa: B018 (validates the dict now, not at load time)

@@ -11,7 +11,8 @@ import logging
 from dataclasses import dataclass
 
 from engine.chat import ReplyStreamParser, chat_reply_special_ids, chat_stop_token_ids, encode_chat
-from engine.xtml import DEFAULT_THINKING_EFFORT, MARKERS, END_OF_MSG, build_segments, encode_segments
+from engine.xtml import MARKERS, END_OF_MSG, build_segments, encode_segments
+from engine.xtml_options import resolve_effort, response_format_type, tool_choice_name
 from engine.xtml_reply import XtmlReplyParser
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,12 @@ class ChatFormat:
         self.tokenizer = tokenizer
 
     def encode(self, messages: list[dict], *, thinking: bool | None = None, tools: list[dict] | None = None,
-               thinking_effort: str | None = None, preserve_thinking: bool | None = None) -> ChatPrompt:
+               thinking_effort: str | None = None, preserve_thinking: bool | None = None,
+               tool_choice: str | dict | None = None, response_format: dict | None = None,
+               reasoning_effort: str | None = None) -> ChatPrompt:
+        """Prompt ids. ``tool_choice`` / ``response_format`` / ``reasoning_effort`` are OpenAI's
+        request fields; a format renders what its model was trained with and ignores the rest
+        (``ChatPrompt.note`` says so). Bad values raise ``engine.xtml_options.OptionError``."""
         raise NotImplementedError
 
     def reply_parser(self, started_in_thinking: bool):
@@ -56,12 +62,24 @@ class K2ChatFormat(ChatFormat):
 
     name = "kimi-k2"
 
-    def encode(self, messages, *, thinking=None, tools=None, thinking_effort=None, preserve_thinking=None):
+    def encode(self, messages, *, thinking=None, tools=None, thinking_effort=None, preserve_thinking=None,
+               tool_choice=None, response_format=None, reasoning_effort=None):
+        # K2's chat template (tokenizer_config.json of moonshotai/Kimi-K2-*) has no thinking effort,
+        # tool choice or response format: none of them changes the prompt. tool_choice "none"
+        # leaves the tools out, as this server always did for K2; "required" or a named function
+        # declares them as "auto" does (constrained decoding enforces the choice).
+        tool_choice_name(tool_choice)  # validates, as for K3
+        kind = response_format_type(response_format)
+        options = (("thinking_effort", thinking_effort), ("reasoning_effort", reasoning_effort),
+                   ("response_format", None if kind == "text" else kind))
+        ignored = [f"{k}={v!r}" for k, v in options if v is not None]
         note = None
-        if thinking_effort is not None:
-            note = (f"thinking_effort={thinking_effort!r} ignored: it is a Kimi K3 option and this checkpoint "
-                    "uses Kimi K2's chat format")
+        if ignored:
+            note = (f"{', '.join(ignored)} not rendered: this checkpoint uses Kimi K2's chat format, "
+                    "which has no such option")
             log.info(note)
+        if tool_choice == "none":
+            tools = None
         ids = encode_chat(messages, self.tokenizer, thinking=thinking, tools=tools,
                           preserve_reasoning=bool(preserve_thinking))
         think_id = self.tokenizer.token_to_id("<think>")
@@ -78,16 +96,18 @@ class K2ChatFormat(ChatFormat):
 
 
 class XtmlChatFormat(ChatFormat):
-    """Kimi K3.x: XTML (engine/xtml.py); thinking on and effort ``max`` unless told otherwise."""
+    """Kimi K3.x: XTML (engine/xtml.py); thinking on and effort ``max`` unless told otherwise.
+    ``reasoning_effort`` maps onto thinking and its effort (engine/xtml_options.py)."""
 
     name = "xtml"
     supports_thinking_effort = True
 
-    def encode(self, messages, *, thinking=None, tools=None, thinking_effort=None, preserve_thinking=None):
-        thinking = True if thinking is None else thinking
-        segments = build_segments(messages, tools=tools, thinking=thinking,
-                                  thinking_effort=thinking_effort or DEFAULT_THINKING_EFFORT,
-                                  preserve_thinking=True if preserve_thinking is None else preserve_thinking)
+    def encode(self, messages, *, thinking=None, tools=None, thinking_effort=None, preserve_thinking=None,
+               tool_choice=None, response_format=None, reasoning_effort=None):
+        thinking, effort = resolve_effort(thinking, thinking_effort, reasoning_effort)
+        segments = build_segments(messages, tools=tools, thinking=thinking, thinking_effort=effort,
+                                  preserve_thinking=True if preserve_thinking is None else preserve_thinking,
+                                  tool_choice=tool_choice, response_format=response_format)
         return ChatPrompt(encode_segments(segments, self.tokenizer), thinking)
 
     def reply_parser(self, started_in_thinking):

@@ -30,6 +30,7 @@ from engine.offload.placement import device_reserve_bytes, expert_placement_for
 from engine.parallel.state import SINGLE
 from engine.parallel.workers import WorkerGroup, WorkerSpec, free_port
 from engine.output_processor import OutputProcessor, ProcessedStep
+from engine.parallel_sampling import ParentRequest, child_params, fans_out
 from engine.outputs import RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -111,6 +112,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             block_size=args.block_size,
             enable_chunked_prefill=args.enable_chunked_prefill,
+            snapshot_every_blocks=args.state_snapshot_interval // args.block_size,
             num_lookahead_slots=self.speculative.num_lookahead_slots if self.speculative else 0,
         ), self.block_manager)
         self.runner = ModelRunner(self.model, self.cache_pool.caches, args.block_size, self.device, self.workers,
@@ -119,6 +121,9 @@ class LLMEngine:
                                   keep_hidden=bool(self.proposer is not None and self.proposer.needs_hidden))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        # n > 1 / best_of: requests fanned out into child sequences (engine/parallel_sampling.py)
+        self._parents: dict[str, ParentRequest] = {}
+        self._child_of: dict[str, tuple[ParentRequest, int]] = {}
 
     def _decode_graphs(self) -> bool | None:
         """False when decode steps must stay eager: asked for, or experts run in host RAM (their
@@ -200,10 +205,14 @@ class LLMEngine:
         bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
         if bad is not None:
             raise PromptError(f"token id {bad} is outside the vocabulary (vocab_size={self.config.vocab_size})")
-        seq = Sequence(request_id, ids, params, () if params.ignore_eos else self.eos_token_ids, arrival_time)
-        if params.structured_outputs is not None:  # compiled here, so a bad schema fails this request only
-            stop_ids = [*seq.eos_token_ids, *params.stop_token_ids]
-            self._structured().add(request_id, params.structured_outputs, stop_ids)
+        eos = () if params.ignore_eos else self.eos_token_ids
+        if fans_out(params):
+            self._add_parent(request_id, text, ids, params, eos, arrival_time)
+            return request_id
+        if request_id in self._parents:
+            raise PromptError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, params, eos, arrival_time)
+        self._add_grammars([seq])  # compiled here, so a bad schema fails this request only
         try:
             self.scheduler.add(seq)
             self.output_processor.add_request(seq, params, text)
@@ -211,6 +220,18 @@ class LLMEngine:
             self.runner.release(request_id)
             raise
         return request_id
+
+    def _add_grammars(self, seqs: list[Sequence]) -> None:
+        """A grammar matcher for each constrained sequence (each sample of a request its own)."""
+        for seq in seqs:
+            spec = seq.sampling_params.structured_outputs
+            if spec is not None:
+                try:
+                    self._structured().add(seq.seq_id, spec, [*seq.eos_token_ids, *seq.sampling_params.stop_token_ids])
+                except BaseException:
+                    for s in seqs:
+                        self.runner.release(s.seq_id)
+                    raise
 
     def _structured(self):
         """The runner's grammar masks (engine/structured), made on the first constrained request."""
@@ -221,6 +242,53 @@ class LLMEngine:
 
             self.runner.structured = StructuredOutputManager(self.tokenizer, self.config.vocab_size, self.device)
         return self.runner.structured
+
+    def _add_parent(self, request_id: str, text, ids: list[int], params: SamplingParams, eos, arrival_time) -> None:
+        """Fan a request for several samples out into child sequences (engine/parallel_sampling.py)."""
+        parent = ParentRequest(request_id, params, params.best_of or params.n)
+        if request_id in self._parents or any(c in self.output_processor.requests for c in parent.child_ids):
+            raise PromptError(f"request id {request_id!r} is already in use")
+        seqs = [Sequence(c, ids, child_params(params, i), eos, arrival_time) for i, c in enumerate(parent.child_ids)]
+        self._add_grammars(seqs)
+        self.scheduler.add(seqs[0])
+        for i, seq in enumerate(seqs):
+            self.output_processor.add_request(seq, seq.sampling_params, text, count_prompt=i == 0)
+            self._child_of[seq.seq_id] = (parent, i)
+        parent.leader = seqs[0]
+        parent.held = seqs[1:]
+        self._parents[request_id] = parent
+        if not self.args.enable_prefix_caching:  # nothing to share: no reason to wait for the leader
+            self._release_children()
+
+    def _release_children(self) -> None:
+        """Queue the held children of every request whose leader has computed its prompt."""
+        for parent in self._parents.values():
+            if parent.held and (parent.leader_ready() or not self.args.enable_prefix_caching):
+                for seq in parent.held:
+                    self.scheduler.add(seq)
+                parent.held = []
+
+    def _join(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Children's outputs joined into their request's (one per request and step)."""
+        joined: dict[str, RequestOutput] = {}
+        plain = []
+        for out in outputs:
+            link = self._child_of.get(out.request_id)
+            if link is None:
+                plain.append(out)
+                continue
+            parent, i = link
+            j = parent.collect(i, out)
+            if j is not None:
+                joined[parent.request_id] = j
+            if j is not None and j.finished:
+                self._forget_parent(parent)
+        return plain + list(joined.values())
+
+    def _forget_parent(self, parent: ParentRequest) -> None:
+        self._parents.pop(parent.request_id, None)
+        for c in parent.child_ids:
+            self._child_of.pop(c, None)
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -242,6 +310,18 @@ class LLMEngine:
         return text, list(ids)
 
     def abort_request(self, request_id: str) -> bool:
+        parent = self._parents.get(request_id)
+        if parent is not None:
+            held = {s.seq_id for s in parent.held}
+            parent.held = []
+            for c in parent.child_ids:
+                if c in held:
+                    self.output_processor.abort_request(c)
+                    self.runner.release(c)  # never scheduled, but it may hold a grammar matcher
+                else:
+                    self.abort_request(c)
+            self._forget_parent(parent)
+            return True
         if not self.output_processor.abort_request(request_id):
             return False
         self.scheduler.abort(request_id)
@@ -251,11 +331,13 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or any(p.held for p in self._parents.values())
 
     def request_ids(self) -> list[str]:
-        """Ids of the requests added and neither finished nor aborted yet."""
-        return list(self.output_processor.requests)
+        """Ids of the requests added and neither finished nor aborted yet (a request fanned out
+        for ``n > 1`` under its own id, not its children's)."""
+        ids = (self._child_of[r][0].request_id if r in self._child_of else r for r in self.output_processor.requests)
+        return list(dict.fromkeys(ids))
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (if any); the engine is unusable afterwards."""
@@ -273,6 +355,8 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._parents:
+            self._release_children()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -284,7 +368,7 @@ class LLMEngine:
         self._retire(processed)
         if self.proposer is not None:
             self._propose(result)
-        return processed.outputs
+        return self._join(processed.outputs) if self._child_of else processed.outputs
 
     def _propose(self, result) -> None:
         """Drafts for every sequence that decodes next step, verified by that step."""
@@ -324,6 +408,9 @@ class LLMEngine:
             total_prompt_tokens=out.total_prompt_tokens,
             total_generation_tokens=out.total_generation_tokens,
             num_finished=out.num_finished,
+            computed_prompt_tokens=out.total_computed_prompt_tokens,
+            prefix_cache_queries=bm.num_prefix_query_tokens,
+            prefix_cache_hits=bm.num_prefix_hit_tokens,
             spec_decode=self.spec_stats.copy() if self.proposer is not None else None,
         )
 

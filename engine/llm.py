@@ -63,7 +63,7 @@ class LLM:
              thinking: bool | None = None, tools: list[dict] | None = None, thinking_effort: str | None = None,
              preserve_thinking: bool | None = None) -> list[RequestOutput]:
         """Render the checkpoint's chat format (Kimi K2's, or K3's XTML) and generate; stops at
-        the end of the assistant turn. ``thinking_effort`` (low / medium / high / max) is a K3
+        the end of the assistant turn. ``thinking_effort`` (low / high / max) is a K3
         option: a K2 checkpoint ignores it with a logged note. Parse a reply's text with
         ``engine.chat_format.chat_format_for(llm.get_tokenizer()).reply_parser(...)``."""
         from dataclasses import replace

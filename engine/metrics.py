@@ -22,6 +22,11 @@ class EngineStats:
     num_finished: int
     # speculative decoding's acceptance counters (engine.spec_decode.stats.SpecDecodeStats), None when off
     spec_decode: object | None = None
+    # prompt positions run through the model (a prefix-cache hit skips them; preemption reruns them)
+    computed_prompt_tokens: int = 0
+    # vLLM's prefix_cache_queries / prefix_cache_hits counters: tokens looked up / found at admission
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class ThroughputWindow:

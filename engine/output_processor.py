@@ -59,8 +59,12 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self.throughput = ThroughputWindow()
         self.total_prompt_tokens = self.total_generation_tokens = self.num_finished = 0
+        self.total_computed_prompt_tokens = 0  # prompt positions the model computed (hits excluded)
 
-    def add_request(self, seq: Sequence, params: SamplingParams, prompt: str | None) -> None:
+    def add_request(self, seq: Sequence, params: SamplingParams, prompt: str | None,
+                    count_prompt: bool = True) -> None:
+        """``count_prompt``: False for the children of an ``n > 1`` request after the first, whose
+        prompt is the same request's (usage counts it once)."""
         detok = None
         if self.tokenizer is not None:
             from engine.tokenizer import IncrementalDetokenizer
@@ -74,7 +78,8 @@ class OutputProcessor:
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # the first prompt token has no context to score it
         self.requests[seq.seq_id] = req
-        self.total_prompt_tokens += seq.num_prompt_tokens
+        if count_prompt:
+            self.total_prompt_tokens += seq.num_prompt_tokens
 
     def abort_request(self, request_id: str) -> bool:
         return self.requests.pop(request_id, None) is not None
@@ -94,6 +99,8 @@ class OutputProcessor:
         prefill_tokens = sum(s.num_new_tokens for s in sched.scheduled if s.is_prefill)
         decode_tokens = sum(len(t) if isinstance(t, list) else 1 for t in result.sampled if t is not None)
         self.throughput.record(prefill_tokens, decode_tokens, now)
+        self.total_computed_prompt_tokens += sum(max(0, min(s.end, s.seq.num_prompt_tokens) - s.start)
+                                                 for s in sched.scheduled)
         finished_ids = {s.seq_id for s in finished}
         step = ProcessedStep()
         for s, token, lp in zip(sched.scheduled, result.sampled, result.logprobs):

@@ -27,6 +27,7 @@ import torch
 from engine.graph_runner import DecodeGraphRunner, GraphConfig, default_decode_graphs
 from engine.kv_cache.state import KDAState
 from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
+from engine.layers.penalties import PenaltyBatch, has_penalties
 from engine.layers.sampler import SamplingBatch, logprob_dicts, prompt_logprob_dicts, sample
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.spec_decode.proposer import StepHidden
@@ -304,14 +305,16 @@ class ModelRunner:
             sample_seqs = [s for s in order if s.do_sample]
             params = [s.seq.sampling_params for s in sample_seqs]
             gens = [self._generator(s.seq.seq_id, p.seed) for s, p in zip(sample_seqs, params)]
-            if self.structured is not None and self.structured.requests:
-                # before temperature / top-k / top-p; a verified decode's rows are masked position by position
-                drafts = [list(s.spec_token_ids) for s in sample_seqs] if inp.spec_lens else None
-                logits = self.structured.mask_logits(logits, [s.seq for s in sample_seqs], drafts)
             batch = SamplingBatch.build(params, gens, self.device, self.buffers)
             self.buffers.end_step()  # the next step's inputs wait for these pinned copies
-            if inp.spec_lens:  # some decode verifies drafts: one row per position, the rule decides
-                drafts = [list(s.spec_token_ids) for s in sample_seqs]
+            drafts = [list(s.spec_token_ids) for s in sample_seqs] if inp.spec_lens else None
+            if self.structured is not None and self.structured.requests:
+                # grammar masks before penalties, temperature, top-k / top-p; a verified decode's rows
+                # are masked position by position
+                logits = self.structured.mask_logits(logits, [s.seq for s in sample_seqs], drafts)
+            if any(has_penalties(p) for p in params):
+                batch.penalties = _penalty_rows(sample_seqs, drafts, logits.shape[-1], self.device)
+            if drafts is not None:  # some decode verifies drafts: one row per position, the rule decides
                 outs, lp_lists = verify_and_logprobs(logits, drafts, batch, params)  # the one host sync
                 for j, s in enumerate(sample_seqs):
                     spec = bool(s.spec_token_ids)
@@ -376,6 +379,21 @@ class ModelRunner:
             gen.manual_seed(seed)
             self._generators[seq_id] = gen
         return gen
+
+
+def _penalty_rows(sample_seqs, drafts, vocab_size: int, device) -> PenaltyBatch | None:
+    """The penalties of a step's logits rows: one row per sampling sequence, or with drafts
+    ``len(drafts[i]) + 1`` rows where row ``j`` has the output plus the first ``j`` drafts."""
+    rows, params, prompts, outputs = [], [], [], []
+    for i, s in enumerate(sample_seqs):
+        seq = s.seq
+        ds = drafts[i] if drafts is not None else []
+        for j in range(len(ds) + 1):
+            rows.append(len(rows))
+            params.append(seq.sampling_params)
+            prompts.append(seq.prompt_token_ids)
+            outputs.append(seq.output_token_ids + ds[:j])
+    return PenaltyBatch.build(rows, params, prompts, outputs, vocab_size, device)
 
 
 def _copy_state_slots(states: list[KDAState], src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -29,6 +29,12 @@ class SamplingParams:
     # special tokens kept in the text even with skip_special_tokens (chat: <think> and tool-call tags)
     keep_special_token_ids: list[int] | None = None
     n: int = 1
+    # OpenAI / vLLM penalties (engine/layers/penalties.py); the defaults are off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # best_of: sample this many, return the n with the highest cumulative log-prob (None: n)
+    best_of: int | None = None
     # grammar-constrained decoding (JSON schema, JSON object, tool calls): engine/structured/
     structured_outputs: StructuredOutputs | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
@@ -44,11 +50,17 @@ class SamplingParams:
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"),
+            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2.0 <= self.frequency_penalty <= 2.0,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (0.0 < self.repetition_penalty <= 100.0,
+             f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}"),
             (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
-            (self.n == 1, f"n must be 1 (parallel sampling is not supported), got {self.n}"),
+            (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (self.best_of is None or self.best_of >= self.n, f"best_of must be >= n ({self.n}), got {self.best_of}"),
         ]
         checks.append((self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
                        "structured_outputs must be an engine.structured.StructuredOutputs"))

@@ -14,6 +14,14 @@ last full block (the longest hit a repeat of the same prompt can have). A bounda
 already has a snapshot cuts nothing, so a warm prefix costs no extra steps; a cold prompt of N
 tokens costs at most N / (snapshot_every_blocks * block_size) extra chunk ends (this holds with
 chunked prefill off too: a hybrid prompt is still cut at its snapshot boundaries).
+
+Multi-turn reuse: a plain decode whose token completes a block also saves the state (the request's
+"tail" snapshot), replacing the same sequence's previous tail snapshot, so a finished request keeps
+exactly one snapshot at the last full block of prompt + output: the next turn of a conversation,
+whose prompt repeats this one and its reply, resumes there (SGLang's hybrid radix cache keeps the
+state at the end of each request likewise). That costs one state copy per ``block_size`` decoded
+tokens and at most one snapshot slot per running sequence; tail snapshots are evicted like any
+other. A decode verifying draft tokens skips it (how many are accepted is known only after the step).
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Hybrid models: a prefix snapshot every this many blocks of a prompt (and at its last full block).
     snapshot_every_blocks: int = 32
+    # Hybrid models: keep a snapshot at the last full block a request's decodes reach (multi-turn reuse).
+    snapshot_request_end: bool = True
     # Speculative decoding with a model drafter: KV slots reserved past the tokens a step computes,
     # which the drafter writes while it chains its guesses (0 for draft-free proposers).
     num_lookahead_slots: int = 0
@@ -98,6 +108,8 @@ class SchedulerOutput:
     state_saves: list[tuple[int, int]] = field(default_factory=list)
     # Per save: (block id, block hash); postprocess keys the snapshot once the block is cached.
     save_blocks: list[tuple[int, int]] = field(default_factory=list)
+    # Per save: the sequence id for a decode's tail snapshot (replaces its previous one), else None.
+    save_tails: list[str | None] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -131,6 +143,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the tail is preempted first
         self._seqs: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self._tails: dict[str, int] = {}  # seq_id -> block hash of its latest tail snapshot
 
     @property
     def num_running(self) -> int:
@@ -209,7 +222,7 @@ class Scheduler:
             num_new = 1 + len(drafts) if is_decode else min(seq.num_uncomputed_tokens, prefill_budget)
             if num_new == 0:
                 continue
-            snap = None if is_decode else self._snapshot_boundary(seq, num_new)  # a decode crosses none
+            snap = None if is_decode else self._snapshot_boundary(seq, num_new)
             if snap is not None:
                 num_new = snap - seq.num_computed_tokens
             if not self._reserve(seq, num_new + self._lookahead(seq, num_new), out.preempted):
@@ -217,6 +230,8 @@ class Scheduler:
             prefill_budget -= num_new - (1 if is_decode else 0)
             if snap is not None:
                 self._plan_save(seq, snap, out)
+            elif is_decode and not drafts and self._tail_due(seq):
+                self._plan_save(seq, seq.num_computed_tokens + 1, out, tail=True)
             (decodes if is_decode else prefills).append(self._scheduled(seq, num_new, drafts))
         budget -= sum(item.num_new_tokens for item in decodes + prefills)
 
@@ -370,23 +385,41 @@ class Scheduler:
                 return b
         return None
 
-    def _plan_save(self, seq: Sequence, boundary: int, out: SchedulerOutput) -> None:
+    def _tail_due(self, seq: Sequence) -> bool:
+        """Whether this decode's token completes a block that has no snapshot yet (module doc)."""
+        slots, bm = self.state_slots, self.block_manager
+        if (slots is None or slots.num_snapshots == 0 or not bm.enable_prefix_caching
+                or not self.config.snapshot_request_end):
+            return False
+        end = seq.num_computed_tokens + 1
+        return end % bm.block_size == 0 and not slots.has_snapshot(bm.block_hash(seq, end // bm.block_size - 1))
+
+    def _plan_save(self, seq: Sequence, boundary: int, out: SchedulerOutput, tail: bool = False) -> None:
         snap = self.state_slots.reserve_snapshot()
         if snap is None:
             return  # every snapshot slot is being written this step; the chunk is just shorter
         i = boundary // self.block_manager.block_size - 1
         out.state_saves.append((seq.state_slot, snap))
         out.save_blocks.append((seq.block_table[i], self.block_manager.block_hash(seq, i)))
+        out.save_tails.append(seq.seq_id if tail else None)
 
     def _commit_saves(self, out: SchedulerOutput) -> None:
         """Key each snapshot written by the step under its block's hash if that block is now the
         cached one for the hash (it may not be: the sequence left mid-step, or another sequence
-        registered the same prefix first)."""
-        for (_, snap), (bid, h) in zip(out.state_saves, out.save_blocks):
-            if self.block_manager.is_cached_block(bid, h):
-                self.state_slots.commit_snapshot(snap, h)
-            else:
+        registered the same prefix first). A sequence's new tail snapshot replaces its previous one."""
+        tails = out.save_tails or [None] * len(out.state_saves)
+        for (_, snap), (bid, h), tail in zip(out.state_saves, out.save_blocks, tails):
+            if not self.block_manager.is_cached_block(bid, h):
                 self.state_slots.cancel_snapshot(snap)
+                continue
+            if self.state_slots.commit_snapshot(snap, h) and tail is not None:
+                old = self._tails.get(tail)
+                if old is not None and old != h:
+                    self.state_slots.drop_snapshot(old)  # the block stays cached, without a state
+                self._tails[tail] = h
+        # a finished sequence's last tail snapshot stays, as any other snapshot
+        for sid in [sid for sid in self._tails if sid not in self._seqs]:
+            del self._tails[sid]
 
     def _free_state_slot(self, seq: Sequence) -> None:
         if seq.state_slot is not None:

@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_argument("--api-key", default=None, metavar="KEY",
                         help="bearer token for --base-url (default: $OPENAI_API_KEY)")
     remote.add_argument("--telemetry-url", action="append", default=None, metavar="URL",
-                        help="hardware telemetry from a Prometheus endpoint (kimitui agent or NVIDIA's DCGM exporter) "
+                        help="hardware telemetry from a Prometheus endpoint (kimitui agent, NVIDIA's DCGM exporter or "
+                             "AMD's device-metrics-exporter) "
                              "instead of this machine; repeat for several nodes")
     remote.add_argument("--telemetry-token", default=None, metavar="T", help="bearer token for --telemetry-url")
     remote.add_argument("--num-gpus", type=int, default=None, metavar="N",

@@ -184,6 +184,13 @@ class BlockManager:
             block.parent_content_id = self.blocks[seq.block_table[i - 1]].content_id if i else 0
             block.content_id = self._next_content_id
             self._next_content_id += 1
+            other = self.blocks[self._cached.get(block.hash, block.block_id)]
+            if other is not block and other.token_ids == block.token_ids \
+                    and other.parent_content_id == block.parent_content_id:
+                # A duplicate of the cached block (two sequences computed the same prefix side by
+                # side): same content, same id, so the blocks this sequence registers after it
+                # chain to the cached prefix and stay findable.
+                block.content_id = other.content_id
             # First writer wins: an existing entry may already be shared by other sequences.
             self._cached.setdefault(block.hash, block.block_id)
         self._num_registered[seq.seq_id] = max(start, num_full)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.layers.penalties import PenaltyBatch
+
 
 @dataclass
 class SamplingBatch:
@@ -22,6 +24,9 @@ class SamplingBatch:
     use_top_k: bool
     use_top_p: bool
     max_logprobs: int  # largest k asked for by any row, -1 when none asked
+    # presence / frequency / repetition penalties of the logits rows (set by the caller, which
+    # knows each row's history: ``PenaltyBatch.build``); None when no row has one
+    penalties: PenaltyBatch | None = None
 
     @classmethod
     def build(cls, params: list, generators: list[torch.Generator | None], device: torch.device,
@@ -97,7 +102,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """logits: [B, V] fp32 -> sampled ids (and log-probs when any row asks for them)."""
+    """logits: [B, V] fp32 -> sampled ids (and log-probs when any row asks for them). Penalties
+    shape the draw; the log-probs are the model's own (of ``logits`` as given)."""
+    raw = logits
+    if batch.penalties is not None:
+        logits = batch.penalties.apply(logits)
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         tokens = greedy
@@ -116,7 +125,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         tokens = torch.where(batch.temperature > 0, sampled, greedy)
     out = SamplerOutput(token_ids=tokens)
     if batch.max_logprobs >= 0:
-        logp = logits.log_softmax(dim=-1)
+        logp = raw.log_softmax(dim=-1)
         out.sampled_logprobs = logp.gather(1, tokens[:, None])[:, 0]
         if batch.max_logprobs > 0:
             top = logp.topk(batch.max_logprobs, dim=-1)

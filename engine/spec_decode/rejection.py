@@ -84,10 +84,13 @@ def rejection_sample(logits: torch.Tensor, num_drafts: list[int], draft_token_id
     """Verify every sequence's drafts. logits: [sum(k_i + 1), V] (fp32; other float types are
     upcast); batch: one entry per sequence; draft_probs: [sum k_i, V] or None (one-hot drafts).
     Returns [N, max_k + 1] int64 on the logits' device: row i is sequence i's accepted drafts, then
-    one target token, then -1 padding (``to_lists`` reads it back)."""
+    one target token, then -1 padding (``to_lists`` reads it back). ``batch.penalties``, when set,
+    indexes the logits rows (row j of a sequence counts its drafts before j as output)."""
     _check(logits, num_drafts, draft_token_ids, batch, draft_probs)
     device = logits.device
     logits = logits.float()
+    if batch.penalties is not None:  # one penalty row per logits row (see engine/layers/penalties.py)
+        logits = batch.penalties.apply(logits)
     n, vocab = len(num_drafts), logits.shape[1]
     max_k = max(num_drafts, default=0)
     # The host sends k_i and the drafts in one copy; the layout is derived on the device:

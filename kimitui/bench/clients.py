@@ -36,6 +36,10 @@ class RequestFuncOutput:
     latency: float = 0.0
     start_time: float = 0.0
     error: str = ""
+    # multi-turn sessions: the reply's token ids (the next turn's prompt repeats them) and the
+    # prompt tokens served from the prefix cache (None when the target did not say)
+    output_token_ids: tuple[int, ...] = ()
+    cached_tokens: int | None = None
 
 
 class InProcessClient:
@@ -70,6 +74,7 @@ class InProcessClient:
         st = time.perf_counter()
         last = st
         ttft = 0.0
+        out = None
         try:
             params = self._params(request.expected_output_len)
             prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
@@ -95,7 +100,9 @@ class InProcessClient:
         if n_tokens == 0:
             return RequestFuncOutput(False, "", request.prompt_len, 0, 0.0, [], 0.0, st,
                                      "the engine finished without producing a token")
-        return RequestFuncOutput(True, text, request.prompt_len, n_tokens, ttft, itl, last - st, st)
+        cached = out.metrics.num_cached_tokens if out.metrics is not None else None
+        return RequestFuncOutput(True, text, request.prompt_len, n_tokens, ttft, itl, last - st, st,
+                                 output_token_ids=tuple(out.outputs[0].token_ids), cached_tokens=cached)
 
     async def _abort(self, request_id: str) -> None:
         try:
@@ -140,6 +147,7 @@ class OpenAICompletionsClient:
         self.api_key = api_key
         self.temperature = temperature
         self.ignore_eos = ignore_eos
+        self.return_token_ids = False  # multi-turn: ask for the reply's ids (vLLM's return_token_ids)
         # No pool limit: the benchmark's semaphore is the only concurrency cap.
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(_REQUEST_TIMEOUT_S, connect=30.0),
@@ -158,6 +166,8 @@ class OpenAICompletionsClient:
         }
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.return_token_ids:
+            body["return_token_ids"] = True
         # Like vLLM we send no temperature unless asked: the server's default applies.
         if self.temperature is not None:
             body["temperature"] = self.temperature
@@ -167,6 +177,8 @@ class OpenAICompletionsClient:
         url = f"{self.base_url}/v1/completions"
         prompt_len = request.prompt_len
         text, itl, chunks, usage_tokens = "", [], 0, None
+        ids: list[int] = []
+        cached = None
         ttft = 0.0
         st = time.perf_counter()
         last = st
@@ -195,10 +207,12 @@ class OpenAICompletionsClient:
                         last = now
                         chunks += 1
                         text += choices[0].get("text") or ""
+                        ids += choices[0].get("token_ids") or []
                     elif usage := msg.get("usage"):
                         usage_tokens = usage.get("completion_tokens")
                         if usage.get("prompt_tokens") is not None:
                             prompt_len = usage["prompt_tokens"]
+                        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         except asyncio.CancelledError:
             raise  # leaving the stream context closes the connection: the server aborts
         except Exception as e:  # noqa: BLE001 - a benchmark records failures, it does not stop
@@ -209,7 +223,8 @@ class OpenAICompletionsClient:
                                      "Never received a valid chunk to calculate TTFT.")
         # Without usage, count chunks (one token per chunk for servers that stream each).
         output_tokens = usage_tokens if usage_tokens else chunks
-        return RequestFuncOutput(True, text, prompt_len, output_tokens, ttft, itl, last - st, st)
+        return RequestFuncOutput(True, text, prompt_len, output_tokens, ttft, itl, last - st, st,
+                                 output_token_ids=tuple(ids), cached_tokens=cached)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -58,6 +58,11 @@ class BenchmarkConfig:
     usd_per_kwh: float | None = DEFAULT_USD_PER_KWH
     label: str | None = None
     max_model_len: int | None = None
+    # "random" (vLLM's) or "multi-turn" (kimitui/bench/multi_turn.py: num_prompts sessions)
+    dataset_name: str = "random"
+    multi_turn_turns: int = 4
+    multi_turn_think_time: float = 0.0  # seconds between a reply and the next user message
+    multi_turn_system_len: int = 512  # shared tools + system prompt tokens
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -85,6 +90,13 @@ class BenchmarkConfig:
         need(self.num_gpus >= 0, f"--num-gpus must be >= 0, got {self.num_gpus}")
         need(self.usd_per_kwh is None or self.usd_per_kwh >= 0,
              f"--usd-per-kwh must be >= 0, got {self.usd_per_kwh}")
+        need(self.dataset_name in ("random", "multi-turn"),
+             f"--dataset-name must be random or multi-turn, got {self.dataset_name!r}")
+        need(self.multi_turn_turns >= 1, f"--multi-turn-turns must be >= 1, got {self.multi_turn_turns}")
+        need(self.multi_turn_think_time >= 0,
+             f"--multi-turn-think-time must be >= 0, got {self.multi_turn_think_time}")
+        need(self.multi_turn_system_len >= 0,
+             f"--multi-turn-system-len must be >= 0, got {self.multi_turn_system_len}")
 
 
 async def _bracket_sample(sampler: Any) -> None:
@@ -128,6 +140,8 @@ async def run_benchmark(config: BenchmarkConfig, client: Any, tokenizer: Any, sa
     running TelemetrySampler (or None: power keys are then null); `progress(done, total,
     elapsed_s)` is called as requests finish; setting `cancel_event` stops issuing requests
     and aborts those in flight (the result then has "cancelled": true)."""
+    if config.dataset_name == "multi-turn":
+        return await run_multi_turn(config, client, tokenizer, sampler, progress, cancel_event)
     workload = sample_random(
         tokenizer, config.num_prompts, config.random_input_len, config.random_output_len,
         config.random_range_ratio, config.random_prefix_len, config.seed,
@@ -179,6 +193,66 @@ async def run_benchmark(config: BenchmarkConfig, client: Any, tokenizer: Any, sa
     result["random_range_ratio"] = config.random_range_ratio
     result["num_warmups"] = config.num_warmups
     result["notes"] = workload.note
+    result["cancelled"] = cancel.is_set()
+    result["errors_sample"] = [o.error for o in outputs if not o.success][:10]
+    if config.save_result:
+        result["result_file"] = str(save_result(result, config.result_dir, config.result_filename))
+    return result
+
+
+async def run_multi_turn(config: BenchmarkConfig, client: Any, tokenizer: Any, sampler: Any = None,
+                         progress: ProgressFn | None = None,
+                         cancel_event: asyncio.Event | None = None) -> dict[str, Any]:
+    """`--dataset-name multi-turn`: `num_prompts` sessions of `multi_turn_turns` turns
+    (kimitui/bench/multi_turn.py); the usual metrics over every turn, plus per-turn TTFT and the
+    prefix-cache hit rate from the requests and from the engine's counters."""
+    from kimitui.bench.multi_turn import multi_turn_keys, read_prefix_counters, run_sessions, sample_sessions
+
+    sessions = sample_sessions(tokenizer, config.num_prompts, config.multi_turn_turns, config.multi_turn_system_len,
+                               config.random_input_len, config.random_output_len, config.random_range_ratio,
+                               config.seed)
+    longest = max(len(s.prefix_ids) + sum(map(len, s.user_ids)) + sum(s.output_lens) for s in sessions)
+    if config.max_model_len is not None and longest > config.max_model_len:
+        raise ValueError(f"a multi-turn session reaches {longest} tokens, more than max_model_len "
+                         f"{config.max_model_len}; lower --multi-turn-turns, --random-input-len or --random-output-len")
+    if hasattr(client, "return_token_ids"):
+        client.return_token_ids = True
+    cancel = cancel_event or asyncio.Event()
+    total = config.num_prompts * config.multi_turn_turns
+    done = 0
+    before = await read_prefix_counters(client)
+    if sampler is not None:
+        await _bracket_sample(sampler)
+    bench_start = time.perf_counter()
+    t0 = time.monotonic()
+
+    def on_done(_: Any) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, time.perf_counter() - bench_start)
+
+    turns = await run_sessions(sessions, client, config.max_concurrency, config.multi_turn_think_time, cancel, on_done)
+    duration = time.perf_counter() - bench_start
+    t1 = time.monotonic()
+    energy = await _measure_energy(sampler, t0, t1)
+    after = await read_prefix_counters(client)
+    requests, outputs = [t.request for t in turns], [t.output for t in turns]
+    metrics = calculate_metrics(requests, outputs, duration, config.percentile_metrics, config.metric_percentiles)
+    model = getattr(client, "model", None) or config.model or "unknown"
+    result = result_json(
+        metrics, duration_s=duration, selected_percentile_metrics=config.percentile_metrics,
+        backend=getattr(client, "backend", "openai"), model_id=model, tokenizer_id=model,
+        num_prompts=config.num_prompts, request_rate=math.inf, burstiness=config.burstiness,
+        max_concurrency=config.max_concurrency, label=config.label, num_gpus=config.num_gpus, energy=energy,
+        pricing_tiers=config.pricing_tiers, usd_per_kwh=config.usd_per_kwh, telemetry_backends=_backend_status(sampler),
+    )
+    result.update(multi_turn_keys(turns, config.multi_turn_turns, before, after, config.metric_percentiles))
+    result["multi_turn_think_time"] = config.multi_turn_think_time
+    result["multi_turn_system_len"] = len(sessions[0].prefix_ids)
+    result["random_input_len"] = config.random_input_len
+    result["random_output_len"] = config.random_output_len
+    result["notes"] = None
     result["cancelled"] = cancel.is_set()
     result["errors_sample"] = [o.error for o in outputs if not o.success][:10]
     if config.save_result:
@@ -260,6 +334,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `kimitui bench`'s flags, named as `vllm bench serve` names them. Engine
     flags (--model, --gpus, --max-model-len) are registered by the CLI and read if present."""
     a = parser.add_argument
+    a("--dataset-name", choices=["random", "multi-turn"], default="random",
+      help="random: vLLM's random prompts; multi-turn: --num-prompts agentic sessions (the user message "
+           "is --random-input-len tokens, the reply --random-output-len)")
+    a("--multi-turn-turns", type=int, default=4, help="multi-turn: turns per session")
+    a("--multi-turn-think-time", type=float, default=0.0, metavar="S",
+      help="multi-turn: seconds between a reply and the session's next user message")
+    a("--multi-turn-system-len", type=int, default=512, metavar="N",
+      help="multi-turn: tokens of the shared tool definitions + system prompt")
     a("--random-input-len", type=int, default=1024, help="mean prompt tokens (vLLM random dataset)")
     a("--random-output-len", type=int, default=128, help="mean output tokens")
     a("--random-range-ratio", type=float, default=0.0,
@@ -315,4 +397,8 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
         base_url=args.base_url, model=getattr(args, "model", None), num_gpus=int(num_gpus),
         pricing_tiers=cost.tiers, usd_per_kwh=cost.usd_per_kwh, label=args.label,
         max_model_len=getattr(args, "max_model_len", None),
+        dataset_name=getattr(args, "dataset_name", "random"),
+        multi_turn_turns=getattr(args, "multi_turn_turns", 4),
+        multi_turn_think_time=getattr(args, "multi_turn_think_time", 0.0),
+        multi_turn_system_len=getattr(args, "multi_turn_system_len", 512),
     )

@@ -189,6 +189,10 @@ def _print_result(result: dict[str, Any]) -> None:
     if result.get("notes"):
         print(f"kimitui bench: note: {result['notes']}", file=sys.stderr)
     print(format_result_block(result))
+    if result.get("dataset_name") == "multi-turn":
+        from kimitui.bench.multi_turn import format_multi_turn_block
+
+        print(format_multi_turn_block(result))
     print(format_efficiency_block(result))
     if result.get("result_file"):
         print(f"kimitui bench: saved {result['result_file']}", file=sys.stderr)

@@ -61,6 +61,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = Fals
     g.add_argument("--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s dict: {"method": "ngram"|"suffix"|"eagle3", '
                         '"num_speculative_tokens": K, "prompt_lookup_min": N, "prompt_lookup_max": M, "model": DIR}')
+    g.add_argument("--state-snapshot-interval", type=int, default=512, metavar="TOKENS",
+                   help="hybrid (K3) models: keep a KDA state snapshot every TOKENS prompt tokens for prefix "
+                        "reuse (a multiple of the block size), besides the prompt's and reply's last full block")
     if subcommand:
         for action in g._group_actions:  # argparse has no public way to re-default a group
             action.default = argparse.SUPPRESS
@@ -83,4 +86,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         enforce_eager=args.enforce_eager,
         numa=args.numa,
         speculative_config=getattr(args, "speculative_config", None),
+        state_snapshot_interval=getattr(args, "state_snapshot_interval", 512),
     )

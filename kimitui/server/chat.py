@@ -13,16 +13,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine import RequestOutput, SamplingParams
+from engine.outputs import CompletionOutput
 from engine.chat import StreamDelta, ToolCall
 from engine.chat_format import ChatFormat, chat_format_for
-from engine.xtml import THINKING_EFFORTS
+from engine.xtml_options import THINKING_EFFORTS, OptionError, response_format_type, tool_choice_name
 from kimitui.server.body import read_body
 from kimitui.server.errors import bad_request, engine_error, error_body
 from kimitui.server.logprobs import TokenText, chat_logprobs
 from kimitui.server.protocol import ChatCompletionRequest
 from kimitui.server.sampling import build_sampling_params, check_supported, resolve_max_tokens
 from kimitui.server.state import ServerState, server_state
-from kimitui.server.structured import chat_constraint, check_tool_choice, compile_constraint
+from kimitui.server.structured import chat_constraint, compile_constraint
 from kimitui.server.streaming import SSE_DONE, merged, sse, sse_response, unless_disconnected
 
 router = APIRouter()
@@ -81,13 +82,32 @@ def _template_options(kwargs: dict | None) -> dict:
     return options
 
 
+def _check_option(check, value):
+    try:
+        return check(value)
+    except OptionError as e:
+        raise bad_request(str(e), param=e.param) from None
+
+
+def _check_tool_choice(req: ChatCompletionRequest) -> bool:
+    """Validate ``tool_choice`` against ``tools`` (OpenAI's rules); True when replies may call tools.
+    Every choice is rendered by the chat format (K3 writes "none" and "required" as system messages);
+    "required" and a named function are enforced by constrained decoding, not by the prompt."""
+    choice = req.tool_choice
+    name = _check_option(tool_choice_name, choice)
+    if (name is not None or choice == "required") and not req.tools:
+        raise bad_request(f"tool_choice {choice!r} needs tools", param="tool_choice")
+    if name is not None and name not in {(t.get("function") or t).get("name") for t in req.tools}:
+        raise bad_request(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
+    return bool(req.tools) and choice != "none"
+
+
 async def _prepare(state: ServerState, req: ChatCompletionRequest) -> _Chat:
     tok = state.require_tokenizer("chat messages")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-    choice = req.tool_choice
-    check_tool_choice(choice, req.tools)
-    report_tools = bool(req.tools) and choice != "none"
+    report_tools = _check_tool_choice(req)
+    _check_option(response_format_type, req.response_format)
     messages = []
     for i, m in enumerate(req.messages):
         # The checkpoint template would render an image part as a media placeholder with no
@@ -100,12 +120,16 @@ async def _prepare(state: ServerState, req: ChatCompletionRequest) -> _Chat:
         if d["role"] == "developer":  # OpenAI's newer name for the system role
             d["role"] = "system"
         messages.append(d)
-    tools = req.tools if report_tools else None
+    tools = req.tools or None
     size = sum(len(str(m.get("content", ""))) for m in messages) + len(str(tools or ""))
     fmt = chat_format_for(tok)
     options = _template_options(req.chat_template_kwargs)
     try:
-        prompt = await state.run_blocking(size, partial(fmt.encode, messages, tools=tools, **options))
+        prompt = await state.run_blocking(size, partial(
+            fmt.encode, messages, tools=tools, tool_choice=req.tool_choice, response_format=req.response_format,
+            reasoning_effort=req.reasoning_effort, **options))
+    except OptionError as e:  # a request option the format does not take (reasoning_effort "medium" on K3)
+        raise bad_request(str(e), param=e.param) from None
     except Exception as e:  # noqa: BLE001 - ChatError, template errors: the messages are at fault
         raise bad_request(f"cannot render the messages in the chat format: {e}", param="messages") from None
     if prompt.note:
@@ -139,10 +163,9 @@ async def _collect(stream) -> RequestOutput:
     return final
 
 
-def _reply_text(state: ServerState, out: RequestOutput) -> str:
+def _reply_text(state: ServerState, c: CompletionOutput) -> str:
     """Generated text without the stop token's own text (``[EOS]`` would otherwise reach content)."""
-    c = out.outputs[0]
-    if out.finished and c.finish_reason == "stop" and isinstance(c.stop_reason, int):
+    if c.finish_reason == "stop" and isinstance(c.stop_reason, int):
         tail = state.tokenizer.decode([c.stop_reason], skip_special_tokens=False)
         if tail and c.text.endswith(tail):
             return c.text[:-len(tail)]
@@ -155,21 +178,26 @@ def _tool_call(call: ToolCall, index: int | None = None) -> dict:
 
 
 def _usage(chat: _Chat, out: RequestOutput | None) -> dict:
-    completion = len(out.outputs[0].token_ids) if out else 0
+    completion = sum(len(c.token_ids) for c in out.outputs) if out else 0
     cached = out.metrics.num_cached_tokens if out and out.metrics else 0
     return {"prompt_tokens": len(chat.ids), "completion_tokens": completion,
             "total_tokens": len(chat.ids) + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _finish_reason(out: RequestOutput, had_tool_calls: bool) -> str | None:
-    return "tool_calls" if had_tool_calls else out.outputs[0].finish_reason
+def _finish_reason(c: CompletionOutput, had_tool_calls: bool) -> str | None:
+    return "tool_calls" if had_tool_calls else c.finish_reason
 
 
 def _response(state: ServerState, rid: str, chat: _Chat, out: RequestOutput) -> dict:
-    c = out.outputs[0]
-    state.metrics.observe_finished(out.metrics, c.finish_reason)
+    state.metrics.observe_finished(out.metrics, out.outputs[0].finish_reason)
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.served_model_name,
+            "choices": [_choice(state, chat, c) for c in out.outputs], "usage": _usage(chat, out)}
+
+
+def _choice(state: ServerState, chat: _Chat, c: CompletionOutput) -> dict:
+    """One finished choice: the reply parsed into reasoning, content and tool calls."""
     parser = chat.fmt.reply_parser(chat.started_in_thinking)
-    parser.feed(_reply_text(state, out))
+    parser.feed(_reply_text(state, c))
     parser.finish()
     calls = parser.tool_calls if chat.report_tools else []
     message = {"role": "assistant", "content": parser.content if parser.content or not calls else None,
@@ -179,10 +207,8 @@ def _response(state: ServerState, rid: str, chat: _Chat, out: RequestOutput) -> 
     logprobs = None
     if chat.top_logprobs is not None:
         logprobs = chat_logprobs(TokenText(state.tokenizer), c.token_ids, c.logprobs or [], chat.top_logprobs)
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.served_model_name,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs,
-                         "finish_reason": _finish_reason(out, bool(calls)), "stop_reason": c.stop_reason}],
-            "usage": _usage(chat, out)}
+    return {"index": c.index, "message": message, "logprobs": logprobs,
+            "finish_reason": _finish_reason(c, bool(calls)), "stop_reason": c.stop_reason}
 
 
 class _StreamState:
@@ -194,41 +220,53 @@ class _StreamState:
         self.tokens = 0
         self.role_sent = False
         self.num_tool_calls = 0
-        self.final: RequestOutput | None = None
+        self.seen = 0  # tokens of this choice already looked at
+        self.final: CompletionOutput | None = None
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, chat: _Chat, stream):
     names = TokenText(state.tokenizer)
     head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": state.served_model_name}
-    st = _StreamState(chat)
+    sts = [_StreamState(chat) for _ in range(req.n)]  # one per choice index
     hold = max((len(s) for s in chat.params.stop_strings), default=1) - 1
+    final = None
     try:
         async with aclosing(merged([stream])) as events:
             async for _, out in events:
-                choice = _chunk_choice(state, chat, names, st, out, hold)
-                if choice is not None:
-                    yield sse({**head, "choices": [choice]})
+                if out.finished:
+                    final = out
+                    state.metrics.observe_finished(out.metrics, out.outputs[0].finish_reason)
+                for c in out.outputs:
+                    st = sts[c.index]
+                    if req.n > 1 and (st.final is not None or (len(c.token_ids) == st.seen and c.finish_reason is None)):
+                        continue  # nothing new for this choice (or it has ended while its siblings run)
+                    st.seen = len(c.token_ids)
+                    choice = _chunk_choice(state, chat, names, st, c, hold)
+                    if choice is not None:
+                        yield sse({**head, "choices": [choice]})
         if req.include_usage:
-            yield sse({**head, "choices": [], "usage": _usage(chat, st.final)})
+            yield sse({**head, "choices": [], "usage": _usage(chat, final)})
     except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, then end the stream
         err = engine_error(e)
         yield sse(error_body(err.status, err.message, err.param, err.code))
     finally:
-        if st.final is None:
+        if final is None:
             state.metrics.observe_aborted()
     yield SSE_DONE
 
 
-def _chunk_choice(state: ServerState, chat: _Chat, names: TokenText, st: _StreamState, out: RequestOutput,
+def _chunk_choice(state: ServerState, chat: _Chat, names: TokenText, st: _StreamState, c: CompletionOutput,
                   hold: int) -> dict | None:
-    """The delta for one cumulative engine output, or None when it completed nothing to show."""
-    text = _reply_text(state, out)
+    """The delta for choice ``c`` of one cumulative engine output, or None when it completed nothing
+    to show."""
+    done = c.finish_reason is not None  # this choice has ended (its siblings may still run)
+    text = _reply_text(state, c)
     # Hold back text a stop string could still cut (see completions._chunk_choice).
-    end = len(text) if out.finished else max(st.chars, len(text) - hold)
+    end = len(text) if done else max(st.chars, len(text) - hold)
     d = st.parser.feed(text[st.chars:end])
     st.chars = end
-    if out.finished:
+    if done:
         tail = st.parser.finish()
         d = StreamDelta(d.reasoning + tail.reasoning, d.content + tail.content, d.tool_calls + tail.tool_calls)
     delta: dict = {}
@@ -240,19 +278,17 @@ def _chunk_choice(state: ServerState, chat: _Chat, names: TokenText, st: _Stream
     if calls:
         delta["tool_calls"] = [_tool_call(t, st.num_tool_calls + j) for j, t in enumerate(calls)]
         st.num_tool_calls += len(calls)
-    if not delta and not out.finished:
+    if not delta and not done:
         return None  # tokens held back inside a tag; their log-probs go with the next chunk
     if not st.role_sent:
         delta = {"role": "assistant", **delta}
         st.role_sent = True
-    c = out.outputs[0]
     logprobs = None
     if chat.top_logprobs is not None:
         logprobs = chat_logprobs(names, c.token_ids[st.tokens:], (c.logprobs or [])[st.tokens:], chat.top_logprobs)
         st.tokens = len(c.token_ids)
     finish = None
-    if out.finished:
-        st.final = out
-        state.metrics.observe_finished(out.metrics, c.finish_reason)
-        finish = _finish_reason(out, st.num_tool_calls > 0)
-    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    if done:
+        st.final = c
+        finish = _finish_reason(c, st.num_tool_calls > 0)
+    return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}

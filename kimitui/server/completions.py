@@ -1,4 +1,7 @@
-"""POST /v1/completions: text or token-id prompts, one choice per prompt, streaming or not."""
+"""POST /v1/completions: text or token-id prompts, ``n`` choices per prompt, streaming or not.
+
+Choice ``i * n + j`` is sample ``j`` of prompt ``i``, as OpenAI numbers them; the ``n`` samples of a
+prompt are one engine request (engine/parallel_sampling.py), so they share its computed prompt."""
 
 from __future__ import annotations
 
@@ -108,8 +111,8 @@ def _echo_text(state: ServerState, req: CompletionRequest, p: _Prompt) -> str:
 
 def _usage(prompts: list[_Prompt], outs: list[RequestOutput]) -> dict:
     prompt_tokens = sum(len(p.ids) for p in prompts)
-    completion_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    cached = sum((o.metrics.num_cached_tokens if o.metrics else 0) for o in outs)
+    completion_tokens = sum(len(c.token_ids) for o in outs if o for c in o.outputs)
+    cached = sum((o.metrics.num_cached_tokens if o and o.metrics else 0) for o in outs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -120,18 +123,20 @@ def _response(state: ServerState, req: CompletionRequest, rid: str, prompts: lis
     names = TokenText(state.tokenizer)
     choices = []
     for i, (p, out) in enumerate(zip(prompts, finals)):
-        c = out.outputs[0]
-        state.metrics.observe_finished(out.metrics, c.finish_reason)
+        state.metrics.observe_finished(out.metrics, out.outputs[0].finish_reason)
         prefix = _echo_text(state, req, p) if req.echo else ""
-        logprobs = None
-        if req.logprobs is not None:
-            ids, entries = list(c.token_ids), list(c.logprobs or [])
-            if req.echo:
-                ids, entries = p.ids + ids, list(out.prompt_logprobs or [None] * len(p.ids)) + entries
-            offsets = TextOffsets(state.tokenizer, req.skip_special_tokens)
-            logprobs = completion_logprobs(names, ids, entries, req.logprobs, offsets)
-        choices.append({"index": i, "text": prefix + c.text, "logprobs": logprobs,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        for c in out.outputs:
+            logprobs = None
+            if req.logprobs is not None:
+                ids, entries = list(c.token_ids), list(c.logprobs or [])
+                if req.echo:
+                    ids, entries = p.ids + ids, list(out.prompt_logprobs or [None] * len(p.ids)) + entries
+                offsets = TextOffsets(state.tokenizer, req.skip_special_tokens)
+                logprobs = completion_logprobs(names, ids, entries, req.logprobs, offsets)
+            choices.append({"index": i * req.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            if req.return_token_ids:
+                choices[-1]["token_ids"] = list(c.token_ids)
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.served_model_name,
             "choices": choices, "usage": _usage(prompts, finals)}
 
@@ -140,6 +145,7 @@ def _response(state: ServerState, req: CompletionRequest, rid: str, prompts: lis
 class _Progress:
     chars: int = 0  # characters of the completion sent
     tokens: int = 0  # tokens whose log-probs were sent
+    ids: int = 0  # token ids sent (return_token_ids)
     offsets: TextOffsets | None = None
     started: bool = False
     final: RequestOutput | None = None
@@ -148,30 +154,42 @@ class _Progress:
 async def _stream(state: ServerState, req: CompletionRequest, rid: str, prompts: list[_Prompt], streams):
     names = TokenText(state.tokenizer)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.served_model_name}
-    progress = [_Progress(offsets=TextOffsets(state.tokenizer, req.skip_special_tokens)) for _ in prompts]
+    n = req.n
+    progress = [_Progress(offsets=TextOffsets(state.tokenizer, req.skip_special_tokens))
+                for _ in range(len(prompts) * n)]
+    finals: list[RequestOutput | None] = [None] * len(prompts)
     try:
         async with aclosing(merged(streams)) as events:
             async for i, out in events:
-                choice = _chunk_choice(state, req, names, prompts[i], progress[i], out)
-                yield sse({**head, "choices": [{"index": i, **choice}]})
+                if out.finished:
+                    finals[i] = out
+                    state.metrics.observe_finished(out.metrics, out.outputs[0].finish_reason)
+                for c in out.outputs:
+                    prog = progress[i * n + c.index]
+                    if n > 1 and prog.final is not None:
+                        continue  # this choice has ended; its siblings still run
+                    if n > 1 and len(c.token_ids) == prog.tokens and c.finish_reason is None:
+                        continue  # nothing new for this choice in this step
+                    choice = _chunk_choice(state, req, names, prompts[i], prog, out, c)
+                    yield sse({**head, "choices": [{"index": i * n + c.index, **choice}]})
         if req.include_usage:
-            yield sse({**head, "choices": [], "usage": _usage(prompts, [g.final for g in progress])})
+            yield sse({**head, "choices": [], "usage": _usage(prompts, finals)})
     except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, then end the stream
         err = engine_error(e)
         yield sse(error_body(err.status, err.message, err.param, err.code))
     finally:
-        state.metrics.observe_aborted(sum(g.final is None for g in progress))
+        state.metrics.observe_aborted(sum(f is None for f in finals))
     yield SSE_DONE
 
 
 def _chunk_choice(state: ServerState, req: CompletionRequest, names: TokenText, p: _Prompt, prog: _Progress,
-                  out: RequestOutput) -> dict:
-    """The new part of one cumulative engine output, as a streamed choice."""
-    c = out.outputs[0]
+                  out: RequestOutput, c) -> dict:
+    """The new part of choice ``c`` of one cumulative engine output, as a streamed choice."""
+    done = c.finish_reason is not None  # this choice has ended (its siblings may still run)
     # A stop string can complete several tokens later and cut text already produced: hold back
     # enough characters that nothing sent is ever taken back.
     hold = max((len(s) for s in p.params.stop_strings), default=1) - 1
-    end = len(c.text) if out.finished else max(prog.chars, len(c.text) - hold)
+    end = len(c.text) if done else max(prog.chars, len(c.text) - hold)
     text = c.text[prog.chars:end]
     prog.chars = end
     ids, entries = c.token_ids[prog.tokens:], (c.logprobs or [])[prog.tokens:]
@@ -185,8 +203,11 @@ def _chunk_choice(state: ServerState, req: CompletionRequest, names: TokenText, 
     logprobs = None
     if req.logprobs is not None:
         logprobs = completion_logprobs(names, ids, entries, req.logprobs, prog.offsets)
-    if out.finished:
+    if done:
         prog.final = out
-        state.metrics.observe_finished(out.metrics, c.finish_reason)
-    return {"text": text, "logprobs": logprobs, "finish_reason": c.finish_reason if out.finished else None,
-            "stop_reason": c.stop_reason if out.finished else None}
+    chunk = {"text": text, "logprobs": logprobs, "finish_reason": c.finish_reason if done else None,
+             "stop_reason": c.stop_reason if done else None}
+    if req.return_token_ids:
+        chunk["token_ids"] = list(c.token_ids[prog.ids:])
+        prog.ids = len(c.token_ids)
+    return chunk

@@ -74,6 +74,11 @@ class ServerMetrics:
                stats.kv_cache_capacity_tokens)
         metric("kimitui:prefix_cache_hit_rate", "gauge", "Prompt tokens found in the prefix cache / looked up.",
                stats.prefix_cache_hit_rate)
+        # vLLM's counters: prompt tokens looked up in / found in the prefix cache at admission
+        metric("kimitui:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+               getattr(stats, "prefix_cache_queries", 0))
+        metric("kimitui:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
+               getattr(stats, "prefix_cache_hits", 0))
         metric("kimitui:prefill_tokens_per_second", "gauge", "Prefill throughput over the last seconds.",
                stats.prefill_tokens_per_s)
         metric("kimitui:decode_tokens_per_second", "gauge", "Decode throughput over the last seconds.",

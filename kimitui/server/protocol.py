@@ -38,7 +38,7 @@ class SamplingFields(_Body):
     best_of: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Accepted only at their neutral values (see sampling.py): the engine has no penalties.
+    # OpenAI's penalties and vLLM's repetition_penalty (engine/layers/penalties.py)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -58,6 +58,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     skip_special_tokens: bool = True
     response_format: dict[str, Any] | None = None
+    return_token_ids: bool = False  # vLLM's extra: each choice also carries its generated token ids
 
 
 class ChatMessage(_Body):
@@ -77,6 +78,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    # "auto", "none", "required" or {"type": "function", "function": {"name": ...}} (OpenAI's shapes).
     tool_choice: str | dict[str, Any] | None = None
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}.
     response_format: dict[str, Any] | None = None
+    # OpenAI's effort names; Kimi K3 maps them onto its thinking effort (engine/xtml_options.py).
+    reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None

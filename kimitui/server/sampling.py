@@ -6,21 +6,16 @@ from engine import SamplingParams
 from kimitui.server.errors import bad_request
 from kimitui.server.protocol import SamplingFields
 
-# Fields the engine cannot honour: accepted at the value that means "off", refused otherwise, so a
-# client never gets output silently sampled differently from what it asked for.
-_NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+MAX_N = 128  # OpenAI's limit on n; best_of has the same bound here
 
 
 def check_supported(req: SamplingFields) -> None:
-    if req.n != 1:
-        raise bad_request(f"n must be 1 (parallel sampling is not supported), got {req.n}", param="n")
-    if req.best_of not in (None, 1):
-        raise bad_request(f"best_of must be 1 (not supported), got {req.best_of}", param="best_of")
-    for name, neutral in _NEUTRAL.items():
-        value = getattr(req, name)
-        if value is not None and value != neutral:
-            raise bad_request(f"{name} is not supported by this server (only {neutral} is accepted), "
-                              f"got {value}", param=name)
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be in 1..{MAX_N}, got {req.n}", param="n")
+    if req.best_of is not None and not req.n <= req.best_of <= MAX_N:
+        raise bad_request(f"best_of must be in n..{MAX_N} (n={req.n}), got {req.best_of}", param="best_of")
+    if req.stream and (req.best_of or req.n) > req.n:
+        raise bad_request("best_of > n cannot be streamed (the choices are known only at the end)", param="best_of")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by this server", param="logit_bias")
     # Values that would overflow the int64 tensors of a batched step: caught here, because a
@@ -61,6 +56,9 @@ def build_sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k is None else req.top_k,
+            presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+            frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             stop=req.stop,
@@ -72,6 +70,8 @@ def build_sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int
             skip_special_tokens=skip_special_tokens,
             keep_special_token_ids=keep_special_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            n=req.n,
+            best_of=req.best_of,
             structured_outputs=structured_outputs,
         )
     except ValueError as e:

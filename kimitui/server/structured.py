@@ -21,7 +21,7 @@ def response_schema(response_format: dict | None) -> tuple[bool, dict | None]:
     ``json_object`` any JSON object (schema None), ``json_schema`` its ``json_schema.schema``."""
     if response_format is None:
         return False, None
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    kind = response_format.get("type") if isinstance(response_format, dict) else response_format
     if kind == "text":
         return False, None
     if kind == "json_object":
@@ -47,17 +47,6 @@ def named_tool(tool_choice) -> str | None:
         raise bad_request("tool_choice must be 'auto', 'none', 'required' or "
                           "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
     return name
-
-
-def check_tool_choice(tool_choice, tools) -> None:
-    """Shape checks of ``tool_choice`` before the prompt is rendered."""
-    if isinstance(tool_choice, dict):
-        named_tool(tool_choice)
-    elif tool_choice not in (None, "auto", "none", "required"):
-        raise bad_request(f"tool_choice must be 'auto', 'none', 'required' or a named function, got {tool_choice!r}",
-                          param="tool_choice")
-    if (tool_choice == "required" or isinstance(tool_choice, dict)) and not tools:
-        raise bad_request("tool_choice 'required' or a named function needs tools", param="tool_choice")
 
 
 def chat_constraint(req, fmt, tokenizer, started_in_thinking: bool) -> tuple[StructuredOutputs | None, str]:

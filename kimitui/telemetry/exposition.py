@@ -1,5 +1,5 @@
 """Telemetry samples as Prometheus metrics (``kimitui agent``) and back (``--telemetry-url``, which
-also reads NVIDIA's DCGM exporter).
+also reads NVIDIA's DCGM exporter and AMD's device-metrics-exporter).
 
 Written and read with ``prometheus_client`` (its collector types and its text parser), so any
 Prometheus can scrape an agent too. Names follow Prometheus' conventions: base units (watts,
@@ -96,7 +96,10 @@ def parse(text: str, default_node: str) -> list[NodeReading]:
         return _parse_agent(samples, default_node)
     if any(n.startswith("DCGM_FI_DEV_") for n in names):
         return _parse_dcgm(samples, default_node)
-    raise ValueError("no kimitui agent (kimitui_gpu_*) or DCGM exporter (DCGM_FI_DEV_*) metrics in the text")
+    if any(_dme_name(n) in _DME for n in names):
+        return _parse_dme(samples, default_node)
+    raise ValueError("no kimitui agent (kimitui_gpu_*), DCGM exporter (DCGM_FI_DEV_*) or AMD device-metrics-exporter "
+                     "(gpu_package_power, gpu_gfx_activity, ...) metrics in the text")
 
 
 def _parse_agent(samples, default_node: str) -> list[NodeReading]:
@@ -152,6 +155,50 @@ def _parse_dcgm(samples, default_node: str) -> list[NodeReading]:
             free, reserved = gpu.pop("_fb_free", None), gpu.pop("_fb_reserved", 0.0)
             if "mem_total_bytes" not in gpu and free is not None and "mem_used_bytes" in gpu:
                 gpu["mem_total_bytes"] = gpu["mem_used_bytes"] + free + reserved
+    return [_reading(node, gpus, {}) for node, gpus in nodes.items()]
+
+
+# AMD's device-metrics-exporter (github.com/ROCm/device-metrics-exporter, docs/configuration/metricslist.md):
+# watts, percent, MB (amd-smi's MiB), Celsius, microjoules; rows labelled gpu_id, card_model and
+# hostname; a deployment may prefix every name (commonly ``amd_``). Package (socket) power is MI300's
+# and later's, average package power MI200's; no power limit is exported.
+_DME = {
+    "gpu_package_power": ("power_w", 1.0),
+    "gpu_average_package_power": ("_power_avg", 1.0),
+    "gpu_energy_consumed": ("energy_j", 1e-6),
+    "gpu_gfx_activity": ("util_pct", 1.0),
+    "gpu_umc_activity": ("mem_util_pct", 1.0),
+    "gpu_used_vram": ("mem_used_bytes", 2**20),
+    "gpu_total_vram": ("mem_total_bytes", 2**20),
+    "gpu_junction_temperature": ("temp_c", 1.0),
+    "gpu_edge_temperature": ("_temp_edge", 1.0),
+}
+
+
+def _dme_name(name: str) -> str:
+    name = name[4:] if name.startswith("amd_") else name
+    return name[:-6] if name.endswith("_total") else name  # a counter's sample name
+
+
+def _parse_dme(samples, default_node: str) -> list[NodeReading]:
+    nodes: dict[str, dict] = {}
+    for s in samples:
+        field_scale = _DME.get(_dme_name(s.name))
+        if field_scale is None or "gpu_id" not in s.labels:
+            continue
+        attr, scale = field_scale
+        node = s.labels.get("hostname") or default_node
+        gpu = nodes.setdefault(node, {}).setdefault(int(s.labels["gpu_id"]), {
+            "name": s.labels.get("card_model") or "AMD GPU", "vendor": "amd"})
+        gpu[attr] = s.value * scale
+    for gpus in nodes.values():
+        for gpu in gpus.values():
+            avg, edge = gpu.pop("_power_avg", None), gpu.pop("_temp_edge", None)
+            gpu.setdefault("power_w", avg)
+            gpu.setdefault("temp_c", edge)
+            for key in ("power_w", "temp_c"):
+                if gpu[key] is None:
+                    del gpu[key]
     return [_reading(node, gpus, {}) for node, gpus in nodes.items()]
 
 

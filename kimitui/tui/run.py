@@ -58,6 +58,13 @@ def run_tui(args: argparse.Namespace) -> int:
         app = KimiApp(engine_args, theme=getattr(args, "theme", None), sampler=sampler,
                       bridge_factory=bridge_factory)
         app.run()
+    # The screen is gone; what is left is the interpreter's teardown, whose final garbage
+    # collection walks every object a long session made (chat history, telemetry rings, Textual's
+    # widgets): seconds on a busy machine before the shell prompt returns. Frozen objects are
+    # skipped by that collection; the process is exiting, so nothing is lost.
+    import gc
+
+    gc.freeze()
     return app.return_code or 0
 
 

@@ -222,3 +222,18 @@ def test_hybrid_prefix_hit_ends_at_a_block_with_a_state_snapshot():
     assert slots.num_free_snapshot_slots == 2
     bm.free(big)
     assert bm.match_prefix(seq("y", range(1, 18))) == 0
+
+
+def test_a_prefix_computed_twice_side_by_side_keeps_both_continuations_findable():
+    # Two sequences compute the same prefix in one step; the second's blocks are duplicates of the
+    # cached ones, and the blocks it registers after them must still chain to the cached prefix.
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    a, b = seq("a", [1] * 8 + [2] * 4 + [9]), seq("b", [1] * 8 + [3] * 4 + [9])
+    admit(bm, a)
+    admit(bm, b)
+    compute_all(bm, a)
+    compute_all(bm, b)
+    bm.free(a)
+    bm.free(b)
+    assert bm.match_prefix(seq("a2", a.token_ids + [5])) == 12
+    assert bm.match_prefix(seq("b2", b.token_ids + [5])) == 12

@@ -27,8 +27,7 @@ TOOL_DECLARE = (
     'in JSONSchema.\n\n```json\n[{"function":{"description":"Get current weather for a location",'
     '"name":"get_weather","parameters":{"properties":{"location":{"description":"City name","type":"string"}},'
     '"required":["location"],"type":"object"}},"type":"function"}]\n```<|close|>message<|sep|><|end_of_msg|>')
-# A third-party test pins this prompt (sha256 below) to Moonshot's encoding_k3.py; it also carries a
-# tool_choice=required message, which this renderer does not emit, so the test removes that one.
+# A third-party test pins this prompt (sha256 below) to Moonshot's encoding_k3.py (tool_choice=required).
 TOOL_PROMPT = (
     TOOL_DECLARE + '<|open|>message role="user"<|sep|>What\'s the weather in San Francisco?<|close|>message'
     '<|sep|><|end_of_msg|><|open|>message role="system" type="tool-choice"<|sep|>The system is invoked with '
@@ -72,6 +71,7 @@ def test_golden_tool_declaration_prompt():
     assert hashlib.sha256(TOOL_PROMPT.encode()).hexdigest() == TOOL_PROMPT_SHA256
     choice = TOOL_PROMPT[TOOL_PROMPT.index('<|open|>message role="system" type="tool-choice"'):-len(GEN_RESPONSE)]
     msgs = [{"role": "user", "content": "What's the weather in San Francisco?"}]
+    assert render_text(msgs, tools=[WEATHER_TOOL], thinking=False, tool_choice="required") == TOOL_PROMPT
     assert render_text(msgs, tools=[WEATHER_TOOL], thinking=False) == TOOL_PROMPT.replace(choice, "")
     # A bare function (no {"type": "function"} wrapper) declares the same way.
     assert render_text(msgs, tools=[WEATHER_TOOL["function"]], thinking=False) == TOOL_PROMPT.replace(choice, "")
@@ -101,10 +101,11 @@ def test_history_think_channel_and_preserve_thinking():
 
 
 def test_effort_values_attributes_and_errors():
-    for effort in ("low", "medium", "high", "max"):
+    for effort in ("low", "high", "max"):
         assert f"`thinking_effort={effort}`." in render_text(USER, thinking_effort=effort)
-    with pytest.raises(XtmlError, match="thinking_effort must be one of"):
-        render_text(USER, thinking_effort="extreme")
+    for effort in ("medium", "extreme"):  # encoding_k3 accepts low, high and max only
+        with pytest.raises(XtmlError, match="thinking_effort must be one of low, high, max"):
+            render_text(USER, thinking_effort=effort)
     assert "thinking_effort" not in render_text(USER, thinking=False, thinking_effort="extreme")
     named = render_text([{"role": "system", "content": "x", "name": 'a&"b'}], thinking=False)
     assert named.startswith('<|open|>message role="system" name="a&amp;&quot;b"<|sep|>x')
@@ -112,7 +113,7 @@ def test_effort_values_attributes_and_errors():
         render_text([{"role": "robot", "content": "x"}])
     with pytest.raises(XtmlError, match=r"messages\[1\]: a tool result needs a name"):
         render_text([{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}])
-    with pytest.raises(XtmlError, match="image_url"):
+    with pytest.raises(XtmlError, match=r"messages\[0\]\.content\[0\]: content part of type 'image_url'"):
         render_text([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
 
 
@@ -180,7 +181,14 @@ def test_chat_format_chosen_by_tokenizer(k3_tok, tmp_path):
     assert isinstance(k2, K2ChatFormat) and not k2.supports_thinking_effort
     plain = k2.encode(USER, thinking=True)
     noted = k2.encode(USER, thinking=True, thinking_effort="low")
-    assert noted.ids == plain.ids and plain.note is None and "ignored" in noted.note
+    assert noted.ids == plain.ids and plain.note is None and "not rendered" in noted.note
+    # K2's template has no tool choice or response format; "none" leaves the tools out, as before
+    tools = [WEATHER_TOOL]
+    declared = k2.encode(USER, tools=tools).ids
+    assert k2.encode(USER, tools=tools, tool_choice="none").ids == k2.encode(USER).ids != declared
+    assert k2.encode(USER, tools=tools, tool_choice="required").ids == declared
+    rf = k2.encode(USER, thinking=True, response_format={"type": "json_object"}, reasoning_effort="medium")
+    assert rf.ids == plain.ids and rf.note.startswith("reasoning_effort='medium', response_format='json_object'")
     assert noted.started_in_thinking
 
 
@@ -229,4 +237,4 @@ def test_llm_chat_effort_and_stop_ids(k3_tok, tmp_path, caplog):
     k2.chat(USER, thinking=True)
     assert k2.engine.requests[0][0] == k2.engine.requests[1][0]
     assert [r.message for r in caplog.records] == [
-        "thinking_effort='high' ignored: it is a Kimi K3 option and this checkpoint uses Kimi K2's chat format"]
+        "thinking_effort='high' not rendered: this checkpoint uses Kimi K2's chat format, which has no such option"]

@@ -182,7 +182,7 @@ def test_tool_calls_become_openai_tool_calls(served):
     # Streamed in three pieces: the call arrives whole, once, with an index.
     st = chat_route._StreamState(chat)
     pieces = [TOOL_REPLY[:20], TOOL_REPLY[:90], TOOL_REPLY]
-    deltas = [chat_route._chunk_choice(state, chat, None, st, _fake_output(t, [1] * (i + 1), i == 2), 0)
+    deltas = [chat_route._chunk_choice(state, chat, None, st, _fake_output(t, [1] * (i + 1), i == 2).outputs[0], 0)
               for i, t in enumerate(pieces)]
     calls = [c for d in deltas if d for c in d["delta"].get("tool_calls", [])]
     assert [c["function"]["name"] for c in calls] == ["get_weather"] and calls[0]["index"] == 0
@@ -198,3 +198,46 @@ def test_chat_accepts_tools(client):
 
 def test_health(served):
     assert httpx.get(served[2].url + "/health").json() == {"status": "ok"}
+
+
+def test_completion_n_choices_share_one_prompt_and_repeat_with_a_seed(served, client):
+    llm = served[0]
+    before = llm.engine.stats().computed_prompt_tokens
+    prompt = "one prompt, four samples " * 6
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, n=4, seed=5, temperature=1.0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.completion_tokens == 20 and r.usage.prompt_tokens == len(llm.tokenizer.encode(prompt))
+    p = r.usage.prompt_tokens
+    tail = p - (p - 1) // 16 * 16
+    # one pass over the prompt, then only the last partial block per extra sample
+    assert llm.engine.stats().computed_prompt_tokens - before <= p + 3 * tail
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, n=4, seed=5, temperature=1.0)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, n=4, seed=5,
+                                              temperature=1.0, stream=True))
+    texts = {}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {c.index: c.text for c in r.choices}
+    assert sum(1 for ch in streamed for c in ch.choices if c.finish_reason == "length") == 4
+
+
+def test_completion_best_of_and_several_prompts_number_choices(client):
+    r = client.completions.create(model=MODEL, prompt=["first", "second"], max_tokens=3, n=2, best_of=3,
+                                  seed=1, temperature=1.0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.completion_tokens == 12  # the choices returned (best_of sampled more)
+
+
+def test_chat_n_choices_streamed_with_indices(client):
+    msgs = [{"role": "user", "content": "Say something"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, n=3, seed=2, temperature=1.0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, n=3, seed=2,
+                                                 temperature=1.0, stream=True))
+    content = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            content[c.index] = content.get(c.index, "") + (c.delta.content or "")
+    assert content == {c.index: c.message.content or "" for c in r.choices}

@@ -119,3 +119,56 @@ def test_k2_ignores_effort(k2_tok):
     assert llm.calls[0][0] == llm.calls[1][0]
     assert r.json()["choices"][0]["message"] == r2.json()["choices"][0]["message"]
     assert r.json()["choices"][0]["message"]["reasoning_content"] == "r"
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}
+
+
+def test_k3_tool_choice_and_response_format_are_rendered(k3_tok):
+    """required and a named function are accepted (vllm renderers/kimi_k3.py passes them to
+    encoding_k3); none keeps the tools declared; response_format and reasoning_effort reach the prompt."""
+    fmt = chat_format_for(k3_tok)
+    cases = [({"tool_choice": "required"}, {"tool_choice": "required"}),
+             ({"tool_choice": NAMED}, {"tool_choice": NAMED}),
+             ({"tool_choice": "none"}, {"tool_choice": "none"}),
+             ({"response_format": SCHEMA_FORMAT, "reasoning_effort": "minimal"},
+              {"response_format": SCHEMA_FORMAT, "reasoning_effort": "minimal"})]
+    for body, options in cases:
+        llm = ScriptedLLM(k3_tok, REPLY)
+        r = _post(llm, {"messages": MSGS, "tools": TOOLS, **body})
+        assert r.status_code == 200, r.text
+        assert llm.calls[0][0] == fmt.encode(MSGS, tools=TOOLS, **options).ids
+        text = k3_tok.decode(llm.calls[0][0])
+        assert 'type="tool-declare"' in text  # tools stay declared, "none" included
+        calls = r.json()["choices"][0]["message"].get("tool_calls")
+        assert bool(calls) == (body.get("tool_choice") != "none")
+    text = k3_tok.decode(fmt.encode(MSGS, tools=TOOLS, tool_choice="none").ids)
+    assert "You MUST NOT call any tools in the next message." in text
+    text = k3_tok.decode(fmt.encode(MSGS, response_format=SCHEMA_FORMAT, reasoning_effort="minimal").ids)
+    assert "`response_format=json_schema`" in text and "`thinking_effort=low`" in text
+
+
+def test_k3_reasoning_effort_errors_name_the_field(k3_tok):
+    llm = ScriptedLLM(k3_tok, REPLY)
+    r = _post(llm, {"messages": MSGS, "reasoning_effort": "medium"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "reasoning_effort" and "none, minimal, low, high, xhigh, max" in err["message"]
+    r = _post(llm, {"messages": MSGS, "chat_template_kwargs": {"thinking_effort": "medium"}})
+    assert r.status_code == 400 and "low, high, max" in r.json()["error"]["message"]
+    r = _post(llm, {"messages": MSGS, "reasoning_effort": "none"})
+    assert r.status_code == 200 and k3_tok.decode(llm.calls[-1][0]).endswith("<|open|>response<|sep|>")
+    assert "thinking_effort" not in k3_tok.decode(llm.calls[-1][0])
+
+
+def test_k2_tool_choice_none_drops_tools_and_options_pass(k2_tok):
+    """K2's chat template has none of these options: the prompt is what it was, the request is accepted."""
+    llm = ScriptedLLM(k2_tok, "answer")
+    base = {"messages": MSGS, "tools": TOOLS}
+    for body in ({"tool_choice": "none"}, {"tool_choice": "required"}, {"tool_choice": NAMED},
+                 {"response_format": SCHEMA_FORMAT, "reasoning_effort": "medium"}):
+        assert _post(llm, {**base, **body}).status_code == 200
+    none, required, named, formatted = (c[0] for c in llm.calls)
+    fmt = chat_format_for(k2_tok)
+    assert none == fmt.encode(MSGS).ids and required == named == formatted == fmt.encode(MSGS, tools=TOOLS).ids

@@ -87,9 +87,12 @@ def test_validation_errors_name_the_field(url, path, body, field):
     ({"top_p": 2.0}, "top_p", "top_p must be in (0, 1]"),
     ({"temperature": -1}, "temperature", "temperature must be >= 0"),
     ({"logprobs": 21}, "logprobs", "logprobs must be in 0..20"),
-    ({"n": 2}, "n", "n must be 1"),
+    ({"n": 0}, "n", "n must be in 1..128"),
+    ({"n": 2, "best_of": 1}, "best_of", "best_of must be in n..128"),
+    ({"n": 1, "best_of": 3, "stream": True}, "best_of", "cannot be streamed"),
     ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be in (0, 100]"),
     ({"prompt": ""}, "prompt", "empty"),
     ({"prompt": [1, 999999]}, "prompt", "outside the vocabulary"),
     ({"prompt": "\ud800"}, "prompt", "lone surrogate"),
@@ -109,6 +112,15 @@ def test_neutral_unsupported_fields_are_accepted(url):
     assert r.status_code == 200
 
 
+def test_penalties_reach_the_sampler(url):
+    body = {"prompt": [5, 6, 5, 6, 5, 6], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    plain = post(url, "/v1/completions", body).json()["choices"][0]["text"]
+    # negative penalties reward repeats: a random-weight model, which rarely repeats, starts to
+    r = post(url, "/v1/completions", {**body, "repetition_penalty": 0.2, "frequency_penalty": -2.0,
+                                      "presence_penalty": -2.0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] != plain
+
+
 def test_context_overflow_names_both_numbers(url):
     prompt = [5] * 40
     r = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 5000})
@@ -126,9 +138,15 @@ def test_chat_specific_errors(url):
     msgs = [{"role": "user", "content": "x"}]
     r = post(url, "/v1/chat/completions", {"messages": msgs, "top_logprobs": 2})
     assert r.status_code == 400 and error_of(r)["param"] == "top_logprobs"
-    r = post(url, "/v1/chat/completions", {"messages": msgs, "tool_choice": {"type": "function", "function": {"name": "g"}},
-                                           "tools": [{"type": "function", "function": {"name": "f"}}]})
-    assert r.status_code == 400 and error_of(r)["param"] == "tool_choice"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for choice, says in (("sometimes", "must be one of auto, none, required"), ({"type": "function"}, "named"),
+                         ({"type": "function", "function": {"name": "g"}}, "'g', which is not in tools")):
+        r = post(url, "/v1/chat/completions", {"messages": msgs, "tool_choice": choice, "tools": tools})
+        assert r.status_code == 400 and error_of(r)["param"] == "tool_choice" and says in error_of(r)["message"]
+    r = post(url, "/v1/chat/completions", {"messages": msgs, "tool_choice": "required"})
+    assert r.status_code == 400 and "needs tools" in error_of(r)["message"]
+    r = post(url, "/v1/chat/completions", {"messages": msgs, "response_format": {"type": "yaml"}})
+    assert r.status_code == 400 and error_of(r)["param"] == "response_format"
     r = post(url, "/v1/chat/completions", {"messages": msgs, "chat_template_kwargs": {"thinking": "yes"}})
     assert r.status_code == 400 and "true or false" in error_of(r)["message"]
     r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})

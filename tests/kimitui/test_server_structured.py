@@ -162,7 +162,7 @@ def test_named_tool_choice(k2):
     ({"response_format": {"type": "yaml"}}, "response_format", "response_format.type must be"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
-     "not among the tools"),
+     "not in tools"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
      "cannot both"),
 ])

@@ -155,3 +155,24 @@ def test_dcgm_exporter_text_in_si_units():
     assert g0.energy_j == pytest.approx(123456.789)  # mJ -> J
     assert g0.mem_used_bytes == 133120 * 2**20 and g0.mem_total_bytes == (133120 + 10240) * 2**20
     assert g1.power_w == 498.5 and node.cpu.power_w is None
+
+
+def test_amd_device_metrics_exporter_text_in_si_units():
+    from pathlib import Path
+
+    text = (Path(__file__).parent / "fixtures" / "amd_device_metrics_exporter.txt").read_text()
+    mi355, mi210 = parse(text, default_node="x")
+    assert mi355.node == "mi355x-node" and mi210.node == "mi210-node"
+    g0, g1 = mi355.gpus
+    assert (g0.index, g0.name, g0.vendor) == (0, "AMD Instinct MI355X", "amd")
+    # socket (package) power wins over gpu_power_usage; no power limit is exported
+    assert (g0.power_w, g0.util_pct, g0.mem_util_pct, g0.temp_c, g0.power_cap_w) == (1187.5, 96.0, 64.0, 71.0, None)
+    assert g0.energy_j == pytest.approx(9.876e6)  # uJ -> J
+    assert g0.mem_used_bytes == 262144 * 2**20 and g0.mem_total_bytes == 294912 * 2**20
+    assert (g1.power_w, g1.util_pct, g1.mem_used_bytes) == (1203.0, 91.0, None)
+    (old,) = mi210.gpus
+    assert (old.power_w, old.temp_c) == (300.0, 45.0)  # MI200: average package power, edge temperature
+    # a deployment that prefixes the names reads the same
+    prefixed = "\n".join(line.replace("gpu_", "amd_gpu_", 1) if line.startswith("gpu_") else line
+                         for line in text.splitlines())
+    assert [g.power_w for g in parse(prefixed, "x")[0].gpus] == [1187.5, 1203.0]

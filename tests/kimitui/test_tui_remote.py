@@ -78,6 +78,9 @@ def test_chat_without_metrics_splits_thinking_and_says_what_is_missing():
             assert "requests     n/a running, n/a waiting" in text
             body = app.bridge.request_body(app.chats.current, app.gen_settings)
             assert body["model"] == "fake-model" and body["messages"][-1]["role"] == "assistant"
+            kwargs = body["chat_template_kwargs"]
+            assert kwargs["thinking"] is app.gen_settings.thinking
+            assert kwargs.get("thinking_effort") == (app.gen_settings.thinking_effort if kwargs["thinking"] else None)
             assert "reasoning_content" not in body["messages"][-1]
 
     try:

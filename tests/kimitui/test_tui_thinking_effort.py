@@ -20,7 +20,7 @@ from kimitui.tui.screens.settings import SettingsScreen
 def test_generation_settings_effort():
     assert GenerationSettings().thinking_effort == "max"
     assert GenerationSettings(thinking_effort="low").thinking_effort == "low"
-    with pytest.raises(ValueError, match="thinking effort must be one of low, medium, high, max"):
+    with pytest.raises(ValueError, match="thinking effort must be one of low, high, max"):
         GenerationSettings(thinking_effort="turbo")
 
 
@@ -72,11 +72,11 @@ def test_bridge_renders_k3_effort_and_history(k3_tok):
     bridge = _bridge(k3_tok)
     assert bridge.effort_supported
     chat = Chat(turns=[Turn("user", "hi"), Turn("assistant", "hello", reasoning="greet"), Turn("user", "more")])
-    prompt = bridge.prompt_for(chat, GenerationSettings(thinking_effort="medium"))
+    prompt = bridge.prompt_for(chat, GenerationSettings(thinking_effort="high"))
     text = k3_tok.decode(prompt.ids)
-    assert "`thinking_effort=medium`" in text and "<|open|>think<|sep|>greet<|close|>think<|sep|>" in text
+    assert "`thinking_effort=high`" in text and "<|open|>think<|sep|>greet<|close|>think<|sep|>" in text
     assert prompt.started_in_thinking and text.endswith("<|open|>think<|sep|>")
-    off = bridge.prompt_for(chat, GenerationSettings(thinking=False, thinking_effort="medium"))
+    off = bridge.prompt_for(chat, GenerationSettings(thinking=False, thinking_effort="high"))
     assert not off.started_in_thinking and "thinking_effort" not in k3_tok.decode(off.ids)
 
 

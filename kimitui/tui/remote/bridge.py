@@ -176,6 +176,10 @@ class RemoteBridge:
             # kimitui reads "thinking", Qwen-style templates (vLLM, SGLang) "enable_thinking"
             "chat_template_kwargs": {"thinking": settings.thinking, "enable_thinking": settings.thinking},
         }
+        if settings.thinking:
+            # Kimi K3's renderer's own argument (kimitui serve, and vLLM / SGLang pass it to the
+            # template); other templates ignore an argument they do not read
+            body["chat_template_kwargs"]["thinking_effort"] = settings.thinking_effort
         if settings.top_k:
             body["top_k"] = settings.top_k  # vLLM and SGLang take it beside OpenAI's fields
         return body
