@@ -205,3 +205,17 @@ def test_k3_json_schema_and_tool_calls(tmp_path_factory):
     finally:
         server.stop()
         llm.shutdown()
+
+
+def test_each_of_n_choices_matches_the_schema(k2):
+    llm, url = k2
+    r = post(url, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 300, "n": 3, "seed": 4,
+                                           "temperature": 1.0, "response_format": RESPONSE_FORMAT})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert sorted(c["index"] for c in choices) == [0, 1, 2]
+    for c in choices:
+        assert c["finish_reason"] == "stop"
+        _valid(c["message"]["content"], SCHEMA)
+    assert len({c["message"]["content"] for c in choices}) > 1  # each sample had its own matcher and seed
+    assert not llm.engine.runner.structured.requests
