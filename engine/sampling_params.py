@@ -27,6 +27,16 @@ class SamplingParams:
     # special tokens kept in the text even with skip_special_tokens (chat: <think> and tool-call tags)
     keep_special_token_ids: list[int] | None = None
     n: int = 1
+    # Scoring (KL measurements, logits dumps): hand out the full-vocabulary float32 log-prob row of
+    # every position this request scores (prompt positions 1.. and each sampled position) in
+    # ``RequestOutput.logprob_rows``, only the rows of the latest step, so memory stays at one
+    # step's rows however long the prompt. Prompt rows need every prompt position computed, so such
+    # a request takes no prefix-cache hits (as prompt_logprobs).
+    logprob_rows: bool = False
+    # Teacher forcing: output token i is forced_token_ids[i] whatever the sampler would pick (past
+    # the list's end the sampler picks again). Log-probs and rows are those of the model's own
+    # distribution at each position, so a reference continuation runs through the decode path.
+    forced_token_ids: list[int] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -46,12 +56,22 @@ class SamplingParams:
              f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
             (self.n == 1, f"n must be 1 (parallel sampling is not supported), got {self.n}"),
         ]
+        if self.forced_token_ids is not None:
+            self.forced_token_ids = list(self.forced_token_ids)
+            checks.append((all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                               for t in self.forced_token_ids),
+                           "forced_token_ids must be a list of non-negative token ids"))
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             checks.append((v is None or 0 <= v <= MAX_LOGPROBS, f"{name} must be in 0..{MAX_LOGPROBS}, got {v}"))
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
+
+    @property
+    def needs_prompt_rows(self) -> bool:
+        """Every prompt position must be computed (no prefix-cache hits): prompt log-probs or rows."""
+        return self.prompt_logprobs is not None or self.logprob_rows
 
     @property
     def greedy(self) -> bool:
