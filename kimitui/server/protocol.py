@@ -57,6 +57,8 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     skip_special_tokens: bool = True
+    # vLLM's extension: name tokens "token_id:<id>" in logprobs, so clients get ids, not text
+    return_tokens_as_token_ids: bool = False
 
 
 class ChatMessage(_Body):
