@@ -88,7 +88,7 @@ def test_validation_errors_name_the_field(url, path, body, field):
     ({"temperature": -1}, "temperature", "temperature must be >= 0"),
     ({"logprobs": 21}, "logprobs", "logprobs must be in 0..20"),
     ({"n": 2}, "n", "n must be 1"),
-    ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),
+    ({"max_tokens": -1}, "max_tokens", "max_tokens must be >= 0"),  # 0 is taken: prompt log-probs only, as vLLM
     ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"prompt": ""}, "prompt", "empty"),
     ({"prompt": [1, 999999]}, "prompt", "outside the vocabulary"),
