@@ -71,7 +71,7 @@ def decode_start(n: int, decode_tokens: int) -> int | None:
     position stays on prefill."""
     if decode_tokens <= 0:
         return None
-    return max(1, n - decode_tokens)
+    return max(1, n - decode_tokens - 1)
 
 
 class FileReference:
