@@ -31,6 +31,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     else:
         recall.add_parser(sub)
         sub.choices["recall"].set_defaults(eval_run=recall.run)
+    sub.metavar = "{" + ",".join(sub.choices) + "}"
     return p
 
 
