@@ -18,8 +18,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from engine.args import EngineArgs  # noqa: E402
 from engine.async_llm import AsyncLLM  # noqa: E402
 from engine.llm import LLM  # noqa: E402
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
+from engine.outputs import CompletionOutput, LogprobRows, RequestMetrics, RequestOutput  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
-           "EngineArgs"]
+           "EngineArgs", "LogprobRows"]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from engine.args import EngineArgs
-from engine.engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.engine import LLMEngine, PromptError
+from engine.outputs import LogprobRows, RequestOutput
 from engine.sampling_params import SamplingParams
 
 
@@ -58,6 +60,48 @@ class LLM:
                 if out.finished:
                     final[out.request_id] = out
         return [final[r] for r in ids]
+
+    def score_logits(self, prompt, decode_from: int | None = None, chunk: int | None = None
+                     ) -> Iterator[LogprobRows]:
+        """The model's full-vocabulary float32 log-probs at every position 1..n-1 of ``prompt``
+        (token ids or text), in position order, as ``LogprobRows`` pieces of at most ``chunk``
+        rows: row i of a piece is the distribution of the token at ``first_pos + i``.
+
+        ``decode_from`` (d, 1 <= d < n): positions 1..d come from the prefill path and positions
+        d+1..n-1 from the decode path, the reference tokens fed back one by one (teacher forcing),
+        so the two paths can be measured separately; None: every position from prefill. Memory
+        stays bounded: the engine hands out each step's rows (at most ``max_num_batched_tokens``
+        prompt positions, or one row per decode) and keeps none."""
+        _text, ids = self.engine._prompt_ids(prompt)
+        n = len(ids)
+        if n < 2:
+            raise PromptError(f"scoring needs at least 2 tokens, got {n}")
+        if n > self.engine.max_model_len:
+            raise PromptError(f"{n} tokens to score; the context limit is max_model_len={self.engine.max_model_len}")
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        d = n if decode_from is None else decode_from
+        if not 1 <= d <= n:
+            raise ValueError(f"decode_from must be in 1..{n} (the prompt's length), got {decode_from}")
+        forced = ids[d:]
+        params = SamplingParams(temperature=0.0, max_tokens=max(1, len(forced)), ignore_eos=True,
+                                logprob_rows=True, forced_token_ids=forced or None, skip_special_tokens=False)
+        rid = self.engine.add_request(None, {"prompt_token_ids": ids[:d]}, params)
+        done = False
+        try:
+            while not done:
+                for out in self.engine.step():
+                    if out.request_id != rid:
+                        continue
+                    done = out.finished
+                    for rows in out.logprob_rows or []:
+                        keep = min(rows.num_rows, n - rows.first_pos)  # nothing past the last token
+                        step = chunk or max(keep, 1)
+                        for at in range(0, keep, step):
+                            yield LogprobRows(rows.first_pos + at, rows.values[at: min(at + step, keep)], rows.path)
+        finally:
+            if not done:
+                self.engine.abort_request(rid)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              thinking: bool | None = None, tools: list[dict] | None = None, thinking_effort: str | None = None,

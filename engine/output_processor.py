@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.metrics import ThroughputWindow
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, LogprobRows, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -40,6 +40,8 @@ class RequestState:
     cumulative_logprob: float = 0.0
     finished: bool = False
     num_seen: int = 0  # output tokens already turned into text (a verified decode brings several)
+    next_row_pos: int = 1  # logprob_rows: the next position to hand out (a recomputed one is dropped)
+    new_rows: list[LogprobRows] | None = None  # logprob_rows: this step's, handed out once
 
 
 @dataclass
@@ -112,7 +114,9 @@ class OutputProcessor:
                 start, entries = result.prompt_logprobs[rid]
                 if len(req.prompt_logprobs) == start:  # skip recomputed chunks after preemption
                     req.prompt_logprobs.extend(entries)
-            if token is None and rid not in finished_ids:
+            if req.params.logprob_rows:
+                req.new_rows = self._new_rows(req, result.rows.get(rid, []))
+            if token is None and rid not in finished_ids and not req.new_rows:
                 continue  # a prefill chunk short of the prompt's end: nothing to show yet
             if token is not None:
                 # what the scheduler appended: one token, or a verified decode's accepted drafts and
@@ -132,6 +136,19 @@ class OutputProcessor:
                 del self.requests[rid]
             step.outputs.append(self._output(req))
         return step
+
+    @staticmethod
+    def _new_rows(req: RequestState, rows: list[LogprobRows]) -> list[LogprobRows]:
+        """The rows of positions not handed out yet, in order: a sequence preempted and recomputed
+        computes some positions twice."""
+        out = []
+        for r in rows:
+            skip = req.next_row_pos - r.first_pos
+            if skip >= r.num_rows or skip < 0:
+                continue  # already handed out (or, never expected, a gap: dropped rather than misplaced)
+            out.append(LogprobRows(req.next_row_pos, r.values[skip:], r.path) if skip else r)
+            req.next_row_pos = r.first_pos + r.num_rows
+        return out
 
     def _on_token(self, req: RequestState, token: int, lp: dict | None, now: float, last: bool = True) -> None:
         req.num_seen += 1
@@ -197,4 +214,12 @@ class OutputProcessor:
             outputs=[comp],
             finished=req.finished,
             metrics=req.metrics,
+            logprob_rows=self._take_rows(req),
         )
+
+    @staticmethod
+    def _take_rows(req: RequestState) -> list[LogprobRows] | None:
+        if not req.params.logprob_rows:
+            return None
+        rows, req.new_rows = req.new_rows or [], None
+        return rows

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class RequestMetrics:
@@ -51,6 +53,24 @@ class CompletionOutput:
 
 
 @dataclass
+class LogprobRows:
+    """Full-vocabulary log-probs of consecutive positions of one request (``logprob_rows``).
+
+    Row ``i`` is the model's distribution of the token at position ``first_pos + i`` given the
+    tokens before it. ``path`` says which forward pass computed the rows: "prefill" (a prompt
+    chunk, including the row that picks the first output token) or "decode" (one decode row per
+    position, the path generation runs token by token)."""
+
+    first_pos: int
+    values: torch.Tensor  # [n, V] float32, on the host
+    path: str
+
+    @property
+    def num_rows(self) -> int:
+        return self.values.shape[0]
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -59,3 +79,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # rows computed by this step only (``SamplingParams.logprob_rows``); None when not asked for
+    logprob_rows: list[LogprobRows] | None = None

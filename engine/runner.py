@@ -29,6 +29,7 @@ from engine.kv_cache.state import KDAState
 from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
 from engine.layers.penalties import PenaltyBatch, has_penalties
 from engine.layers.sampler import SamplingBatch, logprob_dicts, prompt_logprob_dicts, sample
+from engine.outputs import LogprobRows
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.spec_decode.proposer import StepHidden
 from engine.spec_decode.verify import KDASpecStep, kda_spec_steps, verify_and_logprobs
@@ -42,7 +43,8 @@ class PromptLogprobSpan:
     num_rows: int  # rows whose next token is still a prompt token
     first_pos: int  # position of the first prompt token these rows predict
     next_ids: list[int]
-    k: int
+    k: int | None  # top-k of the log-prob dicts (prompt_logprobs), None: no dicts
+    full: bool = False  # full-vocabulary rows too (SamplingParams.logprob_rows)
 
 
 @dataclass
@@ -78,6 +80,8 @@ class StepResult:
     # seq_id -> (position of the first token covered, log-probs of prompt tokens from there on)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
     hidden: StepHidden | None = None  # the target's aux hidden states, when a model drafter reads them
+    # seq_id -> full-vocabulary log-prob rows of this step (SamplingParams.logprob_rows), in position order
+    rows: dict[str, list[LogprobRows]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -168,11 +172,12 @@ class ModelRunner:
             if s.is_prefill:
                 inp.prefills.append((row, row + s.num_new_tokens, s.end, list(table)))
                 k = getattr(seq.sampling_params, "prompt_logprobs", None)
+                full = getattr(seq.sampling_params, "logprob_rows", False)
                 last = min(s.end, seq.num_prompt_tokens - 1)
-                if k is not None and last > s.start:
+                if (k is not None or full) and last > s.start:
                     # Row i (position start+i) predicts the token at start+i+1; only prompt tokens count.
                     inp.prompt_spans.append(PromptLogprobSpan(seq.seq_id, row, last - s.start, s.start + 1,
-                                                              seq.tokens_in_range(s.start + 1, last + 1), k))
+                                                              seq.tokens_in_range(s.start + 1, last + 1), k, full))
             else:
                 inp.num_decodes += 1
                 inp.decode_tables.append(list(table))
@@ -300,12 +305,16 @@ class ModelRunner:
         pos = {id(s): i for i, s in enumerate(order)}
         result = StepResult(sampled=[None] * len(order), logprobs=[None] * len(order))
         for sp, lg in zip(inp.prompt_spans, prompt_logits):
-            result.prompt_logprobs[sp.seq_id] = (sp.first_pos, prompt_logprob_dicts(lg, sp.next_ids, sp.k))
+            if sp.k is not None:
+                result.prompt_logprobs[sp.seq_id] = (sp.first_pos, prompt_logprob_dicts(lg, sp.next_ids, sp.k))
+            if sp.full:
+                rows = lg.log_softmax(dim=-1).float().cpu()
+                result.rows.setdefault(sp.seq_id, []).append(LogprobRows(sp.first_pos, rows, "prefill"))
         if logits is not None:
             sample_seqs = [s for s in order if s.do_sample]
             params = [s.seq.sampling_params for s in sample_seqs]
             gens = [self._generator(s.seq.seq_id, p.seed) for s, p in zip(sample_seqs, params)]
-            batch = SamplingBatch.build(params, gens, self.device, self.buffers)
+            batch = SamplingBatch.build(params, gens, self.device, self.buffers, _forced_rows(sample_seqs))
             self.buffers.end_step()  # the next step's inputs wait for these pinned copies
             drafts = [list(s.spec_token_ids) for s in sample_seqs] if inp.spec_lens else None
             if self.structured is not None and self.structured.requests:
@@ -323,6 +332,7 @@ class ModelRunner:
                     result.logprobs[pos[id(s)]] = lp if spec or lp is None else lp[0]
                     if spec:
                         self._note_rollback(s, len(outs[j]) - 1)
+                self._sample_rows(result, sample_seqs, logits, [len(o) for o in outs])
             else:
                 sampled = sample(logits, batch)
                 tokens, *lps = sampled.to_host()  # the one host sync of the step
@@ -330,12 +340,32 @@ class ModelRunner:
                 for j, s in enumerate(sample_seqs):
                     result.sampled[pos[id(s)]] = tokens[j]
                     result.logprobs[pos[id(s)]] = lp_rows[j]
+                self._sample_rows(result, sample_seqs, logits, [1] * len(sample_seqs))
         if self.keep_hidden:
             result.hidden = self._hidden(order, result.sampled, pos)
         # The scheduler expects results in its own order.
         result.sampled = [result.sampled[pos[id(s)]] for s in scheduled]
         result.logprobs = [result.logprobs[pos[id(s)]] for s in scheduled]
         return result
+
+    @staticmethod
+    def _sample_rows(result: StepResult, sample_seqs: list[ScheduledSeq], logits: torch.Tensor,
+                     kept: list[int]) -> None:
+        """Full-vocabulary rows of the sampled positions of sequences that ask for them: ``kept[j]``
+        rows of sequence j (its verified token and accepted drafts), out of ``len(drafts) + 1``."""
+        idx, spans, row = [], [], 0
+        for s, n in zip(sample_seqs, kept):
+            if getattr(s.seq.sampling_params, "logprob_rows", False):
+                spans.append((s, len(idx), n))
+                idx.extend(range(row, row + n))
+            row += len(s.spec_token_ids) + 1
+        if not idx:
+            return
+        rows = logits[torch.tensor(idx, device=logits.device)].log_softmax(dim=-1).float().cpu()
+        for s, at, n in spans:
+            # a decode's first row predicts the token after the sequence's last one; a prefill's too
+            path = "prefill" if s.is_prefill else "decode"
+            result.rows.setdefault(s.seq.seq_id, []).append(LogprobRows(s.seq.num_tokens, rows[at: at + n], path))
 
     def _note_rollback(self, s: ScheduledSeq, accepted: int) -> None:
         """KDA state: after ``accepted`` of its drafts, the sequence continues from the state after
@@ -394,6 +424,17 @@ def _penalty_rows(sample_seqs, drafts, vocab_size: int, device) -> PenaltyBatch 
             prompts.append(seq.prompt_token_ids)
             outputs.append(seq.output_token_ids + ds[:j])
     return PenaltyBatch.build(rows, params, prompts, outputs, vocab_size, device)
+def _forced_rows(sample_seqs: list[ScheduledSeq]) -> list[int] | None:
+    """Teacher-forced token per logits row of the sampled sequences (a verifying decode has one
+    row per draft plus one), -1 where the sampler chooses; None when no sequence forces."""
+    if not any(getattr(s.seq.sampling_params, "forced_token_ids", None) for s in sample_seqs):
+        return None
+    out = []
+    for s in sample_seqs:
+        forced = getattr(s.seq.sampling_params, "forced_token_ids", None) or []
+        done = s.seq.num_output_tokens
+        out.extend(forced[done + r] if done + r < len(forced) else -1 for r in range(len(s.spec_token_ids) + 1))
+    return out
 
 
 def _copy_state_slots(states: list[KDAState], src: torch.Tensor, dst: torch.Tensor) -> None:

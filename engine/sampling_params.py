@@ -37,6 +37,16 @@ class SamplingParams:
     best_of: int | None = None
     # grammar-constrained decoding (JSON schema, JSON object, tool calls): engine/structured/
     structured_outputs: StructuredOutputs | None = None
+    # Scoring (KL measurements, logits dumps): hand out the full-vocabulary float32 log-prob row of
+    # every position this request scores (prompt positions 1.. and each sampled position) in
+    # ``RequestOutput.logprob_rows``, only the rows of the latest step, so memory stays at one
+    # step's rows however long the prompt. Prompt rows need every prompt position computed, so such
+    # a request takes no prefix-cache hits (as prompt_logprobs).
+    logprob_rows: bool = False
+    # Teacher forcing: output token i is forced_token_ids[i] whatever the sampler would pick (past
+    # the list's end the sampler picks again). Log-probs and rows are those of the model's own
+    # distribution at each position, so a reference continuation runs through the decode path.
+    forced_token_ids: list[int] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -64,12 +74,22 @@ class SamplingParams:
         ]
         checks.append((self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
                        "structured_outputs must be an engine.structured.StructuredOutputs"))
+        if self.forced_token_ids is not None:
+            self.forced_token_ids = list(self.forced_token_ids)
+            checks.append((all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                               for t in self.forced_token_ids),
+                           "forced_token_ids must be a list of non-negative token ids"))
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             checks.append((v is None or 0 <= v <= MAX_LOGPROBS, f"{name} must be in 0..{MAX_LOGPROBS}, got {v}"))
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
+
+    @property
+    def needs_prompt_rows(self) -> bool:
+        """Every prompt position must be computed (no prefix-cache hits): prompt log-probs or rows."""
+        return self.prompt_logprobs is not None or self.logprob_rows
 
     @property
     def greedy(self) -> bool:

@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 
-SUBCOMMANDS = ("serve", "bench", "plan", "info", "agent")
+SUBCOMMANDS = ("serve", "bench", "plan", "info", "agent", "eval")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -246,8 +246,9 @@ class BlockManager:
     def _match(self, seq: Sequence) -> list[int]:
         if not self.enable_prefix_caching:
             return []
-        if getattr(seq.sampling_params, "prompt_logprobs", None) is not None:
-            return []  # prompt log-probs need every prompt row computed, as in vLLM
+        params = seq.sampling_params
+        if getattr(params, "prompt_logprobs", None) is not None or getattr(params, "logprob_rows", False):
+            return []  # prompt log-probs (and rows) need every prompt row computed, as in vLLM
         hit: list[int] = []
         parent_content_id = 0
         # (num_tokens - 1) // bs: never hit the block holding the last token; it must be computed.

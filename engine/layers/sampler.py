@@ -27,12 +27,16 @@ class SamplingBatch:
     # presence / frequency / repetition penalties of the logits rows (set by the caller, which
     # knows each row's history: ``PenaltyBatch.build``); None when no row has one
     penalties: PenaltyBatch | None = None
+    # [R] int64 per logits row: the token teacher forcing puts there (-1: the sampler's choice);
+    # None when no row is forced
+    forced: torch.Tensor | None = None
 
     @classmethod
     def build(cls, params: list, generators: list[torch.Generator | None], device: torch.device,
-              buffers=None) -> "SamplingBatch":
+              buffers=None, forced: list[int] | None = None) -> "SamplingBatch":
         """``buffers``: a ``StepBuffers`` whose persistent (pinned on an accelerator) buffers carry
-        the per-row values to the device without a blocking copy; None allocates fresh tensors."""
+        the per-row values to the device without a blocking copy; None allocates fresh tensors.
+        ``forced``: one entry per logits row (``SamplingParams.forced_token_ids``), -1 where free."""
         temps = [p.temperature for p in params]
         top_ks = [p.top_k for p in params]
         top_ps = [p.top_p for p in params]
@@ -54,6 +58,8 @@ class SamplingBatch:
             use_top_k=any(k > 0 for k in top_ks),
             use_top_p=any(p < 1.0 for p in top_ps),
             max_logprobs=max(lps) if lps else -1,
+            forced=(torch.tensor(forced, dtype=torch.int64).to(device, non_blocking=True)
+                    if forced is not None and any(t >= 0 for t in forced) else None),
         )
 
 
@@ -123,6 +129,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
                 noise[row].exponential_(generator=gen)
         sampled = (probs / noise).argmax(dim=-1)
         tokens = torch.where(batch.temperature > 0, sampled, greedy)
+    if batch.forced is not None:  # teacher forcing: the given token, scored by the model's own row
+        tokens = torch.where(batch.forced >= 0, batch.forced, tokens)
     out = SamplerOutput(token_ids=tokens)
     if batch.max_logprobs >= 0:
         logp = raw.log_softmax(dim=-1)

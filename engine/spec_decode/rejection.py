@@ -5,6 +5,8 @@ at draft position j, the last row the token after all drafts (the bonus). The ou
 sequence is its accepted drafts followed by exactly one token of the target's own.
 
 - Greedy sequences (temperature 0): accept while the draft equals the row's argmax; then the argmax.
+- Teacher-forced rows (``SamplingBatch.forced``): accept while the draft equals the forced token;
+  then the forced token. The rule above still draws its randomness, so nothing else shifts.
 - Sampled sequences (standard speculative sampling; Leviathan et al. 2023, Chen et al. 2023, vLLM's
   ``v1/sample/rejection_sampler.py``): with target p (the row's logits / temperature, top-k and
   top-p masked exactly as ``engine/layers/sampler.py`` samples) and draft probabilities q, accept
@@ -132,6 +134,10 @@ def rejection_sample(logits: torch.Tensor, num_drafts: list[int], draft_token_id
                 noise[i].exponential_(generator=gen)
         accept_sampled = uniform < _accept_prob(p_draft, q_draft)
         accept = torch.where(greedy_seq[:, None], accept_greedy, accept_sampled)
+    forced = batch.forced  # [R] teacher-forced tokens (-1: free): a draft is accepted iff it is the forced token
+    if forced is not None:
+        f_draft = forced[draft_rows]
+        accept = torch.where(f_draft >= 0, f_draft == drafts_t, accept)
     # number of leading accepted drafts per sequence: [N]
     num_accepted = (accept & is_draft).to(torch.int64).cumprod(dim=1).sum(dim=1)
 
@@ -148,6 +154,10 @@ def rejection_sample(logits: torch.Tensor, num_drafts: list[int], draft_token_id
         residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_final)
         sampled = (residual / noise).argmax(dim=-1)
         final = torch.where(greedy_seq, final, sampled)
+
+    if forced is not None:
+        f_final = forced[final_row]
+        final = torch.where(f_final >= 0, f_final, final)
 
     out = torch.where(positions[None, :max_k] < num_accepted[:, None], drafts_t, -1)
     out = torch.cat([out, torch.full((n, 1), -1, dtype=torch.int64, device=device)], dim=1)

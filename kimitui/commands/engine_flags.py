@@ -40,7 +40,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = Fals
     g.add_argument("--model", metavar="DIR", default=None, required=model_required,
                    help="checkpoint directory (Kimi K2.x / DeepSeek-V3 / Kimi K3 safetensors), or demo / demo-k3 "
                         "for a built-in random-weight model; default: demo")
-    g.add_argument("--gpus", type=int, default=1, metavar="N", help="tensor-parallel size (number of devices)")
+    g.add_argument("--gpus", "--tensor-parallel-size", dest="gpus", type=int, default=1, metavar="N",
+                   help="tensor-parallel size (number of devices; gloo processes on a CPU)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="compute dtype; auto = checkpoint dtype on GPU, float32 on CPU")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (ROCm GPUs are cuda too)")

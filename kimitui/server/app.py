@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine import AsyncLLM
-from kimitui.server import chat, completions
+from kimitui.server import chat, completions, tokenization
 from kimitui.server.auth import check_api_key
 from kimitui.server.errors import install_error_handlers
 from kimitui.server.metrics import CONTENT_TYPE
@@ -29,6 +29,7 @@ def create_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str
     v1.include_router(completions.router)
     v1.include_router(chat.router)
     app.include_router(v1)
+    app.include_router(tokenization.router)  # vLLM's /tokenize, /detokenize, /tokenizer_info
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     return app

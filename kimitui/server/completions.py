@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from engine import RequestOutput, SamplingParams
 from kimitui.server.body import read_body
 from kimitui.server.errors import bad_request, engine_error, error_body
-from kimitui.server.logprobs import TextOffsets, TokenText, completion_logprobs
+from kimitui.server.logprobs import TextOffsets, TokenIdText, TokenText, completion_logprobs
 from kimitui.server.protocol import CompletionRequest
 from kimitui.server.sampling import build_sampling_params, check_supported, resolve_max_tokens
 from kimitui.server.state import ServerState, server_state
@@ -32,6 +32,9 @@ class _Prompt:
     text: str | None
     ids: list[int]
     params: SamplingParams
+    # max_tokens 0 (vLLM takes it: prompt log-probs only, with echo): the engine samples one token,
+    # which the response leaves out
+    zero: bool = False
 
 
 def normalize_prompts(prompt) -> list[str | list[int]]:
@@ -83,12 +86,24 @@ async def _prepare(state: ServerState, req: CompletionRequest, prompt: str | lis
     else:
         text, ids = None, list(prompt)
     state.check_token_ids(ids)
-    max_tokens = resolve_max_tokens(req.max_tokens, len(ids), state.max_model_len)
+    max_tokens = resolve_max_tokens(req.max_tokens, len(ids), state.max_model_len, allow_zero=True)
     k = req.logprobs
-    params = build_sampling_params(req, max_tokens=max_tokens, logprobs=k,
+    params = build_sampling_params(req, max_tokens=max(1, max_tokens), logprobs=k,
                                    prompt_logprobs=k if req.echo and k is not None else None,
                                    skip_special_tokens=req.skip_special_tokens, structured_outputs=constraint)
-    return _Prompt(text, ids, params)
+    return _Prompt(text, ids, params, zero=max_tokens == 0)
+
+
+def _shown(p: _Prompt, c) -> tuple[str, list[int], list, str | None]:
+    """(text, token ids, log-prob entries, finish reason) of a completion as the client sees it:
+    nothing generated for max_tokens 0."""
+    if p.zero:
+        return "", [], [], "length" if c.finish_reason is not None else None
+    return c.text, list(c.token_ids), list(c.logprobs or []), c.finish_reason
+
+
+def _names(state: ServerState, req: CompletionRequest) -> TokenText:
+    return TokenIdText(state.tokenizer) if req.return_tokens_as_token_ids else TokenText(state.tokenizer)
 
 
 async def _collect(streams) -> list[RequestOutput]:
@@ -111,7 +126,7 @@ def _echo_text(state: ServerState, req: CompletionRequest, p: _Prompt) -> str:
 
 def _usage(prompts: list[_Prompt], outs: list[RequestOutput]) -> dict:
     prompt_tokens = sum(len(p.ids) for p in prompts)
-    completion_tokens = sum(len(c.token_ids) for o in outs if o for c in o.outputs)
+    completion_tokens = sum(0 if p.zero else len(c.token_ids) for p, o in zip(prompts, outs) if o for c in o.outputs)
     cached = sum((o.metrics.num_cached_tokens if o and o.metrics else 0) for o in outs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
@@ -120,23 +135,23 @@ def _usage(prompts: list[_Prompt], outs: list[RequestOutput]) -> dict:
 
 def _response(state: ServerState, req: CompletionRequest, rid: str, prompts: list[_Prompt],
               finals: list[RequestOutput]) -> dict:
-    names = TokenText(state.tokenizer)
+    names = _names(state, req)
     choices = []
     for i, (p, out) in enumerate(zip(prompts, finals)):
         state.metrics.observe_finished(out.metrics, out.outputs[0].finish_reason)
         prefix = _echo_text(state, req, p) if req.echo else ""
         for c in out.outputs:
+            text, ids, entries, finish = _shown(p, c)
             logprobs = None
             if req.logprobs is not None:
-                ids, entries = list(c.token_ids), list(c.logprobs or [])
                 if req.echo:
                     ids, entries = p.ids + ids, list(out.prompt_logprobs or [None] * len(p.ids)) + entries
                 offsets = TextOffsets(state.tokenizer, req.skip_special_tokens)
                 logprobs = completion_logprobs(names, ids, entries, req.logprobs, offsets)
-            choices.append({"index": i * req.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            choices.append({"index": i * req.n + c.index, "text": prefix + text, "logprobs": logprobs,
+                            "finish_reason": finish, "stop_reason": None if p.zero else c.stop_reason})
             if req.return_token_ids:
-                choices[-1]["token_ids"] = list(c.token_ids)
+                choices[-1]["token_ids"] = [] if p.zero else list(c.token_ids)
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.served_model_name,
             "choices": choices, "usage": _usage(prompts, finals)}
 
@@ -152,7 +167,7 @@ class _Progress:
 
 
 async def _stream(state: ServerState, req: CompletionRequest, rid: str, prompts: list[_Prompt], streams):
-    names = TokenText(state.tokenizer)
+    names = _names(state, req)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.served_model_name}
     n = req.n
     progress = [_Progress(offsets=TextOffsets(state.tokenizer, req.skip_special_tokens))
@@ -186,14 +201,15 @@ def _chunk_choice(state: ServerState, req: CompletionRequest, names: TokenText, 
                   out: RequestOutput, c) -> dict:
     """The new part of choice ``c`` of one cumulative engine output, as a streamed choice."""
     done = c.finish_reason is not None  # this choice has ended (its siblings may still run)
+    shown_text, shown_ids, shown_entries, finish = _shown(p, c)
     # A stop string can complete several tokens later and cut text already produced: hold back
     # enough characters that nothing sent is ever taken back.
     hold = max((len(s) for s in p.params.stop_strings), default=1) - 1
-    end = len(c.text) if done else max(prog.chars, len(c.text) - hold)
-    text = c.text[prog.chars:end]
+    end = len(shown_text) if done else max(prog.chars, len(shown_text) - hold)
+    text = shown_text[prog.chars:end]
     prog.chars = end
-    ids, entries = c.token_ids[prog.tokens:], (c.logprobs or [])[prog.tokens:]
-    prog.tokens = len(c.token_ids)
+    ids, entries = shown_ids[prog.tokens:], shown_entries[prog.tokens:]
+    prog.tokens = len(shown_ids)
     if not prog.started:
         prog.started = True
         if req.echo:
@@ -205,9 +221,9 @@ def _chunk_choice(state: ServerState, req: CompletionRequest, names: TokenText, 
         logprobs = completion_logprobs(names, ids, entries, req.logprobs, prog.offsets)
     if done:
         prog.final = out
-    chunk = {"text": text, "logprobs": logprobs, "finish_reason": c.finish_reason if done else None,
-             "stop_reason": c.stop_reason if done else None}
+    chunk = {"text": text, "logprobs": logprobs, "finish_reason": finish if done else None,
+             "stop_reason": c.stop_reason if done and not p.zero else None}
     if req.return_token_ids:
-        chunk["token_ids"] = list(c.token_ids[prog.ids:])
+        chunk["token_ids"] = [] if p.zero else list(c.token_ids[prog.ids:])
         prog.ids = len(c.token_ids)
     return chunk

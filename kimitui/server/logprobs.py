@@ -39,6 +39,14 @@ class TokenText:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
+class TokenIdText(TokenText):
+    """Tokens named by id, ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``): two tokens
+    with the same text stay apart, and a client can score by id."""
+
+    def text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
 class TextOffsets:
     """Character offset of each token in the returned text, across streamed chunks.
 

@@ -59,6 +59,8 @@ class CompletionRequest(SamplingFields):
     skip_special_tokens: bool = True
     response_format: dict[str, Any] | None = None
     return_token_ids: bool = False  # vLLM's extra: each choice also carries its generated token ids
+    # vLLM's extension: name tokens "token_id:<id>" in logprobs, so clients get ids, not text
+    return_tokens_as_token_ids: bool = False
 
 
 class ChatMessage(_Body):

@@ -29,10 +29,12 @@ def check_supported(req: SamplingFields) -> None:
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
-                       param: str = "max_tokens") -> int:
-    """``requested`` checked against the context; None means all of the context that is left."""
-    if requested is not None and requested < 1:
-        raise bad_request(f"{param} must be >= 1, got {requested}", param=param)
+                       param: str = "max_tokens", allow_zero: bool = False) -> int:
+    """``requested`` checked against the context; None means all of the context that is left.
+    ``allow_zero``: 0 is accepted (and returned; the caller decides what it means)."""
+    lowest = 0 if allow_zero else 1
+    if requested is not None and requested < lowest:
+        raise bad_request(f"{param} must be >= {lowest}, got {requested}", param=param)
     if prompt_len >= max_model_len:
         raise bad_request(f"prompt has {prompt_len} tokens, which leaves no room to generate within "
                           f"max_model_len {max_model_len}", param="prompt")

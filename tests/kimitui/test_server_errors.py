@@ -90,7 +90,7 @@ def test_validation_errors_name_the_field(url, path, body, field):
     ({"n": 0}, "n", "n must be in 1..128"),
     ({"n": 2, "best_of": 1}, "best_of", "best_of must be in n..128"),
     ({"n": 1, "best_of": 3, "stream": True}, "best_of", "cannot be streamed"),
-    ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),
+    ({"max_tokens": -1}, "max_tokens", "max_tokens must be >= 0"),  # 0 is taken: prompt log-probs only, as vLLM
     ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
     ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be in (0, 100]"),
     ({"prompt": ""}, "prompt", "empty"),
