@@ -32,7 +32,7 @@ from engine.layers.sampler import SamplingBatch, logprob_dicts, prompt_logprob_d
 from engine.outputs import LogprobRows
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.spec_decode.proposer import StepHidden
-from engine.spec_decode.verify import KDASpecStep, kda_spec_steps, verify_and_logprobs
+from engine.spec_decode.verify import KDASpecStep, kda_spec_layout, kda_spec_steps, verify_and_logprobs
 from engine.step_buffers import StepBuffers
 
 
@@ -289,6 +289,8 @@ class ModelRunner:
         if inp.spec_lens and any(n > 1 for n in inp.spec_lens):
             meta.kda_spec = kda_spec_steps(inp.spec_lens, inp.state_slots, self.spec_scratch_base,
                                            self.num_spec_tokens, self.device)
+            meta.kda_spec_layout = kda_spec_layout(inp.spec_lens, inp.state_slots, self.spec_scratch_base,
+                                                   self.num_spec_tokens, self.device)
         if inp.state_resets:
             resets = buf.put("state_resets", inp.state_resets, torch.int64)
             for state in self.states:

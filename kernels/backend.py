@@ -202,6 +202,11 @@ class Backend:
         """One decode token per sequence; ``state[slots]`` is updated in place. -> o [N, H, V]"""
         return _kernel("kda", "recurrent_kda")(q, k, v, g, beta, state, slots, scale)
 
+    def kda_recurrent_spec(self, q, k, v, g, beta, state, indices, lengths, scale):
+        """Speculative verification of N sequences of ``lengths`` rows: start from pool row
+        ``indices[n, lengths[n] - 1]``, keep the state after position t in row ``indices[n, t]``."""
+        return _kernel("kda", "recurrent_kda_spec")(q, k, v, g, beta, state, indices, lengths, scale)
+
     def causal_conv1d(self, x, weight, history, cu_seqlens=None):
         """Short causal conv + SiLU continuing each sequence's history: (y [T, C], new history [N, C, W-1])."""
         return _kernel("kda", "causal_conv1d")(x, weight, history, cu_seqlens)

@@ -16,6 +16,8 @@ Sequences are packed row after row ("varlen") and described by ``cu_seqlens`` [N
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -167,6 +169,36 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     S.view(-1, K, S.shape[-1]).baddbmm_(ks.reshape(-1, K, 1), delta.reshape(-1, 1, delta.shape[-1]))
     state.index_copy_(0, slots, S)
     return o.to(v.dtype)
+
+
+def recurrent_kda_spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, indices: torch.Tensor, lengths: list[int], scale: float,
+                       use_qk_l2norm: bool = True) -> torch.Tensor:
+    """Speculative verification in fla-core's layout (``fused_recurrent_kda_fwd`` with
+    ``ssm_state_indices [N, T]`` and ``num_accepted_tokens``): sequence n has ``lengths[n]``
+    consecutive rows of q, k, g [R, H, K], v [R, H, V], beta [R, H]; it starts from pool row
+    ``indices[n, lengths[n] - 1]`` and the state after its position t is written to pool row
+    ``indices[n, t]`` (distinct rows, so every verified position's state is kept). Returns o [R, H, V]."""
+    R, H, K = k.shape
+    _check(q, k, v, g, beta, R, H, K)
+    if sum(lengths) != R or indices.shape[0] != len(lengths) or indices.shape[1] < max(lengths, default=0):
+        raise ValueError(f"recurrent_kda_spec: lengths {lengths} and indices {tuple(indices.shape)} do not "
+                         f"match {R} rows")
+    o = v.new_empty(R, H, v.shape[-1])
+    if R == 0:
+        return o
+    n = len(lengths)
+    idx = indices.long()
+    starts = torch.tensor([0, *itertools.accumulate(lengths)][:-1], device=q.device)
+    last = torch.tensor([length - 1 for length in lengths], device=q.device)
+    work = state.index_select(0, idx.gather(1, last[:, None])[:, 0])  # [N, ...]: each sequence's running state
+    for t in range(max(lengths)):
+        live = [i for i in range(n) if lengths[i] > t]
+        live_t = torch.tensor(live, device=q.device)
+        rows = starts[live_t] + t
+        o[rows] = recurrent_kda(q[rows], k[rows], v[rows], g[rows], beta[rows], work, live_t, scale, use_qk_l2norm)
+        state.index_copy_(0, idx[live_t, t], work.index_select(0, live_t))
+    return o
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor,

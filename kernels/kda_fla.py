@@ -8,7 +8,9 @@ Same arguments and results as kernels/kda.py; these wrappers only map them onto 
 - fla's conv state is ``[N, C, W]``, the last W inputs (its column 0 is never read by a W-tap
   conv); ours is the last W-1 inputs ``[N, C, W-1]``, so one zero column is put in front and dropped.
 - The decode uses fla's in-place continuous-batching mode (``ssm_state_indices``): each sequence
-  reads and writes its own row of the state pool, no gather or scatter.
+  reads and writes its own row of the state pool, no gather or scatter. Speculative verification
+  uses its spec-decoding mode (``ssm_state_indices [N, T]`` + ``num_accepted_tokens``): one launch
+  for all drafted positions, each position's state written to its own row.
 """
 
 from __future__ import annotations
@@ -73,6 +75,25 @@ def recurrent_kda(q, k, v, g, beta, state, slots, scale):
         beta[:, None].contiguous(), initial_state=state, scale=scale, inplace_final_state=True,
         ssm_state_indices=slots.to(torch.int32), use_qk_l2norm_in_kernel=True)
     return o[:, 0]
+
+
+def recurrent_kda_spec(q, k, v, g, beta, state, indices, lengths, scale):
+    """Speculative verification (kernels/kda.py ``recurrent_kda_spec``) in one launch: fla's
+    continuous-batching spec mode, varlen rows, ``ssm_state_indices`` = ``indices`` [N, T] and
+    ``num_accepted_tokens`` = the lengths, so each sequence starts from its row at its last position
+    and every position's state is written in place."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    if not state.is_contiguous():
+        raise ValueError("recurrent_kda_spec: the state pool must be contiguous (fla writes it in place by slot)")
+    lens = torch.tensor(lengths, dtype=torch.int32).to(q.device, non_blocking=True)
+    cu = F.pad(lens.cumsum(0), (1, 0)).long()
+    o, _ = fused_recurrent_kda_fwd(
+        q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), g[None].contiguous(),
+        beta[None].contiguous(), initial_state=state, scale=scale, inplace_final_state=True, cu_seqlens=cu,
+        ssm_state_indices=indices.to(torch.int32).contiguous(), num_accepted_tokens=lens,
+        use_qk_l2norm_in_kernel=True)
+    return o[0]
 
 
 def causal_conv1d(x, weight, history, cu_seqlens=None):

@@ -147,6 +147,11 @@ class TritonBackend(Backend):
             return _kernel("kda_fla", "recurrent_kda")(q, k, v, g, beta, state, slots, scale)
         return super().kda_recurrent(q, k, v, g, beta, state, slots, scale)
 
+    def kda_recurrent_spec(self, q, k, v, g, beta, state, indices, lengths, scale):
+        if _fla(q):
+            return _kernel("kda_fla", "recurrent_kda_spec")(q, k, v, g, beta, state, indices, lengths, scale)
+        return super().kda_recurrent_spec(q, k, v, g, beta, state, indices, lengths, scale)
+
     def causal_conv1d(self, x, weight, history, cu_seqlens=None):
         if _fla(x):
             return _kernel("kda_fla", "causal_conv1d")(x, weight, history, cu_seqlens)

@@ -45,6 +45,8 @@ class AttentionMetadata:
     # slot, so KDA layers step the decode rows position by position (engine.spec_decode.verify.KDASpecStep
     # per position) and keep each position's state for the rollback. None: one row per decode.
     kda_spec: list | None = None
+    # the same step as one call's layout (engine.spec_decode.verify.KDASpecLayout), for the recurrence
+    kda_spec_layout: object | None = None
 
     def decodes_only(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows is all decodes, every row's output wanted (the fused

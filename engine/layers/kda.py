@@ -200,7 +200,7 @@ class KimiDeltaAttention(nn.Module):
 
         o = torch.empty(T, H, hd, dtype=x.dtype, device=x.device)
         if d and meta.kda_spec is not None:
-            self._verify(qkv[:d], g[:d], beta[:d], conv_w, meta.kda_spec, slots[:d], state, o)
+            self._verify(qkv[:d], g[:d], beta[:d], conv_w, meta.kda_spec, meta.kda_spec_layout, slots[:d], state, o)
         elif d:
             o[:d] = self._decode(qkv[:d], g[:d], beta[:d], conv_w, slots[:d], state)
         if meta.prefills:
@@ -218,17 +218,32 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = (t.view(d, H, hd) for t in y.split(H * hd, dim=-1))
         return self.ops.kda_recurrent(q, k, v, g, beta, state.recurrent, slots, self.scale)
 
-    def _verify(self, qkv, g, beta, conv_w, steps, slots, state: KDAState, o) -> None:
-        """Speculative verification: a sequence's draft rows share its slot, so the decode rows are
-        stepped position by position (each step exactly a plain decode step over the sequences that
-        have that position), and after each position but a sequence's last the state is kept in a
-        scratch slot, from which the runner restores the last accepted position's state."""
+    def _verify(self, qkv, g, beta, conv_w, steps, layout, slots, state: KDAState, o) -> None:
+        """Speculative verification: a sequence's draft rows share its slot, and after each position
+        but a sequence's last the state is kept in a scratch slot, from which the runner restores the
+        last accepted position's state. The short conv (a few hundred bytes of history per row) is
+        stepped position by position; the recurrence runs all positions in one call with the
+        layout's per-position state rows (fla-core's spec-decoding mode on GPUs). Without a layout
+        every position is exactly a plain decode step over the sequences that have it."""
+        if layout is None:
+            for step in steps:
+                r = step.rows
+                o[r] = self._decode(qkv[r], g[r], beta[r], conv_w, slots[r], state)
+                if step.save_src is not None:
+                    state.recurrent.index_copy_(0, step.save_dst, state.recurrent.index_select(0, step.save_src))
+                    state.conv.index_copy_(0, step.save_dst, state.conv.index_select(0, step.save_src))
+            return
+        y = torch.empty_like(qkv)
         for step in steps:
             r = step.rows
-            o[r] = self._decode(qkv[r], g[r], beta[r], conv_w, slots[r], state)
+            y[r], hist = self.ops.causal_conv1d(qkv[r], conv_w, state.conv.index_select(0, slots[r]))
+            state.conv.index_copy_(0, slots[r], hist)
             if step.save_src is not None:
-                state.recurrent.index_copy_(0, step.save_dst, state.recurrent.index_select(0, step.save_src))
                 state.conv.index_copy_(0, step.save_dst, state.conv.index_select(0, step.save_src))
+        d, H, hd = qkv.shape[0], self.num_heads, self.head_dim
+        q, k, v = (t.view(d, H, hd) for t in y.split(H * hd, dim=-1))
+        o[:d] = self.ops.kda_recurrent_spec(q, k, v, g, beta, state.recurrent, layout.indices, layout.lengths,
+                                           self.scale)
 
     def _prefill(self, qkv, g, beta, conv_w, meta: AttentionMetadata, slots, state: KDAState) -> torch.Tensor:
         # The prefill chunks, one packed varlen call each for the conv and the chunked recurrence.

@@ -45,6 +45,30 @@ def kda_spec_steps(spec_lens: list[int], state_slots: list[int], scratch_base: i
     return steps
 
 
+@dataclass
+class KDASpecLayout:
+    """The same step for a recurrence that takes every verified position in one call (fla-core's
+    spec-decoding layout): ``indices`` [N, max T] int64, sequence n's state rows by position (its
+    scratch rows, then its own slot last, padded with the slot); ``lengths`` its number of rows."""
+
+    indices: torch.Tensor
+    lengths: list[int]
+
+
+def kda_spec_layout(spec_lens: list[int], state_slots: list[int], scratch_base: int, num_spec_tokens: int,
+                    device: torch.device) -> KDASpecLayout:
+    """Row n of ``indices``: where the state after each of sequence n's positions goes, the scratch
+    slots ``kda_spec_steps`` keeps them in and, for the last position, the sequence's slot (from
+    which it also starts: the runner restored the last accepted state there before the step)."""
+    rows, first, width = [], 0, max(spec_lens)
+    for n in spec_lens:
+        slot = state_slots[first]
+        row = [scratch_base + slot * num_spec_tokens + j for j in range(n - 1)] + [slot]
+        rows.append(row + [slot] * (width - n))
+        first += n
+    return KDASpecLayout(torch.tensor(rows, dtype=torch.int64, device=device), list(spec_lens))
+
+
 def verify_and_logprobs(logits: torch.Tensor, drafts: list[list[int]], batch, params: list):
     """Accept drafts and sample one more token per sequence; ``logits`` [R, V] fp32 hold
     ``len(drafts[i]) + 1`` rows for sequence ``i``, in order. Returns (tokens per sequence, the

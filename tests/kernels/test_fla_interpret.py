@@ -337,6 +337,28 @@ def fused_recurrent_kda_spec_decode_semantics():
     return ", ".join(notes)
 
 
+@case
+def recurrent_kda_spec_wrapper_verify_step():
+    from kernels import kda, kda_fla
+
+    # A verify step as the KDA layer runs it on a GPU: three sequences of 3, 1 and 4 rows (drafts
+    # + 1), slots 6, 1, 3 of a 12-row pool whose rows 7..11 are scratch; each sequence starts from its
+    # own slot and keeps the state after every position (scratch rows, its slot last).
+    H, K, V, lens = 2, 64, 64, [3, 1, 4]
+    indices = torch.tensor([[7, 8, 6, 6], [1, 1, 1, 1], [9, 10, 11, 3]])
+    pool = torch.randn(12, H, K, V)
+    before = pool.clone()
+    pool_ours = pool.clone()
+    q, k, v = _qkv_views(sum(lens), H, K, V)
+    g, beta = _gates(sum(lens), H, K)
+    o = kda_fla.recurrent_kda_spec(q, k, v, g, beta, pool, indices, lens, _scale(K))
+    want = kda.recurrent_kda_spec(q, k, v, g, beta, pool_ours, indices, lens, _scale(K))
+    err = max(_close(o, want, "o vs kda.recurrent_kda_spec"), _close(pool, pool_ours, "pool vs kda.recurrent_kda_spec"))
+    untouched = [0, 2, 4, 5]
+    assert torch.equal(pool[untouched], before[untouched]), "rows outside the layout changed"
+    return f"max err {err:.1e}"
+
+
 # --- larger K3-like cases (slow under the interpreter) -----------------------------------------
 
 
