@@ -166,3 +166,76 @@ def test_form_errors_and_views():
     assert "95.00%" in table and "87.50%" in table and "0.012300" in table
     with pytest.raises(ValueError, match="kind"):
         save_result({"kind": "bench"})
+
+
+def test_a_length_above_the_limit_fails_as_one_line(llm):
+    async def scenario():
+        app = make_app(llm)
+        async with app.run_test(size=SIZE) as pilot:
+            screen = await open_eval(app, pilot)
+            screen.set_form("recall", context_lengths="256,2048")
+            await pilot.press("ctrl+r")
+            await wait_for(pilot, lambda: screen.runs_finished == 1, timeout=60)
+            await pilot.pause(0.1)
+            assert "max_model_len is 1024" in screen.last.error and "\n" not in screen.last.error
+            assert "failed: ValueError: context length 2048" in screen_text(app)
+            assert list_results() == []
+            screen.set_form(num_prompts="0")
+            await pilot.press("ctrl+r")
+            await pilot.pause(0.1)
+            assert screen.runs_finished == 1 and "KL prompts: must be at least 1" in screen_text(app)
+
+    asyncio.run(scenario())
+
+
+def test_remote_bridge_runs_recall_over_http_and_explains_kl():
+    """The TUI attached to a live `kimitui serve` (in a thread): recall goes through the server's chat
+    endpoint; KL is not run (it needs the checkpoint in this process) and the screen says so."""
+    import socket
+    import threading
+    import time
+
+    app_module = pytest.importorskip("kimitui.server.app")
+    uvicorn = pytest.importorskip("uvicorn")
+    from kimitui.tui.remote.bridge import RemoteBridge
+
+    engine = AsyncLLM(engine_args=ARGS)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app_module.create_app(engine, "demo"), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+
+        async def scenario():
+            app = KimiApp(EngineArgs(), generation=GenerationSettings(max_tokens=8, temperature=0.0),
+                          bridge_factory=lambda a: RemoteBridge(a, f"http://127.0.0.1:{port}/v1",
+                                                                metrics_period_s=0.5))
+            async with app.run_test(size=SIZE) as pilot:
+                screen = await open_eval(app, pilot)
+                screen.set_form("both", context_lengths="256")
+                await pilot.press("ctrl+r")
+                await wait_for(pilot, lambda: screen.runs_finished == 1, timeout=120)
+                await pilot.pause(0.1)
+                msg = screen.last
+                assert msg.error is None, msg.error
+                assert [r["kind"] for r in msg.results] == ["recall"]
+                rc = msg.results[0]
+                assert "model demo" in rc["target"] and rc["total"] == 5
+                assert 200 <= rc["results"][0]["prompt_tokens_max"] <= 256  # the server's own count
+                assert len(msg.notes) == 1 and "kimitui eval kl --base-url" in msg.notes[0]
+                text = screen_text(app)
+                assert "KL is measured in this process" in text and "Recall per depth" in text
+                assert [s.result["kind"] for s in list_results()] == ["recall"]
+
+        asyncio.run(scenario())
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        engine.shutdown()
+        sock.close()
