@@ -83,6 +83,8 @@ class EvalJob:
         out = EvalFinished()
         try:
             for kind in self.settings.kinds:
+                if self._cancel.is_set():
+                    raise Cancelled
                 result = self._kl() if kind == "kl" else self._recall()
                 if isinstance(result, str):
                     out.notes.append(result)
@@ -105,8 +107,9 @@ class EvalJob:
             return str(args.model or "demo")
         return str(getattr(self.bridge, "model", None) or "remote")
 
-    def _post(self, kind: str, done: int, total: int, label: str) -> None:
-        if self._cancel.is_set():
+    def _post(self, kind: str, done: int, total: int, label: str, check: bool = True) -> None:
+        """Report progress; this is also where a requested cancel stops the run (``check``)."""
+        if check and self._cancel.is_set():
             raise Cancelled
         self.notify.post_message(EvalProgressed(kind, done, total, label))
 
@@ -164,5 +167,5 @@ class EvalJob:
             result = run_recall(target, list(s.context_lengths), list(s.depths), seed=s.seed, progress=progress)
         finally:
             target.close()
-        self._post("recall", total, total, "recall: done")
+        self._post("recall", total, total, "recall: done", check=False)  # finished: keep it
         return result

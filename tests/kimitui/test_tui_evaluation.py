@@ -239,3 +239,24 @@ def test_remote_bridge_runs_recall_over_http_and_explains_kl():
         thread.join(timeout=15)
         engine.shutdown()
         sock.close()
+
+
+class _Inbox:
+    def __init__(self) -> None:
+        self.messages = []
+
+    def post_message(self, msg) -> bool:
+        self.messages.append(msg)
+        return True
+
+
+def test_a_cancelled_job_saves_nothing_and_says_so(tmp_path):
+    from kimitui.tui.eval_job import EvalFinished, EvalJob, EvalSettings
+
+    inbox = _Inbox()
+    job = EvalJob(EvalSettings(("kl", "recall")), bridge=None, notify=inbox, save_dir=tmp_path)
+    job.cancel()
+    job.run()
+    (finished,) = inbox.messages
+    assert isinstance(finished, EvalFinished) and finished.cancelled and finished.error is None
+    assert finished.results == [] and list(tmp_path.iterdir()) == []

@@ -50,6 +50,7 @@ class EvaluationScreen(Screen):
     #eval-left { width: 44; border: round $panel-lighten-2; border-title-color: $primary; padding: 0 1; }
     #eval-left Input, #eval-left Select { margin-bottom: 1; }
     #eval-error { color: $error; height: auto; }
+    #eval-hint { color: $text-muted; height: auto; margin-bottom: 1; }
     #eval-right { width: 1fr; }
     #eval-status { height: auto; }
     #eval-progress { margin: 0 1; }
@@ -88,6 +89,8 @@ class EvaluationScreen(Screen):
                 yield Input(DEFAULTS["prompt_len"], id="eval-prompt_len")
                 yield Label("KL decode-path tokens per prompt")
                 yield Input(DEFAULTS["decode_tokens"], id="eval-decode_tokens")
+                yield Static("KL loads a float32 reference and a copy of the path under test beside the chat's "
+                             "model; recall asks the chat's model itself.", id="eval-hint", markup=False)
                 yield Static("", id="eval-error", markup=False)
                 with Horizontal(id="eval-buttons"):
                     yield Button("Run", id="eval-run", variant="primary")
