@@ -14,6 +14,7 @@ ACTIONS = [
     ("Settings", "temperature, top-p, top-k, max tokens, thinking, system prompt (F2)", "settings"),
     ("Toggle thinking", "thinking block on/off for the next reply (Ctrl+T)", "toggle_thinking"),
     ("Benchmark", "open the benchmark screen (F5)", "benchmark"),
+    ("Evaluation", "KL against float32 and long-context recall (F9)", "evaluation"),
     ("Next theme", "cycle through themes; the choice is saved (F4)", "app.next_theme"),
     ("Help", "keys and what the panels mean (F1)", "app.help"),
     ("Quit", "leave kimitui (Ctrl+Q)", "app.quit"),

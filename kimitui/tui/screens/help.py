@@ -19,6 +19,7 @@ KEYS = [
     ("F4", "next theme (the choice is saved)"),
     ("F5", "benchmark screen: presets, sweeps, saved runs (there: Ctrl+R run, Ctrl+X cancel, F6 next tab, Esc back)"),
     ("F8", "hardware panel: compact rows or history graphs (power with the cap, utilisation, memory, node total)"),
+    ("F9", "evaluation screen: KL against float32, long-context recall, saved results (Ctrl+R run, Esc back)"),
     ("Ctrl+P", "command palette: every action, themes"),
     ("F1", "this help"),
     ("Ctrl+Q", "quit"),

@@ -57,6 +57,7 @@ class MainScreen(Screen):
         Binding("ctrl+t", "toggle_thinking", "Thinking"),
         Binding("f5", "benchmark", "Benchmark"),
         Binding("f8", "toggle_graphs", "Graphs"),
+        Binding("f9", "evaluation", "Evaluation"),
     ]
 
     def __init__(self, info: ModelInfo) -> None:
@@ -166,3 +167,8 @@ class MainScreen(Screen):
         from kimitui.tui.screens.benchmark import BenchmarkScreen
 
         self.app.push_screen(BenchmarkScreen())
+
+    def action_evaluation(self) -> None:
+        from kimitui.tui.screens.evaluation import EvaluationScreen
+
+        self.app.push_screen(EvaluationScreen())
