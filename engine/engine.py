@@ -94,6 +94,7 @@ class LLMEngine:
                 pool = self.cache_pool  # workers allocate the same cache
                 self.workers.broadcast((pool.num_blocks, pool.max_num_seqs, pool.num_snapshots, pool.num_spec_slots,
                                      self.num_spec_tokens))
+                self.workers.wait_ready(par, self.device)
         except BaseException:
             self.shutdown()
             raise

@@ -146,6 +146,7 @@ def _worker_main(rank: int, spec: WorkerSpec, heartbeat, work) -> None:
         runner = ModelRunner(model, pool.caches, spec.block_size, device, max_num_seqs=max_num_seqs,
                              max_model_len=spec.max_model_len, decode_graphs=spec.decode_graphs,
                              num_spec_tokens=num_spec_tokens, spec_scratch_base=pool.spec_scratch_base)
+        par.all_reduce(torch.zeros(1, device=device))  # ready (WorkerGroup.wait_ready)
         while True:
             try:
                 inputs = next_message(work)
@@ -185,15 +186,30 @@ class WorkerGroup:
 
     def join_as_rank0(self) -> ParallelState:
         """Join the process group as rank 0, failing fast if a worker dies before it connects."""
+        box = self._while_workers_live(lambda: init_rank(self.spec, 0), "kimitui-rendezvous")
+        if "error" in box:
+            raise WorkerError(f"could not form the tensor-parallel group: {box['error']}")
+        return box["result"]
+
+    def wait_ready(self, par: ParallelState, device: torch.device) -> None:
+        """Return once every worker has loaded its shard and allocated its cache (``ready`` on each
+        rank is one all-reduce), failing fast if one dies first: otherwise a worker that fails after
+        the rendezvous (a bad dtype, no memory for its cache) is noticed only at the first step."""
+        box = self._while_workers_live(lambda: par.all_reduce(torch.zeros(1, device=device)), "kimitui-ready")
+        if "error" in box:
+            raise WorkerError(f"tensor-parallel start-up failed: {box['error']}")
+
+    def _while_workers_live(self, fn, name: str) -> dict:
+        """Run ``fn`` on a thread (it blocks on the workers), raising WorkerError as soon as one dies."""
         box: dict = {}
 
-        def connect():
+        def call():
             try:
-                box["par"] = init_rank(self.spec, 0)
-            except BaseException as e:  # reported below
+                box["result"] = fn()
+            except BaseException as e:  # reported by the caller
                 box["error"] = e
 
-        t = threading.Thread(target=connect, name="kimitui-rendezvous", daemon=True)
+        t = threading.Thread(target=call, name=name, daemon=True)
         t.start()
         while t.is_alive():
             t.join(timeout=0.2)
@@ -203,9 +219,7 @@ class WorkerGroup:
                 if p.exitcode is not None:
                     raise WorkerError(f"tensor-parallel worker rank {rank} exited with code {p.exitcode} "
                                       "during start-up (see its traceback above)")
-        if "error" in box:
-            raise WorkerError(f"could not form the tensor-parallel group: {box['error']}")
-        return box["par"]
+        return box
 
     def broadcast(self, obj) -> None:
         """Send ``obj`` (a step's inputs) to every worker; it returns once the bytes are in the pipes."""
