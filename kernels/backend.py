@@ -206,6 +206,24 @@ class Backend:
         """Short causal conv + SiLU continuing each sequence's history: (y [T, C], new history [N, C, W-1])."""
         return _kernel("kda", "causal_conv1d")(x, weight, history, cu_seqlens)
 
+    def kda_decode(self, qkv, f_b, b, gate, conv_weight, A_log, dt_bias, lower_bound, norm_weight, eps, conv_state,
+                   rec_state, slots, scale):
+        """A whole KDA decode step between the projections, one token for each of N sequences: the
+        short conv + SiLU from each slot's history, the forget gate from ``f_b + dt_bias`` and
+        ``A_log`` (``kernels.kda.kda_gate``), beta = sigmoid(b), the delta-rule step on
+        ``rec_state[slots]`` and the output's RMSNorm gated by sigmoid(gate). ``qkv [N, 3P]``,
+        ``f_b, gate [N, P]``, ``b [N, H]``, ``conv_weight [3P, W]``, ``A_log [H]``, ``dt_bias [P]``,
+        ``norm_weight [D]``; both states updated in place. -> [N, P] in qkv.dtype (o_proj's input)"""
+        kda = importlib.import_module("kernels.kda")
+        n, h, d = qkv.shape[0], A_log.shape[0], norm_weight.shape[0]
+        g = kda.kda_gate((f_b.float() + dt_bias).view(n, h, d), A_log, lower_bound)
+        beta = torch.sigmoid(b.float())
+        y, hist = self.causal_conv1d(qkv, conv_weight, conv_state.index_select(0, slots))
+        conv_state.index_copy_(0, slots, hist)
+        q, k, v = (t.view(n, h, d) for t in y.split(h * d, dim=-1))
+        o = self.kda_recurrent(q, k, v, g, beta, rec_state, slots, scale)
+        return kda.gated_rms_norm(o, gate.view(n, h, d), norm_weight, eps).to(qkv.dtype).view(n, h * d)
+
     # -- whole decoder halves
 
     def fuse_decoder_layer(self, layer):

@@ -1,0 +1,133 @@
+"""The Kimi K3 decode fusions vs their PyTorch paths, under TRITON_INTERPRET=1 on CPU.
+
+The fused KDA decode step (``kernels.kda_decode``: conv + SiLU, gate, beta, q/k L2 norms, the
+delta-rule step on the slots' state, the gated output RMSNorm) against ``Backend.kda_decode`` (the
+ops of ``kernels.kda`` composed); the AttnRes mix with its residual add, snapshot and the norm after
+it (``kernels.attn_res_mix``) against ``Backend.attn_res_mix_norm``; the NoPE forms of MLA's cache
+write and absorbed query; MLA's sigmoid output gate. Same plumbing as ``test_launch_fusions``: the
+cases run once in a child process with the interpreter on, each reported as its own test.
+"""
+
+import os
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+from tests.helpers.interpret import case_registry, child_main, needs_triton, run_interpreted
+from tests.helpers.interpret import close as _close
+
+CASES, case = case_registry()
+
+
+# --- KDA decode step ----------------------------------------------------------------------------
+
+
+def _kda_inputs(n, h, d, w, dtype, slots_total=6, wide=7):
+    p = h * d
+    proj = torch.randn(n, 3 * p + wide, dtype=torch.float32).to(dtype)  # strided rows: the fused projection
+    qkv = proj[:, : 3 * p]
+    f_b = torch.randn(n, p).to(dtype)
+    b = torch.randn(n, h).to(dtype)
+    gate = torch.randn(n, p).to(dtype) * 2
+    conv_w = torch.randn(3 * p, w) * 0.5
+    A_log = torch.randn(h) * 0.5
+    dt_bias = torch.randn(p) * 0.3
+    norm_w = torch.rand(d) + 0.5
+    conv_state = torch.randn(slots_total, 3 * p, w - 1)
+    rec_state = torch.randn(slots_total, h, d, d) * 0.2
+    return qkv, f_b, b, gate, conv_w, A_log, dt_bias, norm_w, conv_state, rec_state
+
+
+def _kda_compare(n, h, d, w, dtype, lower_bound, tol, steps=3):
+    from kernels.backend import REFERENCE
+    from kernels.triton_backend import TritonBackend
+
+    qkv, f_b, b, gate, conv_w, A_log, dt_bias, norm_w, conv_state, rec_state = _kda_inputs(n, h, d, w, dtype)
+    slots = torch.tensor([4, 0, 2, 5][:n])
+    ref_conv, ref_rec = conv_state.clone(), rec_state.clone()
+    for step in range(steps):  # several steps: the states written by the kernel are read back by it
+        args = (qkv * (1 + step), f_b, b, gate, conv_w, A_log, dt_bias, lower_bound, norm_w, 1e-5)
+        got = TritonBackend().kda_decode(*args, conv_state, rec_state, slots, d ** -0.5)
+        want = REFERENCE.kda_decode(*args, ref_conv, ref_rec, slots, d ** -0.5)
+        assert got.shape == (n, h * d) and got.dtype == dtype
+        _close(got, want, tol)
+        _close(conv_state, ref_conv, 1e-6)
+        _close(rec_state, ref_rec, tol)
+    untouched = [s for s in range(6) if s not in slots.tolist()]
+    assert torch.equal(rec_state[untouched], ref_rec[untouched]) and torch.equal(conv_state[untouched],
+                                                                                 ref_conv[untouched])
+
+
+@case
+def kda_decode_fp32_safe_gate():
+    _kda_compare(3, 2, 32, 4, torch.float32, -5.0, 2e-5)
+
+
+@case
+def kda_decode_fp32_softplus_gate_odd_head_dim():
+    _kda_compare(4, 3, 24, 4, torch.float32, None, 2e-5)  # head dim 24 pads to a block of 32
+
+
+@case
+def kda_decode_fp16_safe_gate():
+    _kda_compare(3, 2, 32, 4, torch.float16, -5.0, 4e-3)
+
+
+@case
+def kda_decode_fp16_kernel_3():
+    _kda_compare(2, 2, 16, 3, torch.float16, None, 4e-3)
+
+
+@case
+def kda_decode_padding_slot_writes_zeros_and_no_state():
+    from kernels.kda_decode import kda_decode
+
+    qkv, f_b, b, gate, conv_w, A_log, dt_bias, norm_w, conv_state, rec_state = _kda_inputs(2, 2, 16, 4,
+                                                                                          torch.float32)
+    conv0, rec0 = conv_state.clone(), rec_state.clone()
+    out = kda_decode(qkv, f_b, b, gate, conv_w, A_log, dt_bias, -5.0, norm_w, 1e-5, conv_state, rec_state,
+                     torch.tensor([-1, 6]), 0.25)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(conv_state, conv0) and torch.equal(rec_state, rec0)
+
+
+@case
+def kda_decode_is_one_launch():
+    from kernels.backend import REFERENCE
+    from kernels.launch_count import count_launches
+    from kernels.triton_backend import TritonBackend
+
+    qkv, f_b, b, gate, conv_w, A_log, dt_bias, norm_w, conv_state, rec_state = _kda_inputs(3, 2, 16, 4,
+                                                                                          torch.float16)
+    args = (qkv, f_b, b, gate, conv_w, A_log, dt_bias, -5.0, norm_w, 1e-5, conv_state, rec_state,
+            torch.tensor([0, 1, 2]), 0.25)
+    with count_launches() as fused:
+        TritonBackend().kda_decode(*args)
+    with count_launches() as eager:
+        REFERENCE.kda_decode(*args)
+    assert fused.kernels == 1 and sum(fused.triton.values()) == 1 and not fused.host_syncs, fused
+    return f"kda decode {fused.kernels} vs {eager.kernels}"
+
+
+if __name__ == "__main__":
+    child_main(CASES)
+
+
+# --- pytest side ------------------------------------------------------------------------------
+
+pytestmark = needs_triton
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    return run_interpreted("tests.kernels.test_k3_fusions")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_k3_fusion_matches_pytorch(name, interpreter_results):
+    result = interpreter_results.get(name, "case did not run")
+    print(result)
+    assert result.startswith("ok"), result
