@@ -224,6 +224,20 @@ class Backend:
         o = self.kda_recurrent(q, k, v, g, beta, rec_state, slots, scale)
         return kda.gated_rms_norm(o, gate.view(n, h, d), norm_weight, eps).to(qkv.dtype).view(n, h * d)
 
+    # -- Kimi K3 attention residuals (engine/layers/attn_res.py)
+
+    def attn_res_mix_norm(self, x, blocks, n, res_norm_weight, res_eps, proj_weight, norm_weight, norm_eps,
+                          delta=None, save=False):
+        """``(rms_norm(mix(s, blocks[:n])) * norm_weight, s)``: s = x + delta (x when delta is None), the
+        AttnRes softmax mix of the candidates ``blocks[:n] + [s]`` (``reference.attn_res_mix``; s itself
+        when n is 0), the norm of the sublayer after it. ``save``: also write s to ``blocks[n]`` (the
+        snapshot that begins a block). ``x``, ``delta [T, D]``; ``blocks [>= n, T, D]`` in x.dtype."""
+        s = x if delta is None else x + delta
+        if save:
+            blocks[n].copy_(s)
+        h = reference.attn_res_mix(s, list(blocks[:n]), res_norm_weight, res_eps, proj_weight) if n else s
+        return self.rms_norm(h, norm_weight, norm_eps), s
+
     # -- whole decoder halves
 
     def fuse_decoder_layer(self, layer):

@@ -158,3 +158,10 @@ class TritonBackend(Backend):
         # in one launch (op by op: about seventy on the PyTorch path, five with fla-core's kernels)
         return _kernel("kda_decode", "kda_decode")(qkv, f_b, b, gate, conv_weight, A_log, dt_bias, lower_bound,
                                                    norm_weight, eps, conv_state, rec_state, slots, scale)
+
+    def attn_res_mix_norm(self, x, blocks, n, res_norm_weight, res_eps, proj_weight, norm_weight, norm_eps,
+                          delta=None, save=False):
+        # the residual add, the snapshot, the softmax mix over the blocks and the norm after it in one
+        # launch (op by op: about eighteen)
+        return _kernel("attn_res_mix", "attn_res_mix_norm")(x, blocks, n, res_norm_weight, res_eps, proj_weight,
+                                                           norm_weight, norm_eps, delta, save)

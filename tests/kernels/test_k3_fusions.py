@@ -112,6 +112,64 @@ def kda_decode_is_one_launch():
     return f"kda decode {fused.kernels} vs {eager.kernels}"
 
 
+# --- AttnRes mix + norm -------------------------------------------------------------------------
+
+
+def _mix_compare(t, d, n, dtype, delta, save, tol):
+    from kernels.backend import REFERENCE
+    from kernels.triton_backend import TritonBackend
+
+    cap = n + 2
+    blocks = (torch.randn(cap, t, d) * (1 + torch.arange(cap)[:, None, None])).to(dtype)
+    x = torch.randn(t, d + 5).to(dtype)[:, :d]  # a strided view: rows of a wider tensor
+    dl = torch.randn(t, d).to(dtype) if delta else None
+    weights = (torch.rand(d) + 0.5, torch.randn(1, d), (torch.rand(d) + 0.5).to(dtype))
+    args = (weights[0], 1e-6, weights[1], weights[2], 1e-5)
+    ref_blocks = blocks.clone()
+    got, got_s = TritonBackend().attn_res_mix_norm(x, blocks, n, *args, delta=dl, save=save)
+    want, want_s = REFERENCE.attn_res_mix_norm(x, ref_blocks, n, *args, delta=dl, save=save)
+    assert got.dtype == want.dtype and got.shape == (t, d)
+    assert torch.equal(got_s, want_s)  # the running sum: one rounding, the same in both
+    assert torch.equal(blocks, ref_blocks)  # the snapshot row (or nothing) written exactly
+    _close(got, want, tol)
+
+
+@case
+def attn_res_mix_norm_fp32_odd_width_with_add():
+    _mix_compare(3, 203, 3, torch.float32, True, False, 2e-5)
+
+
+@case
+def attn_res_mix_norm_fp32_no_blocks_saves_snapshot():
+    _mix_compare(2, 64, 0, torch.float32, False, True, 2e-5)  # layer 0: the norm of x, x kept as block 0
+
+
+@case
+def attn_res_mix_norm_fp16_snapshot_after_blocks():
+    _mix_compare(4, 96, 2, torch.float16, False, True, 4e-3)
+
+
+@case
+def attn_res_mix_norm_fp16_add_wide():
+    _mix_compare(2, 1100, 4, torch.float16, True, False, 4e-3)
+
+
+@case
+def attn_res_mix_norm_is_one_launch():
+    from kernels.backend import REFERENCE
+    from kernels.launch_count import count_launches
+    from kernels.triton_backend import TritonBackend
+
+    blocks, x, a = torch.randn(3, 3, 32).half(), torch.randn(3, 32).half(), torch.randn(3, 32).half()
+    args = (blocks, 2, torch.ones(32).half(), 1e-6, torch.randn(1, 32).half(), torch.ones(32).half(), 1e-6)
+    with count_launches() as fused:
+        TritonBackend().attn_res_mix_norm(x, *args, delta=a)
+    with count_launches() as eager:
+        REFERENCE.attn_res_mix_norm(x, *args, delta=a)
+    assert fused.kernels == 1 and sum(fused.triton.values()) == 1 and not fused.host_syncs, fused
+    return f"add + mix + norm {fused.kernels} vs {eager.kernels}"
+
+
 if __name__ == "__main__":
     child_main(CASES)
 
