@@ -156,11 +156,15 @@ class Backend:
     def mla_absorb_query(self, q, w_uk, rope, positions):
         """The absorbed decode query ``[q_nope @ W_UK[h], rope(q_pe)]`` per head -> [B, H, r + R], for
         ``q [B, H, nope + R]`` (q_b_proj's output), ``w_uk [H, nope, r]``, ``rope`` the model's
-        ``YarnRotaryEmbedding``. The rope writes the tail and the bmm the head of one buffer (no cat)."""
+        ``YarnRotaryEmbedding``, or None (NoPE: the tail is q_pe as it is). The rope writes the tail and
+        the bmm the head of one buffer (no cat)."""
         b, h, width = q.shape
         nope, r = w_uk.shape[1], w_uk.shape[2]
         out = torch.empty(b, h, r + width - nope, dtype=q.dtype, device=q.device)
-        self.mla_rope_query(q[..., nope:], rope, positions, out=out[..., r:])
+        if rope is None:
+            out[..., r:] = q[..., nope:]
+        else:
+            self.mla_rope_query(q[..., nope:], rope, positions, out=out[..., r:])
         # head-major [H, B, nope] @ [H, nope, r] into a transposed view of the head: BLAS takes its row
         # stride as is (cuBLAS/hipBLAS batched GEMMs included, no copy)
         torch.bmm(q[..., :nope].transpose(0, 1), w_uk.to(q.dtype), out=out[..., :r].transpose(0, 1))
@@ -223,6 +227,10 @@ class Backend:
         q, k, v = (t.view(n, h, d) for t in y.split(h * d, dim=-1))
         o = self.kda_recurrent(q, k, v, g, beta, rec_state, slots, scale)
         return kda.gated_rms_norm(o, gate.view(n, h, d), norm_weight, eps).to(qkv.dtype).view(n, h * d)
+
+    def sigmoid_gate(self, x, gate):
+        """``x * sigmoid(gate)`` for ``x, gate [T, N]`` (MLA's output gate in Kimi K3)."""
+        return x * torch.sigmoid(gate)
 
     # -- Kimi K3 attention residuals (engine/layers/attn_res.py)
 

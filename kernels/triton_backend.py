@@ -97,22 +97,21 @@ class TritonBackend(Backend):
         return q
 
     def mla_absorb_query(self, q, w_uk, rope, positions):
-        # the W_UK product and the query rope in one launch, written straight into the absorbed query
-        return _kernel("mla_q_absorb", "mla_q_absorb")(q, w_uk.to(q.dtype), rope.cos, rope.sin, positions)
+        # the W_UK product and the query rope (NoPE: the copy of q_pe) in one launch, written straight
+        # into the absorbed query
+        cos, sin = (None, None) if rope is None else (rope.cos, rope.sin)
+        return _kernel("mla_q_absorb", "mla_q_absorb")(q, w_uk.to(q.dtype), cos, sin, positions)
 
     def mla_cache_write(self, kv, norm_weight, eps, rope, positions, slot_mapping, cache):
-        if rope is None:  # NoPE (Kimi Linear / K3): the kernel always rotates the key; op by op
-            return super().mla_cache_write(kv, norm_weight, eps, rope, positions, slot_mapping, cache)
-        _kernel("mla_cache_write", "mla_cache_write")(kv, norm_weight, eps, rope.cos, rope.sin, positions,
-                                                     slot_mapping, cache)
+        # NoPE (Kimi Linear / K3, rope None): the key is written unrotated, same launch
+        cos, sin = (None, None) if rope is None else (rope.cos, rope.sin)
+        _kernel("mla_cache_write", "mla_cache_write")(kv, norm_weight, eps, cos, sin, positions, slot_mapping, cache)
 
     def mla_cache_write_q_norm(self, q, q_norm_weight, q_eps, kv, norm_weight, eps, rope, positions, slot_mapping,
                                cache):
-        # both norms of the layer input's projection and the key rope in one launch
-        if rope is None:
-            return super().mla_cache_write_q_norm(q, q_norm_weight, q_eps, kv, norm_weight, eps, rope, positions,
-                                                  slot_mapping, cache)
-        return _kernel("mla_cache_write", "mla_cache_write")(kv, norm_weight, eps, rope.cos, rope.sin, positions,
+        # both norms of the layer input's projection and the key rope (or NoPE copy) in one launch
+        cos, sin = (None, None) if rope is None else (rope.cos, rope.sin)
+        return _kernel("mla_cache_write", "mla_cache_write")(kv, norm_weight, eps, cos, sin, positions,
                                                             slot_mapping, cache, q, q_norm_weight, q_eps)
 
     def moe_experts(self, x, topk_ids, topk_weights, w13, w2, activation=None):
@@ -165,3 +164,6 @@ class TritonBackend(Backend):
         # launch (op by op: about eighteen)
         return _kernel("attn_res_mix", "attn_res_mix_norm")(x, blocks, n, res_norm_weight, res_eps, proj_weight,
                                                            norm_weight, norm_eps, delta, save)
+
+    def sigmoid_gate(self, x, gate):
+        return _kernel("sigmoid_gate", "sigmoid_gate")(x, gate)  # one launch (op by op: two)

@@ -4,7 +4,7 @@ The fused KDA decode step (``kernels.kda_decode``: conv + SiLU, gate, beta, q/k 
 delta-rule step on the slots' state, the gated output RMSNorm) against ``Backend.kda_decode`` (the
 ops of ``kernels.kda`` composed); the AttnRes mix with its residual add, snapshot and the norm after
 it (``kernels.attn_res_mix``) against ``Backend.attn_res_mix_norm``; the NoPE forms of MLA's cache
-write and absorbed query; MLA's sigmoid output gate. Same plumbing as ``test_launch_fusions``: the
+write and absorbed query; MLA's sigmoid output gate; bad input answered by one line. Same plumbing as ``test_launch_fusions``: the
 cases run once in a child process with the interpreter on, each reported as its own test.
 """
 
@@ -168,6 +168,97 @@ def attn_res_mix_norm_is_one_launch():
         REFERENCE.attn_res_mix_norm(x, *args, delta=a)
     assert fused.kernels == 1 and sum(fused.triton.values()) == 1 and not fused.host_syncs, fused
     return f"add + mix + norm {fused.kernels} vs {eager.kernels}"
+
+
+# --- MLA without rope (NoPE) and its output gate ------------------------------------------------
+
+
+@case
+def mla_cache_write_nope_with_query_norm():
+    from kernels import reference as ref
+    from kernels.backend import REFERENCE
+    from kernels.mla_cache_write import mla_cache_write
+
+    for dtype, wdtype, tol in ((torch.float16, torch.float16, 2e-3), (torch.float32, torch.float32, 1e-5),
+                               (torch.float16, torch.float32, 2e-3)):
+        t, qdim, r, rope = 4, 24, 32, 7  # an odd key width: NoPE copies it, no pairs
+        y = torch.randn(t, qdim + r + rope).to(dtype)  # the fused projection: q_a part, then kv
+        q_in, kv = y[:, :qdim], y[:, qdim:]
+        qw, kw = (torch.rand(qdim) + 0.5).to(wdtype), (torch.rand(r) + 0.5).to(wdtype)
+        pos, slots = torch.tensor([3, 9, 0, 100]), torch.tensor([5, -1, 0, 7])  # -1: a padding row
+        cache, want_cache = torch.zeros(8, r + rope).to(dtype), torch.zeros(8, r + rope).to(dtype)
+        q_out = mla_cache_write(kv, kw, 1e-6, None, None, pos, slots, cache, q_in, qw, 1e-5)
+        want_q = REFERENCE.mla_cache_write_q_norm(q_in, qw, 1e-5, kv, kw, 1e-6, None, pos, slots.abs(), want_cache)
+        want_cache[1] = 0  # the padding row wrote nothing
+        _close(q_out, want_q, tol)
+        assert q_out.dtype == ref.rms_norm(q_in, qw, 1e-5).dtype
+        assert torch.equal(cache[:, r:], want_cache[:, r:])  # the unrotated key, exactly
+        _close(cache, want_cache, tol)
+
+
+@case
+def mla_q_absorb_nope_copies_the_tail():
+    from kernels.backend import REFERENCE
+    from kernels.mla_q_absorb import mla_q_absorb
+
+    for b, h, nope, r, dtype, tol in ((3, 5, 24, 40, torch.float32, 1e-5), (20, 2, 16, 16, torch.float16, 2e-3)):
+        q = torch.randn(b, h, nope + 8).to(dtype)
+        w_uk = (torch.randn(h, nope, r) / nope ** 0.5).to(dtype)
+        pos = torch.randint(0, 128, (b,))
+        want = REFERENCE.mla_absorb_query(q, w_uk, None, pos)
+        got = mla_q_absorb(q, w_uk, None, None, pos)
+        assert got.shape == (b, h, r + 8) and got.dtype == dtype
+        assert torch.equal(got[..., r:], q[..., nope:])
+        _close(got, want, tol)
+
+
+@case
+def sigmoid_gate_matches_two_ops():
+    from kernels.sigmoid_gate import sigmoid_gate
+
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(3, 1100 + 4).to(dtype)[:, :1100]  # strided rows, more than one column block
+        g = torch.randn(3, 1100).to(dtype) * 4
+        want = x * torch.sigmoid(g)
+        got = sigmoid_gate(x, g)
+        assert got.dtype == dtype
+        if dtype == torch.float16:
+            assert torch.equal(got, want), (got - want).abs().max()  # two roundings, matched exactly
+        else:
+            _close(got, want, 1e-6)
+
+
+@case
+def bad_input_is_one_clear_line():
+    from kernels.attn_res_mix import attn_res_mix_norm
+    from kernels.kda_decode import kda_decode
+    from kernels.mla_cache_write import mla_cache_write
+    from kernels.sigmoid_gate import sigmoid_gate
+
+    x, w = torch.randn(2, 8), torch.ones(8)
+    qkv, f_b, b, gate, conv_w, A_log, dt_bias, norm_w, conv_state, rec_state = _kda_inputs(2, 2, 16, 4,
+                                                                                          torch.float32)
+    calls = [
+        (lambda: attn_res_mix_norm(x, torch.zeros(1, 2, 8), 1, w, 1e-6, w, w, 1e-6, save=True),
+         "blocks must be torch.float32 [>= 2, T=2, D=8]"),
+        (lambda: attn_res_mix_norm(x, torch.zeros(1, 2, 8), 0, w, 1e-6, torch.ones(7), w, 1e-6),
+         "proj_weight must be contiguous float with 8 entries"),
+        (lambda: kda_decode(qkv, f_b, b, gate, conv_w, A_log, dt_bias, 1.0, norm_w, 1e-5, conv_state, rec_state,
+                            torch.tensor([0, 1]), 0.25), "lower_bound must be negative"),
+        (lambda: kda_decode(qkv, f_b, b, gate, conv_w, A_log, dt_bias, None, norm_w, 1e-5, conv_state,
+                            rec_state[:, :1], torch.tensor([0, 1]), 0.25), "rec_state must be fp32"),
+        (lambda: mla_cache_write(torch.randn(2, 12), torch.ones(8), 1e-6, torch.zeros(4, 2), None,
+                                 torch.zeros(2).long(), torch.zeros(2).long(), torch.zeros(4, 12)),
+         "cos and sin are both tensors"),
+        (lambda: sigmoid_gate(x, torch.randn(2, 8).half()), "gate must be torch.float32"),
+    ]
+    for call, match in calls:
+        try:
+            call()
+        except ValueError as e:
+            assert match in str(e) and "\n" not in str(e), (match, str(e))
+        else:
+            raise AssertionError(f"no error for {match}")
 
 
 if __name__ == "__main__":
