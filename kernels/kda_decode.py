@@ -8,9 +8,10 @@ the gated delta-rule step (decay, two products with the state, the rank-1 update
 scatter of the state rows); and the output's RMSNorm gated by sigmoid(gate). Here program (n, h)
 does all of it for sequence n's head h: it reads the head's q, k, v channels of the fused
 projection and their conv history, the head's state S [K, V] from the sequence's slot, and writes
-back the conv history, S and the head's normed, gated output row. S stays in registers (one
-[BLOCK_K, BLOCK_V] tile: head_dim 128 is 64 KiB of fp32 over 8 warps), so the output norm, which
-needs the whole head row, runs in the same program.
+back the conv history, S and the head's normed, gated output row. S is streamed in [K, 32] column
+tiles (whole at head_dim 128 it spills on sm_90 even over 16 warps); each tile's raw outputs go to
+the output row, and after a barrier the program reads the row back for the norm, which needs it
+whole: the output norm runs in the same launch.
 
 Numerics follow the PyTorch path step for step: the conv runs in fp32 on the fp32 weights and rounds
 to the activation dtype (what q, k, v are there); gate, beta, norms and the state update in fp32; the
@@ -28,9 +29,12 @@ from kernels._checks import FLOAT_DTYPES, check_device
 
 
 @triton.jit
-def _conv_silu(qkv_row, conv_row, convw_ptr, ch, m, j, mw_old, mw_new, stride_cc, stride_cw, W: tl.constexpr):
-    """Channels ``ch`` [BD] of one row: conv over (history, input) + SiLU in fp32, rounded to the
-    activation dtype; the history shifted by one and the input appended, written back."""
+def _conv_silu(qkv_row, conv_row, convw_ptr, ch, m, stride_cc, stride_cw, W: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Channels ``ch`` (mask ``m``) of one row: conv over (history, input) + SiLU in fp32, rounded to
+    the activation dtype; the history shifted by one and the input appended, written back."""
+    j = tl.arange(0, BLOCK_W)
+    mw_old = m[:, None] & (j[None, :] < W - 1)  # the history's W-1 columns, oldest first
+    mw_new = m[:, None] & (j[None, :] < W - 2)  # the shifted history keeps W-2 of them
     x = tl.load(qkv_row + ch, mask=m, other=0.0).to(tl.float32)
     hist = tl.load(conv_row + ch[:, None] * stride_cc + j[None, :], mask=mw_old, other=0.0).to(tl.float32)
     w_old = tl.load(convw_ptr + ch[:, None] * stride_cw + j[None, :], mask=mw_old, other=0.0)
@@ -51,7 +55,8 @@ def _kda_decode_kernel(
     stride_qkv, stride_fb, stride_b, stride_gate, stride_cw,
     stride_cs, stride_cc, stride_rs, stride_rh, stride_rk, stride_out,
     scale, eps, lower_bound,
-    W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, SAFE_GATE: tl.constexpr,
+    W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
+    SAFE_GATE: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -63,16 +68,12 @@ def _kda_decode_kernel(
     if (slot < 0) | (slot >= NUM_SLOTS):  # padding row: no state read or written
         tl.store(out_row + offs, tl.zeros((BLOCK_D,), dtype=tl.float32).to(out_ptr.dtype.element_ty), mask=m)
         return
-
-    # --- short causal conv + SiLU of the head's q, k, v channels (fp32, as the weights) ---------
-    j = tl.arange(0, BLOCK_W)
-    mw_old = m[:, None] & (j[None, :] < W - 1)  # the history's W-1 columns, oldest first
-    mw_new = m[:, None] & (j[None, :] < W - 2)  # the shifted history keeps W-2 of them
     qkv_row = qkv_ptr + n * stride_qkv
     conv_row = conv_ptr + slot * stride_cs
-    q = _conv_silu(qkv_row, conv_row, convw_ptr, h * D + offs, m, j, mw_old, mw_new, stride_cc, stride_cw, W)
-    k = _conv_silu(qkv_row, conv_row, convw_ptr, P + h * D + offs, m, j, mw_old, mw_new, stride_cc, stride_cw, W)
-    v = _conv_silu(qkv_row, conv_row, convw_ptr, 2 * P + h * D + offs, m, j, mw_old, mw_new, stride_cc, stride_cw, W)
+
+    # --- short causal conv + SiLU of the head's q and k channels (fp32, as the weights); v below --
+    q = _conv_silu(qkv_row, conv_row, convw_ptr, h * D + offs, m, stride_cc, stride_cw, W, BLOCK_W)
+    k = _conv_silu(qkv_row, conv_row, convw_ptr, P + h * D + offs, m, stride_cc, stride_cw, W, BLOCK_W)
 
     # --- forget gate (log space), beta ---------------------------------------------------------
     a = tl.load(fb_ptr + n * stride_fb + h * D + offs, mask=m, other=0.0).to(tl.float32)
@@ -83,26 +84,36 @@ def _kda_decode_kernel(
     else:  # Kimi Linear: -exp(A_log) * softplus(a), softplus(a) = a above 20
         sp = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
         g = -rate * sp
+    decay = tl.exp(g)
     beta = tl.sigmoid(tl.load(b_ptr + n * stride_b + h).to(tl.float32))
 
-    # --- gated delta rule on the slot's state --------------------------------------------------
+    # --- gated delta rule on the slot's state, BLOCK_V value columns at a time -----------------
+    # Each column block of S is independent (its own v, k^T S and update); one [K, BLOCK_V] tile
+    # at a time keeps the registers free of spills at head_dim 128.
     qs = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
     ks = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    s_ptrs = rec_ptr + slot * stride_rs + h * stride_rh + offs[:, None] * stride_rk + offs[None, :]  # [K, V]
-    ms = m[:, None] & m[None, :]
-    S = tl.load(s_ptrs, mask=ms, other=0.0)
-    S = S * tl.exp(g)[:, None]
-    u = tl.sum(ks[:, None] * S, axis=0)  # [V]: what the memory predicts for k
-    qS = tl.sum(qs[:, None] * S, axis=0)
-    delta = beta * (v - u)
-    o = qS + tl.sum(qs * ks, axis=0) * delta  # q^T (S + k delta^T) without reading S again
-    S = S + ks[:, None] * delta[None, :]
-    tl.store(s_ptrs, S, mask=ms)
+    qk = tl.sum(qs * ks, axis=0)
+    s_rows = rec_ptr + slot * stride_rs + h * stride_rh + offs[:, None] * stride_rk  # [K, 1]
+    sq = tl.sum(tl.zeros((BLOCK_V,), dtype=tl.float32), axis=0)  # sum of the rounded outputs' squares
+    for c in tl.static_range(BLOCK_D // BLOCK_V):
+        cols = c * BLOCK_V + tl.arange(0, BLOCK_V)
+        mc = cols < D
+        v = _conv_silu(qkv_row, conv_row, convw_ptr, 2 * P + h * D + cols, mc, stride_cc, stride_cw, W, BLOCK_W)
+        ms = m[:, None] & mc[None, :]
+        S = tl.load(s_rows + cols[None, :], mask=ms, other=0.0) * decay[:, None]  # [K, BV]
+        u = tl.sum(ks[:, None] * S, axis=0)  # what the memory predicts for k
+        qS = tl.sum(qs[:, None] * S, axis=0)
+        delta = beta * (v - u)
+        o = (qS + qk * delta).to(act)  # q^T (S + k delta^T) without reading S again
+        tl.store(s_rows + cols[None, :], S + ks[:, None] * delta[None, :], mask=ms)
+        tl.store(out_row + cols, o, mask=mc)
+        of = tl.where(mc, o.to(tl.float32), 0.0)
+        sq += tl.sum(of * of, axis=0)
+    tl.debug_barrier()  # the row's raw outputs, written by other threads, are read back below
 
     # --- RMSNorm of the head's output times sigmoid(gate) --------------------------------------
-    o = o.to(act).to(tl.float32)
-    o = tl.where(m, o, 0.0)
-    o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + eps)
+    o = tl.load(out_row + offs, mask=m, other=0.0).to(tl.float32)
+    o = o * tl.rsqrt(sq / D + eps)
     wn = tl.load(normw_ptr + offs, mask=m, other=0.0).to(tl.float32)
     gt = tl.load(gate_ptr + n * stride_gate + h * D + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(out_row + offs, (o * wn * tl.sigmoid(gt)).to(out_ptr.dtype.element_ty), mask=m)
@@ -170,7 +181,7 @@ def kda_decode(qkv: torch.Tensor, f_b: torch.Tensor, b: torch.Tensor, gate: torc
             qkv.stride(0), f_b.stride(0), b.stride(0), gate.stride(0), conv_weight.stride(0),
             conv_state.stride(0), conv_state.stride(1), rec_state.stride(0), rec_state.stride(1), rec_state.stride(2),
             out.stride(0), scale, eps, 0.0 if lower_bound is None else float(lower_bound),
-            W=w, BLOCK_D=block_d, BLOCK_W=triton.next_power_of_2(w), SAFE_GATE=lower_bound is not None,
-            num_warps=8 if block_d >= 128 else 4,
+            W=w, BLOCK_D=block_d, BLOCK_V=min(block_d, 32), BLOCK_W=triton.next_power_of_2(w),
+            SAFE_GATE=lower_bound is not None, num_warps=4,
         )
     return out
