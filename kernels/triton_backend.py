@@ -154,7 +154,8 @@ class TritonBackend(Backend):
     def kda_decode(self, qkv, f_b, b, gate, conv_weight, A_log, dt_bias, lower_bound, norm_weight, eps, conv_state,
                    rec_state, slots, scale):
         # conv, gate, beta, l2 norms, the delta-rule step on the slots' state and the gated output norm
-        # in one launch (op by op: about seventy on the PyTorch path, five with fla-core's kernels)
+        # in one launch (op by op: 56 on the PyTorch path; fla-core's conv and recurrent kernels and the ops
+        # around them on a GPU)
         return _kernel("kda_decode", "kda_decode")(qkv, f_b, b, gate, conv_weight, A_log, dt_bias, lower_bound,
                                                    norm_weight, eps, conv_state, rec_state, slots, scale)
 
