@@ -7,9 +7,11 @@ launch each instead of op by op (a decode step is launch-bound): RMSNorm, the re
 (with the routing statistics), MLA's cache write (norm + rope + scatter of the newest latents, with
 the query LoRA's norm), its absorbed decode query (W_UK product + rope) and the fused MoE's top-k
 combine. Each kernel is tested against its oracle (``kernels.reference`` or this module's base
-class, ``Backend``). Kimi Delta Attention runs fla-core's Triton kernels on CUDA/ROCm tensors when
-fla imports (a model with KDA layers on a GPU without it is refused by ``attach_backends``), else
-the PyTorch forms of ``kernels.kda``. Kernel modules import lazily so that
+class, ``Backend``). Kimi K3's decode has its own: a whole KDA decode step (``kernels.kda_decode``),
+each AttnRes mix with its norm (``kernels.attn_res_mix``), MLA's NoPE cache write and absorbed query,
+its sigmoid output gate. Kimi Delta Attention's prefill (and speculative verification) runs
+fla-core's Triton kernels on CUDA/ROCm tensors when fla imports (a model with KDA layers on a GPU
+without it is refused by ``attach_backends``), else the PyTorch forms of ``kernels.kda``. Kernel modules import lazily so that
 importing ``kernels`` never needs triton.
 """
 
