@@ -156,11 +156,15 @@ class Backend:
     def mla_absorb_query(self, q, w_uk, rope, positions):
         """The absorbed decode query ``[q_nope @ W_UK[h], rope(q_pe)]`` per head -> [B, H, r + R], for
         ``q [B, H, nope + R]`` (q_b_proj's output), ``w_uk [H, nope, r]``, ``rope`` the model's
-        ``YarnRotaryEmbedding``. The rope writes the tail and the bmm the head of one buffer (no cat)."""
+        ``YarnRotaryEmbedding``, or None (NoPE: the tail is q_pe as it is). The rope writes the tail and
+        the bmm the head of one buffer (no cat)."""
         b, h, width = q.shape
         nope, r = w_uk.shape[1], w_uk.shape[2]
         out = torch.empty(b, h, r + width - nope, dtype=q.dtype, device=q.device)
-        self.mla_rope_query(q[..., nope:], rope, positions, out=out[..., r:])
+        if rope is None:
+            out[..., r:] = q[..., nope:]
+        else:
+            self.mla_rope_query(q[..., nope:], rope, positions, out=out[..., r:])
         # head-major [H, B, nope] @ [H, nope, r] into a transposed view of the head: BLAS takes its row
         # stride as is (cuBLAS/hipBLAS batched GEMMs included, no copy)
         torch.bmm(q[..., :nope].transpose(0, 1), w_uk.to(q.dtype), out=out[..., :r].transpose(0, 1))
@@ -210,6 +214,42 @@ class Backend:
     def causal_conv1d(self, x, weight, history, cu_seqlens=None):
         """Short causal conv + SiLU continuing each sequence's history: (y [T, C], new history [N, C, W-1])."""
         return _kernel("kda", "causal_conv1d")(x, weight, history, cu_seqlens)
+
+    def kda_decode(self, qkv, f_b, b, gate, conv_weight, A_log, dt_bias, lower_bound, norm_weight, eps, conv_state,
+                   rec_state, slots, scale):
+        """A whole KDA decode step between the projections, one token for each of N sequences: the
+        short conv + SiLU from each slot's history, the forget gate from ``f_b + dt_bias`` and
+        ``A_log`` (``kernels.kda.kda_gate``), beta = sigmoid(b), the delta-rule step on
+        ``rec_state[slots]`` and the output's RMSNorm gated by sigmoid(gate). ``qkv [N, 3P]``,
+        ``f_b, gate [N, P]``, ``b [N, H]``, ``conv_weight [3P, W]``, ``A_log [H]``, ``dt_bias [P]``,
+        ``norm_weight [D]``; both states updated in place. -> [N, P] in qkv.dtype (o_proj's input)"""
+        kda = importlib.import_module("kernels.kda")
+        n, h, d = qkv.shape[0], A_log.shape[0], norm_weight.shape[0]
+        g = kda.kda_gate((f_b.float() + dt_bias).view(n, h, d), A_log, lower_bound)
+        beta = torch.sigmoid(b.float())
+        y, hist = self.causal_conv1d(qkv, conv_weight, conv_state.index_select(0, slots))
+        conv_state.index_copy_(0, slots, hist)
+        q, k, v = (t.view(n, h, d) for t in y.split(h * d, dim=-1))
+        o = self.kda_recurrent(q, k, v, g, beta, rec_state, slots, scale)
+        return kda.gated_rms_norm(o, gate.view(n, h, d), norm_weight, eps).to(qkv.dtype).view(n, h * d)
+
+    def sigmoid_gate(self, x, gate):
+        """``x * sigmoid(gate)`` for ``x, gate [T, N]`` (MLA's output gate in Kimi K3)."""
+        return x * torch.sigmoid(gate)
+
+    # -- Kimi K3 attention residuals (engine/layers/attn_res.py)
+
+    def attn_res_mix_norm(self, x, blocks, n, res_norm_weight, res_eps, proj_weight, norm_weight, norm_eps,
+                          delta=None, save=False):
+        """``(rms_norm(mix(s, blocks[:n])) * norm_weight, s)``: s = x + delta (x when delta is None), the
+        AttnRes softmax mix of the candidates ``blocks[:n] + [s]`` (``reference.attn_res_mix``; s itself
+        when n is 0), the norm of the sublayer after it. ``save``: also write s to ``blocks[n]`` (the
+        snapshot that begins a block). ``x``, ``delta [T, D]``; ``blocks [>= n, T, D]`` in x.dtype."""
+        s = x if delta is None else x + delta
+        if save:
+            blocks[n].copy_(s)
+        h = reference.attn_res_mix(s, list(blocks[:n]), res_norm_weight, res_eps, proj_weight) if n else s
+        return self.rms_norm(h, norm_weight, norm_eps), s
 
     # -- whole decoder halves
 

@@ -251,6 +251,24 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor,
     return y.to(x.dtype), new_hist.to(history.dtype).contiguous()
 
 
+def kda_gate(a: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+    """Log-space forget gate, fp32. a [T, H, K] = f_b_proj(f_a_proj(x)) + dt_bias; A_log [H].
+    Kimi Linear: -exp(A_log) * softplus(a); Kimi K3 (``lower_bound``, fla's "safe gate"):
+    lower_bound * sigmoid(exp(A_log) * a)."""
+    rate = A_log.float().exp()[:, None]  # [H, 1]
+    a = a.float()
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(rate * a)
+    return -rate * F.softplus(a, threshold=20.0)  # softplus(a) = a above 20, as transformers does
+
+
+def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over each head's output [T, H, V] times sigmoid(gate), in fp32 (fla's FusedRMSNormGated)."""
+    o = o.float()
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)
+    return o * weight.float() * torch.sigmoid(gate.float())
+
+
 def _check(q, k, v, g, beta, T, H, K):
     if q.shape != (T, H, K) or g.shape != (T, H, K) or v.shape[:2] != (T, H) or beta.shape != (T, H):
         raise ValueError(f"kda: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "

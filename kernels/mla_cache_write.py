@@ -12,7 +12,8 @@ norms of the layer input's projection in one launch.
 Numerics follow the PyTorch path step for step: the norm rounds to the activation dtype before the
 weight multiply and to torch's promotion of (weight, activation) after it; the rope runs in fp32 and
 rounds to the activation dtype; then both round to the cache dtype. A negative slot skips its row
-(padding rows of a fixed-size decode batch write nothing).
+(padding rows of a fixed-size decode batch write nothing). Without rope tables (NoPE: Kimi Linear's
+and K3's MLA) the key is copied unrotated.
 """
 
 import torch
@@ -29,7 +30,7 @@ def _mla_cache_write_kernel(
     kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, cache_ptr, q_ptr, qw_ptr, qo_ptr,
     R_LAT, HALF, P, NUM_SLOTS, stride_kv, stride_cp, stride_cache, eps, Q_DIM, stride_q, stride_qo, q_eps,
     NORM_DTYPE: tl.constexpr, BLOCK_LAT: tl.constexpr, BLOCK_P: tl.constexpr,
-    HAS_Q: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HAS_Q: tl.constexpr, BLOCK_Q: tl.constexpr, ROPE: tl.constexpr = True,
 ):
     t = tl.program_id(0).to(tl.int64)
     if HAS_Q:  # the query LoRA's RMSNorm, for every row (padding rows included: they are the caller's)
@@ -52,6 +53,11 @@ def _mla_cache_write_kernel(
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     c_kv = (h * w).to(NORM_DTYPE)
     tl.store(out + offs, c_kv.to(cache_ptr.dtype.element_ty), mask=m)
+    if not ROPE:  # NoPE (Kimi Linear / K3): the shared key goes to the cache unrotated (HALF: its width)
+        i = tl.arange(0, BLOCK_P)
+        k_pe = tl.load(kv_ptr + t * stride_kv + R_LAT + i, mask=i < HALF, other=0.0)
+        tl.store(out + R_LAT + i, k_pe.to(cache_ptr.dtype.element_ty), mask=i < HALF)
+        return
     # shared key: interleaved pairs (x[2i], x[2i+1]) turned by (cos, sin)[pos, i]
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, BLOCK_P)
@@ -71,8 +77,8 @@ def mla_cache_write(
     kv: torch.Tensor,
     norm_weight: torch.Tensor,
     eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
     positions: torch.Tensor,
     slot_mapping: torch.Tensor,
     cache: torch.Tensor,
@@ -89,6 +95,7 @@ def mla_cache_write(
     fp32 ``[P, R/2]``, ``positions``/``slot_mapping`` int32/int64 ``[T]`` (a slot outside the cache,
     e.g. -1 for padding, is skipped: values are not checked on the host, which would sync),
     ``cache [num_blocks, block_size, r + R]`` or already flat ``[slots, r + R]``, contiguous rows.
+    ``cos`` and ``sin`` both None: NoPE (Kimi Linear / K3), the key is written unrotated.
     """
     if kv.dim() != 2 or kv.dtype not in FLOAT_DTYPES or kv.stride(-1) != 1:
         raise ValueError(f"mla_cache_write: kv must be fp16/bf16/fp32 [T, r + R] with a contiguous last dim, "
@@ -99,7 +106,13 @@ def mla_cache_write(
         raise ValueError(f"mla_cache_write: norm_weight must be contiguous float [r] with r < {width}, "
                          f"got {norm_weight.dtype} {tuple(norm_weight.shape)}")
     rope = width - r
-    if rope % 2 or cos.shape[-1] != rope // 2 or cos.dim() != 2 or cos.dtype != torch.float32 or not cos.is_contiguous():
+    nope = cos is None and sin is None
+    if nope:  # no rotary embedding: dummy tables, never read (positions are not read either)
+        cos = sin = torch.empty((1, max(1, rope // 2)), dtype=torch.float32, device=kv.device)
+    elif cos is None or sin is None:
+        raise ValueError("mla_cache_write: cos and sin are both tensors (rope) or both None (NoPE)")
+    bad_width = not nope and (rope % 2 or cos.shape[-1] != rope // 2)
+    if bad_width or cos.dim() != 2 or cos.dtype != torch.float32 or not cos.is_contiguous():
         raise ValueError(f"mla_cache_write: cos must be contiguous fp32 [P, R/2={rope // 2}] (R = {rope} rope "
                          f"channels), got {cos.dtype} {tuple(cos.shape)}")
     if sin.shape != cos.shape or sin.dtype != torch.float32 or not sin.is_contiguous():
@@ -126,10 +139,10 @@ def mla_cache_write(
         qa = (q, q_norm_weight, q_out) if q is not None else (kv, norm_weight, kv)  # dummies, never read
         _mla_cache_write_kernel[(t,)](
             kv, norm_weight, cos, sin, positions, slot_mapping, flat, *qa,
-            r, rope // 2, cos.shape[0], flat.shape[0], kv.stride(0), cos.stride(0), flat.stride(0), eps,
+            r, rope if nope else rope // 2, cos.shape[0], flat.shape[0], kv.stride(0), cos.stride(0), flat.stride(0), eps,
             qa[0].shape[1], qa[0].stride(0), qa[2].stride(0), q_eps,
             NORM_DTYPE=_TL_DTYPES[torch.promote_types(norm_weight.dtype, kv.dtype)],
-            BLOCK_LAT=triton.next_power_of_2(r), BLOCK_P=triton.next_power_of_2(rope // 2),
-            HAS_Q=q is not None, BLOCK_Q=triton.next_power_of_2(qa[0].shape[1]),
+            BLOCK_LAT=triton.next_power_of_2(r), BLOCK_P=triton.next_power_of_2(rope if nope else rope // 2),
+            HAS_Q=q is not None, BLOCK_Q=triton.next_power_of_2(qa[0].shape[1]), ROPE=not nope,
         )
     return q_out

@@ -492,3 +492,21 @@ def moe_align_block_size(topk_ids, block_size, num_experts):
     # tiles past the last used one keep E - 1 (the PyTorch version's clamp); the GEMM skips them
     as_int32 = dict(dtype=torch.int32, device=topk_ids.device)
     return torch.tensor(sorted_ids, **as_int32), torch.tensor(expert_ids, **as_int32), torch.tensor([slot], **as_int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kimi K3 attention residuals (engine/layers/attn_res.py)
+
+
+def attn_res_mix(x: torch.Tensor, blocks: list[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+                 proj_weight: torch.Tensor) -> torch.Tensor:
+    """Softmax mix over the candidates ``blocks + [x]`` (each [T, D]) -> [T, D] in x.dtype.
+
+    score_i = sum_d rmsnorm(V_i)[d] * norm_weight[d] * proj_weight[0, d]; the mix weights the
+    un-normalised V_i. Computed in fp32.
+    """
+    v = torch.stack([*blocks, x], dim=1).float()  # [T, n + 1, D]
+    normed = v * torch.rsqrt(v.pow(2).mean(dim=-1, keepdim=True) + eps)
+    q = norm_weight.float() * proj_weight.float().view(-1)  # [D]: the norm weight folded into the query
+    p = torch.softmax(normed @ q, dim=1)  # [T, n + 1]
+    return torch.einsum("tn,tnd->td", p, v).to(x.dtype)

@@ -7,9 +7,11 @@ launch each instead of op by op (a decode step is launch-bound): RMSNorm, the re
 (with the routing statistics), MLA's cache write (norm + rope + scatter of the newest latents, with
 the query LoRA's norm), its absorbed decode query (W_UK product + rope) and the fused MoE's top-k
 combine. Each kernel is tested against its oracle (``kernels.reference`` or this module's base
-class, ``Backend``). Kimi Delta Attention runs fla-core's Triton kernels on CUDA/ROCm tensors when
-fla imports (a model with KDA layers on a GPU without it is refused by ``attach_backends``), else
-the PyTorch forms of ``kernels.kda``. Kernel modules import lazily so that
+class, ``Backend``). Kimi K3's decode has its own: a whole KDA decode step (``kernels.kda_decode``),
+each AttnRes mix with its norm (``kernels.attn_res_mix``), MLA's NoPE cache write and absorbed query,
+its sigmoid output gate. Kimi Delta Attention's prefill (and speculative verification) runs
+fla-core's Triton kernels on CUDA/ROCm tensors when fla imports (a model with KDA layers on a GPU
+without it is refused by ``attach_backends``), else the PyTorch forms of ``kernels.kda``. Kernel modules import lazily so that
 importing ``kernels`` never needs triton.
 """
 
@@ -97,22 +99,21 @@ class TritonBackend(Backend):
         return q
 
     def mla_absorb_query(self, q, w_uk, rope, positions):
-        # the W_UK product and the query rope in one launch, written straight into the absorbed query
-        return _kernel("mla_q_absorb", "mla_q_absorb")(q, w_uk.to(q.dtype), rope.cos, rope.sin, positions)
+        # the W_UK product and the query rope (NoPE: the copy of q_pe) in one launch, written straight
+        # into the absorbed query
+        cos, sin = (None, None) if rope is None else (rope.cos, rope.sin)
+        return _kernel("mla_q_absorb", "mla_q_absorb")(q, w_uk.to(q.dtype), cos, sin, positions)
 
     def mla_cache_write(self, kv, norm_weight, eps, rope, positions, slot_mapping, cache):
-        if rope is None:  # NoPE (Kimi Linear / K3): the kernel always rotates the key; op by op
-            return super().mla_cache_write(kv, norm_weight, eps, rope, positions, slot_mapping, cache)
-        _kernel("mla_cache_write", "mla_cache_write")(kv, norm_weight, eps, rope.cos, rope.sin, positions,
-                                                     slot_mapping, cache)
+        # NoPE (Kimi Linear / K3, rope None): the key is written unrotated, same launch
+        cos, sin = (None, None) if rope is None else (rope.cos, rope.sin)
+        _kernel("mla_cache_write", "mla_cache_write")(kv, norm_weight, eps, cos, sin, positions, slot_mapping, cache)
 
     def mla_cache_write_q_norm(self, q, q_norm_weight, q_eps, kv, norm_weight, eps, rope, positions, slot_mapping,
                                cache):
-        # both norms of the layer input's projection and the key rope in one launch
-        if rope is None:
-            return super().mla_cache_write_q_norm(q, q_norm_weight, q_eps, kv, norm_weight, eps, rope, positions,
-                                                  slot_mapping, cache)
-        return _kernel("mla_cache_write", "mla_cache_write")(kv, norm_weight, eps, rope.cos, rope.sin, positions,
+        # both norms of the layer input's projection and the key rope (or NoPE copy) in one launch
+        cos, sin = (None, None) if rope is None else (rope.cos, rope.sin)
+        return _kernel("mla_cache_write", "mla_cache_write")(kv, norm_weight, eps, cos, sin, positions,
                                                             slot_mapping, cache, q, q_norm_weight, q_eps)
 
     def moe_experts(self, x, topk_ids, topk_weights, w13, w2, activation=None):
@@ -156,3 +157,21 @@ class TritonBackend(Backend):
         if _fla(x):
             return _kernel("kda_fla", "causal_conv1d")(x, weight, history, cu_seqlens)
         return super().causal_conv1d(x, weight, history, cu_seqlens)
+
+    def kda_decode(self, qkv, f_b, b, gate, conv_weight, A_log, dt_bias, lower_bound, norm_weight, eps, conv_state,
+                   rec_state, slots, scale):
+        # conv, gate, beta, l2 norms, the delta-rule step on the slots' state and the gated output norm
+        # in one launch (op by op: 56 on the PyTorch path; fla-core's conv and recurrent kernels and the ops
+        # around them on a GPU)
+        return _kernel("kda_decode", "kda_decode")(qkv, f_b, b, gate, conv_weight, A_log, dt_bias, lower_bound,
+                                                   norm_weight, eps, conv_state, rec_state, slots, scale)
+
+    def attn_res_mix_norm(self, x, blocks, n, res_norm_weight, res_eps, proj_weight, norm_weight, norm_eps,
+                          delta=None, save=False):
+        # the residual add, the snapshot, the softmax mix over the blocks and the norm after it in one
+        # launch (op by op: about eighteen)
+        return _kernel("attn_res_mix", "attn_res_mix_norm")(x, blocks, n, res_norm_weight, res_eps, proj_weight,
+                                                           norm_weight, norm_eps, delta, save)
+
+    def sigmoid_gate(self, x, gate):
+        return _kernel("sigmoid_gate", "sigmoid_gate")(x, gate)  # one launch (op by op: two)

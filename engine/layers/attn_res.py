@@ -19,8 +19,12 @@ tokens: a decode step carries just its rows' snapshots through the layers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+from kernels.reference import attn_res_mix  # noqa: F401 - the mix's oracle, this module's public name too
 
 
 class AttnResProj(nn.Module):
@@ -31,15 +35,26 @@ class AttnResProj(nn.Module):
         self.weight = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype), requires_grad=False)
 
 
-def attn_res_mix(x: torch.Tensor, blocks: list[torch.Tensor], norm_weight: torch.Tensor, eps: float,
-                 proj_weight: torch.Tensor) -> torch.Tensor:
-    """Softmax mix over the candidates ``blocks + [x]`` (each [T, D]) -> [T, D] in x.dtype.
+@dataclass
+class DepthBlocks:
+    """The block snapshots a forward carries through the layers: ``buf [capacity, T, D]``, its first
+    ``n`` rows filled (one per block begun so far). One buffer rather than a list of tensors, so that
+    a fused mix reads every candidate through one pointer and a snapshot is a row it writes."""
 
-    score_i = sum_d rmsnorm(V_i)[d] * norm_weight[d] * proj_weight[0, d]; the mix weights the
-    un-normalised V_i. Computed in fp32.
-    """
-    v = torch.stack([*blocks, x], dim=1).float()  # [T, n + 1, D]
-    normed = v * torch.rsqrt(v.pow(2).mean(dim=-1, keepdim=True) + eps)
-    q = norm_weight.float() * proj_weight.float().view(-1)  # [D]: the norm weight folded into the query
-    p = torch.softmax(normed @ q, dim=1)  # [T, n + 1]
-    return torch.einsum("tn,tnd->td", p, v).to(x.dtype)
+    buf: torch.Tensor
+    n: int = 0
+
+    @classmethod
+    def for_model(cls, num_layers: int, block_size: int, like: torch.Tensor) -> DepthBlocks:
+        """Room for the snapshots of ``num_layers`` layers (layers 0, block_size, ... each begin one)
+        of ``like [T, D]``'s rows and dtype. ``torch.empty``: no launch."""
+        capacity = -(-num_layers // block_size)
+        return cls(torch.empty((capacity, *like.shape), dtype=like.dtype, device=like.device))
+
+    @property
+    def filled(self) -> torch.Tensor:
+        return self.buf[: self.n]
+
+    def select_rows(self, rows: torch.Tensor) -> DepthBlocks:
+        """The filled snapshots of token ``rows`` only (a new buffer with no spare room)."""
+        return DepthBlocks(self.filled.index_select(1, rows), self.n)

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import QuantConfig
@@ -29,6 +28,7 @@ from engine.layers.attn_metadata import AttentionMetadata
 from engine.layers.linear import Linear, fuse_dense_rows
 from engine.parallel.state import SINGLE, ParallelState
 from kernels.backend import REFERENCE, Backend
+from kernels.kda import gated_rms_norm, kda_gate  # noqa: F401 - kda_gate: this module's public name too
 
 
 @dataclass(frozen=True)
@@ -73,15 +73,6 @@ class KDAConfig:
         h0, h1 = par.range(self.num_heads)
         return KDAStateSpec(num_heads=h1 - h0, head_k_dim=self.head_dim, head_v_dim=self.head_dim,
                             conv_kernel=self.conv_kernel)
-
-
-def kda_gate(a: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
-    """Log-space forget gate, fp32. a [T, H, K] = f_b_proj(f_a_proj(x)) + dt_bias; A_log [H]."""
-    rate = A_log.float().exp()[:, None]  # [H, 1]
-    a = a.float()
-    if lower_bound is not None:
-        return lower_bound * torch.sigmoid(rate * a)
-    return -rate * F.softplus(a, threshold=20.0)  # softplus(a) = a above 20, as transformers does
 
 
 class _ConvWeight(nn.Module):
@@ -193,6 +184,14 @@ class KimiDeltaAttention(nn.Module):
                              f"{None if slots is None else tuple(slots.shape)}")
         conv_w = self.conv_weight if self.conv_weight is not None else torch.cat(
             [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]
+        if d == T and not meta.prefills and meta.kda_spec is None:
+            # a plain decode step: gate, beta, conv, delta rule and the gated norm in one backend call
+            # (one launch on a device); speculative verification and prefills run the ops below
+            gate = (g_in if self.config.use_full_rank_gate else self.g_b_proj(g_in))
+            out = self.ops.kda_decode(qkv, self.f_b_proj(f_a), b, gate, conv_w, self.A_log, self.dt_bias,
+                                      self.config.gate_lower_bound, self.o_norm.weight, self.config.rms_norm_eps,
+                                      state.conv, state.recurrent, slots, self.scale)
+            return self.par.all_reduce(self.o_proj(out))
 
         a = (self.f_b_proj(f_a).float() + self.dt_bias).view(T, H, hd)
         g = kda_gate(a, self.A_log, self.config.gate_lower_bound)  # [T, H, hd] fp32
@@ -207,7 +206,7 @@ class KimiDeltaAttention(nn.Module):
             o[d:] = self._prefill(qkv[d:], g[d:], beta[d:], conv_w, meta, slots[d:], state)
 
         gate = (g_in if self.config.use_full_rank_gate else self.g_b_proj(g_in)).view(T, H, hd)
-        out = _gated_rms_norm(o, gate, self.o_norm.weight, self.config.rms_norm_eps).to(x.dtype)
+        out = gated_rms_norm(o, gate, self.o_norm.weight, self.config.rms_norm_eps).to(x.dtype)
         return self.par.all_reduce(self.o_proj(out.view(T, P)))
 
     def _decode(self, qkv, g, beta, conv_w, slots, state: KDAState) -> torch.Tensor:
@@ -275,9 +274,3 @@ class KimiDeltaAttention(nn.Module):
             outs = [None] * 3 + list(y[:, width:].split(sizes[3:], dim=-1))
         return qkv, outs[3], outs[4], outs[5]
 
-
-def _gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over each head's output [T, H, V] times sigmoid(gate), in fp32 (fla's FusedRMSNormGated)."""
-    o = o.float()
-    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)
-    return o * weight.float() * torch.sigmoid(gate.float())

@@ -67,7 +67,8 @@ class KimiMoE(nn.Module):
         """This rank's partial sum [T, D]; the caller reduces over ranks."""
         # the routing statistics in the router's launch (skipping a decode graph's padding rows)
         experts = self.experts
-        topk_ids, topk_weights = self.gate(x, experts.routing_counts, count_rows=experts.count_rows)
+        # the weights rounded to the experts' dtype in the router's launch too (not a cast of its own)
+        topk_ids, topk_weights = self.gate(x, experts.routing_counts, x.dtype, count_rows=experts.count_rows)
         z = x if self.latent is None else self.routed_expert_down_proj(x)  # [T, L]
         y = experts(z, topk_ids, topk_weights, counted=True)  # the kernels compute SiTU in their epilogue
         if self.latent is not None:

@@ -122,8 +122,9 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
         d = qmeta.num_decode_tokens
         q_abs = None
-        if d and d == t and self.rope is not None:
-            # decodes only: the absorbed query [B, H, r + rope] (W_UK product and rope) in one call
+        if d and d == t:
+            # decodes only: the absorbed query [B, H, r + rope] (W_UK product and rope, or NoPE's copy
+            # of q_pe) in one call
             q_abs = self.ops.mla_absorb_query(q, self.w_uk, self.rope, qmeta.positions)
         elif self.rope is not None:  # NoPE: q_pe (and k_pe) enter the dot product unrotated
             q_pe = self.ops.mla_rope_query(q_pe, self.rope, qmeta.positions)
@@ -138,7 +139,7 @@ class MLAttention(nn.Module):
                                          meta.block_size, flat)
         out = out.view(t, -1)
         if self.g_proj is not None:
-            out = out * torch.sigmoid(self.g_proj(x))  # x: the query rows' normed input
+            out = self.ops.sigmoid_gate(out, self.g_proj(x))  # x: the query rows' normed input
         return self.par.all_reduce(self.o_proj(out))
 
     def _q_in_proj(self) -> Linear:

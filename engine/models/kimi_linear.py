@@ -24,7 +24,7 @@ from engine.config import ModelConfig
 from engine.kv_cache.pool import CacheSpec, MLACacheSpec
 from engine.layers.activation import GatedActivation
 from engine.layers.attn_metadata import AttentionMetadata
-from engine.layers.attn_res import AttnResProj, attn_res_mix
+from engine.layers.attn_res import AttnResProj, DepthBlocks
 from engine.layers.embedding import LMHead, VocabEmbedding
 from engine.layers.latent_moe import KimiMoE
 from engine.layers.mla import MLAttention
@@ -32,7 +32,7 @@ from engine.layers.mlp import MLP
 from engine.layers.norm import RMSNorm
 from engine.models.registry import WeightTarget
 from engine.parallel.state import SINGLE, ParallelState
-from kernels.backend import attach_backends
+from kernels.backend import REFERENCE, Backend, attach_backends
 from kernels.settings import KernelSettings
 
 # checkpoint MoE spellings -> module names: K3 and transformers' save_pretrained write the MoE (and
@@ -52,6 +52,7 @@ def _kda_config(config: ModelConfig):
 
 class KimiDecoderLayer(nn.Module):
     param_class = "attention"  # the norms and AttnRes mixes; self_attn and mlp declare their own
+    ops: Backend = REFERENCE  # the model's backend (the AttnRes mixes), set when it is loaded
 
     def __init__(self, config: ModelConfig, layer_idx: int, par: ParallelState, placement_row: list[int] | None,
                  dtype: torch.dtype):
@@ -81,16 +82,22 @@ class KimiDecoderLayer(nn.Module):
             self.mlp_res_proj = AttnResProj(c.hidden_size, dtype)
 
     def _attn(self, h: torch.Tensor, meta: AttentionMetadata, cache, last: bool) -> torch.Tensor:
-        """Attention output; in the last layer only ``meta.out_rows``' rows when those are set."""
-        x = self.input_layernorm(h)
+        return self._attn_normed(self.input_layernorm(h), meta, cache, last)
+
+    def _attn_normed(self, x: torch.Tensor, meta: AttentionMetadata, cache, last: bool) -> torch.Tensor:
+        """Attention output of the normed input; in the last layer only ``meta.out_rows``' rows when
+        those are set."""
         if self.is_kda:
             a = self.self_attn(x, meta, cache)  # every row: the state must see all of them
             return a.index_select(0, meta.out_rows) if last and meta.out_rows is not None else a
         return self.self_attn(x, meta, cache, last)
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self._mlp_normed(self.post_attention_layernorm(h))
+
+    def _mlp_normed(self, x: torch.Tensor) -> torch.Tensor:
         # one all-reduce for routed experts, shared experts and dense MLP shards together
-        return self.par.all_reduce(self.mlp(self.post_attention_layernorm(h)))
+        return self.par.all_reduce(self.mlp(x))
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata, cache, last: bool = False) -> torch.Tensor:
         a = self._attn(h, meta, cache, last)
@@ -99,29 +106,35 @@ class KimiDecoderLayer(nn.Module):
         h = h + a
         return h + self._mlp(h)
 
-    def forward_attn_res(self, prefix: torch.Tensor, blocks: list[torch.Tensor], meta: AttentionMetadata, cache,
-                         last: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward_attn_res(self, prefix: torch.Tensor, blocks: DepthBlocks, meta: AttentionMetadata, cache,
+                         last: bool = False) -> tuple[torch.Tensor, DepthBlocks]:
         """The AttnRes form (see ``engine.layers.attn_res``): ``prefix`` [T, D] is the running sum of
-        the current block, ``blocks`` the per-token snapshots. -> (new prefix, new blocks)."""
-        eps = self.self_attention_res_norm.eps
-        h = prefix
-        if blocks:
-            h = attn_res_mix(prefix, blocks, self.self_attention_res_norm.weight, eps, self.self_attention_res_proj.weight)
+        the current block, ``blocks`` the per-token snapshots. -> (new prefix, new blocks).
+
+        Each mix runs with the norm after it as one backend call (one launch on a device), the
+        snapshot that begins a block written by the first, the running sum's add by the second."""
+        ln, post = self.input_layernorm, self.post_attention_layernorm
         snapshot = self.layer_idx % self.block_size == 0
-        a = self._attn(h, meta, cache, last)
+        x, _ = self.ops.attn_res_mix_norm(prefix, blocks.buf, blocks.n, self.self_attention_res_norm.weight,
+                                          self.self_attention_res_norm.eps, self.self_attention_res_proj.weight,
+                                          ln.weight, ln.eps, save=snapshot)
+        n = blocks.n + 1 if snapshot else blocks.n
+        blocks = DepthBlocks(blocks.buf, n)
+        a = self._attn_normed(x, meta, cache, last)
         if last and meta.out_rows is not None:
             prefix = prefix.index_select(0, meta.out_rows)
-            blocks = [b.index_select(0, meta.out_rows) for b in blocks]
-        if snapshot:
-            blocks, prefix = [*blocks, prefix], a  # the block's sum restarts from this attention output
+            blocks = blocks.select_rows(meta.out_rows)
+        mix = (self.mlp_res_norm.weight, self.mlp_res_norm.eps, self.mlp_res_proj.weight, post.weight, post.eps)
+        if snapshot:  # the block's sum restarts from this attention output
+            x, prefix = self.ops.attn_res_mix_norm(a, blocks.buf, n, *mix)
         else:
-            prefix = prefix + a
-        h = attn_res_mix(prefix, blocks, self.mlp_res_norm.weight, self.mlp_res_norm.eps, self.mlp_res_proj.weight)
-        return prefix + self._mlp(h), blocks
+            x, prefix = self.ops.attn_res_mix_norm(prefix, blocks.buf, n, *mix, delta=a)
+        return prefix + self._mlp_normed(x), blocks
 
 
 class KimiLinearModel(nn.Module):
     param_class = "final_norm"  # the final norm and mix; embedding and layers declare their own
+    ops: Backend = REFERENCE  # the model's backend (the output mix), set when it is loaded
 
     def __init__(self, config: ModelConfig, par: ParallelState, expert_placement: list[list[int]] | None,
                  dtype: torch.dtype):
@@ -144,12 +157,13 @@ class KimiLinearModel(nn.Module):
             for i, (layer, cache) in enumerate(zip(self.layers, caches)):
                 h = layer(h, meta, cache, last=i == last)
             return self.norm(h)
-        blocks: list[torch.Tensor] = []
+        blocks = DepthBlocks.for_model(len(self.layers), self.layers[0].block_size, h)
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             h, blocks = layer.forward_attn_res(h, blocks, meta, cache, last=i == last)
-        h = attn_res_mix(h, blocks, self.output_attn_res_norm.weight, self.output_attn_res_norm.eps,
-                         self.output_attn_res_proj.weight)
-        return self.norm(h)
+        out, _ = self.ops.attn_res_mix_norm(h, blocks.buf, blocks.n, self.output_attn_res_norm.weight,
+                                            self.output_attn_res_norm.eps, self.output_attn_res_proj.weight,
+                                            self.norm.weight, self.norm.eps)
+        return out
 
 
 class KimiLinearForCausalLM(nn.Module):

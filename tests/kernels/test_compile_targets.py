@@ -65,12 +65,49 @@ def _specs():
             if gated:  # Kimi K3's SiTU epilogue (tanh from sigmoid), up bounded
                 specs[f"moe_{fmt}_gemm1_situ"] = (_fused_moe_kernel, types,
                                                   {**consts, "ACTIVATION": 1, "HAS_LINEAR_BETA": True})
+    specs.update(_k3_specs())
     return specs
 
 
+def _k3_specs():
+    """Kimi K3's decode fusions (tests/kernels/test_k3_fusions.py checks their maths): the KDA decode
+    step at head_dim 128, an AttnRes mix + norm at hidden 7168, the NoPE cache write and absorbed
+    query at K3's latent 512 + 64, the output gate."""
+    import triton.language as tl
+
+    from kernels.attn_res_mix import _attn_res_mix_norm_kernel
+    from kernels.kda_decode import _kda_decode_kernel
+    from kernels.mla_cache_write import _mla_cache_write_kernel
+    from kernels.mla_q_absorb import _mla_q_absorb_kernel
+    from kernels.sigmoid_gate import _sigmoid_gate_kernel
+
+    bf, f32 = "*bf16", "*fp32"
+    kda = {"qkv_ptr": bf, "fb_ptr": bf, "b_ptr": bf, "gate_ptr": bf, "convw_ptr": f32, "alog_ptr": f32,
+           "dtb_ptr": f32, "normw_ptr": f32, "conv_ptr": f32, "rec_ptr": f32, "slot_ptr": "*i64", "out_ptr": bf,
+           "scale": "fp32", "eps": "fp32", "lower_bound": "fp32"}
+    mix = {name: bf for name in ("x_ptr", "delta_ptr", "blocks_ptr", "rw_ptr", "pw_ptr", "nw_ptr", "out_ptr", "s_ptr")}
+    cache = {"kv_ptr": bf, "w_ptr": bf, "cos_ptr": f32, "sin_ptr": f32, "pos_ptr": "*i64", "slot_ptr": "*i64",
+             "cache_ptr": bf, "q_ptr": bf, "qw_ptr": bf, "qo_ptr": bf, "eps": "fp32", "q_eps": "fp32"}
+    absorb = {"q_ptr": bf, "w_ptr": bf, "cos_ptr": f32, "sin_ptr": f32, "pos_ptr": "*i64", "out_ptr": bf}
+    return {
+        "k3_kda_decode": (_kda_decode_kernel, kda, dict(W=4, BLOCK_D=128, BLOCK_V=32, BLOCK_W=4, SAFE_GATE=True)),
+        "k3_attn_res_mix_norm": (_attn_res_mix_norm_kernel, {**mix, "res_eps": "fp32", "norm_eps": "fp32"},
+                                 dict(BLOCK=8192, HAS_DELTA=True, SAVE=True)),
+        "k3_mla_cache_write_nope": (_mla_cache_write_kernel, cache,
+                                    dict(NORM_DTYPE=tl.bfloat16, BLOCK_LAT=512, BLOCK_P=64, HAS_Q=True, BLOCK_Q=2048,
+                                         ROPE=False)),
+        "k3_mla_q_absorb_nope": (_mla_q_absorb_kernel, absorb,
+                                 dict(BLOCK_B=16, BLOCK_R=64, BLOCK_K=64, BLOCK_P=64, ROPE=False)),
+        "k3_sigmoid_gate": (_sigmoid_gate_kernel, {"x_ptr": bf, "g_ptr": bf, "out_ptr": bf}, dict(BLOCK=1024)),
+    }
+
+
+K3_SPEC_NAMES = ["k3_kda_decode", "k3_attn_res_mix_norm", "k3_mla_cache_write_nope", "k3_mla_q_absorb_nope",
+                 "k3_sigmoid_gate"]
+
 SPEC_NAMES = ["w4a16", "mxfp4", "fp8_block", "rms_norm", "moe_align_k2", "moe_align_k3"] + [
     f"moe_{fmt}_{gemm}" for fmt in ("dense", "int4", "mxfp4", "fp8") for gemm in ("gemm1", "gemm2", "gemm1_situ")
-]
+] + K3_SPEC_NAMES
 
 
 @pytest.mark.parametrize("target", GENERIC_TARGETS)
@@ -149,3 +186,20 @@ def test_spill_check_sees_the_old_fixed_tile_spill():
     compiled = _compile_mla("gfx942", 16, 64, 4, 2)
     assert _spill_bytes(compiled, "gfx942") > 0
     assert compiled.metadata.shared == 64 * 1024
+
+
+@pytest.mark.parametrize("target", GENERIC_TARGETS)
+def test_k3_kda_decode_keeps_its_state_tile_in_registers(target):
+    # The fused KDA decode streams the [128, 128] fp32 state in [128, 32] value tiles: the whole tile
+    # in one piece spilled on sm_90 (296 bytes per thread at 8 warps, 220 at 16), which this catches.
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, types, consts = _specs()["k3_kda_decode"]
+    if not hasattr(fn, "arg_names"):
+        pytest.skip("kernel module was imported in interpreter mode")
+    signature = {arg: "constexpr" if arg in consts else types.get(arg, "i32") for arg in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget(*TARGETS[target]),
+                              options={"num_warps": 4})
+    assert _spill_bytes(compiled, target) == 0
