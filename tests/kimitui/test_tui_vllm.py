@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -81,7 +82,7 @@ def test_tui_against_vllm_serve(tmp_path):
     proc = subprocess.Popen([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                              "--port", str(port), "--served-model-name", "tiny-kimi", "--max-model-len", "1024",
                              "--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "4"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + 1800  # vLLM imports and warms up for minutes on a small CPU
@@ -113,9 +114,16 @@ def test_tui_against_vllm_serve(tmp_path):
 
         run(scenario())
     finally:
-        proc.terminate()
+        # vLLM's engine core and workers are children of the API server: end the whole group
+        for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=wait)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)  # children that outlived the server
+        except ProcessLookupError:
+            pass
         log.close()
