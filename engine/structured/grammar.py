@@ -97,7 +97,7 @@ class GrammarCompiler:
         try:
             if spec.grammar is not None:
                 return llg.LLMatcher.grammar_from_lark(spec.grammar)
-            schema = '{"type": "object"}' if spec.json_object else spec.json
+            schema = '{"type": "object"}' if spec.json_object else closed_schema_text(spec.json)
             return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         except ValueError as e:
             raise GrammarError(f"invalid JSON schema: {_one_line(e)}") from None
@@ -164,6 +164,33 @@ def _one_line(e) -> str:
 
 def json_schema_text(schema: dict, any_whitespace: bool = False) -> str:
     """A JSON schema to embed in a Lark grammar (``%json ...``), with the whitespace option set."""
+    schema = close_objects(schema)
     guidance = dict(schema.get("x-guidance") or {})
     guidance.setdefault("whitespace_flexible", any_whitespace)
     return json.dumps({**schema, "x-guidance": guidance}, ensure_ascii=False)
+
+
+def close_objects(schema):
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists
+    ``properties`` and says nothing about extra ones, as vLLM's default (xgrammar's ``strict_mode``)
+    and OpenAI's strict structured outputs treat them. JSON Schema's own default allows any extra
+    key, and a model that wanders off then writes keys of unbounded length until max_tokens. A
+    schema that asks for extra keys (``additionalProperties: true`` or a schema) keeps them."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in ("enum", "const", "default", "examples") else close_objects(v)) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def closed_schema_text(text: str) -> str:
+    """``close_objects`` of a schema given as JSON text (returned as is when it does not parse: the
+    compiler then names the problem)."""
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return text
+    return json.dumps(close_objects(schema), ensure_ascii=False)

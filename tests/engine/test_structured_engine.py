@@ -92,3 +92,27 @@ def test_greedy_speculative_decoding_under_a_grammar_is_exact(n):
     stats = spec.engine.stats().spec_decode
     assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert not spec.engine.runner.structured.requests
+
+
+OPEN_SCHEMA = {"type": "object",  # no additionalProperties: closed as vLLM's default does
+               "properties": {"name": {"type": "string", "maxLength": 12},
+                              "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                              "pet": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}},
+                                      "required": ["kind"]}},
+               "required": ["name", "age", "pet"]}
+
+
+def test_schemas_that_leave_extra_keys_open_are_closed(llm):
+    from engine.structured.grammar import close_objects
+
+    closed = close_objects(OPEN_SCHEMA)
+    assert closed["additionalProperties"] is False and closed["properties"]["pet"]["additionalProperties"] is False
+    assert close_objects({"properties": {}, "additionalProperties": True})["additionalProperties"] is True
+    assert "additionalProperties" not in close_objects({"type": "object"})  # json_object stays any object
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=120,
+                             structured_outputs=StructuredOutputs(json=OPEN_SCHEMA)) for s in range(6)]
+    for o in llm.generate([PROMPTS[s % len(PROMPTS)] for s in range(6)], params):
+        c = o.outputs[0]
+        assert c.finish_reason == "stop", c.text
+        value = json.loads(c.text)
+        assert set(value) == {"name", "age", "pet"} and set(value["pet"]) == {"kind"}, c.text
