@@ -124,3 +124,37 @@ def test_subcommand_help_describes_it_in_a_whole_sentence(command, capsys):
     out = capsys.readouterr().out
     description = out.split("\n\n")[1].replace("\n", " ").strip()
     assert description.startswith(f"`kimitui {command}`") and description.endswith("."), description
+
+
+def test_enter_right_behind_fast_typing_sends_all_of_it():
+    """Enter is a priority binding, seen before the keys queued ahead of it reach the text area:
+    a burst (fast typing, a tmux send-keys, a paste without bracketed paste) used to send "H"."""
+    import asyncio
+
+    from textual import events
+    from textual.app import App, ComposeResult
+
+    from kimitui.tui.widgets.prompt_input import PromptInput
+
+    sent: list[str] = []
+
+    class Box(App):
+        def compose(self) -> ComposeResult:
+            yield PromptInput()
+
+        def on_prompt_input_submitted(self, message: PromptInput.Submitted) -> None:
+            sent.append(message.text)
+
+    async def scenario():
+        app = Box()
+        async with app.run_test() as pilot:
+            box = app.query_one(PromptInput)
+            box.focus()
+            await pilot.pause()
+            for ch in "Hello there":  # queued on the widget, none handled yet
+                box.post_message(events.Key(ch if ch != " " else "space", ch))
+            box.action_submit()  # what the binding runs when Enter arrives in the same burst
+            await pilot.pause(0.2)
+
+    asyncio.run(scenario())
+    assert sent == ["Hello there"]

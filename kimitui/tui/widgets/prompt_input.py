@@ -30,6 +30,12 @@ class PromptInput(TextArea):
                          **kwargs)
 
     def action_submit(self) -> None:
+        # The priority binding sees Enter before this widget has handled the keys queued ahead of
+        # it: typed (or pasted) quickly, "Hello" + Enter would read "H" or nothing. Reading the
+        # text from this widget's own queue, after those keys, sends what was typed.
+        self.call_later(self._submit_text)
+
+    def _submit_text(self) -> None:
         text = self.text.strip()
         if text:
             self.post_message(self.Submitted(text))
