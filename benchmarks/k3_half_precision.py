@@ -318,7 +318,7 @@ def part_kda_recurrence(m32, mh, dtype, gen):
 
 def part_kda_out_norm(m32, mh, dtype, gen):
     """KDA's output: RMSNorm(o) * o_norm.weight * sigmoid(gate), per head (fla's FusedRMSNormGated)."""
-    from engine.layers.kda import _gated_rms_norm
+    from kernels.kda import gated_rms_norm as _gated_rms_norm
 
     i = kda_layer(m32)
     kh = mh.model.layers[i].self_attn

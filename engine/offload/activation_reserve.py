@@ -240,6 +240,8 @@ def step_peak(config: ModelConfig, tp: int, shape: StepShape) -> StepPeak:
     t = shape.tokens
     # the residual, the normed input, the sublayer output, their sum (or the attn-res mix output)
     stream = 4 * t * d.D * d.b + d.blocks * t * d.D * d.b
+    if d.blocks:  # the fused mix + norm (kernels/backend.py attn_res_mix_norm) keeps the running sum and
+        stream += t * d.D * (d.b + F32)  # the fp32 input of the norm alive beside the stream
     attention = max((_kda(d, shape) if a == "kda" else _mla(d, shape)) for a, _ in d.kinds)
     ffn = max((_moe(d, t) if f == "moe" else _mlp(d, t, d.Id)) for _, f in d.kinds)
     embed = 2 * t * d.D * d.b if tp > 1 else 0

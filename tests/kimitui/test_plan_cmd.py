@@ -143,6 +143,6 @@ def test_k3_tells_the_four_and_six_gpu_stories(capsys):
     assert run_plan(["--config", k3, "--gpus", "4"]) == 0  # fits, with CPU experts
     four = capsys.readouterr().out.splitlines()
     assert four[0].startswith("weights do not fit on 4 x 288.00 GiB GPUs")
-    assert four[1].startswith("293-294 of 896 routed experts per MoE layer live in host RAM")
+    assert four[1].startswith("294-295 of 896 routed experts per MoE layer live in host RAM")
     assert "the CPUs compute them" in four[1]
     assert any(line.startswith("fits: yes, with 27") and "experts computed by the CPUs" in line for line in four)
