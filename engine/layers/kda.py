@@ -221,17 +221,8 @@ class KimiDeltaAttention(nn.Module):
         """Speculative verification: a sequence's draft rows share its slot, and after each position
         but a sequence's last the state is kept in a scratch slot, from which the runner restores the
         last accepted position's state. The short conv (a few hundred bytes of history per row) is
-        stepped position by position; the recurrence runs all positions in one call with the
-        layout's per-position state rows (fla-core's spec-decoding mode on GPUs). Without a layout
-        every position is exactly a plain decode step over the sequences that have it."""
-        if layout is None:
-            for step in steps:
-                r = step.rows
-                o[r] = self._decode(qkv[r], g[r], beta[r], conv_w, slots[r], state)
-                if step.save_src is not None:
-                    state.recurrent.index_copy_(0, step.save_dst, state.recurrent.index_select(0, step.save_src))
-                    state.conv.index_copy_(0, step.save_dst, state.conv.index_select(0, step.save_src))
-            return
+        stepped position by position (``steps``); the recurrence runs all positions in one call with
+        the ``layout``'s per-position state rows (fla-core's spec-decoding mode on GPUs)."""
         y = torch.empty_like(qkv)
         for step in steps:
             r = step.rows
