@@ -152,18 +152,12 @@ async def run_benchmark(config: BenchmarkConfig, client: Any, tokenizer: Any, sa
     await run_warmups(requests[0], client, config.num_warmups, config.max_concurrency)
 
     spec_before = await read_spec_counters(client)
-    done = 0
     if sampler is not None:
         await _bracket_sample(sampler)
     bench_start = time.perf_counter()
     t0 = time.monotonic()
 
-    def on_done(_: Any) -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, len(requests), time.perf_counter() - bench_start)
-
+    on_done = _progress_counter(progress, len(requests), bench_start)
     if progress is not None:
         progress(0, len(requests), 0.0)
     outputs = await dispatch(
@@ -171,28 +165,49 @@ async def run_benchmark(config: BenchmarkConfig, client: Any, tokenizer: Any, sa
         burstiness=config.burstiness, seed=config.seed, cancel_event=cancel, on_done=on_done,
     )
     duration = time.perf_counter() - bench_start
-    t1 = time.monotonic()
-    energy = await _measure_energy(sampler, t0, t1)
-
-    metrics = calculate_metrics(requests, outputs, duration, config.percentile_metrics,
-                                config.metric_percentiles)
-    model = getattr(client, "model", None) or config.model or "unknown"
-    result = result_json(
-        metrics, duration_s=duration, selected_percentile_metrics=config.percentile_metrics,
-        backend=getattr(client, "backend", "openai"), model_id=model, tokenizer_id=model,
-        num_prompts=config.num_prompts, request_rate=config.request_rate,
-        burstiness=config.burstiness, max_concurrency=config.max_concurrency, label=config.label,
-        num_gpus=config.num_gpus, energy=energy, pricing_tiers=config.pricing_tiers,
-        usd_per_kwh=config.usd_per_kwh, telemetry_backends=_backend_status(sampler),
-    )
+    energy = await _measure_energy(sampler, t0, time.monotonic())
+    result = _result(config, client, sampler, requests, outputs, duration, energy, config.request_rate)
     spec_after = await read_spec_counters(client)
     if spec_before is not None and spec_after is not None:
         result.update(spec_after.since(spec_before).as_json())  # vLLM bench's spec_decode_* keys
-    result["random_input_len"] = config.random_input_len
-    result["random_output_len"] = config.random_output_len
     result["random_range_ratio"] = config.random_range_ratio
     result["num_warmups"] = config.num_warmups
-    result["notes"] = workload.note
+    return _finish(result, config, outputs, cancel, workload.note)
+
+
+def _progress_counter(progress: ProgressFn | None, total: int, start: float) -> Callable[[Any], None]:
+    """The `on_done` callback that counts finished requests into `progress(done, total, elapsed_s)`."""
+    done = 0
+
+    def on_done(_: Any) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, time.perf_counter() - start)
+
+    return on_done
+
+
+def _result(config: BenchmarkConfig, client: Any, sampler: Any, requests: list, outputs: list,
+            duration: float, energy: Any, request_rate: float) -> dict[str, Any]:
+    """vLLM's --save-result keys for the requests of one run."""
+    metrics = calculate_metrics(requests, outputs, duration, config.percentile_metrics, config.metric_percentiles)
+    model = getattr(client, "model", None) or config.model or "unknown"
+    return result_json(
+        metrics, duration_s=duration, selected_percentile_metrics=config.percentile_metrics,
+        backend=getattr(client, "backend", "openai"), model_id=model, tokenizer_id=model,
+        num_prompts=config.num_prompts, request_rate=request_rate, burstiness=config.burstiness,
+        max_concurrency=config.max_concurrency, label=config.label, num_gpus=config.num_gpus, energy=energy,
+        pricing_tiers=config.pricing_tiers, usd_per_kwh=config.usd_per_kwh, telemetry_backends=_backend_status(sampler),
+    )
+
+
+def _finish(result: dict[str, Any], config: BenchmarkConfig, outputs: list, cancel: asyncio.Event,
+            notes: Any) -> dict[str, Any]:
+    """The keys every run ends with, and the saved file when asked."""
+    result["random_input_len"] = config.random_input_len
+    result["random_output_len"] = config.random_output_len
+    result["notes"] = notes
     result["cancelled"] = cancel.is_set()
     result["errors_sample"] = [o.error for o in outputs if not o.success][:10]
     if config.save_result:
@@ -219,45 +234,23 @@ async def run_multi_turn(config: BenchmarkConfig, client: Any, tokenizer: Any, s
         client.return_token_ids = True
     cancel = cancel_event or asyncio.Event()
     total = config.num_prompts * config.multi_turn_turns
-    done = 0
     before = await read_prefix_counters(client)
     if sampler is not None:
         await _bracket_sample(sampler)
     bench_start = time.perf_counter()
     t0 = time.monotonic()
 
-    def on_done(_: Any) -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, total, time.perf_counter() - bench_start)
-
+    on_done = _progress_counter(progress, total, bench_start)
     turns = await run_sessions(sessions, client, config.max_concurrency, config.multi_turn_think_time, cancel, on_done)
     duration = time.perf_counter() - bench_start
-    t1 = time.monotonic()
-    energy = await _measure_energy(sampler, t0, t1)
+    energy = await _measure_energy(sampler, t0, time.monotonic())
     after = await read_prefix_counters(client)
     requests, outputs = [t.request for t in turns], [t.output for t in turns]
-    metrics = calculate_metrics(requests, outputs, duration, config.percentile_metrics, config.metric_percentiles)
-    model = getattr(client, "model", None) or config.model or "unknown"
-    result = result_json(
-        metrics, duration_s=duration, selected_percentile_metrics=config.percentile_metrics,
-        backend=getattr(client, "backend", "openai"), model_id=model, tokenizer_id=model,
-        num_prompts=config.num_prompts, request_rate=math.inf, burstiness=config.burstiness,
-        max_concurrency=config.max_concurrency, label=config.label, num_gpus=config.num_gpus, energy=energy,
-        pricing_tiers=config.pricing_tiers, usd_per_kwh=config.usd_per_kwh, telemetry_backends=_backend_status(sampler),
-    )
+    result = _result(config, client, sampler, requests, outputs, duration, energy, math.inf)
     result.update(multi_turn_keys(turns, config.multi_turn_turns, before, after, config.metric_percentiles))
     result["multi_turn_think_time"] = config.multi_turn_think_time
     result["multi_turn_system_len"] = len(sessions[0].prefix_ids)
-    result["random_input_len"] = config.random_input_len
-    result["random_output_len"] = config.random_output_len
-    result["notes"] = None
-    result["cancelled"] = cancel.is_set()
-    result["errors_sample"] = [o.error for o in outputs if not o.success][:10]
-    if config.save_result:
-        result["result_file"] = str(save_result(result, config.result_dir, config.result_filename))
-    return result
+    return _finish(result, config, outputs, cancel, None)
 
 
 async def run_sweep(config: BenchmarkConfig, client: Any, tokenizer: Any, sampler: Any = None,
