@@ -6,7 +6,7 @@ interpreter runs third-party kernels too, so this checks that whole path end to 
 exists: through our wrapper, on K3-like inputs (head dim 128, the bounded gate g in (-5, 0),
 sequences not a multiple of the 64-token chunk, varlen batches with an empty sequence, states in and
 out, strided q/k/v views as the KDA layer passes them), in fp32 against the PyTorch forms of
-kernels/kda.py and the per-token oracle in kernels/reference.py. It also runs the fla options the
+kernels/kda.py and the per-token oracle in kernels/reference_k3.py. It also runs the fla options the
 wrapper does not use yet but K3 serving may: the bounded "safe gate" (``safe_gate=True``,
 ``lower_bound=-5``, gate computed in the kernel from ``A_log``/``dt_bias``) and the recurrent
 kernel's speculative-decoding mode (``ssm_state_indices`` [N, T] + ``num_accepted_tokens``).
