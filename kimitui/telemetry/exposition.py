@@ -138,18 +138,26 @@ _DCGM = {
 }
 
 
-def _parse_dcgm(samples, default_node: str) -> list[NodeReading]:
+def _gpus_by_node(samples, default_node: str, field, host_label: str, gpu_label: str, model_label: str,
+                  default_model: str, vendor: str) -> dict[str, dict[int, dict]]:
+    """An exporter's samples grouped as {node: {gpu index: {attribute: value}}}; ``field(sample)`` gives
+    (attribute, scale) for a sample the panel shows, None for any other."""
     nodes: dict[str, dict] = {}
     for s in samples:
-        field_scale = _DCGM.get(s.name)
+        field_scale = field(s)
         if field_scale is None:
             continue
         attr, scale = field_scale
-        node = s.labels.get("Hostname") or default_node
-        gpus = nodes.setdefault(node, {})
-        gpu = gpus.setdefault(int(s.labels.get("gpu", 0)), {"name": s.labels.get("modelName", "NVIDIA GPU"),
-                                                             "vendor": "nvidia"})
+        node = s.labels.get(host_label) or default_node
+        gpu = nodes.setdefault(node, {}).setdefault(int(s.labels.get(gpu_label, 0)), {
+            "name": s.labels.get(model_label) or default_model, "vendor": vendor})
         gpu[attr] = s.value * scale
+    return nodes
+
+
+def _parse_dcgm(samples, default_node: str) -> list[NodeReading]:
+    nodes = _gpus_by_node(samples, default_node, lambda s: _DCGM.get(s.name), "Hostname", "gpu", "modelName",
+                          "NVIDIA GPU", "nvidia")
     for gpus in nodes.values():
         for gpu in gpus.values():
             free, reserved = gpu.pop("_fb_free", None), gpu.pop("_fb_reserved", 0.0)
@@ -181,16 +189,10 @@ def _dme_name(name: str) -> str:
 
 
 def _parse_dme(samples, default_node: str) -> list[NodeReading]:
-    nodes: dict[str, dict] = {}
-    for s in samples:
-        field_scale = _DME.get(_dme_name(s.name))
-        if field_scale is None or "gpu_id" not in s.labels:
-            continue
-        attr, scale = field_scale
-        node = s.labels.get("hostname") or default_node
-        gpu = nodes.setdefault(node, {}).setdefault(int(s.labels["gpu_id"]), {
-            "name": s.labels.get("card_model") or "AMD GPU", "vendor": "amd"})
-        gpu[attr] = s.value * scale
+    def field(s):
+        return _DME.get(_dme_name(s.name)) if "gpu_id" in s.labels else None
+
+    nodes = _gpus_by_node(samples, default_node, field, "hostname", "gpu_id", "card_model", "AMD GPU", "amd")
     for gpus in nodes.values():
         for gpu in gpus.values():
             avg, edge = gpu.pop("_power_avg", None), gpu.pop("_temp_edge", None)
