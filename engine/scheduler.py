@@ -22,6 +22,16 @@ whose prompt repeats this one and its reply, resumes there (SGLang's hybrid radi
 state at the end of each request likewise). That costs one state copy per ``block_size`` decoded
 tokens and at most one snapshot slot per running sequence; tail snapshots are evicted like any
 other. A decode verifying draft tokens skips it (how many are accepted is known only after the step).
+
+Forks (``n > 1``, engine/parallel_sampling.py): ``add_forks`` parks the other samples of a request
+beside its first sequence (the leader). In the step where the leader samples its first token the
+scheduler forks each of them from it: the child shares the leader's full prompt blocks, gets a fresh
+block for the partial last one (``SchedulerOutput.block_copies``, copied by the runner after the
+forward pass) and, on a hybrid model, a state slot the leader's state is copied into
+(``state_forks``); the child's ``ScheduledSeq`` (``fork_of``, no tokens of its own) samples its first
+token from the leader's last row. So the prompt is computed once, to the token. A child that cannot
+fork in that step (no free block, slot or ``max_num_seqs`` room) is queued from the next step on
+and recomputes the prompt's tail after a prefix hit, as any request would.
 """
 
 from __future__ import annotations
@@ -88,6 +98,8 @@ class ScheduledSeq:
     start: int = 0
     do_sample: bool = True
     spec_token_ids: tuple[int, ...] = ()
+    # A forked child (module doc): computes nothing, samples from this leader's last row.
+    fork_of: str | None = None
 
     @property
     def end(self) -> int:
@@ -110,6 +122,10 @@ class SchedulerOutput:
     save_blocks: list[tuple[int, int]] = field(default_factory=list)
     # Per save: the sequence id for a decode's tail snapshot (replaces its previous one), else None.
     save_tails: list[str | None] = field(default_factory=list)
+    # Forks (module doc), applied by the runner after the forward pass: (leader's block, child's
+    # block) whole-block KV copies, and (leader's slot, child's slot) state copies on hybrid models.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_forks: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -144,6 +160,8 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self._tails: dict[str, int] = {}  # seq_id -> block hash of its latest tail snapshot
+        self._forks: dict[str, list[Sequence]] = {}  # leader seq_id -> children not forked yet
+        self._fork_leader: dict[str, str] = {}  # parked child seq_id -> its leader's seq_id
 
     @property
     def num_running(self) -> int:
@@ -161,6 +179,27 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; raises ValueError if it can never run."""
+        self._check_new(seq)
+        seq.status = SequenceStatus.WAITING
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def add_forks(self, leader: Sequence, children: list[Sequence]) -> None:
+        """Park ``children`` (the same prompt as ``leader``, already added) to be forked from the
+        leader when it samples its first token (module doc)."""
+        if self._seqs.get(leader.seq_id) is not leader or leader.num_output_tokens:
+            raise ValueError(f"forks need a queued leader that has not sampled yet, got {leader!r}")
+        for child in children:
+            if child.prompt_token_ids != leader.prompt_token_ids:
+                raise ValueError(f"fork {child.seq_id!r} has another prompt than its leader {leader.seq_id!r}")
+        for child in children:
+            self._check_new(child)
+            child.status = SequenceStatus.WAITING
+            self._seqs[child.seq_id] = child
+            self._fork_leader[child.seq_id] = leader.seq_id
+            self._forks.setdefault(leader.seq_id, []).append(child)
+
+    def _check_new(self, seq: Sequence) -> None:
         if seq.seq_id in self._seqs:
             raise ValueError(f"request id {seq.seq_id!r} is already in use")
         limit = self.config.max_model_len
@@ -175,9 +214,6 @@ class Scheduler:
                 f"request {seq.seq_id!r}: prompt needs more KV cache blocks than exist "
                 f"({bm.num_blocks} blocks of {bm.block_size} tokens)"
             )
-        seq.status = SequenceStatus.WAITING
-        self._seqs[seq.seq_id] = seq
-        self.waiting.append(seq)
 
     def abort(self, seq_id: str) -> Sequence | None:
         """Stop a request in any state and free its blocks; None if unknown or already finished."""
@@ -192,6 +228,8 @@ class Scheduler:
             return None
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq_id in self._fork_leader:  # parked, never ran
+            self._forks[self._fork_leader.pop(seq_id)].remove(seq)
         else:
             self.waiting.remove(seq)
         self._finish(seq, reason)
@@ -202,6 +240,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick the sequences and token counts for the next step."""
         out = SchedulerOutput()
+        self._queue_unforked()
         budget = self.config.max_num_batched_tokens
         # Running sequences in admission order, so block shortages preempt the latest admitted
         # (the tail) and never an earlier one; each decode's token is set aside from the budget
@@ -270,6 +309,11 @@ class Scheduler:
         # to its last token) is a decode for the runner: keep the decodes-first order.
         out.scheduled = decodes + [i for i in admitted if not i.is_prefill] + prefills
         out.scheduled += [i for i in admitted if i.is_prefill]
+        if self._forks:
+            for item in list(out.scheduled):
+                if item.seq.seq_id in self._forks and item.do_sample and not item.spec_token_ids \
+                        and item.seq.num_output_tokens == 0:
+                    self._fork(item.seq, out)
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
@@ -331,6 +375,45 @@ class Scheduler:
         self.block_manager.register_computed(seq)
         seq.append_token(tokens[-1])
         return self._check_stop(seq)
+
+    # -- forks -----------------------------------------------------------------------------
+
+    def _fork(self, leader: Sequence, out: SchedulerOutput) -> None:
+        """Fork the parked children of ``leader``, whose step samples its first token (module doc);
+        the ones that do not fit stay parked and are queued next step."""
+        bm, slots, n = self.block_manager, self.state_slots, leader.num_tokens
+        group = self._forks[leader.seq_id]
+        for child in list(group):
+            if len(self.running) >= self.config.max_num_seqs or not bm.can_fork(n):
+                break
+            if slots is not None and (leader.state_slot is None or not slots.num_free_seq_slots):
+                break
+            if getattr(child.sampling_params, "logprob_rows", False):
+                continue  # wants every prompt row of its own: computed the plain way
+            copy = bm.fork(leader, child, n)
+            if copy is not None:
+                out.block_copies.append(copy)
+            if slots is not None:
+                child.state_slot = slots.allocate(child.seq_id)
+                out.state_forks.append((leader.state_slot, child.state_slot))
+            child.num_computed_tokens, child.num_cached_tokens = n, 0
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+            group.remove(child)
+            del self._fork_leader[child.seq_id]
+            out.scheduled.append(ScheduledSeq(child, 0, False, start=n, do_sample=True, fork_of=leader.seq_id))
+        if not group:
+            del self._forks[leader.seq_id]
+
+    def _queue_unforked(self) -> None:
+        """Queue the parked children whose leader has sampled: they could not fork in that step."""
+        for lid in [lid for lid in self._forks if self._seqs[lid].num_output_tokens > 0]:
+            self._release_forks(lid)
+
+    def _release_forks(self, leader_id: str) -> None:
+        for child in self._forks.pop(leader_id, []):
+            del self._fork_leader[child.seq_id]
+            self.waiting.append(child)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -458,6 +541,8 @@ class Scheduler:
         self.block_manager.free(seq)
         self._free_state_slot(seq)
         del self._seqs[seq.seq_id]
+        if seq.seq_id in self._forks:
+            self._release_forks(seq.seq_id)  # left before forking them all: they run on their own
 
     def _check_stop(self, seq: Sequence) -> str | None:
         params = seq.sampling_params
