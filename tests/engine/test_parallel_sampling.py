@@ -219,3 +219,66 @@ def test_demo_k3_choices_equal_cold_single_requests_and_the_prompt_is_computed_o
     cold = LLMEngine(EngineArgs(**args, enable_prefix_caching=False))
     for i, c in enumerate(out.outputs):
         _assert_same(c, _run(cold, f"c{i}", prompt, SamplingParams(seed=30 + i, **kw)).outputs[0])
+
+
+class _TokenHashProposer:
+    """Drafts that depend on a sequence's own tokens only, so a child and the single request with
+    its seed verify the same drafts (an n-gram proposer finds nothing to draft in random text)."""
+
+    needs_hidden = False
+
+    def propose(self, seqs, max_drafts, hidden=None):
+        return [[(sum(seq.token_ids[-3:]) * 31 + j) % 250 + 5 for j in range(k)] for seq, k in zip(seqs, max_drafts)]
+
+    def finish(self, seq_id):
+        pass
+
+
+def test_forks_keep_speculative_decoding_penalties_and_stop_strings():
+    """Each child verifies drafts, applies its penalties to its own output and stops at its own
+    stop string, exactly as the single request with its seed does on the same engine."""
+    from tests.engine.spec_decode.scripted import ScriptedProposer
+
+    llm = LLM(max_model_len=256, max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm.engine.proposer = _TokenHashProposer()
+    prompt = {"prompt_token_ids": _prompt(20, seed=9)}
+    kw = dict(temperature=0.8, max_tokens=24, logprobs=1, repetition_penalty=1.3, frequency_penalty=0.5,
+              stop=["e"])
+    [out] = llm.generate(prompt, SamplingParams(n=4, seed=50, **kw))
+    assert llm.engine.stats().computed_prompt_tokens == 20
+    singles = llm.generate([prompt] * 4, [SamplingParams(seed=50 + i, **kw) for i in range(4)])
+    for c, s in zip(out.outputs, singles, strict=True):
+        _assert_same(c, s.outputs[0])
+        assert (c.text, c.finish_reason, c.stop_reason) == (s.outputs[0].text, s.outputs[0].finish_reason,
+                                                            s.outputs[0].stop_reason)
+    assert llm.engine.stats().spec_decode.num_drafts > 0
+    # greedy, with drafts of the right answer (some spoilt): accepted ones too
+    greedy = dict(kw, temperature=0.0, stop=None, max_tokens=16)
+    [ref] = llm.generate(prompt, SamplingParams(**greedy))
+    llm.engine.proposer = ScriptedProposer({tuple(ref.prompt_token_ids): list(ref.outputs[0].token_ids)})
+    before = llm.engine.stats().spec_decode.num_accepted_tokens
+    [out] = llm.generate(prompt, SamplingParams(n=3, **greedy))
+    for c in out.outputs:
+        _assert_same(c, ref.outputs[0])
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > before
+    assert _blocks_and_slots(llm.engine)[1] == 0
+
+
+def test_each_fork_has_its_own_grammar(demo_llm):
+    pytest.importorskip("llguidance")
+    import json
+
+    from engine.structured import StructuredOutputs
+    from tests.helpers.schema_check import schema_errors
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "n"], "additionalProperties": False}
+    kw = dict(temperature=1.0, max_tokens=120, structured_outputs=StructuredOutputs(json=schema))
+    [out] = demo_llm.generate("Give me JSON", SamplingParams(n=3, seed=60, **kw))
+    singles = demo_llm.generate(["Give me JSON"] * 3, [SamplingParams(seed=60 + i, **kw) for i in range(3)])
+    for c, s in zip(out.outputs, singles, strict=True):
+        assert c.token_ids == s.outputs[0].token_ids and c.finish_reason == "stop"
+        assert not schema_errors(json.loads(c.text), schema), c.text
+    assert len({c.text for c in out.outputs}) > 1
+    assert not demo_llm.engine.runner.structured.requests
