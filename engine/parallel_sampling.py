@@ -3,22 +3,17 @@
 vLLM v1's design (``vllm/v1/engine/parallel_sampling.py``, ``ParentRequest``): the engine turns a
 request for ``n`` samples (``best_of`` of them when that is larger) into that many child sequences,
 and joins their outputs back into one ``RequestOutput`` whose ``outputs`` are the choices, indexed
-0..n-1. The scheduler never knows that children belong together.
+0..n-1. The scheduler knows only which children fork from which (below), not the joined request.
 
 The prompt is computed once, to the token: child 0 (the leader) is queued alone and the others are
-parked beside it in the scheduler (``Scheduler.add_forks``). In the step where the leader samples
-its first token they are forked from it: each child shares the leader's full prompt blocks (one
-more reference each), gets a private copy of the partial last block (the runner copies every
-layer's rows of it after the forward pass; the block holding the last prompt token would otherwise
-be written by every sample's next token) and, on a hybrid model, a copy of the leader's KDA and
-short-conv state at the prompt's end in its own state slot; then it samples its own first token from
-a copy of the leader's last logits row, with its own seed, grammar and penalties, and decodes on as
-any sequence. A child that cannot fork in that step (no free block, state slot or
-``max_num_seqs`` room, or it asked for ``logprob_rows``) is queued the step after and takes the
-ordinary path: a prefix hit on every full block of the prompt (on a hybrid model, from the snapshot
-at its last full block) and a recompute of the last partial block. A preempted child recomputes the
-ordinary way too. So on a cold cache an ``n: 4`` request computes ``len(prompt)`` prompt tokens
-(``EngineStats.computed_prompt_tokens``), and its prefix-cache counters count one lookup.
+parked beside it in the scheduler; in the step where the leader samples its first token they are
+forked from it (engine/forks.py): each shares the leader's full prompt blocks, gets a private copy of
+the partial last block and, on a hybrid model, of the leader's KDA and short-conv state, and samples
+its own first token from a copy of the leader's last logits row. A child that cannot fork then (no
+free block, state slot or ``max_num_seqs`` room) is queued the step after and recomputes only the
+prompt's partial last block after a prefix hit (all of it without prefix caching). So on a cold cache an ``n: 4`` request computes
+``len(prompt)`` prompt tokens (``EngineStats.computed_prompt_tokens``, ``/metrics``
+``kimitui:prompt_tokens_computed_total``) and looks the prompt up in the prefix cache once.
 
 Seeds: child ``i`` samples with ``seed + i`` when the request has a seed (so child 0 of an ``n: 4``
 request reproduces the ``n: 1`` request with the same seed), from the global generator otherwise.

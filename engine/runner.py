@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.graph_runner import DecodeGraphRunner, GraphConfig, default_decode_graphs
+from engine.kv_cache.pool import copy_blocks
 from engine.kv_cache.state import KDAState
 from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
 from engine.layers.penalties import PenaltyBatch, has_penalties
@@ -236,7 +237,7 @@ class ModelRunner:
             if saves is not None:
                 _copy_state_slots(self.states, *saves)
             if copies is not None:
-                _copy_blocks(self.kv_caches, copies[:, 0], copies[:, 1])
+                copy_blocks(self.kv_caches, copies[:, 0], copies[:, 1])
             return (self.model.compute_logits(hidden[sample_rows]) if sample_rows is not None else None), []
         if inp.num_decodes:
             pos = meta.decode_context_lens.long() - 1  # [D] each decode writes its newest token
@@ -266,7 +267,7 @@ class ModelRunner:
         if saves is not None:
             _copy_state_slots(self.states, *saves)
         if copies is not None:
-            _copy_blocks(self.kv_caches, copies[:, 0], copies[:, 1])
+            copy_blocks(self.kv_caches, copies[:, 0], copies[:, 1])
         spans = [(row[sp.row] if row is not None else sp.row, sp.num_rows) for sp in inp.prompt_spans]
         prompt_logits = [self.model.compute_logits(hidden[r: r + n]) for r, n in spans]
         if sample_rows is None:
@@ -469,14 +470,6 @@ def _forced_rows(sample_seqs: list[ScheduledSeq]) -> list[int] | None:
         done = s.seq.num_output_tokens
         out.extend(forced[done + r] if done + r < len(forced) else -1 for r in range(len(s.spec_token_ids) + 1))
     return out
-
-
-def _copy_blocks(caches: list, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Every paged layer's blocks ``dst`` [N] <- blocks ``src`` [N] (whole blocks, distinct
-    destinations); state layers (KDAState) are copied by slot instead."""
-    for cache in caches:
-        if isinstance(cache, torch.Tensor):
-            cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
 def _copy_state_slots(states: list[KDAState], src: torch.Tensor, dst: torch.Tensor) -> None:

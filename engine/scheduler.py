@@ -23,15 +23,8 @@ state at the end of each request likewise). That costs one state copy per ``bloc
 tokens and at most one snapshot slot per running sequence; tail snapshots are evicted like any
 other. A decode verifying draft tokens skips it (how many are accepted is known only after the step).
 
-Forks (``n > 1``, engine/parallel_sampling.py): ``add_forks`` parks the other samples of a request
-beside its first sequence (the leader). In the step where the leader samples its first token the
-scheduler forks each of them from it: the child shares the leader's full prompt blocks, gets a fresh
-block for the partial last one (``SchedulerOutput.block_copies``, copied by the runner after the
-forward pass) and, on a hybrid model, a state slot the leader's state is copied into
-(``state_forks``); the child's ``ScheduledSeq`` (``fork_of``, no tokens of its own) samples its first
-token from the leader's last row. So the prompt is computed once, to the token. A child that cannot
-fork in that step (no free block, slot or ``max_num_seqs`` room) is queued from the next step on
-and recomputes the prompt's tail after a prefix hit, as any request would.
+Forks (``n > 1``): the other samples of a request are parked beside its first sequence and forked
+from it in the step where it samples its first token, so the prompt is computed once (engine/forks.py).
 """
 
 from __future__ import annotations
@@ -39,6 +32,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.forks import ParkedForks, can_fork, fork_child
 from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.state_slots import StateSlots
 from engine.sequence import FINISH_STATUS, Sequence, SequenceStatus
@@ -160,8 +154,7 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self._tails: dict[str, int] = {}  # seq_id -> block hash of its latest tail snapshot
-        self._forks: dict[str, list[Sequence]] = {}  # leader seq_id -> children not forked yet
-        self._fork_leader: dict[str, str] = {}  # parked child seq_id -> its leader's seq_id
+        self.forks = ParkedForks()  # n > 1: samples waiting for their leader's first token
 
     @property
     def num_running(self) -> int:
@@ -186,7 +179,7 @@ class Scheduler:
 
     def add_forks(self, leader: Sequence, children: list[Sequence]) -> None:
         """Park ``children`` (the same prompt as ``leader``, already added) to be forked from the
-        leader when it samples its first token (module doc)."""
+        leader when it samples its first token (engine/forks.py)."""
         if self._seqs.get(leader.seq_id) is not leader or leader.num_output_tokens:
             raise ValueError(f"forks need a queued leader that has not sampled yet, got {leader!r}")
         for child in children:
@@ -196,8 +189,7 @@ class Scheduler:
             self._check_new(child)
             child.status = SequenceStatus.WAITING
             self._seqs[child.seq_id] = child
-            self._fork_leader[child.seq_id] = leader.seq_id
-            self._forks.setdefault(leader.seq_id, []).append(child)
+            self.forks.park(leader.seq_id, child)
 
     def _check_new(self, seq: Sequence) -> None:
         if seq.seq_id in self._seqs:
@@ -228,8 +220,8 @@ class Scheduler:
             return None
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq_id in self._fork_leader:  # parked, never ran
-            self._forks[self._fork_leader.pop(seq_id)].remove(seq)
+        elif seq_id in self.forks:  # parked, never ran
+            self.forks.unpark(seq)
         else:
             self.waiting.remove(seq)
         self._finish(seq, reason)
@@ -309,9 +301,9 @@ class Scheduler:
         # to its last token) is a decode for the runner: keep the decodes-first order.
         out.scheduled = decodes + [i for i in admitted if not i.is_prefill] + prefills
         out.scheduled += [i for i in admitted if i.is_prefill]
-        if self._forks:
+        if self.forks:
             for item in list(out.scheduled):
-                if item.seq.seq_id in self._forks and item.do_sample and not item.spec_token_ids \
+                if self.forks.leads(item.seq.seq_id) and item.do_sample and not item.spec_token_ids \
                         and item.seq.num_output_tokens == 0:
                     self._fork(item.seq, out)
 
@@ -376,44 +368,30 @@ class Scheduler:
         seq.append_token(tokens[-1])
         return self._check_stop(seq)
 
-    # -- forks -----------------------------------------------------------------------------
+    # -- forks (engine/forks.py) --------------------------------------------------------------
 
     def _fork(self, leader: Sequence, out: SchedulerOutput) -> None:
-        """Fork the parked children of ``leader``, whose step samples its first token (module doc);
-        the ones that do not fit stay parked and are queued next step."""
-        bm, slots, n = self.block_manager, self.state_slots, leader.num_tokens
-        group = self._forks[leader.seq_id]
-        for child in list(group):
-            if len(self.running) >= self.config.max_num_seqs or not bm.can_fork(n):
+        """Fork the parked children of ``leader``, whose step samples its first token; the ones that
+        do not fit stay parked and are queued next step (engine/forks.py)."""
+        for child in self.forks.children(leader.seq_id):
+            if len(self.running) >= self.config.max_num_seqs:
                 break
-            if slots is not None and (leader.state_slot is None or not slots.num_free_seq_slots):
-                break
-            if getattr(child.sampling_params, "logprob_rows", False):
-                continue  # wants every prompt row of its own: computed the plain way
-            copy = bm.fork(leader, child, n)
-            if copy is not None:
-                out.block_copies.append(copy)
-            if slots is not None:
-                child.state_slot = slots.allocate(child.seq_id)
-                out.state_forks.append((leader.state_slot, child.state_slot))
-            child.num_computed_tokens, child.num_cached_tokens = n, 0
-            child.status = SequenceStatus.RUNNING
+            if not can_fork(leader, child, self.block_manager, self.state_slots):
+                continue
+            self.forks.unpark(child)
+            block_copy, state_copy = fork_child(leader, child, self.block_manager, self.state_slots)
+            if block_copy is not None:
+                out.block_copies.append(block_copy)
+            if state_copy is not None:
+                out.state_forks.append(state_copy)
             self.running.append(child)
-            group.remove(child)
-            del self._fork_leader[child.seq_id]
-            out.scheduled.append(ScheduledSeq(child, 0, False, start=n, do_sample=True, fork_of=leader.seq_id))
-        if not group:
-            del self._forks[leader.seq_id]
+            out.scheduled.append(ScheduledSeq(child, 0, False, start=child.num_computed_tokens, fork_of=leader.seq_id))
 
     def _queue_unforked(self) -> None:
         """Queue the parked children whose leader has sampled: they could not fork in that step."""
-        for lid in [lid for lid in self._forks if self._seqs[lid].num_output_tokens > 0]:
-            self._release_forks(lid)
-
-    def _release_forks(self, leader_id: str) -> None:
-        for child in self._forks.pop(leader_id, []):
-            del self._fork_leader[child.seq_id]
-            self.waiting.append(child)
+        for lid in self.forks.leaders():
+            if self._seqs[lid].num_output_tokens > 0:
+                self.waiting.extend(self.forks.release(lid))
 
     # -- internals -------------------------------------------------------------------------
 
@@ -541,8 +519,8 @@ class Scheduler:
         self.block_manager.free(seq)
         self._free_state_slot(seq)
         del self._seqs[seq.seq_id]
-        if seq.seq_id in self._forks:
-            self._release_forks(seq.seq_id)  # left before forking them all: they run on their own
+        # a leader that leaves before forking all its children: they run on their own
+        self.waiting.extend(self.forks.release(seq.seq_id))
 
     def _check_stop(self, seq: Sequence) -> str | None:
         params = seq.sampling_params

@@ -185,6 +185,12 @@ def test_hybrid_children_fork_the_prompt_state_with_cold_results(hybrid_engine):
         ref = _run(cold, f"c{i}", prompt, SamplingParams(temperature=0.8, max_tokens=5, seed=11 + i, logprobs=2,
                                                           ignore_eos=True)).outputs[0]
         _assert_same(c, ref, 1e-5)
+    # without prefix caching the samples are forked all the same
+    before = cold.stats().computed_prompt_tokens
+    again = _run(cold, "r", prompt, params)
+    assert cold.stats().computed_prompt_tokens - before == len(prompt)
+    for a, b in zip(again.outputs, out.outputs, strict=True):
+        _assert_same(a, b, 1e-5)
 
 
 def test_hybrid_children_that_cannot_fork_fall_back_with_cold_results(hybrid_engine):

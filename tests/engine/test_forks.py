@@ -1,10 +1,12 @@
-"""Forks of an ``n > 1`` request at the scheduler level (no tensors): the children share the
+"""Forks of an ``n > 1`` request (engine/forks.py) at the scheduler level: the children share the
 leader's full prompt blocks, get a private copy of the partial last block and a state slot, and
-every block and slot comes back after finishing, aborting, preempting or falling back."""
+every block and slot comes back after finishing, aborting, preempting or falling back; and the
+runner's whole-block copy against a block-by-block reference."""
 
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.state_slots import StateSlots
@@ -55,7 +57,7 @@ def check_empty(sched, free_at_start):
     if sched.state_slots is not None:
         sched.state_slots.check_consistent()
         assert sched.state_slots.num_free_seq_slots == sched.state_slots.max_num_seqs
-    assert not sched._forks and not sched._fork_leader
+    assert not sched.forks
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
@@ -204,3 +206,24 @@ def test_add_forks_checks_its_arguments():
     sched.add_forks(lead, kids)
     with pytest.raises(ValueError, match="already in use"):
         sched.add_forks(lead, kids)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA/ROCm device"))])
+def test_copy_blocks_copies_whole_paged_blocks_and_leaves_state_layers(device):
+    from engine.kv_cache.pool import MLACacheSpec, copy_blocks
+    from engine.kv_cache.state import KDAStateSpec
+
+    torch.manual_seed(0)
+    mla = MLACacheSpec(dim=6, dtype=torch.bfloat16).allocate(8, BS, 2, torch.device(device))
+    mla.copy_(torch.randn_like(mla, dtype=torch.float32).to(mla.dtype))
+    state = KDAStateSpec(2, 3, 3, 4).allocate(8, BS, 2, torch.device(device))
+    state.recurrent.normal_()
+    before, rec = mla.clone(), state.recurrent.clone()
+    pairs = torch.tensor([[1, 5], [1, 6], [3, 2]], device=device)
+    copy_blocks([mla, state], pairs[:, 0], pairs[:, 1])
+    want = before.clone()  # an independent reference: one block at a time
+    for s, d in [(1, 5), (1, 6), (3, 2)]:
+        want[d] = before[s]
+    assert torch.equal(mla, want)
+    assert torch.equal(state.recurrent, rec)
