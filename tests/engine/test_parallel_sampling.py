@@ -154,8 +154,8 @@ def hybrid_engine(monkeypatch, tmp_path):
     monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: (ToyHybrid(), None))
 
     def make(**kw) -> LLMEngine:
-        return LLMEngine(EngineArgs(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=1024,
-                                    max_num_seqs=4, kv_cache_tokens=4096, **kw))
+        return LLMEngine(EngineArgs(**{**dict(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=1024,
+                                              max_num_seqs=4, kv_cache_tokens=4096), **kw}))
 
     return make
 
@@ -207,6 +207,22 @@ def test_hybrid_children_that_cannot_fork_fall_back_with_cold_results(hybrid_eng
     ref = _run(hybrid_engine(enable_prefix_caching=False), "c", prompt, replace(params, n=1)).outputs[0]
     for c in out.outputs:
         _assert_same(c, ref, 1e-5)
+
+
+def test_hybrid_forked_children_preempted_for_lack_of_blocks_recompute_with_cold_results(hybrid_engine):
+    """A cache of 1024 tokens for 4 samples of 300 + 200 tokens, the prompt shared: the latest
+    admitted are preempted and come back the ordinary way (prefix hit, snapshot, recompute); every
+    block and slot returns."""
+    prompt = _prompt(300, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=200, n=4, logprobs=1, ignore_eos=True)
+    eng = hybrid_engine(kv_cache_tokens=1024)
+    start = _blocks_and_slots(eng)
+    out = _run(eng, "r", prompt, params)
+    assert eng.scheduler.num_preemptions > 0
+    assert _blocks_and_slots(eng) == start
+    ref = _run(hybrid_engine(enable_prefix_caching=False), "c", prompt, replace(params, n=1)).outputs[0]
+    for c in out.outputs:
+        _assert_same(c, ref, 1e-4)
 
 
 @pytest.mark.slow
