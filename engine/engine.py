@@ -251,23 +251,18 @@ class LLMEngine:
             raise PromptError(f"request id {request_id!r} is already in use")
         seqs = [Sequence(c, ids, child_params(params, i), eos, arrival_time) for i, c in enumerate(parent.child_ids)]
         self._add_grammars(seqs)
-        self.scheduler.add(seqs[0])
+        try:
+            self.scheduler.add(seqs[0])
+            self.scheduler.add_forks(seqs[0], seqs[1:])  # forked when child 0 has computed the prompt
+        except BaseException:
+            for seq in seqs:
+                self.scheduler.abort(seq.seq_id)
+                self.runner.release(seq.seq_id)
+            raise
         for i, seq in enumerate(seqs):
             self.output_processor.add_request(seq, seq.sampling_params, text, count_prompt=i == 0)
             self._child_of[seq.seq_id] = (parent, i)
-        parent.leader = seqs[0]
-        parent.held = seqs[1:]
         self._parents[request_id] = parent
-        if not self.args.enable_prefix_caching:  # nothing to share: no reason to wait for the leader
-            self._release_children()
-
-    def _release_children(self) -> None:
-        """Queue the held children of every request whose leader has computed its prompt."""
-        for parent in self._parents.values():
-            if parent.held and (parent.leader_ready() or not self.args.enable_prefix_caching):
-                for seq in parent.held:
-                    self.scheduler.add(seq)
-                parent.held = []
 
     def _join(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Children's outputs joined into their request's (one per request and step)."""
@@ -313,14 +308,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         parent = self._parents.get(request_id)
         if parent is not None:
-            held = {s.seq_id for s in parent.held}
-            parent.held = []
-            for c in parent.child_ids:
-                if c in held:
-                    self.output_processor.abort_request(c)
-                    self.runner.release(c)  # never scheduled, but it may hold a grammar matcher
-                else:
-                    self.abort_request(c)
+            for c in reversed(parent.child_ids):  # the parked children before their leader
+                self.abort_request(c)
             self._forget_parent(parent)
             return True
         if not self.output_processor.abort_request(request_id):
@@ -332,7 +321,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or any(p.held for p in self._parents.values())
+        return self.scheduler.has_unfinished()
 
     def request_ids(self) -> list[str]:
         """Ids of the requests added and neither finished nor aborted yet (a request fanned out
@@ -356,8 +345,6 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self._parents:
-            self._release_children()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -369,6 +356,8 @@ class LLMEngine:
         self._retire(processed)
         if self.proposer is not None:
             self._propose(result)
+            if sched.block_copies and hasattr(self.proposer, "copy_blocks"):
+                self.proposer.copy_blocks(sched.block_copies)  # a drafter's KV on the same block ids
         return self._join(processed.outputs) if self._child_of else processed.outputs
 
     def _propose(self, result) -> None:

@@ -3,15 +3,17 @@
 vLLM v1's design (``vllm/v1/engine/parallel_sampling.py``, ``ParentRequest``): the engine turns a
 request for ``n`` samples (``best_of`` of them when that is larger) into that many child sequences,
 and joins their outputs back into one ``RequestOutput`` whose ``outputs`` are the choices, indexed
-0..n-1. The scheduler never knows that children belong together.
+0..n-1. The scheduler knows only which children fork from which (below), not the joined request.
 
-The prompt is computed once: child 0 (the leader) is queued alone, the others are held back until
-the leader's prompt is computed and its full blocks are in the prefix cache (on a hybrid model the
-scheduler also snapshots the KDA state at the prompt's last full block). Then they are queued and
-their prefix hit covers every full block of the prompt, so each computes only the tokens of the
-prompt's last, partial block: 1 to ``block_size`` tokens, because the block holding the last prompt
-token is never shared (a child needs a computed row to sample its first token from, see
-``BlockManager._match``). Without prefix caching the children are queued at once.
+The prompt is computed once, to the token: child 0 (the leader) is queued alone and the others are
+parked beside it in the scheduler; in the step where the leader samples its first token they are
+forked from it (engine/forks.py): each shares the leader's full prompt blocks, gets a private copy of
+the partial last block and, on a hybrid model, of the leader's KDA and short-conv state, and samples
+its own first token from a copy of the leader's last logits row. A child that cannot fork then (no
+free block, state slot or ``max_num_seqs`` room) is queued the step after and recomputes only the
+prompt's partial last block after a prefix hit (all of it without prefix caching). So on a cold cache an ``n: 4`` request computes
+``len(prompt)`` prompt tokens (``EngineStats.computed_prompt_tokens``, ``/metrics``
+``kimitui:prompt_tokens_computed_total``) and looks the prompt up in the prefix cache once.
 
 Seeds: child ``i`` samples with ``seed + i`` when the request has a seed (so child 0 of an ``n: 4``
 request reproduces the ``n: 1`` request with the same seed), from the global generator otherwise.
@@ -26,7 +28,6 @@ from dataclasses import dataclass, field, replace
 
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 
 
 def child_id(parent_id: str, index: int) -> str:
@@ -56,19 +57,11 @@ class ParentRequest:
     request_id: str
     params: SamplingParams
     num_children: int
-    leader: Sequence | None = None
-    held: list[Sequence] = field(default_factory=list)  # queued once the leader's prompt is computed
     latest: dict[int, RequestOutput] = field(default_factory=dict)
 
     @property
     def child_ids(self) -> list[str]:
         return [child_id(self.request_id, i) for i in range(self.num_children)]
-
-    def leader_ready(self) -> bool:
-        """Whether the held children may go: the leader's prompt is computed (it sampled a token)
-        or the leader is gone."""
-        s = self.leader
-        return s is None or s.is_finished or s.num_output_tokens > 0
 
     def collect(self, index: int, out: RequestOutput) -> RequestOutput | None:
         """Record child ``index``'s latest output; the joined output, or None while a ``best_of``

@@ -16,6 +16,11 @@ verification runs through exactly the decode path a plain decode takes and greed
 same token for token. KDA layers then step those rows position by position and save the state after
 each position into scratch slots; after acceptance the state after the last accepted position is
 copied back into the sequence's slot at the start of its next step (every rank applies the same copy).
+
+Forks (``n > 1``, scheduler module doc): a forked child's ``ScheduledSeq`` computes no row; its
+first token is sampled from a copy of its leader's last logits row, with the child's own sampling
+parameters, generator and grammar. After the forward pass every rank copies the blocks and state
+slots the scheduler names, so the child's cache holds exactly the leader's prompt.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.graph_runner import DecodeGraphRunner, GraphConfig, default_decode_graphs
+from engine.kv_cache.pool import copy_blocks
 from engine.kv_cache.state import KDAState
 from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
 from engine.layers.penalties import PenaltyBatch, has_penalties
@@ -69,6 +75,8 @@ class StepInputs:
     # no sequence of the step verifies drafts.
     spec_lens: list[int] = field(default_factory=list)
     keep_all_rows: bool = False  # a model drafter reads every row's hidden state
+    # Forks: (source, destination) block ids whose rows every paged layer copies after the forward pass
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -135,14 +143,17 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         # Decodes first (one row each, batched absorbed attention), then prefill chunks.
-        order = [s for s in out.scheduled if not s.is_prefill] + [s for s in out.scheduled if s.is_prefill]
+        order = [s for s in out.scheduled if not s.is_prefill and s.fork_of is None]
+        order += [s for s in out.scheduled if s.is_prefill]
         inputs = self.prepare(order)
+        inputs.block_copies = out.block_copies
         # KDA state rollbacks of last step's verified decodes, for the sequences that run on (a
         # preempted or finished one restarts from a zero state or a snapshot instead).
         rollbacks = [self._rollbacks[s.seq.seq_id] for s in order
                      if not s.is_prefill and s.start > 0 and s.seq.seq_id in self._rollbacks]
         self._rollbacks.clear()
-        inputs.state_restores, inputs.state_saves = rollbacks + out.state_restores, out.state_saves
+        inputs.state_restores = rollbacks + out.state_restores
+        inputs.state_saves = out.state_saves + out.state_forks  # (from, to) after the forward pass alike
         if self.workers is not None:
             self.workers.broadcast(inputs)
         sample_logits, prompt_logits = self.forward_step(inputs)
@@ -220,10 +231,13 @@ class ModelRunner:
             ids = buf.put("ids", inp.ids, torch.int64)
             sample_rows = buf.put("sample_rows", inp.sample_rows, torch.int64) if inp.sample_rows else None
             saves = self._state_indices(inp, meta)
+            copies = buf.put("block_copies", inp.block_copies, torch.int64) if inp.block_copies else None
             buf.end_step()
             hidden = self.graphs.run(ids, meta.decode_block_tables, meta.decode_context_lens, meta.state_slots)
             if saves is not None:
                 _copy_state_slots(self.states, *saves)
+            if copies is not None:
+                copy_blocks(self.kv_caches, copies[:, 0], copies[:, 1])
             return (self.model.compute_logits(hidden[sample_rows]) if sample_rows is not None else None), []
         if inp.num_decodes:
             pos = meta.decode_context_lens.long() - 1  # [D] each decode writes its newest token
@@ -243,6 +257,7 @@ class ModelRunner:
         sample_rows = [row[r] for r in inp.sample_rows] if row is not None else inp.sample_rows
         sample_rows = buf.put("sample_rows", sample_rows, torch.int64) if sample_rows else None
         saves = self._state_indices(inp, meta)
+        copies = buf.put("block_copies", inp.block_copies, torch.int64) if inp.block_copies else None
         buf.end_step()
         if keep is not None:
             meta.out_meta = replace(
@@ -251,6 +266,8 @@ class ModelRunner:
         hidden = self.model(ids, meta, self.kv_caches)
         if saves is not None:
             _copy_state_slots(self.states, *saves)
+        if copies is not None:
+            copy_blocks(self.kv_caches, copies[:, 0], copies[:, 1])
         spans = [(row[sp.row] if row is not None else sp.row, sp.num_rows) for sp in inp.prompt_spans]
         prompt_logits = [self.model.compute_logits(hidden[r: r + n]) for r, n in spans]
         if sample_rows is None:
@@ -304,8 +321,9 @@ class ModelRunner:
         return pairs[:, 0], pairs[:, 1]
 
     def _sample(self, order, scheduled, inp: StepInputs, logits, prompt_logits) -> StepResult:
-        pos = {id(s): i for i, s in enumerate(order)}
-        result = StepResult(sampled=[None] * len(order), logprobs=[None] * len(order))
+        forks = [s for s in scheduled if s.fork_of is not None]
+        pos = {id(s): i for i, s in enumerate(order + forks)}
+        result = StepResult(sampled=[None] * len(pos), logprobs=[None] * len(pos))
         for sp, lg in zip(inp.prompt_spans, prompt_logits):
             if sp.k is not None:
                 result.prompt_logprobs[sp.seq_id] = (sp.first_pos, prompt_logprob_dicts(lg, sp.next_ids, sp.k))
@@ -314,6 +332,9 @@ class ModelRunner:
                 result.rows.setdefault(sp.seq_id, []).append(LogprobRows(sp.first_pos, rows, "prefill"))
         if logits is not None:
             sample_seqs = [s for s in order if s.do_sample]
+            if forks:
+                logits = _fork_rows(logits, sample_seqs, forks)
+                sample_seqs += forks
             params = [s.seq.sampling_params for s in sample_seqs]
             gens = [self._generator(s.seq.seq_id, p.seed) for s, p in zip(sample_seqs, params)]
             batch = SamplingBatch.build(params, gens, self.device, self.buffers, _forced_rows(sample_seqs))
@@ -411,6 +432,18 @@ class ModelRunner:
             gen.manual_seed(seed)
             self._generators[seq_id] = gen
         return gen
+
+
+def _fork_rows(logits: torch.Tensor, sample_seqs: list[ScheduledSeq], forks: list[ScheduledSeq]) -> torch.Tensor:
+    """The logits with one more row per forked child: a copy of its leader's row (a leader that
+    forks samples its first token, so it has exactly one row; a verifying decode before it has
+    ``1 + len(drafts)``)."""
+    row, rows = 0, {}
+    for s in sample_seqs:
+        rows[s.seq.seq_id] = row
+        row += len(s.spec_token_ids) + 1
+    idx = torch.tensor([rows[f.fork_of] for f in forks], dtype=torch.int64, device=logits.device)
+    return torch.cat([logits, logits.index_select(0, idx)])
 
 
 def _penalty_rows(sample_seqs, drafts, vocab_size: int, device) -> PenaltyBatch | None:

@@ -22,6 +22,9 @@ whose prompt repeats this one and its reply, resumes there (SGLang's hybrid radi
 state at the end of each request likewise). That costs one state copy per ``block_size`` decoded
 tokens and at most one snapshot slot per running sequence; tail snapshots are evicted like any
 other. A decode verifying draft tokens skips it (how many are accepted is known only after the step).
+
+Forks (``n > 1``): the other samples of a request are parked beside its first sequence and forked
+from it in the step where it samples its first token, so the prompt is computed once (engine/forks.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.forks import ParkedForks, can_fork, fork_child
 from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.state_slots import StateSlots
 from engine.sequence import FINISH_STATUS, Sequence, SequenceStatus
@@ -88,6 +92,8 @@ class ScheduledSeq:
     start: int = 0
     do_sample: bool = True
     spec_token_ids: tuple[int, ...] = ()
+    # A forked child (module doc): computes nothing, samples from this leader's last row.
+    fork_of: str | None = None
 
     @property
     def end(self) -> int:
@@ -110,6 +116,10 @@ class SchedulerOutput:
     save_blocks: list[tuple[int, int]] = field(default_factory=list)
     # Per save: the sequence id for a decode's tail snapshot (replaces its previous one), else None.
     save_tails: list[str | None] = field(default_factory=list)
+    # Forks (module doc), applied by the runner after the forward pass: (leader's block, child's
+    # block) whole-block KV copies, and (leader's slot, child's slot) state copies on hybrid models.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_forks: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -144,6 +154,7 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self._tails: dict[str, int] = {}  # seq_id -> block hash of its latest tail snapshot
+        self.forks = ParkedForks()  # n > 1: samples waiting for their leader's first token
 
     @property
     def num_running(self) -> int:
@@ -161,6 +172,26 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; raises ValueError if it can never run."""
+        self._check_new(seq)
+        seq.status = SequenceStatus.WAITING
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def add_forks(self, leader: Sequence, children: list[Sequence]) -> None:
+        """Park ``children`` (the same prompt as ``leader``, already added) to be forked from the
+        leader when it samples its first token (engine/forks.py)."""
+        if self._seqs.get(leader.seq_id) is not leader or leader.num_output_tokens:
+            raise ValueError(f"forks need a queued leader that has not sampled yet, got {leader!r}")
+        for child in children:
+            if child.prompt_token_ids != leader.prompt_token_ids:
+                raise ValueError(f"fork {child.seq_id!r} has another prompt than its leader {leader.seq_id!r}")
+        for child in children:
+            self._check_new(child)
+            child.status = SequenceStatus.WAITING
+            self._seqs[child.seq_id] = child
+            self.forks.park(leader.seq_id, child)
+
+    def _check_new(self, seq: Sequence) -> None:
         if seq.seq_id in self._seqs:
             raise ValueError(f"request id {seq.seq_id!r} is already in use")
         limit = self.config.max_model_len
@@ -175,9 +206,6 @@ class Scheduler:
                 f"request {seq.seq_id!r}: prompt needs more KV cache blocks than exist "
                 f"({bm.num_blocks} blocks of {bm.block_size} tokens)"
             )
-        seq.status = SequenceStatus.WAITING
-        self._seqs[seq.seq_id] = seq
-        self.waiting.append(seq)
 
     def abort(self, seq_id: str) -> Sequence | None:
         """Stop a request in any state and free its blocks; None if unknown or already finished."""
@@ -192,6 +220,8 @@ class Scheduler:
             return None
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq_id in self.forks:  # parked, never ran
+            self.forks.unpark(seq)
         else:
             self.waiting.remove(seq)
         self._finish(seq, reason)
@@ -202,6 +232,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick the sequences and token counts for the next step."""
         out = SchedulerOutput()
+        self._queue_unforked()
         budget = self.config.max_num_batched_tokens
         # Running sequences in admission order, so block shortages preempt the latest admitted
         # (the tail) and never an earlier one; each decode's token is set aside from the budget
@@ -270,6 +301,11 @@ class Scheduler:
         # to its last token) is a decode for the runner: keep the decodes-first order.
         out.scheduled = decodes + [i for i in admitted if not i.is_prefill] + prefills
         out.scheduled += [i for i in admitted if i.is_prefill]
+        if self.forks:
+            for item in list(out.scheduled):
+                if self.forks.leads(item.seq.seq_id) and item.do_sample and not item.spec_token_ids \
+                        and item.seq.num_output_tokens == 0:
+                    self._fork(item.seq, out)
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
@@ -331,6 +367,31 @@ class Scheduler:
         self.block_manager.register_computed(seq)
         seq.append_token(tokens[-1])
         return self._check_stop(seq)
+
+    # -- forks (engine/forks.py) --------------------------------------------------------------
+
+    def _fork(self, leader: Sequence, out: SchedulerOutput) -> None:
+        """Fork the parked children of ``leader``, whose step samples its first token; the ones that
+        do not fit stay parked and are queued next step (engine/forks.py)."""
+        for child in self.forks.children(leader.seq_id):
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            if not can_fork(leader, child, self.block_manager, self.state_slots):
+                continue
+            self.forks.unpark(child)
+            block_copy, state_copy = fork_child(leader, child, self.block_manager, self.state_slots)
+            if block_copy is not None:
+                out.block_copies.append(block_copy)
+            if state_copy is not None:
+                out.state_forks.append(state_copy)
+            self.running.append(child)
+            out.scheduled.append(ScheduledSeq(child, 0, False, start=child.num_computed_tokens, fork_of=leader.seq_id))
+
+    def _queue_unforked(self) -> None:
+        """Queue the parked children whose leader has sampled: they could not fork in that step."""
+        for lid in self.forks.leaders():
+            if self._seqs[lid].num_output_tokens > 0:
+                self.waiting.extend(self.forks.release(lid))
 
     # -- internals -------------------------------------------------------------------------
 
@@ -458,6 +519,8 @@ class Scheduler:
         self.block_manager.free(seq)
         self._free_state_slot(seq)
         del self._seqs[seq.seq_id]
+        # a leader that leaves before forking all its children: they run on their own
+        self.waiting.extend(self.forks.release(seq.seq_id))
 
     def _check_stop(self, seq: Sequence) -> str | None:
         params = seq.sampling_params

@@ -153,6 +153,44 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         return True
 
+    def can_fork(self, num_tokens: int) -> bool:
+        """Whether a free block is there for a fork's private copy of a partial last block."""
+        return num_tokens % self.block_size == 0 or len(self._free) >= 1
+
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> tuple[int, int] | None:
+        """Give ``child`` the KV of ``parent``'s first ``num_tokens`` tokens (an ``n > 1`` request's
+        sample forked from the one that computed the prompt, engine/parallel_sampling.py).
+
+        Full blocks are shared (one more reference each: they never change again, as a prefix hit's
+        blocks). A partial last block would be written by both sequences' next tokens, so the child
+        gets a fresh block, and the (source, destination) pair the runner must copy (every layer's
+        rows of that block) is returned; None when ``num_tokens`` ends on a block boundary.
+        The parent registers the shared blocks in the prefix cache; the child only its own from the
+        copy on. Call ``can_fork`` first: this raises when no block is free.
+        """
+        if child.block_table:
+            raise RuntimeError(f"{child.seq_id!r} already holds blocks; a fork starts from none")
+        bs = self.block_size
+        num_full, partial = divmod(num_tokens, bs)
+        if len(parent.block_table) < num_full + (1 if partial else 0):
+            raise RuntimeError(f"{parent.seq_id!r} holds {len(parent.block_table)} blocks, fewer than its "
+                               f"{num_tokens} tokens to fork need")
+        if partial and not self._free:
+            raise RuntimeError(f"no free block to fork {child.seq_id!r} from {parent.seq_id!r}")
+        shared = parent.block_table[:num_full]
+        for bid in shared:
+            self.blocks[bid].ref_count += 1  # held by the parent: never on the free list
+        child.block_table = list(shared)
+        hashes = self._seq_hashes.get(parent.seq_id)
+        if hashes:  # the same tokens: the same chain, no need to hash them again
+            self._seq_hashes[child.seq_id] = hashes[:num_full]
+        self._num_registered[child.seq_id] = num_full
+        if not partial:
+            return None
+        dst = self._take_free_block()
+        child.block_table.append(dst)
+        return parent.block_table[num_full], dst
+
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq`` (safe to call on a sequence that holds none)."""
         # Tail first: the last blocks of a prefix are the least likely to be shared later, so they

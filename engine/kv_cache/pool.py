@@ -195,6 +195,15 @@ class KVCachePool:
         )
 
 
+def copy_blocks(caches: list, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Every paged layer's blocks ``dst`` [N] <- blocks ``src`` [N] (int64 on the caches' device,
+    distinct destinations; whole blocks, one gather and one scatter per layer, on any device).
+    State layers (``KDAState``) are skipped: their rows are state slots, copied by slot."""
+    for cache in caches:
+        if isinstance(cache, torch.Tensor):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+
+
 def _nbytes(cache) -> int:
     """Bytes of one layer's cache: a tensor, or a state object holding tensors (KDAState)."""
     if isinstance(cache, torch.Tensor):

@@ -67,6 +67,17 @@ class Eagle3Proposer:
         self.cache = self.drafter.allocate_cache(num_blocks, block_size, self.device)
         self.block_size = block_size
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """(source, destination) block copies of the target's cache (an ``n > 1`` sample forked from
+        the one that computed the prompt, engine/scheduler.py): the drafter's KV follows the blocks.
+        The drafter row at the prompt's last position keeps the leader's sampled token as its next
+        token (a drafter-quality approximation; verification stays exact); the child drafts from its
+        second decode on, once its own first row is absorbed."""
+        if self.cache is None or not pairs:
+            return
+        idx = torch.tensor(pairs, dtype=torch.int64, device=self.device)
+        self.cache.index_copy_(0, idx[:, 1], self.cache.index_select(0, idx[:, 0]))
+
     def finish(self, seq_id: str) -> None:
         self._last.pop(seq_id, None)
         self._finished.add(seq_id)  # its rows of the step just run are not worth a drafter pass

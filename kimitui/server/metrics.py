@@ -84,6 +84,10 @@ class ServerMetrics:
         metric("kimitui:decode_tokens_per_second", "gauge", "Decode throughput over the last seconds.",
                stats.decode_tokens_per_s)
         metric("kimitui:prompt_tokens_total", "counter", "Prompt tokens admitted.", stats.total_prompt_tokens)
+        # what the model ran of them: prefix-cache hits and the samples of an n > 1 request forked
+        # from the one that computed the prompt are not computed again
+        metric("kimitui:prompt_tokens_computed_total", "counter", "Prompt tokens the model computed.",
+               getattr(stats, "computed_prompt_tokens", 0))
         metric("kimitui:generation_tokens_total", "counter", "Tokens generated.", stats.total_generation_tokens)
         metric("kimitui:num_preemptions_total", "counter", "Requests preempted for lack of KV blocks.",
                stats.num_preemptions)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -56,6 +57,16 @@ def test_uneven_splits():
 def test_tensor_parallel_matches_one_process(ckpt, prompts, reference, world):
     with LLM(ckpt, max_model_len=128, max_num_seqs=4, tensor_parallel_size=world) as llm:
         _assert_same(reference, llm.generate(prompts, PARAMS))
+
+
+def test_n_samples_are_forked_on_every_rank(ckpt, prompts, reference):
+    """n = 3 greedy under tensor parallel: each rank copies its share of the partial last block for
+    the forked samples (StepInputs.block_copies), so all three equal the one-process answer."""
+    with LLM(ckpt, max_model_len=128, max_num_seqs=9, tensor_parallel_size=2) as llm:  # room for all 9 samples
+        outs = llm.generate(prompts, dataclasses.replace(PARAMS, n=3))
+        assert llm.engine.stats().computed_prompt_tokens == sum(len(p) for p in prompts)
+    for a, b in zip(reference, outs):
+        assert [c.token_ids for c in b.outputs] == [a.outputs[0].token_ids] * 3
 
 
 @pytest.fixture(scope="module", params=["fp8", "int4"])

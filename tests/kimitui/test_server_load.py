@@ -104,6 +104,30 @@ def test_non_streaming_client_that_leaves_is_aborted(served):
     assert llm.stats().total_generation_tokens - before < 300
 
 
+def test_dropped_n_4_stream_frees_every_sample_and_the_prompt_is_computed_once(served):
+    llm, url = served
+    wait_idle(llm)
+    computed = scrape(url)[f'kimitui:prompt_tokens_computed_total{{model_name="{MODEL}"}}']
+    prompt = "four samples of one prompt, dropped early " * 3
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 300, "ignore_eos": True, "stream": True, "n": 4,
+            "seed": 3}
+
+    async def dropped() -> None:
+        indices = set()
+        async with httpx.AsyncClient(timeout=60) as client:
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        indices |= {c["index"] for c in json.loads(line[6:])["choices"]}
+                    if len(indices) == 4:
+                        break  # every sample has streamed: drop the connection mid-stream
+
+    asyncio.run(dropped())
+    wait_idle(llm)  # every block back: the samples were aborted, their forked blocks freed
+    p = len(llm.engine.tokenizer.encode(prompt))
+    assert scrape(url)[f'kimitui:prompt_tokens_computed_total{{model_name="{MODEL}"}}'] - computed == p
+
+
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? '
                      r'(-?[0-9.e+-]+|\+Inf|-Inf|NaN)$')
 

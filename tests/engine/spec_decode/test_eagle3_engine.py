@@ -128,3 +128,27 @@ def test_tensor_parallel_two_ranks(ckpts):
     with _llm(target, drafter, tensor_parallel_size=2) as llm:
         assert _greedy(llm, prompts, 10) == ref
         assert llm.engine.stats().spec_decode.num_drafts > 0
+
+
+def test_forked_samples_carry_the_drafters_kv_and_stay_exact(ckpts):
+    """n = 3 greedy: the samples forked from the first (engine/scheduler.py) get the drafter's KV of
+    the prompt's partial last block with the target's, and their output equals the single request's."""
+    target, _, drafter, _, _ = ckpts
+    [prompt] = _prompts(1, [40], seed=5)  # 2 full blocks + 8 tokens, one prefill step
+    [ref] = _greedy(_llm(target), [prompt], 12)
+    llm = _llm(target, drafter)
+    eng = llm.engine
+    eng.add_request("r", {"prompt_token_ids": prompt},
+                    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=3))
+    eng.step()
+    lead, *kids = (eng.scheduler.get(f"r#{i}") for i in range(3))
+    cache, bs = eng.proposer.cache, eng.args.block_size
+    for k in kids:
+        assert k.block_table[:2] == lead.block_table[:2] and k.block_table[2] != lead.block_table[2]
+        assert torch.equal(cache[k.block_table[2], :40 - 2 * bs], cache[lead.block_table[2], :40 - 2 * bs])
+    final = None
+    while eng.has_unfinished_requests():
+        final = next((o for o in eng.step() if o.finished), final)
+    assert [list(c.token_ids) for c in final.outputs] == [ref] * 3
+    assert eng.stats().computed_prompt_tokens == 40
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
