@@ -33,10 +33,11 @@ from engine.graph_runner import DecodeGraphRunner, GraphConfig, default_decode_g
 from engine.kv_cache.pool import copy_blocks
 from engine.kv_cache.state import KDAState
 from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
-from engine.layers.penalties import PenaltyBatch, has_penalties
+from engine.layers.penalties import has_penalties
 from engine.layers.sampler import SamplingBatch, logprob_dicts, prompt_logprob_dicts, sample
 from engine.outputs import LogprobRows
-from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.sample_rows import forced_rows, fork_rows, penalty_rows
+from engine.schedule_output import ScheduledSeq, SchedulerOutput
 from engine.spec_decode.proposer import StepHidden
 from engine.spec_decode.verify import KDASpecStep, kda_spec_layout, kda_spec_steps, verify_and_logprobs
 from engine.step_buffers import StepBuffers
@@ -333,11 +334,11 @@ class ModelRunner:
         if logits is not None:
             sample_seqs = [s for s in order if s.do_sample]
             if forks:
-                logits = _fork_rows(logits, sample_seqs, forks)
+                logits = fork_rows(logits, sample_seqs, forks)
                 sample_seqs += forks
             params = [s.seq.sampling_params for s in sample_seqs]
             gens = [self._generator(s.seq.seq_id, p.seed) for s, p in zip(sample_seqs, params)]
-            batch = SamplingBatch.build(params, gens, self.device, self.buffers, _forced_rows(sample_seqs))
+            batch = SamplingBatch.build(params, gens, self.device, self.buffers, forced_rows(sample_seqs))
             self.buffers.end_step()  # the next step's inputs wait for these pinned copies
             drafts = [list(s.spec_token_ids) for s in sample_seqs] if inp.spec_lens else None
             if self.structured is not None and self.structured.requests:
@@ -345,7 +346,7 @@ class ModelRunner:
                 # are masked position by position
                 logits = self.structured.mask_logits(logits, [s.seq for s in sample_seqs], drafts)
             if any(has_penalties(p) for p in params):
-                batch.penalties = _penalty_rows(sample_seqs, drafts, logits.shape[-1], self.device)
+                batch.penalties = penalty_rows(sample_seqs, drafts, logits.shape[-1], self.device)
             if drafts is not None:  # some decode verifies drafts: one row per position, the rule decides
                 outs, lp_lists = verify_and_logprobs(logits, drafts, batch, params)  # the one host sync
                 for j, s in enumerate(sample_seqs):
@@ -432,44 +433,6 @@ class ModelRunner:
             gen.manual_seed(seed)
             self._generators[seq_id] = gen
         return gen
-
-
-def _fork_rows(logits: torch.Tensor, sample_seqs: list[ScheduledSeq], forks: list[ScheduledSeq]) -> torch.Tensor:
-    """The logits with one more row per forked child: a copy of its leader's row (a leader that
-    forks samples its first token, so it has exactly one row; a verifying decode before it has
-    ``1 + len(drafts)``)."""
-    row, rows = 0, {}
-    for s in sample_seqs:
-        rows[s.seq.seq_id] = row
-        row += len(s.spec_token_ids) + 1
-    idx = torch.tensor([rows[f.fork_of] for f in forks], dtype=torch.int64, device=logits.device)
-    return torch.cat([logits, logits.index_select(0, idx)])
-
-
-def _penalty_rows(sample_seqs, drafts, vocab_size: int, device) -> PenaltyBatch | None:
-    """The penalties of a step's logits rows: one row per sampling sequence, or with drafts
-    ``len(drafts[i]) + 1`` rows where row ``j`` has the output plus the first ``j`` drafts."""
-    rows, params, prompts, outputs = [], [], [], []
-    for i, s in enumerate(sample_seqs):
-        seq = s.seq
-        ds = drafts[i] if drafts is not None else []
-        for j in range(len(ds) + 1):
-            rows.append(len(rows))
-            params.append(seq.sampling_params)
-            prompts.append(seq.prompt_token_ids)
-            outputs.append(seq.output_token_ids + ds[:j])
-    return PenaltyBatch.build(rows, params, prompts, outputs, vocab_size, device)
-def _forced_rows(sample_seqs: list[ScheduledSeq]) -> list[int] | None:
-    """Teacher-forced token per logits row of the sampled sequences (a verifying decode has one
-    row per draft plus one), -1 where the sampler chooses; None when no sequence forces."""
-    if not any(getattr(s.seq.sampling_params, "forced_token_ids", None) for s in sample_seqs):
-        return None
-    out = []
-    for s in sample_seqs:
-        forced = getattr(s.seq.sampling_params, "forced_token_ids", None) or []
-        done = s.seq.num_output_tokens
-        out.extend(forced[done + r] if done + r < len(forced) else -1 for r in range(len(s.spec_token_ids) + 1))
-    return out
 
 
 def _copy_state_slots(states: list[KDAState], src: torch.Tensor, dst: torch.Tensor) -> None:
