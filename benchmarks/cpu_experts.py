@@ -219,6 +219,7 @@ def measure(args, kt, shape: str, hidden: int, inter: int, fmt: str, bw: float) 
             for x, ids, tw in inputs:
                 t = best_time(lambda: run(x.bfloat16(), ids, tw), args.repeats, args.clock, flush)
                 b = x.shape[0]
+                print(f"kt-kernel {run.backend} {shape} {fmt} batch {b}: {t * 1e3:.1f} ms", file=sys.stderr, flush=True)
                 if times[b].get("kt") is None or t < times[b]["kt"]:
                     times[b]["kt"], kt_name[b], outs[b]["kt"] = t, run.backend, run(x.bfloat16(), ids, tw).clone()
             del run

@@ -174,3 +174,13 @@ def test_vllm_op_agrees_with_the_reference(tmp_path, fmt, tol):
     fn = R.moe_experts_reference_w4a16 if fmt == "int4" else R.moe_experts_reference_mxfp4
     want = fn(x.bfloat16().double(), ids, tw.double(), w13, s13, w2, s2)
     assert ((got.double() - want).norm() / want.norm()).item() < tol
+
+
+def test_kt_backends_best_is_every_amx_backend_on_its_amx_build():
+    kt_kernel = pytest.importorskip("kt_kernel")  # only in the kt-kernel venv (benchmarks/README.md)
+    from benchmarks import kt_experts
+
+    assert kt_experts.backends("int4", "auto") == ["auto"]
+    assert kt_experts.backends("int4", "amx, avx2") == ["amx", "avx2"]
+    want = (["amx", "amx_blocked"], ["amx"]) if kt_kernel.__cpu_variant__ == "amx" else (["auto"], ["auto"])
+    assert (kt_experts.backends("int4", "best"), kt_experts.backends("mxfp4", "best")) == want
