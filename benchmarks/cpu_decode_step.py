@@ -9,7 +9,7 @@ streaming rate; the issue's target is >= 50% of the machine's read bandwidth
 
     python benchmarks/cpu_decode_step.py [--hidden 2048] [--inter 1024] [--experts 64] [--top-k 8]
         [--layers 8] [--heads 8] [--vocab 4096] [--tokens 16] [--threads 2] [--dtype float32]
-        [--cpu-offload none] [--profile] [--keep DIR]
+        [--cpu-offload none] [--profile] [--keep DIR] [--format int4|mxfp4]
 
 The checkpoint (random weights in compressed-tensors pack-quantized INT4 for the routed experts, bf16
 for the rest, as Kimi K2.5 ships) is written once into a temporary directory (or ``--keep DIR``,
@@ -78,6 +78,12 @@ def write_checkpoint(path: Path, args) -> None:
             projs = [("gate_proj", n // 2), ("up_proj", n // 2)] if fused else [("down_proj", n)]
             for i in range(e):
                 for proj, rows in projs:
+                    if args.format == "mxfp4":  # E2M1 bytes, E8M0 scale 2^-9 per 32: |w| <= 6 * 0.002
+                        tensors[f"{base}.{i}.{proj}.weight_packed"] = torch.randint(
+                            0, 256, (rows, k // 2), dtype=torch.uint8, generator=g)
+                        tensors[f"{base}.{i}.{proj}.weight_scale"] = torch.full((rows, k // 32), 118,
+                                                                                dtype=torch.uint8)
+                        continue
                     # offset-8 nibbles, group 32, bf16 scales: |w| <= 8 * 0.003, activations stay tame
                     tensors[f"{base}.{i}.{proj}.weight_packed"] = torch.randint(
                         -2**31, 2**31 - 1, (rows, k // 8), dtype=torch.int32, generator=g)
@@ -92,7 +98,7 @@ def write_checkpoint(path: Path, args) -> None:
             tensors[name] = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
     cfg.save_pretrained(str(path))
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = _quant_config("int4")
+    config["quantization_config"] = _quant_config(args.format)
     rewrite_checkpoint(path, tensors, config, shards=max(1, len(tensors) // 2000))
 
 
@@ -101,7 +107,8 @@ def step_bytes(args, compute: torch.dtype) -> dict[str, int]:
     cfg = hf_config(args)
     out = {"dense": 0, "experts": 0, "lm_head": 0, "embedding row": args.hidden * compute.itemsize}
     d, i = args.hidden, args.inter
-    per_expert = 3 * d * i // 2 + 3 * d * i // 32 * 2  # packed nibbles + bf16 scales (group 32)
+    # packed nibbles + scales per 32 columns (INT4 bf16, MXFP4 one E8M0 byte)
+    per_expert = 3 * d * i // 2 + 3 * d * i // 32 * (1 if getattr(args, "format", "int4") == "mxfp4" else 2)
     for name, shape in shapes(cfg).items():
         n = 1
         for s in shape:
@@ -123,6 +130,7 @@ def main() -> int:
                           ("--heads", 8), ("--vocab", 4096), ("--tokens", 16), ("--threads", 2), ("--prompt", 32)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--format", choices=("int4", "mxfp4"), default="int4", help="routed experts' format")
     ap.add_argument("--cpu-offload", default="none", help="LLM(cpu_offload=...): 'none', or a count of experts")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--keep", help="write (or reuse) the checkpoint here instead of a temporary directory")
@@ -136,6 +144,9 @@ def main() -> int:
             write_checkpoint(path, args)
             print(f"wrote {sum(f.stat().st_size for f in path.glob('*.safetensors')) / 1e9:.2f} GB to {path} "
                   f"in {time.perf_counter() - t:.0f} s")
+        kept = json.loads((path / "config.json").read_text())["quantization_config"].get("format")
+        if kept != ("mxfp4-pack-quantized" if args.format == "mxfp4" else "pack-quantized"):
+            ap.error(f"--keep {path} holds a {kept} checkpoint, not --format {args.format}")
         return run(path, args)
 
 

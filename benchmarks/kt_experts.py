@@ -8,6 +8,16 @@ DeepSeek-V4 ``ffn.experts.{i}.w1`` names) into a temporary folder. Running it on
 needs three work-arounds, all outside its package: ``pin_memory`` dropped (its buffers ask for
 pinned memory, which needs a GPU), ``KT_FORCE_SYNC_SUBMIT=1`` (no CUDA stream callbacks), and the
 tensors its loader returns kept alive (its AVX2 backends keep raw pointers to them).
+
+Which kernels run: kt-kernel loads one of its extension builds (``_kt_kernel_ext_<variant>``) from
+the CPU flags in /proc/cpuinfo (``amx`` needs amx_tile, amx_int8, amx_bf16 and AVX-512
+VNNI/VBMI/BF16; ``KT_KERNEL_CPU_VARIANT`` overrides it), then picks a backend class per method at
+load time: RAWINT4 -> ``AMXInt4_KGroup_MOE`` (C++ ``AMX_K2_MOE_TP``; ``KT_RAWINT4_BACKEND=amx_blocked``
+gives its blocked-tile variant ``AMXInt4_KGroupBlocked_MOE``, ``avx2`` / ``avxvnni`` the others),
+MXFP4 -> ``AMXFP4_KGroup_MOE`` (``AMX_FP4_MOE_TP``; ``KT_MXFP4_BACKEND=avx2`` the AVX2 one). Both
+take the checkpoint's own group-32 values, so the same bits as ours. Its ``AMXINT4`` / ``AMXINT8``
+methods instead requantise bf16 weights into kt's own per-row format (other values than the
+checkpoint's), so they are not the same experts and are not run here.
 """
 
 from __future__ import annotations
@@ -58,10 +68,31 @@ def _write(fmt: str, w: dict[str, torch.Tensor], inter: int, folder: str) -> Non
     save_file(out, os.path.join(folder, "model.safetensors"))
 
 
-def prepare(fmt: str, w: dict[str, torch.Tensor], hidden: int, inter: int, args):
+BACKEND_ENV = {"int4": "KT_RAWINT4_BACKEND", "mxfp4": "KT_MXFP4_BACKEND"}
+
+
+def backends(fmt: str, spec: str) -> list[str]:
+    """The kt backends to time for ``fmt`` from a ``--kt-backends`` value: ``auto`` is kt's own
+    choice; ``best`` every AMX backend this build has for the format (the row then takes the
+    fastest); otherwise a comma list of values of kt's ``KT_RAWINT4_BACKEND`` / ``KT_MXFP4_BACKEND``."""
+    if spec == "best":
+        names = ("amx", "amx_blocked") if fmt == "int4" else ("amx",)
+        if kt_kernel.__cpu_variant__ != "amx":  # its avx512 builds: kt's own choice is the one
+            return ["auto"]
+        return list(names)
+    return [b.strip() for b in spec.split(",") if b.strip()]
+
+
+def prepare(fmt: str, w: dict[str, torch.Tensor], hidden: int, inter: int, args, backend: str = "auto"):
     """A callable ``run(x bf16 [T, D], ids [T, k], weights [T, k]) -> [T, D]`` over kt-kernel's MoE
-    holding ``w``, or None (with the reason printed) when it cannot run here."""
+    holding ``w``, or None (with the reason printed) when it cannot run here. ``backend``: a value of
+    kt's backend environment variable for the format, ``auto`` for kt's own choice. ``run.backend``
+    names the class kt built (``<variant>/<class>``)."""
     _drop_pin_memory()
+    env = BACKEND_ENV[fmt]
+    saved = os.environ.pop(env, None)
+    if backend != "auto":
+        os.environ[env] = backend
     folder = tempfile.mkdtemp(prefix="kt-experts-")
     try:
         _write(fmt, w, inter, folder)
@@ -78,13 +109,19 @@ def prepare(fmt: str, w: dict[str, torch.Tensor], hidden: int, inter: int, args)
         wrapper.loader.load_experts = lambda *a, **k: keep.append(load(*a, **k)) or keep[-1]
         wrapper.load_weights(torch.arange(w["w13"].shape[0]))
     except Exception as exc:
-        print(f"kt-kernel {fmt}: not run ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+        print(f"kt-kernel {fmt} {backend}: not run ({type(exc).__name__}: "
+              f"{str(exc).splitlines()[0] if str(exc) else ''})")
         return None
+    finally:
+        os.environ.pop(env, None)
+        if saved is not None:
+            os.environ[env] = saved
 
     def run(x, ids, weights):
         assert keep
         return wrapper.forward(x.bfloat16().contiguous(), ids.long().contiguous(), weights.float().contiguous(), None)
 
+    run.backend = f"{kt_kernel.__cpu_variant__}/{type(wrapper.moe).__name__}"
     return run
 
 
