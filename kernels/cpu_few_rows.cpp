@@ -18,6 +18,12 @@ namespace {
 
 constexpr int64_t kBlock = 48;  // weight rows per work item of linear (a multiple of the 3- and 4-row tiles)
 constexpr int64_t kGemmPairs = 32;  // moe: experts with this many pairs or more go to BLAS
+// bf16 weights: from this many rows on, linear and each MoE expert run oneDNN's bf16 product (AMX or
+// AVX-512 BF16 where the CPU has them) on activations rounded to bf16, as the PyTorch bf16 path
+// does. Measured on one core of a Xeon with AMX (benchmarks/cpu_few_rows.py --dtype bfloat16): the
+// widening loops take 0.4-0.7x oneDNN's time at 1-4 rows, about the same at 8, 1.6-1.9x at 16,
+// where the 8-wide float32 FMAs, not the weight read, are the limit.
+constexpr int64_t kBf16BlasRows = 12;
 
 // moe's per-pair expert outputs go to the caller's scratch tensor, grown up to 64 MB and kept
 // between calls: a fresh [T * k, D] buffer for a 2048-token prefill of the benchmark model is 50 MB
@@ -27,8 +33,13 @@ constexpr int64_t kKeptDownFloats = int64_t{16} << 20;
 }  // namespace
 
 torch::Tensor linear(torch::Tensor x_in, torch::Tensor w) {
-  const auto x = as_f32(x_in, "x", 2);
   check_weight(w, "w", 2);
+  if (w.scalar_type() == torch::kBFloat16 && x_in.dim() == 2 && x_in.size(0) >= kBf16BlasRows) {
+    check_act(x_in, "x", 2);
+    TORCH_CHECK(w.size(1) == x_in.size(1), "x has ", x_in.size(1), " features, w has ", w.size(1));
+    return at::linear(x_in.to(torch::kBFloat16), w).to(x_in.scalar_type());  // no copies for bf16 x
+  }
+  const auto x = as_f32(x_in, "x", 2);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K, "x has ", K, " features, w has ", w.size(1));
   auto y = torch::empty({M, N}, x.options());
@@ -47,8 +58,8 @@ torch::Tensor linear(torch::Tensor x_in, torch::Tensor w) {
 // [g; u] = w13[e] @ x_t; act silu(g) * u, or SiTU (gated_mul). An id outside [0, E) (a pair computed
 // elsewhere) adds nothing. A token gives the same bits alone or in a batch as long as its experts get
 // fewer than kGemmPairs pairs (decode batches); BLAS products, like the PyTorch path's, depend on
-// their row count. w13 and w2: both float32 or both bf16 (then the BLAS products are oneDNN's bf16
-// ones, on activations rounded to bf16, as the PyTorch bf16 path computes them).
+// their row count. w13 and w2: both float32 or both bf16 (then experts with kBf16BlasRows pairs or
+// more run oneDNN's bf16 products, on activations rounded to bf16, as the PyTorch bf16 path does).
 torch::Tensor moe(torch::Tensor x_in, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13, torch::Tensor w2,
                   torch::Tensor scratch, int64_t act, double beta, double linear_beta) {
   TORCH_CHECK(act == 0 || (act == 1 && beta > 0), "activation ", act, " with beta ", beta,
@@ -119,7 +130,7 @@ torch::Tensor moe(torch::Tensor x_in, torch::Tensor ids, torch::Tensor weights, 
       const int64_t e = active[i], g = count[e], m = count[e + 1] - g;
       if (static_cast<int64_t>(gu.size()) < m * I2) gu.resize(m * I2);
       if (static_cast<int64_t>(h.size()) < m * I) h.resize(m * I);
-      const bool blas = m >= kGemmPairs;
+      const bool blas = m >= (std::is_same_v<W, bf16> ? kBf16BlasRows : kGemmPairs);
       if (blas) {
         if (static_cast<int64_t>(xg.size()) < m * D) xg.resize(m * D);
         for (int64_t p = 0; p < m; ++p) std::memcpy(xg.data() + p * D, xs[g + p], D * sizeof(float));

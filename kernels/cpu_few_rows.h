@@ -276,11 +276,15 @@ decltype(auto) with_weight(const torch::Tensor& t, const F& fn) {
 
 // An activation as float32: x itself, or a float32 copy of a bf16 x (exact). The kernels compute
 // in float32; their public entry points round the result back to the input's dtype.
-inline torch::Tensor as_f32(const torch::Tensor& x, const char* name, int64_t dim) {
+inline void check_act(const torch::Tensor& x, const char* name, int64_t dim) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() == dim &&
                   (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
               name, " must be a contiguous ", dim, "-d float32 or bfloat16 CPU tensor, got ", x.scalar_type(), " ",
               x.sizes(), x.is_contiguous() ? "" : " (not contiguous)");
+}
+
+inline torch::Tensor as_f32(const torch::Tensor& x, const char* name, int64_t dim) {
+  check_act(x, name, dim);
   return x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);
 }
 
