@@ -59,7 +59,7 @@ def test_bf16_fused_decode_matches_the_pytorch_bf16_path(tmp_path, monkeypatch):
             common = set(la[step]) & set(lb[step])
             assert len(common) >= 3
             for tok in common:
-                assert abs(la[step][tok].logprob - lb[step][tok].logprob) < 0.1, (step, tok)
+                assert abs(la[step][tok] - lb[step][tok]) < 0.1, (step, tok, la[step][tok], lb[step][tok])
             compared += step > 0
     assert compared >= 4  # decode steps actually compared
 
