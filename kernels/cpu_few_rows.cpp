@@ -20,10 +20,10 @@ constexpr int64_t kBlock = 48;  // weight rows per work item of linear (a multip
 constexpr int64_t kGemmPairs = 32;  // moe: experts with this many pairs or more go to BLAS
 // bf16 weights: from this many rows on, linear and each MoE expert run oneDNN's bf16 product (AMX or
 // AVX-512 BF16 where the CPU has them) on activations rounded to bf16, as the PyTorch bf16 path
-// does. Measured on one core of a Xeon with AMX (benchmarks/cpu_few_rows.py --dtype bfloat16): the
-// widening loops take 0.4-0.7x oneDNN's time at 1-4 rows, about the same at 8, 1.6-1.9x at 16,
-// where the 8-wide float32 FMAs, not the weight read, are the limit.
-constexpr int64_t kBf16BlasRows = 12;
+// does. Measured on one core of a Xeon with AMX (CPU clock, the benchmark model's shapes): the
+// widening loops take 0.4-0.8x oneDNN's time at 1-4 rows and 1.0-1.35x at 8, where the 8-wide
+// float32 FMAs, not the weight read, become the limit; about even at 6.
+constexpr int64_t kBf16BlasRows = 6;
 
 // moe's per-pair expert outputs go to the caller's scratch tensor, grown up to 64 MB and kept
 // between calls: a fresh [T * k, D] buffer for a 2048-token prefill of the benchmark model is 50 MB

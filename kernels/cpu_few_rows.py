@@ -13,8 +13,8 @@ into each half of a decoder layer for a few decode rows, so the Python between t
 The arithmetic is float32. Weights (and the MLA latent cache) may be float32 or bf16: bf16 ones are
 widened in registers by an exact 16-bit shift and run the float32 loops unchanged, so a bf16 model
 reads half the bytes per decode step and a row's result is the float32 kernel's on the widened
-weights. bf16 activations are widened on entry and the result rounded back to bf16. From 12 rows
-on, a bf16 linear (and a MoE expert with 12+ pairs) runs oneDNN's bf16 product instead (AMX where
+weights. bf16 activations are widened on entry and the result rounded back to bf16. From 6 rows
+on, a bf16 linear (and a MoE expert with 6+ pairs) runs oneDNN's bf16 product instead (AMX where
 the CPU has it), faster there than the 8-wide float32 FMAs; those rows' bits then depend on the row
 count, as every BLAS product's do.
 
