@@ -4,9 +4,8 @@ Decode multiplies a few rows of activations by each weight; there the C++ loops 
 ``kernels.cpu_few_rows`` (float32 arithmetic on float32 or bf16 weights, built once per machine) beat
 BLAS, and a whole decoder half runs as one call (``kernels.cpu_decode_block``). Prefill-sized calls,
 fp16, or a machine where the extension does not build take ``kernels.cpu_linear`` and
-``kernels.cpu_moe``. Whether the extension
-is used is decided once, when the backend is made; each call then only checks its own shape (rows,
-dtype), which a fixed choice cannot know ahead.
+``kernels.cpu_moe``. Whether the extension is used is decided once, when the backend is made; each
+call then only checks its own shape (rows, dtype), which a fixed choice cannot know ahead.
 
 The backend owns the C++ MoE's scratch buffer (the per-pair expert outputs, kept between calls so a
 prefill does not page-fault a fresh one in every layer) and the lock that lets one call use it at a
