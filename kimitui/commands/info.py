@@ -133,7 +133,7 @@ def dtype_lines(args: argparse.Namespace) -> list[str]:
     from engine.args import cpu_auto_dtype
     from engine.config import ConfigError, ModelConfig
 
-    config, checkpoint, what = None, "bfloat16", "a bf16 checkpoint"
+    config, checkpoint, what = None, "bfloat16", "an unquantised bf16 DeepSeek-V3 / K2 checkpoint"
     model = getattr(args, "model", None)
     if model:
         try:

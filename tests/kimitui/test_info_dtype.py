@@ -17,5 +17,5 @@ def test_info_names_the_auto_dtype_for_a_bf16_checkpoint(capsys, monkeypatch):
     monkeypatch.setattr("engine.args.cpu_flags", lambda: {"avx2"})  # a CPU without bf16 arithmetic
     assert main(["info"]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "--dtype auto" in ln)
-    assert "computes float32 for a bf16 checkpoint" in line and "no bf16 arithmetic" in line
+    assert "computes float32 for an unquantised bf16" in line and "no bf16 arithmetic" in line
     assert cpu_auto_dtype("bfloat16", flags={"amx_bf16"}, kernels=True)[1].startswith("bf16 checkpoint")
