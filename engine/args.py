@@ -82,10 +82,63 @@ class EngineArgs:
             raise ValueError(f"device {self.device!r} asked for, but torch sees no CUDA/ROCm GPU")
         return dev
 
-    def resolve_dtype(self, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
-        """'auto': float32 on CPU (bf16 matmuls are slow there), the checkpoint's dtype on GPU."""
+    def resolve_dtype(self, device: torch.device, checkpoint_dtype: str, config=None) -> torch.dtype:
+        """'auto': the checkpoint's dtype on GPU; on CPU whichever of float32 and bf16 runs faster
+        there (``cpu_auto_dtype``; ``config``: the checkpoint's ``ModelConfig``, when known)."""
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
         if device.type == "cpu":
-            return torch.float32
+            return cpu_auto_dtype(checkpoint_dtype, config)[0]
         return _DTYPES.get(checkpoint_dtype, torch.bfloat16)
+
+
+# CPU flags (/proc/cpuinfo) with bf16 arithmetic in hardware: AVX-512 BF16 dot products, AMX tiles
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none: not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _bf16_blocks(config) -> bool:
+    # the models whose every decoder layer the C++ decode blocks run in bf16: DeepSeek-V3 / Kimi K2
+    # shapes with unquantised weights (packed experts have their own kernels, measured faster with
+    # float32 activations; Kimi Linear's KDA layers and gated MLA run op by op)
+    return (config.quantization is None and not config.layer_types and not config.mla_use_output_gate
+            and not config.mla_use_nope and config.hidden_act == "silu" and not config.routed_expert_hidden_size
+            and not config.attn_res_block_size)
+
+
+def cpu_auto_dtype(checkpoint_dtype: str, config=None, flags: set[str] | None = None,
+                   kernels: bool | None = None) -> tuple[torch.dtype, str]:
+    """``--dtype auto`` on a CPU: (dtype, why). bf16 when the checkpoint is bf16 and unquantised
+    DeepSeek-V3-shaped (``config``, an ``engine.config.ModelConfig``; None: not checked), the CPU has
+    bf16 arithmetic (``avx512_bf16`` or ``amx_bf16``: oneDNN's bf16 products for prefill) and the C++
+    few-row kernels are built (they read bf16 weights in decode, half the bytes of float32:
+    benchmarks/README.md measures bf16 decode faster than float32 there); float32 otherwise, where
+    bf16 products are emulated and slower than float32 ones. ``flags`` and ``kernels`` default to
+    this machine's (``kernels``: the C++ extension is enabled and builds, compiling it on first use)."""
+    if checkpoint_dtype != "bfloat16":
+        return torch.float32, f"the checkpoint is {checkpoint_dtype}, not bfloat16"
+    if config is not None and not _bf16_blocks(config):
+        return torch.float32, "quantised or non-DeepSeek-V3 layers: the bf16 C++ decode blocks do not cover them"
+    flags = cpu_flags() if flags is None else flags
+    have = [f for f in _BF16_FLAGS if f in flags]
+    if not have:
+        return torch.float32, "this CPU has no bf16 arithmetic (avx512_bf16 / amx_bf16)"
+    if kernels is None:
+        from kernels import cpu_few_rows
+        from kernels.settings import KernelSettings
+
+        kernels = KernelSettings.from_env().cpu_kernels and cpu_few_rows.available()
+    if not kernels:
+        return torch.float32, "the C++ CPU kernels are off or do not build here"
+    return torch.bfloat16, f"bf16 checkpoint, CPU with {' and '.join(have)}, C++ kernels built"

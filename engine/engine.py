@@ -56,7 +56,7 @@ class LLMEngine:
             self.device = torch.device("cuda", 0)  # rank 0 of a tensor-parallel group is GPU 0
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL collectives run on the current device
-        self.dtype = args.resolve_dtype(self.device, self.config.torch_dtype)
+        self.dtype = args.resolve_dtype(self.device, self.config.torch_dtype, self.config)
         self.max_model_len = min(args.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.speculative = args.speculative  # SpeculativeConfig or None

@@ -1,11 +1,11 @@
 """The CPU backend: the C++ few-row kernels where they apply, BLAS-shaped PyTorch everywhere else.
 
 Decode multiplies a few rows of activations by each weight; there the C++ loops of
-``kernels.cpu_few_rows`` (float32, built once per machine) beat BLAS, and a whole decoder half runs
-as one call (``kernels.cpu_decode_block``). Prefill-sized calls, other dtypes, or a machine where the
-extension does not build take ``kernels.cpu_linear`` and ``kernels.cpu_moe``. Whether the extension
-is used is decided once, when the backend is made; each call then only checks its own shape (rows,
-dtype), which a fixed choice cannot know ahead.
+``kernels.cpu_few_rows`` (float32 arithmetic on float32 or bf16 weights, built once per machine) beat
+BLAS, and a whole decoder half runs as one call (``kernels.cpu_decode_block``). Prefill-sized calls,
+fp16, or a machine where the extension does not build take ``kernels.cpu_linear`` and
+``kernels.cpu_moe``. Whether the extension is used is decided once, when the backend is made; each
+call then only checks its own shape (rows, dtype), which a fixed choice cannot know ahead.
 
 The backend owns the C++ MoE's scratch buffer (the per-pair expert outputs, kept between calls so a
 prefill does not page-fault a fresh one in every layer) and the lock that lets one call use it at a
@@ -25,15 +25,31 @@ from kernels.backend import Backend, count_routing
 from kernels.settings import KernelSettings
 
 _F32 = torch.float32
+_BF16 = torch.bfloat16
+CXX_DTYPES = (_F32, _BF16)  # model dtypes the C++ kernels serve
 
 
 def _f32(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    # float32 activations and float32 contiguous weights: what the C++ kernels take. A plain loop:
-    # this runs for every decode linear, where microseconds add up.
+    # float32 activations and float32 contiguous weights. A plain loop: this runs for every decode
+    # linear, where microseconds add up.
     if x.dtype != _F32:
         return False
     for w in weights:
         if w.dtype != _F32 or not w.is_contiguous():
+            return False
+    return True
+
+
+def _cxx_dtypes(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    # float32 or bf16 activations, contiguous weights of one dtype, float32 or bf16: what the C++
+    # linear and MoE take (they compute in float32 and round the result to x's dtype)
+    if x.dtype is not _F32 and x.dtype is not _BF16:
+        return False
+    wd = weights[0].dtype
+    if wd is not _F32 and wd is not _BF16:
+        return False
+    for w in weights:
+        if w.dtype is not wd or not w.is_contiguous():
             return False
     return True
 
@@ -49,9 +65,9 @@ class CpuBackend(Backend):
     name = "cpu"
 
     def __init__(self, settings: KernelSettings = KernelSettings(), dtype: torch.dtype = _F32):
-        # The C++ kernels compute in float32 only: a bf16/fp16 model never builds them.
+        # The C++ kernels compute in float32 on float32 or bf16 weights: an fp16 model never builds them.
         self.settings = settings
-        self.cxx = settings.cpu_kernels and dtype == _F32 and cpu_few_rows.available()
+        self.cxx = settings.cpu_kernels and dtype in CXX_DTYPES and cpu_few_rows.available()
         # grown in place by the C++ MoE up to its cap (64 MB). Never an inference tensor, even when the
         # backend is made under torch.inference_mode: calls outside it could not resize one.
         with torch.inference_mode(False):
@@ -64,7 +80,7 @@ class CpuBackend(Backend):
     # -- linear layers
 
     def linear(self, x, w):
-        if self.cxx and 0 < x.numel() // max(x.shape[-1], 1) <= cpu_few_rows.MAX_ROWS and _f32(x, w):
+        if self.cxx and 0 < x.numel() // max(x.shape[-1], 1) <= cpu_few_rows.MAX_ROWS and _cxx_dtypes(x, w):
             return cpu_few_rows.linear(x, w)
         return cpu_linear.linear_cpu(x, w)
 
@@ -104,7 +120,7 @@ class CpuBackend(Backend):
     # -- routed experts
 
     def moe_experts(self, x, topk_ids, topk_weights, w13, w2, activation=None):
-        if self.cxx and 0 < x.shape[0] <= cpu_few_rows.MAX_MOE_TOKENS and _f32(x, w13, w2):
+        if self.cxx and 0 < x.shape[0] <= cpu_few_rows.MAX_MOE_TOKENS and _cxx_dtypes(x, w13, w2):
             with self.moe_lock:
                 return cpu_few_rows.moe(x, topk_ids, topk_weights, w13, w2, self.moe_scratch,
                                         **_act_kwargs(activation))

@@ -1,14 +1,21 @@
-"""Each half of a DeepSeek-V3 decoder layer as one C++ call, for a few float32 rows on a CPU.
+"""Each half of a DeepSeek-V3 decoder layer as one C++ call, for a few float32 or bf16 rows on a CPU.
 
 ``attention``: ``x + o_proj(MLA(input_layernorm(x)))`` for a step of decodes (writes the newest
 latents); ``ffn``: ``x + MoE or MLP(post_attention_layernorm(x))``. They chain the kernels the layer
 calls one by one (``cpu_decode_block.cpp``), in the same order, so the results are bit for bit those
-of the unfused layer; what goes is the Python between the kernels.
+of the unfused layer (float32); what goes is the Python between the kernels.
+
+A bf16 model fuses too: its matrices and latent cache stay bf16 (the kernels widen them in
+registers, so a step reads half the bytes), while the few small vectors the kernels take as float32
+(norm weights, rotary tables, the router's weight and bias) are cast once here, when the layer is
+fused. Inside a block a bf16 model's activations are float32 and only the block's output is rounded
+to bf16 (the exact-accumulation choice): its results are within bf16 rounding of the op-by-op bf16
+layer, not bit-identical to it.
 
 The CPU backend builds a ``FusedDecoderLayer`` once per layer after loading
 (``CpuBackend.fuse_decoder_layer``), reading the layer's weights by name into one dataclass per
-half; a half whose weights the kernels cannot take (quantised, sharded, not contiguous float32 CPU
-tensors) stays None and runs op by op.
+half; a half whose weights the kernels cannot take (quantised, sharded, not contiguous float32 or
+bf16 CPU tensors) stays None and runs op by op.
 """
 
 from __future__ import annotations
@@ -21,10 +28,19 @@ import torch
 from kernels import cpu_few_rows
 
 _ABSENT = torch.empty(0)  # an absent weight, for the C++ side (never written)
+DTYPES = (torch.float32, torch.bfloat16)  # the dtypes of the matrices (and activations) the blocks take
 
 
-def _dense_f32(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+def _dense(*tensors: torch.Tensor) -> bool:
+    # contiguous CPU tensors of one dtype the kernels read (float32 or bf16)
+    return (len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in DTYPES
+            and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors))
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    # a small vector the kernels take as float32: itself, or a float32 copy made once at fuse time
+    # (exact from bf16)
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,7 +100,8 @@ class FfnBlockWeights:
 
 def attention_weights(norm, attn) -> AttentionBlockWeights | None:
     """``norm`` (the layer's input RMSNorm) and ``attn`` (its ``MLAttention``) by name, or None where
-    the kernel cannot take them: quantised or sharded weights, or not float32 CPU tensors."""
+    the kernel cannot take them: quantised or sharded weights, or matrices that are not float32 or
+    bf16 CPU tensors of one dtype."""
     q_b = getattr(attn, "q_b_proj", None)
     q_norm = getattr(attn, "q_a_layernorm", None)
     q_in = attn.q_proj if q_b is None else attn.q_a_proj
@@ -93,16 +110,18 @@ def attention_weights(norm, attn) -> AttentionBlockWeights | None:
     if (attn.in_proj is None or attn.par.is_parallel or attn.o_proj.fmt != "dense" or attn.rope is None
             or getattr(attn, "g_proj", None) is not None or (q_b is not None and q_b.fmt != "dense")):
         return None
-    tensors = [norm.weight, attn.in_proj, attn.kv_a_layernorm.weight, attn.rope.cos, attn.rope.sin, attn.w_uk,
-               attn.w_uv, attn.o_proj.weight] + ([q_norm.weight, q_b.weight] if q_b is not None else [])
-    if not _dense_f32(*tensors):
+    matrices = [attn.in_proj, attn.w_uk, attn.w_uv, attn.o_proj.weight] + ([q_b.weight] if q_b is not None else [])
+    vectors = [norm.weight, attn.kv_a_layernorm.weight, attn.rope.cos, attn.rope.sin]
+    if q_b is not None:
+        vectors.append(q_norm.weight)
+    if not (_dense(*matrices) and all(t.device.type == "cpu" and t.dtype in DTYPES for t in vectors)):
         return None
     return AttentionBlockWeights(
-        norm=norm.weight, norm_eps=float(norm.eps), in_proj=attn.in_proj, q_width=int(q_in.out_features),
-        q_norm=_ABSENT if q_b is None else q_norm.weight, q_norm_eps=0.0 if q_b is None else float(q_norm.eps),
-        q_b=_ABSENT if q_b is None else q_b.weight, heads=int(attn.num_heads), kv_norm=attn.kv_a_layernorm.weight,
-        kv_norm_eps=float(attn.kv_a_layernorm.eps), cos=attn.rope.cos, sin=attn.rope.sin, w_uk=attn.w_uk,
-        w_uv=attn.w_uv, scale=float(attn.scale), o_proj=attn.o_proj.weight)
+        norm=_f32(norm.weight), norm_eps=float(norm.eps), in_proj=attn.in_proj, q_width=int(q_in.out_features),
+        q_norm=_ABSENT if q_b is None else _f32(q_norm.weight), q_norm_eps=0.0 if q_b is None else float(q_norm.eps),
+        q_b=_ABSENT if q_b is None else q_b.weight, heads=int(attn.num_heads),
+        kv_norm=_f32(attn.kv_a_layernorm.weight), kv_norm_eps=float(attn.kv_a_layernorm.eps), cos=_f32(attn.rope.cos),
+        sin=_f32(attn.rope.sin), w_uk=attn.w_uk, w_uv=attn.w_uv, scale=float(attn.scale), o_proj=attn.o_proj.weight)
 
 
 def _mlp_fusable(mlp) -> bool:
@@ -114,13 +133,14 @@ def _mlp_fusable(mlp) -> bool:
 
 def ffn_weights(norm, ffn) -> FfnBlockWeights | None:
     """``norm`` (the post-attention RMSNorm) and ``ffn`` (an ``MLP``, or a ``MoE`` with ``gate``,
-    ``experts`` and ``shared_experts``) by name, or None unless every weight is a dense float32 CPU
-    tensor on this one rank (a MoE: every routed expert in this process's one stack)."""
+    ``experts`` and ``shared_experts``) by name, or None unless every matrix is a dense CPU tensor
+    of one dtype, float32 or bf16, on this one rank (a MoE: every routed expert in this process's
+    one stack). The norm weight and the router (weight and bias) go to the kernel as float32."""
     gate = getattr(ffn, "gate", None)
     if gate is None:  # a dense MLP
-        if not (_mlp_fusable(ffn) and _dense_f32(norm.weight, ffn.gate_up, ffn.down_proj.weight)):
+        if not (_mlp_fusable(ffn) and _dense(ffn.gate_up, ffn.down_proj.weight) and norm.weight.dtype in DTYPES):
             return None
-        return FfnBlockWeights(norm=norm.weight, norm_eps=float(norm.eps), gate_up=ffn.gate_up,
+        return FfnBlockWeights(norm=_f32(norm.weight), norm_eps=float(norm.eps), gate_up=ffn.gate_up,
                                down=ffn.down_proj.weight, router=_ABSENT, bias=_ABSENT, top_k=0, n_group=1,
                                topk_group=1, sigmoid=True, norm_topk_prob=True, scaling=1.0, w13=_ABSENT, w2=_ABSENT)
     experts, shared = ffn.experts, ffn.shared_experts
@@ -131,15 +151,16 @@ def ffn_weights(norm, ffn) -> FfnBlockWeights | None:
     if shared is not None and not _mlp_fusable(shared):
         return None
     stack = experts.local
-    tensors = [norm.weight, gate.weight, gate.e_score_correction_bias, stack.w13_weight, stack.w2_weight]
+    matrices = [stack.w13_weight, stack.w2_weight]
     if shared is not None:
-        tensors += [shared.gate_up, shared.down_proj.weight]
-    if not _dense_f32(*tensors):
+        matrices += [shared.gate_up, shared.down_proj.weight]
+    vectors = [norm.weight, gate.weight, gate.e_score_correction_bias]
+    if not (_dense(*matrices) and all(t.device.type == "cpu" and t.dtype in DTYPES for t in vectors)):
         return None
     return FfnBlockWeights(
-        norm=norm.weight, norm_eps=float(norm.eps), gate_up=_ABSENT if shared is None else shared.gate_up,
-        down=_ABSENT if shared is None else shared.down_proj.weight, router=gate.weight,
-        bias=gate.e_score_correction_bias, top_k=int(gate.top_k), n_group=int(gate.n_group),
+        norm=_f32(norm.weight), norm_eps=float(norm.eps), gate_up=_ABSENT if shared is None else shared.gate_up,
+        down=_ABSENT if shared is None else shared.down_proj.weight, router=_f32(gate.weight),
+        bias=_f32(gate.e_score_correction_bias), top_k=int(gate.top_k), n_group=int(gate.n_group),
         topk_group=int(gate.topk_group), sigmoid=gate.scoring_func == "sigmoid",
         norm_topk_prob=bool(gate.norm_topk_prob), scaling=float(gate.scaling), w13=stack.w13_weight,
         w2=stack.w2_weight)
@@ -158,9 +179,9 @@ class FusedDecoderLayer:
 
     def attention_fusable(self, x: torch.Tensor, meta) -> bool:
         """Whether this step's ``x [T, D]`` goes through ``attention``: decodes only, every output
-        wanted, up to ``MAX_ROWS`` float32 rows."""
+        wanted, up to ``MAX_ROWS`` float32 or bf16 rows, a latent cache of the matrices' dtype."""
         return (self.attention_weights is not None and 0 < x.shape[0] <= cpu_few_rows.MAX_ROWS
-                and x.dtype == torch.float32 and meta.decodes_only(x.shape[0]))
+                and x.dtype in DTYPES and meta.decodes_only(x.shape[0]))
 
     def attention(self, x: torch.Tensor, meta, cache: torch.Tensor) -> torch.Tensor:
         """``x + o_proj(MLA(norm(x)))``; cache [num_blocks, block_size, r + rope]."""
@@ -169,9 +190,9 @@ class FusedDecoderLayer:
                                             self.attention_weights)
 
     def ffn_fusable(self, x: torch.Tensor) -> bool:
-        """Whether this step's ``x [T, D]`` goes through ``ffn``: up to ``MAX_ROWS`` float32 rows, every
+        """Whether this step's ``x [T, D]`` goes through ``ffn``: up to ``MAX_ROWS`` float32 or bf16 rows, every
         row's routing counted (the C++ block counts them all; a decode graph's padding rows must not)."""
-        return (self.ffn_weights is not None and 0 < x.shape[0] <= cpu_few_rows.MAX_ROWS and x.dtype == torch.float32
+        return (self.ffn_weights is not None and 0 < x.shape[0] <= cpu_few_rows.MAX_ROWS and x.dtype in DTYPES
                 and getattr(self.experts, "count_rows", None) is None)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:

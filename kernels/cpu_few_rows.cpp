@@ -1,6 +1,8 @@
-// Few-row fp32 products on the CPU: the decode shapes, where a step multiplies 1-16 rows of
+// Few-row products on the CPU: the decode shapes, where a step multiplies 1-16 rows of
 // activations by each weight. BLAS time grows with the row count there although the weight read
-// (the real cost) does not; these loops read each weight tile once for every row.
+// (the real cost) does not; these loops read each weight tile once for every row. Weights are
+// float32 or bfloat16 (widened in registers, cpu_few_rows.h); activations float32 or bfloat16,
+// computed in float32 and the result rounded back to the activations' dtype.
 //
 // linear(x [M, K], w [N, K]) -> x @ w.T [M, N]
 // moe(x [T, D], ids [T, k], weights [T, k], w13 [E, 2I, D], w2 [E, D, I]) -> [T, D]
@@ -16,6 +18,12 @@ namespace {
 
 constexpr int64_t kBlock = 48;  // weight rows per work item of linear (a multiple of the 3- and 4-row tiles)
 constexpr int64_t kGemmPairs = 32;  // moe: experts with this many pairs or more go to BLAS
+// bf16 weights: from this many rows on, linear and each MoE expert run oneDNN's bf16 product (AMX or
+// AVX-512 BF16 where the CPU has them) on activations rounded to bf16, as the PyTorch bf16 path
+// does. Measured on one core of a Xeon with AMX (CPU clock, the benchmark model's shapes): the
+// widening loops take 0.4-0.8x oneDNN's time at 1-4 rows and 1.0-1.35x at 8, where the 8-wide
+// float32 FMAs, not the weight read, become the limit; about even at 6.
+constexpr int64_t kBf16BlasRows = 6;
 
 // moe's per-pair expert outputs go to the caller's scratch tensor, grown up to 64 MB and kept
 // between calls: a fresh [T * k, D] buffer for a 2048-token prefill of the benchmark model is 50 MB
@@ -24,34 +32,44 @@ constexpr int64_t kKeptDownFloats = int64_t{16} << 20;
 
 }  // namespace
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
-  check_f32(x, "x", 2);
-  check_f32(w, "w", 2);
+torch::Tensor linear(torch::Tensor x_in, torch::Tensor w) {
+  check_weight(w, "w", 2);
+  if (w.scalar_type() == torch::kBFloat16 && x_in.dim() == 2 && x_in.size(0) >= kBf16BlasRows) {
+    check_act(x_in, "x", 2);
+    TORCH_CHECK(w.size(1) == x_in.size(1), "x has ", x_in.size(1), " features, w has ", w.size(1));
+    return at::linear(x_in.to(torch::kBFloat16), w).to(x_in.scalar_type());  // no copies for bf16 x
+  }
+  const auto x = as_f32(x_in, "x", 2);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K, "x has ", K, " features, w has ", w.size(1));
   auto y = torch::empty({M, N}, x.options());
   const auto xs = row_ptrs<const float>(x.data_ptr<float>(), M, K);
   const auto ys = row_ptrs(y.data_ptr<float>(), M, N);
-  const float* wp = w.data_ptr<float>();
-  at::parallel_for(0, (N + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) rows(xs.data(), M, wp, K, ys.data(), b * kBlock, std::min(N, (b + 1) * kBlock));
+  with_weight(w, [&](auto wp) {
+    at::parallel_for(0, (N + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        rows(xs.data(), M, wp, K, ys.data(), b * kBlock, std::min(N, (b + 1) * kBlock));
+    });
   });
-  return y;
+  return x_in.scalar_type() == torch::kFloat32 ? y : y.to(x_in.scalar_type());
 }
 
 // Gated experts: y_t = sum over t's slots, in ascending expert order, of weight * w2[e] @ act(g, u),
 // [g; u] = w13[e] @ x_t; act silu(g) * u, or SiTU (gated_mul). An id outside [0, E) (a pair computed
 // elsewhere) adds nothing. A token gives the same bits alone or in a batch as long as its experts get
 // fewer than kGemmPairs pairs (decode batches); BLAS products, like the PyTorch path's, depend on
-// their row count.
-torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13, torch::Tensor w2,
+// their row count. w13 and w2: both float32 or both bf16 (then experts with kBf16BlasRows pairs or
+// more run oneDNN's bf16 products, on activations rounded to bf16, as the PyTorch bf16 path does).
+torch::Tensor moe(torch::Tensor x_in, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13, torch::Tensor w2,
                   torch::Tensor scratch, int64_t act, double beta, double linear_beta) {
   TORCH_CHECK(act == 0 || (act == 1 && beta > 0), "activation ", act, " with beta ", beta,
               " is not SiLU (0) or SiTU (1) with a positive beta");
-  check_f32(x, "x", 2);
+  const auto x = as_f32(x_in, "x", 2);
   check_f32(weights, "topk_weights", 2);
-  check_f32(w13, "w13", 3);
-  check_f32(w2, "w2", 3);
+  check_weight(w13, "w13", 3);
+  check_weight(w2, "w2", 3);
+  TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "w13 (", w13.scalar_type(), ") and w2 (", w2.scalar_type(),
+              ") must have one dtype");
   TORCH_CHECK(scratch.device().is_cpu() && scratch.scalar_type() == torch::kFloat32 && scratch.is_contiguous(),
               "scratch must be a contiguous float32 CPU tensor, got ", scratch.scalar_type(), " ", scratch.sizes());
   TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == torch::kInt64 && ids.is_contiguous() && ids.dim() == 2,
@@ -95,33 +113,41 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, tor
   }
   std::vector<const float*> xs(P);
   for (int64_t p = 0; p < P; ++p) xs[p] = x.data_ptr<float>() + token[p] * D;
-  const float* w13p = w13.data_ptr<float>();
-  const float* w2p = w2.data_ptr<float>();
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
-  dynamic_for(static_cast<int64_t>(active.size()), [&](int64_t i) {
-    thread_local std::vector<float> gu, h, xg;  // kept across calls: no page faults per call
-    const int64_t e = active[i], g = count[e], m = count[e + 1] - g;
-    if (static_cast<int64_t>(gu.size()) < m * I2) gu.resize(m * I2);
-    if (static_cast<int64_t>(h.size()) < m * I) h.resize(m * I);
-    const bool gemm = m >= kGemmPairs;
-    if (gemm) {
-      if (static_cast<int64_t>(xg.size()) < m * D) xg.resize(m * D);
-      for (int64_t p = 0; p < m; ++p) std::memcpy(xg.data() + p * D, xs[g + p], D * sizeof(float));
-      auto y = torch::from_blob(gu.data(), {m, I2}, f32);
-      at::mm_out(y, torch::from_blob(xg.data(), {m, D}, f32), w13.select(0, e).t());
-    } else {
-      rows(xs.data() + g, m, w13p + e * I2 * D, D, row_ptrs(gu.data(), m, I2).data(), 0, I2);
-    }
-    for (int64_t p = 0; p < m; ++p)
-      gated_mul(gu.data() + p * I2, gu.data() + p * I2 + I, h.data() + p * I, I, act, static_cast<float>(beta),
-                static_cast<float>(linear_beta));
-    if (gemm) {
-      auto y = torch::from_blob(dn + g * D, {m, D}, f32);
-      at::mm_out(y, torch::from_blob(h.data(), {m, I}, f32), w2.select(0, e).t());
-    } else {
-      rows(row_ptrs<const float>(h.data(), m, I).data(), m, w2p + e * D * I, I, row_ptrs(dn + g * D, m, D).data(),
-           0, D);
-    }
+  const auto wdtype = w13.scalar_type();
+  // y [m, n] = a [m, k] @ w[e].T through BLAS (oneDNN's bf16 product for bf16 weights)
+  auto gemm = [&](float* y, float* a, int64_t m, int64_t k, const torch::Tensor& w, int64_t e, int64_t n) {
+    auto yt = torch::from_blob(y, {m, n}, f32);
+    auto at_ = torch::from_blob(a, {m, k}, f32);
+    if (wdtype == torch::kFloat32) at::mm_out(yt, at_, w.select(0, e).t());
+    else yt.copy_(at::mm(at_.to(wdtype), w.select(0, e).t()));
+  };
+  with_weight(w13, [&](auto w13p) {
+    using W = std::remove_const_t<std::remove_pointer_t<decltype(w13p)>>;
+    const W* w2p = reinterpret_cast<const W*>(w2.data_ptr());
+    dynamic_for(static_cast<int64_t>(active.size()), [&](int64_t i) {
+      thread_local std::vector<float> gu, h, xg;  // kept across calls: no page faults per call
+      const int64_t e = active[i], g = count[e], m = count[e + 1] - g;
+      if (static_cast<int64_t>(gu.size()) < m * I2) gu.resize(m * I2);
+      if (static_cast<int64_t>(h.size()) < m * I) h.resize(m * I);
+      const bool blas = m >= (std::is_same_v<W, bf16> ? kBf16BlasRows : kGemmPairs);
+      if (blas) {
+        if (static_cast<int64_t>(xg.size()) < m * D) xg.resize(m * D);
+        for (int64_t p = 0; p < m; ++p) std::memcpy(xg.data() + p * D, xs[g + p], D * sizeof(float));
+        gemm(gu.data(), xg.data(), m, D, w13, e, I2);
+      } else {
+        rows(xs.data() + g, m, w13p + e * I2 * D, D, row_ptrs(gu.data(), m, I2).data(), 0, I2);
+      }
+      for (int64_t p = 0; p < m; ++p)
+        gated_mul(gu.data() + p * I2, gu.data() + p * I2 + I, h.data() + p * I, I, act, static_cast<float>(beta),
+                  static_cast<float>(linear_beta));
+      if (blas) {
+        gemm(dn + g * D, h.data(), m, I, w2, e, D);
+      } else {
+        rows(row_ptrs<const float>(h.data(), m, I).data(), m, w2p + e * D * I, I, row_ptrs(dn + g * D, m, D).data(),
+             0, D);
+      }
+    });
   });
 
   // Each token adds its weighted expert outputs in ascending expert order.
@@ -143,7 +169,7 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, tor
       }
     }
   });
-  return out;
+  return x_in.scalar_type() == torch::kFloat32 ? out : out.to(x_in.scalar_type());
 }
 
 // DeepSeek-V3's router (noaux_tc), as kernels.reference.moe_route: scores = sigmoid (or softmax) of

@@ -1,9 +1,14 @@
-// Shared pieces of the few-row fp32 CPU kernels (cpu_few_rows.cpp, cpu_mla_decode.cpp,
+// Shared pieces of the few-row CPU kernels (cpu_few_rows.cpp, cpu_mla_decode.cpp,
 // cpu_decode_block.cpp): the entry points each calls in another, 8-wide vectors, the register-tiled
 // dot products every kernel is built on, and small helpers.
 //
 // Each output element of rows() is one dot product accumulated in a fixed order that does not
 // depend on how many rows are computed with it, so a row gives the same bits alone or in a batch.
+//
+// Activations and sums are float32. Weights (and the MLA latent cache) are float32 or bfloat16:
+// a bf16 value is the top half of the float32 with the same bits, so load8 widens 8 of them exactly
+// by a 16-bit shift in registers and the float32 FMAs then run unchanged, in the same order. A bf16
+// model streams half the bytes through the same loops (decode reads its weights: that is its cost).
 
 #pragma once
 
@@ -16,11 +21,12 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "gated_act.h"
 
-#if defined(__FMA__)
+#if defined(__FMA__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -59,12 +65,51 @@ torch::Tensor ffn_block(torch::Tensor x, torch::Tensor counts, torch::Tensor nor
 namespace kimitui_cpu {
 
 typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint16_t bf16;  // a bfloat16's bits (at::BFloat16's storage)
 
 inline v8 load8(const float* p) {
   v8 v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+
+// 8 bfloat16 widened to float32: zero-extend each to 32 bits and shift it into the high half (exact).
+// With AVX2 one vpmovzxwd to 256 bits and a shift (GCC 12 lowers the generic conversion below as
+// two 128-bit halves); without it, the generic vector code for whatever the target has.
+inline v8 load8(const bf16* p) {
+#if defined(__AVX2__)
+  const __m256i i = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  return _mm256_castsi256_ps(i);  // __m256 and v8: the same 8 floats
+#else
+  v8h h;
+  std::memcpy(&h, p, sizeof h);
+  const v8i i = __builtin_convertvector(h, v8i) << 16;
+  v8 v;
+  std::memcpy(&v, &i, sizeof v);
+  return v;
+#endif
+}
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(bf16 h) {
+  const uint32_t b = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+// float32 to bfloat16, rounding to nearest even as c10::BFloat16 (and Tensor.to) does; NaN stays NaN.
+inline bf16 to_bf16(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16>((b >> 16) | 0x40);
+  return static_cast<bf16>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+inline void store(float* p, float v) { *p = v; }
+inline void store(bf16* p, float v) { *p = to_bf16(v); }
 
 inline v8 splat(float s) { return v8{s, s, s, s, s, s, s, s}; }
 
@@ -79,8 +124,6 @@ inline v8 fmadd(v8 a, v8 b, v8 c) {
   return a * b + c;
 #endif
 }
-
-typedef int32_t v8i __attribute__((vector_size(32)));
 
 // e^x for 8 floats: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n
 // through the exponent bits), within 2 ulp of std::exp over [-87, 88]; clamped outside it.
@@ -126,22 +169,23 @@ inline void gated_mul(const float* g, const float* u, float* out, int64_t n, int
   for (int64_t j = 0; j < n; ++j) out[j] = situ_mul(g[j], u[j], beta, linear_beta);
 }
 
-// Prefetch into L2 the float at p + offset. The address is formed in integer arithmetic: the
+// Prefetch into L2 the element at p + offset. The address is formed in integer arithmetic: the
 // callers reach past the end of their array (the rows after the last), where pointer arithmetic
 // would be undefined behaviour; a prefetch itself never faults.
-inline void prefetch_l2(const float* p, int64_t offset) {
-  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + offset * sizeof(float)), 0, 1);
+template <typename W>
+inline void prefetch_l2(const W* p, int64_t offset) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + offset * sizeof(W)), 0, 1);
 }
 
 inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
-// ys[t][n0 + r] = dot(xs[t], w[n0 + r]) for r < R, t < T; each row K long.
-template <int R, int T, bool Prefetch = true>
-inline void tile(const float* const* xs, const float* w, int64_t K, float* const* ys, int64_t n0) {
+// ys[t][n0 + r] = dot(xs[t], w[n0 + r]) for r < R, t < T; each row K long; W float or bf16.
+template <int R, int T, bool Prefetch = true, typename W>
+inline void tile(const float* const* xs, const W* w, int64_t K, float* const* ys, int64_t n0) {
   v8 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = v8{};
-  const float* wr = w + n0 * K;
+  const W* wr = w + n0 * K;
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     v8 xv[T];
@@ -150,7 +194,10 @@ inline void tile(const float* const* xs, const float* w, int64_t K, float* const
       // The next tile's rows, into L2: each weight row is its own short stream (a 4 KB page for
       // K = 1024) that the hardware prefetcher barely starts on before it ends. Prefetches never
       // fault, so reading past the last row is harmless. 15-25% faster at 1-64 tokens (MoE).
-      if constexpr (Prefetch) prefetch_l2(wr, (R + r) * K + k);
+      // (one prefetch per 64-byte line: every 8 floats, every 32 bf16)
+      if constexpr (Prefetch) {
+        if (sizeof(W) == 4 || (k & 31) == 0) prefetch_l2(wr, (R + r) * K + k);
+      }
       const v8 wv = load8(wr + r * K + k);
       for (int t = 0; t < T; ++t) acc[r][t] = fmadd(wv, xv[t], acc[r][t]);
     }
@@ -158,15 +205,15 @@ inline void tile(const float* const* xs, const float* w, int64_t K, float* const
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) {
       float s = hsum(acc[r][t]);
-      for (int64_t kk = k; kk < K; ++kk) s += wr[r * K + kk] * xs[t][kk];
+      for (int64_t kk = k; kk < K; ++kk) s += to_f32(wr[r * K + kk]) * xs[t][kk];
       ys[t][n0 + r] = s;
     }
 }
 
 // Weight rows [n0, n1) against all M activation rows, TR weight rows by up to TT activation rows a
 // tile. The TR * TT accumulators and the vectors they multiply should fit AVX2's 16 registers.
-template <int TR, int TT>
-void rows_tiled(const float* const* xs, int64_t M, const float* w, int64_t K, float* const* ys, int64_t n0,
+template <int TR, int TT, typename W>
+void rows_tiled(const float* const* xs, int64_t M, const W* w, int64_t K, float* const* ys, int64_t n0,
                 int64_t n1) {
   static_assert(TT <= 4, "the tail below covers up to 3 leftover activation rows");
   int64_t n = n0;
@@ -188,7 +235,8 @@ void rows_tiled(const float* const* xs, int64_t M, const float* w, int64_t K, fl
 
 // One activation row: 4 weight rows a tile (memory-bound; 4 row streams measured 5-20% faster than 8).
 // More rows: 3 weight rows by 4 activation rows, the fastest tile measured for 2-16 rows.
-inline void rows(const float* const* xs, int64_t M, const float* w, int64_t K, float* const* ys, int64_t n0,
+template <typename W>
+inline void rows(const float* const* xs, int64_t M, const W* w, int64_t K, float* const* ys, int64_t n0,
                  int64_t n1) {
   if (M == 1) rows_tiled<4, 1>(xs, M, w, K, ys, n0, n1);
   else rows_tiled<3, 4>(xs, M, w, K, ys, n0, n1);
@@ -212,6 +260,39 @@ inline void check_f32(const torch::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() == dim,
               name, " must be a contiguous ", dim, "-d float32 CPU tensor, got ", t.scalar_type(), " ",
               t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+// A weight (or cache) tensor's data as float32 or bf16, the two element types the kernels read.
+inline bool is_weight(const torch::Tensor& t) {
+  return t.device().is_cpu() && t.is_contiguous() &&
+         (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16);
+}
+
+inline void check_weight(const torch::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(is_weight(t) && t.dim() == dim, name, " must be a contiguous ", dim,
+              "-d float32 or bfloat16 CPU tensor, got ", t.scalar_type(), " ", t.sizes(),
+              t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+// fn(p) with p the tensor's data as const float* or const bf16* (a generic lambda: one instance each).
+template <typename F>
+decltype(auto) with_weight(const torch::Tensor& t, const F& fn) {
+  if (t.scalar_type() == torch::kBFloat16) return fn(reinterpret_cast<const bf16*>(t.data_ptr<at::BFloat16>()));
+  return fn(static_cast<const float*>(t.data_ptr<float>()));
+}
+
+// An activation as float32: x itself, or a float32 copy of a bf16 x (exact). The kernels compute
+// in float32; their public entry points round the result back to the input's dtype.
+inline void check_act(const torch::Tensor& x, const char* name, int64_t dim) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() == dim &&
+                  (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              name, " must be a contiguous ", dim, "-d float32 or bfloat16 CPU tensor, got ", x.scalar_type(), " ",
+              x.sizes(), x.is_contiguous() ? "" : " (not contiguous)");
+}
+
+inline torch::Tensor as_f32(const torch::Tensor& x, const char* name, int64_t dim) {
+  check_act(x, name, dim);
+  return x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);
 }
 
 template <typename F>  // float or const float

@@ -1,4 +1,4 @@
-"""Few-row float32 products on the CPU (``cpu_few_rows.cpp``, ``cpu_mla_decode.cpp``), built on first use.
+"""Few-row products on the CPU (``cpu_few_rows.cpp``, ``cpu_mla_decode.cpp``), built on first use.
 
 Decode multiplies 1-16 rows of activations by each weight. There the cost is reading the weight,
 but MKL's time grows with the row count (2 rows cost 1.2-1.5x one row, 4 rows about 2x), and the
@@ -9,6 +9,14 @@ cache in place through the block tables instead of gathering every sequence's co
 cache write, W_UK, attention, W_UV) in one call; ``rms_norm`` is one call instead of eight ATen
 operations. ``attention_block`` and ``ffn_block`` (``cpu_decode_block.cpp``) chain those kernels
 into each half of a decoder layer for a few decode rows, so the Python between them goes too.
+
+The arithmetic is float32. Weights (and the MLA latent cache) may be float32 or bf16: bf16 ones are
+widened in registers by an exact 16-bit shift and run the float32 loops unchanged, so a bf16 model
+reads half the bytes per decode step and a row's result is the float32 kernel's on the widened
+weights. bf16 activations are widened on entry and the result rounded back to bf16. From 6 rows
+on, a bf16 linear (and a MoE expert with 6+ pairs) runs oneDNN's bf16 product instead (AMX where
+the CPU has it), faster there than the 8-wide float32 FMAs; those rows' bits then depend on the row
+count, as every BLAS product's do.
 
 The extension is compiled with torch's own toolchain helper (``torch.utils.cpp_extension.load``,
 about 30 s on 2 cores, cached under ``TORCH_EXTENSIONS_DIR``) for the host CPU. Without a
@@ -67,7 +75,8 @@ def available() -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x [..., K] @ w [N, K].T -> [..., N]``; float32 CPU tensors, ``w`` contiguous."""
+    """``x [..., K] @ w [N, K].T -> [..., N]``; float32 or bf16 CPU tensors (the result in x's dtype),
+    ``w`` contiguous."""
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, w has {k}")
@@ -79,7 +88,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def moe(x, topk_ids, topk_weights, w13, w2, scratch: torch.Tensor | None = None, act: str = "silu",
         beta: float = 1.0, linear_beta: float | None = None) -> torch.Tensor:
-    """Gated MoE over dense float32 experts, as ``reference.moe_experts_reference``: x [T, D],
+    """Gated MoE over dense float32 or bf16 experts, as ``reference.moe_experts_reference``: x [T, D],
     topk [T, k], w13 [E, 2I, D], w2 [E, D, I] -> [T, D]. ``scratch``: a float32 CPU tensor the
     caller owns and lends to one call at a time; the kernel grows it (up to 64 MB) to keep the
     per-pair expert outputs between calls (None: a buffer for this call only). ``act`` "silu" or

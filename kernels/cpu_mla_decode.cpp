@@ -1,5 +1,8 @@
-// Absorbed MLA decode on the CPU in fp32, reading the paged latent cache in place through the
-// block tables (no per-layer gather of each sequence's context):
+// Absorbed MLA decode on the CPU with float32 arithmetic, reading the paged latent cache in place
+// through the block tables (no per-layer gather of each sequence's context). The cache and W_UK /
+// W_UV are float32 or bfloat16 (one dtype for the three), widened in registers as cpu_few_rows.h
+// does for weights; scores, softmax and sums stay float32, and the newest latent is rounded to the
+// cache's dtype when it is written.
 //
 // mla_decode(q [B, H, r + rope], cache [slots, r + rope], block tables, context lengths) -> [B, H, r]
 // mla_decode_absorbed(q, kv, ...): a whole decode step of one layer after its projections -> [B, H, v]
@@ -16,7 +19,8 @@ constexpr int kHeadGroup = 8;  // heads per work item
 
 // out[h][j] = sum over l < L of p[h][l] * keys[l][j], for h < nh and j < r; p rows L apart. An
 // 8-wide column chunk of every head stays in registers while l runs.
-void weighted_sum(const float* p, const float* const* keys, int64_t L, int64_t r, int64_t nh, float* out) {
+template <typename C>
+void weighted_sum(const float* p, const C* const* keys, int64_t L, int64_t r, int64_t nh, float* out) {
   int64_t j = 0;
   for (; j + 8 <= r; j += 8) {
     v8 acc[kHeadGroup] = {};
@@ -29,14 +33,15 @@ void weighted_sum(const float* p, const float* const* keys, int64_t L, int64_t r
   for (; j < r; ++j)
     for (int64_t h = 0; h < nh; ++h) {
       float s = 0.0f;
-      for (int64_t l = 0; l < L; ++l) s += p[h * L + l] * keys[l][j];
+      for (int64_t l = 0; l < L; ++l) s += p[h * L + l] * to_f32(keys[l][j]);
       out[h * r + j] = s;
     }
 }
 
 // The keys of sequence b: pointers into the cache rows of its first L positions.
-void context_keys(const float* cache, int64_t slots, int64_t C, const int32_t* table, int64_t L, int64_t block_size,
-                  int64_t b, std::vector<const float*>& keys) {
+template <typename T>
+void context_keys(const T* cache, int64_t slots, int64_t C, const int32_t* table, int64_t L, int64_t block_size,
+                  int64_t b, std::vector<const T*>& keys) {
   keys.resize(L);
   for (int64_t l = 0; l < L; ++l) {
     const int64_t slot = static_cast<int64_t>(table[l / block_size]) * block_size + l % block_size;
@@ -77,7 +82,8 @@ void softmax_row(float* p, int64_t L, float scale) {
 // cache, whose rows are contiguous within a block: a block is a small weight matrix to the tiled
 // dot products (which prefetch its next rows), the heads its activation rows. The keys are read
 // again for the weighted sum while they sit in L2.
-void attend(const float* q, int64_t nh, const std::vector<const float*>& keys, int64_t block_size, int64_t C,
+template <typename T>
+void attend(const float* q, int64_t nh, const std::vector<const T*>& keys, int64_t block_size, int64_t C,
             int64_t r, float scale, float* out, std::vector<float>& score) {
   const int64_t L = static_cast<int64_t>(keys.size());
   score.assign(kHeadGroup * L, 0.0f);  // heads past nh keep weights of zero
@@ -111,7 +117,8 @@ void check_tables(const torch::Tensor& block_tables, const torch::Tensor& contex
 }
 
 // out[j] = sum over i < n of a[i] * W[i][j], j < m (W row-major, rows m apart), i ascending.
-void vec_mat(const float* a, const float* W, int64_t n, int64_t m, float* out) {
+template <typename T>
+void vec_mat(const float* a, const T* W, int64_t n, int64_t m, float* out) {
   int64_t j = 0;
   for (; j + 64 <= m; j += 64) {
     v8 acc[8] = {};
@@ -128,17 +135,18 @@ void vec_mat(const float* a, const float* W, int64_t n, int64_t m, float* out) {
   }
   for (; j < m; ++j) {
     float s = 0.0f;
-    for (int64_t i = 0; i < n; ++i) s += a[i] * W[i * m + j];
+    for (int64_t i = 0; i < n; ++i) s += a[i] * to_f32(W[i * m + j]);
     out[j] = s;
   }
 }
 
 // DeepSeek's interleaved rotary embedding: pairs (x[2p], x[2p+1]) turn by the angle of pair p.
-inline void rope_pairs(const float* x, const float* cos, const float* sin, int64_t pairs, float* y) {
+template <typename T>
+inline void rope_pairs(const float* x, const float* cos, const float* sin, int64_t pairs, T* y) {
   for (int64_t p = 0; p < pairs; ++p) {
     const float x0 = x[2 * p], x1 = x[2 * p + 1];
-    y[2 * p] = x0 * cos[p] - x1 * sin[p];
-    y[2 * p + 1] = x0 * sin[p] + x1 * cos[p];
+    store(y + 2 * p, x0 * cos[p] - x1 * sin[p]);
+    store(y + 2 * p + 1, x0 * sin[p] + x1 * cos[p]);
   }
 }
 
@@ -147,10 +155,10 @@ inline void rope_pairs(const float* x, const float* cos, const float* sin, int64
 // Absorbed MLA decode, one query per sequence, reading the latent cache in place through the block
 // table: out[b, h] = softmax_l(scale * q[b, h] . cache[slot(b, l)]) @ cache[slot(b, l)][:r] for
 // l < context_lens[b]. A work item is one sequence and up to kHeadGroup heads.
-torch::Tensor mla_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
+torch::Tensor mla_decode(torch::Tensor q_in, torch::Tensor cache, torch::Tensor block_tables,
                          torch::Tensor context_lens, int64_t block_size, int64_t r, double scale) {
-  check_f32(q, "q", 3);
-  check_f32(cache, "cache", 2);
+  const auto q = as_f32(q_in, "q", 3);
+  check_weight(cache, "cache", 2);
   const int64_t B = q.size(0), H = q.size(1), C = q.size(2), max_blocks = block_tables.size(1);
   TORCH_CHECK(cache.size(1) == C && r > 0 && r <= C, "cache rows of ", cache.size(1), " values for queries of ", C,
               " (latent ", r, ")");
@@ -159,20 +167,23 @@ torch::Tensor mla_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor blo
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   auto out = torch::zeros({B, H, r}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* cp = cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t groups = (H + kHeadGroup - 1) / kHeadGroup;
-  at::parallel_for(0, B * groups, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> score;
-    std::vector<const float*> keys;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / groups, h0 = i % groups * kHeadGroup, nh = std::min<int64_t>(kHeadGroup, H - h0);
-      if (lens[b] == 0) continue;
-      context_keys(cp, cache.size(0), C, tables + b * max_blocks, lens[b], block_size, b, keys);
-      attend(qp + (b * H + h0) * C, nh, keys, block_size, C, r, static_cast<float>(scale), op + (b * H + h0) * r, score);
-    }
+  with_weight(cache, [&](auto cp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(cp)>>;
+    at::parallel_for(0, B * groups, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> score;
+      std::vector<const T*> keys;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / groups, h0 = i % groups * kHeadGroup, nh = std::min<int64_t>(kHeadGroup, H - h0);
+        if (lens[b] == 0) continue;
+        context_keys(cp, cache.size(0), C, tables + b * max_blocks, lens[b], block_size, b, keys);
+        attend(qp + (b * H + h0) * C, nh, keys, block_size, C, r, static_cast<float>(scale), op + (b * H + h0) * r,
+               score);
+      }
+    });
   });
-  return out;
+  return q_in.scalar_type() == torch::kFloat32 ? out : out.to(q_in.scalar_type());
 }
 
 // A whole absorbed decode step of one MLA layer after its projections, for a batch of decodes only:
@@ -180,20 +191,25 @@ torch::Tensor mla_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor blo
 // Writes each sequence's newest latent (kv_a_layernorm(kv[:r]), roped kv[r:]) to its cache slot,
 // absorbs W_UK into the queries, attends over the paged cache and applies W_UV: -> [B, H, v].
 // The same maths as MLAttention's unfused path (norm, rope, index_copy_, bmm, mla_decode, bmm), in
-// one call instead of about forty small ATen operations.
-torch::Tensor mla_decode_absorbed(torch::Tensor q, torch::Tensor kv, torch::Tensor kv_norm_weight, double eps,
+// one call instead of about forty small ATen operations. q and kv float32 or bf16 (computed in
+// float32, the output in q's dtype); the norm weight and rotary tables float32; the cache, W_UK and
+// W_UV float32 or bf16, one dtype.
+torch::Tensor mla_decode_absorbed(torch::Tensor q_in, torch::Tensor kv_in, torch::Tensor kv_norm_weight, double eps,
                                   torch::Tensor cos, torch::Tensor sin, torch::Tensor positions, torch::Tensor slots,
                                   torch::Tensor w_uk, torch::Tensor w_uv, torch::Tensor cache,
                                   torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                   double scale) {
-  check_f32(q, "q", 3);
-  check_f32(kv, "kv", 2);
+  const auto q = as_f32(q_in, "q", 3);
+  const auto kv = as_f32(kv_in, "kv", 2);
   check_f32(kv_norm_weight, "kv_norm_weight", 1);
   check_f32(cos, "cos", 2);
   check_f32(sin, "sin", 2);
-  check_f32(w_uk, "w_uk", 3);
-  check_f32(w_uv, "w_uv", 3);
-  check_f32(cache, "cache", 2);
+  check_weight(w_uk, "w_uk", 3);
+  check_weight(w_uv, "w_uv", 3);
+  check_weight(cache, "cache", 2);
+  TORCH_CHECK(w_uk.scalar_type() == cache.scalar_type() && w_uv.scalar_type() == cache.scalar_type(), "w_uk (",
+              w_uk.scalar_type(), "), w_uv (", w_uv.scalar_type(), ") and the cache (", cache.scalar_type(),
+              ") must have one dtype");
   for (const auto* t : {&positions, &slots})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kInt64 && t->is_contiguous(),
                 "positions and slots must be contiguous int64 CPU tensors, got ", t->scalar_type());
@@ -216,47 +232,53 @@ torch::Tensor mla_decode_absorbed(torch::Tensor q, torch::Tensor kv, torch::Tens
     TORCH_CHECK(slot[b] >= 0 && slot[b] < cache.size(0), "cache slot ", slot[b], " of sequence ", b,
                 " is outside the cache");
   }
-  float* cp = cache.data_ptr<float>();
-  const float* kvp = kv.data_ptr<float>();
-  const float* nw = kv_norm_weight.data_ptr<float>();
-  // The newest latent of every sequence goes in first: it is part of its own context.
-  for (int64_t b = 0; b < B; ++b) {
-    const float* row = kvp + b * C;
-    float* dst = cp + slot[b] * C;
-    rms_norm_row(row, nw, r, static_cast<float>(eps), dst);
-    rope_pairs(row + r, cos.data_ptr<float>() + pos[b] * pairs, sin.data_ptr<float>() + pos[b] * pairs, pairs,
-               dst + r);
-  }
   auto out = torch::zeros({B, H, v}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* uk = w_uk.data_ptr<float>();
-  const float* uv = w_uv.data_ptr<float>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t max_blocks = block_tables.size(1);
-  float* op = out.data_ptr<float>();
-  const int64_t groups = (H + kHeadGroup - 1) / kHeadGroup;
-  // Head group major, so a thread keeps one group's W_UK and W_UV in cache across sequences.
-  at::parallel_for(0, groups * B, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> score, qc(kHeadGroup * C), lat(kHeadGroup * r);
-    std::vector<const float*> keys;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i % B, h0 = i / B * kHeadGroup, nh = std::min<int64_t>(kHeadGroup, H - h0);
-      if (lens[b] == 0) continue;
-      const float* cb = cos.data_ptr<float>() + pos[b] * pairs;
-      const float* sb = sin.data_ptr<float>() + pos[b] * pairs;
-      for (int64_t h = 0; h < nh; ++h) {
-        const float* qh = qp + (b * H + h0 + h) * (nope + rope);
-        vec_mat(qh, uk + (h0 + h) * nope * r, nope, r, qc.data() + h * C);  // q_nope @ W_UK[h]
-        rope_pairs(qh + nope, cb, sb, pairs, qc.data() + h * C + r);
-      }
-      context_keys(cp, cache.size(0), C, tables + b * max_blocks, lens[b], block_size, b, keys);
-      attend(qc.data(), nh, keys, block_size, C, r, static_cast<float>(scale), lat.data(), score);
-      for (int64_t h = 0; h < nh; ++h) {  // out[b, h] = W_UV[h] @ latent output
-        const float* x = lat.data() + h * r;
-        float* y = op + (b * H + h0 + h) * v;
-        rows(&x, 1, uv + (h0 + h) * v * r, r, &y, 0, v);
-      }
+  with_weight(cache, [&](auto cache_p) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(cache_p)>>;
+    T* cp = const_cast<T*>(cache_p);
+    const T* uk = reinterpret_cast<const T*>(w_uk.data_ptr());
+    const T* uv = reinterpret_cast<const T*>(w_uv.data_ptr());
+    const float* kvp = kv.data_ptr<float>();
+    const float* nw = kv_norm_weight.data_ptr<float>();
+    // The newest latent of every sequence goes in first: it is part of its own context.
+    std::vector<float> normed(r);
+    for (int64_t b = 0; b < B; ++b) {
+      const float* row = kvp + b * C;
+      T* dst = cp + slot[b] * C;
+      rms_norm_row(row, nw, r, static_cast<float>(eps), normed.data());
+      for (int64_t j = 0; j < r; ++j) store(dst + j, normed[j]);
+      rope_pairs(row + r, cos.data_ptr<float>() + pos[b] * pairs, sin.data_ptr<float>() + pos[b] * pairs, pairs,
+                 dst + r);
     }
+    const float* qp = q.data_ptr<float>();
+    const int32_t* tables = block_tables.data_ptr<int32_t>();
+    const int64_t max_blocks = block_tables.size(1);
+    float* op = out.data_ptr<float>();
+    const int64_t groups = (H + kHeadGroup - 1) / kHeadGroup;
+    // Head group major, so a thread keeps one group's W_UK and W_UV in cache across sequences.
+    at::parallel_for(0, groups * B, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> score, qc(kHeadGroup * C), lat(kHeadGroup * r);
+      std::vector<const T*> keys;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i % B, h0 = i / B * kHeadGroup, nh = std::min<int64_t>(kHeadGroup, H - h0);
+        if (lens[b] == 0) continue;
+        const float* cb = cos.data_ptr<float>() + pos[b] * pairs;
+        const float* sb = sin.data_ptr<float>() + pos[b] * pairs;
+        for (int64_t h = 0; h < nh; ++h) {
+          const float* qh = qp + (b * H + h0 + h) * (nope + rope);
+          vec_mat(qh, uk + (h0 + h) * nope * r, nope, r, qc.data() + h * C);  // q_nope @ W_UK[h]
+          rope_pairs(qh + nope, cb, sb, pairs, qc.data() + h * C + r);
+        }
+        context_keys(static_cast<const T*>(cp), cache.size(0), C, tables + b * max_blocks, lens[b], block_size, b,
+                     keys);
+        attend(qc.data(), nh, keys, block_size, C, r, static_cast<float>(scale), lat.data(), score);
+        for (int64_t h = 0; h < nh; ++h) {  // out[b, h] = W_UV[h] @ latent output
+          const float* x = lat.data() + h * r;
+          float* y = op + (b * H + h0 + h) * v;
+          rows(&x, 1, uv + (h0 + h) * v * r, r, &y, 0, v);
+        }
+      }
+    });
   });
-  return out;
+  return q_in.scalar_type() == torch::kFloat32 ? out : out.to(q_in.scalar_type());
 }

@@ -127,11 +127,31 @@ def placement_lines(args: argparse.Namespace) -> list[str]:
     return plan.summary_lines()
 
 
+def dtype_lines(args: argparse.Namespace) -> list[str]:
+    """What ``--dtype auto`` picks on this CPU and why: for --model's checkpoint, else for a bf16 one
+    (``engine.args.cpu_auto_dtype``; it may build the C++ CPU kernels once, as a first run would)."""
+    from engine.args import cpu_auto_dtype
+    from engine.config import ConfigError, ModelConfig
+
+    config, checkpoint, what = None, "bfloat16", "an unquantised bf16 DeepSeek-V3 / K2 checkpoint"
+    model = getattr(args, "model", None)
+    if model:
+        try:
+            from engine.demo import DEMO_MODELS, demo_checkpoint
+
+            config = ModelConfig.from_pretrained(demo_checkpoint(model) if model in DEMO_MODELS else model)
+        except (ConfigError, OSError, ValueError) as e:
+            return [f"n/a: {e}"]
+        checkpoint, what = config.torch_dtype, f"{model} ({config.torch_dtype})"
+    dtype, why = cpu_auto_dtype(checkpoint, config)
+    return [f"cpu auto  --dtype auto computes {str(dtype).removeprefix('torch.')} for {what}: {why}"]
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the report; always 0 (an unavailable backend is information, not an error)."""
     from kimitui.telemetry import describe_backends
 
-    sections = [("devices", device_lines()), ("telemetry backends", describe_backends()),
+    sections = [("devices", device_lines() + dtype_lines(args)), ("telemetry backends", describe_backends()),
                 ("numa", numa_lines(args)), ("versions", version_lines()),
                 ("demo checkpoint", demo_lines())]
     if getattr(args, "model", None):

@@ -119,7 +119,7 @@ def test_bad_inputs_are_named():
 
 
 @needs_ext
-def test_cpu_backend_routes_few_float32_rows_only(monkeypatch):
+def test_cpu_backend_routes_few_float32_or_bf16_rows_only(monkeypatch):
     calls = []
     real = cpu_few_rows.linear
     monkeypatch.setattr(cpu_few_rows, "linear", lambda x, w: calls.append(x.shape) or real(x, w))
@@ -127,11 +127,12 @@ def test_cpu_backend_routes_few_float32_rows_only(monkeypatch):
     w = torch.randn(16, 32)
     ops.linear(torch.randn(2, 3, 32), w)  # 6 rows
     ops.linear(torch.randn(cpu_few_rows.MAX_ROWS + 1, 32), w)  # too many rows: BLAS
-    ops.linear(torch.randn(2, 32, dtype=torch.bfloat16), w.bfloat16())  # not float32
-    assert calls == [(2, 3, 32)]
+    ops.linear(torch.randn(2, 32, dtype=torch.bfloat16), w.bfloat16())  # bf16: the C++ loops read it too
+    ops.linear(torch.randn(2, 32, dtype=torch.float16), w.half())  # fp16: not
+    assert calls == [(2, 3, 32), (2, 32)]
     REFERENCE.linear(torch.randn(2, 32), w)  # KIMITUI_KERNELS=reference
     CpuBackend(KernelSettings(cpu_kernels=False)).linear(torch.randn(2, 32), w)  # KIMITUI_CPU_KERNELS=0
-    assert calls == [(2, 3, 32)]
+    assert calls == [(2, 3, 32), (2, 32)]
 
 
 def test_build_failure_falls_back_with_a_warning(monkeypatch, caplog):

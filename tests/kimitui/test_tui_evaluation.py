@@ -17,7 +17,7 @@ from kimitui.tui.screens.evaluation import EvaluationScreen, settings_from_form
 from kimitui.tui.widgets.eval_views import bar, kl_table, recall_by_depth, recall_plot
 from tests.kimitui.tui_fakes import SharedLLM, assert_snapshot, screen_text, wait_for
 
-ARGS = EngineArgs(max_model_len=1024, kv_cache_tokens=4096, device="cpu", max_num_seqs=4)
+ARGS = EngineArgs(max_model_len=1024, kv_cache_tokens=4096, device="cpu", dtype="float32", max_num_seqs=4)
 SIZE = (180, 50)
 
 
