@@ -26,7 +26,9 @@ BS = 16
 
 @pytest.fixture(scope="module")
 def demo_llm():
-    return LLM(max_model_len=512, max_num_seqs=8)
+    # float32: choices are compared with single requests to 1e-4, and a bf16 step's rows go through
+    # oneDNN from 6 rows on, whose bits depend on the batch
+    return LLM(max_model_len=512, max_num_seqs=8, dtype="float32")
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -97,7 +99,7 @@ def test_a_fork_in_a_graphed_decode_step(monkeypatch):
     through the decode graphs' static buffers (direct calls on a CPU); the fork's block copy
     happens there."""
     monkeypatch.setattr(LLMEngine, "_decode_graphs", lambda self: True)
-    llm = LLM(max_model_len=256, max_num_seqs=4)
+    llm = LLM(max_model_len=256, max_num_seqs=4, dtype="float32")
     graphs = llm.engine.runner.graphs
     runs = []
     real_run = graphs.run
@@ -261,7 +263,7 @@ def test_forks_keep_speculative_decoding_penalties_and_stop_strings():
     stop string, exactly as the single request with its seed does on the same engine."""
     from tests.engine.spec_decode.scripted import ScriptedProposer
 
-    llm = LLM(max_model_len=256, max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm = LLM(max_model_len=256, max_num_seqs=8, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     llm.engine.proposer = _TokenHashProposer()
     prompt = {"prompt_token_ids": _prompt(20, seed=9)}
     kw = dict(temperature=0.8, max_tokens=24, logprobs=1, repetition_penalty=1.3, frequency_penalty=0.5,
