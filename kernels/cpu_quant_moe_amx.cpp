@@ -1,0 +1,170 @@
+// The AMX-BF16 tile kernel of cpu_quant_moe.cpp (bf16 activations), under its own `#pragma GCC target`
+// like the paths of cpu_quant_moe_isa.cpp: the build passes no -mamx flag, and cpu_quant_moe.cpp calls
+// this only after cpuid, XCR0 and the Linux permission request (arch_prctl) said the tiles may be used.
+//
+// One TDPBF16PS per 32-column group: A = 16 tokens x 32 bf16 activations (one 64-byte row per token),
+// B = the group's codes of 16 output rows as 16 pairs of columns in the VNNI layout, C = 16 tokens x 16
+// rows of float32, zeroed before every group. B row k (columns 2k, 2k + 1) is exactly the vector that
+// the AVX-512 BF16 path decodes from the tile layout (word 2n + p = code of row n, column 2k + p), so
+// the decode is the same shift and vpermw, stored to L1 instead of fed to vdpbf16ps. The group's C is
+// then multiplied by the group's 16 scales and added to each token's float32 row total in AVX-512,
+// group after group: codes never meet their scales before the group sum, as on every other path.
+//
+// Numerics of the group sum: TDPBF16PS does not add its products one at a time in float32 (measured on
+// this project's Xeon: a product far below the largest one of its block is truncated, not rounded,
+// and 1 - 1 + 2^-40 gives 0), while VDPBF16PS does (odd product first, then even, each rounded to
+// nearest even). So the two paths differ in the last bits of a group sum, and a process that has the
+// AMX path uses it for every batch size (bf16 activations): a token's bits then do not depend on its
+// batch. Rows of A past the expert's tokens read whatever follows them (the caller pads the buffers);
+// each C row depends only on its own A row, and those rows are never stored.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "cpu_quant_moe_common.h"
+
+namespace cpu_quant_moe {
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512bf16,avx2,fma,amx-tile,amx-bf16")
+namespace {
+
+constexpr int kAhead = 4096;  // bytes prefetched ahead in the tile's stream, as the AVX-512 paths
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// nibble -> bf16 bits of its code, 32 entries (vpermw reads 5 index bits), as cpu_quant_moe_isa.cpp.
+inline __m512i bf16_table(const float* lut) {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &lut[i & 15], 4);
+    t[i] = static_cast<uint16_t>(bits >> 16);
+  }
+  return _mm512_load_si512(t);
+}
+
+template <bool kE8M0>
+inline __m512 scales16(const uint8_t* s, int64_t g) {
+  if (kE8M0) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16 * g)));
+    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(b, 23));
+    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512()), _mm512_set1_ps(0x1p-127f));
+    return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(255)), _mm512_set1_ps(__builtin_nanf("")));
+  }
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32 * g)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+
+// Group g's 256 code bytes -> the 1 KB B tile (16 rows of 16 bf16 pairs).
+inline void decode_group(const uint8_t* blk, __m512i table, uint8_t* b) {
+#pragma GCC unroll 4
+  for (int L = 0; L < 4; ++L) {
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + 64 * L), _MM_HINT_T0);
+    const __m512i v = _mm512_loadu_si512(blk + 64 * L);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j)
+      _mm512_store_si512(b + 64 * (4 * L + j), _mm512_permutexvar_epi16(j ? _mm512_srli_epi16(v, 4 * j) : v, table));
+  }
+}
+
+// acc[m] += C[m] * s for the 16 rows of a stored C tile.
+inline void scale_add(__m512* acc, const float* c, __m512 s) {
+#pragma GCC unroll 16
+  for (int m = 0; m < 16; ++m) acc[m] = _mm512_fmadd_ps(_mm512_load_ps(c + 16 * m), s, acc[m]);
+}
+
+// 16 tokens from x (rows xs bytes apart, 16 readable rows) against one tile; B tiles from `b(g)`,
+// groups two at a time so one TDPBF16PS runs while the other group's C is scaled.
+template <bool kE8M0, class B>
+void block16(const uint8_t* tile, int64_t groups, const uint8_t* x, int64_t xs, B&& b, float* cbuf, __m512* acc) {
+  for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    const uint8_t* b0 = b(g);
+    const uint8_t* b1 = b(g + 1);
+    _tile_zero(0);
+    _tile_loadd(2, x + 64 * g, xs);
+    _tile_loadd(4, b0, 64);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_zero(1);
+    _tile_loadd(3, x + 64 * (g + 1), xs);
+    _tile_loadd(5, b1, 64);
+    _tile_dpbf16ps(1, 3, 5);
+    _tile_stored(0, cbuf, 64);
+    scale_add(acc, cbuf, scales16<kE8M0>(tile, g));
+    _tile_stored(1, cbuf + 256, 64);
+    scale_add(acc, cbuf + 256, scales16<kE8M0>(tile, g + 1));
+  }
+  if (g < groups) {
+    const uint8_t* b0 = b(g);
+    _tile_zero(0);
+    _tile_loadd(2, x + 64 * g, xs);
+    _tile_loadd(4, b0, 64);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_stored(0, cbuf, 64);
+    scale_add(acc, cbuf, scales16<kE8M0>(tile, g));
+  }
+}
+
+template <bool kE8M0>
+void tile_dot(const Tiles& t, int64_t tile, int nr, const uint16_t* x, int64_t xs, int nc, float* out, int64_t os) {
+  const uint8_t* p = t.data + tile * t.tile_bytes;
+  const uint8_t* codes = p + t.scale_block;
+  const __m512i table = bf16_table(kE8M0 ? kE2M1Lut : kInt4Lut);
+  TileConfig cfg{};
+  cfg.palette = 1;
+  for (int i = 0; i < 6; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = 16;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) float cbuf[512];
+  alignas(64) uint8_t ring[2048];
+  thread_local std::vector<uint8_t> decoded;  // the whole tile's B tiles, when several blocks reuse them
+  const auto* xb = reinterpret_cast<const uint8_t*>(x);
+  const __mmask16 keep = static_cast<__mmask16>((1u << nr) - 1);
+  __m512 acc[16];
+  auto store = [&](int c0, int m_count) {
+    for (int m = 0; m < m_count; ++m) _mm512_mask_storeu_ps(out + (c0 + m) * os, keep, acc[m]);
+  };
+  if (nc <= 16) {  // one block: decode each group into L1 right before its product
+    block16<kE8M0>(p, t.groups, xb, xs,
+                   [&](int64_t g) {
+                     uint8_t* b = ring + 1024 * (g & 1);
+                     decode_group(codes + g * 256, table, b);
+                     return static_cast<const uint8_t*>(b);
+                   },
+                   cbuf, acc);
+    store(0, nc);
+  } else {  // decode the tile once (groups x 1 KB, L2), then every block of 16 tokens reads it
+    decoded.resize(static_cast<size_t>(t.groups) * 1024 + 64);
+    uint8_t* d = decoded.data() + (-reinterpret_cast<uintptr_t>(decoded.data()) & 63);  // 64-byte aligned
+    for (int64_t g = 0; g < t.groups; ++g) decode_group(codes + g * 256, table, d + 1024 * g);
+    for (int c0 = 0; c0 < nc; c0 += 16) {
+      block16<kE8M0>(p, t.groups, xb + c0 * xs, xs, [&](int64_t g) { return static_cast<const uint8_t*>(d + 1024 * g); },
+                     cbuf, acc);
+      store(c0, std::min(16, nc - c0));
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace
+
+void tile_dot_amx_bf16(const Tiles& t, int64_t tile, int nr, const uint16_t* x, int64_t xs, int nc, float* out,
+                       int64_t os) {
+  if (t.e8m0)
+    tile_dot<true>(t, tile, nr, x, xs, nc, out, os);
+  else
+    tile_dot<false>(t, tile, nr, x, xs, nc, out, os);
+}
+#pragma GCC pop_options
+
+}  // namespace cpu_quant_moe
