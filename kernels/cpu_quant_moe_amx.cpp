@@ -15,8 +15,7 @@
 // and 1 - 1 + 2^-40 gives 0), while VDPBF16PS does (odd product first, then even, each rounded to
 // nearest even). So the two paths differ in the last bits of a group sum, and a process that has the
 // AMX path uses it for every batch size (bf16 activations): a token's bits then do not depend on its
-// batch. Rows of A past the expert's tokens read whatever follows them (the caller pads the buffers);
-// each C row depends only on its own A row, and those rows are never stored.
+// batch (each C row depends only on its own A row: the tiles are configured to the block's tokens).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -74,16 +73,30 @@ inline void decode_group(const uint8_t* blk, __m512i table, uint8_t* b) {
   }
 }
 
-// acc[m] += C[m] * s for the 16 rows of a stored C tile.
-inline void scale_add(__m512* acc, const float* c, __m512 s) {
+// acc[m] += C[m] * s for the first M rows of a stored C tile.
+inline void scale_add(__m512* acc, const float* c, __m512 s, int M) {
 #pragma GCC unroll 16
-  for (int m = 0; m < 16; ++m) acc[m] = _mm512_fmadd_ps(_mm512_load_ps(c + 16 * m), s, acc[m]);
+  for (int m = 0; m < 16; ++m)
+    if (m < M) acc[m] = _mm512_fmadd_ps(_mm512_load_ps(c + 16 * m), s, acc[m]);
 }
 
-// 16 tokens from x (rows xs bytes apart, 16 readable rows) against one tile; B tiles from `b(g)`,
-// groups two at a time so one TDPBF16PS runs while the other group's C is scaled.
+// Tiles 0, 1: C (M rows of 16 floats); 2, 3: A (M tokens x 32 bf16); 4, 5: B (16 pairs x 16 rows).
+inline void configure(int M) {
+  TileConfig cfg{};
+  cfg.palette = 1;
+  for (int i = 0; i < 6; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = static_cast<uint8_t>(i < 4 ? M : 16);
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// M <= 16 tokens from x (rows xs bytes apart) against one tile; `b(g)` gives group g's B tile (and may
+// decode ahead). Groups go two at a time, so one TDPBF16PS runs while the other group's C is scaled;
+// the scale-and-add into the row totals stays in group order.
 template <bool kE8M0, class B>
-void block16(const uint8_t* tile, int64_t groups, const uint8_t* x, int64_t xs, B&& b, float* cbuf, __m512* acc) {
+void block(const uint8_t* tile, int64_t groups, const uint8_t* x, int64_t xs, int M, B&& b, float* cbuf,
+           __m512* acc) {
   for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
   int64_t g = 0;
   for (; g + 2 <= groups; g += 2) {
@@ -98,9 +111,9 @@ void block16(const uint8_t* tile, int64_t groups, const uint8_t* x, int64_t xs, 
     _tile_loadd(5, b1, 64);
     _tile_dpbf16ps(1, 3, 5);
     _tile_stored(0, cbuf, 64);
-    scale_add(acc, cbuf, scales16<kE8M0>(tile, g));
+    scale_add(acc, cbuf, scales16<kE8M0>(tile, g), M);
     _tile_stored(1, cbuf + 256, 64);
-    scale_add(acc, cbuf + 256, scales16<kE8M0>(tile, g + 1));
+    scale_add(acc, cbuf + 256, scales16<kE8M0>(tile, g + 1), M);
   }
   if (g < groups) {
     const uint8_t* b0 = b(g);
@@ -109,7 +122,7 @@ void block16(const uint8_t* tile, int64_t groups, const uint8_t* x, int64_t xs, 
     _tile_loadd(4, b0, 64);
     _tile_dpbf16ps(0, 2, 4);
     _tile_stored(0, cbuf, 64);
-    scale_add(acc, cbuf, scales16<kE8M0>(tile, g));
+    scale_add(acc, cbuf, scales16<kE8M0>(tile, g), M);
   }
 }
 
@@ -118,39 +131,40 @@ void tile_dot(const Tiles& t, int64_t tile, int nr, const uint16_t* x, int64_t x
   const uint8_t* p = t.data + tile * t.tile_bytes;
   const uint8_t* codes = p + t.scale_block;
   const __m512i table = bf16_table(kE8M0 ? kE2M1Lut : kInt4Lut);
-  TileConfig cfg{};
-  cfg.palette = 1;
-  for (int i = 0; i < 6; ++i) {
-    cfg.colsb[i] = 64;
-    cfg.rows[i] = 16;
-  }
-  _tile_loadconfig(&cfg);
   alignas(64) float cbuf[512];
-  alignas(64) uint8_t ring[2048];
   thread_local std::vector<uint8_t> decoded;  // the whole tile's B tiles, when several blocks reuse them
   const auto* xb = reinterpret_cast<const uint8_t*>(x);
   const __mmask16 keep = static_cast<__mmask16>((1u << nr) - 1);
   __m512 acc[16];
-  auto store = [&](int c0, int m_count) {
-    for (int m = 0; m < m_count; ++m) _mm512_mask_storeu_ps(out + (c0 + m) * os, keep, acc[m]);
+  auto store = [&](int c0, int M) {
+    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(out + (c0 + m) * os, keep, acc[m]);
   };
-  if (nc <= 16) {  // one block: decode each group into L1 right before its product
-    block16<kE8M0>(p, t.groups, xb, xs,
-                   [&](int64_t g) {
-                     uint8_t* b = ring + 1024 * (g & 1);
-                     decode_group(codes + g * 256, table, b);
-                     return static_cast<const uint8_t*>(b);
-                   },
-                   cbuf, acc);
+  if (nc <= 16) {
+    // One block: each group decoded into an L1 ring kLag groups before its product, so the tile load
+    // does not wait on the decode's stores.
+    constexpr int kLag = 4, kRing = 8;
+    alignas(64) uint8_t ring[kRing * 1024];
+    for (int64_t g = 0; g < std::min<int64_t>(kLag, t.groups); ++g)
+      decode_group(codes + g * 256, table, ring + 1024 * (g % kRing));
+    configure(nc);
+    block<kE8M0>(p, t.groups, xb, xs, nc,
+                 [&](int64_t g) {
+                   if (g + kLag < t.groups) decode_group(codes + (g + kLag) * 256, table, ring + 1024 * ((g + kLag) % kRing));
+                   return static_cast<const uint8_t*>(ring + 1024 * (g % kRing));
+                 },
+                 cbuf, acc);
     store(0, nc);
   } else {  // decode the tile once (groups x 1 KB, L2), then every block of 16 tokens reads it
     decoded.resize(static_cast<size_t>(t.groups) * 1024 + 64);
     uint8_t* d = decoded.data() + (-reinterpret_cast<uintptr_t>(decoded.data()) & 63);  // 64-byte aligned
     for (int64_t g = 0; g < t.groups; ++g) decode_group(codes + g * 256, table, d + 1024 * g);
+    int configured = 0;
     for (int c0 = 0; c0 < nc; c0 += 16) {
-      block16<kE8M0>(p, t.groups, xb + c0 * xs, xs, [&](int64_t g) { return static_cast<const uint8_t*>(d + 1024 * g); },
-                     cbuf, acc);
-      store(c0, std::min(16, nc - c0));
+      const int M = std::min(16, nc - c0);
+      if (M != configured) configure(configured = M);
+      block<kE8M0>(p, t.groups, xb + c0 * xs, xs, M,
+                   [&](int64_t g) { return static_cast<const uint8_t*>(d + 1024 * g); }, cbuf, acc);
+      store(c0, M);
     }
   }
   _tile_release();
