@@ -44,6 +44,7 @@ enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmxB
 // the process). Any refusal leaves avx512bf16.
 bool amx_bf16_usable() {
 #if defined(__x86_64__) && defined(__linux__)
+  if (!kAmxBuilt) return false;
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
   if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE: xgetbv is allowed

@@ -10,21 +10,30 @@
 // then multiplied by the group's 16 scales and added to each token's float32 row total in AVX-512,
 // group after group: codes never meet their scales before the group sum, as on every other path.
 //
-// Numerics of the group sum: TDPBF16PS does not add its products one at a time in float32 (measured on
-// this project's Xeon: a product far below the largest one of its block is truncated, not rounded,
-// and 1 - 1 + 2^-40 gives 0), while VDPBF16PS does (odd product first, then even, each rounded to
-// nearest even). So the two paths differ in the last bits of a group sum, and a process that has the
-// AMX path uses it for every batch size (bf16 activations): a token's bits then do not depend on its
-// batch (each C row depends only on its own A row: the tiles are configured to the block's tokens).
+// Numerics of the group sum, measured on this project's Xeon (random bf16 inputs against models in
+// C++): TDPBF16PS sums, per output, the 16 even-column products in order in one float32 chain and the
+// 16 odd-column ones in another, then returns C + (even + odd), each addition rounded to nearest even
+// (76,800 of 76,800 cases); VDPBF16PS computes (acc + odd product) + even product per pair (320,000 of
+// 320,000); both flush denormal inputs and results to zero. The AVX-512 BF16 path (four partial sums of
+// pairs) therefore differs in the last bits of a group sum. It could reproduce the tile's order with
+// two vdpbf16ps per pair (one of each pair's activations zeroed) in 16-long chains: twice its multiplies,
+// where the tiles at one token already run within ~0.7-1.05x of today's path (not built); so a process with this path uses it for bf16 activations at
+// every batch size, and a token's bits do not depend on its batch (each C row depends only on its A
+// row: the tiles are configured to the block's tokens).
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "cpu_quant_moe_common.h"
 
 namespace cpu_quant_moe {
+
+// A compiler without the AMX intrinsics (GCC < 11) still builds the extension, without this path.
+#if defined(__x86_64__) && __has_include(<amxbf16intrin.h>)
+const bool kAmxBuilt = true;
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16,avx2,fma,amx-tile,amx-bf16")
@@ -180,5 +189,9 @@ void tile_dot_amx_bf16(const Tiles& t, int64_t tile, int nr, const uint16_t* x, 
     tile_dot<false>(t, tile, nr, x, xs, nc, out, os);
 }
 #pragma GCC pop_options
+#else
+const bool kAmxBuilt = false;
+void tile_dot_amx_bf16(const Tiles&, int64_t, int, const uint16_t*, int64_t, int, float*, int64_t) { std::abort(); }
+#endif
 
 }  // namespace cpu_quant_moe
