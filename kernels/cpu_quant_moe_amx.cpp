@@ -101,13 +101,15 @@ inline void configure(int M) {
 }
 
 // M <= 16 tokens from x (rows xs bytes apart) against one tile; `b(g)` gives group g's B tile (and may
-// decode ahead). Groups go two at a time, so one TDPBF16PS runs while the other group's C is scaled;
-// the scale-and-add into the row totals stays in group order.
+// decode ahead). Groups go two at a time (C tiles 0 and 1); a pair's C is stored to a 4-slot ring and
+// scaled into the row totals one pair later, so the loads do not wait on the tile stores. The
+// scale-and-add stays in group order.
 template <bool kE8M0, class B>
 void block(const uint8_t* tile, int64_t groups, const uint8_t* x, int64_t xs, int M, B&& b, float* cbuf,
            __m512* acc) {
   for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
-  int64_t g = 0;
+  auto add = [&](int64_t g) { scale_add(acc, cbuf + 256 * (g & 3), scales16<kE8M0>(tile, g), M); };
+  int64_t g = 0, pending = -1;  // pending: the first group of a stored pair not yet added
   for (; g + 2 <= groups; g += 2) {
     const uint8_t* b0 = b(g);
     const uint8_t* b1 = b(g + 1);
@@ -119,10 +121,13 @@ void block(const uint8_t* tile, int64_t groups, const uint8_t* x, int64_t xs, in
     _tile_loadd(3, x + 64 * (g + 1), xs);
     _tile_loadd(5, b1, 64);
     _tile_dpbf16ps(1, 3, 5);
-    _tile_stored(0, cbuf, 64);
-    scale_add(acc, cbuf, scales16<kE8M0>(tile, g), M);
-    _tile_stored(1, cbuf + 256, 64);
-    scale_add(acc, cbuf + 256, scales16<kE8M0>(tile, g + 1), M);
+    if (pending >= 0) {
+      add(pending);
+      add(pending + 1);
+    }
+    _tile_stored(0, cbuf + 256 * (g & 3), 64);
+    _tile_stored(1, cbuf + 256 * ((g + 1) & 3), 64);
+    pending = g;
   }
   if (g < groups) {
     const uint8_t* b0 = b(g);
@@ -130,8 +135,17 @@ void block(const uint8_t* tile, int64_t groups, const uint8_t* x, int64_t xs, in
     _tile_loadd(2, x + 64 * g, xs);
     _tile_loadd(4, b0, 64);
     _tile_dpbf16ps(0, 2, 4);
-    _tile_stored(0, cbuf, 64);
-    scale_add(acc, cbuf, scales16<kE8M0>(tile, g), M);
+    if (pending >= 0) {
+      add(pending);
+      add(pending + 1);
+      pending = -1;
+    }
+    _tile_stored(0, cbuf + 256 * (g & 3), 64);
+    add(g);
+  }
+  if (pending >= 0) {
+    add(pending);
+    add(pending + 1);
   }
 }
 
@@ -140,7 +154,7 @@ void tile_dot(const Tiles& t, int64_t tile, int nr, const uint16_t* x, int64_t x
   const uint8_t* p = t.data + tile * t.tile_bytes;
   const uint8_t* codes = p + t.scale_block;
   const __m512i table = bf16_table(kE8M0 ? kE2M1Lut : kInt4Lut);
-  alignas(64) float cbuf[512];
+  alignas(64) float cbuf[1024];
   thread_local std::vector<uint8_t> decoded;  // the whole tile's B tiles, when several blocks reuse them
   const auto* xb = reinterpret_cast<const uint8_t*>(x);
   const __mmask16 keep = static_cast<__mmask16>((1u << nr) - 1);
