@@ -152,18 +152,17 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const t
 
   // Activations zero-padded to whole 32-column groups; h likewise (its padding is never written). The
   // AMX path reads phase 1's rows per pair (a copy of each pair's token row, so an expert's rows are
-  // contiguous) and 16 rows from each block's start: the buffers get 16 spare rows.
+  // contiguous: one strided tile load).
   auto f32 = x.options().dtype(torch::kFloat32);
   const auto act_dtype = bf16 ? torch::kBFloat16 : torch::kFloat32;
-  const int64_t spare = amx ? kTileRows : 0;
   torch::Tensor xp = torch::zeros({T, Dp}, x.options().dtype(act_dtype));
   xp.narrow(1, 0, D).copy_(x);
   torch::Tensor xq;
   if (amx) {
-    xq = torch::zeros({P + spare, Dp}, x.options().dtype(act_dtype));
+    xq = torch::zeros({std::max<int64_t>(P, 1), Dp}, x.options().dtype(act_dtype));
     if (P > 0) xq.narrow(0, 0, P).copy_(xp.index_select(0, torch::from_blob(pair_token.data(), {P}, torch::kInt64)));
   }
-  torch::Tensor h = torch::zeros({std::max<int64_t>(P, 1) + spare, Ip}, x.options().dtype(act_dtype));
+  torch::Tensor h = torch::zeros({std::max<int64_t>(P, 1), Ip}, x.options().dtype(act_dtype));
   torch::Tensor y = torch::empty({std::max<int64_t>(P, 1), D}, f32), out = torch::zeros({T, D}, f32);
   const int64_t asize = bf16 ? 2 : 4;
   auto* xb = static_cast<const uint8_t*>(xp.data_ptr());
