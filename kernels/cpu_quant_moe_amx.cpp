@@ -23,6 +23,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -37,6 +38,7 @@ const bool kAmxBuilt = true;
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16,avx2,fma,amx-tile,amx-bf16")
+#include "cpu_quant_moe_avx512.h"  // scales16, bf16_table
 namespace {
 
 constexpr int kAhead = 4096;  // bytes prefetched ahead in the tile's stream, as the AVX-512 paths
@@ -46,29 +48,6 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16];
   uint8_t rows[16];
 };
-
-// nibble -> bf16 bits of its code, 32 entries (vpermw reads 5 index bits), as cpu_quant_moe_isa.cpp.
-inline __m512i bf16_table(const float* lut) {
-  alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &lut[i & 15], 4);
-    t[i] = static_cast<uint16_t>(bits >> 16);
-  }
-  return _mm512_load_si512(t);
-}
-
-template <bool kE8M0>
-inline __m512 scales16(const uint8_t* s, int64_t g) {
-  if (kE8M0) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16 * g)));
-    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(b, 23));
-    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512()), _mm512_set1_ps(0x1p-127f));
-    return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(255)), _mm512_set1_ps(__builtin_nanf("")));
-  }
-  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32 * g)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-}
 
 // Group g's 256 code bytes -> the 1 KB B tile (16 rows of 16 bf16 pairs).
 inline void decode_group(const uint8_t* blk, __m512i table, uint8_t* b) {
