@@ -128,6 +128,8 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const t
                   const torch::Tensor& w13, const torch::Tensor& w2, int64_t I, bool mxfp4, int64_t isa, int64_t act,
                   double beta, double linear_beta) {
   const GatedAct gated{act, static_cast<float>(beta), static_cast<float>(linear_beta)};
+  // best_isa() also makes the Linux tile permission request: no tile instruction runs before it
+  TORCH_CHECK(isa >= 0 && isa <= best_isa(), "cpu_quant_moe: instruction set path ", isa, " is not one this CPU runs");
   const int64_t T = x.size(0), D = x.size(1), k = topk_ids.size(1), E = w13.size(0);
   const int64_t Dp = ceil_div(D, 32) * 32, Ip = ceil_div(I, 32) * 32;
   const int64_t tiles_i = ceil_div(I, kTileRows), tiles_d = ceil_div(D, kTileRows);
