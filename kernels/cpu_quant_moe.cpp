@@ -14,7 +14,10 @@
 // Built on first use by kernels/cpu_quant_moe.py.
 #include <torch/extension.h>
 
+#include <cpuid.h>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -33,16 +36,39 @@ using namespace cpu_quant_moe;
 
 namespace {
 
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmxBf16 = 4 };
+
+// AMX tiles may be used: the CPU has AMX-TILE and AMX-BF16 (cpuid leaf 7: EDX bits 24, 22), the OS
+// saves the tile state (XCR0 bits 17, 18) and, on Linux, grants this process the tile data state
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, 18: the permission covers every thread of
+// the process). Any refusal leaves avx512bf16.
+bool amx_bf16_usable() {
+#if defined(__x86_64__) && defined(__linux__)
+  if (!kAmxBuilt) return false;
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE: xgetbv is allowed
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & (3u << 17)) != (3u << 17)) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
 
 int64_t best_isa() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512bf16"))
-    return kAvx512Bf16;
-  if (__builtin_cpu_supports("avx512f")) return kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
-  return kScalar;
+  static const int64_t best = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512bf16"))
+      return amx_bf16_usable() ? kAmxBf16 : kAvx512Bf16;
+    if (__builtin_cpu_supports("avx512f")) return kAvx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+    return kScalar;
+  }();
+  return best;
 }
 
 TileDotF32 f32_kernel(int64_t isa) {
@@ -102,10 +128,13 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const t
                   const torch::Tensor& w13, const torch::Tensor& w2, int64_t I, bool mxfp4, int64_t isa, int64_t act,
                   double beta, double linear_beta) {
   const GatedAct gated{act, static_cast<float>(beta), static_cast<float>(linear_beta)};
+  // best_isa() also makes the Linux tile permission request: no tile instruction runs before it
+  TORCH_CHECK(isa >= 0 && isa <= best_isa(), "cpu_quant_moe: instruction set path ", isa, " is not one this CPU runs");
   const int64_t T = x.size(0), D = x.size(1), k = topk_ids.size(1), E = w13.size(0);
   const int64_t Dp = ceil_div(D, 32) * 32, Ip = ceil_div(I, 32) * 32;
   const int64_t tiles_i = ceil_div(I, kTileRows), tiles_d = ceil_div(D, kTileRows);
-  const bool bf16 = isa == kAvx512Bf16 && x.scalar_type() == torch::kBFloat16;
+  const bool bf16 = isa >= kAvx512Bf16 && x.scalar_type() == torch::kBFloat16;
+  const bool amx = bf16 && isa == kAmxBf16;
   const TileDotF32 dot32 = f32_kernel(isa);
   const int64_t* ids = topk_ids.data_ptr<int64_t>();
   const float* tw = topk_weights.data_ptr<float>();
@@ -123,11 +152,18 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const t
       pair_token[slot_pair[i]] = i / k;
     }
 
-  // Activations zero-padded to whole 32-column groups; h likewise (its padding is never written).
+  // Activations zero-padded to whole 32-column groups; h likewise (its padding is never written). The
+  // AMX path reads phase 1's rows per pair (a copy of each pair's token row, so an expert's rows are
+  // contiguous: one strided tile load).
   auto f32 = x.options().dtype(torch::kFloat32);
   const auto act_dtype = bf16 ? torch::kBFloat16 : torch::kFloat32;
   torch::Tensor xp = torch::zeros({T, Dp}, x.options().dtype(act_dtype));
   xp.narrow(1, 0, D).copy_(x);
+  torch::Tensor xq;
+  if (amx) {
+    xq = torch::zeros({std::max<int64_t>(P, 1), Dp}, x.options().dtype(act_dtype));
+    if (P > 0) xq.narrow(0, 0, P).copy_(xp.index_select(0, torch::from_blob(pair_token.data(), {P}, torch::kInt64)));
+  }
   torch::Tensor h = torch::zeros({std::max<int64_t>(P, 1), Ip}, x.options().dtype(act_dtype));
   torch::Tensor y = torch::empty({std::max<int64_t>(P, 1), D}, f32), out = torch::zeros({T, D}, f32);
   const int64_t asize = bf16 ? 2 : 4;
@@ -146,8 +182,18 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const t
       hr.f32.push_back(reinterpret_cast<const float*>(hrow));
     }
   }
-  auto dot = [&](const Tiles& m, int64_t tile, int nr, const Rows& rows, int64_t q0, int nc, float* o, int64_t os) {
-    if (bf16)
+  // AMX: rows q0.. of a contiguous buffer (phase 1 xq, phase 2 h) instead of the row pointers.
+  struct Contig {
+    const uint8_t* base;
+    int64_t stride;
+  };
+  const Contig xc{amx ? static_cast<const uint8_t*>(xq.data_ptr()) : nullptr, Dp * 2}, hc{hb, Ip * 2};
+  auto dot = [&](const Tiles& m, int64_t tile, int nr, const Rows& rows, const Contig& cg, int64_t q0, int nc,
+                 float* o, int64_t os) {
+    if (amx)
+      tile_dot_amx_bf16(m, tile, nr, reinterpret_cast<const uint16_t*>(cg.base + q0 * cg.stride), cg.stride, nc, o,
+                        os);
+    else if (bf16)
       tile_dot_avx512bf16(m, tile, nr, rows.bf16.data() + q0, nc, o, os);
     else
       dot32(m, tile, nr, rows.f32.data() + q0, nc, o, os);
@@ -170,8 +216,8 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const t
     const Tiles m = expert_tiles(w13, e, D, mxfp4);
     std::vector<float> gu(2 * static_cast<size_t>(nc) * kTileRows);  // [gate | up][token][row]
     float* up = gu.data() + static_cast<int64_t>(nc) * kTileRows;
-    dot(m, t, nr, xr, start[e], nc, gu.data(), kTileRows);
-    dot(m, tiles_i + t, nr, xr, start[e], nc, up, kTileRows);
+    dot(m, t, nr, xr, xc, start[e], nc, gu.data(), kTileRows);
+    dot(m, tiles_i + t, nr, xr, xc, start[e], nc, up, kTileRows);
     for (int c = 0; c < nc; ++c) {
       const int64_t at = (start[e] + c) * Ip + t * kTileRows;
       for (int r = 0; r < nr; ++r) {
@@ -190,7 +236,7 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const t
     const int nr = static_cast<int>(std::min<int64_t>(kTileRows, D - t * kTileRows));
     const int nc = static_cast<int>(start[e + 1] - start[e]);
     const Tiles m = expert_tiles(w2, e, I, mxfp4);
-    dot(m, t, nr, hr, start[e], nc, yd + start[e] * D + t * kTileRows, D);
+    dot(m, t, nr, hr, hc, start[e], nc, yd + start[e] * D + t * kTileRows, D);
   });
 
   // Each token: its pairs' outputs times their weights, added in ascending expert order.
@@ -260,7 +306,7 @@ void repack(const torch::Tensor& packed, const torch::Tensor& scale, torch::Tens
 }
 
 const char* isa_name(int64_t isa) {
-  return isa == kAvx512Bf16 ? "avx512bf16" : isa == kAvx512 ? "avx512" : isa == kAvx2 ? "avx2+fma" : "scalar";
+  return isa == kAmxBf16 ? "amx_bf16" : isa == kAvx512Bf16 ? "avx512bf16" : isa == kAvx512 ? "avx512" : isa == kAvx2 ? "avx2+fma" : "scalar";
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -269,6 +315,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe", &moe, "gated (SiLU / SiTU) MoE over INT4 / MXFP4 experts in the tile layout, on the CPU");
   m.def("repack", &repack, "checkpoint-layout rows of packed experts -> the kernels' tile layout");
   m.def("best_isa", &best_isa,
-        "the widest instruction set path this CPU runs: 3 AVX-512 BF16, 2 AVX-512, 1 AVX2+FMA, 0 portable");
+        "the widest instruction set path this CPU (and OS) runs: 4 AMX-BF16, 3 AVX-512 BF16, 2 AVX-512, 1 AVX2+FMA, 0 portable");
   m.def("isa_name", &isa_name, "the name of an instruction set path");
 }

@@ -10,11 +10,16 @@ code x activation per 32-column group in float32 and scale the group's sum. One 
 layer's experts for all tokens of a step; every token routed to an expert is computed from the same
 tile while it is in cache.
 
-The instruction set path is chosen once per process: the widest this CPU supports (AVX-512 with
-BF16, AVX-512, AVX2 + FMA, portable), or a narrower one named by ``KIMITUI_CPU_ISA`` (``avx512bf16``,
-``avx512``, ``avx2``, ``scalar``; tests use it). On ``avx512bf16`` bf16 activations are multiplied
-as bf16 (vdpbf16ps, two products per 32-bit lane, exact) and the phase-2 input is rounded to bf16 as
-a bf16 model computes it; everywhere else activations are float32. ``isa()`` names the choice for
+The instruction set path is chosen once per process: the widest this CPU supports (AMX-BF16 tiles
+where the CPU has them and Linux grants the tile state, AVX-512 with BF16, AVX-512, AVX2 + FMA,
+portable), or a narrower one named by ``KIMITUI_CPU_ISA`` (``amx_bf16``, ``avx512bf16``, ``avx512``,
+``avx2``, ``scalar``; tests use it). On ``avx512bf16`` and ``amx_bf16`` bf16 activations are
+multiplied as bf16 (vdpbf16ps, or one TDPBF16PS per 32-column group of 16 tokens x 16 rows; the
+products are exact) and the phase-2 input is rounded to bf16 as a bf16 model computes it; everywhere
+else activations are float32. ``amx_bf16`` takes float32 activations on the AVX-512 path, and runs
+bf16 ones on tiles at every batch size: its group sums differ from vdpbf16ps's in the last bits
+(TDPBF16PS does not round after each addition), so one path for all batches keeps a token's bits
+independent of its batch. ``isa()`` names the choice for
 ``kimitui info``. Like ``kernels.cpu_few_rows``, the extension is compiled by
 ``torch.utils.cpp_extension.load`` into ``TORCH_EXTENSIONS_DIR``; without a compiler, or with
 ``KIMITUI_CPU_KERNELS=0``, ``available()`` is False and callers keep the PyTorch path.
@@ -37,11 +42,11 @@ from kernels._build import build_tag, load_extension
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "cpu_quant_moe.cpp", _DIR / "cpu_quant_moe_isa.cpp"]
-_HEADERS = [_DIR / "cpu_quant_moe_common.h", _DIR / "gated_act.h"]
+_SOURCES = [_DIR / "cpu_quant_moe.cpp", _DIR / "cpu_quant_moe_isa.cpp", _DIR / "cpu_quant_moe_amx.cpp"]
+_HEADERS = [_DIR / "cpu_quant_moe_common.h", _DIR / "cpu_quant_moe_avx512.h", _DIR / "gated_act.h"]
 # KIMITUI_CPU_ISA values by code (the C++ best_isa()), narrowest first, and the names isa() prints.
-ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
-ISA_NAMES = {0: "scalar", 1: "avx2+fma", 2: "avx512", 3: "avx512bf16"}
+ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "amx_bf16": 4}
+ISA_NAMES = {0: "scalar", 1: "avx2+fma", 2: "avx512", 3: "avx512bf16", 4: "amx_bf16"}
 ENV_ISA = "KIMITUI_CPU_ISA"
 
 
@@ -86,13 +91,15 @@ def isa() -> str:
 
 def planned_isa() -> str:
     """The path ``isa()`` will report, from /proc/cpuinfo and ``KIMITUI_CPU_ISA``, without building
-    the extension (for ``kimitui info``)."""
+    the extension (for ``kimitui info``). On an AMX CPU whose kernel refuses the tile permission the
+    extension falls back to avx512bf16 where this still says amx_bf16."""
     try:
         flags = set(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
                           if line.startswith("flags")), []))
     except OSError:
         flags = set()
-    best = (3 if {"avx512f", "avx512bw", "avx512_bf16"} <= flags else 2 if "avx512f" in flags
+    best = (4 if {"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"} <= flags
+            else 3 if {"avx512f", "avx512bw", "avx512_bf16"} <= flags else 2 if "avx512f" in flags
             else 1 if {"avx2", "fma"} <= flags else 0)
     wanted = ISA_CODES.get(os.environ.get(ENV_ISA, "").strip().lower(), best)
     return ISA_NAMES[min(best, wanted)]

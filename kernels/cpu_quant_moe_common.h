@@ -25,6 +25,12 @@ using TileDotF32 = void (*)(const Tiles&, int64_t tile, int nr, const float* con
                             int64_t ostride);
 using TileDotBf16 = void (*)(const Tiles&, int64_t tile, int nr, const uint16_t* const* x, int nc, float* out,
                              int64_t ostride);
+// The AMX-BF16 kernel (cpu_quant_moe_amx.cpp): the same out as TileDotBf16, but the nc activation rows
+// are x, x + xs bytes, ... (one strided tile load per 16 tokens). Call only where best_isa()
+// (cpu_quant_moe.cpp) found AMX usable.
+extern const bool kAmxBuilt;  // whether this build has the AMX kernel
+void tile_dot_amx_bf16(const Tiles&, int64_t tile, int nr, const uint16_t* x, int64_t xs, int nc, float* out,
+                       int64_t os);
 void tile_dot_avx512bf16(const Tiles&, int64_t, int, const uint16_t* const*, int, float*, int64_t);
 void tile_dot_avx512(const Tiles&, int64_t, int, const float* const*, int, float*, int64_t);
 void tile_dot_avx2(const Tiles&, int64_t, int, const float* const*, int, float*, int64_t);

@@ -71,21 +71,8 @@ inline float scale_at(const uint8_t* s, int64_t i, bool e8m0) {
 // ---------------------------------------------------------------------------------------------- AVX-512
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx2,fma")
+#include "cpu_quant_moe_avx512.h"  // scales16, bf16_table
 namespace {
-
-// The 16 scales (rows) of group g as float32: bf16 widened, or E8M0 as an exponent (0 and 255, the
-// denormal 2^-127 and NaN, patched).
-template <bool kE8M0>
-inline __m512 scales16(const uint8_t* s, int64_t g) {
-  if (kE8M0) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16 * g)));
-    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(b, 23));
-    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512()), _mm512_set1_ps(0x1p-127f));
-    return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(255)), _mm512_set1_ps(NAN));
-  }
-  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32 * g)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-}
 
 inline __m512 sum4(const __m512* p) { return _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])); }
 
@@ -140,19 +127,7 @@ void tile_dot_avx512(const Tiles& t, int64_t tile, int nr, const float* const* x
 #pragma GCC target("avx512f,avx512bw,avx512bf16,avx2,fma")
 namespace {
 
-// scales16 and sum4 of the AVX-512 region above serve here too (a superset target may call them).
-
-// nibble -> bf16 bits of its code, 32 entries (entry i = code of i & 15): vpermw reads 5 index bits, so
-// a word shifted by 4j needs no mask.
-inline __m512i bf16_table(const float* lut) {
-  alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &lut[i & 15], 4);
-    t[i] = static_cast<uint16_t>(bits >> 16);  // exact: every code has at most 3 significant bits
-  }
-  return _mm512_load_si512(t);
-}
+// scales16, bf16_table and sum4 of the AVX-512 region above serve here too (a superset target may call them).
 
 template <int C, bool kE8M0>
 void bf16_block(const Tiles& t, const uint8_t* tile, int nr, const uint16_t* const* x, float* out, int64_t os,

@@ -77,6 +77,38 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch(isa, fmt, dtype):
         assert torch.equal(alone[0], batch[t]), f"row {t} differs alone and in a batch ({fmt}, {isa}, {dtype})"
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_token_alone_and_among_64_on_the_same_experts_gives_the_same_bits(isa, fmt, dtype):
+    # Every token on the same two experts: 64 (full 16-token AMX blocks), 17 and 33 (a block of 16
+    # plus a part one) and the token alone, whose path on amx_bf16 decodes per group instead of
+    # reusing a decoded tile. Odd group counts (hidden 224 = 7 groups) take the single-group tail.
+    # Compared are the float32 sums before the cast to x's dtype (a bf16 output would hide most
+    # last-bit differences: amx_bf16 and avx512bf16 sums differ in about half the elements here).
+    hidden, inter, e = 224, 96, 3
+    experts = cpu_quant_moe.prepare(fmt, *_experts(fmt, e, 2 * inter, hidden, 11)[:2],
+                                    *_experts(fmt, e, hidden, inter, 12)[:2])
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(64, hidden, generator=g).to(dtype)
+    ids = torch.tensor([[2, 0]]).expand(64, 2).contiguous()
+    wts = torch.rand(64, 2, generator=g)
+    code = cpu_quant_moe.ISA_CODES[isa]
+
+    def sums(rows):
+        return cpu_quant_moe._module().moe(x[rows], ids[rows], wts[rows], experts.w13, experts.w2, inter,
+                                           fmt == "mxfp4", code, 0, 1.0, 0.0)
+
+    full = sums(slice(0, 64))
+    assert full.dtype == torch.float32
+    torch.testing.assert_close(cpu_quant_moe.moe(x, ids, wts, fmt, experts, None, None, None, isa_name=isa),
+                               full.to(dtype), rtol=0, atol=0)
+    for n in (17, 33):
+        assert torch.equal(sums(slice(0, n)), full[:n]), f"{n} tokens differ among 64 ({fmt}, {isa}, {dtype})"
+    for t in (0, 16, 63):
+        assert torch.equal(sums(slice(t, t + 1))[0], full[t]), f"token {t} differs alone ({fmt}, {isa}, {dtype})"
+
+
 @pytest.mark.parametrize("fmt,n,k,group", [("int4", 40, 72, 32), ("int4", 33, 256, 128), ("mxfp4", 64, 96, 32)])
 def test_the_tile_layout_is_the_specified_reordering_of_the_same_codes_and_scales(fmt, n, k, group):
     e = 3
