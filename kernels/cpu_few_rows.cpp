@@ -37,7 +37,7 @@ torch::Tensor linear(torch::Tensor x_in, torch::Tensor w) {
   if (w.scalar_type() == torch::kBFloat16 && x_in.dim() == 2 && x_in.size(0) >= kBf16BlasRows) {
     check_act(x_in, "x", 2);
     TORCH_CHECK(w.size(1) == x_in.size(1), "x has ", x_in.size(1), " features, w has ", w.size(1));
-    return at::linear(x_in.to(torch::kBFloat16), w).to(x_in.scalar_type());  // no copies for bf16 x
+    return onednn_linear_bf16(x_in.to(torch::kBFloat16).contiguous(), w).to(x_in.scalar_type());  // no copies for bf16 x
   }
   const auto x = as_f32(x_in, "x", 2);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -283,4 +283,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_block", &attention_block, "x + MLA(norm(x)) for a batch of decodes, float32 on the CPU");
   m.def("ffn_block", &ffn_block, "x + MoE or MLP(norm(x)) for a few rows, float32 on the CPU");
   m.def("threads", &threads, "the thread count at::parallel_for uses here");
+  m.def("onednn_packed_count", &onednn_packed_count, "bf16 weights kept packed for oneDNN (cpu_onednn_packed.cpp)");
 }

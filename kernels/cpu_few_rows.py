@@ -43,7 +43,8 @@ MAX_MOE_TOKENS = 4096
 # mla_decode() and mla_decode_absorbed(): up to this many sequences (mla_decode 3.9x at 1, 1.8x at 4,
 # 1.3x at 16; the fused layer 2.1 ms less per single-request step, even at 8-16 sequences)
 MAX_MLA_SEQS = 16
-_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_few_rows.cpp", "cpu_mla_decode.cpp", "cpu_decode_block.cpp")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_few_rows.cpp", "cpu_mla_decode.cpp", "cpu_decode_block.cpp",
+                                                  "cpu_onednn_packed.cpp")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("cpu_few_rows.h", "gated_act.h")]
 
 

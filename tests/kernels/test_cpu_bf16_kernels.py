@@ -164,3 +164,26 @@ def test_the_bf16_ffn_block_is_the_float32_block_rounded_once():
     got = cpu_few_rows.ffn_block(x, c16, blk16, torch.empty(0))
     want = cpu_few_rows.ffn_block(x.float(), c32, blk32, torch.empty(0))
     assert got.dtype == BF16 and torch.equal(got, want.to(BF16)) and torch.equal(c16, c32)
+
+
+@needs_ext
+@pytest.mark.parametrize("m", [BLAS_ROWS, 11, 16])
+def test_bf16_linear_from_six_rows_is_onednn_on_a_packed_weight_bit_for_bit(m):
+    """From 6 rows a bf16 linear is oneDNN's product on a copy of the weight packed once
+    (cpu_onednn_packed.cpp): the same bits as F.linear, packed once per weight, repacked after the
+    weight changes in place."""
+    mod = cpu_few_rows._module()
+    w = torch.randn(96, 64).bfloat16()
+    x = torch.randn(m, 64).bfloat16()
+    before = mod.onednn_packed_count()
+    assert torch.equal(cpu_few_rows.linear(x, w), torch.nn.functional.linear(x, w))
+    assert mod.onednn_packed_count() == before + 1
+    assert torch.equal(cpu_few_rows.linear(x, w), torch.nn.functional.linear(x, w))
+    assert mod.onednn_packed_count() == before + 1  # found again, not packed twice
+    w.mul_(-0.5)  # a changed weight must not reuse its stale packed copy
+    assert torch.equal(cpu_few_rows.linear(x, w), torch.nn.functional.linear(x, w))
+    xf = torch.randn(m, 64)
+    assert torch.equal(cpu_few_rows.linear(xf, w), torch.nn.functional.linear(xf.bfloat16(), w).float())
+    with torch.inference_mode():
+        wi = torch.randn(32, 64).bfloat16()
+        assert torch.equal(cpu_few_rows.linear(x, wi), torch.nn.functional.linear(x, wi))
