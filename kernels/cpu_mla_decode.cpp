@@ -121,12 +121,16 @@ void check_tables(const torch::Tensor& block_tables, const torch::Tensor& contex
 
 // outs[t][j] = sum over i < n of as[t][i] * W[i][j] (W row-major, rows m apart) for t < T and the
 // U * 8 columns from j, i ascending; each loaded (and widened) weight vector serves all T rows.
-template <int T, int U, typename W>
+// Prefetch: fetch the tile's columns 8 rows ahead into L2 (the first pass over a chunk of W, which
+// may come from memory; maybe past its end, harmless for a prefetch).
+template <int T, int U, bool Prefetch, typename W>
 inline void vec_mat_tile(const float* const* as, const W* w, int64_t n, int64_t m, int64_t j, float* const* outs) {
   v8 acc[T][U];
   for (int t = 0; t < T; ++t)
     for (int u = 0; u < U; ++u) acc[t][u] = v8{};
   for (int64_t i = 0; i < n; ++i) {
+    if constexpr (Prefetch)
+      for (int c = 0; c < U * 8; c += 64 / static_cast<int>(sizeof(W))) prefetch_l2(w, (i + 8) * m + j + c);
     v8 wv[U];
     for (int u = 0; u < U; ++u) wv[u] = load8(w + i * m + j + 8 * u);
     for (int t = 0; t < T; ++t) {
@@ -145,13 +149,25 @@ inline void vec_mat_64(const float* const* as, int64_t M, const W* w, int64_t n,
                        float* const* outs) {
   int64_t t = 0;
   for (; t + 4 <= M; t += 4)
-    for (int64_t c = 0; c < 64; c += kUkCols) vec_mat_tile<4, kUkCols / 8>(as + t, w, n, m, j + c, outs + t);
+    for (int64_t c = 0; c < 64; c += kUkCols) {
+      if (t == 0) vec_mat_tile<4, kUkCols / 8, true>(as + t, w, n, m, j + c, outs + t);
+      else vec_mat_tile<4, kUkCols / 8, false>(as + t, w, n, m, j + c, outs + t);
+    }
+  // the last 1-3 rows prefetch only when they are all the rows
   if (M - t == 3)
-    for (int64_t c = 0; c < 64; c += 32) vec_mat_tile<3, 4>(as + t, w, n, m, j + c, outs + t);
+    for (int64_t c = 0; c < 64; c += 32) {
+      if (t == 0) vec_mat_tile<3, 4, true>(as + t, w, n, m, j + c, outs + t);
+      else vec_mat_tile<3, 4, false>(as + t, w, n, m, j + c, outs + t);
+    }
   else if (M - t == 2)
-    for (int64_t c = 0; c < 64; c += 32) vec_mat_tile<2, 4>(as + t, w, n, m, j + c, outs + t);
-  else if (M - t == 1)
-    vec_mat_tile<1, 8>(as + t, w, n, m, j, outs + t);
+    for (int64_t c = 0; c < 64; c += 32) {
+      if (t == 0) vec_mat_tile<2, 4, true>(as + t, w, n, m, j + c, outs + t);
+      else vec_mat_tile<2, 4, false>(as + t, w, n, m, j + c, outs + t);
+    }
+  else if (M - t == 1) {
+    if (t == 0) vec_mat_tile<1, 8, true>(as + t, w, n, m, j, outs + t);
+    else vec_mat_tile<1, 8, false>(as + t, w, n, m, j, outs + t);
+  }
 }
 
 // outs[t][j] = sum over i < n of as[t][i] * W[i][j] for t < M and j in [j0, j1) (j0 a multiple of
@@ -163,15 +179,11 @@ template <typename W>
 void vec_mat_rows(const float* const* as, int64_t M, const W* w, int64_t n, int64_t m, int64_t j0, int64_t j1,
                   float* const* outs) {
   int64_t j = j0;
-  for (; j + 64 <= j1; j += 64) {
-    for (int64_t i = 0; i < n; ++i)  // the next chunk's rows, into L2 (2 lines of bf16, 4 of float32)
-      for (int64_t c = 64; c < 128; c += 64 / static_cast<int64_t>(sizeof(W))) prefetch_l2(w, i * m + j + c);
-    vec_mat_64(as, M, w, n, m, j, outs);
-  }
+  for (; j + 64 <= j1; j += 64) vec_mat_64(as, M, w, n, m, j, outs);
   for (; j + 8 <= j1; j += 8) {
     int64_t t = 0;
-    for (; t + 4 <= M; t += 4) vec_mat_tile<4, 1>(as + t, w, n, m, j, outs + t);
-    for (; t < M; ++t) vec_mat_tile<1, 1>(as + t, w, n, m, j, outs + t);
+    for (; t + 4 <= M; t += 4) vec_mat_tile<4, 1, false>(as + t, w, n, m, j, outs + t);
+    for (; t < M; ++t) vec_mat_tile<1, 1, false>(as + t, w, n, m, j, outs + t);
   }
   for (; j < j1; ++j)
     for (int64_t t = 0; t < M; ++t) {
