@@ -29,6 +29,12 @@ def _llm(tmp_path, dtype):
                kv_cache_tokens=512)
 
 
+def _op_by_op_llm(tmp_path, monkeypatch):
+    # bf16 without the C++ CPU kernels (which now take bf16 models too): layer by layer, as a GPU runs
+    monkeypatch.setenv("KIMITUI_CPU_KERNELS", "0")
+    return _llm(tmp_path, "bfloat16")
+
+
 def _syncs(runner, inp) -> dict:
     runner.forward_step(inp)  # warm: lazy buffers, extension loading
     with count_launches() as counts:
@@ -46,11 +52,11 @@ def test_float32_cpu_forward_has_no_host_sync(tmp_path):
     assert _syncs(graphed, DECODE) == {}  # the static-buffer (graph) path too
 
 
-def test_op_by_op_forward_syncs_only_in_the_reference_moe(tmp_path):
-    # bfloat16 on a CPU runs layer by layer, as a GPU does, with kernels/reference.py in place of
+def test_op_by_op_forward_syncs_only_in_the_reference_moe(tmp_path, monkeypatch):
+    # bfloat16 on a CPU without the C++ kernels runs layer by layer, as a GPU does, with kernels/reference.py in place of
     # the Triton kernels. The one sync left is the reference grouped MoE's bincount (it sizes its
     # per-expert loop on the host); the Triton fused_moe a GPU runs counts with scatter_add_ instead.
-    runner = _llm(tmp_path, "bfloat16").engine.runner
+    runner = _op_by_op_llm(tmp_path, monkeypatch).engine.runner
     assert _syncs(runner, DECODE) == {"bincount": 1}
     assert _syncs(runner, MIXED) == {"bincount": 1}
 

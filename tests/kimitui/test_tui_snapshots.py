@@ -15,7 +15,8 @@ from kimitui.tui.widgets.prompt_input import PromptInput
 from tests.kimitui.tui_fakes import (Clock, FakeSampler, FixedStats, SharedLLM, assert_snapshot, sample, stats,
                                      wait_for)
 
-ARGS = EngineArgs(max_model_len=1024, kv_cache_tokens=4096, device="cpu", max_num_seqs=4)
+# float32 named: what auto picks on a CPU depends on its instruction sets, a snapshot must not
+ARGS = EngineArgs(max_model_len=1024, kv_cache_tokens=4096, device="cpu", dtype="float32", max_num_seqs=4)
 
 
 @pytest.fixture(scope="module")
