@@ -109,18 +109,22 @@ def cpu_flags() -> set[str]:
 
 
 def _bf16_blocks(config) -> bool:
-    # the models whose every decoder layer the C++ decode blocks run in bf16: DeepSeek-V3 / Kimi K2
-    # shapes with unquantised weights (packed experts have their own kernels, measured faster with
-    # float32 activations; Kimi Linear's KDA layers and gated MLA run op by op)
-    return (config.quantization is None and not config.layer_types and not config.mla_use_output_gate
+    # the models whose decoder layers the C++ kernels run in bf16: DeepSeek-V3 / Kimi K2 shapes,
+    # unquantised or with packed INT4 / MXFP4 experts (their kernels take bf16 activations, AMX tiles
+    # where the CPU has them: a step 10-12% shorter than float32's, benchmarks/README.md "MXFP4
+    # against INT4 end to end"); FP8 checkpoints and Kimi Linear's KDA layers and gated MLA stay float32
+    quant = config.quantization
+    return ((quant is None or quant.method in ("int4", "mxfp4")) and not config.layer_types
+            and not config.mla_use_output_gate
             and not config.mla_use_nope and config.hidden_act == "silu" and not config.routed_expert_hidden_size
             and not config.attn_res_block_size)
 
 
 def cpu_auto_dtype(checkpoint_dtype: str, config=None, flags: set[str] | None = None,
                    kernels: bool | None = None) -> tuple[torch.dtype, str]:
-    """``--dtype auto`` on a CPU: (dtype, why). bf16 when the checkpoint is bf16 and unquantised
-    DeepSeek-V3-shaped (``config``, an ``engine.config.ModelConfig``; None: not checked), the CPU has
+    """``--dtype auto`` on a CPU: (dtype, why). bf16 when the checkpoint is bf16 and DeepSeek-V3-shaped,
+    unquantised or with packed INT4 / MXFP4 experts (``config``, an ``engine.config.ModelConfig``;
+    None: not checked), the CPU has
     bf16 arithmetic (``avx512_bf16`` or ``amx_bf16``: oneDNN's bf16 products for prefill) and the C++
     few-row kernels are built (they read bf16 weights in decode, half the bytes of float32:
     benchmarks/README.md measures bf16 decode faster than float32 there); float32 otherwise, where
@@ -129,7 +133,7 @@ def cpu_auto_dtype(checkpoint_dtype: str, config=None, flags: set[str] | None = 
     if checkpoint_dtype != "bfloat16":
         return torch.float32, f"the checkpoint is {checkpoint_dtype}, not bfloat16"
     if config is not None and not _bf16_blocks(config):
-        return torch.float32, "quantised or non-DeepSeek-V3 layers: the bf16 C++ decode blocks do not cover them"
+        return torch.float32, "FP8 or non-DeepSeek-V3 layers: the bf16 C++ kernels do not cover them"
     flags = cpu_flags() if flags is None else flags
     have = [f for f in _BF16_FLAGS if f in flags]
     if not have:

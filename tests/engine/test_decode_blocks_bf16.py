@@ -77,13 +77,16 @@ def test_auto_dtype_on_the_cpu():
     assert EngineArgs().resolve_dtype(torch.device("cuda"), "bfloat16") == torch.bfloat16
 
 
-def test_auto_dtype_keeps_float32_for_quantised_or_hybrid_models():
+def test_auto_dtype_keeps_float32_for_fp8_or_hybrid_models():
     from types import SimpleNamespace
 
     base = dict(quantization=None, layer_types=(), mla_use_output_gate=False, mla_use_nope=False, hidden_act="silu",
                 routed_expert_hidden_size=None, attn_res_block_size=None)
     flags = {"avx512_bf16"}
     assert cpu_auto_dtype("bfloat16", SimpleNamespace(**base), flags, True)[0] == torch.bfloat16
-    for change in (dict(quantization=object()), dict(layer_types=("linear_attention", "full_attention")),
+    for change in (dict(quantization=SimpleNamespace(method="fp8")), dict(layer_types=("linear_attention", "full_attention")),
                    dict(hidden_act="situ")):
         assert cpu_auto_dtype("bfloat16", SimpleNamespace(**{**base, **change}), flags, True)[0] == torch.float32
+    for method in ("int4", "mxfp4"):  # packed experts take bf16 activations in their own kernels
+        config = SimpleNamespace(**{**base, "quantization": SimpleNamespace(method=method)})
+        assert cpu_auto_dtype("bfloat16", config, flags, True)[0] == torch.bfloat16

@@ -124,23 +124,22 @@ def test_settings_modal_changes_max_tokens(llm, config_home):
         async with app.run_test(size=SIZE) as pilot:
             await ready(app, pilot)
             await pilot.press("f2")
-            await pilot.pause(0.1)
+            await wait_for(pilot, lambda: bool(app.screen.query("#set-max_tokens")))
             field = app.screen.query_one("#set-max_tokens")
             field.value = ""
             field.focus()
             await pilot.press("5")
             await pilot.press("ctrl+s")
-            await pilot.pause(0.1)
-            assert app.screen.id == "main"
+            await wait_for(pilot, lambda: app.screen.id == "main")
             assert app.gen_settings.max_tokens == 5
             await send(app, pilot, "short")
             await wait_for(pilot, lambda: app.bridge.reply.done)
             assert app.bridge.reply.num_tokens == 5
             await pilot.press("f2")
-            await pilot.pause(0.1)
+            await wait_for(pilot, lambda: bool(app.screen.query("#set-top_p")))
             app.screen.query_one("#set-top_p").value = "2"
             await pilot.press("ctrl+s")
-            await pilot.pause(0.1)
+            await wait_for(pilot, lambda: "top_p" in str(app.screen.query_one("#settings-error").render()))
             assert "top_p" in str(app.screen.query_one("#settings-error").render())
 
     run(scenario())
