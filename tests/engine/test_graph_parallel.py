@@ -76,6 +76,7 @@ def _rank_main(rank, world, path, init_file, out_file):
                 results["graph_slots"] = runner.graphs.slots.tolist()
         if rank == 0:
             torch.save(results, out_file)
+        dist.barrier()  # both ranks done before either tears gloo down (a rank leaving early aborted one run)
     finally:
         dist.destroy_process_group()
 

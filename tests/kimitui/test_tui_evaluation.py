@@ -81,7 +81,9 @@ def test_both_evaluations_run_on_the_demo(llm, monkeypatch):
             assert rc["total"] == 10
             for r in rc["results"]:
                 assert r["prompt_tokens_max"] <= r["context_length"]
-            assert any(k == "kl" and d == t == 2 for k, d, t in seen)  # the bar reached the end of KL
+            # KL's bar counted its 2 prompts (a pending progress message is replaced by the next one,
+            # so the last KL update may give way to recall's first)
+            assert any(k == "kl" and t == 2 for k, _, t in seen)
             assert any(k == "recall" for k, _, _ in seen)
             text = screen_text(app)
             assert "KL divergence: demo" in text and "top-1 agreement" in text and "decode" in text
