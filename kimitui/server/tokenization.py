@@ -47,12 +47,18 @@ class DetokenizeRequest(_Body):
     tokens: list[int] = Field(...)
 
 
+async def _open(request: Request, body: type[_Body], path: str):
+    """(server state, the parsed body, the tokenizer) for a tokenizer endpoint; 4xx on a bad body,
+    another model's name, or no tokenizer."""
+    state = server_state(request)
+    req = await read_body(request, body, state.max_body_bytes)
+    state.check_model(req.model)
+    return state, req, state.require_tokenizer(path)
+
+
 @router.post("/tokenize")
 async def tokenize(request: Request) -> dict:
-    state = server_state(request)
-    req = await read_body(request, TokenizeRequest, state.max_body_bytes)
-    state.check_model(req.model)
-    tok = state.require_tokenizer("/tokenize")
+    state, req, tok = await _open(request, TokenizeRequest, "/tokenize")
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of prompt (text) or messages (a chat)", param="prompt")
     if req.prompt is not None:
@@ -89,10 +95,7 @@ async def _chat_ids(state, req: TokenizeRequest) -> list[int]:
 
 @router.post("/detokenize")
 async def detokenize(request: Request) -> dict:
-    state = server_state(request)
-    req = await read_body(request, DetokenizeRequest, state.max_body_bytes)
-    state.check_model(req.model)
-    tok = state.require_tokenizer("/detokenize")
+    _, req, tok = await _open(request, DetokenizeRequest, "/detokenize")
     bad = next((t for t in req.tokens if not 0 <= t < tok.vocab_size), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary (size {tok.vocab_size})", param="tokens")

@@ -17,6 +17,7 @@ from engine.args import EngineArgs
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.helpers.checkpoints import BASE
+from tests.helpers.engine_run import run_to_finish as _run
 from tests.helpers.toy_hybrid import ToyHybrid
 
 BS = 16
@@ -25,16 +26,6 @@ BS = 16
 def _ids(n: int, seed: int, hi: int = 300) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(5, hi) for _ in range(n)]
-
-
-def _run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams):
-    engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-    final = None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                final = o
-    return final
 
 
 @pytest.fixture

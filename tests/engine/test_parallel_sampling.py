@@ -19,6 +19,7 @@ from engine.args import EngineArgs
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.helpers.checkpoints import BASE
+from tests.helpers.engine_run import run_to_finish as _run
 from tests.helpers.toy_hybrid import ToyHybrid
 
 BS = 16
@@ -160,16 +161,6 @@ def hybrid_engine(monkeypatch, tmp_path):
                                               max_num_seqs=4, kv_cache_tokens=4096), **kw}))
 
     return make
-
-
-def _run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams):
-    engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-    final = None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                final = o
-    return final
 
 
 def test_hybrid_children_fork_the_prompt_state_with_cold_results(hybrid_engine):
