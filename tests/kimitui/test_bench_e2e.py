@@ -8,7 +8,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kimitui.cli import main
+from tests.helpers.http_server import serving
 
 VLLM_LINES = ("Successful requests:", "Benchmark duration (s):", "Total input tokens:",
               "Total generated tokens:", "Mean TTFT (ms):", "Mean TPOT (ms):", "Mean ITL (ms):")
@@ -186,22 +186,11 @@ def test_ctrl_c_cancels_cleanly_with_exit_130(demo_checkpoint, tmp_path):
 
 
 def test_bench_over_http_matches_in_process_token_counts(demo_checkpoint, tmp_path, capsys):
-    app_module = pytest.importorskip("kimitui.server.app")
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("kimitui.server.app")
+    pytest.importorskip("uvicorn")
     from engine import AsyncLLM, EngineArgs
 
-    llm = AsyncLLM(engine_args=EngineArgs(model=None))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # bound before the server starts: no free-port race
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app_module.create_app(llm, "kimitui-demo"), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.05)
+    with serving(AsyncLLM(engine_args=EngineArgs(model=None)), "kimitui-demo") as port:
         http_dir, local_dir = tmp_path / "http", tmp_path / "local"
         # No --model: like vLLM, the first id of /v1/models is benchmarked.
         rc, out, err = _bench([*WORKLOAD, "--base-url", f"http://127.0.0.1:{port}", "--save-result",
@@ -210,11 +199,6 @@ def test_bench_over_http_matches_in_process_token_counts(demo_checkpoint, tmp_pa
         assert "Successful requests:                     8" in out
         rc, _, err = _bench([*WORKLOAD, "--save-result", "--result-dir", str(local_dir)], capsys)
         assert rc == 0, err
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        llm.shutdown()
-        sock.close()
     http, local = _saved(http_dir), _saved(local_dir)
     assert http["backend"] == "openai" and http["model_id"] == "kimitui-demo"
     assert http["completed"] == local["completed"] == 8

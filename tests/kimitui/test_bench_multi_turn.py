@@ -5,15 +5,13 @@ in process and against the server over HTTP."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from kimitui.bench.multi_turn import parse_prefix_counters, sample_sessions
 from kimitui.cli import main
+from tests.helpers.http_server import serving
 
 WORKLOAD = ["--dataset-name", "multi-turn", "--num-prompts", "2", "--multi-turn-turns", "3",
             "--random-input-len", "16", "--random-output-len", "24", "--multi-turn-system-len", "64",
@@ -81,26 +79,10 @@ def test_multi_turn_in_process(tmp_path, capsys):
 
 
 def test_multi_turn_over_http(tmp_path, capsys):
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("uvicorn")
     from engine import AsyncLLM, EngineArgs
-    from kimitui.server.app import create_app
 
-    llm = AsyncLLM(engine_args=EngineArgs(model=None))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(llm, "kimitui-demo"), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.05)
-        result = _run([*WORKLOAD, "--base-url", f"http://127.0.0.1:{sock.getsockname()[1]}"], tmp_path, capsys)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        llm.shutdown()
-        sock.close()
+    with serving(AsyncLLM(engine_args=EngineArgs(model=None)), "kimitui-demo") as port:
+        result = _run([*WORKLOAD, "--base-url", f"http://127.0.0.1:{port}"], tmp_path, capsys)
     assert result["backend"] == "openai"
     _check(result)

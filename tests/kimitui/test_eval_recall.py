@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import threading
-import time
 
 import pytest
 
@@ -16,6 +14,7 @@ from kimitui.commands import eval_recall
 from kimitui.eval.haystack import build_haystack, make_needles
 from kimitui.eval.recall import (AMBIGUOUS, FOUND, MISSING, WRONG, check_lengths, parse_context_lengths,
                                  score_reply)
+from tests.helpers.http_server import serving
 
 CODE, OTHER = "7XKQ-42QM", "ABCD-EFGH"
 
@@ -142,33 +141,17 @@ def test_unreachable_server_exits_1(capsys):
 
 @pytest.mark.slow  # a server, then the same run in-process: ~40-100 s on two CPU cores
 def test_recall_against_a_live_server_matches_in_process_prompts(tmp_path, capsys):
-    app_module = pytest.importorskip("kimitui.server.app")
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("kimitui.server.app")
+    pytest.importorskip("uvicorn")
     from engine import AsyncLLM, EngineArgs
 
-    llm = AsyncLLM(engine_args=EngineArgs(model="demo-k3", max_model_len=1024))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # bound before the server starts: no free-port race
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app_module.create_app(llm, "demo-k3"), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
     common = ["--context-lengths", "256,512", "--depths", "0,1", "--codes-per-depth", "1", "--max-tokens", "6"]
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.05)
+    with serving(AsyncLLM(engine_args=EngineArgs(model="demo-k3", max_model_len=1024)), "demo-k3") as port:
         http_file = tmp_path / "http.json"
         rc = eval_recall.run(_parse([*common, "--base-url", f"http://127.0.0.1:{port}/v1", "--json", str(http_file)]))
         assert rc == 0, capsys.readouterr().err
         too_long = eval_recall.run(_parse(["--context-lengths", "1020", "--base-url", f"http://127.0.0.1:{port}"]))
         assert too_long == 2 and "max_model_len is 1024" in capsys.readouterr().err
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        llm.shutdown()
-        sock.close()
     local_file = tmp_path / "local.json"
     assert eval_recall.run(_parse([*common, "--model", "demo-k3", "--json", str(local_file)])) == 0
     http, local = json.loads(http_file.read_text()), json.loads(local_file.read_text())

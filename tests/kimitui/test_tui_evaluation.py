@@ -15,6 +15,7 @@ from kimitui.tui.eval_store import list_results, results_dir, save_result
 from kimitui.tui.gen_settings import GenerationSettings
 from kimitui.tui.screens.evaluation import EvaluationScreen, settings_from_form
 from kimitui.tui.widgets.eval_views import bar, kl_table, recall_by_depth, recall_plot
+from tests.helpers.http_server import serving
 from tests.kimitui.tui_fakes import SharedLLM, assert_snapshot, screen_text, wait_for
 
 ARGS = EngineArgs(max_model_len=1024, kv_cache_tokens=4096, device="cpu", dtype="float32", max_num_seqs=4)
@@ -193,26 +194,11 @@ def test_a_length_above_the_limit_fails_as_one_line(llm):
 def test_remote_bridge_runs_recall_over_http_and_explains_kl():
     """The TUI attached to a live `kimitui serve` (in a thread): recall goes through the server's chat
     endpoint; KL is not run (it needs the checkpoint in this process) and the screen says so."""
-    import socket
-    import threading
-    import time
-
-    app_module = pytest.importorskip("kimitui.server.app")
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("kimitui.server.app")
+    pytest.importorskip("uvicorn")
     from kimitui.tui.remote.bridge import RemoteBridge
 
-    engine = AsyncLLM(engine_args=ARGS)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app_module.create_app(engine, "demo"), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.05)
+    with serving(AsyncLLM(engine_args=ARGS), "demo") as port:
 
         async def scenario():
             app = KimiApp(EngineArgs(), generation=GenerationSettings(max_tokens=8, temperature=0.0),
@@ -236,11 +222,6 @@ def test_remote_bridge_runs_recall_over_http_and_explains_kl():
                 assert [s.result["kind"] for s in list_results()] == ["recall"]
 
         asyncio.run(scenario())
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        engine.shutdown()
-        sock.close()
 
 
 class _Inbox:
