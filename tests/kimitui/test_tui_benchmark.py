@@ -12,14 +12,13 @@ from engine import AsyncLLM, EngineArgs
 from kimitui.tui.app import KimiApp
 from kimitui.tui.bench_setup import clip_lengths, config_from_form, default_form, preset, preset_form
 from kimitui.tui.bench_store import list_runs, runs_dir
-from kimitui.tui.gen_settings import GenerationSettings
 from kimitui.tui.screens.benchmark import BenchmarkScreen
 from kimitui.tui.widgets.bench_form import BenchForm
 from kimitui.tui.widgets.bench_frontier import FrontierPanel, char_plot
 from kimitui.tui.widgets.bench_saved import SavedRuns
 from kimitui.tui.widgets.bench_tables import ComparisonTable, ResultTable
 from kimitui.tui.widgets.prompt_input import PromptInput
-from tests.kimitui.tui_fakes import FakeSampler, SharedLLM, sample, screen_text, wait_for
+from tests.kimitui.tui_fakes import FakeSampler, SharedLLM, local_app, open_screen, sample, screen_text, wait_for
 
 ARGS = EngineArgs(max_model_len=1024, kv_cache_tokens=4096, device="cpu", max_num_seqs=4)
 SIZE = (180, 50)
@@ -42,17 +41,11 @@ def data_home(tmp_path, monkeypatch):
 
 
 def make_app(llm) -> KimiApp:
-    return KimiApp(ARGS, engine_factory=lambda args, progress: llm,
-                   generation=GenerationSettings(max_tokens=8, temperature=0.0))
+    return local_app(ARGS, llm)
 
 
 async def open_bench(app, pilot) -> BenchmarkScreen:
-    await wait_for(pilot, lambda: app.screen.id == "main")
-    await pilot.pause(0.05)
-    await pilot.press("f5")
-    await wait_for(pilot, lambda: isinstance(app.screen, BenchmarkScreen))
-    await pilot.pause(0.05)
-    return app.screen
+    return await open_screen(app, pilot, "f5", BenchmarkScreen)
 
 
 async def run_form(pilot, screen: BenchmarkScreen, values: dict[str, str], timeout: float = 30) -> None:

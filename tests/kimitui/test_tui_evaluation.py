@@ -16,7 +16,7 @@ from kimitui.tui.gen_settings import GenerationSettings
 from kimitui.tui.screens.evaluation import EvaluationScreen, settings_from_form
 from kimitui.tui.widgets.eval_views import bar, kl_table, recall_by_depth, recall_plot
 from tests.helpers.http_server import serving
-from tests.kimitui.tui_fakes import SharedLLM, assert_snapshot, screen_text, wait_for
+from tests.kimitui.tui_fakes import SharedLLM, assert_snapshot, local_app, open_screen, screen_text, wait_for
 
 ARGS = EngineArgs(max_model_len=1024, kv_cache_tokens=4096, device="cpu", dtype="float32", max_num_seqs=4)
 SIZE = (180, 50)
@@ -37,17 +37,11 @@ def data_home(tmp_path, monkeypatch):
 
 
 def make_app(llm) -> KimiApp:
-    return KimiApp(ARGS, engine_factory=lambda args, progress: llm,
-                   generation=GenerationSettings(max_tokens=8, temperature=0.0))
+    return local_app(ARGS, llm)
 
 
 async def open_eval(app, pilot) -> EvaluationScreen:
-    await wait_for(pilot, lambda: app.screen.id == "main")
-    await pilot.pause(0.05)
-    await pilot.press("f9")
-    await wait_for(pilot, lambda: isinstance(app.screen, EvaluationScreen))
-    await pilot.pause(0.05)
-    return app.screen
+    return await open_screen(app, pilot, "f9", EvaluationScreen)
 
 
 def test_both_evaluations_run_on_the_demo(llm, monkeypatch):

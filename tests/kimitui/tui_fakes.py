@@ -136,3 +136,22 @@ def assert_snapshot(app, name: str) -> None:
     else:
         actual.unlink(missing_ok=True)
     assert text == expected, f"screen differs from {path}; see {name}.actual.txt (KIMITUI_UPDATE_SNAPSHOTS=1 accepts)"
+
+
+def local_app(args, llm):
+    """The TUI on a shared in-process engine ``llm`` (a ``SharedLLM``), short greedy replies."""
+    from kimitui.tui.app import KimiApp
+    from kimitui.tui.gen_settings import GenerationSettings
+
+    return KimiApp(args, engine_factory=lambda a, progress: llm,
+                   generation=GenerationSettings(max_tokens=8, temperature=0.0))
+
+
+async def open_screen(app, pilot, key: str, screen_cls):
+    """From the main screen, press ``key`` and wait for a ``screen_cls`` screen; returns it."""
+    await wait_for(pilot, lambda: app.screen.id == "main")
+    await pilot.pause(0.05)
+    await pilot.press(key)
+    await wait_for(pilot, lambda: isinstance(app.screen, screen_cls))
+    await pilot.pause(0.05)
+    return app.screen
