@@ -213,13 +213,31 @@ class WorkerGroup:
         t.start()
         while t.is_alive():
             t.join(timeout=0.2)
+            failure = self._start_up_failure()
+            if failure is not None:
+                raise failure
+        if "error" in box:
+            # a worker that died broke the collective (gloo: "connection reset"): name the worker, which
+            # the collective's own error does not, once its exit is seen
+            failure = self._start_up_failure(wait_s=2.0)
+            if failure is not None:
+                raise failure
+        return box
+
+    def _start_up_failure(self, wait_s: float = 0.0) -> WorkerError | None:
+        """The watchdog's failure or the first worker that exited, as a WorkerError; None if there is
+        none after waiting up to ``wait_s`` for one."""
+        deadline = time.monotonic() + wait_s
+        while True:
             if self.watchdog.failure:
-                raise WorkerError(f"{self.watchdog.failure} during start-up (see its traceback above)")
+                return WorkerError(f"{self.watchdog.failure} during start-up (see its traceback above)")
             for rank, p in enumerate(self.procs, start=1):
                 if p.exitcode is not None:
-                    raise WorkerError(f"tensor-parallel worker rank {rank} exited with code {p.exitcode} "
-                                      "during start-up (see its traceback above)")
-        return box
+                    return WorkerError(f"tensor-parallel worker rank {rank} exited with code {p.exitcode} "
+                                       "during start-up (see its traceback above)")
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def broadcast(self, obj) -> None:
         """Send ``obj`` (a step's inputs) to every worker; it returns once the bytes are in the pipes."""
