@@ -33,6 +33,15 @@ def test_bf16_weight_linear_matches_float64_and_the_float32_kernel(m, n, k):
     assert torch.equal(got, cpu_few_rows.linear(x, w.float()))  # exact widening, same FMAs
 
 
+def _onednn_packs_bf16() -> bool:
+    """Whether PyTorch's oneDNN lays bf16 weights out on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=BF16), 16)
+        return True
+    except (RuntimeError, AttributeError):
+        return False
+
+
 @needs_ext
 @pytest.mark.parametrize("m", [1, 4, BLAS_ROWS, 16])
 def test_bf16_activations_come_back_rounded_once(m):
@@ -171,13 +180,14 @@ def test_the_bf16_ffn_block_is_the_float32_block_rounded_once():
 def test_bf16_linear_from_six_rows_is_onednn_on_a_packed_weight_bit_for_bit(m):
     """From 6 rows a bf16 linear is oneDNN's product on a copy of the weight packed once
     (cpu_onednn_packed.cpp): the same bits as F.linear, packed once per weight, repacked after the
-    weight changes in place."""
+    weight changes in place. A CPU that oneDNN cannot lay bf16 weights out for (AVX2 only) gets
+    F.linear itself."""
     mod = cpu_few_rows._module()
     w = torch.randn(96, 64).bfloat16()
     x = torch.randn(m, 64).bfloat16()
     assert torch.equal(cpu_few_rows.linear(x, w), torch.nn.functional.linear(x, w))
     packed = mod.onednn_packed_count()  # (a dead weight's entry at the same address is replaced)
-    assert packed >= 1
+    assert packed >= 1 or (packed == -1 and not _onednn_packs_bf16())
     assert torch.equal(cpu_few_rows.linear(x, w), torch.nn.functional.linear(x, w))
     assert mod.onednn_packed_count() == packed  # found again, not packed twice
     w.mul_(-0.5)  # a changed weight must not reuse its stale packed copy
