@@ -22,7 +22,9 @@ constexpr int64_t kGemmPairs = 32;  // moe: experts with this many pairs or more
 // AVX-512 BF16 where the CPU has them) on activations rounded to bf16, as the PyTorch bf16 path
 // does. Measured on one core of a Xeon with AMX (CPU clock, the benchmark model's shapes): the
 // widening loops take 0.4-0.8x oneDNN's time at 1-4 rows and 1.0-1.35x at 8, where the 8-wide
-// float32 FMAs, not the weight read, become the limit; about even at 6.
+// float32 FMAs, not the weight read, become the limit; about even at 6. On a CPU where oneDNN has
+// no native bf16 product (AVX2 only: at::linear in bf16 is a slow fallback, 3-4x the widening loops'
+// time at 6-16 rows on an AVX2 EPYC) the loops run up to kGemmPairs, and BLAS gets float32 weights.
 constexpr int64_t kBf16BlasRows = 6;
 
 // moe's per-pair expert outputs go to the caller's scratch tensor, grown up to 64 MB and kept
@@ -34,7 +36,8 @@ constexpr int64_t kKeptDownFloats = int64_t{16} << 20;
 
 torch::Tensor linear(torch::Tensor x_in, torch::Tensor w) {
   check_weight(w, "w", 2);
-  if (w.scalar_type() == torch::kBFloat16 && x_in.dim() == 2 && x_in.size(0) >= kBf16BlasRows) {
+  if (w.scalar_type() == torch::kBFloat16 && x_in.dim() == 2 && x_in.size(0) >= kBf16BlasRows &&
+      onednn_bf16_native()) {
     check_act(x_in, "x", 2);
     TORCH_CHECK(w.size(1) == x_in.size(1), "x has ", x_in.size(1), " features, w has ", w.size(1));
     return onednn_linear_bf16(x_in.to(torch::kBFloat16).contiguous(), w).to(x_in.scalar_type());  // no copies for bf16 x
@@ -115,11 +118,14 @@ torch::Tensor moe(torch::Tensor x_in, torch::Tensor ids, torch::Tensor weights, 
   for (int64_t p = 0; p < P; ++p) xs[p] = x.data_ptr<float>() + token[p] * D;
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
   const auto wdtype = w13.scalar_type();
-  // y [m, n] = a [m, k] @ w[e].T through BLAS (oneDNN's bf16 product for bf16 weights)
+  const bool bf16_native = onednn_bf16_native();
+  // y [m, n] = a [m, k] @ w[e].T through BLAS (oneDNN's bf16 product for bf16 weights where it is
+  // native; elsewhere the expert's weight widened to float32 for this product)
   auto gemm = [&](float* y, float* a, int64_t m, int64_t k, const torch::Tensor& w, int64_t e, int64_t n) {
     auto yt = torch::from_blob(y, {m, n}, f32);
     auto at_ = torch::from_blob(a, {m, k}, f32);
     if (wdtype == torch::kFloat32) at::mm_out(yt, at_, w.select(0, e).t());
+    else if (!bf16_native) at::mm_out(yt, at_, w.select(0, e).to(torch::kFloat32).t());
     else yt.copy_(at::mm(at_.to(wdtype), w.select(0, e).t()));
   };
   with_weight(w13, [&](auto w13p) {
@@ -130,7 +136,7 @@ torch::Tensor moe(torch::Tensor x_in, torch::Tensor ids, torch::Tensor weights, 
       const int64_t e = active[i], g = count[e], m = count[e + 1] - g;
       if (static_cast<int64_t>(gu.size()) < m * I2) gu.resize(m * I2);
       if (static_cast<int64_t>(h.size()) < m * I) h.resize(m * I);
-      const bool blas = m >= (std::is_same_v<W, bf16> ? kBf16BlasRows : kGemmPairs);
+      const bool blas = m >= (std::is_same_v<W, bf16> && bf16_native ? kBf16BlasRows : kGemmPairs);
       if (blas) {
         if (static_cast<int64_t>(xg.size()) < m * D) xg.resize(m * D);
         for (int64_t p = 0; p < m; ++p) std::memcpy(xg.data() + p * D, xs[g + p], D * sizeof(float));
@@ -283,5 +289,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_block", &attention_block, "x + MLA(norm(x)) for a batch of decodes, float32 on the CPU");
   m.def("ffn_block", &ffn_block, "x + MoE or MLP(norm(x)) for a few rows, float32 on the CPU");
   m.def("threads", &threads, "the thread count at::parallel_for uses here");
+  m.def("onednn_bf16_native", &onednn_bf16_native, "whether oneDNN has a native bf16 product on this CPU");
   m.def("onednn_packed_count", &onednn_packed_count, "bf16 weights kept packed for oneDNN (cpu_onednn_packed.cpp); -1 once this CPU refused to pack");
 }

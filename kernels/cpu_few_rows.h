@@ -37,6 +37,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w);
 // cpu_onednn_packed.cpp: x [M, K] bf16 contiguous @ w [N, K] bf16 .T through oneDNN, w packed once
 torch::Tensor onednn_linear_bf16(const torch::Tensor& x, const torch::Tensor& w);
 int64_t onednn_packed_count();
+// Whether oneDNN computes bf16 products natively on this CPU; without it (AVX2 only) at::linear in
+// bf16 runs a slow fallback, so bf16 weights are widened to float32 instead (cpu_onednn_packed.cpp).
+bool onednn_bf16_native();
 // act: 0 SiLU, 1 SiTU with beta / linear_beta (<= 0: up unbounded), see gated_mul
 torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13, torch::Tensor w2,
                   torch::Tensor scratch, int64_t act = 0, double beta = 1.0, double linear_beta = 0.0);

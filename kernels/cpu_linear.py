@@ -16,10 +16,24 @@ import torch.nn.functional as F
 # is the left operand (``bmm([c, N/c, K], x.T)``: 2-2.5x faster than F.linear); for 4-64 rows the
 # rows are (``bmm(x, [c, K, N/c])``: 15-45% less time than F.linear or the weight-left form at every
 # count measured from 4 to 64, LM head included). Past 64 rows both are compute bound. bf16 and
-# fp16 go to oneDNN through F.linear, which is already faster than a blocked product.
+# fp16 go to oneDNN through F.linear, which is already faster than a blocked product, where oneDNN
+# has a native bf16 product; elsewhere (AVX2 only) F.linear in bf16 is a slow fallback (3-4x the
+# float32 product on the widened weight from 6 rows on, measured on an AVX2 EPYC, 2 threads), so
+# bf16 products of _CPU_WIDEN_ROWS rows or more widen the weight to float32 for the call.
 _CPU_FEW_ROWS = 3
 _CPU_BLOCKED_ROWS = 64
 _CPU_BLOCK_ROWS = 1024
+_CPU_WIDEN_ROWS = 6
+
+
+@functools.cache
+def onednn_bf16_native() -> bool:
+    """Whether PyTorch's oneDNN computes bf16 products natively on this CPU (AVX-512 BW/VL/DQ,
+    AVX-NE-CONVERT or AMX); PyTorch's own answer, asked once."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @functools.lru_cache(maxsize=256)
@@ -36,10 +50,14 @@ def linear_cpu(x, w):
     """``x [..., K] @ w [N, K].T -> [..., N]`` (as ``F.linear``) shaped for CPU BLAS.
 
     For up to _CPU_BLOCKED_ROWS rows of fp32 the weight is split into row blocks run as one batched
-    product on all threads (see ``_CPU_FEW_ROWS``); other shapes and dtypes go to ``F.linear``.
+    product on all threads (see ``_CPU_FEW_ROWS``); bf16 products of several rows on a CPU without a
+    native bf16 product run in float32; other shapes and dtypes go to ``F.linear``.
     """
     n, k = w.shape
     m = x.numel() // k if k else 0
+    if (w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and m >= _CPU_WIDEN_ROWS
+            and not onednn_bf16_native()):
+        return F.linear(x.float(), w.float()).to(torch.bfloat16)
     c = _row_blocks(n, torch.get_num_threads())
     if (not 0 < m <= _CPU_BLOCKED_ROWS or c == 1 or w.dtype != torch.float32 or x.dtype != w.dtype
             or not w.is_contiguous()):

@@ -105,6 +105,23 @@ torch::Tensor onednn_linear_bf16(const torch::Tensor& x, const torch::Tensor& w)
   return stack[0].toTensor();
 }
 
+bool onednn_bf16_native() {
+  // PyTorch's own answer (mkldnn::_is_mkldnn_bf16_supported: AVX-512 BW/VL/DQ, AVX-NE-CONVERT or
+  // AMX), asked once; a PyTorch without it, or without oneDNN, counts as no.
+  static const bool native = [] {
+    const auto ask = c10::Dispatcher::singleton().findSchema({"mkldnn::_is_mkldnn_bf16_supported", ""});
+    if (!ask) return false;
+    try {
+      torch::jit::Stack stack;
+      ask->callBoxed(&stack);
+      return stack[0].toBool();
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  return native;
+}
+
 int64_t onednn_packed_count() {
   std::lock_guard<std::mutex> lock(packed_mutex);
   return packing_refused ? -1 : static_cast<int64_t>(packed_weights.size());

@@ -12,8 +12,11 @@ from kernels.cpu_backend import CpuBackend
 
 needs_ext = pytest.mark.skipif(not cpu_few_rows.available(), reason="the C++ extension does not build here")
 BF16 = torch.bfloat16
-# rows from which bf16 linears run oneDNN's bf16 product instead (cpu_few_rows.cpp, kBf16BlasRows)
-BLAS_ROWS = 6
+# rows from which bf16 linears run oneDNN's bf16 product instead (cpu_few_rows.cpp, kBf16BlasRows),
+# where oneDNN's bf16 product is native; elsewhere (AVX2 only) the widening loops run up to the MoE's
+# BLAS pair count (kGemmPairs) and linear's callers never pass more than 16 rows
+NATIVE = cpu_few_rows.available() and cpu_few_rows._module().onednn_bf16_native()
+BLAS_ROWS = 6 if NATIVE else 32
 
 
 def _bf16(*shape, scale=1.0, seed=0):
@@ -33,17 +36,8 @@ def test_bf16_weight_linear_matches_float64_and_the_float32_kernel(m, n, k):
     assert torch.equal(got, cpu_few_rows.linear(x, w.float()))  # exact widening, same FMAs
 
 
-def _onednn_packs_bf16() -> bool:
-    """Whether PyTorch's oneDNN lays bf16 weights out on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=BF16), 16)
-        return True
-    except (RuntimeError, AttributeError):
-        return False
-
-
 @needs_ext
-@pytest.mark.parametrize("m", [1, 4, BLAS_ROWS, 16])
+@pytest.mark.parametrize("m", [1, 4, 6, 16])
 def test_bf16_activations_come_back_rounded_once(m):
     torch.manual_seed(m)
     x, w = torch.randn(m, 96).to(BF16), _bf16(40, 96, seed=3)
@@ -176,18 +170,18 @@ def test_the_bf16_ffn_block_is_the_float32_block_rounded_once():
 
 
 @needs_ext
-@pytest.mark.parametrize("m", [BLAS_ROWS, 11, 16])
+@pytest.mark.skipif(not NATIVE, reason="oneDNN has no native bf16 product on this CPU: the widening loops run instead")
+@pytest.mark.parametrize("m", [6, 11, 16])
 def test_bf16_linear_from_six_rows_is_onednn_on_a_packed_weight_bit_for_bit(m):
     """From 6 rows a bf16 linear is oneDNN's product on a copy of the weight packed once
     (cpu_onednn_packed.cpp): the same bits as F.linear, packed once per weight, repacked after the
-    weight changes in place. A CPU that oneDNN cannot lay bf16 weights out for (AVX2 only) gets
-    F.linear itself."""
+    weight changes in place."""
     mod = cpu_few_rows._module()
     w = torch.randn(96, 64).bfloat16()
     x = torch.randn(m, 64).bfloat16()
     assert torch.equal(cpu_few_rows.linear(x, w), torch.nn.functional.linear(x, w))
     packed = mod.onednn_packed_count()  # (a dead weight's entry at the same address is replaced)
-    assert packed >= 1 or (packed == -1 and not _onednn_packs_bf16())
+    assert packed >= 1
     assert torch.equal(cpu_few_rows.linear(x, w), torch.nn.functional.linear(x, w))
     assert mod.onednn_packed_count() == packed  # found again, not packed twice
     w.mul_(-0.5)  # a changed weight must not reuse its stale packed copy

@@ -269,6 +269,27 @@ def test_linear_cpu_equals_f_linear_for_every_row_count():
     torch.testing.assert_close(linear_cpu(x3, w), F.linear(x3, w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_linear_cpu_bf16_is_one_rounding_of_a_float32_product_without_native_bf16(monkeypatch, native):
+    """Where oneDNN has no native bf16 product (AVX2 only), bf16 products of 6 rows or more run in
+    float32 on the widened weight and round once; elsewhere they are F.linear's bf16 product."""
+    import torch.nn.functional as F
+
+    from kernels import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "onednn_bf16_native", lambda: native)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    for rows in (1, 5, 6, 40):
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        got = cpu_linear.linear_cpu(x, w)
+        assert got.dtype == torch.bfloat16
+        widened = F.linear(x.float(), w.float()).bfloat16()
+        want = widened if rows >= 6 and not native else F.linear(x, w)
+        assert torch.equal(got, want)
+        torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.skipif(not cpu_moe.int4pack_cpu_supported(64, 64, 32), reason="torch has no CPU int4 GEMM")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_int4pack_cpu_experts_equal_dequantised_experts(dtype, tol):
