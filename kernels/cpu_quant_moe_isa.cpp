@@ -208,9 +208,10 @@ void tile_dot_avx512bf16(const Tiles& t, int64_t tile, int nr, const uint16_t* c
 // ---------------------------------------------------------------------------------------------- AVX2
 // The same sums as f32_block_avx512, the 16 rows as two halves of 8 (a 32-byte half of each block),
 // with two partial sums per (token, group, half): part[m % 2]. AVX2 has 16 ymm registers and no
-// 16-entry float lookup: INT4 nibbles become floats by a shift, a mask and a conversion (Int4Codes),
-// E2M1 ones by one vpshufb per 32 codes into int8 values, then the same (TableCodes); about 3 vector
-// instructions per 8 codes, against 5 for two 8-entry permutes and a blend.
+// 16-entry float lookup: one vpshufb per 32 codes turns nibbles into int8 values (E2M1 doubled:
+// integers), and per 8 codes a second one moves them to the top byte of each 32-bit lane, which
+// converts exactly (TableCodes); about 2.6 vector instructions per 8 codes, against 5 for two
+// 8-entry permutes and a blend.
 //
 // One or two tokens (decode): both halves in flight, four FMA chains per token, each code decoded
 // once per token pair. Three or more: each chunk of kChunkGroups groups of the tile is decoded once
@@ -244,35 +245,25 @@ inline Codes decode_bytes(__m256i v, __m256i table) {
 }
 
 // Nibble m of each 32-bit lane (8 rows, column 8L + 2 (m % 4) + m / 4 of the block) as floats, times
-// 2^24: its int8 value shifted to the lane's top byte and the rest masked off converts exactly (one
-// shift, not two: the vector shifts share two of Zen's four vector pipes with vpshufb).
+// 2^24: a second vpshufb moves its int8 value (byte m / 2 of the lane) to the lane's top byte and
+// zeroes the rest, which converts exactly (one shuffle per 8 codes instead of a shift pair).
+template <int b>
+inline __m256i top_byte_mask() {
+  constexpr char z = char(0x80);  // vpshufb: a set top bit writes zero
+  return _mm256_setr_epi8(z, z, z, b, z, z, z, 4 + b, z, z, z, 8 + b, z, z, z, 12 + b,
+                          z, z, z, b, z, z, z, 4 + b, z, z, z, 8 + b, z, z, z, 12 + b);
+}
+
 template <int m>
 inline __m256 code_floats(const Codes& c) {
   const __m256i src = (m & 1) ? c.hi : c.lo;
-  constexpr int b = m >> 1;
-  const __m256i top = _mm256_and_si256(b == 3 ? src : _mm256_slli_epi32(src, 24 - 8 * b), _mm256_set1_epi32(int(0xFF000000)));
-  return _mm256_cvtepi32_ps(top);
+  return _mm256_cvtepi32_ps(_mm256_shuffle_epi8(src, top_byte_mask<(m >> 1)>()));
 }
 
-// The two ways to floats of a half block's codes, both scaled by a power of two that each group's sum
-// takes off again (kUnscale) before its scale: INT4's offset-8 nibbles become two's complement ones by
-// flipping their top bits, and nibble m shifted to the lane's top converts as code x 2^28 (no table);
-// E2M1 through vpshufb, code x 2 x 2^24. The scaling makes no rounding differ from the unscaled sums,
-// unless a partial sum leaves float32's range (activations beyond about 1e27, or group sums below
-// about 1e-29, which then lose bits as subnormals).
-struct Int4Codes {
-  static constexpr float kUnscale = 0x1p-28f;
-  __m256i v;
-  static Int4Codes load(const uint8_t* p, __m256i) {
-    return {_mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_set1_epi8(char(0x88)))};
-  }
-  template <int m>
-  __m256 floats() const {
-    const __m256i top = _mm256_and_si256(m == 7 ? v : _mm256_slli_epi32(v, 28 - 4 * m), _mm256_set1_epi32(int(0xF0000000)));
-    return _mm256_cvtepi32_ps(top);
-  }
-};
-
+// A half block's codes as floats times 2^24 (E2M1 ones doubled: 2 x 2^24), which each group's sum
+// divides off again (kUnscale) before its scale. The scaling makes no rounding differ from unscaled
+// sums unless a partial sum leaves float32's normal range (activations beyond about 1e30, or group
+// sums below about 1e-31, which then lose bits as subnormals).
 struct TableCodes {
   static constexpr float kUnscale = 0x1p-24f;
   Codes c;
@@ -418,16 +409,12 @@ void rows_avx2(const Tiles& t, const uint8_t* tile, int nr, const float* const* 
 
 void tile_dot_avx2(const Tiles& t, int64_t tile, int nr, const float* const* x, int nc, float* out, int64_t os) {
   const uint8_t* p = t.data + tile * t.tile_bytes;
-  if (nc <= 2) {
-    if (t.e8m0)
-      nc == 1 ? row_avx2<TableCodes, 1>(t, p, nr, x, out, os) : row_avx2<TableCodes, 2>(t, p, nr, x, out, os);
-    else
-      nc == 1 ? row_avx2<Int4Codes, 1>(t, p, nr, x, out, os) : row_avx2<Int4Codes, 2>(t, p, nr, x, out, os);
-  } else if (t.e8m0) {
+  if (nc == 1)
+    row_avx2<TableCodes, 1>(t, p, nr, x, out, os);
+  else if (nc == 2)
+    row_avx2<TableCodes, 2>(t, p, nr, x, out, os);
+  else
     rows_avx2<TableCodes>(t, p, nr, x, nc, out, os);
-  } else {
-    rows_avx2<Int4Codes>(t, p, nr, x, nc, out, os);
-  }
 }
 #pragma GCC pop_options
 
