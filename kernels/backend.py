@@ -50,6 +50,11 @@ class Backend:
         """``x [..., K] @ dequant_mxfp4(packed [N, K/2], scale [N, K/32]).T -> [..., N]``."""
         return reference.linear_mxfp4(x, packed, scale)
 
+    def bmm(self, a, b, out=None):
+        """``torch.bmm(a [n, i, k], b [n, k, j]) -> [n, i, j]``, into ``out`` when given (the MLA
+        absorbed products with W_UK and W_UV)."""
+        return torch.bmm(a, b, out=out)
+
     def gated_act(self, gu, act):
         """``act(gu[..., :I], gu[..., I:])`` for the fused gate/up product ``gu [..., 2I]`` of a dense
         MLP; ``act``: its ``engine.layers.activation.GatedActivation``. -> [..., I] in gu.dtype"""
@@ -167,7 +172,7 @@ class Backend:
             self.mla_rope_query(q[..., nope:], rope, positions, out=out[..., r:])
         # head-major [H, B, nope] @ [H, nope, r] into a transposed view of the head: BLAS takes its row
         # stride as is (cuBLAS/hipBLAS batched GEMMs included, no copy)
-        torch.bmm(q[..., :nope].transpose(0, 1), w_uk.to(q.dtype), out=out[..., :r].transpose(0, 1))
+        self.bmm(q[..., :nope].transpose(0, 1), w_uk.to(q.dtype), out=out[..., :r].transpose(0, 1))
         return out
 
     def mla_cache_write(self, kv, norm_weight, eps, rope, positions, slot_mapping, cache):

@@ -27,6 +27,10 @@ from kernels.settings import KernelSettings
 _F32 = torch.float32
 _BF16 = torch.bfloat16
 CXX_DTYPES = (_F32, _BF16)  # model dtypes the C++ kernels serve
+# bf16 linears below this many rows stay in the C++ widening loops on a CPU without oneDNN's native
+# bf16 product (AVX2 only): widening the weight to float32 per call costs more there (a 5632 x 1024
+# weight at 64 rows, 2 threads on an AVX2 EPYC: 9.0 ms in the loops against 21 ms widened; even at 128)
+_BF16_LOOP_ROWS = 128
 
 
 def _f32(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -80,7 +84,11 @@ class CpuBackend(Backend):
     # -- linear layers
 
     def linear(self, x, w):
-        if self.cxx and 0 < x.numel() // max(x.shape[-1], 1) <= cpu_few_rows.MAX_ROWS and _cxx_dtypes(x, w):
+        rows = x.numel() // max(x.shape[-1], 1)
+        if self.cxx and 0 < rows <= cpu_few_rows.MAX_ROWS and _cxx_dtypes(x, w):
+            return cpu_few_rows.linear(x, w)
+        if (self.cxx and 0 < rows < _BF16_LOOP_ROWS and w.dtype is _BF16 and _cxx_dtypes(x, w)
+                and not cpu_linear.onednn_bf16_native()):
             return cpu_few_rows.linear(x, w)
         return cpu_linear.linear_cpu(x, w)
 
@@ -196,8 +204,20 @@ class CpuBackend(Backend):
     def mla_decode(self, q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale):
         if self.cxx and 0 < q.shape[0] <= cpu_few_rows.MAX_MLA_SEQS and _f32(q, cache):
             return cpu_few_rows.mla_decode(q, cache, block_tables, context_lens, block_size, kv_lora_rank, scale)
+        if q.dtype is _BF16 and not cpu_linear.onednn_bf16_native():  # see bmm
+            return reference.mla_decode_reference(q.float(), cache, block_tables, context_lens, max_context_len,
+                                                  block_size, kv_lora_rank, scale).to(_BF16)
         return reference.mla_decode_reference(q, cache, block_tables, context_lens, max_context_len, block_size,
                                               kv_lora_rank, scale)
+
+    def bmm(self, a, b, out=None):
+        # Without oneDNN's native bf16 product (AVX2 only) a bf16 bmm is a slow fallback: half of a
+        # 64-request bf16 decode step went to the MLA bmms on an AVX2 EPYC. Those products run in
+        # float32 there, rounded once.
+        if a.dtype is _BF16 and b.dtype is _BF16 and not cpu_linear.onednn_bf16_native():
+            y = torch.bmm(a.float(), b.float())
+            return y.to(_BF16) if out is None else out.copy_(y)
+        return torch.bmm(a, b, out=out)
 
     def mla_decode_fusable(self, x, cache, w_uk, w_uv) -> bool:
         return self.cxx and 0 < x.shape[0] <= cpu_few_rows.MAX_MLA_SEQS and _f32(x, cache, w_uk, w_uv)

@@ -248,11 +248,11 @@ class MLAttention(nn.Module):
             q[..., r:] = q_pe
             # W_UK folded into the query, head-major bmm [H, B, nope] @ [H, nope, r] -> [H, B, r], written
             # into the head of q through a transposed view (cuBLAS/hipBLAS take its row stride as is)
-            torch.bmm(q_nope.transpose(0, 1), self.w_uk.to(dtype), out=q[..., :r].transpose(0, 1))
+            self.ops.bmm(q_nope.transpose(0, 1), self.w_uk.to(dtype), out=q[..., :r].transpose(0, 1))
         o_lat = self.ops.mla_decode(q, flat, meta.decode_block_tables, meta.decode_context_lens,
                                     meta.decode_max_context_len, meta.block_size, r, self.scale)
         # W_UV per head, [H, B, r] @ [H, r, v] -> [H, B, v], straight into the caller's [B, H, v] rows
-        torch.bmm(o_lat.transpose(0, 1), self.w_uv.to(dtype).transpose(1, 2), out=out.transpose(0, 1))
+        self.ops.bmm(o_lat.transpose(0, 1), self.w_uv.to(dtype).transpose(1, 2), out=out.transpose(0, 1))
 
 
 def _pad_heads(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -191,3 +191,32 @@ def test_bf16_linear_from_six_rows_is_onednn_on_a_packed_weight_bit_for_bit(m):
     with torch.inference_mode():
         wi = torch.randn(32, 64).bfloat16()
         assert torch.equal(cpu_few_rows.linear(x, wi), torch.nn.functional.linear(x, wi))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_cpu_backend_bf16_bmm_and_mla_decode_run_in_float32_without_native_bf16(monkeypatch, native):
+    """Without oneDNN's native bf16 product (AVX2 only), the backend's bf16 bmm and MLA decode of
+    many sequences compute in float32 and round once; elsewhere they are the bf16 operations."""
+    from kernels import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "onednn_bf16_native", lambda: native)
+    be = CpuBackend()
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(3, 20, 16, generator=g).to(BF16), torch.randn(3, 16, 24, generator=g).to(BF16)
+    want = torch.bmm(a, b) if native else torch.bmm(a.float(), b.float()).to(BF16)
+    assert torch.equal(be.bmm(a, b), want)
+    out = torch.empty(20, 3, 24, dtype=BF16)
+    be.bmm(a, b, out=out.transpose(0, 1))
+    assert torch.equal(out.transpose(0, 1), want)
+    seqs, heads, r, rope, block_size = 20, 4, 32, 8, 4  # more sequences than the C++ decode takes
+    cache = torch.randn(seqs * 3 * block_size, r + rope, generator=g).to(BF16)
+    tables = torch.randperm(seqs * 3, generator=g)[: seqs * 3].view(seqs, 3).int()
+    lens = torch.randint(1, 3 * block_size + 1, (seqs,), generator=g).int()
+    q = torch.randn(seqs, heads, r + rope, generator=g).to(BF16)
+    args = (cache, tables, lens, int(lens.max()), block_size, r, 0.2)
+    got = be.mla_decode(q, *args)
+    assert got.dtype == BF16
+    want = ref.mla_decode_reference(q if native else q.float(), *args)
+    assert torch.equal(got, want.to(BF16))
+    torch.testing.assert_close(got.double(), ref.mla_decode_reference(q.double(), cache.double(), *args[1:]),
+                               rtol=3e-2, atol=3e-2)
