@@ -125,10 +125,11 @@ def cpu_auto_dtype(checkpoint_dtype: str, config=None, flags: set[str] | None = 
     """``--dtype auto`` on a CPU: (dtype, why). bf16 when the checkpoint is bf16 and DeepSeek-V3-shaped,
     unquantised or with packed INT4 / MXFP4 experts (``config``, an ``engine.config.ModelConfig``;
     None: not checked), the CPU has
-    bf16 arithmetic (``avx512_bf16`` or ``amx_bf16``: oneDNN's bf16 products for prefill) and the C++
-    few-row kernels are built (they read bf16 weights in decode, half the bytes of float32:
-    benchmarks/README.md measures bf16 decode faster than float32 there); float32 otherwise, where
-    bf16 products are emulated and slower than float32 ones. ``flags`` and ``kernels`` default to
+    bf16 arithmetic (``avx512_bf16`` or ``amx_bf16``: oneDNN's bf16 products for prefill) or is
+    AVX2-only (bf16 products there run in float32 on widened weights), and the C++ few-row kernels
+    are built (they read bf16 weights in decode, half the bytes of float32: benchmarks/README.md
+    measures bf16 decode faster than float32 on both); float32 otherwise (AVX-512 without bf16:
+    oneDNN emulates bf16 products there, not measured). ``flags`` and ``kernels`` default to
     this machine's (``kernels``: the C++ extension is enabled and builds, compiling it on first use)."""
     if checkpoint_dtype != "bfloat16":
         return torch.float32, f"the checkpoint is {checkpoint_dtype}, not bfloat16"
@@ -136,8 +137,13 @@ def cpu_auto_dtype(checkpoint_dtype: str, config=None, flags: set[str] | None = 
         return torch.float32, "FP8 or non-DeepSeek-V3 layers: the bf16 C++ kernels do not cover them"
     flags = cpu_flags() if flags is None else flags
     have = [f for f in _BF16_FLAGS if f in flags]
+    if not have and {"avx2", "fma"} <= flags and "avx512f" not in flags:
+        # AVX2 only: no bf16 arithmetic, but the C++ kernels widen bf16 weights in registers and the
+        # products that would be slow in bf16 there run in float32 (kernels/cpu_backend.py): decode
+        # reads half the bytes, measured 1.0-1.5x float32 at 1-64 requests on an AVX2 EPYC
+        have = ["avx2 (bf16 weights widened in the C++ kernels)"]
     if not have:
-        return torch.float32, "this CPU has no bf16 arithmetic (avx512_bf16 / amx_bf16)"
+        return torch.float32, "this CPU has no bf16 arithmetic (avx512_bf16 / amx_bf16) and is not AVX2-only"
     if kernels is None:
         from kernels import cpu_few_rows
         from kernels.settings import KernelSettings

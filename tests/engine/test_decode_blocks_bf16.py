@@ -67,7 +67,11 @@ def test_bf16_fused_decode_matches_the_pytorch_bf16_path(tmp_path, monkeypatch):
 def test_auto_dtype_on_the_cpu():
     bf16_cpu = {"avx512f", "avx512_bf16", "amx_bf16"}
     assert cpu_auto_dtype("bfloat16", flags=bf16_cpu, kernels=True)[0] == torch.bfloat16
-    assert cpu_auto_dtype("bfloat16", flags={"avx2", "fma"}, kernels=True)[0] == torch.float32
+    dtype, why = cpu_auto_dtype("bfloat16", flags={"avx2", "fma"}, kernels=True)  # AVX2-only: widened in C++
+    assert dtype == torch.bfloat16 and "avx2" in why
+    assert cpu_auto_dtype("bfloat16", flags={"avx2", "fma"}, kernels=False)[0] == torch.float32
+    assert cpu_auto_dtype("bfloat16", flags={"avx2", "fma", "avx512f"}, kernels=True)[0] == torch.float32
+    assert cpu_auto_dtype("bfloat16", flags={"sse4_2"}, kernels=True)[0] == torch.float32
     assert cpu_auto_dtype("bfloat16", flags=bf16_cpu, kernels=False)[0] == torch.float32
     assert cpu_auto_dtype("float32", flags=bf16_cpu, kernels=True)[0] == torch.float32
     dtype, why = cpu_auto_dtype("float16", flags=bf16_cpu, kernels=True)
