@@ -79,6 +79,16 @@ def _rank_main(rank, world, path, init_file, out_file):
         dist.barrier()  # both ranks done before either tears gloo down (a rank leaving early aborted one run)
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's teardown: a rank occasionally died there with "terminate called
+    # without an active exception" (a C++ thread object destroyed while joinable, seen in 2 of 4 CI
+    # runs on 2026-12-02, after its results were written), which mp.spawn reports as a failure.
+    # Everything this rank owes the test is on disk and the process group is gone.
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_two_rank_static_decode_path_matches_eager(tmp_path):
