@@ -204,11 +204,10 @@ class CpuBackend(Backend):
     def mla_decode(self, q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale):
         if self.cxx and 0 < q.shape[0] <= cpu_few_rows.MAX_MLA_SEQS and _f32(q, cache):
             return cpu_few_rows.mla_decode(q, cache, block_tables, context_lens, block_size, kv_lora_rank, scale)
-        if q.dtype is _BF16 and not cpu_linear.onednn_bf16_native():  # see bmm
-            return reference.mla_decode_reference(q.float(), cache, block_tables, context_lens, max_context_len,
-                                                  block_size, kv_lora_rank, scale).to(_BF16)
-        return reference.mla_decode_reference(q, cache, block_tables, context_lens, max_context_len, block_size,
-                                              kv_lora_rank, scale)
+        widen = q.dtype is _BF16 and not cpu_linear.onednn_bf16_native()  # see bmm
+        o = reference.mla_decode_reference(q.float() if widen else q, cache, block_tables, context_lens,
+                                           max_context_len, block_size, kv_lora_rank, scale)
+        return o.to(_BF16) if widen else o
 
     def bmm(self, a, b, out=None):
         # Without oneDNN's native bf16 product (AVX2 only) a bf16 bmm is a slow fallback: half of a

@@ -289,6 +289,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_block", &attention_block, "x + MLA(norm(x)) for a batch of decodes, float32 on the CPU");
   m.def("ffn_block", &ffn_block, "x + MoE or MLP(norm(x)) for a few rows, float32 on the CPU");
   m.def("threads", &threads, "the thread count at::parallel_for uses here");
-  m.def("onednn_bf16_native", &onednn_bf16_native, "whether oneDNN has a native bf16 product on this CPU");
-  m.def("onednn_packed_count", &onednn_packed_count, "bf16 weights kept packed for oneDNN (cpu_onednn_packed.cpp); -1 once this CPU refused to pack");
+  m.def("onednn_packed_count", &onednn_packed_count, "bf16 weights kept packed for oneDNN (cpu_onednn_packed.cpp)");
 }

@@ -13,9 +13,9 @@
 // reference to its tensor; the shape and version are checked too); copies of weights that died are
 // dropped when their address is seen again or when the table fills. The memory cost is one more
 // copy of each dense bf16 matrix a decode step multiplies with 6 to 16 rows (never routed experts:
-// the MoE kernels call BLAS themselves). Without PyTorch's mkldnn ops, or on a CPU where oneDNN
-// refuses to lay out bf16 weights (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU
-// raises "bf16 path needs the cpu support ..."), everything stays at::linear.
+// the MoE kernels call BLAS themselves). Without PyTorch's mkldnn ops, or on a CPU without oneDNN's
+// native bf16 product (onednn_bf16_native: there oneDNN refuses to lay bf16 weights out, "bf16 path
+// needs the cpu support ..."), everything stays at::linear.
 
 #include "cpu_few_rows.h"
 
@@ -63,14 +63,11 @@ torch::Tensor pack(const torch::Tensor& w) {
   return stack[0].toTensor();
 }
 
-bool packing_refused = false;  // oneDNN raised on a bf16 reorder once: this CPU cannot pack (guarded by packed_mutex)
-
-// The packed copy of w, made on first use; undefined when PyTorch has no mkldnn ops, this CPU
-// cannot pack bf16 weights, or the table is full.
+// The packed copy of w, made on first use; undefined when PyTorch has no mkldnn ops, this CPU has
+// no native bf16 product, or the table is full.
 torch::Tensor packed_for(const torch::Tensor& w) {
-  if (!op(0) || !op(1)) return {};
+  if (!op(0) || !op(1) || !onednn_bf16_native()) return {};
   std::lock_guard<std::mutex> lock(packed_mutex);
-  if (packing_refused) return {};
   const void* key = w.data_ptr();
   auto it = packed_weights.find(key);
   if (it != packed_weights.end()) {
@@ -82,15 +79,8 @@ torch::Tensor packed_for(const torch::Tensor& w) {
       i = i->second.owner.expired() ? packed_weights.erase(i) : std::next(i);
     if (packed_weights.size() >= kMaxPacked) return {};
   }
-  torch::Tensor packed;
-  try {
-    packed = pack(w);
-  } catch (const c10::Error&) {  // the CPU lacks the ISA oneDNN's bf16 layout needs: at::linear from now on
-    packing_refused = true;
-    return {};
-  }
   Packed p{c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(w.getIntrusivePtr()),
-           {w.size(0), w.size(1)}, version_of(w), packed};
+           {w.size(0), w.size(1)}, version_of(w), pack(w)};
   return packed_weights.emplace(key, std::move(p)).first->second.packed;
 }
 
@@ -124,5 +114,5 @@ bool onednn_bf16_native() {
 
 int64_t onednn_packed_count() {
   std::lock_guard<std::mutex> lock(packed_mutex);
-  return packing_refused ? -1 : static_cast<int64_t>(packed_weights.size());
+  return static_cast<int64_t>(packed_weights.size());
 }

@@ -210,7 +210,7 @@ void tile_dot_avx512bf16(const Tiles& t, int64_t tile, int nr, const uint16_t* c
 // with two partial sums per (token, group, half): part[m % 2]. AVX2 has 16 ymm registers and no
 // 16-entry float lookup: one vpshufb per 32 codes turns nibbles into int8 values (E2M1 doubled:
 // integers), and per 8 codes a second one moves them to the top byte of each 32-bit lane, which
-// converts exactly (TableCodes); about 2.6 vector instructions per 8 codes, against 5 for two
+// converts exactly (code_floats); about 2.6 vector instructions per 8 codes, against 5 for two
 // 8-entry permutes and a blend.
 //
 // One or two tokens (decode): both halves in flight, four FMA chains per token, each code decoded
@@ -260,19 +260,15 @@ inline __m256 code_floats(const Codes& c) {
   return _mm256_cvtepi32_ps(_mm256_shuffle_epi8(src, top_byte_mask<(m >> 1)>()));
 }
 
-// A half block's codes as floats times 2^24 (E2M1 ones doubled: 2 x 2^24), which each group's sum
+// code_floats gives the codes times 2^24 (E2M1 ones doubled: 2 x 2^24), which each group's sum
 // divides off again (kUnscale) before its scale. The scaling makes no rounding differ from unscaled
 // sums unless a partial sum leaves float32's normal range (activations beyond about 1e30, or group
 // sums below about 1e-31, which then lose bits as subnormals).
-struct TableCodes {
-  static constexpr float kUnscale = 0x1p-24f;
-  Codes c;
-  static TableCodes load(const uint8_t* p, __m256i table) {
-    return {decode_bytes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), table)};
-  }
-  template <int m>
-  __m256 floats() const { return code_floats<m>(c); }
-};
+constexpr float kUnscale = 0x1p-24f;
+
+inline Codes load_codes(const uint8_t* p, __m256i table) {
+  return decode_bytes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), table);
+}
 
 template <class F, int... m>
 inline void each_m(F&& f, std::integer_sequence<int, m...>) {
@@ -302,8 +298,24 @@ void store_rows(const __m256 acc[2], int nr, float* out) {
   std::memcpy(out, row, sizeof(float) * nr);
 }
 
+// The two paths' shared arithmetic, so that a (row, token) gets the same additions in the same order
+// whichever runs it. part[c][h][m % 2] += codes of half h x activation of column col, for C tokens:
+template <int C, int m>
+inline void fma_tokens(__m256 (&part)[C][2][2], __m256 w0, __m256 w1, const float* const* x, int64_t col) {
+  for (int c = 0; c < C; ++c) {
+    const __m256 xb = _mm256_broadcast_ss(x[c] + col);
+    part[c][0][m & 1] = _mm256_fmadd_ps(w0, xb, part[c][0][m & 1]);
+    part[c][1][m & 1] = _mm256_fmadd_ps(w1, xb, part[c][1][m & 1]);
+  }
+}
+
+// a group's end: its two partial sums, unscaled, times the group scale s, added to acc.
+inline __m256 add_group(const __m256 (&part)[2], __m256 s, __m256 acc) {
+  return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_add_ps(part[0], part[1]), _mm256_set1_ps(kUnscale)), s, acc);
+}
+
 // One or two tokens: decode each half block and multiply it at once.
-template <class Dec, int C>
+template <int C>
 void row_avx2(const Tiles& t, const uint8_t* tile, int nr, const float* const* x, float* out, int64_t os) {
   const __m256i table = code_table(t.e8m0);
   const uint8_t* codes = tile + t.scale_block;
@@ -316,21 +328,15 @@ void row_avx2(const Tiles& t, const uint8_t* tile, int nr, const float* const* x
 #pragma GCC unroll 4
     for (int L = 0; L < 4; ++L) {
       _mm_prefetch(reinterpret_cast<const char*>(blk + kAheadAvx2 + 64 * L), _MM_HINT_T0);
-      const Dec c0 = Dec::load(blk + 64 * L, table), c1 = Dec::load(blk + 64 * L + 32, table);
+      const Codes c0 = load_codes(blk + 64 * L, table), c1 = load_codes(blk + 64 * L + 32, table);
       each_m([&](auto mc) {
         constexpr int m = decltype(mc)::value;
-        const __m256 w0 = c0.template floats<m>(), w1 = c1.template floats<m>();
-        for (int c = 0; c < C; ++c) {
-          const __m256 xb = _mm256_broadcast_ss(x[c] + g * 32 + col_of(L, m));
-          part[c][0][m & 1] = _mm256_fmadd_ps(w0, xb, part[c][0][m & 1]);
-          part[c][1][m & 1] = _mm256_fmadd_ps(w1, xb, part[c][1][m & 1]);
-        }
+        fma_tokens<C, m>(part, code_floats<m>(c0), code_floats<m>(c1), x, g * 32 + col_of(L, m));
       }, std::make_integer_sequence<int, 8>{});
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 s = scales8(tile, g, h, t.e8m0), un = _mm256_set1_ps(Dec::kUnscale);
-      for (int c = 0; c < C; ++c)
-        acc[c][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_add_ps(part[c][h][0], part[c][h][1]), un), s, acc[c][h]);
+      const __m256 s = scales8(tile, g, h, t.e8m0);
+      for (int c = 0; c < C; ++c) acc[c][h] = add_group(part[c][h], s, acc[c][h]);
     }
   }
   for (int c = 0; c < C; ++c) store_rows(acc[c], nr, out + c * os);
@@ -338,7 +344,7 @@ void row_avx2(const Tiles& t, const uint8_t* tile, int nr, const float* const* x
 
 // C tokens over decoded groups [g0, g0 + n): w holds, per group, L and m, the two halves' 8 codes as
 // floats; acc [C][16] the tokens' running sums, updated group after group.
-template <class Dec, int C>
+template <int C>
 void block_avx2(const Tiles& t, const uint8_t* tile, const float* w, int64_t g0, int64_t n, const float* const* x,
                 float* acc) {
   for (int64_t gi = 0; gi < n; ++gi) {
@@ -350,27 +356,21 @@ void block_avx2(const Tiles& t, const uint8_t* tile, const float* w, int64_t g0,
     for (int L = 0; L < 4; ++L) {
       each_m([&](auto mc) {
         constexpr int m = decltype(mc)::value;
-        const __m256 w0 = _mm256_load_ps(wg + (L * 8 + m) * 16), w1 = _mm256_load_ps(wg + (L * 8 + m) * 16 + 8);
-        for (int c = 0; c < C; ++c) {
-          const __m256 xb = _mm256_broadcast_ss(x[c] + g * 32 + col_of(L, m));
-          part[c][0][m & 1] = _mm256_fmadd_ps(w0, xb, part[c][0][m & 1]);
-          part[c][1][m & 1] = _mm256_fmadd_ps(w1, xb, part[c][1][m & 1]);
-        }
+        const float* wm = wg + (L * 8 + m) * 16;
+        fma_tokens<C, m>(part, _mm256_load_ps(wm), _mm256_load_ps(wm + 8), x, g * 32 + col_of(L, m));
       }, std::make_integer_sequence<int, 8>{});
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 s = scales8(tile, g, h, t.e8m0), un = _mm256_set1_ps(Dec::kUnscale);
+      const __m256 s = scales8(tile, g, h, t.e8m0);
       for (int c = 0; c < C; ++c) {
         float* a = acc + c * 16 + 8 * h;
-        const __m256 sum = _mm256_mul_ps(_mm256_add_ps(part[c][h][0], part[c][h][1]), un);
-        _mm256_store_ps(a, _mm256_fmadd_ps(sum, s, _mm256_load_ps(a)));
+        _mm256_store_ps(a, add_group(part[c][h], s, _mm256_load_ps(a)));
       }
     }
   }
 }
 
 // Several tokens: decode a chunk of groups once, run every token block over it.
-template <class Dec>
 void rows_avx2(const Tiles& t, const uint8_t* tile, int nr, const float* const* x, int nc, float* out, int64_t os) {
   thread_local std::vector<float, AlignedAlloc<float>> w, acc;
   if (w.size() < kChunkGroups * 512) w.resize(kChunkGroups * 512);
@@ -385,11 +385,11 @@ void rows_avx2(const Tiles& t, const uint8_t* tile, int nr, const float* const* 
       float* wg = w.data() + gi * 512;
       for (int L = 0; L < 4; ++L) {
         _mm_prefetch(reinterpret_cast<const char*>(blk + kAheadAvx2 + 64 * L), _MM_HINT_T0);
-        const Dec c0 = Dec::load(blk + 64 * L, table), c1 = Dec::load(blk + 64 * L + 32, table);
+        const Codes c0 = load_codes(blk + 64 * L, table), c1 = load_codes(blk + 64 * L + 32, table);
         each_m([&](auto mc) {
           constexpr int m = decltype(mc)::value;
-          _mm256_store_ps(wg + (L * 8 + m) * 16, c0.template floats<m>());
-          _mm256_store_ps(wg + (L * 8 + m) * 16 + 8, c1.template floats<m>());
+          _mm256_store_ps(wg + (L * 8 + m) * 16, code_floats<m>(c0));
+          _mm256_store_ps(wg + (L * 8 + m) * 16 + 8, code_floats<m>(c1));
         }, std::make_integer_sequence<int, 8>{});
       }
     }
@@ -399,7 +399,7 @@ void rows_avx2(const Tiles& t, const uint8_t* tile, int nr, const float* const* 
     for (int64_t i = 0; i < kChunkGroups * 256 && g0 + n < t.groups; i += 64)
       _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
     token_blocks<3>(nc, [&](auto c, int c0) {
-      block_avx2<Dec, decltype(c)::value>(t, tile, w.data(), g0, n, x + c0, acc.data() + c0 * 16);
+      block_avx2<decltype(c)::value>(t, tile, w.data(), g0, n, x + c0, acc.data() + c0 * 16);
     });
   }
   for (int c = 0; c < nc; ++c) std::memcpy(out + c * os, acc.data() + c * 16, sizeof(float) * nr);
@@ -410,11 +410,11 @@ void rows_avx2(const Tiles& t, const uint8_t* tile, int nr, const float* const* 
 void tile_dot_avx2(const Tiles& t, int64_t tile, int nr, const float* const* x, int nc, float* out, int64_t os) {
   const uint8_t* p = t.data + tile * t.tile_bytes;
   if (nc == 1)
-    row_avx2<TableCodes, 1>(t, p, nr, x, out, os);
+    row_avx2<1>(t, p, nr, x, out, os);
   else if (nc == 2)
-    row_avx2<TableCodes, 2>(t, p, nr, x, out, os);
+    row_avx2<2>(t, p, nr, x, out, os);
   else
-    rows_avx2<TableCodes>(t, p, nr, x, nc, out, os);
+    rows_avx2(t, p, nr, x, nc, out, os);
 }
 #pragma GCC pop_options
 

@@ -6,7 +6,7 @@ against their float32 selves."""
 import pytest
 import torch
 
-from kernels import cpu_few_rows
+from kernels import cpu_few_rows, cpu_linear
 from kernels import reference as ref
 from kernels.cpu_backend import CpuBackend
 
@@ -15,7 +15,7 @@ BF16 = torch.bfloat16
 # rows from which bf16 linears run oneDNN's bf16 product instead (cpu_few_rows.cpp, kBf16BlasRows),
 # where oneDNN's bf16 product is native; elsewhere (AVX2 only) the widening loops run up to the MoE's
 # BLAS pair count (kGemmPairs) and linear's callers never pass more than 16 rows
-NATIVE = cpu_few_rows.available() and cpu_few_rows._module().onednn_bf16_native()
+NATIVE = cpu_linear.onednn_bf16_native()
 BLAS_ROWS = 6 if NATIVE else 32
 
 
@@ -197,8 +197,6 @@ def test_bf16_linear_from_six_rows_is_onednn_on_a_packed_weight_bit_for_bit(m):
 def test_cpu_backend_bf16_bmm_and_mla_decode_run_in_float32_without_native_bf16(monkeypatch, native):
     """Without oneDNN's native bf16 product (AVX2 only), the backend's bf16 bmm and MLA decode of
     many sequences compute in float32 and round once; elsewhere they are the bf16 operations."""
-    from kernels import cpu_linear
-
     monkeypatch.setattr(cpu_linear, "onednn_bf16_native", lambda: native)
     be = CpuBackend()
     g = torch.Generator().manual_seed(5)
