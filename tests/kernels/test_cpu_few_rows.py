@@ -46,6 +46,26 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch(m, n, k):
     assert torch.equal(cpu_few_rows.linear(x[m - 5:], w), batch[m - 5:])  # 5 rows: a 4-row tile and a 1-row tail
 
 
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 600, 512), (5, 1000, 96), (2, 70, 64)])
+def test_linear_gives_the_same_bits_on_one_thread_and_two(dtype, m, n, k):
+    # The first two weights (1.2 MB, 0.4 MB in float32) are past kInlineBytes (256 KB), so with two
+    # threads their row blocks go out in runs to either thread; the last stays on the calling thread.
+    torch.manual_seed(n)
+    x, w = torch.randn(m, k), torch.randn(n, k).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_few_rows.linear(x, w)
+        torch.set_num_threads(2)
+        two = cpu_few_rows.linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(two.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-4)
+
+
 def _experts(e, d, inter, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(e, 2 * inter, d, generator=g) * 0.1, torch.randn(e, d, inter, generator=g) * 0.1

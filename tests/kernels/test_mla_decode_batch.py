@@ -15,20 +15,20 @@ HEADS, NOPE, ROPE, R, V, BLOCK = 3, 24, 8, 202, 50, 4
 LENS = [9, 1, 0, 17, 4, 12, 5, 30, 2, 8, 3, 21, 6, 11, 7, 16]  # 0: an empty context gives zeros
 
 
-def _case(dtype):
+def _case(dtype, heads=HEADS, lens=LENS):
     g = torch.Generator().manual_seed(7)
     f = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale  # noqa: E731
-    seqs, max_blocks = len(LENS), -(-max(LENS) // BLOCK)
+    seqs, max_blocks = len(lens), -(-max(lens) // BLOCK)
     num_blocks = seqs * max_blocks
     tables = torch.randperm(num_blocks, generator=g).int().view(seqs, max_blocks)
-    pos = (torch.tensor(LENS) - 1).clamp(min=0)
+    pos = (torch.tensor(lens) - 1).clamp(min=0)
     slots = tables[torch.arange(seqs), pos // BLOCK].long() * BLOCK + pos % BLOCK
-    angles = torch.arange(64).float()[:, None] * torch.linspace(0.05, 1, ROPE // 2)
-    return dict(q=f(seqs, HEADS, NOPE + ROPE), kv=f(seqs, R + ROPE), kv_norm_weight=1 + f(R, scale=0.1), eps=1e-6,
+    angles = torch.arange(max(64, max(lens))).float()[:, None] * torch.linspace(0.05, 1, ROPE // 2)
+    return dict(q=f(seqs, heads, NOPE + ROPE), kv=f(seqs, R + ROPE), kv_norm_weight=1 + f(R, scale=0.1), eps=1e-6,
                 cos=angles.cos(), sin=angles.sin(), positions=pos, slots=slots,
-                w_uk=f(HEADS, NOPE, R, scale=0.2).to(dtype), w_uv=f(HEADS, V, R, scale=0.2).to(dtype),
+                w_uk=f(heads, NOPE, R, scale=0.2).to(dtype), w_uv=f(heads, V, R, scale=0.2).to(dtype),
                 cache=f(num_blocks * BLOCK, R + ROPE).to(dtype), block_tables=tables,
-                context_lens=torch.tensor(LENS, dtype=torch.int32), block_size=BLOCK, scale=0.3)
+                context_lens=torch.tensor(lens, dtype=torch.int32), block_size=BLOCK, scale=0.3)
 
 
 def _rope(x, cos, sin):  # interleaved pairs (x[2p], x[2p+1]) turned by angle p
@@ -39,8 +39,9 @@ def _rope(x, cos, sin):  # interleaved pairs (x[2p], x[2p+1]) turned by angle p
 def _reference(a, cache):
     """float64 attention of each sequence over ``cache`` (already holding the newest latents)."""
     d = torch.float64
-    out = torch.zeros(len(LENS), HEADS, V, dtype=d)
-    for b, n in enumerate(LENS):
+    lens = a["context_lens"].tolist()
+    out = torch.zeros(len(lens), a["q"].shape[1], V, dtype=d)
+    for b, n in enumerate(lens):
         if n == 0:
             continue
         p = a["positions"][b]
@@ -70,3 +71,26 @@ def test_a_sequence_gives_the_same_bits_alone_and_among_16(dtype):
         assert torch.equal(alone_cache[a["slots"][b]], cache[a["slots"][b]])
     tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the newest latent is rounded into the cache
     torch.testing.assert_close(batch.double(), _reference(a, cache), rtol=tol, atol=tol)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_passes_large_enough_to_split_over_threads_give_one_threads_bits(dtype):
+    # 16 heads and contexts of hundreds of tokens: W_UK, W_UV (0.8 and 0.6 MB in float32) and the
+    # attention pass are each past the size below which a pass stays on the calling thread
+    # (kInlineBytes, 256 KB), so with two threads they run as runs of items taken by either thread.
+    lens = [300, 1, 0, 457, 64, 120, 5, 390]
+    a = _case(dtype, heads=16, lens=lens)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            cache = a["cache"].clone()
+            outs.append((cpu_few_rows.mla_decode_absorbed(**{**a, "cache": cache}), cache))
+    finally:
+        torch.set_num_threads(before)
+    (one, one_cache), (two, two_cache) = outs
+    assert torch.equal(one, two) and torch.equal(one_cache, two_cache)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(two.double(), _reference(a, two_cache), rtol=tol, atol=tol)
