@@ -317,10 +317,12 @@ void dynamic_for(int64_t n, const F& fn) {
   });
 }
 
-// A job that reads fewer bytes than this runs on the calling thread: one core streams 256 KB in
-// about 15 us, about what waking a sleeping OpenMP thread costs on bare metal (and 100-200 us on a
-// KVM guest's idle vCPU, measured on a 2-core Zen 4 VM).
-constexpr int64_t kInlineBytes = int64_t{256} << 10;
+// A job that reads fewer bytes than this runs on the calling thread. Waking a sleeping OpenMP thread
+// takes 100-200 us on a KVM guest's idle vCPU (a 2-core Zen 4 VM: a one-row product over 512 KB of
+// weights took 77 us on one thread against 115 us on two, 1 MB 118 against 139, 2 MB about even),
+// some 10-20 us on bare metal, where one core streams 1 MB in 50-70 us: at most a few tens of us
+// lost there, for jobs this small only (a Kimi-sized layer's matrices are all larger).
+constexpr int64_t kInlineBytes = int64_t{1} << 20;
 
 // fn(i) for i in [0, n), a job that reads about `bytes`: in runs of consecutive items, each run taken
 // by whichever of torch's threads is free next (8 runs per thread; consecutive items are consecutive
