@@ -8,7 +8,7 @@
 // moe(x [T, D], ids [T, k], weights [T, k], w13 [E, 2I, D], w2 [E, D, I]) -> [T, D]
 // rms_norm(x [M, D], weight [D], eps) -> [M, D]
 // with the MLA decode kernels of cpu_mla_decode.cpp and the decode blocks of cpu_decode_block.cpp.
-// Threads take runs of weight rows (parallel_runs in cpu_few_rows.h: torch's own thread pool and thread count). Built on first use by kernels/cpu_few_rows.py.
+// Threads take runs of weight rows (parallel_runs in cpu_parallel.h: torch's own thread pool and thread count). Built on first use by kernels/cpu_few_rows.py.
 
 #include "cpu_few_rows.h"
 
@@ -49,8 +49,9 @@ torch::Tensor linear(torch::Tensor x_in, torch::Tensor w) {
   const auto xs = row_ptrs<const float>(x.data_ptr<float>(), M, K);
   const auto ys = row_ptrs(y.data_ptr<float>(), M, N);
   with_weight(w, [&](auto wp) {
-    parallel_runs((N + kBlock - 1) / kBlock, N * K * w.element_size(), [&](int64_t b) {
-      rows(xs.data(), M, wp, K, ys.data(), b * kBlock, std::min(N, (b + 1) * kBlock));
+    parallel_runs((N + kBlock - 1) / kBlock, N * K * w.element_size(), [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        rows(xs.data(), M, wp, K, ys.data(), b * kBlock, std::min(N, (b + 1) * kBlock));
     });
   });
   return x_in.scalar_type() == torch::kFloat32 ? y : y.to(x_in.scalar_type());

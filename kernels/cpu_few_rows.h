@@ -15,6 +15,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_parallel.h"  // parallel_runs
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -314,36 +316,6 @@ void dynamic_for(int64_t n, const F& fn) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     for (int64_t i = next++; i < n; i = next++) fn(i);
-  });
-}
-
-// A job that reads fewer bytes than this runs on the calling thread. Waking a sleeping OpenMP thread
-// takes 100-200 us on a KVM guest's idle vCPU (a 2-core Zen 4 VM: a one-row product over 512 KB of
-// weights took 77 us on one thread against 115 us on two, 1 MB 118 against 139, 2 MB about even),
-// some 10-20 us on bare metal, where one core streams 1 MB in 50-70 us: at most a few tens of us
-// lost there, for jobs this small only (a Kimi-sized layer's matrices are all larger).
-constexpr int64_t kInlineBytes = int64_t{1} << 20;
-
-// fn(i) for i in [0, n), a job that reads about `bytes`: in runs of consecutive items, each run taken
-// by whichever of torch's threads is free next (8 runs per thread; consecutive items are consecutive
-// weight rows, so a thread's next run continues the stream its prefetches ran into), or on the
-// calling thread alone when the job is small (kInlineBytes). Not a static split: under
-// OMP_WAIT_POLICY=PASSIVE (the engine's default) a region's other threads start when they wake, and
-// with a fixed half each the calling thread finished its half and then waited a whole wake-up for
-// theirs; here it takes their runs meanwhile. Which thread computes an item never changes its bits.
-template <typename F>
-void parallel_runs(int64_t n, int64_t bytes, const F& fn) {
-  if (n <= 0) return;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
-  if (threads <= 1 || bytes < kInlineBytes || at::in_parallel_region()) {
-    for (int64_t i = 0; i < n; ++i) fn(i);
-    return;
-  }
-  const int64_t run = std::max<int64_t>(1, n / (8 * threads));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t i0 = next.fetch_add(run); i0 < n; i0 = next.fetch_add(run))
-      for (int64_t i = i0; i < std::min(n, i0 + run); ++i) fn(i);
   });
 }
 

@@ -45,7 +45,7 @@ MAX_MOE_TOKENS = 4096
 MAX_MLA_SEQS = 16
 _SOURCES = [Path(__file__).with_name(n) for n in ("cpu_few_rows.cpp", "cpu_mla_decode.cpp", "cpu_decode_block.cpp",
                                                   "cpu_onednn_packed.cpp")]
-_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_few_rows.h", "gated_act.h")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_few_rows.h", "gated_act.h", "cpu_parallel.h")]
 
 
 def _cpu_flags() -> str:

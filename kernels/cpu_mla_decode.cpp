@@ -322,42 +322,48 @@ torch::Tensor mla_decode_absorbed(torch::Tensor q_in, torch::Tensor kv_in, torch
     constexpr int64_t kCols = 128;  // W_UK columns per work item (a multiple of 64)
     const int64_t col_blocks = (r + kCols - 1) / kCols;
     // (parallel_runs: runs of items per thread, or the calling thread alone for a small pass)
-    parallel_runs(H * col_blocks, H * nope * r * static_cast<int64_t>(sizeof(T)), [&](int64_t i) {
+    parallel_runs(H * col_blocks, H * nope * r * static_cast<int64_t>(sizeof(T)), [&](int64_t i0, int64_t i1) {
       std::vector<const float*> xs(A);
       std::vector<float*> ys(A);
-      const int64_t h = i / col_blocks, j0 = i % col_blocks * kCols, j1 = std::min(j0 + kCols, r);
-      for (int64_t a = 0; a < A; ++a) {
-        xs[a] = qp + (active[a] * H + h) * (nope + rope);
-        ys[a] = qc.data() + (active[a] * H + h) * C;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t h = i / col_blocks, j0 = i % col_blocks * kCols, j1 = std::min(j0 + kCols, r);
+        for (int64_t a = 0; a < A; ++a) {
+          xs[a] = qp + (active[a] * H + h) * (nope + rope);
+          ys[a] = qc.data() + (active[a] * H + h) * C;
+        }
+        vec_mat_rows(xs.data(), A, uk + h * nope * r, nope, r, j0, j1, ys.data());  // q_nope @ W_UK[h]
       }
-      vec_mat_rows(xs.data(), A, uk + h * nope * r, nope, r, j0, j1, ys.data());  // q_nope @ W_UK[h]
     });
     int64_t context_bytes = 0;  // the attention pass reads each sequence's context once per head group
     for (int64_t b : active) context_bytes += lens[b] * C * static_cast<int64_t>(sizeof(T)) * groups;
-    parallel_runs(groups * A, context_bytes, [&](int64_t i) {
+    parallel_runs(groups * A, context_bytes, [&](int64_t i0, int64_t i1) {
       std::vector<float> score;
       std::vector<const T*> keys;
-      const int64_t b = active[i % A], h0 = i / A * kHeadGroup, nh = std::min<int64_t>(kHeadGroup, H - h0);
-      const float* cb = cos.data_ptr<float>() + pos[b] * pairs;
-      const float* sb = sin.data_ptr<float>() + pos[b] * pairs;
-      for (int64_t h = h0; h < h0 + nh; ++h)
-        rope_pairs(qp + (b * H + h) * (nope + rope) + nope, cb, sb, pairs, qc.data() + (b * H + h) * C + r);
-      context_keys(static_cast<const T*>(cp), cache.size(0), C, tables + b * max_blocks, lens[b], block_size, b,
-                   keys);
-      attend(qc.data() + (b * H + h0) * C, nh, keys, block_size, C, r, static_cast<float>(scale),
-             lat.data() + (b * H + h0) * r, score);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = active[i % A], h0 = i / A * kHeadGroup, nh = std::min<int64_t>(kHeadGroup, H - h0);
+        const float* cb = cos.data_ptr<float>() + pos[b] * pairs;
+        const float* sb = sin.data_ptr<float>() + pos[b] * pairs;
+        for (int64_t h = h0; h < h0 + nh; ++h)
+          rope_pairs(qp + (b * H + h) * (nope + rope) + nope, cb, sb, pairs, qc.data() + (b * H + h) * C + r);
+        context_keys(static_cast<const T*>(cp), cache.size(0), C, tables + b * max_blocks, lens[b], block_size, b,
+                     keys);
+        attend(qc.data() + (b * H + h0) * C, nh, keys, block_size, C, r, static_cast<float>(scale),
+               lat.data() + (b * H + h0) * r, score);
+      }
     });
     constexpr int64_t kRows = 48;  // W_UV rows per work item (a multiple of the 3- and 4-row tiles)
     const int64_t row_blocks = (v + kRows - 1) / kRows;
-    parallel_runs(H * row_blocks, H * v * r * static_cast<int64_t>(sizeof(T)), [&](int64_t i) {
+    parallel_runs(H * row_blocks, H * v * r * static_cast<int64_t>(sizeof(T)), [&](int64_t i0, int64_t i1) {
       std::vector<const float*> xs(A);
       std::vector<float*> ys(A);
-      const int64_t h = i / row_blocks, n0 = i % row_blocks * kRows, n1 = std::min(n0 + kRows, v);
-      for (int64_t a = 0; a < A; ++a) {  // out[b, h] = W_UV[h] @ latent output [b, h]
-        xs[a] = lat.data() + (active[a] * H + h) * r;
-        ys[a] = op + (active[a] * H + h) * v;
+      for (int64_t i = i0; i < i1; ++i) {  // out[b, h] = W_UV[h] @ latent output [b, h]
+        const int64_t h = i / row_blocks, n0 = i % row_blocks * kRows, n1 = std::min(n0 + kRows, v);
+        for (int64_t a = 0; a < A; ++a) {
+          xs[a] = lat.data() + (active[a] * H + h) * r;
+          ys[a] = op + (active[a] * H + h) * v;
+        }
+        rows(xs.data(), A, uv + h * v * r, r, ys.data(), n0, n1);
       }
-      rows(xs.data(), A, uv + h * v * r, r, ys.data(), n0, n1);
     });
   });
   return q_in.scalar_type() == torch::kFloat32 ? out : out.to(q_in.scalar_type());

@@ -15,17 +15,16 @@
 #include <torch/extension.h>
 
 #include <cpuid.h>
-#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
 
+#include "cpu_parallel.h"  // parallel_runs
 #include "cpu_quant_moe_common.h"
 #include "gated_act.h"
 
@@ -82,22 +81,13 @@ inline uint16_t bf16_bits(float f) {  // round to nearest even; NaN stays a (qui
   return static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
 }
 
-// fn(i) for i in [0, n), in runs of consecutive items, each run taken by whichever thread is free
-// next. Consecutive items are consecutive tiles in memory, so a thread's next item is the one its
-// prefetches (which run past the end of a tile) already asked for; one item at a time, a thread's
-// next tile was two tiles on and each began with cache misses (at 16 KB tiles, a decode step's
-// experts ran at about half the bandwidth they reach in long runs). 8 runs per thread keep the
-// threads' shares even when experts differ in token count.
+// fn(i) for i in [0, n), in runs of consecutive items taken by whichever thread is free next
+// (kimitui_cpu::parallel_runs); a phase always goes to the threads, whatever it reads.
 template <class F>
 void for_each_item(int64_t n, F&& fn) {
-  std::atomic<int64_t> next{0};
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n)));
-  const int64_t run = std::max<int64_t>(1, n / (8 * threads));
-#pragma omp parallel num_threads(threads)
-  {
-    for (int64_t i0 = next.fetch_add(run); i0 < n; i0 = next.fetch_add(run))
-      for (int64_t i = i0; i < std::min(n, i0 + run); ++i) fn(i);
-  }
+  kimitui_cpu::parallel_runs(n, kimitui_cpu::kAlwaysSplit, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) fn(i);
+  });
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "cpu_quant_moe.cpp", _DIR / "cpu_quant_moe_isa.cpp", _DIR / "cpu_quant_moe_amx.cpp"]
-_HEADERS = [_DIR / "cpu_quant_moe_common.h", _DIR / "cpu_quant_moe_avx512.h", _DIR / "gated_act.h"]
+_HEADERS = [_DIR / "cpu_quant_moe_common.h", _DIR / "cpu_quant_moe_avx512.h", _DIR / "gated_act.h",
+            _DIR / "cpu_parallel.h"]
 # KIMITUI_CPU_ISA values by code (the C++ best_isa()), narrowest first, and the names isa() prints.
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "amx_bf16": 4}
 ISA_NAMES = {0: "scalar", 1: "avx2+fma", 2: "avx512", 3: "avx512bf16", 4: "amx_bf16"}
