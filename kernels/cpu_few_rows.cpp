@@ -8,7 +8,8 @@
 // moe(x [T, D], ids [T, k], weights [T, k], w13 [E, 2I, D], w2 [E, D, I]) -> [T, D]
 // rms_norm(x [M, D], weight [D], eps) -> [M, D]
 // with the MLA decode kernels of cpu_mla_decode.cpp and the decode blocks of cpu_decode_block.cpp.
-// Threads take runs of weight rows (parallel_runs in cpu_parallel.h: torch's own thread pool and thread count). Built on first use by kernels/cpu_few_rows.py.
+// Threads take runs of weight rows (parallel_runs in cpu_parallel.h, on the kernels' thread team of
+// torch's thread count, cpu_team.h). Built on first use by kernels/cpu_few_rows.py.
 
 #include "cpu_few_rows.h"
 
@@ -131,12 +132,15 @@ torch::Tensor moe(torch::Tensor x_in, torch::Tensor ids, torch::Tensor weights, 
   with_weight(w13, [&](auto w13p) {
     using W = std::remove_const_t<std::remove_pointer_t<decltype(w13p)>>;
     const W* w2p = reinterpret_cast<const W*>(w2.data_ptr());
-    dynamic_for(static_cast<int64_t>(active.size()), [&](int64_t i) {
+    const int64_t blas_pairs = std::is_same_v<W, bf16> && bf16_native ? kBf16BlasRows : kGemmPairs;
+    bool any_blas = false;
+    for (int64_t e : active) any_blas = any_blas || count[e + 1] - count[e] >= blas_pairs;
+    dynamic_for(static_cast<int64_t>(active.size()), any_blas, [&](int64_t i) {
       thread_local std::vector<float> gu, h, xg;  // kept across calls: no page faults per call
       const int64_t e = active[i], g = count[e], m = count[e + 1] - g;
       if (static_cast<int64_t>(gu.size()) < m * I2) gu.resize(m * I2);
       if (static_cast<int64_t>(h.size()) < m * I) h.resize(m * I);
-      const bool blas = m >= (std::is_same_v<W, bf16> && bf16_native ? kBf16BlasRows : kGemmPairs);
+      const bool blas = m >= blas_pairs;
       if (blas) {
         if (static_cast<int64_t>(xg.size()) < m * D) xg.resize(m * D);
         for (int64_t p = 0; p < m; ++p) std::memcpy(xg.data() + p * D, xs[g + p], D * sizeof(float));
@@ -160,7 +164,7 @@ torch::Tensor moe(torch::Tensor x_in, torch::Tensor ids, torch::Tensor weights, 
   auto out = torch::zeros({T, D}, x.options());
   const float* wt = weights.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+  parallel_runs(T, T * top_k * D * static_cast<int64_t>(sizeof(float)), [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> slots(top_k);
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t j = 0; j < top_k; ++j) slots[j] = t * top_k + j;
@@ -288,6 +292,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "HF RMSNorm over the last dim, float32 on the CPU");
   m.def("attention_block", &attention_block, "x + MLA(norm(x)) for a batch of decodes, float32 on the CPU");
   m.def("ffn_block", &ffn_block, "x + MoE or MLP(norm(x)) for a few rows, float32 on the CPU");
+  m.def("team_capsule", [] {
+    return py::capsule(reinterpret_cast<void*>(&Team::run_on), kTeamCapsule);
+  }, "this extension's thread team, for another extension's use_team()");
   m.def("threads", &threads, "the thread count at::parallel_for uses here");
   m.def("onednn_packed_count", &onednn_packed_count, "bf16 weights kept packed for oneDNN (cpu_onednn_packed.cpp)");
 }

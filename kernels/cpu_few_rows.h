@@ -310,13 +310,4 @@ std::vector<F*> row_ptrs(F* base, int64_t m, int64_t stride) {
   return p;
 }
 
-// fn(i) for i in [0, n), each i taken by whichever of torch's threads is free next.
-template <typename F>
-void dynamic_for(int64_t n, const F& fn) {
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next++; i < n; i = next++) fn(i);
-  });
-}
-
 }  // namespace kimitui_cpu

@@ -45,7 +45,8 @@ MAX_MOE_TOKENS = 4096
 MAX_MLA_SEQS = 16
 _SOURCES = [Path(__file__).with_name(n) for n in ("cpu_few_rows.cpp", "cpu_mla_decode.cpp", "cpu_decode_block.cpp",
                                                   "cpu_onednn_packed.cpp")]
-_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_few_rows.h", "gated_act.h", "cpu_parallel.h")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_few_rows.h", "gated_act.h", "cpu_parallel.h",
+                                                                       "cpu_team.h")]
 
 
 def _cpu_flags() -> str:
@@ -154,6 +155,11 @@ def rms_norm(x, weight, eps) -> torch.Tensor:
 def threads() -> int:
     """The thread count the extension's parallel loops use (torch's, set by ``torch.set_num_threads``)."""
     return _module().threads()
+
+
+def team_capsule():
+    """This extension's thread team (``kernels/cpu_team.h``), for another extension's ``use_team``."""
+    return _module().team_capsule()
 
 
 if __name__ == "__main__":

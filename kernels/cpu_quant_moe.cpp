@@ -238,7 +238,7 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const t
 
   // Each token: its pairs' outputs times their weights, added in ascending expert order.
   float* od = out.data_ptr<float>();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+  kimitui_cpu::parallel_runs(T, T * k * D * static_cast<int64_t>(sizeof(float)), [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> slots(k);
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t j = 0; j < k; ++j) slots[j] = t * k + j;
@@ -314,4 +314,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("best_isa", &best_isa,
         "the widest instruction set path this CPU (and OS) runs: 4 AMX-BF16, 3 AVX-512 BF16, 2 AVX-512, 1 AVX2+FMA, 0 portable");
   m.def("isa_name", &isa_name, "the name of an instruction set path");
+  m.def("use_team", [](py::capsule team) {
+    TORCH_CHECK(std::string(team.name()) == kimitui_cpu::kTeamCapsule, "use_team: not a ", kimitui_cpu::kTeamCapsule,
+                " capsule");
+    kimitui_cpu::team_run() = reinterpret_cast<kimitui_cpu::TeamRun>(team.get_pointer());
+  }, "run the parallel passes on another extension's thread team (its team_capsule())");
 }

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "cpu_quant_moe.cpp", _DIR / "cpu_quant_moe_isa.cpp", _DIR / "cpu_quant_moe_amx.cpp"]
 _HEADERS = [_DIR / "cpu_quant_moe_common.h", _DIR / "cpu_quant_moe_avx512.h", _DIR / "gated_act.h",
-            _DIR / "cpu_parallel.h"]
+            _DIR / "cpu_parallel.h", _DIR / "cpu_team.h"]
 # KIMITUI_CPU_ISA values by code (the C++ best_isa()), narrowest first, and the names isa() prints.
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "amx_bf16": 4}
 ISA_NAMES = {0: "scalar", 1: "avx2+fma", 2: "avx512", 3: "avx512bf16", 4: "amx_bf16"}
@@ -55,7 +55,7 @@ ENV_ISA = "KIMITUI_CPU_ISA"
 def _module():
     if os.environ.get("KIMITUI_CPU_KERNELS", "1").lower() in ("0", "false", "off"):
         return None
-    return load_extension(
+    module = load_extension(
         f"kimitui_cpu_quant_moe_{build_tag(_SOURCES, _HEADERS)}",
         _SOURCES,
         # no -march: each path carries its own target pragma, the portable one runs anywhere
@@ -63,6 +63,12 @@ def _module():
         log,
         "CPU quantised MoE kernels",
     )
+    # one thread team per process (kernels/cpu_team.h): the few-row kernels', when they build
+    from kernels import cpu_few_rows
+
+    if module is not None and cpu_few_rows.available():
+        module.use_team(cpu_few_rows.team_capsule())
+    return module
 
 
 def available() -> bool:

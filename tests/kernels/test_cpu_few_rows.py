@@ -51,7 +51,7 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch(m, n, k):
 @pytest.mark.parametrize("m,n,k", [(1, 1200, 512), (5, 2100, 256), (2, 70, 64)])
 def test_linear_gives_the_same_bits_on_one_thread_and_two(dtype, m, n, k):
     # The first two weights (1.2 and 1.1 MB in bf16, twice that in float32) are past kInlineBytes
-    # (1 MiB), so with two threads their row blocks go out in runs to either thread; the last stays
+    # (256 KiB), so with two threads their row blocks go out in runs to either thread; the last stays
     # on the calling thread.
     torch.manual_seed(n)
     x, w = torch.randn(m, k), torch.randn(n, k).to(dtype)

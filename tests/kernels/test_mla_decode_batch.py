@@ -78,7 +78,7 @@ def test_a_sequence_gives_the_same_bits_alone_and_among_16(dtype):
 def test_passes_large_enough_to_split_over_threads_give_one_threads_bits(dtype):
     # 128 heads and contexts of hundreds of tokens: W_UK, W_UV (1.2 and 2.6 MB in bf16, twice that in
     # float32) and the attention pass are each past the size below which a pass stays on the calling
-    # thread (kInlineBytes, 1 MiB), so with two threads they run as runs of items taken by either thread.
+    # thread (kInlineBytes, 256 KiB), so with two threads they run as runs of items taken by either thread.
     lens = [300, 1, 0, 457, 64, 120, 5, 390]
     a = _case(dtype, heads=128, lens=lens)
     before = torch.get_num_threads()
