@@ -60,7 +60,10 @@ class DecoderLayer(nn.Module):
             x = fused.attention(x, meta, cache)  # x + self_attn(input_layernorm(x))
             if fused.ffn_fusable(x):
                 return fused.ffn(x), None  # x + mlp(post_attention_layernorm(x))
-            h, x = self.post_attention_layernorm(x), x
+            h = self.post_attention_layernorm(x)
+            if isinstance(self.mlp, MoE):  # the router computes in fp32: give it h's exact fp32 copy, as
+                # add_forward_fp32 does below (a bf16 h sent the CPU's router to its PyTorch path)
+                return self.par.all_reduce(self.mlp(h, h.float())), x
         else:
             if residual is None:
                 h, residual = self.input_layernorm(x), x
