@@ -8,10 +8,10 @@
 import os
 
 # OpenMP threads that finish a parallel region sleep instead of spinning (libgomp's default spins for
-# up to ~300,000 iterations first). A CPU decode step runs a few hundred short regions; when other
-# work shares the cores (other processes, the TUI, a host-expert team beside torch's) each spinning
-# thread burns the time the late thread needs, and the step took 10x longer here (benchmarks/README.md,
-# "CPU-only decode step"). libgomp reads this once, when torch loads it: it only takes effect when the
+# up to ~300,000 iterations first). When other work shares the cores (other processes, the TUI, the C++
+# kernels' own thread team, kernels/cpu_team.h, which spins only while the machine has a core free for
+# it) each spinning thread burns the time the late thread needs, and a decode step took 10x longer
+# (benchmarks/README.md, "CPU-only decode step"). libgomp reads this once, when torch loads it: it only takes effect when the
 # engine is imported before torch, and a value the user set wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

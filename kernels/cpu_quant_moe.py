@@ -63,7 +63,8 @@ def _module():
         log,
         "CPU quantised MoE kernels",
     )
-    # one thread team per process (kernels/cpu_team.h): the few-row kernels', when they build
+    # a thread calling both extensions runs one thread team (kernels/cpu_team.h): the few-row kernels'
+    # (when they build)
     from kernels import cpu_few_rows
 
     if module is not None and cpu_few_rows.available():

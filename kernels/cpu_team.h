@@ -14,13 +14,16 @@
 // runnable thread (another process, the TUI, torch's own OpenMP threads) then waits for, and once
 // preempted it waits a whole time slice for it back, where a thread waking from sleep is let in
 // at once (with two busy processes on a 2-core machine, a decode step took 60-80 ms spinning, 40-70
-// ms with OpenMP's sleeping threads). So while more threads are runnable on the machine than the
-// process has CPUs (/proc/loadavg), workers sleep as soon as a pass ends and the caller waits for
+// ms with OpenMP's sleeping threads). So while more threads are runnable on the machine than it
+// has CPUs online (/proc/loadavg), workers sleep as soon as a pass ends and the caller waits for
 // the workers' last runs asleep, as OpenMP's passive threads do.
 //
-// One team per process: each extension compiles this header, and kernels/cpu_quant_moe.py hands the
-// few-row extension's team (team_capsule) to the packed-experts extension (use_team), so the two do not
-// keep two sets of threads spinning against each other.
+// One team per calling thread, as libgomp keeps one pool per thread that starts a region: the engine's
+// thread has one, and so does each host-experts worker (one per NUMA node, pinned to the node's CPUs:
+// its team's threads inherit the mask, and a team has at most one thread per CPU of that mask). A
+// thread's team stops when the thread exits. Both extensions compile this header; kernels/
+// cpu_quant_moe.py hands the few-row extension's teams (team_capsule) to the packed-experts extension
+// (use_team), so a thread calling both runs one team, not two spinning against each other.
 #pragma once
 
 #include <fcntl.h>
@@ -36,6 +39,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -58,24 +62,27 @@ using TeamRun = void (*)(int64_t threads, TeamBody body, void* ctx);
 // The name of the Python capsule that carries a TeamRun from one extension to another.
 constexpr const char* kTeamCapsule = "kimitui_cpu.TeamRun";
 
-class Team {
+class Team : public std::enable_shared_from_this<Team> {
  public:
+  // The calling thread's team, started on its first pass.
   static Team& get() {
     static const bool registered = [] {
-      // a forked child has only its calling thread: it starts a new team on its first pass (the
-      // parent's is left as it was, threads gone and perhaps a lock held)
-      pthread_atfork(nullptr, nullptr, [] { slot() = new Team(); });
+      // a forked child has only the forking thread: it starts a new team on its first pass (the
+      // parent's is left as it was, never destroyed: its threads are gone, perhaps with a lock held)
+      pthread_atfork(nullptr, nullptr, [] { new std::shared_ptr<Team>(std::move(holder().team)); });
       return true;
     }();
     (void)registered;
-    return *slot();
+    auto& h = holder();
+    if (!h.team) h.team = std::make_shared<Team>();
+    return *h.team;
   }
 
-  // TeamRun for this process's team.
+  // TeamRun for the calling thread's team.
   static void run_on(int64_t threads, TeamBody body, void* ctx) { get().run(threads, body, ctx); }
 
   void run(int64_t threads, TeamBody body, void* ctx) {
-    threads = std::min<int64_t>(threads, kMaxThreads);
+    threads = std::min({threads, kMaxThreads, cpus_});
     if (threads <= 1 || t_inside_ || !submit_.try_lock()) {
       body(ctx, 0);
       return;
@@ -109,25 +116,42 @@ class Team {
   // How often the machine's runnable threads are counted (crowded).
   static constexpr auto kSample = std::chrono::milliseconds(1);
 
-  static Team*& slot() {
-    static Team* team = new Team();  // never destroyed: workers may still be waiting at exit
-    return team;
+  // A thread's team, told to stop when the thread exits (its workers then end, the last one freeing it).
+  struct Holder {
+    std::shared_ptr<Team> team;
+    ~Holder() {
+      if (team) team->stop();
+    }
+  };
+  static Holder& holder() {
+    static thread_local Holder h;
+    return h;
   }
 
+ public:
   Team() {
     const char* env = std::getenv("KIMITUI_CPU_SPIN_US");
     spin_ = std::chrono::microseconds(env && *env ? std::max(0L, std::atol(env)) : kSpinWindowUs);
   }
 
-  // More runnable threads on the machine than this process may use CPUs (Linux's /proc/loadavg, read
-  // at most once per kSample): a spinning thread would take a core another thread is waiting for. Where
-  // the file cannot be read, never crowded.
+ private:
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_.store(true);
+    }
+    wake_.notify_all();
+  }
+
+  // More runnable threads on the machine than it has CPUs online (Linux's /proc/loadavg, read at most
+  // once per kSample): a spinning thread would take a core another thread is waiting for. Where the
+  // file cannot be read, never crowded.
   bool crowded(Clock::time_point now) {
     const int64_t t = now.time_since_epoch().count();
     if (t - sampled_at_.load(std::memory_order_relaxed) < std::chrono::duration_cast<Clock::duration>(kSample).count())
       return crowded_.load(std::memory_order_relaxed);
     sampled_at_.store(t, std::memory_order_relaxed);
-    const bool c = runnable_threads() > cpus_;
+    const bool c = runnable_threads() > online_cpus_;
     crowded_.store(c, std::memory_order_relaxed);
     return c;
   }
@@ -158,7 +182,7 @@ class Team {
   void grow(int64_t n) {
     while (workers_ < n) {
       const int64_t index = ++workers_;
-      std::thread([this, index, seen = gen_.load()] { work(index, seen); }).detach();
+      std::thread([self = shared_from_this(), index, seen = gen_.load()] { self->work(index, seen); }).detach();
     }
   }
 
@@ -166,6 +190,7 @@ class Team {
     t_inside_ = true;  // a kernel's nested pass runs on this thread alone
     for (;;) {
       seen = wait_for_pass(seen);
+      if (stop_.load()) return;
       if (index < static_cast<int64_t>(seen & kMaxThreads)) {
         body_(ctx_, index);
         // seq_cst, then read joiner_asleep_: the caller sets it, then reads pending_ (join)
@@ -186,13 +211,13 @@ class Team {
       if (g != seen) return g;
       if (i % 64 == 1) {
         const auto now = Clock::now();
-        if (now >= until || crowded(now)) break;
+        if (now >= until || crowded(now) || stop_.load()) break;
       }
       KIMITUI_CPU_RELAX();
     }
     std::unique_lock<std::mutex> lock(mutex_);
     sleepers_.fetch_add(1);  // seq_cst, then read gen_: run() stores gen_, then reads sleepers_
-    wake_.wait(lock, [&] { return gen_.load() != seen; });
+    wake_.wait(lock, [&] { return gen_.load() != seen || stop_.load(); });
     sleepers_.fetch_sub(1);
     return gen_.load(std::memory_order_acquire);
   }
@@ -228,7 +253,9 @@ class Team {
   std::atomic<bool> joiner_asleep_{false};
   std::atomic<int64_t> sampled_at_{std::numeric_limits<int64_t>::min() / 2};  // crowded_'s Clock time
   std::atomic<bool> crowded_{false};
-  const int64_t cpus_ = allowed_cpus();
+  const int64_t cpus_ = allowed_cpus();  // the creating (calling) thread's CPUs: at most one thread each
+  const int64_t online_cpus_ = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+  std::atomic<bool> stop_{false};
   int64_t workers_ = 0;  // under submit_
   TeamBody body_ = nullptr;
   void* ctx_ = nullptr;

@@ -14,16 +14,15 @@ Policies (``--numa``, read once into ``EngineArgs.numa``):
   the partial sums are added. With one node (laptops, most cloud VMs) nothing changes.
 * ``off``: one stack, one worker thread, no pinning (the behaviour before this module).
 
-Threads: ``os.sched_setaffinity(0, cpus)`` pins the calling thread only. The packed-expert kernel
-(``kernels/cpu_quant_moe.cpp``) and ``at::parallel_for`` start OpenMP teams from the calling thread;
-libgomp keeps one thread pool per calling (master) thread and creates its threads with
-``pthread_create``, which inherits the creator's CPU mask, so each node's team stays on its node
-(unless ``OMP_PROC_BIND`` / ``GOMP_CPU_AFFINITY`` rebind them). The team size is
-``at::get_num_threads()``, torch's process-wide intra-op count (each new thread takes it over; by
-default one per core of the machine), not the node's CPU count: on two nodes each team is twice the
-node's cores. Changing it per thread would change process-wide state, so it is left alone. The
-kernel takes its work from an atomic counter, so the extra threads only time-share; a per-call thread
-count in the kernel would remove them. Tensor-parallel worker ranks (``--gpus`` > 1) keep one stack.
+Threads: ``os.sched_setaffinity(0, cpus)`` pins the calling thread only. The C++ CPU kernels run their
+parallel passes on a team of threads per calling thread (``kernels/cpu_team.h``), created by that
+thread, so each team's threads inherit its CPU mask and each node's team stays on its node; a team
+has ``at::get_num_threads()`` threads (torch's process-wide intra-op count) but at most one per CPU of
+that mask. What still runs on OpenMP (a few ATen operations, BLAS in the dense experts' larger
+products) starts libgomp teams from the calling thread in the same way: libgomp keeps one pool per
+calling thread and its threads inherit the creator's mask (unless ``OMP_PROC_BIND`` /
+``GOMP_CPU_AFFINITY`` rebind them), though at torch's full thread count. Tensor-parallel worker ranks
+(``--gpus`` > 1) keep one stack.
 
 Not measured (this project's machines have one node): the bandwidth gain on a real two-socket EPYC /
 Xeon, whether the oversubscribed teams above cost anything, and whether transparent huge pages or

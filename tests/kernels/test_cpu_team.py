@@ -100,3 +100,29 @@ _, status = os.waitpid(pid, 0)
 print(os.waitstatus_to_exitcode(status))
 """)
     assert out.strip() == "0", out
+
+
+def test_each_calling_thread_has_a_team_that_ends_with_it_and_fits_its_cpus():
+    # As libgomp's pools: a host-experts worker thread (one per NUMA node, pinned) runs its passes on a
+    # team of its own, whose threads inherit its CPU mask, at most one per CPU of it.
+    out = _run("""
+import threading
+experts = packed_experts()
+pass_over_threads()  # the main thread's team
+before = threads()
+seen = {}
+
+def worker(pin):
+    if pin:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    x, w, y = pass_over_threads()
+    packed_moe(experts)
+    seen[pin] = threads() - before - {str(threading.get_native_id())}
+
+for pin in (False, True):
+    t = threading.Thread(target=worker, args=(pin,))
+    t.start(); t.join(); time.sleep(0.1)  # (the first thread's team ends before the second counts)
+time.sleep(0.3)  # the exited threads' teams stop
+print(len(seen[False]), len(seen[True]), len(threads() - before))
+""", KIMITUI_CPU_SPIN_US="2000")
+    assert out.split() == ["1", "0", "0"], out
