@@ -55,8 +55,8 @@
 namespace kimitui_cpu {
 
 // body(ctx, i) for i in [0, threads): the calling thread runs i = 0. The bodies must each be able to
-// finish the whole job alone (they take their work from a shared counter): a team that is busy (a pass
-// from another Python thread) or a nested call runs body(ctx, 0) alone on the calling thread.
+// finish the whole job alone (they take their work from a shared counter): a nested call (from inside
+// a pass) runs body(ctx, 0) alone on the calling thread.
 using TeamBody = void (*)(void* ctx, int64_t index);
 using TeamRun = void (*)(int64_t threads, TeamBody body, void* ctx);
 // The name of the Python capsule that carries a TeamRun from one extension to another.
@@ -83,11 +83,10 @@ class Team : public std::enable_shared_from_this<Team> {
 
   void run(int64_t threads, TeamBody body, void* ctx) {
     threads = std::min({threads, kMaxThreads, cpus_});
-    if (threads <= 1 || t_inside_ || !submit_.try_lock()) {
+    if (threads <= 1 || t_inside_) {  // (only the owning thread runs its team's passes: get())
       body(ctx, 0);
       return;
     }
-    std::lock_guard<std::mutex> held(submit_, std::adopt_lock);
     grow(threads - 1);
     body_ = body;
     ctx_ = ctx;
@@ -128,13 +127,11 @@ class Team : public std::enable_shared_from_this<Team> {
     return h;
   }
 
- public:
-  Team() {
+  static std::chrono::microseconds spin_window() {
     const char* env = std::getenv("KIMITUI_CPU_SPIN_US");
-    spin_ = std::chrono::microseconds(env && *env ? std::max(0L, std::atol(env)) : kSpinWindowUs);
+    return std::chrono::microseconds(env && *env ? std::max(0L, std::atol(env)) : kSpinWindowUs);
   }
 
- private:
   void stop() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -167,7 +164,8 @@ class Team : public std::enable_shared_from_this<Team> {
     if (n <= 0) return 0;
     buf[n] = 0;
     const char* p = buf;
-    for (int field = 0; field < 3 && p; ++field) p = std::strchr(p, ' ') ? std::strchr(p, ' ') + 1 : nullptr;
+    for (int field = 0; field < 3 && p; ++field)
+      if ((p = std::strchr(p, ' '))) ++p;
     return p ? std::strtoll(p, nullptr, 10) : 0;
   }
 
@@ -178,7 +176,7 @@ class Team : public std::enable_shared_from_this<Team> {
     return std::max(1, CPU_COUNT(&set));
   }
 
-  // Workers 1..n exist (the calling thread is index 0). Under submit_.
+  // Workers 1..n exist (the calling thread is index 0).
   void grow(int64_t n) {
     while (workers_ < n) {
       const int64_t index = ++workers_;
@@ -202,19 +200,25 @@ class Team : public std::enable_shared_from_this<Team> {
     }
   }
 
-  // Spin until the next pass or the end of the spin window (at once when the machine is crowded), then
-  // sleep until it comes.
-  uint64_t wait_for_pass(uint64_t seen) {
-    const auto until = Clock::now() + spin_;
-    for (int64_t i = 1;; ++i) {
-      const uint64_t g = gen_.load(std::memory_order_acquire);
-      if (g != seen) return g;
+  // Spin until done() holds; false, giving up, at `until`, when the machine is crowded or the team stops
+  // (the clock and the machine are looked at every 64 pauses).
+  template <typename Done>
+  bool spin_until(const Done& done, Clock::time_point until) {
+    for (int64_t i = 1; !done(); ++i) {
       if (i % 64 == 1) {
         const auto now = Clock::now();
-        if (now >= until || crowded(now) || stop_.load()) break;
+        if (now >= until || crowded(now) || stop_.load()) return false;
       }
       KIMITUI_CPU_RELAX();
     }
+    return true;
+  }
+
+  // Spin until the next pass or the end of the spin window (at once when the machine is crowded), then
+  // sleep until it comes.
+  uint64_t wait_for_pass(uint64_t seen) {
+    if (spin_until([&] { return gen_.load(std::memory_order_acquire) != seen; }, Clock::now() + spin_))
+      return gen_.load(std::memory_order_acquire);
     std::unique_lock<std::mutex> lock(mutex_);
     sleepers_.fetch_add(1);  // seq_cst, then read gen_: run() stores gen_, then reads sleepers_
     wake_.wait(lock, [&] { return gen_.load() != seen || stop_.load(); });
@@ -226,15 +230,7 @@ class Team : public std::enable_shared_from_this<Team> {
   // have their cores), then asleep, as at once on a crowded machine: a worker that lost its core needs
   // one back.
   void join() {
-    const auto until = Clock::now() + kJoinSpin;
-    for (int64_t i = 1; pending_.load(std::memory_order_acquire) > 0; ++i) {
-      if (i % 64 == 1) {
-        const auto now = Clock::now();
-        if (now >= until || crowded(now)) break;
-      }
-      KIMITUI_CPU_RELAX();
-    }
-    if (pending_.load(std::memory_order_acquire) == 0) return;
+    if (spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; }, Clock::now() + kJoinSpin)) return;
     std::unique_lock<std::mutex> lock(mutex_);
     joiner_asleep_.store(true);  // seq_cst, then read pending_: a worker decrements it, then reads this
     done_.wait(lock, [&] { return pending_.load() == 0; });
@@ -243,7 +239,6 @@ class Team : public std::enable_shared_from_this<Team> {
 
   static inline thread_local bool t_inside_ = false;
 
-  std::mutex submit_;  // one pass at a time; a second caller runs its pass alone
   std::mutex mutex_;  // for the condition variables
   std::condition_variable wake_;  // a pass for sleeping workers
   std::condition_variable done_;  // the last worker's run for a sleeping caller
@@ -256,10 +251,10 @@ class Team : public std::enable_shared_from_this<Team> {
   const int64_t cpus_ = allowed_cpus();  // the creating (calling) thread's CPUs: at most one thread each
   const int64_t online_cpus_ = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
   std::atomic<bool> stop_{false};
-  int64_t workers_ = 0;  // under submit_
+  int64_t workers_ = 0;  // started (by the owning thread only)
   TeamBody body_ = nullptr;
   void* ctx_ = nullptr;
-  std::chrono::microseconds spin_{kSpinWindowUs};
+  const std::chrono::microseconds spin_ = spin_window();
 };
 
 }  // namespace kimitui_cpu
