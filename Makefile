@@ -18,9 +18,12 @@ $(VENV)/.installed: pyproject.toml
 		$(PY) -m pip install -q --upgrade pip; \
 		$(PY) -m pip install -q "$(TORCH_SPEC)"; \
 	fi
-	$(PY) -m pip install -q -e ".[test]"
-	$(PY) -m kernels.cpu_few_rows  # compile the C++ CPU kernels once (about 30 s); without a compiler the PyTorch path runs
-	$(PY) -m kernels.cpu_quant_moe  # and the packed INT4 / MXFP4 expert kernels (about 1 min)
+	$(PY) -m pip install -q "setuptools>=68" wheel "ninja>=1.11"
+	# --no-build-isolation: the C++ CPU kernels compile here, against this venv's torch (2-3 min on 2 cores);
+	# without a compiler the install still succeeds and the PyTorch paths run
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	$(PY) -m kimitui.kernels.cpu_few_rows
+	$(PY) -m kimitui.kernels.cpu_quant_moe
 	touch $@
 
 venv: $(VENV)/.installed

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import AsyncLLM, EngineArgs  # noqa: E402
+from kimitui.engine import AsyncLLM, EngineArgs  # noqa: E402
 from kimitui.bench import BenchmarkConfig, InProcessClient, OpenAICompletionsClient, run_benchmark  # noqa: E402
 
 COLUMNS = (("output_throughput", "out tok/s"), ("mean_ttft_ms", "TTFT ms"), ("median_tpot_ms", "TPOT ms"),

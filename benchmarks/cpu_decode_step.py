@@ -32,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # the engine before torch: it sets OpenMP's wait policy, which libgomp reads when torch loads it
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.offload import overlap_meter  # noqa: E402
+from kimitui.engine import LLM, SamplingParams  # noqa: E402
+from kimitui.engine.offload import overlap_meter  # noqa: E402
 
 import torch  # noqa: E402
 

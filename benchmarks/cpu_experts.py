@@ -34,12 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # torch's two OpenMP threads spinning against the C++ kernels' own team (kernels/cpu_team.h): batch 1
 # measured 30-50% slower than the engine runs it. torch's int4pack peer then runs under PASSIVE too
 # (about 10% slower at batch 1 than with spinning threads on the 2-core Zen 4 VM).
-import engine  # noqa: E402,F401
+from kimitui import engine  # noqa: E402,F401
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.vllm_experts import Flush, best_time, last_level_cache_bytes  # noqa: E402
-from kernels import cpu_moe, cpu_quant_moe  # noqa: E402
+from kimitui.kernels import cpu_moe, cpu_quant_moe  # noqa: E402
 
 SHAPES = {"k2": (7168, 2048), "k3": (3584, 3072)}  # (hidden, expert width): Kimi K2, K3 latent
 

@@ -83,7 +83,7 @@ def run_transformers(model, batch: list[list[int]]) -> float:
 
 
 def run_engine(llm, batch: list[list[int]]):
-    from engine import SamplingParams
+    from kimitui.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     llm.generate([{"prompt_token_ids": batch[0][:16]}], SamplingParams(max_tokens=2))  # warm-up
@@ -129,7 +129,7 @@ def main() -> int:
     write_checkpoint(path)
     batch = prompts(CONCURRENCY)
 
-    from engine import LLM
+    from kimitui.engine import LLM
 
     hf = None if args.skip_transformers else load_transformers(path)
     llm = LLM(str(path), max_model_len=1024, max_num_seqs=CONCURRENCY, enable_prefix_caching=False)

@@ -63,8 +63,8 @@ def write_checkpoints(root: Path) -> list[Path]:
 
 
 def load(path: Path, dtype: torch.dtype):
-    from engine.config import ModelConfig
-    from engine.loader import load_model
+    from kimitui.engine.config import ModelConfig
+    from kimitui.engine.loader import load_model
 
     model, _ = load_model(ModelConfig.from_pretrained(path), path, torch.device("cpu"), dtype)
     model.source_path = Path(path)
@@ -105,7 +105,7 @@ def part_rmsnorm(m32, mh, dtype, gen):
 
 
 def part_attn_res(m32, mh, dtype, gen):
-    from engine.layers.attn_res import attn_res_mix
+    from kimitui.engine.layers.attn_res import attn_res_mix
 
     layer32, layerh = m32.model.layers[2], mh.model.layers[2]
     d = layer32.mlp_res_norm.weight.shape[0]
@@ -161,7 +161,7 @@ def part_router(m32, mh, dtype, gen):
     i32, w32 = by_expert(ids_32, w_32)
     agree = (ih == i32).all(dim=1)
     # naive: logits and sigmoid in the half dtype, the same top-k rule
-    from kernels import reference
+    from kimitui.kernels import reference
 
     logits = F.linear(x, gh.weight.to(dtype))
     s = torch.sigmoid(logits).float()
@@ -188,7 +188,7 @@ def _experts_inputs(m32, mh, dtype, gen):
 
 def part_mxfp4_experts(m32, mh, dtype, gen):
     """The routed MXFP4 experts (dequant, GEMMs, SiTU epilogue, routed-weight sum) on fixed routing."""
-    from kernels import reference
+    from kimitui.kernels import reference
 
     moe32, moeh, z, ids, w = _experts_inputs(m32, mh, dtype, gen)
     out = moeh.experts(z, ids, w, counted=True)
@@ -271,7 +271,7 @@ def part_mla_gate(m32, mh, dtype, gen):
 
 def part_kda_gates(m32, mh, dtype, gen):
     """KDA forget gate (K3's lower-bounded sigmoid) and beta from half projections."""
-    from engine.layers.kda import kda_gate
+    from kimitui.engine.layers.kda import kda_gate
 
     i = kda_layer(m32)
     k32, kh = m32.model.layers[i].self_attn, mh.model.layers[i].self_attn
@@ -318,7 +318,7 @@ def part_kda_recurrence(m32, mh, dtype, gen):
 
 def part_kda_out_norm(m32, mh, dtype, gen):
     """KDA's output: RMSNorm(o) * o_norm.weight * sigmoid(gate), per head (fla's FusedRMSNormGated)."""
-    from kernels.kda import gated_rms_norm as _gated_rms_norm
+    from kimitui.kernels.kda import gated_rms_norm as _gated_rms_norm
 
     i = kda_layer(m32)
     kh = mh.model.layers[i].self_attn
@@ -370,7 +370,7 @@ def end_to_end(path: Path, prompt_len: int = 96, seed: int = 0) -> dict:
     """max and mean |delta log-prob| (every position, every vocabulary entry) of bf16 / fp16 vs fp32."""
     from tests.helpers.hybrid_driver import HybridDriver
 
-    from engine.layers.moe import Router
+    from kimitui.engine.layers.moe import Router
 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 250, (prompt_len,), generator=gen).tolist()

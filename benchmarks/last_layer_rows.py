@@ -34,8 +34,8 @@ def main() -> int:
     path.mkdir(parents=True, exist_ok=True)
     write_checkpoint(path)
 
-    import engine.runner as runner
-    from engine import LLM, SamplingParams
+    import kimitui.engine.runner as runner
+    from kimitui.engine import LLM, SamplingParams
 
     pruned_rows = runner.output_rows
     llm = LLM(str(path), max_model_len=1024, max_num_seqs=8, enable_prefix_caching=False)

@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.fused_moe import moe_align_block_size as torch_align  # noqa: E402
-from kernels.moe_align import align_launch  # noqa: E402
+from kimitui.kernels.fused_moe import moe_align_block_size as torch_align  # noqa: E402
+from kimitui.kernels.moe_align import align_launch  # noqa: E402
 
 # (name, tokens, top-k, experts): Kimi K2 (384 experts, top-8) and K3 (896 experts, top-16) decode
 SHAPES = [("K2 batch 1", 1, 8, 384), ("K2 batch 16", 16, 8, 384), ("K2 batch 64", 64, 8, 384),

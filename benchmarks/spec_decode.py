@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # the engine before torch: it sets OpenMP's wait policy, which libgomp reads when torch loads it
-from engine import LLM, SamplingParams  # noqa: E402
+from kimitui.engine import LLM, SamplingParams  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -182,8 +182,8 @@ def main() -> int:
     ap.add_argument("--keep", help="write (or reuse) the checkpoints under this directory")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from engine.spec_decode.config import SpeculativeConfig
-    from engine.spec_decode.proposer import make_proposer
+    from kimitui.engine.spec_decode.config import SpeculativeConfig
+    from kimitui.engine.spec_decode.proposer import make_proposer
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -128,7 +128,7 @@ def tree_cpu_seconds(pid: int) -> float:
 def _load_ours(args):
     sys.path.insert(0, str(ROOT))
     # the engine before torch: it sets OpenMP's wait policy, which libgomp reads when torch loads
-    from engine import LLM, SamplingParams
+    from kimitui.engine import LLM, SamplingParams
     import torch
 
     torch.set_num_threads(args.threads)
@@ -212,7 +212,7 @@ def write_checkpoint(path: Path, config: dict) -> None:
             raise SystemExit(f"{path} holds a checkpoint of another shape; pass another --ckpt-dir")
         return
     sys.path.insert(0, str(ROOT))
-    from engine.demo import _random_weights, write_shards
+    from kimitui.engine.demo import _random_weights, write_shards
 
     path.mkdir(parents=True, exist_ok=True)
     write_shards(path, _random_weights(config))

@@ -69,7 +69,7 @@ class EngineArgs:
     @property
     def speculative(self):
         """``speculative_config`` parsed (engine.spec_decode.SpeculativeConfig), or None."""
-        from engine.spec_decode.config import SpeculativeConfig
+        from kimitui.engine.spec_decode.config import SpeculativeConfig
 
         return SpeculativeConfig.parse(self.speculative_config)
 
@@ -145,8 +145,8 @@ def cpu_auto_dtype(checkpoint_dtype: str, config=None, flags: set[str] | None = 
     if not have:
         return torch.float32, "this CPU has no bf16 arithmetic (avx512_bf16 / amx_bf16) and is not AVX2-only"
     if kernels is None:
-        from kernels import cpu_few_rows
-        from kernels.settings import KernelSettings
+        from kimitui.kernels import cpu_few_rows
+        from kimitui.kernels.settings import KernelSettings
 
         kernels = KernelSettings.from_env().cpu_kernels and cpu_few_rows.available()
     if not kernels:

@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from engine.args import EngineArgs
-from engine.engine import LLMEngine
-from engine.metrics import EngineStats
-from engine.outputs import RequestOutput
-from engine.parallel.workers import WorkerError
-from engine.sampling_params import SamplingParams
+from kimitui.engine.args import EngineArgs
+from kimitui.engine.engine import LLMEngine
+from kimitui.engine.metrics import EngineStats
+from kimitui.engine.outputs import RequestOutput
+from kimitui.engine.parallel.workers import WorkerError
+from kimitui.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 import base64
 import json
 import os
-from importlib import resources
 from pathlib import Path
 
-from engine.tokenizer import KIMI_PAT_STR_ONIG, NUM_RESERVED_SPECIAL_TOKENS, bytes_to_unicode
+from kimitui.engine.tokenizer import KIMI_PAT_STR_ONIG, NUM_RESERVED_SPECIAL_TOKENS, bytes_to_unicode
 
 # Kimi K2's named special tokens as offsets from num_base_tokens (tokenization_kimi.py and
 # tokenizer_config.json of moonshotai/Kimi-K2-Instruct); every other
@@ -45,6 +44,8 @@ KIMI_SPECIAL_TOKEN_OFFSETS: dict[int, str] = {
     255: "[PAD]",
 }
 
+_DATA = Path(__file__).with_name("data")  # shipped beside this module (package data)
+
 # Real Kimi lists these as `additional_special_tokens` in tokenizer_config.json.
 _ADDITIONAL_SPECIAL = ["<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>",
                        "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>"]
@@ -52,12 +53,12 @@ _ADDITIONAL_SPECIAL = ["<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start
 
 def demo_corpus() -> str:
     """The multilingual text shipped in engine/data for training the demo tokenizer."""
-    return resources.files("engine").joinpath("data/demo_corpus.txt").read_text(encoding="utf-8")
+    return (_DATA / "demo_corpus.txt").read_text(encoding="utf-8")
 
 
 def k2_chat_template() -> str:
     """Our Jinja equivalent of Kimi K2-Instruct's chat template (engine/data)."""
-    path = resources.files("engine").joinpath("data/kimi_k2_chat_template.jinja")
+    path = _DATA / "kimi_k2_chat_template.jinja"
     return path.read_text(encoding="utf-8")
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from engine.chat import ReplyStreamParser, chat_reply_special_ids, chat_stop_token_ids, encode_chat
-from engine.xtml import MARKERS, END_OF_MSG, build_segments, encode_segments
-from engine.xtml_options import resolve_effort, response_format_type, tool_choice_name
-from engine.xtml_reply import XtmlReplyParser
+from kimitui.engine.chat import ReplyStreamParser, chat_reply_special_ids, chat_stop_token_ids, encode_chat
+from kimitui.engine.xtml import MARKERS, END_OF_MSG, build_segments, encode_segments
+from kimitui.engine.xtml_options import resolve_effort, response_format_type, tool_choice_name
+from kimitui.engine.xtml_reply import XtmlReplyParser
 
 log = logging.getLogger(__name__)
 

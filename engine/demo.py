@@ -90,7 +90,7 @@ def demo_checkpoint(name: str | None = "demo") -> Path:
     if name in (None, "", "demo"):
         return ensure_demo_checkpoint()
     if name == "demo-k3":
-        from engine.demo_k3 import ensure_demo_k3_checkpoint
+        from kimitui.engine.demo_k3 import ensure_demo_k3_checkpoint
 
         return ensure_demo_k3_checkpoint()
     raise ValueError(f"unknown built-in model {name!r} (expected one of {', '.join(DEMO_MODELS)})")
@@ -119,7 +119,7 @@ def ensure_demo_checkpoint(path: str | Path | None = None, writer=None) -> Path:
 
 
 def write_demo_checkpoint(path: str | Path) -> None:
-    from engine.bpe_train import demo_corpus, train_ranks, write_kimi_tokenizer_files
+    from kimitui.engine.bpe_train import demo_corpus, train_ranks, write_kimi_tokenizer_files
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine.demo import (NUM_BASE_TOKENS, SEED, cache_root, ensure_demo_checkpoint, mla_low_rank_shapes, swiglu_shapes,
+from kimitui.engine.demo import (NUM_BASE_TOKENS, SEED, cache_root, ensure_demo_checkpoint, mla_low_rank_shapes, swiglu_shapes,
                          write_shards)
 
 DEMO_K3_VERSION = 1
@@ -90,7 +90,7 @@ def ensure_demo_k3_checkpoint(path: str | Path | None = None) -> Path:
 
 
 def write_demo_k3_checkpoint(path: str | Path) -> None:
-    from engine.bpe_train import demo_corpus, train_ranks
+    from kimitui.engine.bpe_train import demo_corpus, train_ranks
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -129,7 +129,7 @@ def k3_ranks(trained: dict[bytes, int]) -> dict[bytes, int]:
 
 def write_k3_tokenizer_files(directory: str | Path, ranks: dict[bytes, int], model_max_length: int = 1048576) -> None:
     """``tiktoken.model`` and a K3-shaped ``tokenizer_config.json`` (specials at 163584..163839)."""
-    from engine.bpe_train import write_kimi_tokenizer_files
+    from kimitui.engine.bpe_train import write_kimi_tokenizer_files
 
     d = Path(directory)
     write_kimi_tokenizer_files(d, ranks, model_max_length=model_max_length)  # tiktoken.model (+ K2 config)

@@ -17,27 +17,27 @@ from pathlib import Path
 
 import torch
 
-from engine.args import EngineArgs
-from engine.config import ModelConfig
-from engine.kv_cache.block_manager import BlockManager
-from engine.kv_cache.pool import (KVCachePool, bytes_of_state, bytes_per_block, has_state, num_blocks_for_budget,
+from kimitui.engine.args import EngineArgs
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.kv_cache.block_manager import BlockManager
+from kimitui.engine.kv_cache.pool import (KVCachePool, bytes_of_state, bytes_per_block, has_state, num_blocks_for_budget,
                                   snapshots_for_budget)
-from engine.kv_cache.state_slots import StateSlots
-from engine.loader import load_model
-from engine.metrics import EngineStats
-from engine.offload.numa import NumaPolicy, place_host_experts, read_topology
-from engine.offload.placement import device_reserve_bytes, expert_placement_for
-from engine.parallel.state import SINGLE
-from engine.parallel.workers import WorkerGroup, WorkerSpec, free_port
-from engine.output_processor import OutputProcessor, ProcessedStep
-from engine.parallel_sampling import ParentRequest, child_params, fans_out
-from engine.outputs import RequestOutput
-from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence
-from engine.spec_decode.proposer import make_proposer
-from engine.spec_decode.stats import SpecDecodeStats
+from kimitui.engine.kv_cache.state_slots import StateSlots
+from kimitui.engine.loader import load_model
+from kimitui.engine.metrics import EngineStats
+from kimitui.engine.offload.numa import NumaPolicy, place_host_experts, read_topology
+from kimitui.engine.offload.placement import device_reserve_bytes, expert_placement_for
+from kimitui.engine.parallel.state import SINGLE
+from kimitui.engine.parallel.workers import WorkerGroup, WorkerSpec, free_port
+from kimitui.engine.output_processor import OutputProcessor, ProcessedStep
+from kimitui.engine.parallel_sampling import ParentRequest, child_params, fans_out
+from kimitui.engine.outputs import RequestOutput
+from kimitui.engine.runner import ModelRunner
+from kimitui.engine.sampling_params import SamplingParams
+from kimitui.engine.scheduler import Scheduler, SchedulerConfig
+from kimitui.engine.sequence import Sequence
+from kimitui.engine.spec_decode.proposer import make_proposer
+from kimitui.engine.spec_decode.stats import SpecDecodeStats
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class LLMEngine:
         """An EAGLE-3 drafter's weights and KV per token (engine.spec_decode.footprint), or None."""
         if self.speculative is None or self.speculative.method != "eagle3":
             return None
-        from engine.spec_decode.footprint import drafter_footprint
+        from kimitui.engine.spec_decode.footprint import drafter_footprint
 
         return drafter_footprint(self.speculative.model, self.config.hidden_size, self.config.vocab_size,
                                  self.dtype.itemsize)
@@ -239,7 +239,7 @@ class LLMEngine:
         if self.runner.structured is None:
             if self.tokenizer is None:
                 raise PromptError(f"structured outputs need tokenizer files, and {self.model_dir} has none")
-            from engine.structured.manager import StructuredOutputManager
+            from kimitui.engine.structured.manager import StructuredOutputManager
 
             self.runner.structured = StructuredOutputManager(self.tokenizer, self.config.vocab_size, self.device)
         return self.runner.structured
@@ -339,7 +339,7 @@ class LLMEngine:
 
     def save_routing_stats(self, path: str) -> None:
         """Tokens per expert per layer so far, for hottest-first placement at the next start."""
-        from engine.offload.routing_stats import save_routing_stats
+        from kimitui.engine.offload.routing_stats import save_routing_stats
 
         save_routing_stats(path, self.routing_stats())
 
@@ -412,7 +412,7 @@ def _shutdown_workers(workers) -> None:
 
 def _resolve_model(model: str | None) -> str:
     if model in (None, "", "demo", "demo-k3"):
-        from engine.demo import demo_checkpoint
+        from kimitui.engine.demo import demo_checkpoint
 
         return str(demo_checkpoint(model))
     path = Path(model).expanduser()
@@ -422,7 +422,7 @@ def _resolve_model(model: str | None) -> str:
 
 
 def _load_tokenizer(model_dir: Path):
-    from engine.tokenizer import Tokenizer, TokenizerError
+    from kimitui.engine.tokenizer import Tokenizer, TokenizerError
 
     if not ((model_dir / "tokenizer.json").is_file() or (model_dir / "tiktoken.model").is_file()):
         return None

@@ -22,9 +22,9 @@ sequence's). Block accounting stays plain reference counting: every path frees w
 
 from __future__ import annotations
 
-from engine.kv_cache.block_manager import BlockManager
-from engine.kv_cache.state_slots import StateSlots
-from engine.sequence import Sequence, SequenceStatus
+from kimitui.engine.kv_cache.block_manager import BlockManager
+from kimitui.engine.kv_cache.state_slots import StateSlots
+from kimitui.engine.sequence import Sequence, SequenceStatus
 
 
 class ParkedForks:

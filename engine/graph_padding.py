@@ -30,8 +30,8 @@ from contextlib import contextmanager
 
 import torch
 
-from engine.kv_cache.state import KDAState
-from engine.layers.moe import RoutedExperts
+from kimitui.engine.kv_cache.state import KDAState
+from kimitui.engine.layers.moe import RoutedExperts
 
 
 def add_padding_slot(states: list[KDAState]) -> int | None:

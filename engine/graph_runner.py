@@ -39,10 +39,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.graph_padding import RoutingRows, add_padding_slot
-from engine.kv_cache.state import KDAState
-from engine.layers.attn_metadata import AttentionMetadata
-from kernels.settings import KernelSettings
+from kimitui.engine.graph_padding import RoutingRows, add_padding_slot
+from kimitui.engine.kv_cache.state import KDAState
+from kimitui.engine.layers.attn_metadata import AttentionMetadata
+from kimitui.kernels.settings import KernelSettings
 
 log = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from engine.args import EngineArgs
-from engine.engine import LLMEngine, PromptError
-from engine.outputs import LogprobRows, RequestOutput
-from engine.sampling_params import SamplingParams
+from kimitui.engine.args import EngineArgs
+from kimitui.engine.engine import LLMEngine, PromptError
+from kimitui.engine.outputs import LogprobRows, RequestOutput
+from kimitui.engine.sampling_params import SamplingParams
 
 
 class LLM:
@@ -112,7 +112,7 @@ class LLM:
         ``engine.chat_format.chat_format_for(llm.get_tokenizer()).reply_parser(...)``."""
         from dataclasses import replace
 
-        from engine.chat_format import chat_format_for
+        from kimitui.engine.chat_format import chat_format_for
 
         tok = self.engine.tokenizer
         if tok is None:

@@ -13,14 +13,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.metrics import ThroughputWindow
-from engine.outputs import CompletionOutput, LogprobRows, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from kimitui.engine.metrics import ThroughputWindow
+from kimitui.engine.outputs import CompletionOutput, LogprobRows, RequestMetrics, RequestOutput
+from kimitui.engine.sampling_params import SamplingParams
+from kimitui.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from engine.runner import StepResult
-    from engine.scheduler import SchedulerOutput
+    from kimitui.engine.runner import StepResult
+    from kimitui.engine.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -69,7 +69,7 @@ class OutputProcessor:
         prompt is the same request's (usage counts it once)."""
         detok = None
         if self.tokenizer is not None:
-            from engine.tokenizer import IncrementalDetokenizer
+            from kimitui.engine.tokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
                                            skip_special_tokens=params.skip_special_tokens,

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from kimitui.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kimitui.engine.sampling_params import SamplingParams
 
 
 def child_id(parent_id: str, index: int) -> str:

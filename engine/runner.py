@@ -29,18 +29,18 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.graph_runner import DecodeGraphRunner, GraphConfig, default_decode_graphs
-from engine.kv_cache.pool import copy_blocks
-from engine.kv_cache.state import KDAState
-from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
-from engine.layers.penalties import has_penalties
-from engine.layers.sampler import SamplingBatch, logprob_dicts, prompt_logprob_dicts, sample
-from engine.outputs import LogprobRows
-from engine.sample_rows import forced_rows, fork_rows, penalty_rows
-from engine.schedule_output import ScheduledSeq, SchedulerOutput
-from engine.spec_decode.proposer import StepHidden
-from engine.spec_decode.verify import KDASpecStep, kda_spec_layout, kda_spec_steps, verify_and_logprobs
-from engine.step_buffers import StepBuffers
+from kimitui.engine.graph_runner import DecodeGraphRunner, GraphConfig, default_decode_graphs
+from kimitui.engine.kv_cache.pool import copy_blocks
+from kimitui.engine.kv_cache.state import KDAState
+from kimitui.engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
+from kimitui.engine.layers.penalties import has_penalties
+from kimitui.engine.layers.sampler import SamplingBatch, logprob_dicts, prompt_logprob_dicts, sample
+from kimitui.engine.outputs import LogprobRows
+from kimitui.engine.sample_rows import forced_rows, fork_rows, penalty_rows
+from kimitui.engine.schedule_output import ScheduledSeq, SchedulerOutput
+from kimitui.engine.spec_decode.proposer import StepHidden
+from kimitui.engine.spec_decode.verify import KDASpecStep, kda_spec_layout, kda_spec_steps, verify_and_logprobs
+from kimitui.engine.step_buffers import StepBuffers
 
 
 @dataclass

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import torch
 
-from engine.layers.penalties import PenaltyBatch
-from engine.schedule_output import ScheduledSeq
+from kimitui.engine.layers.penalties import PenaltyBatch
+from kimitui.engine.schedule_output import ScheduledSeq
 
 
 def _rows(sample_seqs: list[ScheduledSeq], drafts: list[list[int]] | None) -> Iterator[tuple[ScheduledSeq, list[int]]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.structured.params import StructuredOutputs
+from kimitui.engine.structured.params import StructuredOutputs
 
 MAX_LOGPROBS = 20
 

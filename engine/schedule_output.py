@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sequence import Sequence
+from kimitui.engine.sequence import Sequence
 
 
 @dataclass(frozen=True, slots=True)

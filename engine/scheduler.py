@@ -32,11 +32,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.forks import ParkedForks, can_fork, fork_child
-from engine.kv_cache.block_manager import BlockManager
-from engine.kv_cache.state_slots import StateSlots
-from engine.schedule_output import ScheduledSeq, SchedulerOutput  # noqa: F401 - re-exported: the step plan's types
-from engine.sequence import FINISH_STATUS, Sequence, SequenceStatus
+from kimitui.engine.forks import ParkedForks, can_fork, fork_child
+from kimitui.engine.kv_cache.block_manager import BlockManager
+from kimitui.engine.kv_cache.state_slots import StateSlots
+from kimitui.engine.schedule_output import ScheduledSeq, SchedulerOutput  # noqa: F401 - re-exported: the step plan's types
+from kimitui.engine.sequence import FINISH_STATUS, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)

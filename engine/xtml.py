@@ -35,9 +35,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.xtml_options import (DEFAULT_THINKING_EFFORT, EFFORT_TEXT, THINKING_EFFORTS, OptionError, XtmlError,
+from kimitui.engine.xtml_options import (DEFAULT_THINKING_EFFORT, EFFORT_TEXT, THINKING_EFFORTS, OptionError, XtmlError,
                                  check_thinking_effort, compact_json, response_format_text, tool_choice_text)
-from engine.xtml_tools import call_arguments, declare_text, order_tool_results
+from kimitui.engine.xtml_tools import call_arguments, declare_text, order_tool_results
 
 __all__ = ["CLOSE", "DEFAULT_THINKING_EFFORT", "END_OF_MSG", "MARKERS", "OPEN", "ROLES", "SEP", "THINKING_EFFORTS",
            "OptionError", "Segment", "XtmlError", "build_segments", "compact_json", "encode_segments",

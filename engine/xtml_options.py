@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.chat import deep_sort
+from kimitui.engine.chat import deep_sort
 
 THINKING_EFFORTS = ("low", "high", "max")
 DEFAULT_THINKING_EFFORT = "max"

@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 import re
 
-from engine.chat import ParsedReply, StreamDelta, StreamParserBase, ToolCall, _held_suffix
-from engine.xtml import CLOSE, END_OF_MSG, OPEN, SEP, unescape_attr
+from kimitui.engine.chat import ParsedReply, StreamDelta, StreamParserBase, ToolCall, _held_suffix
+from kimitui.engine.xtml import CLOSE, END_OF_MSG, OPEN, SEP, unescape_attr
 
 THINK_BEGIN, THINK_END = f"{OPEN}think{SEP}", f"{CLOSE}think{SEP}"
 RESPONSE_BEGIN, RESPONSE_END = f"{OPEN}response{SEP}", f"{CLOSE}response{SEP}"

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.chat import deep_sort
-from engine.xtml_options import XtmlError, compact_json
+from kimitui.engine.chat import deep_sort
+from kimitui.engine.xtml_options import XtmlError, compact_json
 
 _DECLARE = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n{}\n```"
 # A system message that carries ``tools`` extends the tool set mid-conversation ("lazy loading").

@@ -1,69 +1,247 @@
-"""Compile-and-load of the C++ CPU extensions (``kernels.cpu_few_rows``, ``kernels.cpu_quant_moe``).
+"""The C++ CPU extensions (``kimitui.kernels.cpu_few_rows``, ``kimitui.kernels.cpu_quant_moe``): what each
+is built from, and how a process finds its build.
 
-Both are built on first use by ``torch.utils.cpp_extension.load`` into ``TORCH_EXTENSIONS_DIR``.
-A failed build (no compiler, no ninja, an unsupported platform) is not an error: the caller gets
-None, logs one warning and keeps its PyTorch path. Each module names its cached copy with
-``build_tag`` and what else makes that copy stale (``-march=native`` code depends on the CPU,
-portable code does not).
+They are compiled when the package is built or installed (``setup.py`` reads ``EXTENSIONS`` from this
+file), one module per *variant*: the few-row kernels' 8-wide loops are compiled for x86-64-v3 (AVX2,
+FMA, F16C) and for plain x86-64, and the variant this CPU runs is picked at run time; the packed-expert
+kernels carry a target pragma per instruction set path and choose at run time themselves, so one
+portable build serves every CPU. Beside each module the build writes ``<module>.buildkey``: a hash
+of the sources, headers, flags and torch version it was built from. A process imports the built
+module only when that key is the one its own files and torch give; otherwise (a source checkout
+with edited C++, a wheel built without torch, another torch) it compiles just in time, announced on
+the log (and by the TUI's load screen, which asks ``pending_builds`` first), into a folder named by
+the key under ``TORCH_EXTENSIONS_DIR``, holding an ``flock`` on ``<folder>.lock`` so that two
+processes never build over each other. The kernel drops that lock when its holder dies, so a
+killed build never blocks the next start; torch's own ``lock`` file, which a killed build leaves
+behind, is removed by whoever holds the flock. No compiler: the caller gets None, one warning, and
+keeps its PyTorch path.
+
+This module imports nothing but the standard library at its top: ``setup.py`` loads it by path.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import importlib
+import json
 import logging
 import os
+import platform
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-
-def build_tag(sources: list[Path], headers: list[Path], extra: str = "") -> str:
-    """A short hash naming one build: torch rebuilds when a source changes, not a header, so the headers'
-    text is part of the name, as is the first source's path (two checkouts must not rebuild each
-    other's copy) and ``extra`` (whatever else the compiled code depends on)."""
-    key = f"{extra} {sources[0].resolve()}".encode() + b"".join(h.read_bytes() for h in headers)
-    return hashlib.sha1(key).hexdigest()[:10]
+HERE = Path(__file__).resolve().parent
+PACKAGE = "kimitui.kernels"
+KEY_SUFFIX = ".buildkey"
+# one variant each needs of /proc/cpuinfo (x86-64-v3: what -march=x86-64-v3 may emit)
+_X86_64_V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})
 
 
-def built(name: str) -> bool:
-    """Whether the extension ``name`` is already in the build cache. Only chooses whether to
-    announce a compile; torch's helper is private, so any failure says "built"."""
+@dataclass(frozen=True)
+class Extension:
+    """One C++ extension: sources and headers (file names in ``kernels/``), compile flags, and its
+    variants (name -> extra flags), best first; ``needs`` maps a variant to the CPU flags it needs."""
+
+    name: str
+    sources: tuple[str, ...]
+    headers: tuple[str, ...]
+    cflags: tuple[str, ...]
+    variants: tuple[tuple[str, tuple[str, ...]], ...]
+    needs: tuple[tuple[str, frozenset[str]], ...] = ()
+    minutes: float = 1.0  # about how long one variant takes on 2 cores, for the announcement
+
+    def module(self, variant: str) -> str:
+        return f"_{self.name}_{variant}"
+
+
+_PORTABLE = (("portable", ()),)
+# no implicit a * b + c fusing: the kernels fuse explicitly (fmadd), the same in every tile
+_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
+
+FEW_ROWS = Extension(
+    name="cpu_few_rows",
+    sources=("cpu_few_rows.cpp", "cpu_mla_decode.cpp", "cpu_decode_block.cpp", "cpu_onednn_packed.cpp"),
+    headers=("cpu_few_rows.h", "gated_act.h", "cpu_parallel.h", "cpu_team.h"),
+    cflags=_FLAGS,
+    variants=(("x86_64_v3", ("-march=x86-64-v3", "-mtune=generic")), ("x86_64", ("-march=x86-64",)))
+    if platform.machine() in ("x86_64", "AMD64") else _PORTABLE,
+    needs=(("x86_64_v3", _X86_64_V3),),
+    minutes=0.5,
+)
+QUANT_MOE = Extension(
+    name="cpu_quant_moe",
+    sources=("cpu_quant_moe.cpp", "cpu_quant_moe_isa.cpp", "cpu_quant_moe_amx.cpp"),
+    headers=("cpu_quant_moe_common.h", "cpu_quant_moe_avx512.h", "gated_act.h", "cpu_parallel.h", "cpu_team.h"),
+    cflags=_FLAGS,  # no -march: each path carries its own target pragma, the portable one runs anywhere
+    variants=_PORTABLE,
+    minutes=1.0,
+)
+EXTENSIONS = (FEW_ROWS, QUANT_MOE)
+
+
+def cpu_flags() -> frozenset[str]:
     try:
-        from torch.utils.cpp_extension import _get_build_directory
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return frozenset()
+    return frozenset(line.split(":", 1)[1].split())
 
-        return Path(_get_build_directory(name, verbose=False), f"{name}.so").exists()
+
+def variant_for(ext: Extension, flags: frozenset[str] | None = None) -> str:
+    """The best variant of ``ext`` this CPU runs."""
+    flags = cpu_flags() if flags is None else flags
+    needs = dict(ext.needs)
+    return next(name for name, _ in ext.variants if needs.get(name, frozenset()) <= flags)
+
+
+def variant_flags(ext: Extension, variant: str) -> list[str]:
+    return [*ext.cflags, *dict(ext.variants)[variant]]
+
+
+def build_key(ext: Extension, variant: str, torch_version: str, folder: Path = HERE) -> str:
+    """What one build depends on: every source and header byte, the flags, torch's version."""
+    h = hashlib.sha256(f"{ext.name} {variant} {' '.join(variant_flags(ext, variant))} torch {torch_version}".encode())
+    for name in (*ext.sources, *ext.headers):
+        h.update(name.encode() + b"\0" + (folder / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def write_key(module_file: Path, ext: Extension, variant: str, torch_version: str, folder: Path = HERE) -> Path:
+    """The sidecar ``setup.py`` writes beside a module it built."""
+    path = module_file.parent / (ext.module(variant) + KEY_SUFFIX)
+    path.write_text(json.dumps({"key": build_key(ext, variant, torch_version, folder), "torch": torch_version}) + "\n")
+    return path
+
+
+# -- run time ----------------------------------------------------------------------------------------
+
+def _search_path() -> list[Path]:
+    package = importlib.import_module(PACKAGE)
+    return [Path(p) for p in package.__path__]
+
+
+def _prebuilt(ext: Extension, variant: str, key: str) -> str | None:
+    """The import name of a build-time module whose key is ``key``, if there is one."""
+    for folder in _search_path():
+        sidecar = folder / (ext.module(variant) + KEY_SUFFIX)
+        try:
+            found = json.loads(sidecar.read_text()).get("key")
+        except (OSError, ValueError):
+            continue
+        if found == key:
+            return f"{PACKAGE}.{ext.module(variant)}"
+    return None
+
+
+def _jit_dir(ext: Extension, variant: str, key: str) -> Path:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root()) / "kimitui" / f"{ext.name}_{variant}_{key}"
+
+
+def pending_builds() -> list[str]:
+    """The extensions this process would compile before its first use (none after an install):
+    "<name> (about N min)" each, for a load screen to say before the wait. Never raises."""
+    try:
+        import torch
+
+        out = []
+        for ext in EXTENSIONS:
+            variant = variant_for(ext)
+            key = build_key(ext, variant, torch.__version__)
+            if _prebuilt(ext, variant, key) is None and not _jit_built(ext, variant, key):
+                out.append(f"{ext.name} (about {ext.minutes:g} min)")
+        return out
     except Exception:
-        return True
+        return []
 
 
-def load_extension(
-    name: str,
-    sources: list[Path],
-    extra_cflags: list[str],
-    log: logging.Logger,
-    what: str,
-    announce: str | None = None,
-) -> ModuleType | None:
-    """Build (once per ``name``) and import the extension; None, with a warning on ``log`` naming
-    ``what`` and the first line of the failure, when it cannot be built. ``announce``: logged at
-    INFO before a compile that is not cached yet."""
+def _jit_built(ext: Extension, variant: str, key: str) -> bool:
+    return (_jit_dir(ext, variant, key) / f"kimitui_{ext.name}_{variant}_{key}.so").is_file()
+
+
+class BuildLock:
+    """An exclusive ``flock`` on ``<folder>.lock`` (the kernel releases it when the holder dies, so it
+    cannot go stale); its holder writes its pid there so a waiter can say whom it waits for."""
+
+    def __init__(self, folder: Path, log: logging.Logger, what: str):
+        self.path, self.log, self.what = folder.with_name(folder.name + ".lock"), log, what
+
+    def __enter__(self) -> "BuildLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+            self.log.warning("%s: waiting for process %s, which is compiling it (%s)", self.what, holder, self.path)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.ftruncate(self.fd, 0)
+        os.close(self.fd)  # closing drops the flock
+
+
+def clear_stale_torch_lock(folder: Path, log: logging.Logger) -> None:
+    """torch's ``FileBaton`` leaves ``<folder>/lock`` when its build is killed, and every later
+    ``load`` then waits on it forever. Called with the ``BuildLock`` held: no live process of ours is
+    building in ``folder``, so the file is stale."""
+    stale = folder / "lock"
+    if stale.exists():
+        log.warning("removing %s, left by a build that was killed", stale)
+        stale.unlink(missing_ok=True)
+
+
+def load_extension(ext: Extension, log: logging.Logger, what: str) -> ModuleType | None:
+    """``ext``'s module for this CPU: the one built at install when its key matches, else compiled
+    now (announced, under the lock); None, with a warning naming ``what``, when it cannot be had."""
     try:
-        from torch.utils.cpp_extension import load
+        import torch
 
-        if announce is not None and not built(name):
-            log.info(announce)
+        variant = variant_for(ext)
+        key = build_key(ext, variant, torch.__version__)
+        name = _prebuilt(ext, variant, key)
+        if name is not None:
+            return importlib.import_module(name)
+        return _compile(ext, variant, key, log, what)
+    except Exception as e:  # no compiler or ninja, an unsupported platform, a broken build: the PyTorch path
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        log.warning("%s unavailable (%s); using the PyTorch path", what, reason)
+        return None
+
+
+def _compile(ext: Extension, variant: str, key: str, log: logging.Logger, what: str) -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    folder = _jit_dir(ext, variant, key)
+    name = f"kimitui_{ext.name}_{variant}_{key}"
+    with BuildLock(folder, log, what):
+        clear_stale_torch_lock(folder, log)
+        if not (folder / f"{name}.so").is_file():
+            log.warning("%s: not built for this checkout and torch %s; compiling the %s variant now (about %g min "
+                        "on 2 cores, once, into %s). `pip install --no-build-isolation -e .` builds it ahead of time.",
+                        what, _torch_version(), variant, ext.minutes, folder)
         if shutil.which("ninja") is None:  # the ninja wheel's binary, when its venv is not on PATH
             import ninja
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        return load(
-            name=name,
-            sources=[str(p) for p in sources],
-            extra_cflags=extra_cflags,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as e:  # no compiler or ninja, or an unsupported platform: keep the PyTorch path
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        log.warning("%s unavailable (%s); using the PyTorch path", what, reason)
-        return None
+        folder.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        module = load(name=name, sources=[str(HERE / s) for s in ext.sources], extra_cflags=variant_flags(ext, variant),
+                      extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+        if time.monotonic() - started > 5:
+            log.warning("%s: compiled in %.0f s", what, time.monotonic() - started)
+        return module
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__

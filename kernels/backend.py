@@ -22,8 +22,8 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
-from kernels.settings import KernelSettings
+from kimitui.kernels import reference
+from kimitui.kernels.settings import KernelSettings
 
 
 class Backend:
@@ -228,7 +228,7 @@ class Backend:
         ``rec_state[slots]`` and the output's RMSNorm gated by sigmoid(gate). ``qkv [N, 3P]``,
         ``f_b, gate [N, P]``, ``b [N, H]``, ``conv_weight [3P, W]``, ``A_log [H]``, ``dt_bias [P]``,
         ``norm_weight [D]``; both states updated in place. -> [N, P] in qkv.dtype (o_proj's input)"""
-        kda = importlib.import_module("kernels.kda")
+        kda = importlib.import_module("kimitui.kernels.kda")
         n, h, d = qkv.shape[0], A_log.shape[0], norm_weight.shape[0]
         g = kda.kda_gate((f_b.float() + dt_bias).view(n, h, d), A_log, lower_bound)
         beta = torch.sigmoid(b.float())
@@ -286,7 +286,7 @@ def count_routing(counts: torch.Tensor | None, ids: torch.Tensor, count_rows: to
 
 def _kernel(module: str, name: str):
     # kernel modules import on first use, so importing kernels never needs triton or fla
-    return getattr(importlib.import_module(f"kernels.{module}"), name)
+    return getattr(importlib.import_module(f"kimitui.kernels.{module}"), name)
 
 
 REFERENCE = Backend()  # stateless: the default of a layer nobody has handed a backend yet
@@ -311,14 +311,14 @@ def select_backend(device: torch.device | str, dtype: torch.dtype, settings: Ker
         raise ValueError("KIMITUI_EMULATE_DEVICE=1 needs TRITON_INTERPRET=1 (Triton kernels on CPU tensors)")
     # A GPU (or its emulation) without a working triton is an error naming the package, never a
     # silent fall back to the reference, which loops over experts with host syncs.
-    from kernels.triton_check import require_triton
+    from kimitui.kernels.triton_check import require_triton
 
     if require_triton(device, settings):
-        from kernels.triton_backend import TritonBackend
+        from kimitui.kernels.triton_backend import TritonBackend
 
         return TritonBackend()
     if device.type == "cpu":
-        from kernels.cpu_backend import CpuBackend
+        from kimitui.kernels.cpu_backend import CpuBackend
 
         return CpuBackend(settings, dtype)
     return REFERENCE
@@ -334,7 +334,7 @@ def attach_backends(model: torch.nn.Module, device: torch.device | str, dtype: t
     on_cpu = device.type == "cpu" and not settings.emulate_device
     host_ops = ops if on_cpu else select_backend("cpu", dtype, replace(settings, emulate_device=False))
     if ops.name == "triton" and device.type == "cuda" and any(getattr(m, "needs_fla", False) for m in model.modules()):
-        from kernels.kda_fla import require
+        from kimitui.kernels.kda_fla import require
 
         require()  # KDA layers on a GPU: fla-core or a clear error, never the PyTorch loops in silence
     for module in model.modules():

@@ -20,9 +20,9 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_few_rows, cpu_linear, cpu_moe, cpu_quant_moe, reference
-from kernels.backend import Backend, count_routing
-from kernels.settings import KernelSettings
+from kimitui.kernels import cpu_few_rows, cpu_linear, cpu_moe, cpu_quant_moe, reference
+from kimitui.kernels.backend import Backend, count_routing
+from kimitui.kernels.settings import KernelSettings
 
 _F32 = torch.float32
 _BF16 = torch.bfloat16
@@ -231,6 +231,6 @@ class CpuBackend(Backend):
     def fuse_decoder_layer(self, layer):
         if not self.cxx:
             return None
-        from kernels.cpu_decode_block import fuse_decoder_layer
+        from kimitui.kernels.cpu_decode_block import fuse_decoder_layer
 
         return fuse_decoder_layer(layer, self)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_few_rows
+from kimitui.kernels import cpu_few_rows
 
 _ABSENT = torch.empty(0)  # an absent weight, for the C++ side (never written)
 DTYPES = (torch.float32, torch.bfloat16)  # the dtypes of the matrices (and activations) the blocks take

@@ -18,21 +18,19 @@ on, a bf16 linear (and a MoE expert with 6+ pairs) runs oneDNN's bf16 product in
 the CPU has it), faster there than the 8-wide float32 FMAs; those rows' bits then depend on the row
 count, as every BLAS product's do.
 
-The extension is compiled with torch's own toolchain helper (``torch.utils.cpp_extension.load``,
-about 30 s on 2 cores, cached under ``TORCH_EXTENSIONS_DIR``) for the host CPU. Without a
-compiler ``available()`` is False and the CPU backend (``kernels.cpu_backend``, the only caller,
+The extension is compiled when the package is installed, for x86-64-v3 (AVX2 + FMA) and for plain
+x86-64, and the variant this CPU runs is imported (``kernels/_build.py``; a checkout whose C++ changed
+since compiles it just in time, announced and locked). Without a compiler ``available()`` is False and the CPU backend (``kernels.cpu_backend``, the only caller,
 which also honours ``KIMITUI_CPU_KERNELS=0`` through its settings) keeps its PyTorch paths.
 ``python -m kernels.cpu_few_rows`` builds it ahead of time.
 """
 
 import functools
 import logging
-import platform
-from pathlib import Path
 
 import torch
 
-from kernels._build import build_tag, load_extension
+from kimitui.kernels._build import FEW_ROWS, load_extension
 
 log = logging.getLogger(__name__)
 
@@ -43,32 +41,11 @@ MAX_MOE_TOKENS = 4096
 # mla_decode() and mla_decode_absorbed(): up to this many sequences (mla_decode 3.9x at 1, 1.8x at 4,
 # 1.3x at 16; the fused layer 2.1 ms less per single-request step, even at 8-16 sequences)
 MAX_MLA_SEQS = 16
-_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_few_rows.cpp", "cpu_mla_decode.cpp", "cpu_decode_block.cpp",
-                                                  "cpu_onednn_packed.cpp")]
-_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_few_rows.h", "gated_act.h", "cpu_parallel.h",
-                                                                       "cpu_team.h")]
-
-
-def _cpu_flags() -> str:
-    # -march=native code must not run on another CPU sharing the build cache (a shared home directory)
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return f"{platform.machine()} {flags}"
 
 
 @functools.cache
 def _module():
-    return load_extension(
-        f"kimitui_cpu_few_rows_{build_tag(_SOURCES, _HEADERS, _cpu_flags())}",
-        _SOURCES,
-        # no implicit a * b + c fusing: the kernels fuse explicitly (fmadd), the same in every tile
-        ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-        log,
-        "CPU few-row kernels",
-        announce="compiling the C++ CPU kernels (once per machine and checkout, about 30 s on 2 cores)",
-    )
+    return load_extension(FEW_ROWS, log, "CPU few-row kernels")
 
 
 def available() -> bool:

@@ -10,8 +10,8 @@ once at load). The per-token oracle these are tested against is ``kernels.refere
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_linear import linear_cpu
-from kernels.reference import dequant_fp8_block, dequant_int4, dequant_mxfp4, int4_nibbles
+from kimitui.kernels.cpu_linear import linear_cpu
+from kimitui.kernels.reference import dequant_fp8_block, dequant_int4, dequant_mxfp4, int4_nibbles
 
 
 def _swiglu(x, up_proj, down_proj, activation=None):

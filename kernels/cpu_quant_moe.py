@@ -20,8 +20,8 @@ else activations are float32. ``amx_bf16`` takes float32 activations on the AVX-
 bf16 ones on tiles at every batch size: its group sums differ from vdpbf16ps's in the last bits
 (TDPBF16PS does not round after each addition), so one path for all batches keeps a token's bits
 independent of its batch. ``isa()`` names the choice for
-``kimitui info``. Like ``kernels.cpu_few_rows``, the extension is compiled by
-``torch.utils.cpp_extension.load`` into ``TORCH_EXTENSIONS_DIR``; without a compiler, or with
+``kimitui info``. Like ``kernels.cpu_few_rows``, the extension is compiled when the package is installed (one portable
+build, ``kernels/_build.py``); without a compiler, or with
 ``KIMITUI_CPU_KERNELS=0``, ``available()`` is False and callers keep the PyTorch path.
 """
 
@@ -36,15 +36,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_quant_moe_layout as layout
-from kernels._build import build_tag, load_extension
+from kimitui.kernels import cpu_quant_moe_layout as layout
+from kimitui.kernels._build import QUANT_MOE, load_extension
 
 log = logging.getLogger(__name__)
 
-_DIR = Path(__file__).parent
-_SOURCES = [_DIR / "cpu_quant_moe.cpp", _DIR / "cpu_quant_moe_isa.cpp", _DIR / "cpu_quant_moe_amx.cpp"]
-_HEADERS = [_DIR / "cpu_quant_moe_common.h", _DIR / "cpu_quant_moe_avx512.h", _DIR / "gated_act.h",
-            _DIR / "cpu_parallel.h", _DIR / "cpu_team.h"]
 # KIMITUI_CPU_ISA values by code (the C++ best_isa()), narrowest first, and the names isa() prints.
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "amx_bf16": 4}
 ISA_NAMES = {0: "scalar", 1: "avx2+fma", 2: "avx512", 3: "avx512bf16", 4: "amx_bf16"}
@@ -55,17 +51,10 @@ ENV_ISA = "KIMITUI_CPU_ISA"
 def _module():
     if os.environ.get("KIMITUI_CPU_KERNELS", "1").lower() in ("0", "false", "off"):
         return None
-    module = load_extension(
-        f"kimitui_cpu_quant_moe_{build_tag(_SOURCES, _HEADERS)}",
-        _SOURCES,
-        # no -march: each path carries its own target pragma, the portable one runs anywhere
-        ["-O3", "-ffp-contract=off", "-fopenmp"],
-        log,
-        "CPU quantised MoE kernels",
-    )
+    module = load_extension(QUANT_MOE, log, "CPU quantised MoE kernels")
     # a thread calling both extensions runs one thread team (kernels/cpu_team.h): the few-row kernels'
     # (when they build)
-    from kernels import cpu_few_rows
+    from kimitui.kernels import cpu_few_rows
 
     if module is not None and cpu_few_rows.available():
         module.use_team(cpu_few_rows.team_capsule())

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, check_device
+from kimitui.kernels._checks import FLOAT_DTYPES, check_device
 
 _MAX_BLOCK = 65536  # one row in one block: 7168 (Kimi K2) pads to 8192
 

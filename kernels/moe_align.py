@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_device
+from kimitui.kernels._checks import check_device
 
 _ID_CHUNK = (128, 1024)  # pair ids histogrammed per loop step: all of a decode step's in one, 4 at 4096
 _PAIRS = 32  # pairs placed per program: a [32, 32] compare for the order inside the chunk

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, check_device, interpreting
+from kimitui.kernels._checks import FLOAT_DTYPES, check_device, interpreting
 
 MXFP4_BLOCK = 32
 

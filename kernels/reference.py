@@ -446,4 +446,4 @@ def moe_align_block_size(topk_ids, block_size, num_experts):
 
 
 # Kimi K3's oracles live in their own module; re-exported so ``reference.<name>`` names every oracle.
-from kernels.reference_k3 import attn_res_mix, causal_conv1d_reference, kda_recurrence_reference  # noqa: E402,F401
+from kimitui.kernels.reference_k3 import attn_res_mix, causal_conv1d_reference, kda_recurrence_reference  # noqa: E402,F401

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, check_device, interpreting
+from kimitui.kernels._checks import FLOAT_DTYPES, check_device, interpreting
 
 
 @triton.jit

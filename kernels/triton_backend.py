@@ -22,7 +22,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import Backend
+from kimitui.kernels.backend import Backend
 
 
 def _fla(x) -> bool:
@@ -30,7 +30,7 @@ def _fla(x) -> bool:
 
 
 def _kernel(module: str, name: str):
-    return getattr(importlib.import_module(f"kernels.{module}"), name)
+    return getattr(importlib.import_module(f"kimitui.kernels.{module}"), name)
 
 
 def _as_rows(x):

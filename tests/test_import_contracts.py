@@ -22,11 +22,11 @@ def test_import_linter_contracts_hold():
 def test_design_module_paths_name_the_public_classes():
     # engine.py holds LLMEngine, async_llm.py holds AsyncLLM; `from engine import AsyncLLM` is the
     # public path. engine.engine has no proxy for it (no module __getattr__).
-    import engine
-    import engine.engine as engine_module
-    from engine.async_llm import AsyncLLM
-    from engine.engine import LLMEngine
+    from kimitui import engine
+    import kimitui.engine.engine as engine_module
+    from kimitui.engine.async_llm import AsyncLLM
+    from kimitui.engine.engine import LLMEngine
 
-    assert engine.AsyncLLM is AsyncLLM and AsyncLLM.__module__ == "engine.async_llm"
-    assert LLMEngine.__module__ == "engine.engine"
+    assert engine.AsyncLLM is AsyncLLM and AsyncLLM.__module__ == "kimitui.engine.async_llm"
+    assert LLMEngine.__module__ == "kimitui.engine.engine"
     assert not hasattr(engine_module, "AsyncLLM") and not hasattr(engine_module, "__getattr__")

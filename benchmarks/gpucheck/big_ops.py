@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from benchmarks.gpucheck.common import FAIL, SKIP, Row, best_ms, rel_err, status_for, sync
-from kernels import reference as ref
+from kimitui.kernels import reference as ref
 
 S = "kernels"
 
@@ -95,7 +95,7 @@ def _touched(ids, e) -> int:
 
 
 def moe_rows(mode) -> Iterator[Row]:
-    from kernels import fused_moe as fm
+    from kimitui.kernels import fused_moe as fm
 
     e, d, inter, k = mode.pick((384, 7168, 2048, 8), (8, 64, 32, 2))
     e = _experts_that_fit(mode, e, 3 * 2 * inter * d * mode.dtype.itemsize)  # the bf16 stack is the largest
@@ -138,7 +138,7 @@ def moe_rows(mode) -> Iterator[Row]:
 
 
 def moe_mxfp4_rows(mode) -> Iterator[Row]:
-    from kernels import fused_moe as fm
+    from kimitui.kernels import fused_moe as fm
 
     e, d, inter, k = mode.pick((896, 3584, 3072, 16), (8, 64, 32, 2))  # K3's latent MoE
     e = _experts_that_fit(mode, e, 3 * inter * d * 0.6)  # 4-bit codes + a scale byte per 32
@@ -154,9 +154,9 @@ def moe_mxfp4_rows(mode) -> Iterator[Row]:
 
 
 def gemm_rows(mode) -> Iterator[Row]:
-    from kernels.fp8_block_gemm import fp8_block_gemm
-    from kernels.mxfp4_gemm import mxfp4_gemm
-    from kernels.w4a16_gemm import w4a16_gemm
+    from kimitui.kernels.fp8_block_gemm import fp8_block_gemm
+    from kimitui.kernels.mxfp4_gemm import mxfp4_gemm
+    from kimitui.kernels.w4a16_gemm import w4a16_gemm
 
     # FP8: K2-Instruct's dense MLP gate+up [2 x 18432, 7168]
     n, kk = mode.pick((36864, 7168), (48, 64))
@@ -182,7 +182,7 @@ def gemm_rows(mode) -> Iterator[Row]:
 
 
 def kda_rows(mode) -> Iterator[Row]:
-    from kernels import kda, kda_fla
+    from kimitui.kernels import kda, kda_fla
 
     if mode.device.type != "cuda":
         yield Row(S, "KDA fla-core vs kernels/kda.py", SKIP, note="fla-core's kernels need a CUDA/ROCm device")

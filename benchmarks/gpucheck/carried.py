@@ -25,7 +25,7 @@ FETCH = f"pip download --no-deps fla-core=={FLA_VERSION} einops -d benchmarks/wh
 
 _PROBE = """
 import json
-from kernels import kda_fla
+from kimitui.kernels import kda_fla
 info = {"reason": kda_fla.unavailable_reason()}
 if info["reason"] is None:
     import fla

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
-from engine.kv_cache.pool import KVCachePool
-from engine.loader import build_model
-from engine.runner import ModelRunner, StepInputs
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.kv_cache.pool import KVCachePool
+from kimitui.engine.loader import build_model
+from kimitui.engine.runner import ModelRunner, StepInputs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "configs"
 

@@ -21,14 +21,14 @@ S = "offload"
 
 
 def offload_rows(mode, sink) -> None:
-    if importlib.util.find_spec("engine.offload.overlap_meter") is None:
+    if importlib.util.find_spec("kimitui.engine.offload.overlap_meter") is None:
         sink.add(Row(S, "host-expert overlap", SKIP, note="engine/offload/overlap_meter.py is not in this tree yet"))
         return
     sink.run("host-expert overlap", _measure, mode)
 
 
 def _measure(mode) -> Iterator[Row]:
-    meter = importlib.import_module("engine.offload.overlap_meter")
+    meter = importlib.import_module("kimitui.engine.offload.overlap_meter")
     config = kimi_config("k2", 2, tiny=mode.emulate)
     experts = config.n_routed_experts
     host = experts // 8  # an eighth of every MoE layer's experts in host RAM

@@ -23,7 +23,7 @@ from benchmarks.gpucheck.common import ERROR, FAIL, PASS, SKIP, Row
 REPO = Path(__file__).resolve().parents[2]
 CHECK = "C++ CPU kernels build (before the timed section)"
 _CODE = """
-from kernels import cpu_few_rows, cpu_quant_moe
+from kimitui.kernels import cpu_few_rows, cpu_quant_moe
 print("BUILT", cpu_few_rows.available(), cpu_quant_moe.available())
 """
 

@@ -18,9 +18,9 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.kv_cache.state_slots import StateSlots
-from engine.sequence import Sequence
-from engine.units import cdiv
+from kimitui.engine.kv_cache.state_slots import StateSlots
+from kimitui.engine.sequence import Sequence
+from kimitui.engine.units import cdiv
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache.pool import CacheSpec
+from kimitui.engine.kv_cache.pool import CacheSpec
 
 
 @dataclass

@@ -4,6 +4,6 @@ Defined in ``kernels.activation``: the MoE kernels compute it in their epilogue 
 argument, and kernels import no engine code.
 """
 
-from kernels.activation import SILU, GatedActivation, resolve, situ_and_mul
+from kimitui.kernels.activation import SILU, GatedActivation, resolve, situ_and_mul
 
 __all__ = ["SILU", "GatedActivation", "resolve", "situ_and_mul"]

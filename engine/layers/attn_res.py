@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.reference import attn_res_mix  # noqa: F401 - the mix's oracle, this module's public name too
+from kimitui.kernels.reference import attn_res_mix  # noqa: F401 - the mix's oracle, this module's public name too
 
 
 class AttnResProj(nn.Module):

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import QuantConfig
-from engine.layers.linear import Linear
-from engine.parallel.state import SINGLE, ParallelState, split_sizes
+from kimitui.engine.config import QuantConfig
+from kimitui.engine.layers.linear import Linear
+from kimitui.engine.parallel.state import SINGLE, ParallelState, split_sizes
 
 
 class VocabEmbedding(nn.Module):

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.config import QuantConfig
-from engine.kv_cache.state import KDAState, KDAStateSpec
-from engine.layers.attn_metadata import AttentionMetadata
-from engine.layers.linear import Linear, fuse_dense_rows
-from engine.parallel.state import SINGLE, ParallelState
-from kernels.backend import REFERENCE, Backend
-from kernels.kda import gated_rms_norm, kda_gate  # noqa: F401 - kda_gate: this module's public name too
+from kimitui.engine.config import QuantConfig
+from kimitui.engine.kv_cache.state import KDAState, KDAStateSpec
+from kimitui.engine.layers.attn_metadata import AttentionMetadata
+from kimitui.engine.layers.linear import Linear, fuse_dense_rows
+from kimitui.engine.parallel.state import SINGLE, ParallelState
+from kimitui.kernels.backend import REFERENCE, Backend
+from kimitui.kernels.kda import gated_rms_norm, kda_gate  # noqa: F401 - kda_gate: this module's public name too
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,13 @@ import dataclasses
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.layers.activation import GatedActivation
-from engine.layers.linear import Linear
-from engine.layers.mlp import MLP
-from engine.layers.moe import RoutedExperts, Router
-from engine.layers.norm import RMSNorm
-from engine.parallel.state import SINGLE, ParallelState
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.layers.activation import GatedActivation
+from kimitui.engine.layers.linear import Linear
+from kimitui.engine.layers.mlp import MLP
+from kimitui.engine.layers.moe import RoutedExperts, Router
+from kimitui.engine.layers.norm import RMSNorm
+from kimitui.engine.parallel.state import SINGLE, ParallelState
 
 
 class KimiMoE(nn.Module):

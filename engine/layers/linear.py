@@ -12,10 +12,10 @@ import math
 import torch
 from torch import nn
 
-from engine.config import QuantConfig
-from engine.loader.source import TensorSource, copy_into
-from kernels import reference
-from kernels.backend import REFERENCE, Backend
+from kimitui.engine.config import QuantConfig
+from kimitui.engine.loader.source import TensorSource, copy_into
+from kimitui.kernels import reference
+from kimitui.kernels.backend import REFERENCE, Backend
 
 
 def linear_format(quant: QuantConfig | None, module_name: str) -> str:

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.layers.attn_metadata import AttentionMetadata, gather_slots
-from engine.layers.linear import Linear, fuse_dense_rows
-from engine.layers.norm import RMSNorm
-from engine.layers.rope import YarnRotaryEmbedding
-from engine.parallel.state import SINGLE, ParallelState
-from kernels.backend import REFERENCE, Backend
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.layers.attn_metadata import AttentionMetadata, gather_slots
+from kimitui.engine.layers.linear import Linear, fuse_dense_rows
+from kimitui.engine.layers.norm import RMSNorm
+from kimitui.engine.layers.rope import YarnRotaryEmbedding
+from kimitui.engine.parallel.state import SINGLE, ParallelState
+from kimitui.kernels.backend import REFERENCE, Backend
 
 # Cached tokens expanded through kv_b_proj at once by a prefill chunk. Beyond this the context goes
 # in slices merged by online softmax, so a chunk's live memory is bounded by the slice, not by the

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import QuantConfig
-from engine.layers.activation import GatedActivation
-from engine.layers.linear import Linear, fuse_dense_rows, linear_format, split_unit
-from engine.parallel.state import SINGLE, ParallelState
-from kernels.backend import REFERENCE, Backend
+from kimitui.engine.config import QuantConfig
+from kimitui.engine.layers.activation import GatedActivation
+from kimitui.engine.layers.linear import Linear, fuse_dense_rows, linear_format, split_unit
+from kimitui.engine.parallel.state import SINGLE, ParallelState
+from kimitui.kernels.backend import REFERENCE, Backend
 
 
 class MLP(nn.Module):

@@ -13,13 +13,13 @@ import functools
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.layers.activation import GatedActivation
-from engine.layers.linear import linear_format, quantized_params, values_per_element
-from engine.layers.mlp import MLP
-from engine.loader.source import TensorSource
-from engine.parallel.state import SINGLE, ParallelState, split_sizes
-from kernels.backend import REFERENCE, Backend, count_routing
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.layers.activation import GatedActivation
+from kimitui.engine.layers.linear import linear_format, quantized_params, values_per_element
+from kimitui.engine.layers.mlp import MLP
+from kimitui.engine.loader.source import TensorSource
+from kimitui.engine.parallel.state import SINGLE, ParallelState, split_sizes
+from kimitui.kernels.backend import REFERENCE, Backend, count_routing
 
 
 class Router(nn.Module):
@@ -221,7 +221,7 @@ class RoutedExperts(nn.Module):
         self.whole_layer_local = len(on_device) == n
         self.executor = None
         if self.host is not None:
-            from engine.offload.cpu_experts import CpuExpertExecutor
+            from kimitui.engine.offload.cpu_experts import CpuExpertExecutor
 
             self.executor = CpuExpertExecutor(self.host, self.host_map)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.backend import REFERENCE, Backend
+from kimitui.kernels.backend import REFERENCE, Backend
 
 
 class RMSNorm(nn.Module):

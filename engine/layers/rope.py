@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from engine.config import RopeScaling, yarn_get_mscale
+from kimitui.engine.config import RopeScaling, yarn_get_mscale
 
 
 def yarn_inv_freq(dim: int, base: float, scaling: RopeScaling | None) -> tuple[torch.Tensor, float]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.penalties import PenaltyBatch
+from kimitui.engine.layers.penalties import PenaltyBatch
 
 
 @dataclass

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
-from engine.loader.checkpoint import CheckpointError, CheckpointReader, TensorInfo
-from engine.loader.weights import LoadProgress, LoadReport, load_weights
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.loader.checkpoint import CheckpointError, CheckpointReader, TensorInfo
+from kimitui.engine.loader.weights import LoadProgress, LoadReport, load_weights
 
 __all__ = ["CheckpointError", "CheckpointReader", "LoadProgress", "LoadReport", "TensorInfo", "build_model",
            "load_model"]
@@ -20,8 +20,8 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, m
     """Allocate this rank's model on ``device`` (``torch.device("meta")``: shapes only): dense
     weights in ``dtype``, packed weights and fp32-by-contract tensors in their own dtypes, experts
     placed as ``expert_placement`` says (host-RAM experts on the CPU)."""
-    from engine.models.registry import model_class
-    from engine.parallel.state import SINGLE
+    from kimitui.engine.models.registry import model_class
+    from kimitui.engine.parallel.state import SINGLE
 
     with torch.device(device):
         model = model_class(config)(config, dtype, max_position, par or SINGLE, expert_placement)

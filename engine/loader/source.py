@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.loader.checkpoint import CheckpointError, CheckpointReader, TensorInfo
+from kimitui.engine.loader.checkpoint import CheckpointError, CheckpointReader, TensorInfo
 
 # Storage that must match the checkpoint bit for bit; floating tensors convert to the parameter's dtype.
 EXACT_DTYPES = (torch.int32, torch.uint8, torch.float8_e4m3fn, torch.int8)

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from engine.loader.checkpoint import CheckpointError, CheckpointReader
-from engine.loader.source import TensorSource, copy_into
-from engine.models.registry import WeightTarget
+from kimitui.engine.loader.checkpoint import CheckpointError, CheckpointReader
+from kimitui.engine.loader.source import TensorSource, copy_into
+from kimitui.engine.models.registry import WeightTarget
 
 log = logging.getLogger(__name__)
 

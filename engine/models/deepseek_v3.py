@@ -11,19 +11,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.kv_cache.pool import CacheSpec, MLACacheSpec
-from engine.layers.attn_metadata import AttentionMetadata
-from engine.layers.embedding import LMHead, VocabEmbedding
-from engine.layers.mla import MLAttention
-from engine.layers.mlp import MLP
-from engine.layers.moe import MoE
-from engine.layers.norm import RMSNorm
-from engine.layers.rope import YarnRotaryEmbedding
-from engine.models.registry import WeightTarget
-from engine.parallel.state import SINGLE, ParallelState
-from kernels.backend import attach_backends
-from kernels.settings import KernelSettings
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.kv_cache.pool import CacheSpec, MLACacheSpec
+from kimitui.engine.layers.attn_metadata import AttentionMetadata
+from kimitui.engine.layers.embedding import LMHead, VocabEmbedding
+from kimitui.engine.layers.mla import MLAttention
+from kimitui.engine.layers.mlp import MLP
+from kimitui.engine.layers.moe import MoE
+from kimitui.engine.layers.norm import RMSNorm
+from kimitui.engine.layers.rope import YarnRotaryEmbedding
+from kimitui.engine.models.registry import WeightTarget
+from kimitui.engine.parallel.state import SINGLE, ParallelState
+from kimitui.kernels.backend import attach_backends
+from kimitui.kernels.settings import KernelSettings
 
 
 class DecoderLayer(nn.Module):

@@ -20,20 +20,20 @@ import re
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.kv_cache.pool import CacheSpec, MLACacheSpec
-from engine.layers.activation import GatedActivation
-from engine.layers.attn_metadata import AttentionMetadata
-from engine.layers.attn_res import AttnResProj, DepthBlocks
-from engine.layers.embedding import LMHead, VocabEmbedding
-from engine.layers.latent_moe import KimiMoE
-from engine.layers.mla import MLAttention
-from engine.layers.mlp import MLP
-from engine.layers.norm import RMSNorm
-from engine.models.registry import WeightTarget
-from engine.parallel.state import SINGLE, ParallelState
-from kernels.backend import REFERENCE, Backend, attach_backends
-from kernels.settings import KernelSettings
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.kv_cache.pool import CacheSpec, MLACacheSpec
+from kimitui.engine.layers.activation import GatedActivation
+from kimitui.engine.layers.attn_metadata import AttentionMetadata
+from kimitui.engine.layers.attn_res import AttnResProj, DepthBlocks
+from kimitui.engine.layers.embedding import LMHead, VocabEmbedding
+from kimitui.engine.layers.latent_moe import KimiMoE
+from kimitui.engine.layers.mla import MLAttention
+from kimitui.engine.layers.mlp import MLP
+from kimitui.engine.layers.norm import RMSNorm
+from kimitui.engine.models.registry import WeightTarget
+from kimitui.engine.parallel.state import SINGLE, ParallelState
+from kimitui.kernels.backend import REFERENCE, Backend, attach_backends
+from kimitui.kernels.settings import KernelSettings
 
 # checkpoint MoE spellings -> module names: K3 and transformers' save_pretrained write the MoE (and
 # Kimi Linear's dense first layer) under block_sparse_moe., experts as w1 (gate), w3 (up), w2 (down)
@@ -43,7 +43,7 @@ _W_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
 def _kda_config(config: ModelConfig):
-    from engine.layers.kda import KDAConfig
+    from kimitui.engine.layers.kda import KDAConfig
 
     la = config.linear_attn
     return KDAConfig.from_linear_attn_config(config.hidden_size, dict(la.raw), config.rms_norm_eps,
@@ -63,7 +63,7 @@ class KimiDecoderLayer(nn.Module):
         self.is_kda = c.is_kda_layer(layer_idx)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         if self.is_kda:
-            from engine.layers.kda import KimiDeltaAttention
+            from kimitui.engine.layers.kda import KimiDeltaAttention
 
             self.self_attn = KimiDeltaAttention(_kda_config(c), f"{prefix}.self_attn", par, dtype)
         else:
@@ -222,7 +222,7 @@ class KimiLinearForCausalLM(nn.Module):
 
     def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
         """Per layer: the paged MLA latent cache (``dtype``) or the KDA state (fp32) on this rank."""
-        from engine.kv_cache.state import KDAStateSpec
+        from kimitui.engine.kv_cache.state import KDAStateSpec
 
         specs: list[CacheSpec] = []
         for layer in self.model.layers:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import nn
 
-    from engine.config import ModelConfig
+    from kimitui.engine.config import ModelConfig
 
 PARAM_CLASSES = ("embedding", "lm_head", "final_norm", "attention", "dense_mlp", "router", "shared_experts",
                  "routed_experts")
@@ -66,8 +66,8 @@ class WeightTarget:
     shard_id: Any = None
 
 
-_DEEPSEEK_V3 = "engine.models.deepseek_v3:DeepseekV3ForCausalLM"
-_KIMI_LINEAR = "engine.models.kimi_linear:KimiLinearForCausalLM"
+_DEEPSEEK_V3 = "kimitui.engine.models.deepseek_v3:DeepseekV3ForCausalLM"
+_KIMI_LINEAR = "kimitui.engine.models.kimi_linear:KimiLinearForCausalLM"
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("kimi_k2", _DEEPSEEK_V3),
     ModelFamily("deepseek_v3", _DEEPSEEK_V3),

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config import ModelConfig
-from engine.layers.linear import linear_format, split_unit
-from engine.layers.mla import PREFILL_SLICE
-from engine.offload.param_count import compute_dtype
-from engine.parallel.state import split_sizes
-from engine.units import GiB, cdiv
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.layers.linear import linear_format, split_unit
+from kimitui.engine.layers.mla import PREFILL_SLICE
+from kimitui.engine.offload.param_count import compute_dtype
+from kimitui.engine.parallel.state import split_sizes
+from kimitui.engine.units import GiB, cdiv
 
 WORKSPACE_BYTES = 512 << 20
 FRAGMENTATION = 0.10

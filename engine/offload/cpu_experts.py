@@ -17,9 +17,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from engine.offload import numa
-from engine.offload.host_staging import HostStaging
-from engine.offload.overlap_meter import LayerTiming
+from kimitui.engine.offload import numa
+from kimitui.engine.offload.host_staging import HostStaging
+from kimitui.engine.offload.overlap_meter import LayerTiming
 
 
 class NodeWorkers:
@@ -127,7 +127,7 @@ class CpuExpertExecutor:
 
     def _compute(self, inputs, staging: HostStaging | None, timing: LayerTiming | None) -> torch.Tensor:
         # on the worker thread: [T, D] on the CPU (in the pinned output block on a device run)
-        from engine.layers.moe import run_subset
+        from kimitui.engine.layers.moe import run_subset
 
         t0 = time.perf_counter()
         if staging is not None:

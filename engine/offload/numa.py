@@ -182,7 +182,7 @@ def place_host_experts(model: torch.nn.Module, policy: NumaPolicy, topology: Num
     """Split every host-expert executor of ``model`` across ``topology``'s nodes when the policy says so
     (and give them one shared staging block, ``cpu_experts.share_staging``); -> (number of layers
     split, the node workers they share, or None)."""
-    from engine.offload.cpu_experts import NodeWorkers, share_staging
+    from kimitui.engine.offload.cpu_experts import NodeWorkers, share_staging
 
     share_staging(model)  # one pinned staging block for all layers (device runs), whatever the policy
     if not policy.split(topology):

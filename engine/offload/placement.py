@@ -6,11 +6,11 @@ import logging
 
 import torch
 
-from engine.config import ModelConfig
-from engine.offload.activation_reserve import activation_reserve
-from engine.offload.planner import PlacementError, plan_placement
-from engine.offload.routing_stats import load_routing_stats
-from engine.units import GiB
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.offload.activation_reserve import activation_reserve
+from kimitui.engine.offload.planner import PlacementError, plan_placement
+from kimitui.engine.offload.routing_stats import load_routing_stats
+from kimitui.engine.units import GiB
 
 log = logging.getLogger(__name__)
 

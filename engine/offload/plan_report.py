@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.units import GiB
+from kimitui.engine.units import GiB
 
 if TYPE_CHECKING:
-    from engine.offload.planner import Placement
+    from kimitui.engine.offload.planner import Placement
 
 
 def _gib(b: int) -> str:

@@ -16,11 +16,11 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from engine.config import ModelConfig
-from engine.offload.activation_reserve import ActivationReserve, activation_reserve
-from engine.offload.param_count import ModelSize, footprint, moe_layers
-from engine.parallel.state import split_sizes
-from engine.units import GiB
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.offload.activation_reserve import ActivationReserve, activation_reserve
+from kimitui.engine.offload.param_count import ModelSize, footprint, moe_layers
+from kimitui.engine.parallel.state import split_sizes
+from kimitui.engine.units import GiB
 
 DEFAULT_BLOCK_SIZE = 64   # FlashMLA / vLLM MLA page size
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # the engine's default (engine.args.EngineArgs)
@@ -133,7 +133,7 @@ class Placement:
 
     def summary_lines(self) -> list[str]:
         """Human-readable plan: a table per GPU, host RAM, experts per layer, fit and largest context."""
-        from engine.offload.plan_report import render
+        from kimitui.engine.offload.plan_report import render
 
         return render(self)
 
@@ -363,7 +363,7 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
     e = fp.size.routed_expert.nbytes
     non_expert, drafter_kv = list(fp.non_expert_per_device), 0
     if speculative is not None and speculative.method == "eagle3":
-        from engine.spec_decode.footprint import drafter_footprint
+        from kimitui.engine.spec_decode.footprint import drafter_footprint
 
         drafter = drafter_footprint(speculative.model, config.hidden_size, config.vocab_size)
         non_expert[0] += drafter.weight_bytes

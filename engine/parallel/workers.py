@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.parallel.state import ParallelState
-from engine.parallel.watchdog import Heartbeat, Watchdog, stop_workers
+from kimitui.engine.parallel.state import ParallelState
+from kimitui.engine.parallel.watchdog import Heartbeat, Watchdog, stop_workers
 
 log = logging.getLogger(__name__)
 
@@ -116,10 +116,10 @@ def next_message(conn):
 
 
 def _worker_main(rank: int, spec: WorkerSpec, heartbeat, work) -> None:
-    from engine.config import ModelConfig
-    from engine.kv_cache.pool import KVCachePool
-    from engine.loader import load_model
-    from engine.runner import ModelRunner
+    from kimitui.engine.config import ModelConfig
+    from kimitui.engine.kv_cache.pool import KVCachePool
+    from kimitui.engine.loader import load_model
+    from kimitui.engine.runner import ModelRunner
 
     if heartbeat is not None:
         Heartbeat(heartbeat)  # rank 0's watchdog hears this process is alive (engine/parallel/watchdog.py)

@@ -11,6 +11,6 @@
 - ``stats.py``: acceptance counters (vLLM's ``spec_decode_*``).
 """
 
-from engine.spec_decode.config import SpeculativeConfig
+from kimitui.engine.spec_decode.config import SpeculativeConfig
 
 __all__ = ["SpeculativeConfig"]

@@ -34,12 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import RopeScaling, yarn_get_mscale
-from engine.layers.attn_metadata import PrefillChunk
-from engine.layers.embedding import VocabEmbedding
-from engine.layers.linear import Linear
-from engine.layers.norm import RMSNorm
-from engine.layers.rope import yarn_inv_freq
+from kimitui.engine.config import RopeScaling, yarn_get_mscale
+from kimitui.engine.layers.attn_metadata import PrefillChunk
+from kimitui.engine.layers.embedding import VocabEmbedding
+from kimitui.engine.layers.linear import Linear
+from kimitui.engine.layers.norm import RMSNorm
+from kimitui.engine.layers.rope import yarn_inv_freq
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

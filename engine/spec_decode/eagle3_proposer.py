@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.attn_metadata import PrefillChunk
-from engine.sequence import Sequence
-from engine.spec_decode.eagle3 import Eagle3Drafter, load_eagle3
-from engine.spec_decode.proposer import StepHidden
+from kimitui.engine.layers.attn_metadata import PrefillChunk
+from kimitui.engine.sequence import Sequence
+from kimitui.engine.spec_decode.eagle3 import Eagle3Drafter, load_eagle3
+from kimitui.engine.spec_decode.proposer import StepHidden
 
 
 class Eagle3Proposer:
@@ -56,8 +56,8 @@ class Eagle3Proposer:
         self._finished: set[str] = set()
 
     def _attach_backend(self, settings) -> None:
-        from kernels.backend import attach_backends
-        from kernels.settings import KernelSettings
+        from kimitui.kernels.backend import attach_backends
+        from kimitui.kernels.settings import KernelSettings
 
         attach_backends(self.drafter, self.device, self.dtype,
                         KernelSettings.from_env() if settings is None else settings)
@@ -169,8 +169,8 @@ class Eagle3Proposer:
 def _whole_embedding(model_dir, config, device: torch.device, dtype: torch.dtype):
     """The target's whole token embedding read from its checkpoint (``model.embed_tokens.weight`` under
     the family's prefix), on ``device``: what a drafter on rank 0 shares under tensor parallel."""
-    from engine.layers.embedding import VocabEmbedding
-    from engine.loader.checkpoint import CheckpointReader
+    from kimitui.engine.layers.embedding import VocabEmbedding
+    from kimitui.engine.loader.checkpoint import CheckpointReader
 
     if model_dir is None:
         raise ValueError("speculative_config: eagle3 with tensor parallel needs the target's checkpoint directory")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.sequence import Sequence
+from kimitui.engine.sequence import Sequence
 
 SENTINEL = -1  # never a token id: ends every walk and never matches
 

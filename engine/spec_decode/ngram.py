@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.sequence import Sequence
-from engine.spec_decode.history import HistoryTable
-from engine.spec_decode.proposer import StepHidden
+from kimitui.engine.sequence import Sequence
+from kimitui.engine.spec_decode.history import HistoryTable
+from kimitui.engine.spec_decode.proposer import StepHidden
 
 
 def find_ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:

@@ -29,7 +29,7 @@ import itertools
 
 import torch
 
-from engine.layers.sampler import SamplingBatch, apply_top_k_top_p
+from kimitui.engine.layers.sampler import SamplingBatch, apply_top_k_top_p
 
 
 def _accept_prob(p_draft: torch.Tensor, q_draft: torch.Tensor | None) -> torch.Tensor:

@@ -38,10 +38,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.sequence import Sequence
-from engine.spec_decode.history import SENTINEL, HistoryTable
-from engine.spec_decode.proposer import StepHidden
-from engine.spec_decode.suffix_global import GlobalSuffixCache
+from kimitui.engine.sequence import Sequence
+from kimitui.engine.spec_decode.history import SENTINEL, HistoryTable
+from kimitui.engine.spec_decode.proposer import StepHidden
+from kimitui.engine.spec_decode.suffix_global import GlobalSuffixCache
 
 
 def _walk_rows(rows: list[list[int]], min_prob: float) -> tuple[list[int], float]:

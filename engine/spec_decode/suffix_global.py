@@ -23,7 +23,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from engine.spec_decode.history import SENTINEL
+from kimitui.engine.spec_decode.history import SENTINEL
 
 
 class GlobalSuffixCache:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.sampler import logprob_dicts
-from engine.spec_decode.rejection import rejection_sample
+from kimitui.engine.layers.sampler import logprob_dicts
+from kimitui.engine.spec_decode.rejection import rejection_sample
 
 
 @dataclass

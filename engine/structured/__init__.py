@@ -6,6 +6,6 @@ matcher and masks the sampler's logits; ``chat_constraints.py`` builds the const
 ``response_format`` and ``tool_choice`` in the Kimi K2 and K3 reply formats.
 """
 
-from engine.structured.params import StructuredOutputs
+from kimitui.engine.structured.params import StructuredOutputs
 
 __all__ = ["StructuredOutputs"]

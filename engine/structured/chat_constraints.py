@@ -27,11 +27,11 @@ from __future__ import annotations
 import json
 import re
 
-from engine.chat import THINK_CLOSE, TOOL_CALL_ARG, TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CALLS_BEGIN, TOOL_CALLS_END
-from engine.structured.grammar import json_schema_text
-from engine.structured.params import StructuredOutputs
-from engine.xtml import CLOSE, OPEN, SEP, escape_attr
-from engine.xtml_reply import THINK_END
+from kimitui.engine.chat import THINK_CLOSE, TOOL_CALL_ARG, TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CALLS_BEGIN, TOOL_CALLS_END
+from kimitui.engine.structured.grammar import json_schema_text
+from kimitui.engine.structured.params import StructuredOutputs
+from kimitui.engine.xtml import CLOSE, OPEN, SEP, escape_attr
+from kimitui.engine.xtml_reply import THINK_END
 
 ANY_OBJECT = {"type": "object"}
 _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}

@@ -25,7 +25,7 @@ import threading
 import weakref
 from collections import OrderedDict
 
-from engine.structured.params import StructuredOutputs
+from kimitui.engine.structured.params import StructuredOutputs
 
 try:
     import llguidance

@@ -16,11 +16,11 @@ import os
 import numpy as np
 import torch
 
-from engine.structured.bitmask import apply_bitmask
-from engine.structured.grammar import compiler_for, require_llguidance, token_bytes_of
-from engine.structured.matcher import RequestGrammar
-from engine.structured.params import StructuredOutputs
-from engine.structured.reasoning import ReasoningGate
+from kimitui.engine.structured.bitmask import apply_bitmask
+from kimitui.engine.structured.grammar import compiler_for, require_llguidance, token_bytes_of
+from kimitui.engine.structured.matcher import RequestGrammar
+from kimitui.engine.structured.params import StructuredOutputs
+from kimitui.engine.structured.reasoning import ReasoningGate
 
 
 _PARALLEL_ROWS = 8  # plain rows from which the masks are filled by llguidance's thread pool

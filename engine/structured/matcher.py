@@ -17,7 +17,7 @@ import logging
 
 import numpy as np
 
-from engine.structured.reasoning import ReasoningGate
+from kimitui.engine.structured.reasoning import ReasoningGate
 
 log = logging.getLogger(__name__)
 

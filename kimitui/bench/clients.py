@@ -62,7 +62,7 @@ class InProcessClient:
     def _params(self, max_tokens: int) -> Any:
         cls = self._sampling_params_cls
         if cls is None:
-            from engine import SamplingParams as cls  # lazy: `bench --base-url` needs no torch
+            from kimitui.engine import SamplingParams as cls  # lazy: `bench --base-url` needs no torch
 
         kwargs: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos}
         if self.temperature is not None:

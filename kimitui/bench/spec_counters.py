@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # importing the engine package loads torch: only where the counters are built
-    from engine.spec_decode.stats import SpecDecodeStats
+    from kimitui.engine.spec_decode.stats import SpecDecodeStats
 
 _NAMES = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
 
@@ -42,7 +42,7 @@ def parse_spec_counters(text: str) -> SpecDecodeStats | None:
     over label sets (a server may label by model or engine); per-position counters by ``position``."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from engine.spec_decode.stats import SpecDecodeStats
+    from kimitui.engine.spec_decode.stats import SpecDecodeStats
 
     found: dict[str, float] = {}
     per_pos: dict[int, float] = {}

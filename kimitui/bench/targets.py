@@ -33,7 +33,7 @@ class InProcessTarget:
     @classmethod
     def load(cls, engine_args: Any) -> "InProcessTarget":
         """Load the checkpoint `engine_args` names (the demo when `model` is None)."""
-        from engine import AsyncLLM
+        from kimitui.engine import AsyncLLM
 
         llm = AsyncLLM(engine_args=engine_args)
         # vLLM's model_id is what --model said; the demo has no path worth showing, only a name.
@@ -86,7 +86,7 @@ class HttpTarget:
         path = Path(model).expanduser()
         if path.is_dir() and ((path / "tokenizer.json").is_file() or (path / "tiktoken.model").is_file()):
             return load_tokenizer(str(path))
-        from engine.demo import demo_checkpoint
+        from kimitui.engine.demo import demo_checkpoint
 
         if "demo" not in model:
             print(f"kimitui bench: building prompts with the demo tokenizer; pass --tokenizer DIR with "
@@ -99,7 +99,7 @@ class HttpTarget:
 
 def load_tokenizer(directory: str) -> Any:
     """The tokenizer of a checkpoint directory; ValueError (one line) when there is none."""
-    from engine.tokenizer import Tokenizer, TokenizerError
+    from kimitui.engine.tokenizer import Tokenizer, TokenizerError
 
     path = Path(directory).expanduser()
     if not path.is_dir():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.args import EngineArgs
+from kimitui.engine.args import EngineArgs
 
 
 def cpu_offload_arg(value: str) -> str | int:
@@ -22,7 +22,7 @@ def cpu_offload_arg(value: str) -> str | int:
 
 def speculative_config_arg(value: str) -> dict:
     """argparse type of ``--speculative-config``: a JSON object checked as EngineArgs will check it."""
-    from engine.spec_decode.config import SpeculativeConfig
+    from kimitui.engine.spec_decode.config import SpeculativeConfig
 
     try:
         SpeculativeConfig.parse(value)

@@ -78,7 +78,7 @@ def _add_kl(sub) -> None:
 
 
 def run_kl(args: argparse.Namespace) -> int:
-    from engine import LLM
+    from kimitui.engine import LLM
     from kimitui.eval.kl import format_report
     from kimitui.eval.kl_base import BaseWriter, load_base
     from kimitui.eval.kl_run import FileReference, measure, record_base
@@ -155,7 +155,7 @@ def run_kl(args: argparse.Namespace) -> int:
 
 
 def _prompts(args, model) -> list[list[int]]:
-    from engine.config import ModelConfig
+    from kimitui.engine.config import ModelConfig
     from kimitui.eval.kl_run import file_prompts, generated_prompts
 
     model_dir = _model_dir(model)
@@ -170,7 +170,7 @@ def _prompts(args, model) -> list[list[int]]:
 
 
 def _model_dir(model: str | None) -> Path:
-    from engine.demo import DEMO_MODELS, demo_checkpoint
+    from kimitui.engine.demo import DEMO_MODELS, demo_checkpoint
 
     if model in (None, "", *DEMO_MODELS):
         return demo_checkpoint(model or "demo")
@@ -181,7 +181,7 @@ def _model_dir(model: str | None) -> Path:
 
 
 def _tokenizer(model_dir: Path):
-    from engine.tokenizer import Tokenizer
+    from kimitui.engine.tokenizer import Tokenizer
 
     if (model_dir / "tokenizer.json").is_file() or (model_dir / "tiktoken.model").is_file():
         return Tokenizer.from_pretrained(model_dir)

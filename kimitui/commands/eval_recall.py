@@ -106,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _in_process_target(args: argparse.Namespace):
-    from engine import LLM
-    from engine.demo import DEMO_MODELS
+    from kimitui.engine import LLM
+    from kimitui.engine.demo import DEMO_MODELS
     from kimitui.eval.recall import in_process_target
 
     if args.tokenizer:

@@ -67,7 +67,7 @@ def device_lines() -> list[str]:
         lines.append(f"gpu       none visible to torch ({build})")
     physical = psutil.cpu_count(logical=False)
     lines.append(f"cpu       {cpu_model()}, {physical or '?'} cores / {os.cpu_count()} threads")
-    from kernels import cpu_quant_moe  # the instruction set the packed-expert CPU kernels use
+    from kimitui.kernels import cpu_quant_moe  # the instruction set the packed-expert CPU kernels use
 
     lines.append(f"cpu isa   {cpu_quant_moe.planned_isa()} (INT4 / MXFP4 experts on the CPU)")
     lines.append(f"ram       {psutil.virtual_memory().total / 2**30:.1f} GiB")
@@ -84,8 +84,8 @@ def version_lines() -> list[str]:
 
 
 def demo_lines() -> list[str]:
-    from engine.demo import demo_dir
-    from engine.demo_k3 import demo_k3_dir
+    from kimitui.engine.demo import demo_dir
+    from kimitui.engine.demo_k3 import demo_k3_dir
 
     lines = []
     for name, path, seconds in (("demo", demo_dir(), 4), ("demo-k3", demo_k3_dir(), 10)):
@@ -97,7 +97,7 @@ def demo_lines() -> list[str]:
 
 def numa_lines(args: argparse.Namespace, root: str | None = None) -> list[str]:
     """NUMA nodes (CPUs, memory) from sysfs and what --numa would do with host experts on them."""
-    from engine.offload.numa import SYSFS_NODES, NumaPolicy, read_topology
+    from kimitui.engine.offload.numa import SYSFS_NODES, NumaPolicy, read_topology
 
     try:
         topology = read_topology(root or SYSFS_NODES)
@@ -111,14 +111,14 @@ def numa_lines(args: argparse.Namespace, root: str | None = None) -> list[str]:
 
 def placement_lines(args: argparse.Namespace) -> list[str]:
     """The planner's placement for --model on --gpus devices (what the engine would build)."""
-    from engine.config import ConfigError, ModelConfig
-    from engine.offload.planner import PlacementError, plan_placement
+    from kimitui.engine.config import ConfigError, ModelConfig
+    from kimitui.engine.offload.planner import PlacementError, plan_placement
 
     gpus = getattr(args, "gpus", None) or 1
     memory = getattr(args, "gpu_memory_gb", None) or 288.0
     offload = getattr(args, "cpu_offload", "auto")
     try:
-        from engine.demo import DEMO_MODELS, demo_checkpoint
+        from kimitui.engine.demo import DEMO_MODELS, demo_checkpoint
 
         config = ModelConfig.from_pretrained(demo_checkpoint(args.model) if args.model in DEMO_MODELS else args.model)
         plan = plan_placement(config, gpus, int(memory * 2**30), config.max_position_embeddings, 1, offload)
@@ -130,14 +130,14 @@ def placement_lines(args: argparse.Namespace) -> list[str]:
 def dtype_lines(args: argparse.Namespace) -> list[str]:
     """What ``--dtype auto`` picks on this CPU and why: for --model's checkpoint, else for a bf16 one
     (``engine.args.cpu_auto_dtype``; it may build the C++ CPU kernels once, as a first run would)."""
-    from engine.args import cpu_auto_dtype
-    from engine.config import ConfigError, ModelConfig
+    from kimitui.engine.args import cpu_auto_dtype
+    from kimitui.engine.config import ConfigError, ModelConfig
 
     config, checkpoint, what = None, "bfloat16", "an unquantised bf16 DeepSeek-V3 / K2 checkpoint"
     model = getattr(args, "model", None)
     if model:
         try:
-            from engine.demo import DEMO_MODELS, demo_checkpoint
+            from kimitui.engine.demo import DEMO_MODELS, demo_checkpoint
 
             config = ModelConfig.from_pretrained(demo_checkpoint(model) if model in DEMO_MODELS else model)
         except (ConfigError, OSError, ValueError) as e:

@@ -11,12 +11,12 @@ import json
 import sys
 from pathlib import Path
 
-from engine.config import ConfigError, ModelConfig
-from engine.offload.planner import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, Placement, PlacementError,
+from kimitui.engine.config import ConfigError, ModelConfig
+from kimitui.engine.offload.planner import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, Placement, PlacementError,
                                     plan_placement)
-from engine.offload.routing_stats import load_routing_stats
-from engine.spec_decode.config import SpeculativeConfig
-from engine.units import GiB
+from kimitui.engine.offload.routing_stats import load_routing_stats
+from kimitui.engine.spec_decode.config import SpeculativeConfig
+from kimitui.engine.units import GiB
 from kimitui.commands.engine_flags import cpu_offload_arg, speculative_config_arg
 
 MI355X_MEMORY_GB = 288.0
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         source = args.model or args.config
         if source is None or args.model in ("demo", "demo-k3"):
-            from engine.demo import demo_checkpoint
+            from kimitui.engine.demo import demo_checkpoint
 
             source = demo_checkpoint(args.model)
         config = ModelConfig.from_pretrained(source)

@@ -32,7 +32,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine import AsyncLLM
+    from kimitui.engine import AsyncLLM
     from kimitui.server import BackgroundServer, create_app
 
     if args.max_request_bytes < 1:

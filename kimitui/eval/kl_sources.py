@@ -111,7 +111,7 @@ def apply_break(llm, spec: str | None = None) -> str | None:
     if name == "norm_eps":
         model.model.norm.eps = x
     elif name == "rope_scale":
-        from engine.layers.rope import YarnRotaryEmbedding
+        from kimitui.engine.layers.rope import YarnRotaryEmbedding
 
         ropes = [m for m in model.modules() if isinstance(m, YarnRotaryEmbedding)]
         if not ropes:

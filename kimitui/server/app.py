@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine import AsyncLLM
+from kimitui.engine import AsyncLLM
 from kimitui.server import chat, completions, tokenization
 from kimitui.server.auth import check_api_key
 from kimitui.server.errors import install_error_handlers

@@ -12,11 +12,11 @@ from functools import partial
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine import RequestOutput, SamplingParams
-from engine.outputs import CompletionOutput
-from engine.chat import StreamDelta, ToolCall
-from engine.chat_format import ChatFormat, chat_format_for
-from engine.xtml_options import THINKING_EFFORTS, OptionError, response_format_type, tool_choice_name
+from kimitui.engine import RequestOutput, SamplingParams
+from kimitui.engine.outputs import CompletionOutput
+from kimitui.engine.chat import StreamDelta, ToolCall
+from kimitui.engine.chat_format import ChatFormat, chat_format_for
+from kimitui.engine.xtml_options import THINKING_EFFORTS, OptionError, response_format_type, tool_choice_name
 from kimitui.server.body import read_body
 from kimitui.server.errors import bad_request, engine_error, error_body
 from kimitui.server.logprobs import TokenText, chat_logprobs

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine import RequestOutput, SamplingParams
+from kimitui.engine import RequestOutput, SamplingParams
 from kimitui.server.body import read_body
 from kimitui.server.errors import bad_request, engine_error, error_body
 from kimitui.server.logprobs import TextOffsets, TokenIdText, TokenText, completion_logprobs

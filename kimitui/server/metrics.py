@@ -10,8 +10,8 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 
-from engine.metrics import EngineStats
-from engine.outputs import RequestMetrics
+from kimitui.engine.metrics import EngineStats
+from kimitui.engine.outputs import RequestMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine import SamplingParams
+from kimitui.engine import SamplingParams
 from kimitui.server.errors import bad_request
 from kimitui.server.protocol import SamplingFields
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from engine import AsyncLLM
+from kimitui.engine import AsyncLLM
 from kimitui.server.errors import APIError, bad_request
 from kimitui.server.metrics import ServerMetrics
 

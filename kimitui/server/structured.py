@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.structured import StructuredOutputs
-from engine.structured.chat_constraints import response_format_constraint, tool_call_constraint
-from engine.structured.grammar import GrammarError, check
+from kimitui.engine.structured import StructuredOutputs
+from kimitui.engine.structured.chat_constraints import response_format_constraint, tool_call_constraint
+from kimitui.engine.structured.grammar import GrammarError, check
 from kimitui.server.errors import bad_request
 
 

@@ -12,7 +12,7 @@ from typing import Callable
 from textual.app import App
 from textual.binding import Binding
 
-from engine import EngineArgs
+from kimitui.engine import EngineArgs
 from kimitui.tui.bridge import EngineBridge, EngineFactory
 from kimitui.tui.bridge_api import Bridge
 from kimitui.tui.chat_session import ChatHistory

@@ -19,8 +19,8 @@ from typing import Callable
 from textual.app import App
 from textual.message_pump import MessagePump
 
-from engine import AsyncLLM, EngineArgs
-from engine.chat_format import ChatFormat, ChatPrompt, chat_format_for
+from kimitui.engine import AsyncLLM, EngineArgs
+from kimitui.engine.chat_format import ChatFormat, ChatPrompt, chat_format_for
 from kimitui.tui.bridge_api import BenchSource
 from kimitui.tui.chat_session import Chat
 from kimitui.tui.gen_settings import GenerationSettings

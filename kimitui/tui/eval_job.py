@@ -114,7 +114,7 @@ class EvalJob:
         self.notify.post_message(EvalProgressed(kind, done, total, label))
 
     def _kl(self) -> dict[str, Any] | str:
-        from engine import LLM
+        from kimitui.engine import LLM
         from kimitui.commands.eval import _describe, _model_dir, _plain_path, _tokenizer
         from kimitui.eval.kl_run import generated_prompts, measure
         from kimitui.eval.kl_sources import LocalSource

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engine import SamplingParams
-from engine.xtml import DEFAULT_THINKING_EFFORT, THINKING_EFFORTS
+from kimitui.engine import SamplingParams
+from kimitui.engine.xtml import DEFAULT_THINKING_EFFORT, THINKING_EFFORTS
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 from textual.app import App
 from textual.theme import Theme
 
-from themes import ThemeSpec, load_themes
+from kimitui.themes import ThemeSpec, load_themes
 from kimitui.tui.user_settings import read_settings, write_value
 
 log = logging.getLogger(__name__)

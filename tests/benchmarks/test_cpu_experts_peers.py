@@ -16,7 +16,7 @@ import torch
 
 from benchmarks import cpu_experts as bench
 from benchmarks import vllm_experts as vx
-from kernels import reference as R
+from kimitui.kernels import reference as R
 
 REPO = Path(__file__).resolve().parents[2]
 

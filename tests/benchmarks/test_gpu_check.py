@@ -19,11 +19,11 @@ REPO = Path(__file__).resolve().parents[2]
 MODULES = [
     "benchmarks.gpucheck.main", "benchmarks.gpucheck.section", "benchmarks.gpucheck.small_ops",
     "benchmarks.gpucheck.big_ops", "benchmarks.gpucheck.model_checks", "benchmarks.gpucheck.offload_check",
-    "kernels.rms_norm", "kernels.fused_add_rms_norm", "kernels.rope_fused", "kernels.mla_cache_write",
-    "kernels.moe_router", "kernels.moe_align", "kernels.mla_decode", "kernels.fused_moe", "kernels.fp8_block_gemm",
-    "kernels.w4a16_gemm", "kernels.mxfp4_gemm", "kernels.kda", "kernels.kda_fla", "kernels.triton_backend",
-    "engine.models.deepseek_v3", "engine.models.kimi_linear", "engine.runner", "engine.graph_runner",
-    "engine.offload.cpu_experts",
+    "kimitui.kernels.rms_norm", "kimitui.kernels.fused_add_rms_norm", "kimitui.kernels.rope_fused", "kimitui.kernels.mla_cache_write",
+    "kimitui.kernels.moe_router", "kimitui.kernels.moe_align", "kimitui.kernels.mla_decode", "kimitui.kernels.fused_moe", "kimitui.kernels.fp8_block_gemm",
+    "kimitui.kernels.w4a16_gemm", "kimitui.kernels.mxfp4_gemm", "kimitui.kernels.kda", "kimitui.kernels.kda_fla", "kimitui.kernels.triton_backend",
+    "kimitui.engine.models.deepseek_v3", "kimitui.engine.models.kimi_linear", "kimitui.engine.runner", "kimitui.engine.graph_runner",
+    "kimitui.engine.offload.cpu_experts",
 ]
 
 

@@ -161,7 +161,7 @@ except ImportError:
     pass
 else:
     raise SystemExit("psutil imported: the blocker is not active")
-from engine.demo import demo_checkpoint
+from kimitui.engine.demo import demo_checkpoint
 from tests.engine import test_engine_gpu
 outs = test_engine_gpu._generate(demo_checkpoint(), "cpu")
 print("TOKENS", [len(o.token_ids) for o in outs])

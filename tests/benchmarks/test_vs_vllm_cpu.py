@@ -44,7 +44,7 @@ def test_agreement_counts_equal_requests_and_the_prefix_before_the_first_differe
 
 
 def test_checkpoint_loads_in_our_engine(tmp_path):
-    from engine import LLM, SamplingParams
+    from kimitui.engine import LLM, SamplingParams
 
     config = dict(bench.MODEL_CONFIG, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                   moe_intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, vocab_size=256,

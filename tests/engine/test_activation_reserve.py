@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.offload.activation_reserve import (FRAGMENTATION, _Dims, _experts, WORKSPACE_BYTES, StepShape, activation_reserve,
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.offload.activation_reserve import (FRAGMENTATION, _Dims, _experts, WORKSPACE_BYTES, StepShape, activation_reserve,
                                                step_peak)
-from engine.offload.placement import device_reserve_bytes
-from engine.offload.planner import plan_placement
-from engine.units import GiB
+from kimitui.engine.offload.placement import device_reserve_bytes
+from kimitui.engine.offload.planner import plan_placement
+from kimitui.engine.units import GiB
 
 CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
 

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 
 import torch
 
-import engine.async_llm as async_llm
-from engine.metrics import EngineStats
-from engine.outputs import CompletionOutput, RequestOutput
+import kimitui.engine.async_llm as async_llm
+from kimitui.engine.metrics import EngineStats
+from kimitui.engine.outputs import CompletionOutput, RequestOutput
 
 
 class _PerThreadDevice:

@@ -8,11 +8,11 @@ import threading
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.offload.cpu_experts import CpuExpertExecutor
-from kernels import cpu_few_rows
-from kernels.backend import REFERENCE, Backend
-from kernels.cpu_backend import CpuBackend
+from kimitui.engine import LLM, SamplingParams
+from kimitui.engine.offload.cpu_experts import CpuExpertExecutor
+from kimitui.kernels import cpu_few_rows
+from kimitui.kernels.backend import REFERENCE, Backend
+from kimitui.kernels.cpu_backend import CpuBackend
 from tests.helpers.checkpoints import write_hf_checkpoint
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
+from kimitui.engine import LLM, SamplingParams
 from tests.helpers.checkpoints import write_hf_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

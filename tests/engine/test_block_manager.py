@@ -1,8 +1,8 @@
 import pytest
 
-from engine.kv_cache import block_manager as bm_module
-from engine.kv_cache.block_manager import BlockManager
-from engine.sequence import Sequence
+from kimitui.engine.kv_cache import block_manager as bm_module
+from kimitui.engine.kv_cache.block_manager import BlockManager
+from kimitui.engine.sequence import Sequence
 
 BS = 4
 
@@ -203,7 +203,7 @@ def test_double_admission_is_refused():
 
 
 def test_hybrid_prefix_hit_ends_at_a_block_with_a_state_snapshot():
-    from engine.kv_cache.state_slots import StateSlots
+    from kimitui.engine.kv_cache.state_slots import StateSlots
 
     slots = StateSlots(max_num_seqs=2, num_snapshots=2)
     bm = BlockManager(num_blocks=8, block_size=BS, state_slots=slots)

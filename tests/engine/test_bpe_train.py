@@ -11,14 +11,14 @@ import time
 
 import pytest
 
-from engine.bpe_train import (
+from kimitui.engine.bpe_train import (
     KIMI_SPECIAL_TOKEN_OFFSETS,
     demo_corpus,
     k2_chat_template,
     train_ranks,
     write_kimi_tokenizer_files,
 )
-from engine.tokenizer import KIMI_PAT_STR, load_tiktoken_ranks
+from kimitui.engine.tokenizer import KIMI_PAT_STR, load_tiktoken_ranks
 
 NUM_BASE = 4096
 
@@ -69,7 +69,7 @@ def test_encodings_match_tiktoken_on_held_out_text(ranks):
     tiktoken = pytest.importorskip("tiktoken")
     from tokenizers import Tokenizer as HF
 
-    from engine.tokenizer import KIMI_PAT_STR_ONIG, tiktoken_to_hf_json
+    from kimitui.engine.tokenizer import KIMI_PAT_STR_ONIG, tiktoken_to_hf_json
 
     enc = tiktoken.Encoding("demo", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens={})
     hf = HF.from_str(tiktoken_to_hf_json(ranks, KIMI_PAT_STR_ONIG, {}))
@@ -88,7 +88,7 @@ def test_encodings_match_tiktoken_on_held_out_text(ranks):
 def test_training_is_deterministic(ranks, tmp_path):
     assert _digest(train_ranks(demo_corpus(), NUM_BASE)) == _digest(ranks)
     # A fresh process (new hash seeds, thread scheduling) learns the same ranks.
-    code = ("import hashlib; from engine.bpe_train import demo_corpus, train_ranks; "
+    code = ("import hashlib; from kimitui.engine.bpe_train import demo_corpus, train_ranks; "
             "r = train_ranks(demo_corpus(), 4096); "
             "print(hashlib.sha256(repr(sorted(r.items(), key=lambda kv: kv[1])).encode()).hexdigest())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine.bpe_train import demo_corpus, k2_chat_template, train_ranks, write_kimi_tokenizer_files
-from engine.chat import (
+from kimitui.engine.bpe_train import demo_corpus, k2_chat_template, train_ranks, write_kimi_tokenizer_files
+from kimitui.engine.chat import (
     ChatError,
     ParsedReply,
     ReplyStreamParser,
@@ -19,7 +19,7 @@ from engine.chat import (
     render_messages,
     render_with_template,
 )
-from engine.tokenizer import Tokenizer
+from kimitui.engine.tokenizer import Tokenizer
 
 SYS = "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
 TOOLS = [{"type": "function", "function": {

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
-from kernels import cpu_moe
+from kimitui.engine import LLM, SamplingParams
+from kimitui.kernels import cpu_moe
 from tests.helpers.checkpoints import write_hf_checkpoint
 from tests.helpers.quantized import quantize_checkpoint
 
@@ -22,7 +22,7 @@ def _run(path, prompt):
 
 
 def test_bf16_int4_experts_use_the_cpu_int4_gemm_and_match_dequantising(tmp_path, monkeypatch):
-    from kernels.cpu_backend import CpuBackend
+    from kimitui.kernels.cpu_backend import CpuBackend
 
     # kernels.cpu_quant_moe takes these stacks where it builds; this test is about the int4pack fallback
     monkeypatch.setattr(CpuBackend, "quant_cxx", False)

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from kernels import cpu_quant_moe
+from kimitui.engine import LLM, SamplingParams
+from kimitui.kernels import cpu_quant_moe
 from tests.helpers.checkpoints import hf_greedy, write_hf_checkpoint
 from tests.helpers.quantized import quantize_checkpoint
 

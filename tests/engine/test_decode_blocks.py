@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
-from kernels import cpu_few_rows
+from kimitui.engine import LLM, SamplingParams
+from kimitui.kernels import cpu_few_rows
 from tests.helpers.checkpoints import write_hf_checkpoint
 
 needs_ext = pytest.mark.skipif(not cpu_few_rows.available(), reason="C++ CPU kernels did not build here")

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.args import EngineArgs, cpu_auto_dtype
-from kernels import cpu_few_rows
+from kimitui.engine import LLM, SamplingParams
+from kimitui.engine.args import EngineArgs, cpu_auto_dtype
+from kimitui.kernels import cpu_few_rows
 from tests.helpers.checkpoints import write_hf_checkpoint
 
 needs_ext = pytest.mark.skipif(not cpu_few_rows.available(), reason="C++ CPU kernels did not build here")

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.config import ModelConfig
-from engine.demo import ensure_demo_checkpoint, write_demo_checkpoint
-from engine.engine import PromptError
+from kimitui.engine import LLM, SamplingParams
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.demo import ensure_demo_checkpoint, write_demo_checkpoint
+from kimitui.engine.engine import PromptError
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +97,8 @@ def test_text_prompt_without_tokenizer_is_a_clear_error(tmp_path):
 
 
 def test_chat_keeps_only_reply_tags_among_special_tokens(demo_llm):
-    from engine.chat import chat_reply_special_ids
-    from engine.tokenizer import IncrementalDetokenizer
+    from kimitui.engine.chat import chat_reply_special_ids
+    from kimitui.engine.tokenizer import IncrementalDetokenizer
 
     tok = demo_llm.get_tokenizer()
     keep = chat_reply_special_ids(tok)

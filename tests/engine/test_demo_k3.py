@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.demo import demo_checkpoint
-from engine.demo_k3 import TEXT_CONFIG, _random_weights, demo_k3_dir, ensure_demo_k3_checkpoint
+from kimitui.engine.demo import demo_checkpoint
+from kimitui.engine.demo_k3 import TEXT_CONFIG, _random_weights, demo_k3_dir, ensure_demo_k3_checkpoint
 
 P = "language_model.model.layers"
 
@@ -38,7 +38,7 @@ def tensors(ckpt) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 
 def test_resolved_by_name(ckpt):
     assert demo_checkpoint("demo-k3") == ckpt == demo_k3_dir()
-    from engine.engine import _resolve_model
+    from kimitui.engine.engine import _resolve_model
 
     assert _resolve_model("demo-k3") == str(ckpt)
     with pytest.raises(ValueError, match="unknown built-in model 'demo-k9'"):
@@ -143,7 +143,7 @@ def test_weights_deterministic():
 
 
 def test_tokenizer_files(ckpt):
-    from engine.tokenizer import load_tiktoken_ranks
+    from kimitui.engine.tokenizer import load_tiktoken_ranks
 
     cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
     assert "chat_template" not in cfg and not (ckpt / "tokenizer.json").exists()

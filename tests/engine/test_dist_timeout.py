@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.parallel.workers import DEFAULT_DIST_TIMEOUT_S, dist_timeout_s
+from kimitui.engine import LLM, SamplingParams
+from kimitui.engine.parallel.workers import DEFAULT_DIST_TIMEOUT_S, dist_timeout_s
 from tests.helpers.checkpoints import write_hf_checkpoint
 
 SHAPE = dict(num_attention_heads=4, n_routed_experts=6, vocab_size=211, num_hidden_layers=2,

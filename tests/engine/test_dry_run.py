@@ -15,12 +15,12 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from engine.config import ModelConfig
-from engine.loader import build_model
-from engine.offload import param_count
-from engine.offload.param_count import compute_dtype, meta_model
-from engine.offload.planner import GiB, Placement, plan_placement
-from engine.parallel.state import ParallelState
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.loader import build_model
+from kimitui.engine.offload import param_count
+from kimitui.engine.offload.param_count import compute_dtype, meta_model
+from kimitui.engine.offload.planner import GiB, Placement, plan_placement
+from kimitui.engine.parallel.state import ParallelState
 
 CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
 MODELS = {"kimi_k2_instruct": "fp8", "kimi_k26": "int4", "kimi_k3": "mxfp4"}

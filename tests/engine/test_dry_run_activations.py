@@ -37,17 +37,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import engine.layers.mla as mla
-from engine.config import ModelConfig
-from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
-from engine.layers.sampler import SamplingBatch, sample
-from engine.loader import build_model
-from engine.offload.activation_reserve import StepShape, step_peak
-from engine.offload.param_count import compute_dtype
-from engine.parallel.state import ParallelState
-from engine.sampling_params import SamplingParams
-from kernels.backend import Backend
-from kernels.mla_decode import _num_splits
+import kimitui.engine.layers.mla as mla
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
+from kimitui.engine.layers.sampler import SamplingBatch, sample
+from kimitui.engine.loader import build_model
+from kimitui.engine.offload.activation_reserve import StepShape, step_peak
+from kimitui.engine.offload.param_count import compute_dtype
+from kimitui.engine.parallel.state import ParallelState
+from kimitui.engine.sampling_params import SamplingParams
+from kimitui.kernels.backend import Backend
+from kimitui.kernels.mla_decode import _num_splits
 
 CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
 BLOCK = 64

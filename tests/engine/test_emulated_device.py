@@ -89,10 +89,10 @@ def test_plain_small_ops_match_their_kernels_references():
     # the Triton kernels are tested against in tests/kernels.
     import torch
 
-    from engine.config import RopeScaling
-    from engine.layers.rope import YarnRotaryEmbedding
-    from kernels import reference as ref
-    from kernels.backend import REFERENCE
+    from kimitui.engine.config import RopeScaling
+    from kimitui.engine.layers.rope import YarnRotaryEmbedding
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.backend import REFERENCE
 
     torch.manual_seed(0)
     x, res, w = torch.randn(5, 40), torch.randn(5, 40), torch.rand(40) + 0.5
@@ -121,8 +121,8 @@ def test_plain_small_ops_match_their_kernels_references():
 
 
 def _child(path: str, dtype: str) -> None:
-    from engine import LLM
-    from kernels.backend import Backend
+    from kimitui.engine import LLM
+    from kimitui.kernels.backend import Backend
     from tests.helpers.greedy_run import greedy_run
 
     llm = LLM(path, dtype=dtype, max_model_len=64, max_num_seqs=2, enable_prefix_caching=False)

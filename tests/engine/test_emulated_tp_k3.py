@@ -59,7 +59,7 @@ def test_emulated_k3_on_two_ranks_matches_cpu_path(tmp_path):
 
 
 def _child(path: str, dtype: str, tp: int) -> None:
-    from engine import LLM
+    from kimitui.engine import LLM
     from tests.helpers.greedy_run import greedy_run
 
     llm = LLM(path, dtype=dtype, max_model_len=64, max_num_seqs=4, enable_prefix_caching=False,

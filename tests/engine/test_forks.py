@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine.kv_cache.block_manager import BlockManager
-from engine.kv_cache.state_slots import StateSlots
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SequenceStatus
+from kimitui.engine.kv_cache.block_manager import BlockManager
+from kimitui.engine.kv_cache.state_slots import StateSlots
+from kimitui.engine.scheduler import Scheduler, SchedulerConfig
+from kimitui.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 
@@ -211,8 +211,8 @@ def test_add_forks_checks_its_arguments():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA/ROCm device"))])
 def test_copy_blocks_copies_whole_paged_blocks_and_leaves_state_layers(device):
-    from engine.kv_cache.pool import MLACacheSpec, copy_blocks
-    from engine.kv_cache.state import KDAStateSpec
+    from kimitui.engine.kv_cache.pool import MLACacheSpec, copy_blocks
+    from kimitui.engine.kv_cache.state import KDAStateSpec
 
     torch.manual_seed(0)
     mla = MLACacheSpec(dim=6, dtype=torch.bfloat16).allocate(8, BS, 2, torch.device(device))

@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.kv_cache.state import KDAState
-from engine.layers.moe import RoutedExperts
-from engine.runner import ModelRunner, StepInputs
+from kimitui.engine import LLM, SamplingParams
+from kimitui.engine.kv_cache.state import KDAState
+from kimitui.engine.layers.moe import RoutedExperts
+from kimitui.engine.runner import ModelRunner, StepInputs
 from tests.helpers.checkpoints import write_hf_checkpoint
 from tests.helpers.k3_checkpoint import write_k3_checkpoint
 

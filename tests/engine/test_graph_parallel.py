@@ -23,7 +23,7 @@ MAX_SEQS = 4
 
 def _generate(runner, prompts):
     """Prefill every prompt in one step, then STEPS greedy decode steps. -> (tokens, logits per step)"""
-    from engine.runner import StepInputs
+    from kimitui.engine.runner import StepInputs
 
     tables = [[i * 4 + j for j in range(4)] for i in range(len(prompts))]  # 4 blocks of 16 each
     rows, prefills, at = [], [], 0
@@ -51,11 +51,11 @@ def _generate(runner, prompts):
 def _rank_main(rank, world, path, init_file, out_file):
     import torch.distributed as dist
 
-    from engine.config import ModelConfig
-    from engine.kv_cache.pool import KVCachePool
-    from engine.loader import load_model
-    from engine.parallel.state import ParallelState
-    from engine.runner import ModelRunner
+    from kimitui.engine.config import ModelConfig
+    from kimitui.engine.kv_cache.pool import KVCachePool
+    from kimitui.engine.loader import load_model
+    from kimitui.engine.parallel.state import ParallelState
+    from kimitui.engine.runner import ModelRunner
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.args import EngineArgs
-from engine.graph_runner import DecodeGraphRunner, GraphConfig, batch_buckets, bucket_for
-from engine.runner import ModelRunner, StepInputs
+from kimitui.engine import LLM, SamplingParams
+from kimitui.engine.args import EngineArgs
+from kimitui.engine.graph_runner import DecodeGraphRunner, GraphConfig, batch_buckets, bucket_for
+from kimitui.engine.runner import ModelRunner, StepInputs
 from kimitui.commands.engine_flags import add_engine_arguments, engine_args_from
 from tests.helpers.checkpoints import write_hf_checkpoint
 

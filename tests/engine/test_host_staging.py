@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.offload.cpu_experts import CpuExpertExecutor
-from engine.offload.host_staging import HostStaging
+from kimitui.engine.offload.cpu_experts import CpuExpertExecutor
+from kimitui.engine.offload.host_staging import HostStaging
 
 
 def _inputs(t: int, d: int = 64, k: int = 4, dtype=torch.bfloat16, seed: int = 0):

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from engine import LLM
-from engine.layers.sampler import SamplerOutput, SamplingBatch, sample
-from engine.runner import ModelRunner, StepInputs
-from kernels.launch_count import count_launches
+from kimitui.engine import LLM
+from kimitui.engine.layers.sampler import SamplerOutput, SamplingBatch, sample
+from kimitui.engine.runner import ModelRunner, StepInputs
+from kimitui.kernels.launch_count import count_launches
 from tests.helpers.checkpoints import write_hf_checkpoint
 
 DECODE = StepInputs(ids=[11, 12, 13], num_decodes=3, decode_tables=[[1, 2], [3], [4, 5, 6]],

@@ -4,10 +4,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.kv_cache.block_manager import BlockManager, hash_block
-from engine.kv_cache.state_slots import StateSlots
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SequenceStatus
+from kimitui.engine.kv_cache.block_manager import BlockManager, hash_block
+from kimitui.engine.kv_cache.state_slots import StateSlots
+from kimitui.engine.scheduler import Scheduler, SchedulerConfig
+from kimitui.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 SEQS = 4

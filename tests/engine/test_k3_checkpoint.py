@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from kernels import cpu_quant_moe
+from kimitui.kernels import cpu_quant_moe
 
-from engine import LLM, SamplingParams
+from kimitui.engine import LLM, SamplingParams
 from tests.helpers.hybrid_driver import HybridDriver
 from tests.helpers.k3_checkpoint import write_k3_checkpoint
 from tests.helpers.k3_reference import K3Reference
@@ -20,13 +20,13 @@ from tests.helpers.k3_reference import K3Reference
 
 def _has_kda() -> bool:
     try:
-        import engine.layers.kda  # noqa: F401
+        import kimitui.engine.layers.kda  # noqa: F401
     except ImportError:
         return False
     return True
 
 
-needs_kda = pytest.mark.skipif(not _has_kda(), reason="engine.layers.kda not merged")
+needs_kda = pytest.mark.skipif(not _has_kda(), reason="kimitui.engine.layers.kda not merged")
 
 CASES = {
     # the K3 layout: KDA and MLA interleaved, the last layer MLA, AttnRes blocks of 2, MXFP4 experts
@@ -144,7 +144,7 @@ def test_demo_k3_checkpoint_loads_and_generates(tmp_path):
     # engine/demo_k3.py (the xtml branch) writes the same real layout with its own code; the K3 text
     # model must load it as it is and generate (the demo's weights are random: only the shape of the
     # output is checked)
-    demo_k3 = pytest.importorskip("engine.demo_k3")
+    demo_k3 = pytest.importorskip("kimitui.engine.demo_k3")
     demo_k3.write_demo_k3_checkpoint(tmp_path)
     with LLM(str(tmp_path), max_model_len=64, max_num_seqs=2) as llm:
         out = llm.generate([{"prompt_token_ids": [11, 12, 13]}],

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import pytest
 
-from engine.config import ConfigError, ModelConfig
+from kimitui.engine.config import ConfigError, ModelConfig
 from tests.helpers.k3_checkpoint import k3_config
 
 K3_LIST_FULL = [4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 93]

@@ -84,7 +84,7 @@ def test_mxfp4_experts_weight_their_outputs_in_float32(models, dtype):
 def test_mxfp4_dequant_is_exact_in_bf16():
     # E2M1 x 2^k has at most 2 significant bits: every MXFP4 weight is a bf16 value for scales
     # 2^-127..2^127 (the weights are never rounded), and an fp16 value for 2^-14..2^15.
-    from kernels.reference import dequant_mxfp4
+    from kimitui.kernels.reference import dequant_mxfp4
 
     packed = torch.arange(256, dtype=torch.int64).to(torch.uint8).repeat(4, 1)  # every byte, 4 rows
     scale = torch.tensor([[1], [100], [127], [160]], dtype=torch.uint8).repeat(1, 16)

@@ -1,7 +1,7 @@
 """Kimi K3 with most routed experts in host RAM (``cpu_offload``): the MXFP4 host experts, computed
 by the CPU expert executor, give the tokens and prompt log-probs of a run with every expert local."""
 
-from engine import LLM, SamplingParams
+from kimitui.engine import LLM, SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
 PROMPT = {"prompt_token_ids": list(range(100, 140))}

@@ -29,7 +29,7 @@ def _run(path, prompts, par=None):
 def _rank_main(rank, world, path, init_file, prompts, out_file):
     import torch.distributed as dist
 
-    from engine.parallel.state import ParallelState
+    from kimitui.engine.parallel.state import ParallelState
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

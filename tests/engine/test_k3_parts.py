@@ -111,7 +111,7 @@ def test_reference_a_log_slice():
 
 
 def test_engine_situ_matches_reference():
-    from engine.layers.activation import GatedActivation
+    from kimitui.engine.layers.activation import GatedActivation
 
     act = GatedActivation("situ", 4.0, 25.0)
     one = torch.ones(1)
@@ -125,7 +125,7 @@ def test_engine_situ_matches_reference():
 
 
 def test_engine_attn_res_mix_matches_reference():
-    from engine.layers.attn_res import attn_res_mix
+    from kimitui.engine.layers.attn_res import attn_res_mix
 
     x = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
     out = attn_res_mix(x, [2 * x], torch.ones(4), 1e-5, torch.tensor([[0.3, -0.1, 0.7, 0.2]]))
@@ -138,7 +138,7 @@ def test_engine_attn_res_mix_matches_reference():
 
 
 def _latent_config(**kw):
-    from engine.config import ModelConfig
+    from kimitui.engine.config import ModelConfig
 
     from tests.helpers.k3_checkpoint import k3_config
 
@@ -166,7 +166,7 @@ def _moe_reference_weights(moe_full):
 
 
 def test_engine_latent_moe_matches_reference():
-    from engine.layers.latent_moe import KimiMoE
+    from kimitui.engine.layers.latent_moe import KimiMoE
 
     cfg = _latent_config(quantized=False)
     moe = KimiMoE(cfg, "model.layers.1.mlp")
@@ -189,7 +189,7 @@ class _ThreadPair:
 
 
 def _rank_state(pair: _ThreadPair, rank: int):
-    from engine.parallel.state import ParallelState
+    from kimitui.engine.parallel.state import ParallelState
 
     class ThreadRank(ParallelState):
         def all_reduce(self, x):
@@ -206,7 +206,7 @@ def _rank_state(pair: _ThreadPair, rank: int):
 def test_engine_latent_moe_norms_after_the_cross_rank_reduction():
     # Two ranks, each with half the experts and half the latent up_proj columns: their outputs
     # summed equal the single-rank layer, which is only true if the norm sees the reduced sum.
-    from engine.layers.latent_moe import KimiMoE
+    from kimitui.engine.layers.latent_moe import KimiMoE
 
     cfg = _latent_config(quantized=False)
     full = KimiMoE(cfg, "model.layers.1.mlp")

@@ -102,9 +102,9 @@ def test_emulated_device_with_host_experts_matches_the_reference(ckpt):
 def test_a_backend_without_situ_experts_is_refused_at_load(ckpt):
     import dataclasses
 
-    from engine.config import ModelConfig
-    from engine.layers.moe import RoutedExperts
-    from kernels.backend import Backend
+    from kimitui.engine.config import ModelConfig
+    from kimitui.engine.layers.moe import RoutedExperts
+    from kimitui.kernels.backend import Backend
 
     class SiluOnly(Backend):
         name = "silu-only"
@@ -124,8 +124,8 @@ def test_a_backend_without_situ_experts_is_refused_at_load(ckpt):
 
 
 def _child(path: str, dtype: str, offload: str) -> None:
-    from engine import LLM
-    from engine.layers.moe import RoutedExperts
+    from kimitui.engine import LLM
+    from kimitui.engine.layers.moe import RoutedExperts
     from tests.helpers.greedy_run import greedy_run
 
     llm = LLM(path, dtype=dtype, max_model_len=64, max_num_seqs=2, enable_prefix_caching=False,

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
-from engine.layers.kda import KDAConfig, KimiDeltaAttention, kda_gate
+from kimitui.engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
+from kimitui.engine.layers.kda import KDAConfig, KimiDeltaAttention, kda_gate
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig  # noqa: E402
@@ -158,7 +158,7 @@ def test_A_log_layouts_and_errors():
 
 
 def test_tensor_parallel_shards_follow_heads():
-    from engine.parallel.state import ParallelState
+    from kimitui.engine.parallel.state import ParallelState
 
     cfg = KDAConfig(hidden_size=D, num_heads=5, head_dim=HD, gate_lower_bound=-5.0, use_full_rank_gate=True)
     ranks = [KimiDeltaAttention(cfg, "p", ParallelState(rank=r, world_size=2)) for r in range(2)]
@@ -193,8 +193,8 @@ def _load_from_safetensors(ckpt: dict, tmp_path, cfg: KDAConfig, par) -> KimiDel
 
     from safetensors.torch import save_file
 
-    from engine.loader.checkpoint import CheckpointReader
-    from engine.loader.weights import load_weights
+    from kimitui.engine.loader.checkpoint import CheckpointReader
+    from kimitui.engine.loader.weights import load_weights
 
     path = tmp_path / "model.safetensors"
     if not path.exists():
@@ -206,7 +206,7 @@ def _load_from_safetensors(ckpt: dict, tmp_path, cfg: KDAConfig, par) -> KimiDel
     holder.model.layers = nn.ModuleList([nn.Module()])
     holder.model.layers[0].self_attn = layer
     # the registry protocol's name mapping: checkpoint names are module paths here
-    from engine.models.registry import WeightTarget
+    from kimitui.engine.models.registry import WeightTarget
 
     holder.checkpoint_target = lambda name: WeightTarget(*name.rsplit(".", 1))
     with torch.no_grad():
@@ -218,7 +218,7 @@ class _NoComm:
     """A ParallelState stand-in whose all_reduce is left to the test (ranks run in one process)."""
 
     def __init__(self, rank, world_size):
-        from engine.parallel.state import ParallelState
+        from kimitui.engine.parallel.state import ParallelState
 
         self._par = ParallelState(rank=rank, world_size=world_size)
         self.rank, self.world_size, self.is_parallel = rank, world_size, True
@@ -234,7 +234,7 @@ def test_loader_fills_k3_layer_and_uneven_tensor_parallel_ranks_sum_to_one(tmp_p
     hf = _hf_layer(k3=True)
     ckpt = _checkpoint(hf, k3=True)  # A_log stored as [head_dim] = [16] for 4 heads
     cfg = KDAConfig.from_linear_attn_config(D, dict(LINEAR, gate_lower_bound=-5.0, use_full_rank_gate=True), 1e-5)
-    from engine.parallel.state import SINGLE
+    from kimitui.engine.parallel.state import SINGLE
 
     full = _load_from_safetensors(ckpt, tmp_path, cfg, SINGLE)
     ranks = [_load_from_safetensors(ckpt, tmp_path, cfg, _NoComm(r, 3)) for r in range(3)]

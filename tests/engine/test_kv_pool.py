@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from engine.kv_cache.pool import (
+from kimitui.engine.kv_cache.pool import (
     KVCachePool,
     MLACacheSpec,
     StateCacheSpec,
@@ -9,7 +9,7 @@ from engine.kv_cache.pool import (
     num_blocks_for_budget,
     snapshots_for_budget,
 )
-from engine.kv_cache.state import KDAState, KDAStateSpec
+from kimitui.engine.kv_cache.state import KDAState, KDAStateSpec
 
 K2_MLA = MLACacheSpec(dim=512 + 64, dtype=torch.bfloat16)
 

@@ -114,9 +114,9 @@ def _diff(a: dict, b: dict) -> dict:
 
 
 def _child(path: str) -> None:
-    from engine import LLM
-    from engine.runner import StepInputs
-    from kernels.launch_count import count_launches
+    from kimitui.engine import LLM
+    from kimitui.engine.runner import StepInputs
+    from kimitui.kernels.launch_count import count_launches
     from tests.helpers.checkpoints import write_hf_checkpoint
     from tests.helpers.quantized import quantize_checkpoint
 
@@ -205,9 +205,9 @@ def test_k3_decode_step_stays_under_the_launch_budget(tmp_path):
 
 
 def _k3_child(path: str) -> None:
-    from engine import LLM
-    from engine.runner import StepInputs
-    from kernels.launch_count import count_launches
+    from kimitui.engine import LLM
+    from kimitui.engine.runner import StepInputs
+    from kimitui.kernels.launch_count import count_launches
     from tests.helpers.k3_checkpoint import write_k3_checkpoint
 
     write_k3_checkpoint(Path(path), seed=3, **K3_STRUCTURE)

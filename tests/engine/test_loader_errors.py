@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from engine import LLM
-from engine.config import ConfigError, ModelConfig
-from engine.loader import CheckpointError, load_model
+from kimitui.engine import LLM
+from kimitui.engine.config import ConfigError, ModelConfig
+from kimitui.engine.loader import CheckpointError, load_model
 from tests.helpers.checkpoints import rewrite_checkpoint, state_dict_from, write_hf_checkpoint
 
 

@@ -4,11 +4,11 @@ run op by op (the reference backend, ``KIMITUI_KERNELS=reference``): same output
 import pytest
 import torch
 
-from engine.layers.attn_metadata import AttentionMetadata
-from engine.layers.mla import MLAttention
-from kernels import cpu_few_rows
-from kernels.backend import REFERENCE
-from kernels.cpu_backend import CpuBackend
+from kimitui.engine.layers.attn_metadata import AttentionMetadata
+from kimitui.engine.layers.mla import MLAttention
+from kimitui.kernels import cpu_few_rows
+from kimitui.kernels.backend import REFERENCE
+from kimitui.kernels.cpu_backend import CpuBackend
 from tests.helpers.mla import random_mla_layer
 
 needs_ext = pytest.mark.skipif(not cpu_few_rows.available(), reason="C++ CPU kernels did not build here")

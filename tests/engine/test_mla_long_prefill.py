@@ -5,8 +5,8 @@ than a slice of rows."""
 import pytest
 import torch
 
-from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
-from engine.layers.mla import PREFILL_SLICE, MLAttention
+from kimitui.engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
+from kimitui.engine.layers.mla import PREFILL_SLICE, MLAttention
 from tests.helpers.mla import random_mla_layer
 
 SLICE = 64

@@ -9,14 +9,14 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import ModelConfig
-from engine.loader import CheckpointReader, build_model, load_model
-from engine.models.registry import WeightTarget, model_class, parameter_classes, supported_model_types
-from engine.offload.param_count import meta_model, part_sizes
-from engine.offload.planner import plan_placement
-from engine.parallel.state import ParallelState
-from kernels import reference as R
+from kimitui.engine import LLM, SamplingParams
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.loader import CheckpointReader, build_model, load_model
+from kimitui.engine.models.registry import WeightTarget, model_class, parameter_classes, supported_model_types
+from kimitui.engine.offload.param_count import meta_model, part_sizes
+from kimitui.engine.offload.planner import plan_placement
+from kimitui.engine.parallel.state import ParallelState
+from kimitui.kernels import reference as R
 from tests.helpers.checkpoints import hf_prompt_logprobs, write_hf_checkpoint
 from tests.helpers.quantized import quantize_checkpoint
 

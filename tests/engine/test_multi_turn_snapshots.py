@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-import engine.engine as engine_module
-from engine.args import EngineArgs
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+import kimitui.engine.engine as engine_module
+from kimitui.engine.args import EngineArgs
+from kimitui.engine.engine import LLMEngine
+from kimitui.engine.sampling_params import SamplingParams
 from tests.helpers.checkpoints import BASE
 from tests.helpers.engine_run import run_to_finish as _run
 from tests.helpers.toy_hybrid import ToyHybrid

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
+from kimitui.kernels import reference
 
 # bytes [[0x01, 0x29], [0x93, 0xF4]] (even column in the low nibble), E8M0 scale 127 = 2^0:
 # 0x01 -> (0.5, 0); 0x29 -> (-0.5, 1); 0x93 -> (1.5, -0.5); 0xF4 -> (2, -6)
@@ -59,8 +59,8 @@ def test_engine_matches_transformers_on_random_weights():
 
 
 def test_linear_keeps_mxfp4_packed_and_multiplies_by_the_decoded_weight():
-    from engine.config import QuantConfig
-    from engine.layers.linear import Linear
+    from kimitui.engine.config import QuantConfig
+    from kimitui.engine.layers.linear import Linear
 
     lin = Linear(128, 48, QuantConfig(method="mxfp4"), "model.layers.1.mlp.experts.0.gate_proj")
     assert lin.fmt == "mxfp4"

@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
-import engine.engine as engine_module
-from engine import LLM, SamplingParams
-from engine.offload import cpu_experts, numa
-from kernels import cpu_quant_moe
+import kimitui.engine.engine as engine_module
+from kimitui.engine import LLM, SamplingParams
+from kimitui.engine.offload import cpu_experts, numa
+from kimitui.kernels import cpu_quant_moe
 from kimitui.commands.info import numa_lines
 from tests.helpers.checkpoints import write_hf_checkpoint
 from tests.helpers.quantized import quantize_checkpoint

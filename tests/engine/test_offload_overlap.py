@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.offload import overlap_meter
-from engine.offload.cpu_experts import CpuExpertExecutor
-from kernels import cpu_quant_moe
+from kimitui.engine import LLM, SamplingParams
+from kimitui.engine.offload import overlap_meter
+from kimitui.engine.offload.cpu_experts import CpuExpertExecutor
+from kimitui.kernels import cpu_quant_moe
 from tests.helpers.checkpoints import write_hf_checkpoint
 from tests.helpers.quantized import quantize_checkpoint
 

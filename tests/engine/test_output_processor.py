@@ -2,12 +2,12 @@
 
 import pytest
 
-from engine.kv_cache.block_manager import BlockManager
-from engine.output_processor import OutputProcessor
-from engine.runner import StepResult
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence
+from kimitui.engine.kv_cache.block_manager import BlockManager
+from kimitui.engine.output_processor import OutputProcessor
+from kimitui.engine.runner import StepResult
+from kimitui.engine.sampling_params import SamplingParams
+from kimitui.engine.scheduler import Scheduler, SchedulerConfig
+from kimitui.engine.sequence import Sequence
 
 EOS = 99
 

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-import engine.runner as runner
-from engine import LLM, SamplingParams
-from engine.runner import PromptLogprobSpan, StepInputs, output_rows
+import kimitui.engine.runner as runner
+from kimitui.engine import LLM, SamplingParams
+from kimitui.engine.runner import PromptLogprobSpan, StepInputs, output_rows
 from tests.helpers.checkpoints import write_hf_checkpoint
 
 

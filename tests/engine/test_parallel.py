@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.parallel.state import split_sizes
-from engine.parallel.workers import WorkerError
+from kimitui.engine import LLM, SamplingParams
+from kimitui.engine.parallel.state import split_sizes
+from kimitui.engine.parallel.workers import WorkerError
 from tests.helpers.checkpoints import write_hf_checkpoint
 from tests.helpers.quantized import quantize_checkpoint
 
@@ -130,8 +130,8 @@ def test_dead_worker_is_an_error_in_rank0_not_a_hang(ckpt, prompts):
 
 
 def test_small_memory_budget_pushes_experts_to_the_cpu_path(ckpt, prompts, reference):
-    from engine.config import ModelConfig
-    from engine.offload.param_count import count_params, kv_bytes_per_token
+    from kimitui.engine.config import ModelConfig
+    from kimitui.engine.offload.param_count import count_params, kv_bytes_per_token
 
     config = ModelConfig.from_pretrained(ckpt)
     size = count_params(config)
@@ -150,7 +150,7 @@ def test_small_memory_budget_pushes_experts_to_the_cpu_path(ckpt, prompts, refer
 def test_worker_failing_at_start_up_is_an_error_not_a_hang(ckpt, monkeypatch):
     # A worker that cannot start (here: a bad dtype name reaches only the workers) must not leave
     # rank 0 waiting for it at the rendezvous.
-    from engine.parallel import workers
+    from kimitui.engine.parallel import workers
 
     real = workers.WorkerSpec
 
@@ -158,7 +158,7 @@ def test_worker_failing_at_start_up_is_an_error_not_a_hang(ckpt, monkeypatch):
         spec = real(*args, **kwargs)
         return real(**{**spec.__dict__, "dtype": "no_such_dtype"})
 
-    monkeypatch.setattr("engine.engine.WorkerSpec", broken_spec)
+    monkeypatch.setattr("kimitui.engine.engine.WorkerSpec", broken_spec)
     t = time.monotonic()
     with pytest.raises(WorkerError, match="rank 1"):
         LLM(ckpt, max_model_len=128, max_num_seqs=4, tensor_parallel_size=2)

@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import pytest
 
-import engine.engine as engine_module
-from engine import LLM
-from engine.args import EngineArgs
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+import kimitui.engine.engine as engine_module
+from kimitui.engine import LLM
+from kimitui.engine.args import EngineArgs
+from kimitui.engine.engine import LLMEngine
+from kimitui.engine.sampling_params import SamplingParams
 from tests.helpers.checkpoints import BASE
 from tests.helpers.engine_run import run_to_finish as _run
 from tests.helpers.toy_hybrid import ToyHybrid
@@ -283,7 +283,7 @@ def test_each_fork_has_its_own_grammar(demo_llm):
     pytest.importorskip("llguidance")
     import json
 
-    from engine.structured import StructuredOutputs
+    from kimitui.engine.structured import StructuredOutputs
     from tests.helpers.schema_check import schema_errors
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},

@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.layers.penalties import PenaltyBatch
-from engine.layers.sampler import SamplingBatch, sample
-from engine.spec_decode.rejection import rejection_sample
+from kimitui.engine import LLM, SamplingParams
+from kimitui.engine.layers.penalties import PenaltyBatch
+from kimitui.engine.layers.sampler import SamplingBatch, sample
+from kimitui.engine.spec_decode.rejection import rejection_sample
 from tests.engine.spec_decode.scripted import ScriptedProposer
 from tests.helpers.checkpoints import write_hf_checkpoint
 

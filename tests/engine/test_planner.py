@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.layers.linear import linear_format
-from engine.offload.param_count import count_params, meta_model
-from engine.offload.placement import expert_placement_for
-from engine.offload.planner import GiB, PlacementError, plan_placement
-from engine.offload.routing_stats import load_routing_stats, save_routing_stats
-from engine.parallel.state import split_sizes
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.layers.linear import linear_format
+from kimitui.engine.offload.param_count import count_params, meta_model
+from kimitui.engine.offload.placement import expert_placement_for
+from kimitui.engine.offload.planner import GiB, PlacementError, plan_placement
+from kimitui.engine.offload.routing_stats import load_routing_stats, save_routing_stats
+from kimitui.engine.parallel.state import split_sizes
 
 CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
 

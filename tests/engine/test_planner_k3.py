@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import ModelConfig
-from engine.offload.param_count import count_params
-from engine.offload.planner import GiB, plan_placement
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.offload.param_count import count_params
+from kimitui.engine.offload.planner import GiB, plan_placement
 
 K3 = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "kimi_k3.json"
 D, V = 7168, 163840                  # hidden, vocab

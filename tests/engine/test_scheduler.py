@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.kv_cache.block_manager import BlockManager
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SequenceStatus
+from kimitui.engine.kv_cache.block_manager import BlockManager
+from kimitui.engine.scheduler import Scheduler, SchedulerConfig
+from kimitui.engine.sequence import Sequence, SequenceStatus
 
 EOS = 0
 BS = 4

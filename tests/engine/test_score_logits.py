@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from kimitui.engine import LLM, SamplingParams
 from tests.helpers.checkpoints import hf_prompt_logprobs, write_hf_checkpoint
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.step_buffers import StepBuffers
+from kimitui.engine import LLM, SamplingParams
+from kimitui.engine.step_buffers import StepBuffers
 from tests.helpers.checkpoints import write_hf_checkpoint
 
 

@@ -13,20 +13,20 @@ import torch
 
 pytest.importorskip("llguidance")
 
-from engine.chat import (THINK_CLOSE, TOOL_CALL_ARG, TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CALLS_BEGIN,  # noqa: E402
+from kimitui.engine.chat import (THINK_CLOSE, TOOL_CALL_ARG, TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CALLS_BEGIN,  # noqa: E402
                          TOOL_CALLS_END, parse_reply)
-from engine.chat_format import chat_format_for  # noqa: E402
-from engine.engine import _resolve_model  # noqa: E402
-from engine.structured import StructuredOutputs  # noqa: E402
-from engine.structured import grammar as grammar_mod  # noqa: E402
-from engine.structured.bitmask import apply_bitmask, apply_bitmask_torch  # noqa: E402
-from engine.structured.chat_constraints import response_format_constraint, tool_call_constraint  # noqa: E402
-from engine.structured.grammar import GrammarError, check, compiler_for  # noqa: E402
-from engine.structured.matcher import RequestGrammar  # noqa: E402
-from engine.structured.reasoning import ReasoningGate  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
-from engine.xtml import build_segments, encode_segments  # noqa: E402
-from engine.xtml_reply import parse_xtml_reply  # noqa: E402
+from kimitui.engine.chat_format import chat_format_for  # noqa: E402
+from kimitui.engine.engine import _resolve_model  # noqa: E402
+from kimitui.engine.structured import StructuredOutputs  # noqa: E402
+from kimitui.engine.structured import grammar as grammar_mod  # noqa: E402
+from kimitui.engine.structured.bitmask import apply_bitmask, apply_bitmask_torch  # noqa: E402
+from kimitui.engine.structured.chat_constraints import response_format_constraint, tool_call_constraint  # noqa: E402
+from kimitui.engine.structured.grammar import GrammarError, check, compiler_for  # noqa: E402
+from kimitui.engine.structured.matcher import RequestGrammar  # noqa: E402
+from kimitui.engine.structured.reasoning import ReasoningGate  # noqa: E402
+from kimitui.engine.tokenizer import Tokenizer  # noqa: E402
+from kimitui.engine.xtml import build_segments, encode_segments  # noqa: E402
+from kimitui.engine.xtml_reply import parse_xtml_reply  # noqa: E402
 from tests.helpers.schema_check import schema_errors  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},

@@ -10,9 +10,9 @@ import pytest
 
 pytest.importorskip("llguidance")
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.structured import StructuredOutputs  # noqa: E402
-from engine.structured.grammar import GrammarError  # noqa: E402
+from kimitui.engine import LLM, SamplingParams  # noqa: E402
+from kimitui.engine.structured import StructuredOutputs  # noqa: E402
+from kimitui.engine.structured.grammar import GrammarError  # noqa: E402
 from tests.engine.spec_decode.scripted import ScriptedProposer  # noqa: E402
 from tests.helpers.schema_check import schema_errors  # noqa: E402
 
@@ -103,7 +103,7 @@ OPEN_SCHEMA = {"type": "object",  # no additionalProperties: closed as vLLM's de
 
 
 def test_schemas_that_leave_extra_keys_open_are_closed(llm):
-    from engine.structured.grammar import close_objects
+    from kimitui.engine.structured.grammar import close_objects
 
     closed = close_objects(OPEN_SCHEMA)
     assert closed["additionalProperties"] is False and closed["properties"]["pet"]["additionalProperties"] is False

@@ -13,13 +13,13 @@ tiktoken = pytest.importorskip("tiktoken")
 
 from tokenizers import Regex, pre_tokenizers  # noqa: E402
 
-from engine.bpe_train import (  # noqa: E402
+from kimitui.engine.bpe_train import (  # noqa: E402
     demo_corpus,
     kimi_special_tokens_for,
     train_ranks,
     write_kimi_tokenizer_files,
 )
-from engine.tokenizer import (  # noqa: E402
+from kimitui.engine.tokenizer import (  # noqa: E402
     KIMI_PAT_STR,
     KIMI_PAT_STR_ONIG,
     IncrementalDetokenizer,

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.parallel.watchdog import Heartbeat, Watchdog, WatchdogConfig, stop_workers
-from engine.parallel.workers import free_port
+from kimitui.engine.parallel.watchdog import Heartbeat, Watchdog, WatchdogConfig, stop_workers
+from kimitui.engine.parallel.workers import free_port
 
 FAST = WatchdogConfig(interval_s=0.1, stale_after_s=0.8)
 
@@ -51,7 +51,7 @@ def test_killed_gloo_worker_is_reported_and_unblocks_rank0_within_seconds(caplog
         assert watchdog.failure is None
         threading.Timer(0.5, os.kill, (procs[1].pid, signal.SIGKILL)).start()  # rank 2 dies mid-run
         start = time.monotonic()
-        with caplog.at_level(logging.ERROR, logger="engine.parallel.watchdog"):
+        with caplog.at_level(logging.ERROR, logger="kimitui.engine.parallel.watchdog"):
             with pytest.raises(RuntimeError):
                 dist.recv(torch.zeros(1), src=1)  # rank 1 never sends: only the watchdog can end this
         assert time.monotonic() - start < 10
@@ -80,7 +80,7 @@ def test_silent_live_worker_is_a_warning_not_a_failure(caplog):
     silent_send.send_bytes(b".")  # one beat, then silence (a worker that hangs after start-up)
     heartbeat = Heartbeat(beating_send, FAST.interval_s)
     calls = []
-    with caplog.at_level(logging.WARNING, logger="engine.parallel.watchdog"):
+    with caplog.at_level(logging.WARNING, logger="kimitui.engine.parallel.watchdog"):
         watchdog = Watchdog({1: (_fake_worker(), beating_recv), 2: (_fake_worker(), silent_recv)},
                             on_failure=calls.append, config=FAST)
         try:

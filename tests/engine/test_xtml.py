@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from engine.chat_format import ChatPrompt, K2ChatFormat, XtmlChatFormat, chat_format_for
-from engine.tokenizer import Tokenizer
-from engine.xtml import XtmlError, build_segments, encode_segments, render_text
+from kimitui.engine.chat_format import ChatPrompt, K2ChatFormat, XtmlChatFormat, chat_format_for
+from kimitui.engine.tokenizer import Tokenizer
+from kimitui.engine.xtml import XtmlError, build_segments, encode_segments, render_text
 
 EFFORT = ('<|open|>message role="system" type="thinking-effort"<|sep|>`thinking_effort` guides on how much to '
           'think in your thinking channel (not including the response channel), supported values include '
@@ -126,7 +126,7 @@ def test_unparseable_arguments_become_a_json_block():
 
 @pytest.fixture(scope="module")
 def k3_tok():
-    from engine.demo_k3 import ensure_demo_k3_checkpoint
+    from kimitui.engine.demo_k3 import ensure_demo_k3_checkpoint
 
     return Tokenizer.from_pretrained(ensure_demo_k3_checkpoint())
 
@@ -171,7 +171,7 @@ def test_user_text_never_becomes_a_control_token(k3_tok):
 
 
 def test_chat_format_chosen_by_tokenizer(k3_tok, tmp_path):
-    from engine.bpe_train import demo_corpus, train_ranks, write_kimi_tokenizer_files
+    from kimitui.engine.bpe_train import demo_corpus, train_ranks, write_kimi_tokenizer_files
 
     fmt = chat_format_for(k3_tok)
     assert isinstance(fmt, XtmlChatFormat) and fmt.supports_thinking_effort
@@ -199,7 +199,7 @@ class _ScriptedEngine:
         self.tokenizer, self.model_dir, self.requests, self._outs = tokenizer, "scripted", [], []
 
     def add_request(self, request_id, prompt, params):
-        from engine.outputs import CompletionOutput, RequestOutput
+        from kimitui.engine.outputs import CompletionOutput, RequestOutput
 
         rid = str(len(self.requests))
         self.requests.append((prompt["prompt_token_ids"], params))
@@ -213,7 +213,7 @@ class _ScriptedEngine:
 
 
 def _scripted_llm(tok):
-    from engine.llm import LLM
+    from kimitui.engine.llm import LLM
 
     llm = LLM.__new__(LLM)
     llm.engine = _ScriptedEngine(tok)
@@ -221,8 +221,8 @@ def _scripted_llm(tok):
 
 
 def test_llm_chat_effort_and_stop_ids(k3_tok, tmp_path, caplog):
-    from engine import SamplingParams
-    from engine.bpe_train import demo_corpus, train_ranks, write_kimi_tokenizer_files
+    from kimitui.engine import SamplingParams
+    from kimitui.engine.bpe_train import demo_corpus, train_ranks, write_kimi_tokenizer_files
 
     llm = _scripted_llm(k3_tok)
     llm.chat(USER, SamplingParams(stop_token_ids=[7]), thinking_effort="low")
@@ -232,7 +232,7 @@ def test_llm_chat_effort_and_stop_ids(k3_tok, tmp_path, caplog):
     assert k3_tok.decode(off) == HI + GEN_RESPONSE
     write_kimi_tokenizer_files(tmp_path, train_ranks(demo_corpus()[:200_000], 512))
     k2 = _scripted_llm(Tokenizer.from_pretrained(tmp_path))
-    with caplog.at_level("INFO", logger="engine.chat_format"):
+    with caplog.at_level("INFO", logger="kimitui.engine.chat_format"):
         k2.chat(USER, thinking=True, thinking_effort="high")
     k2.chat(USER, thinking=True)
     assert k2.engine.requests[0][0] == k2.engine.requests[1][0]

@@ -19,10 +19,10 @@ import re
 
 import pytest
 
-from engine.chat_format import chat_format_for
-from engine.tokenizer import KIMI_PAT_STR, Tokenizer, load_tiktoken_ranks
-from engine.xtml import XtmlError, build_segments, encode_segments, render_text, text_slices
-from engine.xtml_options import OptionError, resolve_effort
+from kimitui.engine.chat_format import chat_format_for
+from kimitui.engine.tokenizer import KIMI_PAT_STR, Tokenizer, load_tiktoken_ranks
+from kimitui.engine.xtml import XtmlError, build_segments, encode_segments, render_text, text_slices
+from kimitui.engine.xtml_options import OptionError, resolve_effort
 
 tiktoken = pytest.importorskip("tiktoken")
 
@@ -80,7 +80,7 @@ def reference_segments(text: str, parts: dict[str, list[str]] | None = None) -> 
 
 @pytest.fixture(scope="module")
 def k3_dir():
-    from engine.demo_k3 import ensure_demo_k3_checkpoint
+    from kimitui.engine.demo_k3 import ensure_demo_k3_checkpoint
 
     return ensure_demo_k3_checkpoint()
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from engine.chat import ParsedReply, ToolCall
-from engine.xtml_reply import XtmlReplyParser, parse_xtml_reply
+from kimitui.engine.chat import ParsedReply, ToolCall
+from kimitui.engine.xtml_reply import XtmlReplyParser, parse_xtml_reply
 
 CALL = ('<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
         '<|open|>argument key="location" type="string"<|sep|>Paris <b><|close|>argument<|sep|>'

@@ -7,8 +7,8 @@ def greedy_run(llm, prompts: list[list[int]], max_tokens: int):
     """Generate from token-id ``prompts`` greedily, counting launches. -> (record, counts): record has,
     per prompt, the generated ``tokens`` and the log-probs of the prompt's (``prompt_lp``) and the
     generated tokens (``gen_lp``); counts is ``kernels.launch_count.count_launches``'s."""
-    from engine import SamplingParams
-    from kernels.launch_count import count_launches
+    from kimitui.engine import SamplingParams
+    from kimitui.kernels.launch_count import count_launches
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     with count_launches() as counts:

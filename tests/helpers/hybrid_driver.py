@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import ModelConfig
-from engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
-from engine.loader import load_model
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
+from kimitui.engine.loader import load_model
 
 
 @dataclass

@@ -2,9 +2,9 @@
 
 import torch
 
-from engine.config import ModelConfig
-from engine.layers.mla import MLAttention
-from engine.layers.rope import YarnRotaryEmbedding
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.layers.mla import MLAttention
+from kimitui.engine.layers.rope import YarnRotaryEmbedding
 from tests.helpers.checkpoints import BASE
 
 

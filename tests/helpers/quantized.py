@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import reference as R
+from kimitui.kernels import reference as R
 from tests.helpers.checkpoints import rewrite_checkpoint, state_dict_from
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

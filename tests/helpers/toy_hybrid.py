@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kv_cache.pool import MLACacheSpec
-from engine.kv_cache.state import KDAState, KDAStateSpec
-from engine.layers.attn_metadata import AttentionMetadata, gather_slots
+from kimitui.engine.kv_cache.pool import MLACacheSpec
+from kimitui.engine.kv_cache.state import KDAState, KDAStateSpec
+from kimitui.engine.layers.attn_metadata import AttentionMetadata, gather_slots
 
 DECAY = 0.9
 

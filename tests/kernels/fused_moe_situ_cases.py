@@ -24,7 +24,7 @@ ACTS = (("situ", 0.5, 0.75), ("situ", 1.0, None))
 
 
 def _acts():
-    from kernels.activation import GatedActivation
+    from kimitui.kernels.activation import GatedActivation
 
     return [GatedActivation(*a) for a in ACTS]
 
@@ -49,8 +49,8 @@ def _differs_from_silu(got, silu):
 
 @case
 def situ_dense_fp32_and_fp16():
-    from kernels import reference as ref
-    from kernels.fused_moe import fused_moe
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.fused_moe import fused_moe
 
     x, ids, w, w13, w2 = _inputs(t=7, d=32, inter=24, e=4, k=3)
     ids[0, 1] = 4  # one pair computed elsewhere
@@ -67,8 +67,8 @@ def situ_dense_fp32_and_fp16():
 
 @case
 def situ_w4a16_fp32():
-    from kernels import reference as ref
-    from kernels.fused_moe import fused_moe_w4a16
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.fused_moe import fused_moe_w4a16
 
     d, inter, e = 36, 24, 4  # D not a multiple of 8 or 32
     x, ids, w, w13, w2 = _inputs(t=5, d=d, inter=inter, e=e)
@@ -84,8 +84,8 @@ def situ_w4a16_fp32():
 
 @case
 def situ_mxfp4_fp32_and_fp16():
-    from kernels import reference as ref
-    from kernels.fused_moe import fused_moe_mxfp4
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.fused_moe import fused_moe_mxfp4
 
     x, ids, w, w13, w2 = _inputs()
     ids[2, 0] = 5  # one pair computed elsewhere
@@ -103,8 +103,8 @@ def situ_mxfp4_fp32_and_fp16():
 
 @case
 def situ_fp8_partial_blocks():
-    from kernels import reference as ref
-    from kernels.fused_moe import fused_moe_fp8
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.fused_moe import fused_moe_fp8
 
     block = (16, 32)  # D = 40 and I = 16: the K side of both GEMMs ends in a partial block
     x, ids, w, w13, w2 = _inputs(t=5, d=40, inter=16, e=4, k=2)
@@ -121,8 +121,8 @@ def situ_fp8_partial_blocks():
 @case
 def silu_spelled_out_equals_the_default():
     # activation=GatedActivation() (SiLU) is the old call, bit for bit
-    from kernels.activation import GatedActivation
-    from kernels.fused_moe import fused_moe
+    from kimitui.kernels.activation import GatedActivation
+    from kimitui.kernels.fused_moe import fused_moe
 
     x, ids, w, w13, w2 = _inputs(t=4, d=32, inter=16, e=3)
     assert torch.equal(fused_moe(x, ids, w, w13, w2), fused_moe(x, ids, w, w13, w2, activation=GatedActivation()))

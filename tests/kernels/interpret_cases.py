@@ -24,8 +24,8 @@ CASES, case = case_registry()
 
 @case
 def w4a16_gemm_fp32_ragged_k():
-    from kernels import reference as ref
-    from kernels.w4a16_gemm import w4a16_gemm
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.w4a16_gemm import w4a16_gemm
 
     # K = 76: not a multiple of 8 (last word half used) nor of 32 (partial last group).
     x, w = torch.randn(5, 76), torch.randn(48, 76)
@@ -36,8 +36,8 @@ def w4a16_gemm_fp32_ragged_k():
 
 @case
 def w4a16_gemm_fp16_group128():
-    from kernels import reference as ref
-    from kernels.w4a16_gemm import w4a16_gemm
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.w4a16_gemm import w4a16_gemm
 
     x, w = torch.randn(3, 128).half(), torch.randn(70, 128)
     packed, scale = ref.quantize_int4(w.half(), group_size=128)
@@ -48,8 +48,8 @@ def w4a16_gemm_fp16_group128():
 
 @case
 def mxfp4_gemm_fp32():
-    from kernels import reference as ref
-    from kernels.mxfp4_gemm import mxfp4_gemm
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.mxfp4_gemm import mxfp4_gemm
 
     x = torch.randn(4, 64)
     packed = torch.randint(0, 256, (24, 32), dtype=torch.uint8)  # every code, both nibbles
@@ -59,8 +59,8 @@ def mxfp4_gemm_fp32():
 
 @case
 def mxfp4_gemm_fp16():
-    from kernels import reference as ref
-    from kernels.mxfp4_gemm import mxfp4_gemm
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.mxfp4_gemm import mxfp4_gemm
 
     x = torch.randn(2, 96).half()
     packed, scale = ref.quantize_mxfp4(torch.randn(40, 96))
@@ -69,8 +69,8 @@ def mxfp4_gemm_fp16():
 
 @case
 def fp8_block_gemm_partial_blocks():
-    from kernels import reference as ref
-    from kernels.fp8_block_gemm import fp8_block_gemm
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.fp8_block_gemm import fp8_block_gemm
 
     # N = 70, K = 96 with 32x32 quant blocks: quant blocks and 64-wide tiles do not align.
     x, w = torch.randn(3, 96), torch.randn(70, 96)
@@ -91,8 +91,8 @@ def _moe_inputs(t=5, d=32, inter=24, e=4, k=2, dtype=torch.float32):
 
 @case
 def fused_moe_fp32():
-    from kernels import reference as ref
-    from kernels.fused_moe import fused_moe
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.fused_moe import fused_moe
 
     args = _moe_inputs()
     _close(fused_moe(*args), ref.moe_experts_reference(*args), 1e-4)
@@ -100,8 +100,8 @@ def fused_moe_fp32():
 
 @case
 def fused_moe_fp16_idle_experts():
-    from kernels import reference as ref
-    from kernels.fused_moe import fused_moe
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.fused_moe import fused_moe
 
     x, topk_ids, topk_weights, w13, w2 = _moe_inputs(t=3, e=8, dtype=torch.float16)
     topk_ids[:, 0] = 5  # every token on expert 5; experts 0..7 partly idle
@@ -114,8 +114,8 @@ def fused_moe_fp16_idle_experts():
 @case
 def fused_moe_pairs_computed_elsewhere():
     # Expert parallel: ids equal to E mark pairs another rank (or host RAM) computes; they add nothing.
-    from kernels import reference as ref
-    from kernels.fused_moe import fused_moe
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.fused_moe import fused_moe
 
     x, topk_ids, topk_weights, w13, w2 = _moe_inputs(t=7, e=4, k=3)
     elsewhere = torch.rand(topk_ids.shape) < 0.4
@@ -131,8 +131,8 @@ def fused_moe_pairs_computed_elsewhere():
 
 @case
 def fused_moe_w4a16_fp32():
-    from kernels import reference as ref
-    from kernels.fused_moe import fused_moe_w4a16
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.fused_moe import fused_moe_w4a16
 
     d, inter, e = 36, 24, 4  # D not a multiple of 8 or 32
     x, topk_ids, topk_weights, w13, w2 = _moe_inputs(d=d, inter=inter, e=e)
@@ -149,8 +149,8 @@ def _stack(fn, w):
 
 @case
 def fused_moe_mxfp4_fp32_and_fp16():
-    from kernels import reference as ref
-    from kernels.fused_moe import fused_moe_mxfp4
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.fused_moe import fused_moe_mxfp4
 
     x, topk_ids, topk_weights, w13, w2 = _moe_inputs(t=6, d=64, inter=32, e=5, k=2)
     topk_ids[0, 1] = 5  # one pair computed elsewhere
@@ -166,8 +166,8 @@ def fused_moe_mxfp4_fp32_and_fp16():
 
 @case
 def fused_moe_fp8_partial_blocks():
-    from kernels import reference as ref
-    from kernels.fused_moe import fused_moe_fp8
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.fused_moe import fused_moe_fp8
 
     block = (16, 32)  # D = 40 and I = 16: the K side of both GEMMs ends in a partial block
     x, topk_ids, topk_weights, w13, w2 = _moe_inputs(t=5, d=40, inter=16, e=4, k=2)
@@ -192,8 +192,8 @@ def _paged_latents(lens, width, block_size=16, dtype=torch.float32):
 
 @case
 def mla_decode_paged_splits_fp32_fp16():
-    from kernels import reference as ref
-    from kernels.mla_decode import mla_decode
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.mla_decode import mla_decode
 
     r, rope, heads = 32, 8, 20  # 20 heads: a partial head block; rope 8: a padded dot
     lens = [1, 37, 70]  # 70 splits in two; the 37-token sequence leaves its second split empty
@@ -208,8 +208,8 @@ def mla_decode_paged_splits_fp32_fp16():
 
 @case
 def rms_norm_fp32_fp16_bf16():
-    from kernels import reference as ref
-    from kernels.rms_norm import rms_norm
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.rms_norm import rms_norm
 
     x = torch.randn(2, 3, 100)  # H not a power of two: masked tail
     weight = torch.rand(100) + 0.5
@@ -229,7 +229,7 @@ def engine_on_the_device_path_matches_the_cpu_path():
     import tempfile
     from pathlib import Path
 
-    from engine import LLM, SamplingParams
+    from kimitui.engine import LLM, SamplingParams
     from tests.helpers.checkpoints import write_hf_checkpoint
     from tests.helpers.quantized import quantize_checkpoint
 

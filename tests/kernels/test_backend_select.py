@@ -6,10 +6,10 @@ import importlib.util
 import pytest
 import torch
 
-from kernels import backend
-from kernels import reference as ref
-from kernels.cpu_backend import CpuBackend
-from kernels.settings import KernelSettings
+from kimitui.kernels import backend
+from kimitui.kernels import reference as ref
+from kimitui.kernels.cpu_backend import CpuBackend
+from kimitui.kernels.settings import KernelSettings
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -23,7 +23,7 @@ def test_cpu_and_meta_tensors_use_reference():
 
 @needs_triton
 def test_env_forces_reference():
-    from kernels.triton_backend import TritonBackend
+    from kimitui.kernels.triton_backend import TritonBackend
 
     assert isinstance(backend.select_backend("cuda", torch.bfloat16, KernelSettings.from_env({})), TritonBackend)
     forced = KernelSettings.from_env({"KIMITUI_KERNELS": "reference"})
@@ -46,7 +46,7 @@ def test_settings_are_read_once_and_checked():
 
 @needs_triton
 def test_emulation_takes_the_device_backend_on_cpu_tensors():
-    from kernels.triton_backend import TritonBackend
+    from kimitui.kernels.triton_backend import TritonBackend
 
     ops = backend.select_backend("cpu", torch.float32, KernelSettings(emulate_device=True, triton_interpret=True))
     assert isinstance(ops, TritonBackend)
@@ -80,10 +80,10 @@ def test_cpu_backend_matches_reference():
 
 @needs_triton
 def test_wrappers_reject_bad_inputs(monkeypatch):
-    from kernels.fp8_block_gemm import fp8_block_gemm
-    from kernels.fused_moe import fused_moe
-    from kernels.mxfp4_gemm import mxfp4_gemm
-    from kernels.w4a16_gemm import w4a16_gemm
+    from kimitui.kernels.fp8_block_gemm import fp8_block_gemm
+    from kimitui.kernels.fused_moe import fused_moe
+    from kimitui.kernels.mxfp4_gemm import mxfp4_gemm
+    from kimitui.kernels.w4a16_gemm import w4a16_gemm
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x = torch.randn(2, 64)
@@ -106,7 +106,7 @@ def test_wrappers_reject_bad_inputs(monkeypatch):
 
 @needs_triton
 def test_moe_align_block_size_matches_vllm_example():
-    from kernels.fused_moe import moe_align_block_size
+    from kimitui.kernels.fused_moe import moe_align_block_size
 
     # vLLM's docstring example (expert ids 1..4, so 5 experts with expert 0 idle), block 4.
     topk_ids = torch.tensor([[2, 3, 4], [1, 2, 4], [1, 3, 4], [1, 2, 3]])

@@ -30,12 +30,12 @@ TILES = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
 
 
 def _specs():
-    from kernels.fp8_block_gemm import _fp8_block_gemm_kernel
-    from kernels.fused_moe import _fused_moe_kernel
-    from kernels.moe_align import _moe_align_kernel, align_launch
-    from kernels.mxfp4_gemm import _mxfp4_gemm_kernel
-    from kernels.rms_norm import _rms_norm_kernel
-    from kernels.w4a16_gemm import _w4a16_gemm_kernel
+    from kimitui.kernels.fp8_block_gemm import _fp8_block_gemm_kernel
+    from kimitui.kernels.fused_moe import _fused_moe_kernel
+    from kimitui.kernels.moe_align import _moe_align_kernel, align_launch
+    from kimitui.kernels.mxfp4_gemm import _mxfp4_gemm_kernel
+    from kimitui.kernels.rms_norm import _rms_norm_kernel
+    from kimitui.kernels.w4a16_gemm import _w4a16_gemm_kernel
 
     gemm = {"x_ptr": "*bf16", "out_ptr": "*bf16"}
     moe = {"a_ptr": "*bf16", "s_ptr": "*bf16", "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32",
@@ -75,11 +75,11 @@ def _k3_specs():
     query at K3's latent 512 + 64, the output gate."""
     import triton.language as tl
 
-    from kernels.attn_res_mix import _attn_res_mix_norm_kernel
-    from kernels.kda_decode import _kda_decode_kernel
-    from kernels.mla_cache_write import _mla_cache_write_kernel
-    from kernels.mla_q_absorb import _mla_q_absorb_kernel
-    from kernels.sigmoid_gate import _sigmoid_gate_kernel
+    from kimitui.kernels.attn_res_mix import _attn_res_mix_norm_kernel
+    from kimitui.kernels.kda_decode import _kda_decode_kernel
+    from kimitui.kernels.mla_cache_write import _mla_cache_write_kernel
+    from kimitui.kernels.mla_q_absorb import _mla_q_absorb_kernel
+    from kimitui.kernels.sigmoid_gate import _sigmoid_gate_kernel
 
     bf, f32 = "*bf16", "*fp32"
     kda = {"qkv_ptr": bf, "fb_ptr": bf, "b_ptr": bf, "gate_ptr": bf, "convw_ptr": f32, "alog_ptr": f32,
@@ -138,7 +138,7 @@ def _compile_mla(target, block_h, block_n, num_warps, num_stages):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.mla_decode import _mla_decode_kernel as fn
+    from kimitui.kernels.mla_decode import _mla_decode_kernel as fn
 
     if not hasattr(fn, "arg_names"):
         pytest.skip("kernel module was imported in interpreter mode")
@@ -168,7 +168,7 @@ def _spill_bytes(compiled, target) -> int:
 def test_mla_decode_tile_fits_each_target(target, heads):
     import torch
 
-    from kernels.mla_decode import gpu_limits, mla_decode_launch_params
+    from kimitui.kernels.mla_decode import gpu_limits, mla_decode_launch_params
 
     params = mla_decode_launch_params(target, heads, 512, 64, torch.bfloat16)
     compiled = _compile_mla(target, params.block_h, params.block_n, params.num_warps, params.num_stages)

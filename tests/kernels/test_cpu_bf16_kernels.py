@@ -6,9 +6,9 @@ against their float32 selves."""
 import pytest
 import torch
 
-from kernels import cpu_few_rows, cpu_linear
-from kernels import reference as ref
-from kernels.cpu_backend import CpuBackend
+from kimitui.kernels import cpu_few_rows, cpu_linear
+from kimitui.kernels import reference as ref
+from kimitui.kernels.cpu_backend import CpuBackend
 
 needs_ext = pytest.mark.skipif(not cpu_few_rows.available(), reason="the C++ extension does not build here")
 BF16 = torch.bfloat16
@@ -151,7 +151,7 @@ def test_the_cpu_backend_builds_the_kernels_for_bf16_models():
 
 @needs_ext
 def test_the_bf16_ffn_block_is_the_float32_block_rounded_once():
-    from kernels.cpu_decode_block import FfnBlockWeights
+    from kimitui.kernels.cpu_decode_block import FfnBlockWeights
 
     torch.manual_seed(3)
     e, d, inter, top_k = 8, 64, 32, 2

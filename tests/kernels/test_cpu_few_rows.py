@@ -6,11 +6,11 @@ import logging
 import pytest
 import torch
 
-from kernels import cpu_few_rows
-from kernels import reference as ref
-from kernels.backend import REFERENCE
-from kernels.cpu_backend import CpuBackend
-from kernels.settings import KernelSettings
+from kimitui.kernels import cpu_few_rows
+from kimitui.kernels import reference as ref
+from kimitui.kernels.backend import REFERENCE
+from kimitui.kernels.cpu_backend import CpuBackend
+from kimitui.kernels.settings import KernelSettings
 
 needs_ext = pytest.mark.skipif(not cpu_few_rows.available(), reason="the C++ extension does not build here")
 
@@ -165,7 +165,7 @@ def test_build_failure_falls_back_with_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(cpp, "load", fail)
     cpu_few_rows._module.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="kernels.cpu_few_rows"):
+        with caplog.at_level(logging.WARNING, logger="kimitui.kernels.cpu_few_rows"):
             assert not cpu_few_rows.available()
         assert "Ninja is required" in caplog.text
         x, w = torch.randn(2, 32), torch.randn(16, 32)

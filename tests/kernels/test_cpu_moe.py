@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kernels import cpu_moe
-from kernels import reference as ref
-from kernels.cpu_backend import CpuBackend
-from kernels.settings import KernelSettings
+from kimitui.kernels import cpu_moe
+from kimitui.kernels import reference as ref
+from kimitui.kernels.cpu_backend import CpuBackend
+from kimitui.kernels.settings import KernelSettings
 
 
 def _case(t, e=6, d=32, inter=16, k=2, seed=0):

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_few_rows, cpu_moe, cpu_quant_moe
-from kernels import reference as R
-from kernels.activation import GatedActivation
-from kernels.cpu_backend import CpuBackend
-from kernels.settings import KernelSettings
+from kimitui.kernels import cpu_few_rows, cpu_moe, cpu_quant_moe
+from kimitui.kernels import reference as R
+from kimitui.kernels.activation import GatedActivation
+from kimitui.kernels.cpu_backend import CpuBackend
+from kimitui.kernels.settings import KernelSettings
 from tests.helpers.moe_oracle import moe64
 
 # beta 0.5 with up bounded at 0.75; Moonshot's default beta 1.0 with up unbounded

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from kernels import cpu_quant_moe, cpu_quant_moe_layout as layout, reference as R
-from kernels.cpu_backend import CpuBackend
+from kimitui.kernels import cpu_quant_moe, cpu_quant_moe_layout as layout, reference as R
+from kimitui.kernels.cpu_backend import CpuBackend
 from tests.helpers.moe_oracle import moe64
 
 pytestmark = pytest.mark.skipif(not cpu_quant_moe.available(), reason="the C++ extension does not build here")
@@ -174,7 +174,7 @@ def test_the_isa_is_chosen_once_from_the_cpu_or_the_environment():
     assert cpu_quant_moe.isa() in cpu_quant_moe.ISA_NAMES.values()
     if not os.environ.get("KIMITUI_CPU_ISA"):  # what `kimitui info` prints without building the extension
         assert cpu_quant_moe.planned_isa() == cpu_quant_moe.isa()
-    code = "from kernels import cpu_quant_moe as q; print(q.isa(), q.planned_isa())"
+    code = "from kimitui.kernels import cpu_quant_moe as q; print(q.isa(), q.planned_isa())"
     for name in cpu_quant_moe.supported_isas():  # each level this CPU runs can be forced, and info says so
         env = dict(os.environ, KIMITUI_CPU_ISA=name)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_few_rows, cpu_quant_moe
+from kimitui.kernels import cpu_few_rows, cpu_quant_moe
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,9 +24,9 @@ pytestmark = [
 
 PRELUDE = """
 import os, sys, time
-import engine  # noqa: F401  (the engine's OpenMP settings, as a served model has them)
+from kimitui import engine  # noqa: F401  (the engine's OpenMP settings, as a served model has them)
 import torch
-from kernels import cpu_few_rows, cpu_quant_moe
+from kimitui.kernels import cpu_few_rows, cpu_quant_moe
 
 torch.set_num_threads(2)
 

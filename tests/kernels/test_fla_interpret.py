@@ -128,8 +128,8 @@ def _gates(T, H, K):
 
 
 def _chunk_through_wrapper(cu, H, K, V, dtype=torch.float32):
-    from kernels import kda, kda_fla
-    from kernels import reference as ref
+    from kimitui.kernels import kda, kda_fla
+    from kimitui.kernels import reference as ref
 
     cu_seqlens = torch.tensor(cu)
     T, N = cu[-1], len(cu) - 1
@@ -164,8 +164,8 @@ def chunk_kda_wrapper_varlen_uneven_k128():
 
 @case
 def recurrent_kda_wrapper_decode_slots():
-    from kernels import kda, kda_fla
-    from kernels import reference as ref
+    from kimitui.kernels import kda, kda_fla
+    from kimitui.kernels import reference as ref
 
     # Four decode steps of three sequences living in slots 4, 0, 2 of a 5-slot pool (the other
     # slots must stay untouched), q/k/v as strided views, the bounded gate.
@@ -198,8 +198,8 @@ def recurrent_kda_wrapper_decode_slots():
 
 @case
 def causal_conv1d_wrapper_prefill_and_decode():
-    from kernels import kda, kda_fla
-    from kernels import reference as ref
+    from kimitui.kernels import kda, kda_fla
+    from kimitui.kernels import reference as ref
 
     # Channels as a strided slice of a wider row (the layer's qkv view), W = 4 (K3), fp32 weight;
     # sequence lengths 70 (crosses fla's 64-row conv tile), 0, 1 and 2 (shorter than W - 1: the
@@ -233,8 +233,8 @@ def causal_conv1d_wrapper_prefill_and_decode():
 def chunk_kda_safe_gate_in_kernel_k3():
     import fla.ops.kda
 
-    from engine.layers.kda import kda_gate
-    from kernels import kda
+    from kimitui.engine.layers.kda import kda_gate
+    from kimitui.kernels import kda
 
     # K3's gate computed inside fla: g = lower_bound * sigmoid(exp(A_log[h]) * (a + dt_bias)) with
     # safe_gate=True (the M=16 sub-chunk kernel fla enables for bounded gates). Ours computes the
@@ -268,8 +268,8 @@ def chunk_kda_safe_gate_in_kernel_k3():
 def fused_recurrent_kda_gate_in_kernel_k3():
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-    from engine.layers.kda import kda_gate
-    from kernels import kda
+    from kimitui.engine.layers.kda import kda_gate
+    from kimitui.kernels import kda
 
     # Decode with K3's bounded gate and beta's sigmoid inside fla's recurrent kernel.
     H, K, V, N = 2, 128, 128, 3
@@ -292,7 +292,7 @@ def fused_recurrent_kda_gate_in_kernel_k3():
 def fused_recurrent_kda_spec_decode_semantics():
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-    from kernels import reference as ref
+    from kimitui.kernels import reference as ref
 
     # Speculative decoding (verify pass): sequence n feeds T_n = 1 + drafts tokens. With
     # ssm_state_indices [N, max T] int32 (contiguous rows) and num_accepted_tokens [N] int32, the
@@ -339,7 +339,7 @@ def fused_recurrent_kda_spec_decode_semantics():
 
 @case
 def recurrent_kda_spec_wrapper_verify_step():
-    from kernels import kda, kda_fla
+    from kimitui.kernels import kda, kda_fla
 
     # A verify step as the KDA layer runs it on a GPU: three sequences of 3, 1 and 4 rows (drafts
     # + 1), slots 6, 1, 3 of a 12-row pool whose rows 7..11 are scratch; each sequence starts from its

@@ -26,8 +26,8 @@ CASES, case = case_registry()
 
 @case
 def fused_add_rms_norm_fp32_odd_hidden():
-    from kernels import reference as ref
-    from kernels.fused_add_rms_norm import fused_add_rms_norm
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.fused_add_rms_norm import fused_add_rms_norm
 
     x, r, w = torch.randn(3, 2, 203), torch.randn(3, 2, 203), torch.rand(203) + 0.5
     y, s = fused_add_rms_norm(x, r, w, 1e-6)
@@ -38,8 +38,8 @@ def fused_add_rms_norm_fp32_odd_hidden():
 
 @case
 def fused_add_rms_norm_fp16_in_place():
-    from kernels import reference as ref
-    from kernels.fused_add_rms_norm import fused_add_rms_norm
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.fused_add_rms_norm import fused_add_rms_norm
 
     x, r = torch.randn(5, 1000).half(), torch.randn(5, 1000).half()
     w = (torch.rand(1000) + 0.5).half()
@@ -54,8 +54,8 @@ def fused_add_rms_norm_fp16_in_place():
 
 @case
 def fused_add_rms_norm_fp16_weight_fp32_promotes():
-    from kernels import reference as ref
-    from kernels.fused_add_rms_norm import fused_add_rms_norm
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.fused_add_rms_norm import fused_add_rms_norm
 
     x, r, w = torch.randn(4, 96).half(), torch.randn(4, 96).half(), torch.rand(96) + 0.5
     y, _ = fused_add_rms_norm(x, r, w)
@@ -68,8 +68,8 @@ def fused_add_rms_norm_fp16_weight_fp32_promotes():
 
 
 def _yarn():
-    from engine.config import RopeScaling
-    from engine.layers.rope import YarnRotaryEmbedding
+    from kimitui.engine.config import RopeScaling
+    from kimitui.engine.layers.rope import YarnRotaryEmbedding
 
     scaling = RopeScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
                           mscale=1.0, mscale_all_dim=1.0)
@@ -78,8 +78,8 @@ def _yarn():
 
 @case
 def rope_mla_fp32_strided_views_match_engine():
-    from kernels import reference as ref
-    from kernels.rope_fused import rope_mla
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.rope_fused import rope_mla
 
     rope = _yarn()
     t, h = 3, 5
@@ -99,8 +99,8 @@ def rope_mla_fp32_strided_views_match_engine():
 
 @case
 def rope_mla_fp16_in_place_odd_heads():
-    from kernels import reference as ref
-    from kernels.rope_fused import rope_mla
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.rope_fused import rope_mla
 
     rope = _yarn()
     t, h = 4, 3
@@ -120,8 +120,8 @@ def rope_mla_fp16_in_place_odd_heads():
 
 
 def _cache_write_case(dtype, cache_dtype, weight_dtype, tol):
-    from kernels import reference as ref
-    from kernels.mla_cache_write import mla_cache_write
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.mla_cache_write import mla_cache_write
 
     rope = _yarn()
     t, r = 6, 96  # r not a power of two: masked latent tail
@@ -158,9 +158,9 @@ def mla_cache_write_fp16_activations_fp32_weight_fp16_cache():
 def moe_router_grouped_sigmoid_fp32_matches_moe_route():
     import torch.nn.functional as F
 
-    from kernels import reference as base
-    from kernels import reference as ref
-    from kernels.moe_router import moe_route_logits
+    from kimitui.kernels import reference as base
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.moe_router import moe_route_logits
 
     x, gate, bias = torch.randn(7, 40), torch.randn(24, 40), torch.randn(24) * 0.1
     logits = F.linear(x, gate)  # [T, E]
@@ -176,8 +176,8 @@ def moe_router_grouped_sigmoid_fp32_matches_moe_route():
 
 @case
 def moe_router_ties_pick_lower_id_fp16():
-    from kernels import reference as ref
-    from kernels.moe_router import moe_route_logits
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.moe_router import moe_route_logits
 
     # logits from a set of three values: many exact ties between experts and between groups
     logits = (torch.randint(0, 3, (6, 32)).float() - 1).half()
@@ -190,8 +190,8 @@ def moe_router_ties_pick_lower_id_fp16():
 
 @case
 def moe_router_softmax_odd_experts_no_renorm():
-    from kernels import reference as ref
-    from kernels.moe_router import moe_route_logits
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.moe_router import moe_route_logits
 
     logits = torch.randn(3, 17)
     ids, weights = moe_route_logits(logits, None, 3, scoring_func="softmax", norm_topk_prob=False)
@@ -204,9 +204,9 @@ def moe_router_softmax_odd_experts_no_renorm():
 
 
 def _check_align(topk_ids, block, e):
-    from kernels import reference as ref
-    from kernels.fused_moe import moe_align_block_size as aten_align
-    from kernels.moe_align import moe_align_block_size
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.fused_moe import moe_align_block_size as aten_align
+    from kimitui.kernels.moe_align import moe_align_block_size
 
     got = moe_align_block_size(topk_ids, block, e)
     for want in (ref.moe_align_block_size(topk_ids, block, e), aten_align(topk_ids, block, e)):
@@ -233,8 +233,8 @@ def moe_align_kimi_shape_384_experts():
 
 @case
 def fused_moe_with_triton_alignment():
-    from kernels import reference as base
-    from kernels.fused_moe import fused_moe
+    from kimitui.kernels import reference as base
+    from kimitui.kernels.fused_moe import fused_moe
 
     t, d, inter, e, k = 3, 32, 16, 6, 2
     x = torch.randn(t, d)
@@ -250,9 +250,9 @@ def fused_moe_with_triton_alignment():
 
 @case
 def launch_count_fused_norm_vs_reference():
-    from kernels import reference as ref
-    from kernels.fused_add_rms_norm import fused_add_rms_norm
-    from kernels.launch_count import count_launches
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.fused_add_rms_norm import fused_add_rms_norm
+    from kimitui.kernels.launch_count import count_launches
 
     x, r, w = torch.randn(2, 64).half(), torch.randn(2, 64).half(), torch.rand(64).half()
     with count_launches() as fused:
@@ -267,9 +267,9 @@ def launch_count_fused_norm_vs_reference():
 
 @case
 def launch_count_alignment_vs_aten():
-    from kernels.fused_moe import moe_align_block_size as aten_align
-    from kernels.launch_count import count_launches
-    from kernels.moe_align import moe_align_block_size
+    from kimitui.kernels.fused_moe import moe_align_block_size as aten_align
+    from kimitui.kernels.launch_count import count_launches
+    from kimitui.kernels.moe_align import moe_align_block_size
 
     ids = torch.stack([torch.randperm(384)[:8] for _ in range(4)])
     with count_launches() as fused:
@@ -283,11 +283,11 @@ def launch_count_alignment_vs_aten():
 
 @case
 def launch_count_rope_router_cache_write_vs_reference():
-    from kernels import reference as ref
-    from kernels.launch_count import count_launches
-    from kernels.mla_cache_write import mla_cache_write
-    from kernels.moe_router import moe_route_logits
-    from kernels.rope_fused import rope_mla
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.launch_count import count_launches
+    from kimitui.kernels.mla_cache_write import mla_cache_write
+    from kimitui.kernels.moe_router import moe_route_logits
+    from kimitui.kernels.rope_fused import rope_mla
 
     rope = _yarn()
     q, kv, pos = torch.randn(2, 4, 64), torch.randn(2, 32 + 64), torch.tensor([3, 9])
@@ -335,11 +335,11 @@ def test_fused_kernel_matches_reference(name, interpreter_results):
 
 
 def _bad_calls():
-    from kernels.fused_add_rms_norm import fused_add_rms_norm
-    from kernels.mla_cache_write import mla_cache_write
-    from kernels.moe_align import moe_align_block_size
-    from kernels.moe_router import moe_route_logits
-    from kernels.rope_fused import rope_mla
+    from kimitui.kernels.fused_add_rms_norm import fused_add_rms_norm
+    from kimitui.kernels.mla_cache_write import mla_cache_write
+    from kimitui.kernels.moe_align import moe_align_block_size
+    from kimitui.kernels.moe_router import moe_route_logits
+    from kimitui.kernels.rope_fused import rope_mla
 
     x, cs = torch.randn(2, 8), torch.zeros(10, 4)
     return [

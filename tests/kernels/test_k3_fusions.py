@@ -42,8 +42,8 @@ def _kda_inputs(n, h, d, w, dtype, slots_total=6, wide=7):
 
 
 def _kda_compare(n, h, d, w, dtype, lower_bound, tol, steps=3):
-    from kernels.backend import REFERENCE
-    from kernels.triton_backend import TritonBackend
+    from kimitui.kernels.backend import REFERENCE
+    from kimitui.kernels.triton_backend import TritonBackend
 
     qkv, f_b, b, gate, conv_w, A_log, dt_bias, norm_w, conv_state, rec_state = _kda_inputs(n, h, d, w, dtype)
     slots = torch.tensor([4, 0, 2, 5][:n])
@@ -83,7 +83,7 @@ def kda_decode_fp16_kernel_3():
 
 @case
 def kda_decode_padding_slot_writes_zeros_and_no_state():
-    from kernels.kda_decode import kda_decode
+    from kimitui.kernels.kda_decode import kda_decode
 
     qkv, f_b, b, gate, conv_w, A_log, dt_bias, norm_w, conv_state, rec_state = _kda_inputs(2, 2, 16, 4,
                                                                                           torch.float32)
@@ -96,9 +96,9 @@ def kda_decode_padding_slot_writes_zeros_and_no_state():
 
 @case
 def kda_decode_is_one_launch():
-    from kernels.backend import REFERENCE
-    from kernels.launch_count import count_launches
-    from kernels.triton_backend import TritonBackend
+    from kimitui.kernels.backend import REFERENCE
+    from kimitui.kernels.launch_count import count_launches
+    from kimitui.kernels.triton_backend import TritonBackend
 
     qkv, f_b, b, gate, conv_w, A_log, dt_bias, norm_w, conv_state, rec_state = _kda_inputs(3, 2, 16, 4,
                                                                                           torch.float16)
@@ -116,8 +116,8 @@ def kda_decode_is_one_launch():
 
 
 def _mix_compare(t, d, n, dtype, delta, save, tol):
-    from kernels.backend import REFERENCE
-    from kernels.triton_backend import TritonBackend
+    from kimitui.kernels.backend import REFERENCE
+    from kimitui.kernels.triton_backend import TritonBackend
 
     cap = n + 2
     blocks = (torch.randn(cap, t, d) * (1 + torch.arange(cap)[:, None, None])).to(dtype)
@@ -156,9 +156,9 @@ def attn_res_mix_norm_fp16_add_wide():
 
 @case
 def attn_res_mix_norm_is_one_launch():
-    from kernels.backend import REFERENCE
-    from kernels.launch_count import count_launches
-    from kernels.triton_backend import TritonBackend
+    from kimitui.kernels.backend import REFERENCE
+    from kimitui.kernels.launch_count import count_launches
+    from kimitui.kernels.triton_backend import TritonBackend
 
     blocks, x, a = torch.randn(3, 3, 32).half(), torch.randn(3, 32).half(), torch.randn(3, 32).half()
     args = (blocks, 2, torch.ones(32).half(), 1e-6, torch.randn(1, 32).half(), torch.ones(32).half(), 1e-6)
@@ -175,9 +175,9 @@ def attn_res_mix_norm_is_one_launch():
 
 @case
 def mla_cache_write_nope_with_query_norm():
-    from kernels import reference as ref
-    from kernels.backend import REFERENCE
-    from kernels.mla_cache_write import mla_cache_write
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.backend import REFERENCE
+    from kimitui.kernels.mla_cache_write import mla_cache_write
 
     for dtype, wdtype, tol in ((torch.float16, torch.float16, 2e-3), (torch.float32, torch.float32, 1e-5),
                                (torch.float16, torch.float32, 2e-3)):
@@ -198,8 +198,8 @@ def mla_cache_write_nope_with_query_norm():
 
 @case
 def mla_q_absorb_nope_copies_the_tail():
-    from kernels.backend import REFERENCE
-    from kernels.mla_q_absorb import mla_q_absorb
+    from kimitui.kernels.backend import REFERENCE
+    from kimitui.kernels.mla_q_absorb import mla_q_absorb
 
     for b, h, nope, r, dtype, tol in ((3, 5, 24, 40, torch.float32, 1e-5), (20, 2, 16, 16, torch.float16, 2e-3)):
         q = torch.randn(b, h, nope + 8).to(dtype)
@@ -214,7 +214,7 @@ def mla_q_absorb_nope_copies_the_tail():
 
 @case
 def sigmoid_gate_matches_two_ops():
-    from kernels.sigmoid_gate import sigmoid_gate
+    from kimitui.kernels.sigmoid_gate import sigmoid_gate
 
     for dtype in (torch.float32, torch.float16):
         x = torch.randn(3, 1100 + 4).to(dtype)[:, :1100]  # strided rows, more than one column block
@@ -230,10 +230,10 @@ def sigmoid_gate_matches_two_ops():
 
 @case
 def bad_input_is_one_clear_line():
-    from kernels.attn_res_mix import attn_res_mix_norm
-    from kernels.kda_decode import kda_decode
-    from kernels.mla_cache_write import mla_cache_write
-    from kernels.sigmoid_gate import sigmoid_gate
+    from kimitui.kernels.attn_res_mix import attn_res_mix_norm
+    from kimitui.kernels.kda_decode import kda_decode
+    from kimitui.kernels.mla_cache_write import mla_cache_write
+    from kimitui.kernels.sigmoid_gate import sigmoid_gate
 
     x, w = torch.randn(2, 8), torch.ones(8)
     qkv, f_b, b, gate, conv_w, A_log, dt_bias, norm_w, conv_state, rec_state = _kda_inputs(2, 2, 16, 4,

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import kda
-from kernels import reference as ref
+from kimitui.kernels import kda
+from kimitui.kernels import reference as ref
 
 
 @pytest.fixture(autouse=True)
@@ -149,8 +149,8 @@ def test_bad_shapes_raise_clear_errors():
 
 
 def test_backend_entry_points_run_the_cpu_forms():
-    from kernels.backend import select_backend
-    from kernels.settings import KernelSettings
+    from kimitui.kernels.backend import select_backend
+    from kimitui.kernels.settings import KernelSettings
 
     ops = select_backend("cpu", torch.float32, KernelSettings())  # what a CPU model's KDA layers call
     cu = _cu([3, 70])

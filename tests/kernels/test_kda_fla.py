@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import kda, kda_fla
-from kernels import reference as ref
+from kimitui.kernels import kda, kda_fla
+from kimitui.kernels import reference as ref
 
 
 def _fake_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

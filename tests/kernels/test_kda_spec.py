@@ -3,7 +3,7 @@ fla-core's spec-decoding layout) against plain decode steps taken one position a
 
 import torch
 
-from kernels import kda
+from kimitui.kernels import kda
 
 
 def test_spec_recurrence_equals_position_by_position_decodes():

@@ -1,4 +1,4 @@
-"""kernels.launch_count on plain CPU tensors: what counts as a kernel, a collective, a host sync.
+"""kimitui.kernels.launch_count on plain CPU tensors: what counts as a kernel, a collective, a host sync.
 (Triton launches are counted in test_fused_small_ops, under the interpreter.)"""
 
 from datetime import timedelta
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kernels.launch_count import count_launches
+from kimitui.kernels.launch_count import count_launches
 
 
 def test_views_and_allocations_are_not_kernels_ops_are():

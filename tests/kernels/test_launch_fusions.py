@@ -27,7 +27,7 @@ CASES, case = case_registry()
 
 @case
 def gated_act_silu_fp16_bit_exact_strided_rows():
-    from kernels.gated_act import gated_act
+    from kimitui.kernels.gated_act import gated_act
 
     wide = torch.randn(5, 2 * 40 + 8).half() * 4
     gu = wide[:, :80]  # rows strided by 88: the kernel reads through the row stride
@@ -39,7 +39,7 @@ def gated_act_silu_fp16_bit_exact_strided_rows():
 
 @case
 def gated_act_silu_fp32_odd_width_3d():
-    from kernels.gated_act import gated_act
+    from kimitui.kernels.gated_act import gated_act
 
     gu = torch.randn(2, 3, 2 * 1100)  # more than one column block (1024), odd remainder
     _close(gated_act(gu), F.silu(gu[..., :1100]) * gu[..., 1100:], 1e-6)
@@ -47,8 +47,8 @@ def gated_act_silu_fp32_odd_width_3d():
 
 @case
 def gated_act_situ_matches_activation_module():
-    from engine.layers.activation import GatedActivation
-    from kernels.gated_act import gated_act
+    from kimitui.engine.layers.activation import GatedActivation
+    from kimitui.kernels.gated_act import gated_act
 
     gu = torch.randn(4, 2 * 24) * 6  # large values: tanh saturates, exp overflows to inf
     for act in (GatedActivation("situ", 2.0, None), GatedActivation("situ", 1.5, 3.0)):
@@ -60,9 +60,9 @@ def gated_act_situ_matches_activation_module():
 
 @case
 def backend_gated_act_equals_reference_backend():
-    from engine.layers.activation import GatedActivation
-    from kernels.backend import REFERENCE
-    from kernels.triton_backend import TritonBackend
+    from kimitui.engine.layers.activation import GatedActivation
+    from kimitui.kernels.backend import REFERENCE
+    from kimitui.kernels.triton_backend import TritonBackend
 
     gu = torch.randn(3, 64).half()
     act = GatedActivation()
@@ -74,7 +74,7 @@ def backend_gated_act_equals_reference_backend():
 
 @case
 def moe_combine_skips_elsewhere_rows_never_reads_them():
-    from kernels.fused_moe import moe_combine
+    from kimitui.kernels.fused_moe import moe_combine
 
     t, k, d, e = 4, 3, 70, 5
     pairs = torch.randn(t * k, d)
@@ -91,8 +91,8 @@ def moe_combine_skips_elsewhere_rows_never_reads_them():
 
 @case
 def fused_moe_elsewhere_pairs_match_reference():
-    from kernels import reference as ref
-    from kernels.fused_moe import fused_moe
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.fused_moe import fused_moe
 
     t, d, inter, e, k = 5, 32, 16, 6, 3
     x = torch.randn(t, d).half()
@@ -107,8 +107,8 @@ def fused_moe_elsewhere_pairs_match_reference():
 
 @case
 def moe_router_weights_dtype_and_counts():
-    from kernels import reference as ref
-    from kernels.moe_router import moe_route_logits
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.moe_router import moe_route_logits
 
     logits, bias = torch.randn(9, 32), torch.randn(32) * 0.1
     args = (4, 4, 2, "sigmoid", True, 2.5)
@@ -127,8 +127,8 @@ def moe_router_weights_dtype_and_counts():
 
 @case
 def backend_router_counts_match_reference_backend():
-    from kernels.backend import REFERENCE
-    from kernels.triton_backend import TritonBackend
+    from kimitui.kernels.backend import REFERENCE
+    from kimitui.kernels.triton_backend import TritonBackend
 
     x, gate, bias = torch.randn(6, 40).half(), torch.randn(16, 40), torch.randn(16) * 0.1
     args = (4, 2, 1, "sigmoid", True, 1.5)
@@ -145,9 +145,9 @@ def backend_router_counts_match_reference_backend():
 
 @case
 def add_rms_norm_fp32_copy_is_exact():
-    from kernels.backend import REFERENCE
-    from kernels.fused_add_rms_norm import fused_add_rms_norm
-    from kernels.triton_backend import TritonBackend
+    from kimitui.kernels.backend import REFERENCE
+    from kimitui.kernels.fused_add_rms_norm import fused_add_rms_norm
+    from kimitui.kernels.triton_backend import TritonBackend
 
     x, r, w = torch.randn(3, 72).half(), torch.randn(3, 72).half(), (torch.rand(72) + 0.5).half()
     out32 = torch.full((3, 72), float("nan"))
@@ -169,10 +169,10 @@ def add_rms_norm_fp32_copy_is_exact():
 
 @case
 def rope_query_into_absorbed_buffer_tail():
-    from engine.config import RopeScaling
-    from engine.layers.rope import YarnRotaryEmbedding
-    from kernels.backend import REFERENCE
-    from kernels.triton_backend import TritonBackend
+    from kimitui.engine.config import RopeScaling
+    from kimitui.engine.layers.rope import YarnRotaryEmbedding
+    from kimitui.kernels.backend import REFERENCE
+    from kimitui.kernels.triton_backend import TritonBackend
 
     rope = YarnRotaryEmbedding(16, 10000.0, RopeScaling(factor=4.0, original_max_position_embeddings=32), 128)
     q = torch.randn(3, 4, 24 + 16)  # nope then rope channels
@@ -186,16 +186,16 @@ def rope_query_into_absorbed_buffer_tail():
 
 
 def _rope(dim=16, max_position=128):
-    from engine.config import RopeScaling
-    from engine.layers.rope import YarnRotaryEmbedding
+    from kimitui.engine.config import RopeScaling
+    from kimitui.engine.layers.rope import YarnRotaryEmbedding
 
     return YarnRotaryEmbedding(dim, 10000.0, RopeScaling(factor=4.0, original_max_position_embeddings=32), max_position)
 
 
 @case
 def mla_q_absorb_matches_bmm_and_rope():
-    from kernels.backend import REFERENCE
-    from kernels.mla_q_absorb import mla_q_absorb
+    from kimitui.kernels.backend import REFERENCE
+    from kimitui.kernels.mla_q_absorb import mla_q_absorb
 
     rope = _rope()
     for b, h, nope, r, dtype, tol in ((3, 5, 24, 40, torch.float32, 1e-5), (20, 2, 128, 96, torch.float16, 2e-3)):
@@ -212,9 +212,9 @@ def mla_q_absorb_matches_bmm_and_rope():
 
 @case
 def mla_cache_write_with_query_norm():
-    from kernels import reference as ref
-    from kernels.backend import REFERENCE
-    from kernels.mla_cache_write import mla_cache_write
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.backend import REFERENCE
+    from kimitui.kernels.mla_cache_write import mla_cache_write
 
     rope = _rope()
     t, qdim, r = 4, 24, 32
@@ -233,8 +233,8 @@ def mla_cache_write_with_query_norm():
 
 @case
 def mla_decode_short_sequences_under_a_long_bound():
-    from kernels import reference as ref
-    from kernels.mla_decode import mla_decode
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.mla_decode import mla_decode
 
     # a graph-sized bound (512) with short and long contexts: each sequence splits its own length
     b, h, r, block = 4, 3, 32, 16
@@ -252,10 +252,10 @@ def mla_decode_short_sequences_under_a_long_bound():
 
 @case
 def launch_counts_of_the_cuts():
-    from engine.layers.activation import GatedActivation
-    from kernels.fused_moe import moe_combine
-    from kernels.gated_act import gated_act
-    from kernels.launch_count import count_launches
+    from kimitui.engine.layers.activation import GatedActivation
+    from kimitui.kernels.fused_moe import moe_combine
+    from kimitui.kernels.gated_act import gated_act
+    from kimitui.kernels.launch_count import count_launches
 
     gu, ids, pairs = torch.randn(3, 64).half(), torch.randint(0, 4, (3, 2)), torch.randn(6, 32)
     notes = []
@@ -301,12 +301,12 @@ TARGETS = {"sm_90": ("cuda", 90, 32), "gfx950": ("hip", "gfx950", 64)}
 
 
 def _compile_specs():
-    from kernels.fused_add_rms_norm import _fused_add_rms_norm_kernel
-    from kernels.fused_moe import _moe_combine_kernel
-    from kernels.gated_act import _gated_act_kernel
-    from kernels.mla_cache_write import _mla_cache_write_kernel
-    from kernels.mla_q_absorb import _mla_q_absorb_kernel
-    from kernels.moe_router import _moe_router_kernel
+    from kimitui.kernels.fused_add_rms_norm import _fused_add_rms_norm_kernel
+    from kimitui.kernels.fused_moe import _moe_combine_kernel
+    from kimitui.kernels.gated_act import _gated_act_kernel
+    from kimitui.kernels.mla_cache_write import _mla_cache_write_kernel
+    from kimitui.kernels.mla_q_absorb import _mla_q_absorb_kernel
+    from kimitui.kernels.moe_router import _moe_router_kernel
 
     bf16 = "*bf16"
     act = {"gu_ptr": bf16, "out_ptr": bf16, "beta": "fp32", "linear_beta": "fp32"}
@@ -361,11 +361,11 @@ def test_kernel_compiles_for_gpu_targets(name, target):
 
 
 def _bad_calls():
-    from kernels.fused_add_rms_norm import fused_add_rms_norm
-    from kernels.fused_moe import moe_combine
-    from kernels.gated_act import gated_act
-    from kernels.mla_q_absorb import mla_q_absorb
-    from kernels.moe_router import moe_route_logits
+    from kimitui.kernels.fused_add_rms_norm import fused_add_rms_norm
+    from kimitui.kernels.fused_moe import moe_combine
+    from kimitui.kernels.gated_act import gated_act
+    from kimitui.kernels.mla_q_absorb import mla_q_absorb
+    from kimitui.kernels.moe_router import moe_route_logits
 
     cs = torch.zeros(10, 4)
     return [

@@ -5,7 +5,7 @@ the outputs match a float64 PyTorch reference."""
 import pytest
 import torch
 
-from kernels import cpu_few_rows
+from kimitui.kernels import cpu_few_rows
 
 needs_ext = pytest.mark.skipif(not cpu_few_rows.available(), reason="the C++ extension does not build here")
 

@@ -34,8 +34,8 @@ def _paged(lens, width, block_size=16):
 
 @case
 def each_architecture_tile_matches_reference():
-    from kernels import reference as ref
-    from kernels.mla_decode import MLALaunchParams, mla_decode, mla_decode_launch_params
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.mla_decode import MLALaunchParams, mla_decode, mla_decode_launch_params
 
     heads, r, rope = 40, 64, 16  # 40 heads: partial head blocks for every tile below
     lens = [1, 37, 150]
@@ -91,7 +91,7 @@ RTX_3090 = types.SimpleNamespace(name="NVIDIA GeForce RTX 3090", major=8, minor=
 
 
 def test_limits_from_names_and_properties():
-    from kernels.mla_decode import gpu_limits
+    from kimitui.kernels.mla_decode import gpu_limits
 
     assert gpu_limits("sm_90").shared_bytes == gpu_limits(H200).shared_bytes == 232448
     assert gpu_limits("gfx942").shared_bytes == gpu_limits(MI300X).shared_bytes == 64 * 1024
@@ -109,7 +109,7 @@ def test_limits_from_names_and_properties():
     (MI355X, 64, (64, 16, 4, 2)), (MI355X, 16, (16, 32, 4, 2)), (MI355X, 96, (64, 16, 4, 2)),
 ])
 def test_kimi_tiles(device, heads, want):
-    from kernels.mla_decode import mla_decode_launch_params
+    from kimitui.kernels.mla_decode import mla_decode_launch_params
 
     params = mla_decode_launch_params(device, heads, 512, 64, torch.bfloat16)
     assert (params.block_h, params.block_n, params.num_warps, params.num_stages) == want, params
@@ -118,7 +118,7 @@ def test_kimi_tiles(device, heads, want):
 
 
 def test_the_latent_cache_is_read_fewer_times():
-    from kernels.mla_decode import mla_decode_launch_params
+    from kimitui.kernels.mla_decode import mla_decode_launch_params
 
     reads = {d.name: mla_decode_launch_params(d, 64, 512, 64, torch.bfloat16).head_blocks(64)
              for d in (H200, MI300X, MI355X)}
@@ -130,7 +130,7 @@ def test_the_latent_cache_is_read_fewer_times():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("heads, r, rope", [(64, 512, 64), (16, 512, 64), (20, 256, 32), (128, 128, 0)])
 def test_every_choice_is_within_the_estimates(device, dtype, heads, r, rope):
-    from kernels.mla_decode import _estimate, gpu_limits, mla_decode_launch_params
+    from kimitui.kernels.mla_decode import _estimate, gpu_limits, mla_decode_launch_params
 
     limits = gpu_limits(device)
     params = mla_decode_launch_params(device, heads, r, rope, dtype)
@@ -149,7 +149,7 @@ def test_every_choice_is_within_the_estimates(device, dtype, heads, r, rope):
 def test_partial_sums_stay_within_the_reserved_bound():
     # engine/offload/activation_reserve.py reserves (256 + B * ceil(H / 16)) x 16 head rows of fp32
     # partial sums for the decode; bigger head blocks must not take more splits' worth of memory.
-    from kernels.mla_decode import _num_splits, mla_decode_launch_params
+    from kimitui.kernels.mla_decode import _num_splits, mla_decode_launch_params
 
     for device in (H200, MI300X, MI355X):
         for heads in (8, 16, 64, 96):
@@ -162,7 +162,7 @@ def test_partial_sums_stay_within_the_reserved_bound():
 
 
 def test_bad_input_is_one_clear_line():
-    from kernels.mla_decode import gpu_limits, mla_decode_launch_params
+    from kimitui.kernels.mla_decode import gpu_limits, mla_decode_launch_params
 
     for call, match in [
         (lambda: gpu_limits("tpu_v5"), "unknown GPU architecture 'tpu_v5'"),

@@ -36,9 +36,9 @@ def _routed(tokens, top_k, experts):
 
 
 def _check(topk_ids, block, experts):
-    from kernels import reference as ref
-    from kernels.fused_moe import moe_align_block_size as aten_align
-    from kernels.moe_align import moe_align_block_size
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.fused_moe import moe_align_block_size as aten_align
+    from kimitui.kernels.moe_align import moe_align_block_size
 
     got = moe_align_block_size(topk_ids, block, experts)
     for want in (ref.moe_align_block_size(topk_ids, block, experts), aten_align(topk_ids, block, experts)):
@@ -79,7 +79,7 @@ def kimi_decode_shapes_match_references():
 
 @case
 def per_program_work_is_small_at_kimi_sizes():
-    from kernels.moe_align import align_launch, moe_align_block_size
+    from kimitui.kernels.moe_align import align_launch, moe_align_block_size
     from tests.helpers.program_work import program_work
 
     notes = []
@@ -98,8 +98,8 @@ def per_program_work_is_small_at_kimi_sizes():
 
 @case
 def one_launch_no_host_sync():
-    from kernels.launch_count import count_launches
-    from kernels.moe_align import moe_align_block_size
+    from kimitui.kernels.launch_count import count_launches
+    from kimitui.kernels.moe_align import moe_align_block_size
 
     ids = _routed(8, 16, 896)
     with count_launches() as counts:
@@ -146,7 +146,7 @@ class _Recorder:
 def test_launch_spreads_the_work_over_programs(shape, monkeypatch):
     import triton
 
-    import kernels.moe_align as moe_align
+    import kimitui.kernels.moe_align as moe_align
 
     tokens, top_k, experts = KIMI_DECODE[shape]
     pairs, block = tokens * top_k, _block_m(tokens * top_k)

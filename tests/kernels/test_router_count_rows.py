@@ -23,8 +23,8 @@ def _want(ids: torch.Tensor, keep: torch.Tensor, e: int) -> torch.Tensor:
 
 @case
 def router_kernel_skips_masked_rows():
-    from kernels import reference as ref
-    from kernels.moe_router import moe_route_logits
+    from kimitui.kernels import reference as ref
+    from kimitui.kernels.moe_router import moe_route_logits
 
     logits, bias = torch.randn(7, 32), torch.randn(32) * 0.1
     args = (4, 4, 2, "sigmoid", True, 2.5)
@@ -44,8 +44,8 @@ def router_kernel_skips_masked_rows():
 
 @case
 def triton_backend_router_matches_reference_backend_with_row_mask():
-    from kernels.backend import REFERENCE
-    from kernels.triton_backend import TritonBackend
+    from kimitui.kernels.backend import REFERENCE
+    from kimitui.kernels.triton_backend import TritonBackend
 
     x, gate, bias = torch.randn(6, 40).half(), torch.randn(16, 40), torch.randn(16) * 0.1
     args = (4, 2, 1, "sigmoid", True, 1.5)
@@ -57,7 +57,7 @@ def triton_backend_router_matches_reference_backend_with_row_mask():
 
 
 def test_count_routing_skips_masked_rows():
-    from kernels.backend import count_routing
+    from kimitui.kernels.backend import count_routing
 
     ids = torch.tensor([[0, 3], [1, 3], [2, 0], [3, 1]])
     counts = torch.zeros(5, dtype=torch.int64)
@@ -71,7 +71,7 @@ def test_count_routing_skips_masked_rows():
 @needs_triton
 def test_bad_count_rows_is_one_clear_line():
     pytest.importorskip("triton")
-    from kernels.moe_router import moe_route_logits
+    from kimitui.kernels.moe_router import moe_route_logits
 
     for rows in (torch.ones(1, dtype=torch.int32), torch.ones(3)):
         with pytest.raises(ValueError, match=r"count_rows must be a contiguous integer \[>= T=2\]") as info:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kernels.triton_check import TritonUnavailableError, require_triton, triton_problem
+from kimitui.kernels.triton_check import TritonUnavailableError, require_triton, triton_problem
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 

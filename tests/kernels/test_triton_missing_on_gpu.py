@@ -26,9 +26,9 @@ import sys
 if sys.argv[1] == "missing":
     sys.modules["triton"] = None
 import torch
-from kernels.backend import REFERENCE, select_backend
-from kernels.settings import KernelSettings
-from kernels.triton_check import TritonUnavailableError
+from kimitui.kernels.backend import REFERENCE, select_backend
+from kimitui.kernels.settings import KernelSettings
+from kimitui.kernels.triton_check import TritonUnavailableError
 
 assert select_backend("cuda", torch.bfloat16, KernelSettings(kernels="reference")) is REFERENCE
 assert type(select_backend("cpu", torch.float32, KernelSettings(cpu_kernels=False))).__name__ == "CpuBackend"
@@ -65,16 +65,16 @@ class _KDALike(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        from kernels.backend import REFERENCE
+        from kimitui.kernels.backend import REFERENCE
 
         self.ops = REFERENCE
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_kda_model_on_a_gpu_without_fla_core_is_an_error_naming_it(monkeypatch):
-    from kernels import kda_fla
-    from kernels.backend import REFERENCE, attach_backends
-    from kernels.settings import KernelSettings
+    from kimitui.kernels import kda_fla
+    from kimitui.kernels.backend import REFERENCE, attach_backends
+    from kimitui.kernels.settings import KernelSettings
 
     monkeypatch.setitem(sys.modules, "fla", None)  # what importlib reports for an absent package
     kda_fla.unavailable_reason.cache_clear()

@@ -36,7 +36,7 @@ CPU_POWER = {"rapl", "amd_energy"}
 @pytest.fixture(scope="session")
 def demo_checkpoint() -> Path:
     # conftest points XDG_CACHE_HOME at a per-session temp dir: written once, reused by every test.
-    from engine.demo import ensure_demo_checkpoint
+    from kimitui.engine.demo import ensure_demo_checkpoint
 
     return ensure_demo_checkpoint()
 
@@ -188,7 +188,7 @@ def test_ctrl_c_cancels_cleanly_with_exit_130(demo_checkpoint, tmp_path):
 def test_bench_over_http_matches_in_process_token_counts(demo_checkpoint, tmp_path, capsys):
     pytest.importorskip("kimitui.server.app")
     pytest.importorskip("uvicorn")
-    from engine import AsyncLLM, EngineArgs
+    from kimitui.engine import AsyncLLM, EngineArgs
 
     with serving(AsyncLLM(engine_args=EngineArgs(model=None)), "kimitui-demo") as port:
         http_dir, local_dir = tmp_path / "http", tmp_path / "local"

@@ -80,7 +80,7 @@ def test_multi_turn_in_process(tmp_path, capsys):
 
 def test_multi_turn_over_http(tmp_path, capsys):
     pytest.importorskip("uvicorn")
-    from engine import AsyncLLM, EngineArgs
+    from kimitui.engine import AsyncLLM, EngineArgs
 
     with serving(AsyncLLM(engine_args=EngineArgs(model=None)), "kimitui-demo") as port:
         result = _run([*WORKLOAD, "--base-url", f"http://127.0.0.1:{port}"], tmp_path, capsys)

@@ -14,8 +14,8 @@ import json
 import openai
 import pytest
 
-from engine import AsyncLLM, EngineArgs, SamplingParams
-from engine.chat_format import chat_format_for
+from kimitui.engine import AsyncLLM, EngineArgs, SamplingParams
+from kimitui.engine.chat_format import chat_format_for
 from kimitui.cli import main
 from kimitui.server import BackgroundServer, create_app
 from kimitui.tui.app import KimiApp

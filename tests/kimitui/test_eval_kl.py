@@ -120,7 +120,7 @@ def test_bf16_is_close_and_a_broken_path_is_not(ckpt, tmp_path, monkeypatch, cap
 
 @pytest.mark.parametrize("method", ["int4", "mxfp4"])
 def test_offloaded_packed_experts(tmp_path, method):
-    from kernels import cpu_quant_moe
+    from kimitui.kernels import cpu_quant_moe
     from tests.helpers.quantized import quantize_checkpoint
 
     if not cpu_quant_moe.available():
@@ -163,7 +163,7 @@ def test_saved_reference_gives_the_in_process_numbers(ckpt, tmp_path):
 
 
 def test_remote_server_top_k_approximation(ckpt, tmp_path, capsys):
-    from engine import AsyncLLM, EngineArgs
+    from kimitui.engine import AsyncLLM, EngineArgs
     from kimitui.server import BackgroundServer, create_app
 
     llm = AsyncLLM(engine_args=EngineArgs(model=ckpt, dtype="bfloat16", max_model_len=128, max_num_seqs=2))

@@ -143,7 +143,7 @@ def test_unreachable_server_exits_1(capsys):
 def test_recall_against_a_live_server_matches_in_process_prompts(tmp_path, capsys):
     pytest.importorskip("kimitui.server.app")
     pytest.importorskip("uvicorn")
-    from engine import AsyncLLM, EngineArgs
+    from kimitui.engine import AsyncLLM, EngineArgs
 
     common = ["--context-lengths", "256,512", "--depths", "0,1", "--codes-per-depth", "1", "--max-tokens", "6"]
     with serving(AsyncLLM(engine_args=EngineArgs(model="demo-k3", max_model_len=1024)), "demo-k3") as port:

@@ -4,7 +4,7 @@ import shutil
 
 import torch
 
-from engine.args import cpu_auto_dtype
+from kimitui.engine.args import cpu_auto_dtype
 from kimitui.cli import main
 
 
@@ -16,7 +16,7 @@ def test_info_names_the_auto_dtype_for_a_quantised_checkpoint(tmp_path, capsys):
 
 
 def test_int4_experts_compute_in_bf16_where_the_cpu_has_bf16_arithmetic(tmp_path):
-    from engine.config import ModelConfig
+    from kimitui.engine.config import ModelConfig
 
     shutil.copy("tests/fixtures/configs/kimi_k26.json", tmp_path / "config.json")  # INT4 experts, bf16 rest
     config = ModelConfig.from_pretrained(str(tmp_path))
@@ -25,7 +25,7 @@ def test_int4_experts_compute_in_bf16_where_the_cpu_has_bf16_arithmetic(tmp_path
 
 
 def test_info_names_the_auto_dtype_for_a_bf16_checkpoint(capsys, monkeypatch):
-    monkeypatch.setattr("engine.args.cpu_flags", lambda: {"avx2"})  # a CPU without bf16 arithmetic
+    monkeypatch.setattr("kimitui.engine.args.cpu_flags", lambda: {"avx2"})  # a CPU without bf16 arithmetic
     assert main(["info"]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "--dtype auto" in ln)
     assert "computes float32 for an unquantised bf16" in line and "no bf16 arithmetic" in line

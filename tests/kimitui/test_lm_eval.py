@@ -16,7 +16,7 @@ import pytest
 lm_eval = pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.slow  # about 2.5 minutes: the harness, its datasets and many small requests
 
-from engine import AsyncLLM, EngineArgs  # noqa: E402
+from kimitui.engine import AsyncLLM, EngineArgs  # noqa: E402
 from kimitui.server import BackgroundServer, create_app  # noqa: E402
 
 MODEL = "kimitui-demo"
@@ -81,7 +81,7 @@ def _engine_loglikelihood(llm, context: str, continuation: str) -> float:
     """The continuation's log-probability as the engine scores it, split as lm-eval splits it."""
     import asyncio
 
-    from engine import SamplingParams
+    from kimitui.engine import SamplingParams
 
     n = len(context) - len(context.rstrip())
     if n:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from textual.app import App
 
-from engine.config import ModelConfig
+from kimitui.engine.config import ModelConfig
 from kimitui.tui.model_info import architecture_lines, model_info
 from kimitui.tui.widgets.model_panel import ModelPanel
 

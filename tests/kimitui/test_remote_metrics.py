@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.spec_decode.stats import SpecDecodeStats
+from kimitui.engine.spec_decode.stats import SpecDecodeStats
 from kimitui.bench.clients import server_root
 from kimitui.server.metrics import ServerMetrics
 from kimitui.tui.remote.chat_stream import error_line

@@ -9,9 +9,9 @@ import httpx
 import openai
 import pytest
 
-from engine import AsyncLLM, EngineArgs, RequestOutput, SamplingParams
-from engine.chat_format import chat_format_for
-from engine.outputs import CompletionOutput
+from kimitui.engine import AsyncLLM, EngineArgs, RequestOutput, SamplingParams
+from kimitui.engine.chat_format import chat_format_for
+from kimitui.engine.outputs import CompletionOutput
 from kimitui.server import BackgroundServer, create_app
 from kimitui.server import chat as chat_route
 

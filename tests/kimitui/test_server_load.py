@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from engine import AsyncLLM, EngineArgs
+from kimitui.engine import AsyncLLM, EngineArgs
 from kimitui.server import BackgroundServer, create_app
 
 MODEL = "kimitui-demo"

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("llguidance")
 
-from engine import AsyncLLM, EngineArgs  # noqa: E402
+from kimitui.engine import AsyncLLM, EngineArgs  # noqa: E402
 from kimitui.server import BackgroundServer, create_app  # noqa: E402
 from tests.helpers.schema_check import schema_errors  # noqa: E402
 

@@ -9,7 +9,7 @@ import os
 import httpx
 import pytest
 
-from engine import AsyncLLM, EngineArgs, SamplingParams
+from kimitui.engine import AsyncLLM, EngineArgs, SamplingParams
 from kimitui.server import BackgroundServer, create_app
 
 MODEL = "kimitui-demo"
@@ -44,7 +44,7 @@ def test_tokenize_and_detokenize_round_trip(served):
 
 def test_tokenize_chat_messages_renders_the_chat_format(served):
     llm, url = served
-    from engine.chat_format import chat_format_for
+    from kimitui.engine.chat_format import chat_format_for
 
     messages = [{"role": "user", "content": "hi"}]
     r = httpx.post(f"{url}/tokenize", json={"messages": messages})

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from engine.metrics import EngineStats
-from engine.spec_decode.stats import SpecDecodeStats
+from kimitui.engine.metrics import EngineStats
+from kimitui.engine.spec_decode.stats import SpecDecodeStats
 from kimitui.bench.spec_counters import parse_spec_counters
 from kimitui.cli import main
 from kimitui.commands.engine_flags import add_engine_arguments, engine_args_from

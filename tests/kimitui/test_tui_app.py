@@ -7,7 +7,7 @@ import tomllib
 
 import pytest
 
-from engine import AsyncLLM, EngineArgs
+from kimitui.engine import AsyncLLM, EngineArgs
 from kimitui.tui.app import KimiApp
 from kimitui.tui.gen_settings import GenerationSettings
 from kimitui.tui.messages import LoadProgressed, ReplyFinished

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine import AsyncLLM, EngineArgs
+from kimitui.engine import AsyncLLM, EngineArgs
 from kimitui.tui.app import KimiApp
 from kimitui.tui.bench_setup import clip_lengths, config_from_form, default_form, preset, preset_form
 from kimitui.tui.bench_store import list_runs, runs_dir

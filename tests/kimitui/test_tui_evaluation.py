@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from engine import AsyncLLM, EngineArgs
+from kimitui.engine import AsyncLLM, EngineArgs
 from kimitui.tui.app import KimiApp
 from kimitui.tui.eval_store import list_results, results_dir, save_result
 from kimitui.tui.gen_settings import GenerationSettings

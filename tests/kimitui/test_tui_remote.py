@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from engine import EngineArgs
+from kimitui.engine import EngineArgs
 from kimitui.tui.app import KimiApp
 from kimitui.tui.gen_settings import GenerationSettings
 from kimitui.tui.messages import ReplyFinished

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from engine import AsyncLLM, EngineArgs
+from kimitui.engine import AsyncLLM, EngineArgs
 from kimitui.tui.app import KimiApp
 from kimitui.tui.messages import TelemetryUpdated
 from kimitui.tui.widgets.prompt_input import PromptInput

@@ -16,7 +16,7 @@ from kimitui.tui.model_info import _experts
 from kimitui.tui.token_energy import TokenEnergyMeter
 from kimitui.tui.user_settings import read_settings, set_value, write_value
 from tests.kimitui.tui_fakes import sample
-from themes import ThemeError, load_themes, parse_theme
+from kimitui.themes import ThemeError, load_themes, parse_theme
 
 
 def test_builtin_themes_load_and_user_themes_override(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from engine.metrics import EngineStats
+from kimitui.engine.metrics import EngineStats
 from kimitui.telemetry import GpuSample, Sample
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"

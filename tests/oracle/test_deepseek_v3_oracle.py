@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
+from kimitui.engine import LLM, SamplingParams
 from tests.helpers.checkpoints import hf_greedy, hf_prompt_logprobs, write_hf_checkpoint
 
 CASES = {

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from kimitui.engine import LLM, SamplingParams
 from tests.helpers.hybrid_driver import HybridDriver
 
 VOCAB = 256
@@ -45,7 +45,7 @@ MLA_ONLY = {
 
 def _has_kda() -> bool:
     try:
-        import engine.layers.kda  # noqa: F401
+        import kimitui.engine.layers.kda  # noqa: F401
     except ImportError:
         return False
     return True
@@ -73,7 +73,7 @@ def hf_kimi_linear(seed: int, **overrides):
 def _params():
     out = [pytest.param(k, id=k) for k in sorted(MLA_ONLY)]
     for k in sorted(CASES):
-        out.append(pytest.param(k, id=k, marks=pytest.mark.skipif(not _has_kda(), reason="engine.layers.kda not merged")))
+        out.append(pytest.param(k, id=k, marks=pytest.mark.skipif(not _has_kda(), reason="kimitui.engine.layers.kda not merged")))
     return out
 
 

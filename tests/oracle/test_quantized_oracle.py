@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.config import ModelConfig
+from kimitui.engine import LLM, SamplingParams
+from kimitui.engine.config import ModelConfig
 from tests.helpers.checkpoints import hf_greedy, hf_prompt_logprobs, write_hf_checkpoint
 from tests.helpers.quantized import quantize_checkpoint
 

@@ -261,7 +261,7 @@ class RemoteBridge:
                                            ignore_eos=config.ignore_eos)
 
         def tokenizer():
-            from engine.demo import demo_checkpoint
+            from kimitui.engine.demo import demo_checkpoint
             from kimitui.bench.targets import load_tokenizer
 
             return load_tokenizer(str(own or demo_checkpoint("demo-k3" if model == "demo-k3" else "demo")))

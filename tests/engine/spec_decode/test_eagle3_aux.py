@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from kernels import cpu_few_rows
-from kernels.settings import KernelSettings
+from kimitui.engine import LLM, SamplingParams
+from kimitui.kernels import cpu_few_rows
+from kimitui.kernels.settings import KernelSettings
 from tests.helpers.checkpoints import write_hf_checkpoint
 from tests.helpers.eagle3_reference import hf_aux_states
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.layers.attn_metadata import PrefillChunk
-from engine.spec_decode.eagle3 import Eagle3Config, load_eagle3, rope_parameters
+from kimitui.engine.layers.attn_metadata import PrefillChunk
+from kimitui.engine.spec_decode.eagle3 import Eagle3Config, load_eagle3, rope_parameters
 from tests.helpers.checkpoints import BASE
 from tests.helpers.eagle3_checkpoint import write_eagle3_checkpoint
 from tests.helpers.eagle3_reference import hf_llama, reference
@@ -83,7 +83,7 @@ def test_paged_forward_matches_dense_reference(tmp_path, norm_before_residual):
 
 def test_long_chunk_is_tiled_and_bf16_stays_close(tmp_path, monkeypatch):
     """A chunk longer than the query tile, in a bf16 drafter, against the float64 reference."""
-    import engine.spec_decode.eagle3 as e3
+    import kimitui.engine.spec_decode.eagle3 as e3
 
     monkeypatch.setattr(e3, "QUERY_TILE", 8)
     config, w = write_eagle3_checkpoint(tmp_path, TARGET, dtype=torch.bfloat16, aux_layer_ids=AUX, seed=3,

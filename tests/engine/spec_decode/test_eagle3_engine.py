@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.spec_decode.eagle3_proposer import Eagle3Proposer
+from kimitui.engine import LLM, SamplingParams
+from kimitui.engine.spec_decode.eagle3_proposer import Eagle3Proposer
 from tests.helpers.checkpoints import BASE, write_hf_checkpoint
 from tests.helpers.eagle3_checkpoint import write_eagle3_checkpoint
 from tests.helpers.eagle3_reference import hf_aux_states, reference

@@ -7,10 +7,10 @@ import time
 import numpy as np
 import pytest
 
-from engine.sequence import Sequence
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.ngram import NgramProposer, find_ngram_draft
-from engine.spec_decode.proposer import make_proposer
+from kimitui.engine.sequence import Sequence
+from kimitui.engine.spec_decode.config import SpeculativeConfig
+from kimitui.engine.spec_decode.ngram import NgramProposer, find_ngram_draft
+from kimitui.engine.spec_decode.proposer import make_proposer
 
 
 def seq(seq_id: str, tokens: list[int], num_prompt: int | None = None) -> Sequence:

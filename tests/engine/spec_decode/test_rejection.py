@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from engine.layers.sampler import SamplingBatch, sample
-from engine.spec_decode import rejection
-from engine.spec_decode.rejection import rejection_sample, to_lists
-from kernels.launch_count import count_launches
+from kimitui.engine.layers.sampler import SamplingBatch, sample
+from kimitui.engine.spec_decode import rejection
+from kimitui.engine.spec_decode.rejection import rejection_sample, to_lists
+from kimitui.kernels.launch_count import count_launches
 
 
 def make_batch(temps, top_ks=None, top_ps=None, generators=None) -> SamplingBatch:

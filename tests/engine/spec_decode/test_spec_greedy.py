@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
+from kimitui.engine import LLM, SamplingParams
 from tests.engine.spec_decode.scripted import ScriptedProposer
 from tests.helpers.checkpoints import write_hf_checkpoint
 from tests.helpers.k3_checkpoint import write_k3_checkpoint

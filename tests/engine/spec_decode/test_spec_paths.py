@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.runner import ModelRunner
+from kimitui.engine import LLM, SamplingParams
+from kimitui.engine.runner import ModelRunner
 from tests.engine.spec_decode.scripted import ScriptedProposer
 from tests.engine.spec_decode.test_spec_greedy import SPEC, _prompts, k2_path, k3_path  # noqa: F401
 
@@ -90,7 +90,7 @@ def test_k3_soak_with_aborts_and_preemption_leaks_nothing(k3_path):  # noqa: F81
     eng = llm.engine
     rng = random.Random(0)
     prompts = _prompts(12, [40, 17, 64, 9, 33], seed=9)
-    from engine.spec_decode.ngram import NgramProposer
+    from kimitui.engine.spec_decode.ngram import NgramProposer
 
     eng.proposer = NgramProposer(1, 3)  # random models loop: single-token lookups get accepted
     pending = list(enumerate(prompts))
@@ -150,7 +150,7 @@ def test_emulated_device_path_identical(kind, tmp_path):
 
 
 def _child(path: str) -> None:
-    from kernels.backend import Backend
+    from kimitui.kernels.backend import Backend
 
     prompts = [[5, 17, 3, 99, 41, 7, 63], [250, 2, 8, 120]]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -5,9 +5,9 @@ slots are reserved for model drafters."""
 
 from dataclasses import dataclass
 
-from engine.kv_cache.block_manager import BlockManager
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence
+from kimitui.engine.kv_cache.block_manager import BlockManager
+from kimitui.engine.scheduler import Scheduler, SchedulerConfig
+from kimitui.engine.sequence import Sequence
 
 BS = 4
 EOS = 0

@@ -7,11 +7,11 @@ import time
 import numpy as np
 import pytest
 
-from engine.sequence import Sequence
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.proposer import make_proposer
-from engine.spec_decode.suffix import SuffixProposer
-from engine.spec_decode.suffix_global import GlobalSuffixCache
+from kimitui.engine.sequence import Sequence
+from kimitui.engine.spec_decode.config import SpeculativeConfig
+from kimitui.engine.spec_decode.proposer import make_proposer
+from kimitui.engine.spec_decode.suffix import SuffixProposer
+from kimitui.engine.spec_decode.suffix_global import GlobalSuffixCache
 from tests.engine.spec_decode.suffix_trie import SuffixTrie
 
 
@@ -159,7 +159,7 @@ def test_a_32k_token_request_costs_well_under_a_millisecond_per_step():
 
 def test_the_numpy_walk_and_the_python_walk_agree():
     """Many occurrences take the numpy walk, few the Python one; same rule (ties: most recent)."""
-    from engine.spec_decode.suffix import _walk_array, _walk_rows
+    from kimitui.engine.spec_decode.suffix import _walk_array, _walk_rows
 
     rng = np.random.default_rng(1)
     for _ in range(300):

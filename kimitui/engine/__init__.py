@@ -1,9 +1,13 @@
 """kimitui's inference engine: Kimi K2.x (DeepSeek-V3 architecture) on CPU, CUDA or ROCm.
 
-    from engine import LLM, SamplingParams
+    from kimitui.engine import LLM, SamplingParams
     llm = LLM()                      # the built-in demo checkpoint
     out = llm.generate("Hello", SamplingParams(max_tokens=8))
 """
+
+from kimitui._source_tree import with_folder
+
+__path__ = with_folder(__path__, "engine", "llm.py")  # the modules: the top-level engine/ folder
 
 import os
 
@@ -15,11 +19,11 @@ import os
 # engine is imported before torch, and a value the user set wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from engine.args import EngineArgs  # noqa: E402
-from engine.async_llm import AsyncLLM  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.outputs import CompletionOutput, LogprobRows, RequestMetrics, RequestOutput  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from kimitui.engine.args import EngineArgs  # noqa: E402
+from kimitui.engine.async_llm import AsyncLLM  # noqa: E402
+from kimitui.engine.llm import LLM  # noqa: E402
+from kimitui.engine.outputs import CompletionOutput, LogprobRows, RequestMetrics, RequestOutput  # noqa: E402
+from kimitui.engine.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
            "EngineArgs", "LogprobRows"]
