@@ -152,3 +152,11 @@ def cpu_auto_dtype(checkpoint_dtype: str, config=None, flags: set[str] | None = 
     if not kernels:
         return torch.float32, "the C++ CPU kernels are off or do not build here"
     return torch.bfloat16, f"bf16 checkpoint, CPU with {' and '.join(have)}, C++ kernels built"
+
+
+def pending_kernel_builds() -> list[str]:
+    """The C++ CPU kernels this process would compile before its first step ("<name> (about N min)"
+    each; none after an install), so a load screen can say so before the wait."""
+    from kimitui.kernels._build import pending_builds
+
+    return pending_builds()

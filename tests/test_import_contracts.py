@@ -1,22 +1,44 @@
 """The dependency directions (pyproject.toml [tool.importlinter]: engine never imports the UI,
-kernels import only torch and triton, only kimitui.tui imports textual), checked by import-linter."""
+kernels import only torch and triton, only kimitui.tui imports textual), checked by import-linter on
+the package in its installed layout (tests/helpers/wheel_layout.py: grimp walks folders and would not
+see the checkout's engine/, kernels/, themes/)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.wheel_layout import stage_package
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_import_linter_contracts_hold():
-    pytest.importorskip("importlinter")
+def _lint(tree: Path, config: Path) -> subprocess.CompletedProcess:
     lint = Path(sys.executable).with_name("lint-imports")
     cmd = [str(lint)] if lint.exists() else [sys.executable, "-m", "importlinter.cli"]
-    res = subprocess.run(cmd + ["--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return subprocess.run(cmd + ["--no-cache", "--config", str(config)], cwd=tree, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_import_linter_contracts_hold(tmp_path):
+    pytest.importorskip("importlinter")
+    tree = stage_package(tmp_path)
+    res = _lint(tree, ROOT / "pyproject.toml")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "broken" in res.stdout and "0 broken" in res.stdout
+
+
+def test_import_linter_sees_the_engine_and_catches_a_breach(tmp_path):
+    # the contracts must not pass because the graph is empty: a UI import planted in the engine breaks one
+    pytest.importorskip("importlinter")
+    tree = stage_package(tmp_path)
+    bad = tree / "kimitui" / "engine" / "llm.py"
+    bad.write_text(bad.read_text() + "\nimport kimitui.tui.app  # planted by the test\n")
+    res = _lint(tree, ROOT / "pyproject.toml")
+    assert res.returncode != 0 and "kimitui.engine.llm -> kimitui.tui.app" in res.stdout, res.stdout
 
 
 def test_design_module_paths_name_the_public_classes():

@@ -20,11 +20,12 @@ from textual.app import App
 from textual.message_pump import MessagePump
 
 from kimitui.engine import AsyncLLM, EngineArgs
+from kimitui.engine.args import pending_kernel_builds
 from kimitui.engine.chat_format import ChatFormat, ChatPrompt, chat_format_for
 from kimitui.tui.bridge_api import BenchSource
 from kimitui.tui.chat_session import Chat
 from kimitui.tui.gen_settings import GenerationSettings
-from kimitui.tui.messages import EngineFailed, EngineReady, LoadProgressed, ReplyFinished
+from kimitui.tui.messages import EngineFailed, EngineReady, LoadProgressed, LoadStage, ReplyFinished
 from kimitui.tui.model_info import model_info
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,10 @@ class EngineBridge:
 
         t0 = time.monotonic()
         try:
+            builds = pending_kernel_builds()
+            if builds:  # a checkout whose C++ changed, or a wheel built without torch: minutes, not seconds
+                notify.post_message(LoadStage(f"Compiling the C++ CPU kernels for this machine first: {', '.join(builds)}, "
+                                              "once; later starts reuse the build."))
             llm = self.engine_factory(self.engine_args, progress)
             info = model_info(llm, self.engine_args.tensor_parallel_size)
             if llm.tokenizer is not None:

@@ -26,6 +26,13 @@ class LoadProgressed(Message):
 
 
 @dataclass
+class LoadStage(Message):
+    """What the load is doing besides reading weights (compiling the C++ CPU kernels, say)."""
+
+    text: str
+
+
+@dataclass
 class EngineReady(Message):
     info: ModelInfo
     load_seconds: float

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from kimitui.kernels import cpu_few_rows
+from kimitui.kernels import _build, cpu_few_rows
 from kimitui.kernels import reference as ref
 from kimitui.kernels.backend import REFERENCE
 from kimitui.kernels.cpu_backend import CpuBackend
@@ -156,13 +156,15 @@ def test_cpu_backend_routes_few_float32_or_bf16_rows_only(monkeypatch):
     assert calls == [(2, 3, 32), (2, 32)]
 
 
-def test_build_failure_falls_back_with_a_warning(monkeypatch, caplog):
+def test_build_failure_falls_back_with_a_warning(monkeypatch, caplog, tmp_path):
     import torch.utils.cpp_extension as cpp
 
     def fail(**kwargs):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(cpp, "load", fail)
+    monkeypatch.setattr(_build, "_prebuilt", lambda *a: None)  # as if no build came with the install
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     cpu_few_rows._module.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="kimitui.kernels.cpu_few_rows"):

@@ -44,7 +44,7 @@ def test_theme_errors_name_the_problem(text, message):
 
 
 def test_themes_package_does_not_import_textual():
-    code = "import sys, themes; themes.load_themes(); assert not [m for m in sys.modules if m.startswith('textual')]"
+    code = "import sys; from kimitui import themes; themes.load_themes(); assert not [m for m in sys.modules if m.startswith('textual')]"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -12,7 +12,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, ProgressBar, Static
 
 from kimitui.tui.formatting import duration
-from kimitui.tui.messages import EngineFailed, LoadProgressed
+from kimitui.tui.messages import EngineFailed, LoadProgressed, LoadStage
 from kimitui.tui.run import log_path
 
 
@@ -35,6 +35,9 @@ class LoadScreen(Screen):
                 yield ProgressBar(total=None, show_eta=False, id="load-bar")
                 yield Static("", id="load-detail", markup=False)
         yield Footer()
+
+    def on_load_stage(self, stage: LoadStage) -> None:
+        self.query_one("#load-detail", Static).update(stage.text)
 
     def on_load_progressed(self, p: LoadProgressed) -> None:
         now = self.clock()
