@@ -70,7 +70,7 @@ FEW_ROWS = Extension(
     variants=(("x86_64_v3", ("-march=x86-64-v3", "-mtune=generic")), ("x86_64", ("-march=x86-64",)))
     if platform.machine() in ("x86_64", "AMD64") else _PORTABLE,
     needs=(("x86_64_v3", _X86_64_V3),),
-    minutes=0.5,
+    minutes=1.5,
 )
 QUANT_MOE = Extension(
     name="cpu_quant_moe",
@@ -78,7 +78,7 @@ QUANT_MOE = Extension(
     headers=("cpu_quant_moe_common.h", "cpu_quant_moe_avx512.h", "gated_act.h", "cpu_parallel.h", "cpu_team.h"),
     cflags=_FLAGS,  # no -march: each path carries its own target pragma, the portable one runs anywhere
     variants=_PORTABLE,
-    minutes=1.0,
+    minutes=2.0,
 )
 EXTENSIONS = (FEW_ROWS, QUANT_MOE)
 
@@ -91,15 +91,23 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.split(":", 1)[1].split())
 
 
+ENV_VARIANT = "KIMITUI_CPU_VARIANT"  # a variant name, or "native" (-march=native, compiled just in time)
+
+
 def variant_for(ext: Extension, flags: frozenset[str] | None = None) -> str:
-    """The best variant of ``ext`` this CPU runs."""
+    """The best variant of ``ext`` this CPU runs, or the one ``KIMITUI_CPU_VARIANT`` names."""
+    wanted = os.environ.get(ENV_VARIANT, "").strip()
+    if wanted == "native" or wanted in dict(ext.variants):
+        return wanted
+    if wanted:
+        raise ValueError(f"{ENV_VARIANT}={wanted!r}: expected native or one of {', '.join(dict(ext.variants))}")
     flags = cpu_flags() if flags is None else flags
     needs = dict(ext.needs)
     return next(name for name, _ in ext.variants if needs.get(name, frozenset()) <= flags)
 
 
 def variant_flags(ext: Extension, variant: str) -> list[str]:
-    return [*ext.cflags, *dict(ext.variants)[variant]]
+    return [*ext.cflags, *(("-march=native",) if variant == "native" else dict(ext.variants)[variant])]
 
 
 def build_key(ext: Extension, variant: str, torch_version: str, folder: Path = HERE) -> str:
@@ -158,6 +166,24 @@ def pending_builds() -> list[str]:
         return out
     except Exception:
         return []
+
+
+def describe() -> str:
+    """One line for ``kimitui info``: each extension's variant and where its build comes from, without
+    compiling or importing anything."""
+    try:
+        import torch
+
+        parts = []
+        for ext in EXTENSIONS:
+            variant = variant_for(ext)
+            key = build_key(ext, variant, torch.__version__)
+            where = ("built at install" if _prebuilt(ext, variant, key) else
+                     "compiled earlier on first use" if _jit_built(ext, variant, key) else "compiles on first use")
+            parts.append(f"{ext.name} {variant} ({where})")
+        return "; ".join(parts)
+    except Exception as e:  # sources missing, an odd platform: say so rather than fail `kimitui info`
+        return f"unknown ({type(e).__name__}: {e})"
 
 
 def _jit_built(ext: Extension, variant: str, key: str) -> bool:

@@ -52,3 +52,10 @@ def test_design_module_paths_name_the_public_classes():
     assert engine.AsyncLLM is AsyncLLM and AsyncLLM.__module__ == "kimitui.engine.async_llm"
     assert LLMEngine.__module__ == "kimitui.engine.engine"
     assert not hasattr(engine_module, "AsyncLLM") and not hasattr(engine_module, "__getattr__")
+
+
+def test_design_public_names_import_from_kimitui_engine():
+    from kimitui.engine import (AsyncLLM, CompletionOutput, EngineArgs, LLM, RequestOutput,  # noqa: F401
+                                SamplingParams, Tokenizer)
+
+    assert Tokenizer.__module__ == "kimitui.engine.tokenizer"

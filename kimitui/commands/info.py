@@ -67,9 +67,10 @@ def device_lines() -> list[str]:
         lines.append(f"gpu       none visible to torch ({build})")
     physical = psutil.cpu_count(logical=False)
     lines.append(f"cpu       {cpu_model()}, {physical or '?'} cores / {os.cpu_count()} threads")
-    from kimitui.kernels import cpu_quant_moe  # the instruction set the packed-expert CPU kernels use
+    from kimitui.kernels import _build, cpu_quant_moe  # the instruction set the packed-expert CPU kernels use
 
     lines.append(f"cpu isa   {cpu_quant_moe.planned_isa()} (INT4 / MXFP4 experts on the CPU)")
+    lines.append(f"cpu build {_build.describe()}")
     lines.append(f"ram       {psutil.virtual_memory().total / 2**30:.1f} GiB")
     return lines
 

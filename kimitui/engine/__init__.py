@@ -24,6 +24,7 @@ from kimitui.engine.async_llm import AsyncLLM  # noqa: E402
 from kimitui.engine.llm import LLM  # noqa: E402
 from kimitui.engine.outputs import CompletionOutput, LogprobRows, RequestMetrics, RequestOutput  # noqa: E402
 from kimitui.engine.sampling_params import SamplingParams  # noqa: E402
+from kimitui.engine.tokenizer import Tokenizer  # noqa: E402
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
-           "EngineArgs", "LogprobRows"]
+           "EngineArgs", "LogprobRows", "Tokenizer"]
