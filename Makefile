@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 
 .PHONY: run test test-all venv clean bench
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard kernels/*.cpp kernels/*.h)
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
 		echo "reusing the system torch: $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
 		$(PYTHON) -m venv --system-site-packages $(VENV); \

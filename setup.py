@@ -81,6 +81,7 @@ def extensions():
                 sources=[f"kernels/{s}" for s in ext.sources],
                 extra_compile_args=build.variant_flags(ext, variant),
                 extra_link_args=["-fopenmp"],
+                optional=True,  # no compiler: the install still succeeds, the kernels compile (or not) on first use
             ))
 
     class BuildKernels(BuildExtension):
@@ -94,11 +95,22 @@ def extensions():
             tag = f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}"
             self.build_temp = str(ROOT / "build" / f"kernels-{tag}")
 
+        def build_extensions(self):
+            try:
+                super().build_extensions()
+            except Exception as e:  # no usable compiler (torch checks it before any extension)
+                print(f"kimitui: the C++ CPU kernels did not compile ({str(e).splitlines()[0] if str(e) else e!r}); "
+                      "they will compile on first use, or the PyTorch path runs", file=sys.stderr)
+
         def build_extension(self, extension):
             module = extension.name.rsplit(".", 1)[1]
             base, self.build_temp = self.build_temp, str(Path(self.build_temp) / module)  # variants share sources
             try:
                 super().build_extension(extension)
+            except Exception as e:  # torch's ninja build raises RuntimeError, which setuptools' optional misses
+                print(f"kimitui: {module} did not compile ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                      "it will compile on first use, or the PyTorch path runs", file=sys.stderr)
+                return
             finally:
                 self.build_temp = base
             ext, variant = next((e, v) for e in build.EXTENSIONS for v, _ in e.variants if e.module(v) == module)
