@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard kernels/*.cpp kernels/*.h
 		$(PY) -m pip install -q "$(TORCH_SPEC)"; \
 	fi
 	$(PY) -m pip install -q "setuptools>=68" wheel "ninja>=1.11"
-	# --no-build-isolation: the C++ CPU kernels compile here, against this venv's torch (2-3 min on 2 cores);
+	# --no-build-isolation: the C++ CPU kernels compile here, against this venv's torch (4-6 min on 2 cores);
 	# without a compiler the install still succeeds and the PyTorch paths run
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	$(PY) -m kimitui.kernels.cpu_few_rows

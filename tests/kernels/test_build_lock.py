@@ -90,6 +90,7 @@ def test_variant_follows_the_cpu_flags():
         pytest.skip("one variant on this machine")
     assert _build.variant_for(ext, frozenset({"sse2"})) == "x86_64"
     assert _build.variant_for(ext, _build._X86_64_V3 | {"avx512f"}) == "x86_64_v3"
+    assert _build.variant_for(ext, _build._X86_64_V4) == "x86_64_v4"
 
 
 def test_an_installed_build_is_imported_without_compiling(tmp_path):
