@@ -20,8 +20,14 @@ class BackgroundServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning"):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        # The protocol number matters: asyncio sets TCP_NODELAY on an accepted connection only
+        # when its socket says IPPROTO_TCP (base_events._set_nodelay), and accept() copies it from
+        # this socket. With proto 0 Nagle's algorithm held each response's body until the client's
+        # delayed ACK of the headers came back: 40 ms on every reused connection. Linux also hands
+        # the listening socket's TCP_NODELAY to accepted ones; set both.
+        self.sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             self.sock.bind((host, port))
             # Listen now: with SO_REUSEADDR a bound but idle port could be bound again by a second
