@@ -16,14 +16,18 @@ from fastapi.responses import JSONResponse, Response
 from kimitui.engine import RequestOutput, SamplingParams
 from kimitui.server.body import read_body
 from kimitui.server.errors import bad_request, engine_error, error_body
+from kimitui.server.limits import MAX_PROMPTS
 from kimitui.server.logprobs import TextOffsets, TokenIdText, TokenText, completion_logprobs
 from kimitui.server.protocol import CompletionRequest
 from kimitui.server.sampling import build_sampling_params, check_supported, resolve_max_tokens
 from kimitui.server.state import ServerState, server_state
 from kimitui.server.structured import compile_constraint, completion_constraint
-from kimitui.server.streaming import SSE_DONE, merged, sse, sse_response, unless_disconnected
+from kimitui.server.streaming import SSE_DONE, merged, sse, sse_response, unless_disconnected, until_shutdown
 
 router = APIRouter()
+# max_tokens of a /v1/completions request that sends none: 16, as OpenAI's legacy completions API
+# (https://platform.openai.com/docs/api-reference/completions/create) and vLLM's CompletionRequest.
+DEFAULT_MAX_TOKENS = 16
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
@@ -45,6 +49,9 @@ def normalize_prompts(prompt) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
+        if len(prompt) > MAX_PROMPTS and not is_ids(prompt):
+            raise bad_request(f"prompt is a list of {len(prompt)} prompts; the limit is {MAX_PROMPTS} per request",
+                              param="prompt")
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
         if is_ids(prompt):
@@ -86,7 +93,10 @@ async def _prepare(state: ServerState, req: CompletionRequest, prompt: str | lis
     else:
         text, ids = None, list(prompt)
     state.check_token_ids(ids)
-    max_tokens = resolve_max_tokens(req.max_tokens, len(ids), state.max_model_len, allow_zero=True)
+    requested = req.max_tokens
+    if requested is None:  # OpenAI's default for completions (chat's is the rest of the context)
+        requested = max(1, min(DEFAULT_MAX_TOKENS, state.max_model_len - len(ids)))
+    max_tokens = resolve_max_tokens(requested, len(ids), state.max_model_len, allow_zero=True)
     k = req.logprobs
     params = build_sampling_params(req, max_tokens=max(1, max_tokens), logprobs=k,
                                    prompt_logprobs=k if req.echo and k is not None else None,
@@ -174,7 +184,7 @@ async def _stream(state: ServerState, req: CompletionRequest, rid: str, prompts:
                 for _ in range(len(prompts) * n)]
     finals: list[RequestOutput | None] = [None] * len(prompts)
     try:
-        async with aclosing(merged(streams)) as events:
+        async with aclosing(until_shutdown(state.ended, merged(streams))) as events:
             async for i, out in events:
                 if out.finished:
                     finals[i] = out
