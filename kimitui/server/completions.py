@@ -5,6 +5,7 @@ prompt are one engine request (engine/parallel_sampling.py), so they share its c
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from contextlib import aclosing
@@ -39,6 +40,25 @@ class _Prompt:
     # max_tokens 0 (vLLM takes it: prompt log-probs only, with echo): the engine samples one token,
     # which the response leaves out
     zero: bool = False
+
+
+def in_pieces(streams: list, limit: int) -> list:
+    """At most ``limit`` of one request's prompts in the engine at a time; each next one is added
+    when one ends. The scheduler serves first come first served, so 8,000 prompts added at once
+    would put every other client's request behind all of them; added in pieces, a request that
+    arrives meanwhile waits for one prompt, not for the list. (An engine request is added when its
+    stream is first read, AsyncLLM.generate, so a stream waiting here costs nothing.)"""
+    if len(streams) <= limit:
+        return streams
+    gate = asyncio.Semaphore(limit)
+
+    async def admitted(stream):
+        async with gate:
+            async with aclosing(stream):
+                async for out in stream:
+                    yield out
+
+    return [admitted(s) for s in streams]
 
 
 def normalize_prompts(prompt) -> list[str | list[int]]:
@@ -77,6 +97,7 @@ async def create_completion(request: Request) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = [state.llm.generate({"prompt_token_ids": p.ids, "prompt": p.text}, p.params, f"{rid}-{i}")
                for i, p in enumerate(prompts)]
+    streams = in_pieces(streams, state.prompts_in_flight)
     if req.stream:
         return sse_response(_stream(state, req, rid, prompts, streams))
     connected, finals = await unless_disconnected(request, _collect(streams))

@@ -65,6 +65,13 @@ class ServerState:
         return self.llm.engine.max_model_len
 
     @property
+    def prompts_in_flight(self) -> int:
+        """Prompts of one /v1/completions request in the engine at once (completions.in_pieces):
+        half the running batch, so a list of prompts fills the batch no more than half."""
+        seqs = getattr(getattr(getattr(self.llm, "engine", None), "args", None), "max_num_seqs", None)
+        return max(1, (seqs or 64) // 2)
+
+    @property
     def vocab_size(self) -> int:
         return self.llm.config.vocab_size
 

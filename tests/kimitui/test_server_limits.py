@@ -125,3 +125,35 @@ def test_bad_serve_flags_are_one_line(argv, words):
 def test_non_ascii_key_from_the_environment_is_refused():
     r = _serve_cli(env_extra={"KIMITUI_API_KEY": "ключ"})
     assert r.returncode == 2 and "printable ASCII" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_big_prompt_list_does_not_hold_up_another_client(llm):
+    import threading
+
+    srv = BackgroundServer(port=0).start(create_app(llm, MODEL))  # max_num_seqs 2: one prompt of a list at a time
+    try:
+        big: dict = {}
+
+        def send_list():
+            big["start"] = time.monotonic()
+            big["r"] = httpx.post(srv.url + "/v1/completions", timeout=300, json={
+                "prompt": [[5, 6, i] for i in range(32)], "max_tokens": 48, "ignore_eos": True})
+            big["done"] = time.monotonic()
+
+        t = threading.Thread(target=send_list)
+        t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": [7, 8], "max_tokens": 2}, timeout=300)
+        single = time.monotonic() - t0
+        t.join(300)
+        assert r.status_code == 200
+        # Queued behind the 32 prompts sent before it, the single request would wait for nearly all
+        # of them; admitted in pieces, the list leaves it a slot.
+        total = big["done"] - big["start"]
+        assert single < total / 4, (single, total)
+        choices = big["r"].json()["choices"]
+        assert [c["index"] for c in choices] == list(range(32))
+        assert big["r"].json()["usage"]["completion_tokens"] == 32 * 48
+    finally:
+        srv.stop()
