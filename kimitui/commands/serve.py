@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import threading
-import time
 
 from kimitui.commands.engine_flags import add_engine_arguments, engine_args_from
 
@@ -142,20 +141,44 @@ class _StopDuringStartup(BaseException):
 
 
 def stop_children(grace_s: float = 3.0) -> None:
-    """End the worker processes this process started (tensor-parallel ranks) that are still
-    alive: a load interrupted halfway has no engine whose shutdown would stop them. Their exit also
-    ends multiprocessing's resource tracker, which lives while any of them holds its pipe."""
+    """End every process this one started that is still alive: tensor-parallel ranks of a load
+    interrupted halfway (no engine exists whose shutdown would stop them), and helpers such as a
+    kernel compiler (ninja, c++) that a signal caught mid-build. Their exit also ends
+    multiprocessing's resource tracker, which lives while any of them holds its pipe."""
     import multiprocessing
 
-    children = multiprocessing.active_children()
-    for p in children:
-        p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in children:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
+    import psutil
+
+    for p in multiprocessing.active_children():
+        p.terminate()  # multiprocessing's own handle reaps them (no zombies left in its table)
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        children = []
+    tracker = _resource_tracker_pid()
+    # The resource tracker exits on its own once its writers are gone (and then unlinks what it
+    # tracks); killing it first could leave shared memory behind.
+    helpers = [c for c in children if c.pid != tracker]
+    for c in helpers:
+        try:
+            c.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(helpers, timeout=grace_s)
+    for c in alive:
+        try:
+            c.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=1.0)
+    for p in multiprocessing.active_children():  # reap
+        p.join(0.1)
+
+
+def _resource_tracker_pid() -> int | None:
+    from multiprocessing import resource_tracker
+
+    return getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
 
 
 def _uvicorn_level(level: str | None) -> str:

@@ -182,24 +182,44 @@ def test_sigterm_with_16_open_streams(tmp_path_factory):
     assert not _alive(children), _alive(children)
 
 
-@pytest.mark.slow  # three starts of a two-rank server: ~1-3 min on two cores
+def _is_worker(p: psutil.Process) -> bool:
+    try:
+        return "multiprocessing" in " ".join(p.cmdline())
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.slow  # four starts of a two-rank server: ~1-3 min on two cores
 def test_sigterm_at_random_points_of_a_two_rank_start_up_leaves_no_process(tmp_path_factory):
     import random
 
     rng = random.Random(41)
-    for delay in sorted(rng.uniform(0.5, 12.0) for _ in range(3)):
+    # (seconds after launch, or None: 1 s after the rank-1 worker appears, the case that used to
+    # leave the worker and the resource tracker behind)
+    points = [None, *sorted(rng.uniform(0.5, 15.0) for _ in range(3))]
+    workers_seen = 0
+    for delay in points:
         proc = _serve(tmp_path_factory, "--gpus", "2", "--max-model-len", "256", "--kv-cache-tokens", "2048")
         seen: dict[int, psutil.Process] = {}
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < delay and proc.poll() is None:
+        t0, fire_at = time.monotonic(), None if delay is None else time.monotonic() + delay
+        while proc.poll() is None and time.monotonic() < t0 + 120:
             for p in _descendants(proc.pid):  # every worker and helper that ever appears
                 seen.setdefault(p.pid, p)
+            if fire_at is None and any(_is_worker(p) for p in seen.values()):
+                fire_at = time.monotonic() + 1.0
+            if fire_at is not None and time.monotonic() >= fire_at:
+                break
             time.sleep(0.05)
+        workers_seen += any(_is_worker(p) for p in seen.values())
         proc.send_signal(signal.SIGTERM)
         try:
             out, _ = proc.communicate(timeout=60)
         finally:
             if proc.poll() is None:
                 proc.kill()
-        time.sleep(0.5)  # the resource tracker reads EOF once every writer is gone
+        deadline = time.monotonic() + 5  # the resource tracker reads EOF once every writer is gone
+        while _alive(list(seen.values())) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert not _alive(list(seen.values())), (delay, _alive(list(seen.values())), out[-2000:])
+        assert "Traceback" not in out, out[-3000:]
+    assert workers_seen >= 2, "the signals all came before any worker started: the test proved nothing"
