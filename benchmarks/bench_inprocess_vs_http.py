@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import sys
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,21 +25,10 @@ COLUMNS = (("output_throughput", "out tok/s"), ("mean_ttft_ms", "TTFT ms"), ("me
 
 
 def _serve(llm: AsyncLLM, name: str):
-    import uvicorn
+    from kimitui.server import BackgroundServer, create_app
 
-    from kimitui.server.app import create_app
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(llm, name), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the server did not start")
-        time.sleep(0.05)
-    return server, thread, sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    # The server `kimitui serve` runs (its socket setup included: TCP_NODELAY on every connection).
+    return BackgroundServer(port=0).start(create_app(llm, name))
 
 
 async def _run(config: BenchmarkConfig, client, tokenizer) -> dict:
@@ -68,7 +54,8 @@ def main() -> int:
                              num_warmups=args.max_concurrency, max_model_len=llm.engine.max_model_len)
     server = None
     try:
-        server, thread, sock, url = _serve(llm, name)
+        server = _serve(llm, name)
+        url = server.url
         rows = []
         for label, make in (("in-process", lambda: InProcessClient(llm, name, text_prompts=True)),
                             ("http", lambda: OpenAICompletionsClient(url, name)),
@@ -76,9 +63,7 @@ def main() -> int:
             rows.append((label, asyncio.run(_run(config, make(), llm.tokenizer))))
     finally:
         if server is not None:
-            server.should_exit = True
-            thread.join(timeout=15)
-            sock.close()
+            server.stop()
         llm.shutdown()
 
     print(f"{name}: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, "

@@ -168,6 +168,10 @@ class ModelConfig:
             raw = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{cfg_file}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{cfg_file}: cannot read ({type(e).__name__}: {e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{cfg_file}: must hold a JSON object of fields, got a {type(raw).__name__}")
         return cls.from_dict(raw, source=str(cfg_file), path=str(cfg_file.parent))
 
     @classmethod
@@ -330,6 +334,9 @@ def _parse_rope(text: dict[str, Any], r: _Reader) -> tuple[float, RopeScaling | 
     # transformers 4.x writes rope_theta + rope_scaling; 5.x writes rope_parameters (theta inside).
     params = text.get("rope_parameters") or {}
     scaling = text.get("rope_scaling") or {}
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{r.source}: field '{key}' must be an object (or null), got {value!r}")
     merged = {**params, **scaling}
     theta = text.get("rope_theta", merged.get("rope_theta", 10000.0))
     kind = merged.get("type") or merged.get("rope_type")

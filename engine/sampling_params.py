@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kimitui.engine.structured.params import StructuredOutputs
 
 MAX_LOGPROBS = 20
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
 class SamplingParams:
-    """How to sample one request. ``temperature=0`` is greedy; ``top_k`` 0 or -1 disables top-k."""
+    """How to sample one request. ``temperature`` 0 (or below SAMPLING_EPS) is greedy; ``top_k`` 0 or -1 disables top-k."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -56,8 +59,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if 0 < self.temperature < SAMPLING_EPS:
+            # As vLLM (vllm/sampling_params.py, _SAMPLING_EPS): so small a temperature is greedy. Left
+            # as it is, logits / 1e-40 overflow to inf, the softmax is NaN and every draw is token 0.
+            self.temperature = 0.0
         checks = [
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (math.isfinite(self.temperature), f"temperature must be finite, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"),
             (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),

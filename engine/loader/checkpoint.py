@@ -55,6 +55,10 @@ class CheckpointReader:
             weight_map = data["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in weight_map.items()):
+            raise CheckpointError(f"{index}: field 'weight_map' must be an object of tensor name -> shard file, "
+                                  f"got a {type(weight_map).__name__}")
         self._weight_map: dict[str, str] = dict(weight_map)
         files = sorted(set(self._weight_map.values()))
         for f in files:

@@ -11,6 +11,8 @@ import threading
 from kimitui.commands.engine_flags import add_engine_arguments, engine_args_from
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+DEFAULT_REQUEST_READ_TIMEOUT_S = 60.0
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -21,44 +23,86 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_engine_arguments(p, subcommand=True)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine only)")
-    g.add_argument("--port", type=int, default=8000, help="TCP port (default %(default)s; 0 picks a free one)")
+    g.add_argument("--port", type=port_number, default=8000, help="TCP port (default %(default)s; 0 picks a free one)")
     g.add_argument("--api-key", default=os.environ.get("KIMITUI_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KIMITUI_API_KEY)")
     g.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="model name clients send and /v1/models lists (default: --model, or the checkpoint's name)")
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
                    help="largest request body accepted, larger ones get 413 (default %(default)s)")
+    g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S",
+                   help="on SIGTERM / Ctrl-C, running requests get S seconds to finish; then streams end with an "
+                        "error event and [DONE], waiting requests get 503 (default %(default)s; a second "
+                        "Ctrl-C ends them at once)")
+    g.add_argument("--request-read-timeout", type=float, default=DEFAULT_REQUEST_READ_TIMEOUT_S, metavar="S",
+                   help="seconds a client has to send a request's headers, and again its body; a late one gets "
+                        "408 (default %(default)s; 0: no limit)")
+    g.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
+                   help="comma-separated Host header values served (e.g. localhost,127.0.0.1); others get 400. "
+                        "Default: any")
     return p
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0..65535 (bind() raises OverflowError, not OSError, beyond)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
+    return port
+
+
+def check_api_key(key: str | None) -> None:
+    """A key a client can send: HTTP header values are bytes that servers read as Latin-1, so a
+    non-ASCII key (sent as UTF-8 by clients) could never compare equal; spaces would be cut."""
+    if key is not None and not (key.isascii() and key.isprintable() and key == key.strip() and " " not in key):
+        raise ValueError("--api-key (or $KIMITUI_API_KEY) must be printable ASCII without spaces: HTTP clients "
+                         "cannot send other characters in the Authorization header")
 
 
 def run(args: argparse.Namespace) -> int:
     from kimitui.engine import AsyncLLM
     from kimitui.server import BackgroundServer, create_app
+    from kimitui.server.guard import parse_allowed_hosts
 
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if not args.request_read_timeout >= 0:
+        raise ValueError(f"--request-read-timeout must be >= 0 seconds (0: no limit), got {args.request_read_timeout}")
+    check_api_key(args.api_key)
+    allowed_hosts = parse_allowed_hosts(args.allowed_hosts)
     engine_args = engine_args_from(args)  # validate flags before the slow load
     # Bind first: a busy port fails in a second, not after loading the model.
-    server = BackgroundServer(args.host, args.port, log_level=_uvicorn_level(args.log_level))
+    server = BackgroundServer(args.host, args.port, log_level=_uvicorn_level(args.log_level),
+                              shutdown_timeout=args.shutdown_timeout)
     stop = threading.Event()
+    loading = True
 
     def on_signal(signum, frame) -> None:
+        if loading:
+            # Loading can take minutes and spawns workers: unwind it (the finally below stops
+            # what was started) instead of dying with children left behind.
+            raise _StopDuringStartup(signum)
         if stop.is_set() and server.server is not None:
-            server.server.force_exit = True  # second Ctrl-C: drop open streams now
+            server.server.end_requests_now()  # second Ctrl-C: end open requests now
         stop.set()
 
+    # Ours from the start: uvicorn's handlers re-raise the signal after shutting down (exit 130 /
+    # killed by SIGTERM), and the default SIGTERM action would leave tensor-parallel workers and
+    # the multiprocessing resource tracker running.
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    llm = None
     try:
         print(f"kimitui serve: loading {args.model or 'the built-in demo model'} ...", flush=True)
         llm = AsyncLLM(engine_args=engine_args)
-    except BaseException:
-        server.stop()
-        raise
-    # uvicorn's own handlers re-raise the signal after shutting down (exit 130 / killed by
-    # SIGTERM); ours let the engine stop cleanly and the command exit 0.
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+        loading = False
         name = args.served_model_name or args.model or llm.config.name
-        server.start(create_app(llm, name, api_key=args.api_key, max_body_bytes=args.max_request_bytes))
+        server.start(create_app(llm, name, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
+                                request_read_timeout=args.request_read_timeout or None, allowed_hosts=allowed_hosts))
         print(f"kimitui serve: model {name} at {server.url}/v1"
               f"{' (API key required)' if args.api_key else ''}", flush=True)
         if llm.config.is_demo:
@@ -69,9 +113,15 @@ def run(args: argparse.Namespace) -> int:
         while not stop.is_set() and server.running:
             stop.wait(0.2)
         crashed = not stop.is_set()
+    except _StopDuringStartup as e:
+        print(f"kimitui serve: {signal.Signals(e.signum).name} during start-up: stopped", file=sys.stderr, flush=True)
+        return 128 + e.signum
     finally:
+        loading = False  # a signal from here on only asks for what is already under way
         server.stop()
-        llm.shutdown()
+        if llm is not None:
+            llm.shutdown()
+        stop_children()
         for s, handler in previous.items():
             signal.signal(s, handler)
     if crashed:
@@ -79,6 +129,56 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print("kimitui serve: stopped", flush=True)
     return 0
+
+
+class _StopDuringStartup(BaseException):
+    """SIGINT / SIGTERM while the model loads (a BaseException, like KeyboardInterrupt, so no
+    ``except Exception`` in the loader swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def stop_children(grace_s: float = 3.0) -> None:
+    """End every process this one started that is still alive: tensor-parallel ranks of a load
+    interrupted halfway (no engine exists whose shutdown would stop them), and helpers such as a
+    kernel compiler (ninja, c++) that a signal caught mid-build. Their exit also ends
+    multiprocessing's resource tracker, which lives while any of them holds its pipe."""
+    import multiprocessing
+
+    import psutil
+
+    for p in multiprocessing.active_children():
+        p.terminate()  # multiprocessing's own handle reaps them (no zombies left in its table)
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        children = []
+    tracker = _resource_tracker_pid()
+    # The resource tracker exits on its own once its writers are gone (and then unlinks what it
+    # tracks); killing it first could leave shared memory behind.
+    helpers = [c for c in children if c.pid != tracker]
+    for c in helpers:
+        try:
+            c.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(helpers, timeout=grace_s)
+    for c in alive:
+        try:
+            c.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=1.0)
+    for p in multiprocessing.active_children():  # reap
+        p.join(0.1)
+
+
+def _resource_tracker_pid() -> int | None:
+    from multiprocessing import resource_tracker
+
+    return getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
 
 
 def _uvicorn_level(level: str | None) -> str:

@@ -10,26 +10,38 @@ from kimitui.server import chat, completions, tokenization
 from kimitui.server.auth import check_api_key
 from kimitui.server.errors import install_error_handlers
 from kimitui.server.metrics import CONTENT_TYPE
-from kimitui.server.state import DEFAULT_MAX_BODY_BYTES, ServerState, server_state
+from kimitui.server.guard import RequestGuard
+from kimitui.server.state import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S, ServerState, server_state
 
 
 def create_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               request_read_timeout: float | None = DEFAULT_REQUEST_READ_TIMEOUT_S,
+               allowed_hosts: frozenset[str] | None = None) -> FastAPI:
     """An OpenAI-compatible app over ``llm`` (which the caller owns and shuts down).
 
-    ``api_key`` set: every /v1 route needs ``Authorization: Bearer <api_key>``.
+    ``api_key`` set: every route that does work (/v1, and the tokenizer routes, which can be
+    made to tokenize 16 MB at a time) needs ``Authorization: Bearer <api_key>``; /health and
+    /metrics stay open, as in vLLM. ``request_read_timeout``: seconds a client has to send a
+    request's head and its body (None: no limit). ``allowed_hosts``: Host header values served
+    (None: any).
     """
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    if request_read_timeout is not None and request_read_timeout <= 0:
+        raise ValueError(f"request_read_timeout must be > 0 seconds, got {request_read_timeout}")
     app = FastAPI(title="kimitui", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.server = ServerState(llm, served_model_name or llm.config.name, api_key or None, max_body_bytes)
+    state = ServerState(llm, served_model_name or llm.config.name, api_key or None, max_body_bytes,
+                        request_read_timeout, allowed_hosts)
+    app.state.server = state
     install_error_handlers(app)
-    v1 = APIRouter(dependencies=[Depends(check_api_key)])
-    v1.add_api_route("/v1/models", list_models, methods=["GET"])
-    v1.include_router(completions.router)
-    v1.include_router(chat.router)
-    app.include_router(v1)
-    app.include_router(tokenization.router)  # vLLM's /tokenize, /detokenize, /tokenizer_info
+    app.add_middleware(RequestGuard, state=state)
+    authed = APIRouter(dependencies=[Depends(check_api_key)])
+    authed.add_api_route("/v1/models", list_models, methods=["GET"])
+    authed.include_router(completions.router)
+    authed.include_router(chat.router)
+    authed.include_router(tokenization.router)  # vLLM's /tokenize, /detokenize, /tokenizer_info
+    app.include_router(authed)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     return app

@@ -1,4 +1,4 @@
-"""Bearer-token auth for the /v1 routes (``--api-key``); /health and /metrics stay open."""
+"""Bearer-token auth (``--api-key``) for every route that does work; /health and /metrics stay open."""
 
 from __future__ import annotations
 

@@ -1,27 +1,69 @@
 """Uvicorn in a background thread: used by ``kimitui serve`` (the main thread keeps the signals)
-and by tests and the TUI, which need a real server next to other work."""
+and by tests and the TUI, which need a real server next to other work.
+
+Shutdown is graceful: stop accepting, let running requests finish for ``shutdown_timeout``
+seconds, then end what still runs as a client can read it (a stream gets an error event and
+``[DONE]``, a waiting request a 503; ServerState.begin_shutdown), so nobody is cut off mid-event.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
 
 import uvicorn
 
-# Open streams get this long to finish on shutdown; then their connections are closed (which
-# aborts their requests) so Ctrl-C never hangs on a long generation.
+# Default grace period: open requests get this long to finish on shutdown, then they are ended.
 GRACEFUL_SHUTDOWN_S = 3
+# Uvicorn's own deadline comes this much later, as a backstop: it cancels whatever is still running.
+_BACKSTOP_S = 2.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that tells the app when shutdown starts (in the server's event loop)."""
+
+    def __init__(self, config: uvicorn.Config, app_state, grace_s: float):
+        super().__init__(config)
+        self.app_state = app_state
+        self.grace_s = grace_s
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def end_requests_now(self) -> None:
+        """From any thread: end the grace period now (a second Ctrl-C)."""
+        loop = getattr(self, "loop", None)
+        if self.app_state is not None and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self.app_state.end_now)
+        else:
+            self.force_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.app_state is not None:
+            self.app_state.begin_shutdown(self.grace_s)
+        await super().shutdown(sockets)
 
 
 class BackgroundServer:
     """Bind ``host:port`` at construction (so "port in use" fails early with OSError), serve ``app``
     on ``start(app)``, stop on ``stop()``. Port 0 picks a free port; ``port`` then holds the real one."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning"):
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+                 shutdown_timeout: float = GRACEFUL_SHUTDOWN_S):
+        if shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        # The protocol number matters: asyncio sets TCP_NODELAY on an accepted connection only
+        # when its socket says IPPROTO_TCP (base_events._set_nodelay), and accept() copies it from
+        # this socket. With proto 0 Nagle's algorithm held each response's body until the client's
+        # delayed ACK of the headers came back: 40 ms on every reused connection. Linux also hands
+        # the listening socket's TCP_NODELAY to accepted ones; set both.
+        self.sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             self.sock.bind((host, port))
             # Listen now: with SO_REUSEADDR a bound but idle port could be bound again by a second
@@ -33,7 +75,8 @@ class BackgroundServer:
         self.host = host
         self.port = self.sock.getsockname()[1]
         self.log_level = log_level
-        self.server: uvicorn.Server | None = None
+        self.shutdown_timeout = shutdown_timeout
+        self.server: _Server | None = None
         self._thread = threading.Thread(target=self._run, name="kimitui-http", daemon=True)
 
     @property
@@ -47,9 +90,17 @@ class BackgroundServer:
     def start(self, app, timeout: float = 30.0) -> BackgroundServer:
         # log_config=None: keep the process's logging setup (the CLI's --log-level) instead of
         # uvicorn's own handlers.
+        from kimitui.server.read_timeout import protocol_with_read_timeout
+
+        app_state = getattr(getattr(app, "state", None), "server", None)
+        if not hasattr(app_state, "begin_shutdown"):
+            app_state = None  # not our app (the telemetry agent's): plain uvicorn shutdown
+        # uvicorn's h11 protocol, with the app's deadline for reading a request's head
+        # (read_timeout.py); the app bounds the body itself (body.py).
         config = uvicorn.Config(app, log_level=self.log_level, log_config=None, lifespan="off",
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        self.server = uvicorn.Server(config)
+                                http=protocol_with_read_timeout(getattr(app_state, "request_read_timeout", None)),
+                                timeout_graceful_shutdown=self.shutdown_timeout + _BACKSTOP_S)
+        self.server = _Server(config, app_state, self.shutdown_timeout)
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -64,17 +115,17 @@ class BackgroundServer:
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def stop(self, timeout: float = GRACEFUL_SHUTDOWN_S + 5) -> None:
-        """Stop accepting, let open requests finish briefly, then close them."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop accepting, let open requests finish for ``shutdown_timeout``, then end them."""
         if self.server is None:
             self.sock.close()
             return
         self.server.should_exit = True
         if self._thread.is_alive():
-            self._thread.join(timeout)
+            self._thread.join(self.shutdown_timeout + _BACKSTOP_S + 3 if timeout is None else timeout)
         if self._thread.is_alive():
             self.server.force_exit = True
-            self._thread.join(timeout)
+            self._thread.join(5)
         self.sock.close()
 
     def wait(self, poll_s: float = 0.2) -> None:

@@ -19,12 +19,14 @@ from kimitui.engine.chat_format import ChatFormat, chat_format_for
 from kimitui.engine.xtml_options import THINKING_EFFORTS, OptionError, response_format_type, tool_choice_name
 from kimitui.server.body import read_body
 from kimitui.server.errors import bad_request, engine_error, error_body
+from kimitui.server.limits import check_prompt_chars_of
 from kimitui.server.logprobs import TokenText, chat_logprobs
 from kimitui.server.protocol import ChatCompletionRequest
 from kimitui.server.sampling import build_sampling_params, check_supported, resolve_max_tokens
 from kimitui.server.state import ServerState, server_state
 from kimitui.server.structured import chat_constraint, compile_constraint
-from kimitui.server.streaming import SSE_DONE, merged, sse, sse_response, unless_disconnected
+from kimitui.server.tools import check_tools
+from kimitui.server.streaming import SSE_DONE, merged, sse, sse_response, unless_disconnected, until_shutdown
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -93,6 +95,7 @@ def _check_tool_choice(req: ChatCompletionRequest) -> bool:
     """Validate ``tool_choice`` against ``tools`` (OpenAI's rules); True when replies may call tools.
     Every choice is rendered by the chat format (K3 writes "none" and "required" as system messages);
     "required" and a named function are enforced by constrained decoding, not by the prompt."""
+    check_tools(req.tools)  # rendered into the prompt even when no constraint reads them
     choice = req.tool_choice
     name = _check_option(tool_choice_name, choice)
     if (name is not None or choice == "required") and not req.tools:
@@ -122,12 +125,13 @@ async def _prepare(state: ServerState, req: ChatCompletionRequest) -> _Chat:
         messages.append(d)
     tools = req.tools or None
     size = sum(len(str(m.get("content", ""))) for m in messages) + len(str(tools or ""))
+    check_prompt_chars_of(state, size, "messages")
     fmt = chat_format_for(tok)
     options = _template_options(req.chat_template_kwargs)
     try:
         prompt = await state.run_blocking(size, partial(
             fmt.encode, messages, tools=tools, tool_choice=req.tool_choice, response_format=req.response_format,
-            reasoning_effort=req.reasoning_effort, **options))
+            reasoning_effort=req.reasoning_effort, **options), param="messages")
     except OptionError as e:  # a request option the format does not take (reasoning_effort "medium" on K3)
         raise bad_request(str(e), param=e.param) from None
     except Exception as e:  # noqa: BLE001 - ChatError, template errors: the messages are at fault
@@ -232,7 +236,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, chat
     hold = max((len(s) for s in chat.params.stop_strings), default=1) - 1
     final = None
     try:
-        async with aclosing(merged([stream])) as events:
+        async with aclosing(until_shutdown(state.ended, merged([stream]))) as events:
             async for _, out in events:
                 if out.finished:
                     final = out

@@ -5,6 +5,7 @@ prompt are one engine request (engine/parallel_sampling.py), so they share its c
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from contextlib import aclosing
@@ -16,14 +17,18 @@ from fastapi.responses import JSONResponse, Response
 from kimitui.engine import RequestOutput, SamplingParams
 from kimitui.server.body import read_body
 from kimitui.server.errors import bad_request, engine_error, error_body
+from kimitui.server.limits import MAX_PROMPTS
 from kimitui.server.logprobs import TextOffsets, TokenIdText, TokenText, completion_logprobs
 from kimitui.server.protocol import CompletionRequest
 from kimitui.server.sampling import build_sampling_params, check_supported, resolve_max_tokens
 from kimitui.server.state import ServerState, server_state
 from kimitui.server.structured import compile_constraint, completion_constraint
-from kimitui.server.streaming import SSE_DONE, merged, sse, sse_response, unless_disconnected
+from kimitui.server.streaming import SSE_DONE, merged, sse, sse_response, unless_disconnected, until_shutdown
 
 router = APIRouter()
+# max_tokens of a /v1/completions request that sends none: 16, as OpenAI's legacy completions API
+# (https://platform.openai.com/docs/api-reference/completions/create) and vLLM's CompletionRequest.
+DEFAULT_MAX_TOKENS = 16
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
@@ -37,6 +42,25 @@ class _Prompt:
     zero: bool = False
 
 
+def in_pieces(streams: list, limit: int) -> list:
+    """At most ``limit`` of one request's prompts in the engine at a time; each next one is added
+    when one ends. The scheduler serves first come first served, so 8,000 prompts added at once
+    would put every other client's request behind all of them; added in pieces, a request that
+    arrives meanwhile waits for one prompt, not for the list. (An engine request is added when its
+    stream is first read, AsyncLLM.generate, so a stream waiting here costs nothing.)"""
+    if len(streams) <= limit:
+        return streams
+    gate = asyncio.Semaphore(limit)
+
+    async def admitted(stream):
+        async with gate:
+            async with aclosing(stream):
+                async for out in stream:
+                    yield out
+
+    return [admitted(s) for s in streams]
+
+
 def normalize_prompts(prompt) -> list[str | list[int]]:
     """``prompt`` as a list of single prompts (str or token ids); 400 for any other shape."""
     def is_ids(x) -> bool:
@@ -45,6 +69,9 @@ def normalize_prompts(prompt) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
+        if len(prompt) > MAX_PROMPTS and not is_ids(prompt):
+            raise bad_request(f"prompt is a list of {len(prompt)} prompts; the limit is {MAX_PROMPTS} per request",
+                              param="prompt")
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
         if is_ids(prompt):
@@ -70,6 +97,7 @@ async def create_completion(request: Request) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = [state.llm.generate({"prompt_token_ids": p.ids, "prompt": p.text}, p.params, f"{rid}-{i}")
                for i, p in enumerate(prompts)]
+    streams = in_pieces(streams, state.prompts_in_flight)
     if req.stream:
         return sse_response(_stream(state, req, rid, prompts, streams))
     connected, finals = await unless_disconnected(request, _collect(streams))
@@ -86,7 +114,10 @@ async def _prepare(state: ServerState, req: CompletionRequest, prompt: str | lis
     else:
         text, ids = None, list(prompt)
     state.check_token_ids(ids)
-    max_tokens = resolve_max_tokens(req.max_tokens, len(ids), state.max_model_len, allow_zero=True)
+    requested = req.max_tokens
+    if requested is None:  # OpenAI's default for completions (chat's is the rest of the context)
+        requested = max(1, min(DEFAULT_MAX_TOKENS, state.max_model_len - len(ids)))
+    max_tokens = resolve_max_tokens(requested, len(ids), state.max_model_len, allow_zero=True)
     k = req.logprobs
     params = build_sampling_params(req, max_tokens=max(1, max_tokens), logprobs=k,
                                    prompt_logprobs=k if req.echo and k is not None else None,
@@ -174,7 +205,7 @@ async def _stream(state: ServerState, req: CompletionRequest, rid: str, prompts:
                 for _ in range(len(prompts) * n)]
     finals: list[RequestOutput | None] = [None] * len(prompts)
     try:
-        async with aclosing(merged(streams)) as events:
+        async with aclosing(until_shutdown(state.ended, merged(streams))) as events:
             async for i, out in events:
                 if out.finished:
                     finals[i] = out

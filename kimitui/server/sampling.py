@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kimitui.engine import SamplingParams
 from kimitui.server.errors import bad_request
+from kimitui.server.limits import check_stop
 from kimitui.server.protocol import SamplingFields
 
 MAX_N = 128  # OpenAI's limit on n; best_of has the same bound here
@@ -24,6 +25,7 @@ def check_supported(req: SamplingFields) -> None:
                                 ("min_tokens", req.min_tokens, 0, 2**31)):
         if value is not None and not lo <= value <= hi:
             raise bad_request(f"{name} must be in {lo}..{hi}, got {value}", param=name)
+    check_stop(req.stop, req.stop_token_ids)
     if any(not 0 <= t < 2**63 for t in req.stop_token_ids or ()):
         raise bad_request("stop_token_ids must be non-negative token ids", param="stop_token_ids")
 

@@ -16,6 +16,8 @@ from typing import TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from kimitui.server.errors import APIError
+
 T = TypeVar("T")
 SSE_DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -71,22 +73,60 @@ async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down: the request was stopped at the end of its grace period "
+                         "(kimitui serve --shutdown-timeout)", code="server_shutting_down")
+
+
+async def until_shutdown(ended: asyncio.Event, events: AsyncIterator[T]) -> AsyncIterator[T]:
+    """The items of ``events`` until ``ended`` is set (the shutdown's grace period is over); then
+    ``events`` is closed (which aborts its engine requests) and ``shutting_down()`` raised, which
+    the streaming handlers send as an error event before ``[DONE]``."""
+    if ended.is_set():
+        raise shutting_down()
+    it = events.__aiter__()
+    stop = asyncio.ensure_future(ended.wait())
+    try:
+        while True:
+            step = asyncio.ensure_future(it.__anext__())
+            await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
+                raise shutting_down()
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        stop.cancel()
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
-    """Run ``work``; if the client disconnects first, cancel it and return ``(False, None)``.
+    """Run ``work``; if the client disconnects first, cancel it and return ``(False, None)``; if
+    the server's shutdown grace period ends first, cancel it and raise a 503.
 
     Call only after the body has been read: the next ASGI message is then the disconnect.
     """
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
+    ended = asyncio.ensure_future(request.app.state.server.ended.wait())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watcher, ended}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
+        ended.cancel()
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
-        return False, None
+        if not watcher.cancelled() and watcher.done():
+            return False, None
+        raise shutting_down()
     return True, task.result()
 
 

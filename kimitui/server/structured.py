@@ -14,6 +14,7 @@ from kimitui.engine.structured import StructuredOutputs
 from kimitui.engine.structured.chat_constraints import response_format_constraint, tool_call_constraint
 from kimitui.engine.structured.grammar import GrammarError, check
 from kimitui.server.errors import bad_request
+from kimitui.server.limits import check_schema_depth
 
 
 def response_schema(response_format: dict | None) -> tuple[bool, dict | None]:
@@ -32,6 +33,7 @@ def response_schema(response_format: dict | None) -> tuple[bool, dict | None]:
         if not isinstance(schema, dict):
             raise bad_request("response_format.json_schema.schema must be a JSON schema object",
                               param="response_format")
+        check_schema_depth(schema, "response_format.json_schema.schema")
         return True, schema
     raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                       param="response_format")
@@ -62,6 +64,9 @@ def chat_constraint(req, fmt, tokenizer, started_in_thinking: bool) -> tuple[Str
                                         started_in_thinking), "tool_choice"
         if constrained:
             return response_format_constraint(fmt, tokenizer, schema, started_in_thinking), "response_format"
+    except RecursionError:  # a schema whose $ref chain recurses without end
+        raise bad_request("the schema nests too deeply to compile", param="tool_choice" if calls
+                          else "response_format") from None
     except ValueError as e:
         raise bad_request(str(e), param="tool_choice" if calls else "response_format") from None
     return None, ""
@@ -74,6 +79,8 @@ def completion_constraint(req) -> StructuredOutputs | None:
         return None
     try:
         return StructuredOutputs(json=schema) if schema is not None else StructuredOutputs(json_object=True)
+    except RecursionError:
+        raise bad_request("the schema nests too deeply to compile", param="response_format") from None
     except ValueError as e:
         raise bad_request(str(e), param="response_format") from None
 
@@ -87,3 +94,5 @@ async def compile_constraint(state, spec: StructuredOutputs | None, param: str) 
         await asyncio.to_thread(check, spec, tokenizer, state.vocab_size)
     except GrammarError as e:
         raise bad_request(str(e), param=param) from None
+    except RecursionError:
+        raise bad_request("the schema nests too deeply to compile", param=param) from None

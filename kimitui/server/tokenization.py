@@ -2,7 +2,8 @@
 
 Shapes as vLLM serves them (vllm/entrypoints/serve/tokenize/protocol.py and serving.py), so
 clients written for vLLM work unchanged; lm-evaluation-harness's ``tokenizer_backend=remote`` takes
-its tokenizer from these. As in vLLM they sit beside /v1, not under it, and need no API key.
+its tokenizer from these. As in vLLM they sit beside /v1, not under it; unlike vLLM they need the
+API key when the server has one (a /tokenize call can be 16 MB of text: work, like generation).
 
 - /tokenize: ``{"prompt": str}`` or ``{"messages": [...]}`` (rendered in the checkpoint's chat
   format) -> ``{"count", "max_model_len", "tokens", "token_strs"}``. Special-token text in a prompt
@@ -24,8 +25,10 @@ from pydantic import Field
 
 from kimitui.server.body import read_body
 from kimitui.server.errors import bad_request
+from kimitui.server.limits import check_prompt_chars_of
 from kimitui.server.protocol import _Body
 from kimitui.server.state import server_state
+from kimitui.server.tools import check_tools
 
 router = APIRouter()
 
@@ -62,10 +65,7 @@ async def tokenize(request: Request) -> dict:
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of prompt (text) or messages (a chat)", param="prompt")
     if req.prompt is not None:
-        try:
-            ids = await state.run_blocking(len(req.prompt), partial(tok.encode, req.prompt, allow_special=True))
-        except TypeError:
-            raise bad_request("prompt is not valid Unicode text (it contains a lone surrogate)", param="prompt") from None
+        ids = await state.encode(req.prompt, allow_special=True)
     else:
         ids = await _chat_ids(state, req)
     out = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": None}
@@ -83,11 +83,14 @@ async def _chat_ids(state, req: TokenizeRequest) -> list[int]:
     if not req.add_generation_prompt:
         raise bad_request("add_generation_prompt false is not supported: the chat formats end with the "
                           "assistant's turn opened", param="add_generation_prompt")
+    check_tools(req.tools)
     fmt = chat_format_for(state.tokenizer)
     options = _template_options(req.chat_template_kwargs)
     size = sum(len(str(m.get("content", ""))) for m in req.messages)
+    check_prompt_chars_of(state, size, "messages")
     try:
-        prompt = await state.run_blocking(size, partial(fmt.encode, req.messages, tools=req.tools, **options))
+        prompt = await state.run_blocking(size, partial(fmt.encode, req.messages, tools=req.tools, **options),
+                                          param="messages")
     except Exception as e:  # noqa: BLE001 - the messages are at fault
         raise bad_request(f"cannot render the messages in the chat format: {e}", param="messages") from None
     return list(prompt.ids)

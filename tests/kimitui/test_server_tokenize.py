@@ -13,6 +13,7 @@ from kimitui.engine import AsyncLLM, EngineArgs, SamplingParams
 from kimitui.server import BackgroundServer, create_app
 
 MODEL = "kimitui-demo"
+AUTH = {"Authorization": "Bearer secret"}  # the tokenizer routes do work: they need the key too
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +29,17 @@ def served(tmp_path_factory):
 def test_tokenize_and_detokenize_round_trip(served):
     llm, url = served
     tok = llm.tokenizer
-    r = httpx.post(f"{url}/tokenize", json={"prompt": "Hello there, world", "return_token_strs": True})
+    r = httpx.post(f"{url}/tokenize", json={"prompt": "Hello there, world", "return_token_strs": True}, headers=AUTH)
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["tokens"] == tok.encode("Hello there, world")
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 256
     assert body["token_strs"] == tok.convert_ids_to_tokens(body["tokens"])
-    r = httpx.post(f"{url}/detokenize", json={"tokens": body["tokens"]})
+    r = httpx.post(f"{url}/detokenize", json={"tokens": body["tokens"]}, headers=AUTH)
     assert r.json() == {"prompt": "Hello there, world"}
     # special-token text is the special token, as a Hugging Face tokenizer reads it
-    eos_text = httpx.get(f"{url}/tokenizer_info").json()["eos_token"]
-    ids = httpx.post(f"{url}/tokenize", json={"prompt": eos_text}).json()["tokens"]
+    eos_text = httpx.get(f"{url}/tokenizer_info", headers=AUTH).json()["eos_token"]
+    ids = httpx.post(f"{url}/tokenize", json={"prompt": eos_text}, headers=AUTH).json()["tokens"]
     assert ids == [tok.eos_token_ids[0]]
 
 
@@ -47,14 +48,14 @@ def test_tokenize_chat_messages_renders_the_chat_format(served):
     from kimitui.engine.chat_format import chat_format_for
 
     messages = [{"role": "user", "content": "hi"}]
-    r = httpx.post(f"{url}/tokenize", json={"messages": messages})
+    r = httpx.post(f"{url}/tokenize", json={"messages": messages}, headers=AUTH)
     assert r.status_code == 200, r.text
     assert r.json()["tokens"] == list(chat_format_for(llm.tokenizer).encode(messages).ids)
 
 
 def test_tokenizer_info_has_what_lm_eval_reads(served):
     llm, url = served
-    info = httpx.get(f"{url}/tokenizer_info").json()
+    info = httpx.get(f"{url}/tokenizer_info", headers=AUTH).json()
     assert info["tokenizer_class"] and "eos_token" in info and info["eos_token"]
     assert info["chat_template"] == llm.tokenizer.chat_template
     assert all(not isinstance(v, dict) or "__type" not in v for v in info.values())
@@ -63,12 +64,12 @@ def test_tokenizer_info_has_what_lm_eval_reads(served):
 @pytest.mark.parametrize("body, param", [({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
                                          ({}, "prompt")])
 def test_tokenize_needs_exactly_one_input(served, body, param):
-    r = httpx.post(f"{served[1]}/tokenize", json=body)
+    r = httpx.post(f"{served[1]}/tokenize", json=body, headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
 def test_detokenize_rejects_ids_outside_the_vocabulary(served):
-    r = httpx.post(f"{served[1]}/detokenize", json={"tokens": [1, 10**9]})
+    r = httpx.post(f"{served[1]}/detokenize", json={"tokens": [1, 10**9]}, headers=AUTH)
     assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
 
 
