@@ -13,9 +13,11 @@ static tensors: positions = context_len - 1, slots from the block table, and the
 kernel's bound is the capacity ``max_blocks_per_seq * block_size`` (not the step's longest
 context, which would need the host).
 
-Padding rows repeat row 0 (same token, block table, context length and cache slot): they read only
-valid blocks, and their cache write stores the value row 0 stores, so no real sequence's cache is
-touched and no "skip this slot" convention is needed from every cache-write path.
+Padding rows repeat row 0's token, block table and context length (so attention reads only valid
+blocks), but write nothing: their cache slot (``slot_mapping``) and KDA state slot are -1, which
+every cache write skips (vLLM's ``PAD_SLOT_ID``). They used to write row 0's cache slot and share
+one spare KDA slot; under an ordering where one padding row read the state another had just
+written, its latent differed from row 0's and overwrote row 0's newest cache slot (engine/graph_padding.py).
 
 On a device other than cuda (ROCm reports cuda too) the same static-buffer / bucket / padding path
 runs, with the graph replaced by a direct call of the model: that is the path tests exercise on a
@@ -23,7 +25,7 @@ CPU, and the one device emulation (``KIMITUI_EMULATE_DEVICE=1``) takes by defaul
 
 Hybrid models (Kimi Linear / K3): each row's KDA state slot is one more static buffer the graph reads
 (``slots``), so a replay updates whichever slots the step's sequences hold. Padding rows and capture
-warm-ups address a spare slot and count no routing statistics (engine/graph_padding.py).
+warm-ups address slot -1 and count no routing statistics (engine/graph_padding.py).
 
 Tensor parallel: every rank runs this runner on the same inputs (the workers mirror each step), so
 every rank pads to the same bucket, captures the same bucket at the same step and replays the same
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kimitui.engine.graph_padding import RoutingRows, add_padding_slot
+from kimitui.engine.graph_padding import PAD_SLOT, RoutingRows
 from kimitui.engine.kv_cache.state import KDAState
 from kimitui.engine.layers.attn_metadata import AttentionMetadata
 from kimitui.kernels.settings import KernelSettings
@@ -105,14 +107,12 @@ class DecodeGraphRunner:
         self.ids = torch.zeros(s, dtype=torch.int64, device=device)  # [S]
         self.tables = torch.zeros(s, w, dtype=torch.int32, device=device)  # [S, W]
         self.lens = torch.ones(s, dtype=torch.int32, device=device)  # [S], >= 1 for every row
-        # Hybrid models: each row's KDA state slot; rows past the step's address the spare slot.
+        # Hybrid models: each row's KDA state slot; rows past the step's carry PAD_SLOT (no state).
         self.states = [c for c in kv_caches if isinstance(c, KDAState)]
-        self.pad_slot = add_padding_slot(self.states)  # None without KDA layers
-        self.slots = (torch.full((s,), self.pad_slot, dtype=torch.int64, device=device)
-                      if self.pad_slot is not None else None)  # [S]
-        self._pad_index = (torch.full((1,), self.pad_slot, dtype=torch.int64, device=device)
-                           if self.pad_slot is not None else None)
-        self.routing = RoutingRows(model, s, device)  # which rows the routing statistics count
+        self.slots = (torch.full((s,), PAD_SLOT, dtype=torch.int64, device=device)
+                      if self.states else None)  # [S]
+        # the step's real rows (1) and padding rows (0): which rows count routing and write a cache slot
+        self.routing = RoutingRows(model, s, device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None  # memory pool shared by all buckets' graphs (largest captured first)
 
@@ -129,28 +129,21 @@ class DecodeGraphRunner:
         pos = lens.long() - 1  # [b]: each decode writes its newest token
         rows = torch.arange(b, device=self.device)
         slots = tables[rows, pos // bs].long() * bs + pos % bs  # [b]
+        slots = torch.where(self.routing.rows[:b] > 0, slots, PAD_SLOT)  # padding rows write no cache slot
         return AttentionMetadata(positions=pos, slot_mapping=slots, block_size=bs, num_decode_tokens=b,
                                  decode_block_tables=tables, decode_context_lens=lens,
                                  decode_max_context_len=self.cfg.max_context_len,
                                  state_slots=None if self.slots is None else self.slots[:b])
 
     def _forward(self, b: int) -> torch.Tensor:
-        if self.states:
-            # The spare slot starts each step as a copy of row 0's state, so a padding row computes
-            # exactly what row 0 computes: its MLA layers then write row 0's cache slot with row 0's
-            # own latent (as in a model without KDA), while its KDA update lands in the spare slot.
-            row0 = self.slots[:1]
-            for st in self.states:
-                st.recurrent.index_copy_(0, self._pad_index, st.recurrent.index_select(0, row0))
-                st.conv.index_copy_(0, self._pad_index, st.conv.index_select(0, row0))
         with self.routing.installed():
             return self.model(self.ids[:b], self._metadata(b), self.kv_caches)
 
     def _fill(self, ids: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, state_slots: torch.Tensor | None,
               b: int) -> None:
         """Copy the step's device tensors ids [n], tables [n, W'] (W' <= W), lens [n] and state_slots [n]
-        (hybrid models) into the static buffers; pad rows n..b-1 with row 0 (the spare state slot for
-        KDA) and count the routing of rows 0..n-1 only."""
+        (hybrid models) into the static buffers; pad rows n..b-1 with row 0's inputs and PAD_SLOT for
+        their state, and mark rows 0..n-1 as the step's (routing counts, cache writes)."""
         n = ids.shape[0]
         if (state_slots is None) != (self.slots is None):
             raise ValueError("a decode graph step of a hybrid model needs its state slots, and only such a step "
@@ -158,7 +151,7 @@ class DecodeGraphRunner:
         if self.slots is not None:
             self.slots[:n].copy_(state_slots)
             if b > n:
-                self.slots[n:b].fill_(self.pad_slot)
+                self.slots[n:b].fill_(PAD_SLOT)
         self.routing.set(n)
         w = tables.shape[1]
         if w > self.cfg.max_blocks_per_seq:
@@ -184,9 +177,8 @@ class DecodeGraphRunner:
             return self._forward(b)[:n]
         entry = self._graphs.get(b)
         if entry is None:
-            # Captured lazily, on this step's own (already filled) inputs: the warm-up runs write
-            # the same cache slots with the same values as the replay below, so nothing is lost;
-            # their KDA rows go to the spare slot and they count no routing (``_parked``).
+            # Captured lazily, on this step's own (already filled) inputs: the warm-up runs write no
+            # cache slot and no KDA state and count no routing (``_parked``), the replay then does.
             try:
                 with self._parked(n, b):
                     entry = self._capture(b)
@@ -201,11 +193,11 @@ class DecodeGraphRunner:
 
     @contextmanager
     def _parked(self, n: int, b: int):
-        """Inside: every row's KDA slot is the spare one and no row counts routing (warm-ups run the
-        model for real); after, even if the capture failed, the step's own values are back."""
+        """Inside: every row is a padding row (no KDA slot, no cache slot, no routing count: warm-ups
+        run the model for real); after, even if the capture failed, the step's own values are back."""
         real = self.slots[:b].clone() if self.slots is not None else None
         if real is not None:
-            self.slots[:b].fill_(self.pad_slot)
+            self.slots[:b].fill_(PAD_SLOT)
         self.routing.set(0)
         try:
             yield
