@@ -7,6 +7,13 @@ a ``torch.cuda.CUDAGraph`` that reads its inputs from static buffers; a step cop
 those buffers, pads the batch to the next bucket, replays the graph and slices the output.
 ``EngineArgs(enforce_eager=True)`` / ``--enforce-eager`` turns this off.
 
+Every bucket is captured at start-up (``capture_all``, largest first so the one memory pool all
+graphs share is sized by the largest, as vLLM's ``capture_model`` does), on inputs made of padding
+rows only, which write nothing. ``EngineArgs(lazy_graph_capture=True)`` / ``--lazy-graph-capture``
+skips that (faster start, each bucket captured by the first step that needs it). A bucket whose
+capture fails (an op the graph cannot hold) runs its steps with direct calls; the other buckets keep
+their graphs.
+
 Everything a captured graph reads must have a fixed address and shape, and nothing inside it may
 ask the host for a value, so the decode metadata is built *inside* the captured region from the
 static tensors: positions = context_len - 1, slots from the block table, and the attention
@@ -114,6 +121,7 @@ class DecodeGraphRunner:
         # the step's real rows (1) and padding rows (0): which rows count routing and write a cache slot
         self.routing = RoutingRows(model, s, device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.failed: dict[int, str] = {}  # bucket -> why its capture failed: its steps run direct calls
         self._pool = None  # memory pool shared by all buckets' graphs (largest captured first)
 
     def accepts(self, num_decodes: int, num_rows: int, has_prefills: bool, stateful: bool) -> bool:
@@ -176,20 +184,49 @@ class DecodeGraphRunner:
         if not self.cfg.capture:
             return self._forward(b)[:n]
         entry = self._graphs.get(b)
+        if entry is None and b not in self.failed:
+            # Not captured at start-up (``lazy_graph_capture``): captured now, on this step's own
+            # (already filled) inputs; the warm-ups write nothing and count nothing (``_parked``),
+            # the replay below then does.
+            entry = self._try_capture(n, b)
         if entry is None:
-            # Captured lazily, on this step's own (already filled) inputs: the warm-up runs write no
-            # cache slot and no KDA state and count no routing (``_parked``), the replay then does.
-            try:
-                with self._parked(n, b):
-                    entry = self._capture(b)
-            except Exception as e:  # an op the graph cannot hold (a host sync, CPU-offloaded experts)
-                log.warning("decode graph capture failed (%s); running decode steps eagerly", e)
-                self.cfg = GraphConfig(self.cfg.max_num_seqs, self.cfg.max_blocks_per_seq,
-                                       self.cfg.block_size, capture=False)
-                return self._forward(b)[:n]
+            return self._forward(b)[:n]
         graph, out = entry
         graph.replay()
         return out[:n]
+
+    def capture_all(self) -> None:
+        """Capture every bucket not yet captured, largest first, on padding rows only (no cache or
+        state written, nothing counted). No-op without capture (CPU, emulated device). Every rank
+        of a tensor-parallel group calls this at the same point: the collectives inside pair up."""
+        if not self.cfg.capture:
+            return
+        self._fill_padding()
+        for b in sorted(self.buckets, reverse=True):
+            if b not in self._graphs and b not in self.failed:
+                self._try_capture(0, b)
+        log.info("decode graphs captured for batch buckets %s%s", sorted(self._graphs),
+                 f"; direct calls for {sorted(self.failed)}" if self.failed else "")
+
+    def _fill_padding(self) -> None:
+        """Static inputs of a step with no sequence: every row a padding row reading block 0."""
+        self.ids.zero_()
+        self.tables.zero_()
+        self.lens.fill_(1)
+        if self.slots is not None:
+            self.slots.fill_(PAD_SLOT)
+        self.routing.set(0)
+
+    def _try_capture(self, n: int, b: int):
+        """Capture bucket ``b`` (the step's ``n`` real rows parked meanwhile); on failure the bucket
+        is marked to run direct calls and None is returned."""
+        try:
+            with self._parked(n, b):
+                return self._capture(b)
+        except Exception as e:  # an op the graph cannot hold (a host sync, CPU-offloaded experts)
+            self.failed[b] = f"{type(e).__name__}: {e}"
+            log.warning("decode graph capture of batch bucket %d failed (%s); that bucket runs eagerly", b, e)
+            return None
 
     @contextmanager
     def _parked(self, n: int, b: int):
