@@ -103,3 +103,16 @@ def test_lazy_capture_captures_a_bucket_on_its_first_step(runners):
     assert log["captured"] == [FAILING, 8] and sorted(graphed.graphs._graphs) == [8]
     graphed.forward_step(_step(3))  # still direct calls, no second attempt
     assert log["captured"] == [FAILING, 8]
+
+
+def test_lazy_graph_capture_flag_reaches_engine_args():
+    import argparse
+
+    from kimitui.commands.engine_flags import add_engine_arguments, engine_args_from
+    from kimitui.engine.args import EngineArgs
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    assert engine_args_from(p.parse_args(["--lazy-graph-capture"])).lazy_graph_capture is True
+    assert engine_args_from(p.parse_args([])).lazy_graph_capture is False
+    assert EngineArgs().lazy_graph_capture is False
