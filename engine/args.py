@@ -16,7 +16,8 @@ class EngineArgs:
     ``model``: checkpoint directory, or None / "demo" for the built-in demo checkpoint.
     ``cpu_offload``: "auto", "none" or a number of routed experts per MoE layer kept in host RAM.
     ``enforce_eager``: run every step eagerly; otherwise decode-only steps on a cuda/rocm device with
-    one rank replay a CUDA/HIP graph per batch-size bucket (engine/graph_runner.py).
+    one rank replay a CUDA/HIP graph per batch-size bucket (engine/graph_runner.py), every bucket
+    captured at start-up unless ``lazy_graph_capture`` (then each on the first step that needs it).
     """
 
     model: str | None = None
@@ -35,6 +36,7 @@ class EngineArgs:
     routing_stats: str | None = None  # JSON of tokens per expert per layer from an earlier run
     seed: int = 0
     enforce_eager: bool = False  # vLLM's name: no CUDA/HIP graph capture of decode steps
+    lazy_graph_capture: bool = False  # capture each decode graph bucket on first use, not at start-up
     numa: str = "auto"  # host experts per NUMA node: auto (split when >1 node) or off; engine.offload.numa
     # vLLM's dict (or its JSON): {"method": "ngram" | "suffix" | "eagle3", "num_speculative_tokens": k, ...};
     # parsed into engine.spec_decode.SpeculativeConfig (``speculative``). None: no speculation.

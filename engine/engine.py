@@ -79,7 +79,8 @@ class LLMEngine:
                 spec = WorkerSpec(str(self.model_dir), args.tensor_parallel_size, free_port(), self.device.type,
                                   str(self.dtype).removeprefix("torch."), self.max_model_len, args.block_size,
                                   self.expert_placement, max(1, torch.get_num_threads() // args.tensor_parallel_size),
-                                  decode_graphs=self._decode_graphs())
+                                  decode_graphs=self._decode_graphs(),
+                                  capture_graphs=not args.lazy_graph_capture)
                 self.workers = WorkerGroup(spec)
                 par = self.workers.join_as_rank0()
             t0 = time.monotonic()
@@ -120,6 +121,8 @@ class LLMEngine:
                                   args.max_num_seqs, self.max_model_len, self._decode_graphs(),
                                   num_spec_tokens=self.num_spec_tokens, spec_scratch_base=self.cache_pool.spec_scratch_base,
                                   keep_hidden=bool(self.proposer is not None and self.proposer.needs_hidden))
+        if self.runner.graphs is not None and not args.lazy_graph_capture:
+            self.runner.graphs.capture_all()  # the workers capture at the same point (after ready)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         # n > 1 / best_of: requests fanned out into child sequences (engine/parallel_sampling.py)

@@ -7,15 +7,24 @@ a ``torch.cuda.CUDAGraph`` that reads its inputs from static buffers; a step cop
 those buffers, pads the batch to the next bucket, replays the graph and slices the output.
 ``EngineArgs(enforce_eager=True)`` / ``--enforce-eager`` turns this off.
 
+Every bucket is captured at start-up (``capture_all``, largest first so the one memory pool all
+graphs share is sized by the largest, as vLLM's ``capture_model`` does), on inputs made of padding
+rows only, which write nothing. ``EngineArgs(lazy_graph_capture=True)`` / ``--lazy-graph-capture``
+skips that (faster start, each bucket captured by the first step that needs it). A bucket whose
+capture fails (an op the graph cannot hold) runs its steps with direct calls; the other buckets keep
+their graphs.
+
 Everything a captured graph reads must have a fixed address and shape, and nothing inside it may
 ask the host for a value, so the decode metadata is built *inside* the captured region from the
 static tensors: positions = context_len - 1, slots from the block table, and the attention
 kernel's bound is the capacity ``max_blocks_per_seq * block_size`` (not the step's longest
 context, which would need the host).
 
-Padding rows repeat row 0 (same token, block table, context length and cache slot): they read only
-valid blocks, and their cache write stores the value row 0 stores, so no real sequence's cache is
-touched and no "skip this slot" convention is needed from every cache-write path.
+Padding rows repeat row 0's token, block table and context length (so attention reads only valid
+blocks), but write nothing: their cache slot (``slot_mapping``) and KDA state slot are -1, which
+every cache write skips (vLLM's ``PAD_SLOT_ID``). They used to write row 0's cache slot and share
+one spare KDA slot; under an ordering where one padding row read the state another had just
+written, its latent differed from row 0's and overwrote row 0's newest cache slot (engine/graph_padding.py).
 
 On a device other than cuda (ROCm reports cuda too) the same static-buffer / bucket / padding path
 runs, with the graph replaced by a direct call of the model: that is the path tests exercise on a
@@ -23,7 +32,7 @@ CPU, and the one device emulation (``KIMITUI_EMULATE_DEVICE=1``) takes by defaul
 
 Hybrid models (Kimi Linear / K3): each row's KDA state slot is one more static buffer the graph reads
 (``slots``), so a replay updates whichever slots the step's sequences hold. Padding rows and capture
-warm-ups address a spare slot and count no routing statistics (engine/graph_padding.py).
+warm-ups address slot -1 and count no routing statistics (engine/graph_padding.py).
 
 Tensor parallel: every rank runs this runner on the same inputs (the workers mirror each step), so
 every rank pads to the same bucket, captures the same bucket at the same step and replays the same
@@ -39,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kimitui.engine.graph_padding import RoutingRows, add_padding_slot
+from kimitui.engine.graph_padding import PAD_SLOT, RoutingRows
 from kimitui.engine.kv_cache.state import KDAState
 from kimitui.engine.layers.attn_metadata import AttentionMetadata
 from kimitui.kernels.settings import KernelSettings
@@ -105,15 +114,14 @@ class DecodeGraphRunner:
         self.ids = torch.zeros(s, dtype=torch.int64, device=device)  # [S]
         self.tables = torch.zeros(s, w, dtype=torch.int32, device=device)  # [S, W]
         self.lens = torch.ones(s, dtype=torch.int32, device=device)  # [S], >= 1 for every row
-        # Hybrid models: each row's KDA state slot; rows past the step's address the spare slot.
+        # Hybrid models: each row's KDA state slot; rows past the step's carry PAD_SLOT (no state).
         self.states = [c for c in kv_caches if isinstance(c, KDAState)]
-        self.pad_slot = add_padding_slot(self.states)  # None without KDA layers
-        self.slots = (torch.full((s,), self.pad_slot, dtype=torch.int64, device=device)
-                      if self.pad_slot is not None else None)  # [S]
-        self._pad_index = (torch.full((1,), self.pad_slot, dtype=torch.int64, device=device)
-                           if self.pad_slot is not None else None)
-        self.routing = RoutingRows(model, s, device)  # which rows the routing statistics count
+        self.slots = (torch.full((s,), PAD_SLOT, dtype=torch.int64, device=device)
+                      if self.states else None)  # [S]
+        # the step's real rows (1) and padding rows (0): which rows count routing and write a cache slot
+        self.routing = RoutingRows(model, s, device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.failed: dict[int, str] = {}  # bucket -> why its capture failed: its steps run direct calls
         self._pool = None  # memory pool shared by all buckets' graphs (largest captured first)
 
     def accepts(self, num_decodes: int, num_rows: int, has_prefills: bool, stateful: bool) -> bool:
@@ -129,28 +137,21 @@ class DecodeGraphRunner:
         pos = lens.long() - 1  # [b]: each decode writes its newest token
         rows = torch.arange(b, device=self.device)
         slots = tables[rows, pos // bs].long() * bs + pos % bs  # [b]
+        slots = torch.where(self.routing.rows[:b] > 0, slots, PAD_SLOT)  # padding rows write no cache slot
         return AttentionMetadata(positions=pos, slot_mapping=slots, block_size=bs, num_decode_tokens=b,
                                  decode_block_tables=tables, decode_context_lens=lens,
                                  decode_max_context_len=self.cfg.max_context_len,
                                  state_slots=None if self.slots is None else self.slots[:b])
 
     def _forward(self, b: int) -> torch.Tensor:
-        if self.states:
-            # The spare slot starts each step as a copy of row 0's state, so a padding row computes
-            # exactly what row 0 computes: its MLA layers then write row 0's cache slot with row 0's
-            # own latent (as in a model without KDA), while its KDA update lands in the spare slot.
-            row0 = self.slots[:1]
-            for st in self.states:
-                st.recurrent.index_copy_(0, self._pad_index, st.recurrent.index_select(0, row0))
-                st.conv.index_copy_(0, self._pad_index, st.conv.index_select(0, row0))
         with self.routing.installed():
             return self.model(self.ids[:b], self._metadata(b), self.kv_caches)
 
     def _fill(self, ids: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, state_slots: torch.Tensor | None,
               b: int) -> None:
         """Copy the step's device tensors ids [n], tables [n, W'] (W' <= W), lens [n] and state_slots [n]
-        (hybrid models) into the static buffers; pad rows n..b-1 with row 0 (the spare state slot for
-        KDA) and count the routing of rows 0..n-1 only."""
+        (hybrid models) into the static buffers; pad rows n..b-1 with row 0's inputs and PAD_SLOT for
+        their state, and mark rows 0..n-1 as the step's (routing counts, cache writes)."""
         n = ids.shape[0]
         if (state_slots is None) != (self.slots is None):
             raise ValueError("a decode graph step of a hybrid model needs its state slots, and only such a step "
@@ -158,7 +159,7 @@ class DecodeGraphRunner:
         if self.slots is not None:
             self.slots[:n].copy_(state_slots)
             if b > n:
-                self.slots[n:b].fill_(self.pad_slot)
+                self.slots[n:b].fill_(PAD_SLOT)
         self.routing.set(n)
         w = tables.shape[1]
         if w > self.cfg.max_blocks_per_seq:
@@ -183,29 +184,57 @@ class DecodeGraphRunner:
         if not self.cfg.capture:
             return self._forward(b)[:n]
         entry = self._graphs.get(b)
+        if entry is None and b not in self.failed:
+            # Not captured at start-up (``lazy_graph_capture``): captured now, on this step's own
+            # (already filled) inputs; the warm-ups write nothing and count nothing (``_parked``),
+            # the replay below then does.
+            entry = self._try_capture(n, b)
         if entry is None:
-            # Captured lazily, on this step's own (already filled) inputs: the warm-up runs write
-            # the same cache slots with the same values as the replay below, so nothing is lost;
-            # their KDA rows go to the spare slot and they count no routing (``_parked``).
-            try:
-                with self._parked(n, b):
-                    entry = self._capture(b)
-            except Exception as e:  # an op the graph cannot hold (a host sync, CPU-offloaded experts)
-                log.warning("decode graph capture failed (%s); running decode steps eagerly", e)
-                self.cfg = GraphConfig(self.cfg.max_num_seqs, self.cfg.max_blocks_per_seq,
-                                       self.cfg.block_size, capture=False)
-                return self._forward(b)[:n]
+            return self._forward(b)[:n]
         graph, out = entry
         graph.replay()
         return out[:n]
 
+    def capture_all(self) -> None:
+        """Capture every bucket not yet captured, largest first, on padding rows only (no cache or
+        state written, nothing counted). No-op without capture (CPU, emulated device). Every rank
+        of a tensor-parallel group calls this at the same point: the collectives inside pair up."""
+        if not self.cfg.capture:
+            return
+        self._fill_padding()
+        for b in sorted(self.buckets, reverse=True):
+            if b not in self._graphs and b not in self.failed:
+                self._try_capture(0, b)
+        log.info("decode graphs captured for batch buckets %s%s", sorted(self._graphs),
+                 f"; direct calls for {sorted(self.failed)}" if self.failed else "")
+
+    def _fill_padding(self) -> None:
+        """Static inputs of a step with no sequence: every row a padding row reading block 0."""
+        self.ids.zero_()
+        self.tables.zero_()
+        self.lens.fill_(1)
+        if self.slots is not None:
+            self.slots.fill_(PAD_SLOT)
+        self.routing.set(0)
+
+    def _try_capture(self, n: int, b: int):
+        """Capture bucket ``b`` (the step's ``n`` real rows parked meanwhile); on failure the bucket
+        is marked to run direct calls and None is returned."""
+        try:
+            with self._parked(n, b):
+                return self._capture(b)
+        except Exception as e:  # an op the graph cannot hold (a host sync, CPU-offloaded experts)
+            self.failed[b] = f"{type(e).__name__}: {e}"
+            log.warning("decode graph capture of batch bucket %d failed (%s); that bucket runs eagerly", b, e)
+            return None
+
     @contextmanager
     def _parked(self, n: int, b: int):
-        """Inside: every row's KDA slot is the spare one and no row counts routing (warm-ups run the
-        model for real); after, even if the capture failed, the step's own values are back."""
+        """Inside: every row is a padding row (no KDA slot, no cache slot, no routing count: warm-ups
+        run the model for real); after, even if the capture failed, the step's own values are back."""
         real = self.slots[:b].clone() if self.slots is not None else None
         if real is not None:
-            self.slots[:b].fill_(self.pad_slot)
+            self.slots[:b].fill_(PAD_SLOT)
         self.routing.set(0)
         try:
             yield

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from kimitui.engine.block_tables import DeviceTables, TableRows
 from kimitui.engine.graph_runner import DecodeGraphRunner, GraphConfig, default_decode_graphs
 from kimitui.engine.kv_cache.pool import copy_blocks
 from kimitui.engine.kv_cache.state import KDAState
@@ -60,7 +61,7 @@ class StepInputs:
 
     ids: list[int]
     num_decodes: int
-    decode_tables: list[list[int]]
+    decode_tables: list[list[int]]  # explicit tables; empty when the step uses ``decode_rows``
     decode_lens: list[int]
     prefills: list[tuple[int, int, int, list[int]]]  # (start row, end row, context_len, block_table)
     sample_rows: list[int]
@@ -78,6 +79,10 @@ class StepInputs:
     keep_all_rows: bool = False  # a model drafter reads every row's hidden state
     # Forks: (source, destination) block ids whose rows every paged layer copies after the forward pass
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Persistent decode tables (engine/block_tables.py), in place of ``decode_tables``: each decode
+    # row's table row, and the (row, first column, block ids) writes that bring the tables up to date first
+    decode_rows: list[int] = field(default_factory=list)
+    table_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -127,6 +132,9 @@ class ModelRunner:
         if max_num_seqs is not None and max_model_len is not None:
             # a decode that verifies k drafts takes 1 + k rows of the decode tables
             self.table_shape = (max_num_seqs * (1 + num_spec_tokens), -(-max_model_len // block_size))
+        # persistent decode tables: rank 0 tracks the rows, every rank keeps the tables on its device
+        self.table_rows = TableRows(*self.table_shape) if self.table_shape is not None else None
+        self.device_tables = DeviceTables(*self.table_shape, device) if self.table_shape is not None else None
         if decode_graphs is None:
             decode_graphs = default_decode_graphs(device)
         self.graphs = None
@@ -139,6 +147,8 @@ class ModelRunner:
     def release(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
         self._rollbacks.pop(seq_id, None)
+        if self.table_rows is not None:
+            self.table_rows.release(seq_id)
         if self.structured is not None:
             self.structured.release(seq_id)
 
@@ -164,6 +174,9 @@ class ModelRunner:
         inp = StepInputs([], 0, [], [], [], [])
         inp.keep_all_rows = self.keep_hidden
         verifying = any(s.spec_token_ids for s in order)
+        rows = self.table_rows
+        if rows is not None:
+            rows.begin_step()
         for s in order:
             seq = s.seq
             row = len(inp.ids)
@@ -173,7 +186,10 @@ class ModelRunner:
                 inp.ids.append(seq.token_id(s.start))
                 inp.ids.extend(s.spec_token_ids)
                 inp.num_decodes += n
-                inp.decode_tables.extend([list(table)] * n)
+                if rows is not None:
+                    inp.decode_rows.extend([rows.row(seq.seq_id, table, inp.table_writes)] * n)
+                else:
+                    inp.decode_tables.extend([list(table)] * n)
                 inp.decode_lens.extend(range(s.start + 1, s.end + 1))
                 inp.sample_rows.extend(range(row, row + n))
                 inp.spec_lens.append(n)
@@ -192,7 +208,10 @@ class ModelRunner:
                                                               seq.tokens_in_range(s.start + 1, last + 1), k, full))
             else:
                 inp.num_decodes += 1
-                inp.decode_tables.append(list(table))
+                if rows is not None:
+                    inp.decode_rows.append(rows.row(seq.seq_id, table, inp.table_writes))
+                else:
+                    inp.decode_tables.append(list(table))
                 inp.decode_lens.append(s.end)
                 if verifying:
                     inp.spec_lens.append(1)
@@ -283,11 +302,21 @@ class ModelRunner:
         the reference path gathers [D, bound] cache rows, so there the bound is work, not a launch
         shape."""
         buf = self.buffers
-        if self.table_shape is not None:
+        on_device = self.device.type != "cpu"
+        if inp.decode_rows:  # the persistent tables, brought up to date by this step's appended blocks
+            self.device_tables.apply(buf, inp.table_writes)
+            # on the CPU only the columns the longest context needs (the work follows the bound there)
+            width = (self.table_shape[1] if on_device
+                     else min(self.table_shape[1], -(-max(inp.decode_lens) // self.block_size)))
+            meta.decode_block_tables = self.device_tables.gather(buf, inp.decode_rows, width)
+            meta.decode_context_lens = buf.put("decode_lens", inp.decode_lens, torch.int32,
+                                               capacity=self.table_shape[0])
+            meta.decode_max_context_len = (self.table_shape[1] * self.block_size if on_device
+                                           else max(inp.decode_lens))
+        elif self.table_shape is not None:
             meta.decode_block_tables = buf.put_table("decode_tables", inp.decode_tables, self.table_shape)
             meta.decode_context_lens = buf.put("decode_lens", inp.decode_lens, torch.int32,
                                                capacity=self.table_shape[0])
-            on_device = self.device.type != "cpu"
             meta.decode_max_context_len = (self.table_shape[1] * self.block_size if on_device
                                            else max(inp.decode_lens))
         else:

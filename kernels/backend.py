@@ -26,6 +26,23 @@ from kimitui.kernels import reference
 from kimitui.kernels.settings import KernelSettings
 
 
+def written_rows(slots: torch.Tensor) -> torch.Tensor | None:
+    """The rows of ``slots`` [N] that name a real cache / state slot, or None when all do. A negative
+    slot (-1, vLLM's ``PAD_SLOT_ID``) is a decode graph's padding row, which writes nothing
+    (engine/graph_padding.py). The Triton kernels skip such rows themselves; the PyTorch and C++ CPU
+    paths drop them with this. A CPU tensor is read through numpy: no device, so no sync, and no op a
+    step's launch / sync count would see; on a device only the reference backend gets here (and syncs)."""
+    if slots.device.type == "cpu":
+        host = slots.numpy()
+        if not host.size or host.min() >= 0:
+            return None
+        return torch.from_numpy((host >= 0).nonzero()[0])
+    keep = slots >= 0
+    if bool(keep.all()):
+        return None
+    return keep.nonzero()[:, 0]
+
+
 class Backend:
     """The PyTorch reference for every operation (the oracle the other backends are tested against)."""
 
@@ -182,7 +199,12 @@ class Backend:
         r = norm_weight.shape[0]
         c_kv = self.rms_norm(kv[:, :r], norm_weight, eps)
         k_pe = kv[:, r:] if rope is None else rope(kv[:, None, r:], positions)[:, 0]
-        cache.index_copy_(0, slot_mapping, torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype))
+        rows = written_rows(slot_mapping)
+        new = torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype)
+        if rows is None:
+            cache.index_copy_(0, slot_mapping, new)
+        else:  # a decode graph's padding rows (slot -1) write nothing
+            cache.index_copy_(0, slot_mapping[rows], new[rows])
 
     def mla_cache_write_q_norm(self, q, q_norm_weight, q_eps, kv, norm_weight, eps, rope, positions, slot_mapping,
                                cache):
@@ -230,6 +252,13 @@ class Backend:
         ``norm_weight [D]``; both states updated in place. -> [N, P] in qkv.dtype (o_proj's input)"""
         kda = importlib.import_module("kimitui.kernels.kda")
         n, h, d = qkv.shape[0], A_log.shape[0], norm_weight.shape[0]
+        rows = written_rows(slots)
+        if rows is not None:  # a decode graph's padding rows (slot -1): zeros, no state read or written
+            out = qkv.new_zeros(n, h * d)
+            if rows.numel():
+                out[rows] = self.kda_decode(qkv[rows], f_b[rows], b[rows], gate[rows], conv_weight, A_log, dt_bias,
+                                            lower_bound, norm_weight, eps, conv_state, rec_state, slots[rows], scale)
+            return out
         g = kda.kda_gate((f_b.float() + dt_bias).view(n, h, d), A_log, lower_bound)
         beta = torch.sigmoid(b.float())
         y, hist = self.causal_conv1d(qkv, conv_weight, conv_state.index_select(0, slots))

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kimitui.kernels import cpu_few_rows, cpu_linear, cpu_moe, cpu_quant_moe, reference
-from kimitui.kernels.backend import Backend, count_routing
+from kimitui.kernels.backend import Backend, count_routing, written_rows
 from kimitui.kernels.settings import KernelSettings
 
 _F32 = torch.float32
@@ -223,6 +223,14 @@ class CpuBackend(Backend):
 
     def mla_decode_absorbed(self, q, kv, kv_norm_weight, eps, cos, sin, positions, slots, w_uk, w_uv, cache,
                             block_tables, context_lens, block_size, scale):
+        rows = written_rows(slots)
+        if rows is not None:  # a decode graph's padding rows (slot -1): zeros, no cache slot written
+            out = q.new_zeros(q.shape[0], w_uv.shape[0], w_uv.shape[1])
+            if rows.numel():
+                out[rows] = self.mla_decode_absorbed(q[rows], kv[rows], kv_norm_weight, eps, cos, sin, positions[rows],
+                                                     slots[rows], w_uk, w_uv, cache, block_tables[rows],
+                                                     context_lens[rows], block_size, scale)
+            return out
         return cpu_few_rows.mla_decode_absorbed(q, kv, kv_norm_weight, eps, cos, sin, positions, slots, w_uk, w_uv,
                                                 cache, block_tables, context_lens, block_size, scale)
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kimitui.kernels import cpu_few_rows
+from kimitui.kernels.backend import written_rows
 
 _ABSENT = torch.empty(0)  # an absent weight, for the C++ side (never written)
 DTYPES = (torch.float32, torch.bfloat16)  # the dtypes of the matrices (and activations) the blocks take
@@ -184,7 +185,17 @@ class FusedDecoderLayer:
                 and x.dtype in DTYPES and meta.decodes_only(x.shape[0]))
 
     def attention(self, x: torch.Tensor, meta, cache: torch.Tensor) -> torch.Tensor:
-        """``x + o_proj(MLA(norm(x)))``; cache [num_blocks, block_size, r + rope]."""
+        """``x + o_proj(MLA(norm(x)))``; cache [num_blocks, block_size, r + rope]. A decode graph's
+        padding rows (slot -1) keep ``x`` and write no cache slot."""
+        rows = written_rows(meta.slot_mapping)
+        if rows is not None:
+            out = x.clone()
+            if rows.numel():
+                out[rows] = cpu_few_rows.attention_block(
+                    x[rows], meta.positions[rows], meta.slot_mapping[rows], cache.view(-1, cache.shape[-1]),
+                    meta.decode_block_tables[rows], meta.decode_context_lens[rows], meta.block_size,
+                    self.attention_weights)
+            return out
         return cpu_few_rows.attention_block(x, meta.positions, meta.slot_mapping, cache.view(-1, cache.shape[-1]),
                                             meta.decode_block_tables, meta.decode_context_lens, meta.block_size,
                                             self.attention_weights)

@@ -83,6 +83,7 @@ class WorkerSpec:
     threads_per_rank: int
     dist_timeout_s: float | None = None  # None: KIMITUI_DIST_TIMEOUT_S as rank 0 reads it (WorkerGroup sets it)
     decode_graphs: bool | None = False  # rank 0's ModelRunner argument: every rank must take the same path
+    capture_graphs: bool = True  # capture every decode graph bucket after ready, as rank 0 does
 
 
 def free_port() -> int:
@@ -147,6 +148,8 @@ def _worker_main(rank: int, spec: WorkerSpec, heartbeat, work) -> None:
                              max_model_len=spec.max_model_len, decode_graphs=spec.decode_graphs,
                              num_spec_tokens=num_spec_tokens, spec_scratch_base=pool.spec_scratch_base)
         par.all_reduce(torch.zeros(1, device=device))  # ready (WorkerGroup.wait_ready)
+        if runner.graphs is not None and spec.capture_graphs:
+            runner.graphs.capture_all()  # rank 0 captures right after creating its runner: same order
         while True:
             try:
                 inputs = next_message(work)

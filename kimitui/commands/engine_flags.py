@@ -56,6 +56,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = Fals
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA/HIP graph capture of decode steps (run every step eagerly)")
+    g.add_argument("--lazy-graph-capture", action="store_true",
+                   help="capture each decode graph batch bucket on its first step instead of at start-up")
     g.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N", help="cap the KV cache at N tokens")
     g.add_argument("--routing-stats", default=None, metavar="FILE",
                    help="tokens per expert per layer from an earlier run (JSON): hottest experts stay on the GPUs")
@@ -85,6 +87,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         kv_cache_tokens=args.kv_cache_tokens,
         routing_stats=args.routing_stats,
         enforce_eager=args.enforce_eager,
+        lazy_graph_capture=getattr(args, "lazy_graph_capture", False),
         numa=args.numa,
         speculative_config=getattr(args, "speculative_config", None),
         state_snapshot_interval=getattr(args, "state_snapshot_interval", 512),

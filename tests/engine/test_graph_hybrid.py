@@ -2,11 +2,11 @@
 static-buffer path a CPU runs in place of the captured graph (engine/graph_runner.py,
 engine/graph_padding.py): the same tokens, KDA states and routing counts as the eager step.
 
-A padded bucket is the case that matters: rows past the step's repeat row 0, and on a GPU a padding
-row that named row 0's KDA slot would race with it, so padding rows must address the spare slot and
-leave every real slot as the eager step leaves it; and they are not tokens, so they must not count.
-Capture warm-ups (which run the model for real, twice, before a bucket is captured) are checked the
-same way through ``DecodeGraphRunner._parked``, the context the capture runs in.
+A padded bucket is the case that matters: rows past the step's repeat row 0's inputs but carry slot
+-1 for their KDA state and their MLA cache slot, so they write nothing and leave every cache as the
+eager step leaves it; and they are not tokens, so they must not count. Capture warm-ups (which run
+the model for real, twice, before a bucket is captured) are checked the same way through
+``DecodeGraphRunner._parked``, the context the capture runs in: they write nothing at all.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_hybrid_decode_step_on_static_buffers_matches_eager(k3):
     _, eager, graphed = k3
     g = graphed.graphs
     states = [c for c in eager.kv_caches if isinstance(c, KDAState)]
-    assert g.pad_slot == MAX_SEQS and all(s.num_slots == MAX_SEQS + 1 for s in states)  # the spare slot
+    assert all(s.num_slots == MAX_SEQS for s in states)  # no spare slot: padding rows have none
     assert g.accepts(3, 3, has_prefills=False, stateful=True)  # KDA slots no longer force eager
     torch.manual_seed(0)
     for s in states:  # sequences mid-way: every slot holds some state
@@ -81,16 +81,11 @@ def test_hybrid_decode_step_on_static_buffers_matches_eager(k3):
     _restore(eager, before)
     counts1 = _counts(eager.model)
     got, _ = graphed.forward_step(_step())
-    assert g.slots[:4].tolist() == [2, 5, 1, MAX_SEQS] and g.ids[:4].tolist() == [11, 12, 13, 11]
+    assert g.slots[:4].tolist() == [2, 5, 1, -1] and g.ids[:4].tolist() == [11, 12, 13, 11]
+    assert g._metadata(4).slot_mapping[3].item() == -1  # the padding row writes no cache slot
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    got_state = _snapshot(graphed)
-    for i, (a, b) in enumerate(zip(got_state, want_state)):
-        if a.dim() == 4 or (a.dim() == 3 and a.shape[0] == MAX_SEQS + 1):  # a KDA state: real slots only
-            torch.testing.assert_close(a[:MAX_SEQS], b[:MAX_SEQS], rtol=1e-5, atol=1e-5, msg=f"cache {i}")
-        else:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"cache {i}")
-    # the padding row moved the spare slot, nothing else
-    assert any((a[MAX_SEQS] != b[MAX_SEQS]).any() for a, b in zip(got_state, before) if a.shape[0] == MAX_SEQS + 1)
+    for i, (a, b) in enumerate(zip(_snapshot(graphed), want_state)):  # every slot and latent as eager
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"cache {i}")
     got_counts = [c - c1 for c, c1 in zip(_counts(eager.model), counts1)]
     k = eager.model.config.num_experts_per_tok
     assert got_counts and all(int(c.sum()) == 3 * k for c in got_counts)  # 3 tokens, not the bucket's 4
@@ -100,7 +95,7 @@ def test_hybrid_decode_step_on_static_buffers_matches_eager(k3):
 def test_capture_warmups_touch_no_real_slot_and_count_nothing(k3):
     # What a capture does before recording a bucket: two real forward passes inside ``_parked``,
     # then the replay (here: the same forward pass, direct). Together they must leave what the
-    # step alone leaves: real KDA slots, MLA latents (the warm-ups' are rewritten) and counts.
+    # step alone leaves: KDA slots, MLA latents and counts (the warm-ups write and count nothing).
     _, eager, graphed = k3
     g = graphed.graphs
     before, counts0 = _snapshot(graphed), _counts(eager.model)
@@ -110,19 +105,16 @@ def test_capture_warmups_touch_no_real_slot_and_count_nothing(k3):
     counts1 = _counts(eager.model)
     with torch.inference_mode():  # as in run(), which captures
         with g._parked(3, 4):
-            assert g.slots[:4].tolist() == [MAX_SEQS] * 4 and int(g.routing.rows.sum()) == 0
+            assert g.slots[:4].tolist() == [-1] * 4 and int(g.routing.rows.sum()) == 0
             for _ in range(2):
                 g._forward(4)
-        for a, b in zip(_snapshot(graphed), before):
-            if a.shape[0] == MAX_SEQS + 1:
-                assert torch.equal(a[:MAX_SEQS], b[:MAX_SEQS])  # real KDA slots untouched by warm-ups
+        assert all(torch.equal(a, b) for a, b in zip(_snapshot(graphed), before))  # warm-ups wrote nothing
         assert all(torch.equal(a, b) for a, b in zip(_counts(eager.model), counts1))  # warm-ups count nothing
-        assert g.slots[:4].tolist() == [2, 5, 1, MAX_SEQS] and g.routing.rows[:5].tolist() == [1, 1, 1, 0, 0]
+        assert g.slots[:4].tolist() == [2, 5, 1, -1] and g.routing.rows[:5].tolist() == [1, 1, 1, 0, 0]
         got = graphed.model.compute_logits(g._forward(4)[:3])  # the replay
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(_snapshot(graphed), want_state):
-        n = MAX_SEQS if a.shape[0] == MAX_SEQS + 1 else a.shape[0]
-        torch.testing.assert_close(a[:n], b[:n], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert all(torch.equal(c - c1, w) for c, c1, w in zip(_counts(eager.model), counts1, want_counts))
     assert all(m.count_rows is None for m in g.routing.experts)  # eager steps count every row again
 

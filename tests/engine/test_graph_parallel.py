@@ -4,7 +4,7 @@ inputs, give the eager two-rank answer for Kimi K3 (KDA + MLA, heads and experts
 
 Every rank pads to the same bucket, so the collectives inside the step (o_proj all-reduces, the
 latent MoE's reduction, the LM head's gather) pair up with the same sizes; three sequences run in
-bucket 4 with one padding row on the spare KDA slot.
+bucket 4 with one padding row, which has no KDA slot (-1).
 """
 
 from __future__ import annotations
@@ -101,4 +101,4 @@ def test_two_rank_static_decode_path_matches_eager(tmp_path):
     assert got_tokens == want_tokens
     for a, b in zip(got_logits, want_logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    assert r["graph_slots"] == [0, 1, 2, 4]  # the last step: three slots, then the spare one (slot 4)
+    assert r["graph_slots"] == [0, 1, 2, -1]  # the last step: three slots, then the padding row's none

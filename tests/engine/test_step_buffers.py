@@ -35,10 +35,12 @@ def test_engine_steps_reuse_their_input_buffers(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}], params)
     buf = llm.engine.runner.buffers
-    ptrs = {name: buf.data_ptr(name) for name in ("ids", "decode_tables", "decode_lens", "sample_rows")}
+    ptrs = {name: buf.data_ptr(name) for name in ("ids", "table_rows", "table_writes", "decode_lens", "sample_rows")}
+    tables = llm.engine.runner.device_tables.table.data_ptr()  # the persistent decode tables (engine/block_tables.py)
     out = llm.generate([{"prompt_token_ids": [11, 12, 13]}, {"prompt_token_ids": [14]}], params)
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
     assert {name: buf.data_ptr(name) for name in ptrs} == ptrs
+    assert llm.engine.runner.device_tables.table.data_ptr() == tables
 
 
 def test_put_table_fills_one_fixed_capacity_buffer_in_place():
@@ -63,4 +65,4 @@ def test_engine_decode_tables_have_the_fixed_capacity(tmp_path):
     runner = llm.engine.runner
     assert runner.table_shape == (3, 7)  # ceil(100 / 16) blocks per sequence
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    assert runner.buffers.capacity("decode_tables") == 3 * 7
+    assert runner.device_tables.table.shape == (3, 7)  # the persistent tables: one row per sequence
