@@ -14,6 +14,7 @@ as vLLM's V0 engine read it), so a recipe's JSON pastes unchanged:
 - ``eagle_aux_hidden_state_layer_ids``: the target layers an EAGLE-3 drafter reads, overriding its
   config; ``eagle_aux_hidden_state_layer_convention`` (ours): ``input`` (id k = the hidden state
   entering layer k, vLLM's reading) or ``output`` (id k = layer k's output, SGLang's and DSpark's).
+- ``max_model_len``: the drafter's longest context; a sequence longer than that decodes without drafts.
 - ``kv_cache_dtype`` / ``draft_kv_cache_dtype``: the drafter's KV cache dtype (``auto``: the model's).
 - ``enforce_eager``, ``disable_padded_drafter_batch``: accepted (performance knobs of vLLM's CUDA
   graphs and padding that the drafter here has no use for); ``quantization``, ``revision``,
@@ -63,6 +64,7 @@ class SpeculativeConfig:
     draft_sample_method: str = "greedy"
     rejection_sample_method: str = "standard"
     disable_by_batch_size: int | None = None
+    max_model_len: int | None = None
     eagle_aux_hidden_state_layer_ids: tuple[int, ...] | None = None
     eagle_aux_hidden_state_layer_convention: str | None = None  # None: the drafter config's, else "input"
     kv_cache_dtype: str = "auto"
@@ -102,6 +104,8 @@ class SpeculativeConfig:
                                                        or self.disable_by_batch_size < 1):
             raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1, "
                              f"got {self.disable_by_batch_size!r}")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
+            raise ValueError(f"speculative_config: max_model_len must be an integer >= 1, got {self.max_model_len!r}")
         self._check_aux_keys(set_)
         if self.draft_kv_cache_dtype is not None:
             _choice("draft_kv_cache_dtype", self.draft_kv_cache_dtype, KV_CACHE_DTYPES)

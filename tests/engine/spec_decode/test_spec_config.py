@@ -15,7 +15,7 @@ RECIPES = (
     '{"method": "eagle3", "model": "/m/d", "num_speculative_tokens": 5, "draft_sample_method": "greedy", '
     '"rejection_sample_method": "standard", "disable_by_batch_size": 8, "enforce_eager": true, '
     '"eagle_aux_hidden_state_layer_ids": [1, 29, 57], "draft_kv_cache_dtype": "auto", '
-    '"disable_padded_drafter_batch": false, "quantization": null}',
+    '"disable_padded_drafter_batch": false, "quantization": null, "max_model_len": 8192}',
 )
 
 
@@ -28,7 +28,7 @@ def test_vllm_recipes_parse_with_vllm_meaning(text):
 
 def test_values_land_where_they_mean_something():
     c = SpeculativeConfig.parse(RECIPES[1])
-    assert c.disable_by_batch_size == 8
+    assert c.disable_by_batch_size == 8 and c.max_model_len == 8192
     assert c.eagle_aux_hidden_state_layer_ids == (1, 29, 57)
     assert c.kv_cache_dtype == "auto"
     c = SpeculativeConfig.parse({"method": "eagle3", "model": "d", "num_speculative_tokens": 2,
@@ -64,6 +64,7 @@ def test_values_land_where_they_mean_something():
     ({"method": "eagle3", "model": "d", "num_speculative_tokens": 3, "kv_cache_dtype": "float16",
       "draft_kv_cache_dtype": "float32"}, "disagree"),
     ({"method": "ngram", "num_speculative_tokens": 3, "quantization": "fp8"}, "quantization 'fp8': supported null"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "max_model_len": -1}, "max_model_len must be an integer"),
     ({"method": "ngram", "num_speculative_tokens": 3, "backoff": "no"}, "backoff must be true or false"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer in 1..64"),
     ({"method": "ngram", "num_speculative_tokens": 3, "draft_sample": "greedy"}, "unknown key 'draft_sample'"),
