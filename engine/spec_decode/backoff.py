@@ -1,0 +1,91 @@
+"""Back-off: how many drafts each request gets next, from how its recent drafts fared.
+
+Verifying ``k`` drafts runs ``1 + k`` rows through the target; when they are rejected the step
+still costs those rows (29% at batch 1 and 72% at batch 16 for an always-wrong proposer on the CPU,
+benchmarks/README.md). So each request keeps a draft length that follows its acceptance:
+
+- all drafts accepted: the length grows by one (up to ``num_speculative_tokens``);
+- some rejected: it becomes what was accepted plus one (a prefix that holds is likely to hold again);
+- none accepted at length one: drafting stops for that request, and it is probed again (one draft)
+  after 1, 2, 4 ... up to ``MAX_WAIT`` decode steps while probes keep failing, so a drafter that
+  never helps costs one verified row per ``MAX_WAIT`` steps, and one that starts helping is back
+  within that many steps.
+
+Independently, a step whose batch holds more than ``disable_by_batch_size`` sequences drafts nothing
+(vLLM's meaning of the key), and a sequence longer than ``speculative_config``'s ``max_model_len``
+drafts nothing. ``backoff: false`` keeps the full length always (the two limits still apply).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_WAIT = 32
+
+
+@dataclass
+class _State:
+    length: int
+    wait: int = 0  # decode steps to skip before the next probe
+    next_wait: int = 1
+
+
+class DraftBackoff:
+    def __init__(self, num_speculative_tokens: int, enabled: bool = True, disable_by_batch_size: int | None = None,
+                 max_model_len: int | None = None):
+        self.k = num_speculative_tokens
+        self.enabled = enabled
+        self.disable_by_batch_size = disable_by_batch_size
+        self.max_model_len = max_model_len
+        self._state: dict[str, _State] = {}
+
+    @classmethod
+    def from_config(cls, config) -> DraftBackoff:
+        return cls(config.num_speculative_tokens, config.backoff, config.disable_by_batch_size, config.max_model_len)
+
+    def budgets(self, seqs, caps: list[int]) -> list[int]:
+        """Drafts each of ``seqs`` (all decoding next step) may get, at most ``caps[i]``."""
+        if self.disable_by_batch_size is not None and len(seqs) > self.disable_by_batch_size:
+            return [0] * len(seqs)
+        out = []
+        for seq, cap in zip(seqs, caps):
+            if self.max_model_len is not None and seq.num_tokens > self.max_model_len:
+                out.append(0)
+                continue
+            out.append(min(cap, self._length(seq.seq_id)) if self.enabled else cap)
+        return out
+
+    def _length(self, seq_id: str) -> int:
+        s = self._state.get(seq_id)
+        if s is None:
+            return self.k
+        if s.length > 0:
+            return s.length
+        if s.wait > 0:
+            s.wait -= 1
+            return 0
+        return 1  # the probe
+
+    def observe(self, seq_id: str, drafted: int, accepted: int) -> None:
+        """A verified decode of ``seq_id``: ``accepted`` of its ``drafted`` drafts held."""
+        if not self.enabled or drafted < 1:
+            return
+        s = self._state.setdefault(seq_id, _State(self.k))
+        if accepted >= drafted:
+            s.length, s.next_wait = min(self.k, drafted + 1), 1
+        elif accepted > 0:
+            s.length, s.next_wait = min(self.k, accepted + 1), 1
+        elif drafted > 1:
+            s.length = 1
+        else:  # a single draft rejected: stop, probe later, later each time it fails
+            s.length, s.wait = 0, s.next_wait
+            s.next_wait = min(MAX_WAIT, 2 * s.next_wait)
+
+    def observe_step(self, scheduled, sampled) -> None:
+        """The step's verified decodes (as ``SpecDecodeStats.observe_step`` reads them)."""
+        for item, out in zip(scheduled, sampled):
+            if item.spec_token_ids and isinstance(out, list):
+                self.observe(item.seq.seq_id, len(item.spec_token_ids), len(out) - 1)
+
+    def finish(self, seq_id: str) -> None:
+        self._state.pop(seq_id, None)
