@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kimitui.engine.spec_decode.backoff import MAX_WAIT, DraftBackoff
+from kimitui.engine.spec_decode.backoff import MAX_WAIT, PRIOR_MIN, PRIOR_WAIT, DraftBackoff
 
 
 def _seq(sid="a", n=10):
@@ -32,6 +32,13 @@ def test_length_follows_acceptance_down_to_zero_and_probes_back():
         gaps.append(gap)
         b.observe("a", 1, 0)
     assert gaps == [1, 2, 4, 8, 16, 32, 32, 32] and MAX_WAIT == 32
+    for _ in range(12):
+        b.observe("x", 2, 0)  # another request's drafts fail too
+    assert b.recent < PRIOR_MIN  # nearly every recent draft failed: a new request starts without
+    gap = 0
+    while b.budgets([_seq("b")], [4]) == [0]:
+        gap += 1
+    assert gap == PRIOR_WAIT
     assert b.budgets([s], [4]) == [0]
     for _ in range(MAX_WAIT):
         b.budgets([s], [4])
@@ -39,7 +46,18 @@ def test_length_follows_acceptance_down_to_zero_and_probes_back():
     assert b.budgets([s], [4]) == [2]
     assert b.budgets([s], [1]) == [1]  # never more than the cap
     b.finish("a")
-    assert b.budgets([s], [4]) == [4]
+    assert "a" not in b._state
+
+
+def test_new_requests_start_from_recent_acceptance():
+    b = DraftBackoff(4)
+    assert b.budgets([_seq("a")], [4]) == [4]  # nothing seen yet: the full length
+    for _ in range(30):
+        b.observe("a", 4, 4)
+    assert b.budgets([_seq("b")], [4]) == [4]
+    for _ in range(14):
+        b.observe("a", 4, 1)  # a quarter held lately
+    assert 0.25 < b.recent < 0.5 and b.budgets([_seq("c")], [4]) == [round(2 * b.recent * 4)]
 
 
 def test_disable_by_batch_size_max_model_len_and_off():
