@@ -144,3 +144,32 @@ def test_engine_greedy_output_unchanged_with_an_mla_drafter(tmp_path, v31):
     assert llm.engine.proposer.drafter.config.mla is not None
     assert llm.engine.model.model.aux_layers == (0, 1, 3)
     assert llm.engine.stats().spec_decode.num_draft_tokens > 0
+
+
+def test_plan_counts_a_k26_shaped_mla_drafter(tmp_path, capsys):
+    """`kimitui plan` with a config shaped like lightseekorg/kimi-k2.6-eagle3-mla's (full vocabulary,
+    the target's MLA shape): its weights on GPU 0 and its latent KV per token."""
+    import json
+
+    from tests.kimitui.test_plan_cmd import CONFIGS, run_plan
+
+    k26 = str(CONFIGS / "kimi_k26.json")
+    target = json.loads((CONFIGS / "kimi_k26.json").read_text())
+    target = target.get("text_config", target)
+    drafter = tmp_path / "mla"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({
+        "architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+        "intermediate_size": 18432, "num_attention_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 163840,
+        "rope_scaling": target.get("rope_scaling"), "torch_dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}))
+    assert run_plan(["--config", k26, "--gpus", "6", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
+    assert run_plan(["--config", k26, "--gpus", "6", "--json", "--speculative-config", spec]) in (0, 1)
+    with_d = json.loads(capsys.readouterr().out)
+    w0 = with_d["devices"][0]["weight_bytes"] - plain["devices"][0]["weight_bytes"]
+    # fc 3 x 7168^2, the MLA layer (~117M), the MLP (396M) and a 163840-row lm_head: ~1.84e9 bf16 values
+    assert 3.3e9 < w0 < 4.1e9, w0
+    assert with_d["devices"][1]["weight_bytes"] == plain["devices"][1]["weight_bytes"]
