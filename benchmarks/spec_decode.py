@@ -162,9 +162,13 @@ class WrongDrafts:
         pass
 
 
-def run_point(llm, proposer, batch_prompts, tokens: int):
+def run_point(llm, proposer, batch_prompts, tokens: int, backoff=None):
+    """``backoff``: the proposer's own DraftBackoff (each proposer as if in its own engine, its
+    recent acceptance kept across repeats as a long-running server keeps it)."""
     eng = llm.engine
     eng.proposer = proposer
+    if backoff is not None:
+        eng.backoff = backoff
     before = eng.spec_stats.copy()
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in batch_prompts], params)
@@ -215,6 +219,9 @@ def main() -> int:
                     names = ["none"] + args.proposers.split(",")
                     best = {n: 0.0 for n in names}
                     stats, tokens = {}, {}
+                    from kimitui.engine.spec_decode.backoff import DraftBackoff
+
+                    backoffs = {n: DraftBackoff.from_config(llm.engine.speculative) for n in names}
                     for _ in range(args.repeats):
                         for name in names:
                             if name == "none":
@@ -226,7 +233,7 @@ def main() -> int:
                                     {**spec, "method": name} if name != "suffix" else
                                     {"method": "suffix", "num_speculative_tokens": args.k,
                                      "backoff": args.backoff == "on"}))
-                            rate, st, toks = run_point(llm, proposer, ps, args.tokens)
+                            rate, st, toks = run_point(llm, proposer, ps, args.tokens, backoffs[name])
                             best[name] = max(best[name], rate)
                             stats[name], tokens[name] = st, toks
                     for name in names:

@@ -15,7 +15,9 @@ A new request starts from what recent requests saw (an exponential average of th
 drafts accepted, over all requests): the full length while that is high, a shorter one as it drops,
 and below ``PRIOR_MIN`` no drafts and a first probe after ``PRIOR_WAIT`` steps. Without this every
 request would pay the full-length first guesses again, which at batch 16 is most of the cost of a
-drafter that never helps (16 x (1 + k) rows in its first step).
+drafter that never helps (16 x (1 + k) rows in its first step). While recent acceptance is that low,
+a rejection stops a request at once (no length-one step first) and at most one request probes per
+step: a batch of 16 then pays one extra row in a step, not sixteen.
 
 Independently, a step whose batch holds more than ``disable_by_batch_size`` sequences drafts nothing
 (vLLM's meaning of the key), and a sequence longer than ``speculative_config``'s ``max_model_len``
@@ -47,6 +49,7 @@ class DraftBackoff:
         self.disable_by_batch_size = disable_by_batch_size
         self.max_model_len = max_model_len
         self._state: dict[str, _State] = {}
+        self._probes = 0  # probes still allowed in the step being budgeted
         self.recent = 1.0  # the exponential average of accepted / drafted over verified decodes
 
     @classmethod
@@ -58,6 +61,7 @@ class DraftBackoff:
         if self.disable_by_batch_size is not None and len(seqs) > self.disable_by_batch_size:
             return [0] * len(seqs)
         out = []
+        self._probes = 1 if self.recent < PRIOR_MIN else len(seqs)
         for seq, cap in zip(seqs, caps):
             if self.max_model_len is not None and seq.num_tokens > self.max_model_len:
                 out.append(0)
@@ -74,6 +78,9 @@ class DraftBackoff:
         if s.wait > 0:
             s.wait -= 1
             return 0
+        if self._probes < 1:
+            return 0  # another request probes this step; this one stays due
+        self._probes -= 1
         return 1  # the probe
 
     def _new_state(self) -> _State:
@@ -91,7 +98,7 @@ class DraftBackoff:
             s.length, s.next_wait = min(self.k, drafted + 1), 1
         elif accepted > 0:
             s.length, s.next_wait = min(self.k, accepted + 1), 1
-        elif drafted > 1:
+        elif drafted > 1 and self.recent >= PRIOR_MIN:
             s.length = 1
         else:  # a single draft rejected: stop, probe later, later each time it fails
             s.length, s.wait = 0, s.next_wait

@@ -105,3 +105,16 @@ def test_engine_always_wrong_proposer_backs_off_and_output_is_unchanged(tmp_path
         else:
             assert drafted >= 2 * 50 * 4 * 0.9, drafted
         assert accepted <= drafted // 10
+
+
+def test_while_acceptance_is_low_one_request_probes_per_step():
+    b = DraftBackoff(4)
+    for _ in range(40):
+        b.observe("old", 2, 0)
+    assert b.recent < PRIOR_MIN
+    seqs = [_seq(f"s{i}") for i in range(4)]
+    steps = [b.budgets(seqs, [4] * 4) for _ in range(PRIOR_WAIT + 4)]
+    assert all(sum(s) <= 1 for s in steps)  # never more than one probe row in a step
+    assert sum(map(sum, steps)) == 4  # each request probed once, in turn, once its wait was over
+    b.observe("s0", 1, 1)  # a probe that holds: that request drafts again
+    assert b.budgets([seqs[0]], [4]) == [2]
