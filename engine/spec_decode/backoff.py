@@ -16,8 +16,10 @@ drafts accepted, over all requests): the full length while that is high, a short
 and below ``PRIOR_MIN`` no drafts and a first probe after ``PRIOR_WAIT`` steps. Without this every
 request would pay the full-length first guesses again, which at batch 16 is most of the cost of a
 drafter that never helps (16 x (1 + k) rows in its first step). While recent acceptance is that low,
-a rejection stops a request at once (no length-one step first) and at most one request probes per
-step: a batch of 16 then pays one extra row in a step, not sixteen.
+a rejection stops a request at once (no length-one step first) and probes are rationed over the
+whole batch: one request probes, then none for 1, 2, 4 ... ``MAX_WAIT`` steps while probes fail. A
+batch of 16 then pays one extra row now and then, not sixteen in most steps (which matters beyond
+the rows themselves: on the CPU a step of 17 rows leaves the few-row kernels, kernels/cpu_few_rows.py).
 
 Independently, a step whose batch holds more than ``disable_by_batch_size`` sequences drafts nothing
 (vLLM's meaning of the key), and a sequence longer than ``speculative_config``'s ``max_model_len``
@@ -50,6 +52,7 @@ class DraftBackoff:
         self.max_model_len = max_model_len
         self._state: dict[str, _State] = {}
         self._probes = 0  # probes still allowed in the step being budgeted
+        self._gate_wait, self._gate_next = 0, 1  # the batch-wide probe ration while acceptance is low
         self.recent = 1.0  # the exponential average of accepted / drafted over verified decodes
 
     @classmethod
@@ -61,7 +64,10 @@ class DraftBackoff:
         if self.disable_by_batch_size is not None and len(seqs) > self.disable_by_batch_size:
             return [0] * len(seqs)
         out = []
-        self._probes = 1 if self.recent < PRIOR_MIN else len(seqs)
+        self._probes = len(seqs)
+        if self.recent < PRIOR_MIN:
+            self._probes = 1 if self._gate_wait == 0 else 0
+            self._gate_wait = max(0, self._gate_wait - 1)
         for seq, cap in zip(seqs, caps):
             if self.max_model_len is not None and seq.num_tokens > self.max_model_len:
                 out.append(0)
@@ -81,6 +87,8 @@ class DraftBackoff:
         if self._probes < 1:
             return 0  # another request probes this step; this one stays due
         self._probes -= 1
+        if self.recent < PRIOR_MIN:
+            self._gate_wait, self._gate_next = self._gate_next, min(MAX_WAIT, 2 * self._gate_next)
         return 1  # the probe
 
     def _new_state(self) -> _State:
@@ -93,6 +101,8 @@ class DraftBackoff:
         if not self.enabled or drafted < 1:
             return
         self.recent += _ALPHA * (min(accepted, drafted) / drafted - self.recent)
+        if accepted > 0:
+            self._gate_wait, self._gate_next = 0, 1
         s = self._state.setdefault(seq_id, _State(self.k))
         if accepted >= drafted:
             s.length, s.next_wait = min(self.k, drafted + 1), 1

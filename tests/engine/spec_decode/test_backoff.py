@@ -107,14 +107,23 @@ def test_engine_always_wrong_proposer_backs_off_and_output_is_unchanged(tmp_path
         assert accepted <= drafted // 10
 
 
-def test_while_acceptance_is_low_one_request_probes_per_step():
+def test_while_acceptance_is_low_probes_are_rationed_over_the_batch():
     b = DraftBackoff(4)
     for _ in range(40):
         b.observe("old", 2, 0)
     assert b.recent < PRIOR_MIN
     seqs = [_seq(f"s{i}") for i in range(4)]
-    steps = [b.budgets(seqs, [4] * 4) for _ in range(PRIOR_WAIT + 4)]
+    steps = []
+    for _ in range(40):
+        budget = b.budgets(seqs, [4] * 4)
+        steps.append(budget)
+        for sq, k in zip(seqs, budget):
+            if k:
+                b.observe(sq.seq_id, k, 0)
     assert all(sum(s) <= 1 for s in steps)  # never more than one probe row in a step
-    assert sum(map(sum, steps)) == 4  # each request probed once, in turn, once its wait was over
+    probe_steps = [i for i, s in enumerate(steps) if sum(s)]
+    gaps = [b2 - a for a, b2 in zip(probe_steps, probe_steps[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 8, gaps  # further apart while they fail
+    assert len({steps[i].index(1) for i in probe_steps}) > 1  # not always the same request
     b.observe("s0", 1, 1)  # a probe that holds: that request drafts again
     assert b.budgets([seqs[0]], [4]) == [2]
