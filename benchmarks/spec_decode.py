@@ -27,7 +27,10 @@ baseline runs it with the proposer removed, which is the plain decode path.
 
     python benchmarks/spec_decode.py [--models successor,random,moe] [--batches 1,4,16] [--k 4]
         [--hidden 1024] [--inter 4096] [--layers 8] [--vocab 4096] [--tokens 64] [--repeats 2]
-        [--threads 2] [--json FILE] [--keep DIR]
+        [--threads 2] [--backoff on|off] [--json FILE] [--keep DIR]
+
+``--backoff off`` drafts the full length every step (``speculative_config`` ``"backoff": false``);
+on (the default) each request's draft length follows its recent acceptance (engine/spec_decode/backoff.py).
 """
 
 from __future__ import annotations
@@ -159,9 +162,13 @@ class WrongDrafts:
         pass
 
 
-def run_point(llm, proposer, batch_prompts, tokens: int):
+def run_point(llm, proposer, batch_prompts, tokens: int, backoff=None):
+    """``backoff``: the proposer's own DraftBackoff (each proposer as if in its own engine, its
+    recent acceptance kept across repeats as a long-running server keeps it)."""
     eng = llm.engine
     eng.proposer = proposer
+    if backoff is not None:
+        eng.backoff = backoff
     before = eng.spec_stats.copy()
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in batch_prompts], params)
@@ -178,6 +185,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--proposers", default="ngram,suffix,wrong",
                     help="ngram, suffix, and wrong (random drafts: the cost of verification that always fails)")
+    ap.add_argument("--backoff", choices=("on", "off"), default="on",
+                    help="the engine's per-request draft-length back-off (default on, as the engine)")
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--keep", help="write (or reuse) the checkpoints under this directory")
     args = ap.parse_args()
@@ -197,7 +206,7 @@ def main() -> int:
                 succ = write_checkpoint(path, args, kind)
             size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
             spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
-                    "prompt_lookup_max": 5}
+                    "prompt_lookup_max": 5, "backoff": args.backoff == "on"}
             llm = LLM(str(path), dtype="float32", max_model_len=512, max_num_seqs=16, speculative_config=spec)
             print(f"\n## model {kind}: {size / 1e9:.2f} GB bf16 on disk, {2 * size / 1e9:.2f} GB of float32 weights "
                   f"(a dense model's decode step reads them all; an MoE step its routed experts' share), k={args.k}")
@@ -210,6 +219,9 @@ def main() -> int:
                     names = ["none"] + args.proposers.split(",")
                     best = {n: 0.0 for n in names}
                     stats, tokens = {}, {}
+                    from kimitui.engine.spec_decode.backoff import DraftBackoff
+
+                    backoffs = {n: DraftBackoff.from_config(llm.engine.speculative) for n in names}
                     for _ in range(args.repeats):
                         for name in names:
                             if name == "none":
@@ -219,8 +231,9 @@ def main() -> int:
                             else:
                                 proposer = make_proposer(SpeculativeConfig.parse(
                                     {**spec, "method": name} if name != "suffix" else
-                                    {"method": "suffix", "num_speculative_tokens": args.k}))
-                            rate, st, toks = run_point(llm, proposer, ps, args.tokens)
+                                    {"method": "suffix", "num_speculative_tokens": args.k,
+                                     "backoff": args.backoff == "on"}))
+                            rate, st, toks = run_point(llm, proposer, ps, args.tokens, backoffs[name])
                             best[name] = max(best[name], rate)
                             stats[name], tokens[name] = st, toks
                     for name in names:

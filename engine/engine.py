@@ -37,6 +37,7 @@ from kimitui.engine.sampling_params import SamplingParams
 from kimitui.engine.scheduler import Scheduler, SchedulerConfig
 from kimitui.engine.sequence import Sequence
 from kimitui.engine.spec_decode.proposer import make_proposer
+from kimitui.engine.spec_decode.backoff import DraftBackoff
 from kimitui.engine.spec_decode.stats import SpecDecodeStats
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class LLMEngine:
         if hasattr(self.proposer, "bind_cache"):  # a model drafter's own KV cache, on the target's block ids
             self.proposer.bind_cache(self.cache_pool.num_blocks, args.block_size)
         self.spec_stats = SpecDecodeStats()
+        self.backoff = DraftBackoff.from_config(self.speculative) if self.speculative else None
         log.info("%s", self.cache_pool.describe())
         slots = StateSlots(args.max_num_seqs, self.cache_pool.num_snapshots) if self.cache_pool.is_hybrid else None
         self.block_manager = BlockManager(self.cache_pool.num_blocks, args.block_size, args.enable_prefix_caching,
@@ -321,6 +323,7 @@ class LLMEngine:
         self.runner.release(request_id)
         if self.proposer is not None:
             self.proposer.finish(request_id)
+            self.backoff.finish(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -354,6 +357,8 @@ class LLMEngine:
         self.output_processor.on_scheduled(sched)
         result = self.runner.execute(sched)
         self.spec_stats.observe_step(sched.scheduled, result.sampled)
+        if self.backoff is not None:
+            self.backoff.observe_step(sched.scheduled, result.sampled)
         finished = self.scheduler.postprocess(sched, result.sampled)
         processed = self.output_processor.process_outputs(sched, result, finished)
         self._retire(processed)
@@ -365,13 +370,14 @@ class LLMEngine:
 
     def _propose(self, result) -> None:
         """Drafts for every sequence that decodes next step, verified by that step."""
-        seqs, budgets = [], []
+        seqs, caps = [], []
         for seq in self.scheduler.running:
             if seq.num_uncomputed_tokens == 1:
                 seqs.append(seq)
-                budgets.append(min(self.num_spec_tokens, seq.spec_budget(self.max_model_len)))
+                caps.append(min(self.num_spec_tokens, seq.spec_budget(self.max_model_len)))
         if not seqs and result.hidden is None:
             return
+        budgets = self.backoff.budgets(seqs, caps)  # engine.spec_decode.backoff: recent acceptance, batch size
         drafts = self.proposer.propose(seqs, budgets, result.hidden)
         for seq, d, k in zip(seqs, drafts, budgets):
             seq.spec_token_ids = list(d[:k])
@@ -383,6 +389,7 @@ class LLMEngine:
             self.runner.release(rid)
             if self.proposer is not None:
                 self.proposer.finish(rid)
+                self.backoff.finish(rid)
 
     # -- observability ---------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -1,7 +1,12 @@
-"""The EAGLE-3 drafter: one Llama-style decoder layer over the target's hidden states.
+"""The EAGLE-3 drafter: one decoder layer over the target's hidden states.
 
-Published EAGLE-3 checkpoints (``LlamaForCausalLMEagle3`` configs: SpecForge, AQ-MedAI's and the
-torchspec Kimi K2.x drafters) hold:
+``architectures`` picks the layer's attention: Llama-style (``LlamaForCausalLMEagle3``,
+``Eagle3LlamaForCausalLM``: SpecForge, AQ-MedAI's and the torchspec Kimi K2.x drafters) or DeepSeek's
+MLA (``Eagle3DeepseekV2ForCausalLM`` / ``Eagle3DeepseekV3ForCausalLM``: lightseekorg/kimi-k2.6-eagle3-mla,
+nvidia/Kimi-K2.6-Eagle3; see eagle3_mla.py). Any other value is an error before a weight is read.
+EAGLE-3.1 configs add ``fc_norm`` (an RMSNorm over each aux chunk before ``fc``, ``fc_norm.<i>.weight``)
+and ``norm_output`` (the chain feeds back the normed output, not the pre-norm one), as vLLM reads them.
+The checkpoints hold:
 
 - ``fc``: [hidden, n_aux * target_hidden], folding the hidden states of three target layers
   (``eagle_config.eagle_aux_hidden_state_layer_ids``, default ``(2, L // 2, L - 3)``) into one;
@@ -10,7 +15,15 @@ torchspec Kimi K2.x drafters) hold:
   hidden_norm(hidden))``, 2 x hidden wide, then the usual SiLU MLP;
 - ``norm`` and ``lm_head`` over a reduced ``draft_vocab_size``, with ``d2t`` (target id = draft id +
   d2t[draft id]) and ``t2d`` (target-side membership, unused here, as in vLLM);
-- optionally ``embed_tokens``; without it the drafter shares the target's embedding.
+- optionally ``embed_tokens`` and ``lm_head`` (full vocabulary); without them the drafter shares the
+  target's.
+
+Which target layers feed ``fc``: vLLM reads id k as the hidden state *entering* layer k; SGLang and
+DSpark's trainers as layer k's *output* (the state entering k + 1). Drafter configs do not say
+which, so the reading is ``speculative_config``'s ``eagle_aux_hidden_state_layer_convention``
+(``input`` by default, vLLM's, with a warning naming it). Ids come from ``speculative_config``'s
+``eagle_aux_hidden_state_layer_ids``, else ``eagle_config``'s, else the config's top level, else the
+``(2, L // 2, L - 3)`` default.
 
 The forward follows vLLM's ``model_executor/models/llama_eagle3.py``: ``norm_before_residual``
 decides whether the residual is the hidden state before or after ``hidden_norm``, and the layer
@@ -25,10 +38,9 @@ cache by block table in plain PyTorch, which runs on any device.
 
 from __future__ import annotations
 
-import json
+import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +52,49 @@ from kimitui.engine.layers.embedding import VocabEmbedding
 from kimitui.engine.layers.linear import Linear
 from kimitui.engine.layers.norm import RMSNorm
 from kimitui.engine.layers.rope import yarn_inv_freq
+from kimitui.engine.spec_decode.eagle3_mla import Eagle3MLAAttention, MLAShape
+
+log = logging.getLogger(__name__)
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+LLAMA_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+MLA_ARCHS = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
+
+
+def drafter_architecture(d: dict) -> str:
+    """``llama`` or ``mla`` from a drafter config's ``architectures`` (absent: by its keys)."""
+    archs = d.get("architectures")
+    if not archs:
+        return "mla" if d.get("kv_lora_rank") else "llama"
+    known = [a for a in archs if a in LLAMA_ARCHS + MLA_ARCHS]
+    if not known:
+        raise ValueError(f"eagle3 drafter config: architectures {archs} not supported "
+                         f"(supported: {', '.join(LLAMA_ARCHS + MLA_ARCHS)})")
+    return "mla" if known[0] in MLA_ARCHS else "llama"
+
+
+def aux_layer_ids(d: dict, target_layers: int, override=None, convention: str | None = None) -> tuple[int, ...]:
+    """The target capture ids (hidden state entering layer k, as the target keeps them) of a drafter
+    config ``d``; see the module docstring for the precedence and the two readings."""
+    nested = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    top = d.get("eagle_aux_hidden_state_layer_ids")
+    if nested is not None and top is not None and list(nested) != list(top):
+        raise ValueError(f"eagle3 drafter config: eagle_config.eagle_aux_hidden_state_layer_ids {list(nested)} and "
+                         f"the top-level eagle_aux_hidden_state_layer_ids {list(top)} disagree")
+    given = override if override is not None else nested if nested is not None else top
+    if given is None:  # the default is defined in vLLM's reading
+        return default_aux_layer_ids(target_layers)
+    ids = tuple(int(k) for k in given)
+    if convention is None:
+        log.warning("eagle3 drafter: aux layer ids %s read as layer inputs (vLLM's convention: the hidden state "
+                    "entering layer k); for a drafter trained on layer outputs (SGLang, DSpark) set "
+                    "speculative_config eagle_aux_hidden_state_layer_convention 'output'", list(ids))
+    elif convention == "output":
+        ids = tuple(k + 1 for k in ids)
+    if len(set(ids)) != len(ids) or not all(0 <= k <= target_layers for k in ids):
+        raise ValueError(f"eagle3 drafter config: aux hidden state layer ids {list(given)} ({convention or 'input'} "
+                         f"convention) must be distinct and in 0..{target_layers} for a {target_layers}-layer target")
+    return ids
 
 
 def default_aux_layer_ids(target_layers: int) -> tuple[int, ...]:
@@ -63,18 +116,23 @@ class Eagle3Config:
     draft_vocab_size: int
     target_hidden_size: int
     norm_before_residual: bool
-    aux_layer_ids: tuple[int, ...]  # ascending, the order the target concatenates them in
+    aux_layer_ids: tuple[int, ...]  # ascending capture ids (state entering layer k), the target's order
     attention_bias: bool = False
+    mla: MLAShape | None = None  # the MLA attention's shape (Eagle3DeepseekV2ForCausalLM), None: Llama-style
+    fc_norm: bool = False  # EAGLE-3.1: an RMSNorm over each aux chunk before fc
+    norm_output: bool = False  # EAGLE-3.1: the chain feeds back the normed output
 
     @classmethod
-    def from_dict(cls, d: dict, target_layers: int, target_hidden_size: int, target_vocab_size: int
-                  ) -> Eagle3Config:
-        """From a drafter's config.json, checked against the target (layers, hidden size, vocabulary)."""
+    def from_dict(cls, d: dict, target_layers: int, target_hidden_size: int, target_vocab_size: int,
+                  aux_override=None, aux_convention: str | None = None) -> Eagle3Config:
+        """From a drafter's config.json, checked against the target (layers, hidden size, vocabulary).
+        ``aux_override`` / ``aux_convention``: speculative_config's layer ids and their reading."""
         def need(key):
             if key not in d:
                 raise ValueError(f"eagle3 drafter config: missing {key!r}")
             return d[key]
 
+        arch = drafter_architecture(d)
         if d.get("num_hidden_layers", 1) != 1:
             raise ValueError(f"eagle3 drafter config: num_hidden_layers must be 1 (one EAGLE-3 layer), "
                              f"got {d['num_hidden_layers']}")
@@ -87,7 +145,7 @@ class Eagle3Config:
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         kv_heads = int(d.get("num_key_value_heads") or heads)
         head_dim = int(d.get("head_dim") or hidden // heads)
-        if heads % kv_heads:
+        if heads % kv_heads and arch == "llama":
             raise ValueError(f"eagle3 drafter config: num_attention_heads ({heads}) must be a multiple of "
                              f"num_key_value_heads ({kv_heads})")
         vocab = int(d.get("vocab_size") or target_vocab_size)
@@ -101,25 +159,25 @@ class Eagle3Config:
         if target_hidden != target_hidden_size:
             raise ValueError(f"eagle3 drafter config: target_hidden_size {target_hidden} differs from the "
                              f"target's hidden_size {target_hidden_size}")
-        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-        ids = default_aux_layer_ids(target_layers) if ids is None else tuple(int(k) for k in ids)
-        if len(set(ids)) != len(ids) or not all(0 <= k <= target_layers for k in ids):
-            raise ValueError(f"eagle3 drafter config: aux hidden state layer ids {list(ids)} must be distinct "
-                             f"and in 0..{target_layers} for a {target_layers}-layer target")
+        ids = aux_layer_ids(d, target_layers, aux_override, aux_convention)
+        mla = MLAShape.from_dict(d) if arch == "mla" else None
         scaling = d.get("rope_scaling")
-        if scaling is not None:
+        if scaling is not None and mla is None:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind not in ROPE_TYPES:
                 raise ValueError(f"eagle3 drafter config: rope_scaling type {kind!r} is not supported "
                                  f"({', '.join(ROPE_TYPES)})")
             scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+        elif mla is not None:
+            scaling = None  # the MLA attention keeps its own (DeepSeek YaRN) rope
         return cls(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                    intermediate_size=int(need("intermediate_size")), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                    rope_theta=float(d.get("rope_theta", 10000.0)), rope_scaling=scaling, vocab_size=vocab,
                    draft_vocab_size=draft_vocab, target_hidden_size=target_hidden,
                    norm_before_residual=bool(d.get("norm_before_residual", False)),
                    aux_layer_ids=tuple(sorted(ids)),
-                   attention_bias=bool(d.get("attention_bias", False) or d.get("qkv_bias", False)))
+                   attention_bias=bool(d.get("attention_bias", False) or d.get("qkv_bias", False)), mla=mla,
+                   fc_norm=bool(d.get("fc_norm", False)), norm_output=bool(d.get("norm_output", False)))
 
 
 def rope_parameters(cfg: Eagle3Config) -> tuple[torch.Tensor, float]:
@@ -255,16 +313,19 @@ class Eagle3Layer(nn.Module):
         self.norm_before_residual = cfg.norm_before_residual
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Eagle3Attention(cfg, dtype)
+        self.mla = cfg.mla is not None
+        self.self_attn = Eagle3MLAAttention(cfg, dtype) if self.mla else Eagle3Attention(cfg, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = Eagle3MLP(cfg, dtype)
 
-    def forward(self, embeds, hidden, cos, sin, slots, chunks, cache) -> torch.Tensor:
+    def forward(self, embeds, hidden, positions, cos, sin, slots, chunks, cache) -> torch.Tensor:
         """The pre-norm output (MLP output plus residual)."""
         h = self.hidden_norm(hidden)
         residual = h if self.norm_before_residual else hidden
         x = torch.cat((self.input_layernorm(embeds), h), dim=-1)
-        residual = self.self_attn(x, cos, sin, slots, chunks, cache) + residual
+        attn = (self.self_attn(x, positions, slots, chunks, cache) if self.mla
+                else self.self_attn(x, cos, sin, slots, chunks, cache))
+        residual = attn + residual
         return self.mlp(self.post_attention_layernorm(residual)) + residual
 
 
@@ -272,17 +333,20 @@ class Eagle3Drafter(nn.Module):
     """The drafter's weights and forward; parameter names are the checkpoint's after
     ``checkpoint_name`` (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, ``lm_head.weight``...)."""
 
-    def __init__(self, cfg: Eagle3Config, dtype: torch.dtype, own_embedding: bool):
+    def __init__(self, cfg: Eagle3Config, dtype: torch.dtype, own_embedding: bool, own_lm_head: bool = True):
         super().__init__()
         self.config = cfg
         self.dtype = dtype
         self.fc = Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, dtype=dtype)
+        self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps, dtype)
+                                     for _ in cfg.aux_layer_ids) if cfg.fc_norm else None
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if own_embedding else None
         self.layers = nn.ModuleList([Eagle3Layer(cfg, dtype)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.draft_vocab_size, dtype=dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.draft_vocab_size, dtype=dtype) if own_lm_head else None
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self._shared_embedding = None  # the target's, when the checkpoint has none (not a submodule)
+        self._shared_lm_head = None  # likewise the target's LM head (fp32 logits over the whole vocabulary)
         inv_freq, self.rope_amplitude = rope_parameters(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -292,34 +356,46 @@ class Eagle3Drafter(nn.Module):
         if self.embed_tokens is None:  # a plain attribute: the weights stay the target's, not the drafter's
             self.__dict__["_shared_embedding"] = embedding
 
+    def share_lm_head(self, lm_head: nn.Module) -> None:
+        """Use the target's LM head (checkpoints without ``lm_head``; full vocabulary)."""
+        if self.lm_head is None:
+            self.__dict__["_shared_lm_head"] = lm_head
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         module = self.embed_tokens if self.embed_tokens is not None else self._shared_embedding
         if module is None:
             raise RuntimeError("eagle3 drafter: no embed_tokens in the checkpoint and no target embedding shared")
         return module(ids).to(self.dtype)
 
-    def allocate_cache(self, num_blocks: int, block_size: int, device: torch.device | str) -> torch.Tensor:
-        """The drafter's paged KV cache, block ids shared with the target's."""
-        c = self.config
-        return torch.zeros(num_blocks, block_size, 2, c.num_key_value_heads, c.head_dim, dtype=self.dtype,
-                           device=device)
+    def allocate_cache(self, num_blocks: int, block_size: int, device: torch.device | str,
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The drafter's paged KV cache, block ids shared with the target's (``dtype`` None: the drafter's)."""
+        c, dtype = self.config, dtype or self.dtype
+        if c.mla is not None:
+            return torch.zeros(num_blocks, block_size, c.mla.cache_width, dtype=dtype, device=device)
+        return torch.zeros(num_blocks, block_size, 2, c.num_key_value_heads, c.head_dim, dtype=dtype, device=device)
 
-    def cache_bytes_per_token(self) -> int:
-        c = self.config
-        return 2 * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+    def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        c, size = self.config, (dtype or self.dtype).itemsize
+        return (c.mla.cache_width if c.mla is not None else 2 * c.num_key_value_heads * c.head_dim) * size
 
     # -- compute ---------------------------------------------------------------------------------
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's aux hidden states [T, n_aux * target_hidden] -> the drafter's hidden [T, hidden]."""
-        return self.fc(aux.to(self.dtype))
+        aux = aux.to(self.dtype)
+        if self.fc_norm is not None:
+            d = self.config.target_hidden_size
+            aux = torch.cat([norm(aux[:, j * d:(j + 1) * d]) for j, norm in enumerate(self.fc_norm)], dim=-1)
+        return self.fc(aux)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, chunks: list[PrefillChunk],
                 cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter pass over rows laid out as ``chunks`` (each a run of consecutive positions ending
         at ``context_len - 1``, its block table the target's). ``input_ids`` [T]: each row's input
         token (the one *after* the target position it sits at), ``hidden`` [T, hidden]: ``combine``'s
-        output or a previous pass's pre-norm output. Writes the rows' KV into ``cache``. Returns
-        (pre-norm hidden [T, hidden], normed hidden [T, hidden] for ``draft_logits``)."""
+        output or a previous pass's first output. Writes the rows' KV into ``cache``. Returns
+        (the hidden state the next chain pass takes [T, hidden]: the pre-norm output, or the normed
+        one under ``norm_output``; normed hidden [T, hidden] for ``draft_logits``)."""
         device = hidden.device
         bs = cache.shape[1]
         positions, slots = [], []
@@ -328,14 +404,20 @@ class Eagle3Drafter(nn.Module):
             positions.append(pos)
             slots.append(c.block_table[pos // bs].long() * bs + pos % bs)
         positions, slots = torch.cat(positions), torch.cat(slots)
-        freqs = positions.float()[:, None] * self.inv_freq[None]
-        cos, sin = freqs.cos() * self.rope_amplitude, freqs.sin() * self.rope_amplitude
-        out = self.layers[0](self.embed(input_ids), hidden.to(self.dtype), cos, sin, slots, chunks, cache)
-        return out, self.norm(out)
+        cos = sin = None
+        if self.config.mla is None:
+            freqs = positions.float()[:, None] * self.inv_freq[None]
+            cos, sin = freqs.cos() * self.rope_amplitude, freqs.sin() * self.rope_amplitude
+        out = self.layers[0](self.embed(input_ids), hidden.to(self.dtype), positions, cos, sin, slots, chunks, cache)
+        normed = self.norm(out)
+        return (normed if self.config.norm_output else out), normed
 
     def draft_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the draft vocabulary [N, draft_vocab_size]."""
-        return self.lm_head(normed).float()
+        head = self.lm_head if self.lm_head is not None else self._shared_lm_head
+        if head is None:
+            raise RuntimeError("eagle3 drafter: no lm_head in the checkpoint and no target LM head shared")
+        return head(normed).float()
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the target vocabulary [N, vocab_size], -inf outside the draft vocabulary
@@ -355,89 +437,3 @@ class Eagle3Drafter(nn.Module):
             ids = self.__dict__["_d2t_ids"] = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) \
                 + self.d2t
         return ids
-
-
-# -- loading -------------------------------------------------------------------------------------
-
-_IGNORED = ("t2d", "mask_hidden")  # unused by greedy chain drafting (vLLM skips them too)
-
-
-def checkpoint_name(name: str) -> str | None:
-    """A checkpoint tensor's parameter name (``model.`` dropped, ``midlayer.`` = ``layers.0.``), or
-    None for tensors the drafter does not use."""
-    if name.startswith("model."):
-        name = name[len("model."):]
-    if name.startswith("midlayer."):
-        name = "layers.0." + name[len("midlayer."):]
-    if name in _IGNORED or name.endswith("rotary_emb.inv_freq"):
-        return None
-    return name
-
-
-def load_eagle3(path: str | Path, target_config, device: torch.device | str, dtype: torch.dtype,
-                target_embedding: nn.Module | None = None) -> Eagle3Drafter:
-    """Load an EAGLE-3 drafter checkpoint (config.json and *.safetensors, any float dtype on disk) for a
-    target with ``target_config`` (engine ``ModelConfig``), on ``device`` in ``dtype``."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"eagle3 drafter: no config.json in {path}")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"eagle3 drafter: no .safetensors files in {path}")
-    cfg = Eagle3Config.from_dict(json.loads(cfg_file.read_text()), target_config.num_hidden_layers,
-                                 target_config.hidden_size, target_config.vocab_size)
-    names: dict[str, tuple[Path, str]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as r:
-            for key in r.keys():
-                name = checkpoint_name(key)
-                if name is None:
-                    continue
-                if name in names:
-                    raise ValueError(f"eagle3 drafter: {key!r} in {f.name} duplicates {names[name][1]!r}")
-                names[name] = (f, key)
-    own_embedding = "embed_tokens.weight" in names
-    if not own_embedding and cfg.hidden_size != target_config.hidden_size:
-        raise ValueError(f"eagle3 drafter: no embed_tokens in the checkpoint, and its hidden_size {cfg.hidden_size} "
-                         f"differs from the target's {target_config.hidden_size}, so it cannot share the target's")
-    drafter = Eagle3Drafter(cfg, dtype, own_embedding)
-    drafter.to_empty(device=torch.device(device))  # storage only: each tensor is filled below
-    drafter.inv_freq.copy_(rope_parameters(cfg)[0])
-    params = dict(drafter.named_parameters())
-    params["d2t"] = drafter.d2t
-    unknown = sorted(set(names) - set(params))
-    if unknown:
-        raise ValueError(f"eagle3 drafter: unexpected tensor {names[unknown[0]][1]!r} in {names[unknown[0]][0].name}")
-    if "d2t" not in names:
-        if cfg.draft_vocab_size != cfg.vocab_size:
-            raise ValueError(f"eagle3 drafter: draft_vocab_size {cfg.draft_vocab_size} < vocab_size "
-                             f"{cfg.vocab_size} needs a d2t tensor")
-        drafter.d2t.zero_()
-        names.pop("d2t", None)
-        params.pop("d2t")
-    missing = sorted(set(params) - set(names))
-    if missing:
-        raise ValueError(f"eagle3 drafter: checkpoint lacks {missing[0]!r}")
-    for name, (f, key) in names.items():
-        with safe_open(str(f), framework="pt") as r:
-            t = r.get_tensor(key)
-        p = params[name]
-        if tuple(t.shape) != tuple(p.shape):
-            raise ValueError(f"eagle3 drafter: {key!r} has shape {list(t.shape)}, expected {list(p.shape)}")
-        if name == "d2t":
-            if t.is_floating_point():
-                raise ValueError(f"eagle3 drafter: d2t must hold integers, got {t.dtype}")
-            target = torch.arange(cfg.draft_vocab_size) + t.long()
-            if target.min() < 0 or target.max() >= cfg.vocab_size:
-                raise ValueError(f"eagle3 drafter: d2t maps draft ids outside the target vocabulary "
-                                 f"0..{cfg.vocab_size - 1}")
-        elif not t.is_floating_point():
-            raise ValueError(f"eagle3 drafter: {key!r} must be floating point, got {t.dtype}")
-        with torch.no_grad():
-            p.copy_(t)
-    if target_embedding is not None:
-        drafter.share_embedding(target_embedding)
-    return drafter

@@ -20,7 +20,8 @@ import torch
 
 from kimitui.engine.layers.attn_metadata import PrefillChunk
 from kimitui.engine.sequence import Sequence
-from kimitui.engine.spec_decode.eagle3 import Eagle3Drafter, load_eagle3
+from kimitui.engine.spec_decode.eagle3 import Eagle3Drafter
+from kimitui.engine.spec_decode.eagle3_loader import load_eagle3
 from kimitui.engine.spec_decode.proposer import StepHidden
 
 
@@ -37,15 +38,21 @@ class Eagle3Proposer:
         weight = target.model.norm.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.num_speculative_tokens = config.num_speculative_tokens
-        embedding = target.model.embed_tokens
+        embedding, lm_head = target.model.embed_tokens, target.lm_head
         par = getattr(target, "par", None)
         if par is not None and par.is_parallel:
+            lm_head = None  # split by vocabulary over the ranks: a drafter without its own is refused at load
             # Tensor parallel: the drafter runs on rank 0 alone (replicated there, the other ranks never
             # call it); the target's embedding is split by vocabulary over the ranks and its lookup is a
             # collective, so rank 0 keeps a whole copy for the drafter (checkpoints without embed_tokens).
             embedding = _whole_embedding(model_dir, target.config, self.device, self.dtype)
-        self.drafter: Eagle3Drafter = load_eagle3(config.model, target.config, self.device, self.dtype,
-                                                  target_embedding=embedding)
+        self.drafter: Eagle3Drafter = load_eagle3(
+            config.model, target.config, self.device, self.dtype, target_embedding=embedding,
+            target_lm_head=lm_head, aux_override=config.eagle_aux_hidden_state_layer_ids,
+            aux_convention=config.eagle_aux_hidden_state_layer_convention)
+        if self.drafter.lm_head is None and lm_head is None:
+            raise ValueError("speculative_config: an eagle3 drafter without its own lm_head needs tensor_parallel_size 1")
+        self.cache_dtype = None if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         self._attach_backend(settings)
         target.set_aux_hidden_layers(self.drafter.config.aux_layer_ids)
         self.cache: torch.Tensor | None = None
@@ -64,7 +71,7 @@ class Eagle3Proposer:
 
     def bind_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the drafter's KV cache for the target's ``num_blocks`` blocks of ``block_size``."""
-        self.cache = self.drafter.allocate_cache(num_blocks, block_size, self.device)
+        self.cache = self.drafter.allocate_cache(num_blocks, block_size, self.device, self.cache_dtype)
         self.block_size = block_size
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

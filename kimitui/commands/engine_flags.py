@@ -62,8 +62,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = Fals
     g.add_argument("--routing-stats", default=None, metavar="FILE",
                    help="tokens per expert per layer from an earlier run (JSON): hottest experts stay on the GPUs")
     g.add_argument("--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
-                   help='speculative decoding, vLLM\'s dict: {"method": "ngram"|"suffix"|"eagle3", '
-                        '"num_speculative_tokens": K, "prompt_lookup_min": N, "prompt_lookup_max": M, "model": DIR}')
+                   help='speculative decoding, vLLM\'s dict (a recipe\'s JSON pastes unchanged): {"method": '
+                        '"ngram"|"suffix"|"eagle3", "num_speculative_tokens": K, "model": DIR, "prompt_lookup_min": '
+                        'N, "prompt_lookup_max": M, "disable_by_batch_size": B, "eagle_aux_hidden_state_layer_ids": '
+                        '[...], "backoff": false, ...}')
     g.add_argument("--state-snapshot-interval", type=int, default=512, metavar="TOKENS",
                    help="hybrid (K3) models: keep a KDA state snapshot every TOKENS prompt tokens for prefix "
                         "reuse (a multiple of the block size), besides the prompt's and reply's last full block")

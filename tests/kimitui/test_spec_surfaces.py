@@ -35,7 +35,7 @@ def test_flag_parses_into_engine_args_and_bad_json_is_one_line(capsys):
     args = engine_args_from(p.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']))
     assert args.speculative.method == "ngram" and args.speculative.num_speculative_tokens == 3
     assert args.speculative.prompt_lookup_min == args.speculative.prompt_lookup_max == 5
-    for bad, needle in (('{"method": "medusa", "num_speculative_tokens": 3}', "method must be one of"),
+    for bad, needle in (('{"method": "medusa", "num_speculative_tokens": 3}', "method 'medusa'"),
                         ('{"method": "ngram", "num_speculative_token": 3}', "unknown key 'num_speculative_token'"),
                         ('{"method": "ngram"', "not valid JSON"),
                         ('{"method": "eagle3", "num_speculative_tokens": 3}', "needs model")):

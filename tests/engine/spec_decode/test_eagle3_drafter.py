@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from kimitui.engine.layers.attn_metadata import PrefillChunk
-from kimitui.engine.spec_decode.eagle3 import Eagle3Config, load_eagle3, rope_parameters
+from kimitui.engine.spec_decode.eagle3 import Eagle3Config, rope_parameters
+from kimitui.engine.spec_decode.eagle3_loader import load_eagle3
 from tests.helpers.checkpoints import BASE
 from tests.helpers.eagle3_checkpoint import write_eagle3_checkpoint
 from tests.helpers.eagle3_reference import hf_llama, reference
