@@ -29,6 +29,7 @@ import logging
 import os
 import platform
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,7 +117,9 @@ def variant_flags(ext: Extension, variant: str) -> list[str]:
 
 def build_key(ext: Extension, variant: str, torch_version: str, folder: Path = HERE) -> str:
     """What one build depends on: every source and header byte, the flags, torch's version."""
-    h = hashlib.sha256(f"{ext.name} {variant} {' '.join(variant_flags(ext, variant))} torch {torch_version}".encode())
+    python = f"{sys.implementation.cache_tag} {platform.machine()}"  # a build is for one interpreter ABI
+    h = hashlib.sha256(f"{ext.name} {variant} {' '.join(variant_flags(ext, variant))} torch {torch_version} {python}"
+                       .encode())
     for name in (*ext.sources, *ext.headers):
         h.update(name.encode() + b"\0" + (folder / name).read_bytes())
     return h.hexdigest()[:16]
@@ -149,10 +152,26 @@ def _prebuilt(ext: Extension, variant: str, key: str) -> str | None:
     return None
 
 
-def _jit_dir(ext: Extension, variant: str, key: str) -> Path:
+def extensions_root() -> Path:
+    """Where torch builds extensions: ``TORCH_EXTENSIONS_DIR``, else its default root (which follows
+    ``XDG_CACHE_HOME``) and the python / accelerator folder under it, as ``torch.utils.cpp_extension``."""
+    import torch
     from torch.utils.cpp_extension import get_default_build_root
 
-    return Path(get_default_build_root()) / "kimitui" / f"{ext.name}_{variant}_{key}"
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    if torch.version.hip is not None:
+        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        accelerator = "cpu"
+    folder = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{accelerator}"
+    return Path(get_default_build_root()) / folder
+
+
+def _jit_dir(ext: Extension, variant: str, key: str) -> Path:
+    return extensions_root() / "kimitui" / f"{ext.name}_{variant}_{key}"
 
 
 def pending_builds() -> list[str]:

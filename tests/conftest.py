@@ -8,26 +8,10 @@ import os
 import tempfile
 
 
-def _torch_extensions_dir() -> str:
-    """Where torch builds extensions when TORCH_EXTENSIONS_DIR is unset (its default root and the
-    python/accelerator folder under it), so the tests reuse the build ``make`` and the app made."""
-    import sys
-
-    import torch
-    from torch.utils.cpp_extension import get_default_build_root
-
-    if torch.version.hip is not None:
-        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
-    elif torch.version.cuda is not None:
-        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
-    else:
-        accelerator = "cpu"
-    folder = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{accelerator}"
-    return os.path.join(get_default_build_root(), folder)
-
-
 if "TORCH_EXTENSIONS_DIR" not in os.environ:  # before XDG_CACHE_HOME moves below: torch's root follows it
-    os.environ["TORCH_EXTENSIONS_DIR"] = _torch_extensions_dir()
+    from kimitui.kernels._build import extensions_root  # so the tests reuse the builds `make` and the app made
+
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_root())
 _ROOT = tempfile.mkdtemp(prefix="kimitui-tests-")
 for _var, _sub in (("XDG_CACHE_HOME", "cache"), ("XDG_CONFIG_HOME", "config"), ("XDG_DATA_HOME", "data")):
     os.environ[_var] = os.path.join(_ROOT, _sub)
