@@ -81,11 +81,15 @@ def run(args: argparse.Namespace) -> int:
                               shutdown_timeout=args.shutdown_timeout)
     stop = threading.Event()
     loading = True
+    started: list = []  # every process this one had started when a signal came
 
     def on_signal(signum, frame) -> None:
         if loading:
             # Loading can take minutes and spawns workers: unwind it (the finally below stops
-            # what was started) instead of dying with children left behind.
+            # what was started) instead of dying with children left behind. The process tree is
+            # read first: unwinding kills a kernel build's ninja, whose compilers would then be
+            # orphans, no longer our descendants.
+            started.extend(descendants())
             raise _StopDuringStartup(signum)
         if stop.is_set() and server.server is not None:
             server.server.end_requests_now()  # second Ctrl-C: end open requests now
@@ -121,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         server.stop()
         if llm is not None:
             llm.shutdown()
-        stop_children()
+        stop_children(started)
         for s, handler in previous.items():
             signal.signal(s, handler)
     if crashed:
@@ -140,7 +144,17 @@ class _StopDuringStartup(BaseException):
         self.signum = signum
 
 
-def stop_children(grace_s: float = 3.0) -> None:
+def descendants() -> list:
+    """This process's descendants now (psutil.Process objects)."""
+    import psutil
+
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def stop_children(also: list = (), grace_s: float = 3.0) -> None:
     """End every process this one started that is still alive: tensor-parallel ranks of a load
     interrupted halfway (no engine exists whose shutdown would stop them), and helpers such as a
     kernel compiler (ninja, c++) that a signal caught mid-build. Their exit also ends
@@ -151,14 +165,11 @@ def stop_children(grace_s: float = 3.0) -> None:
 
     for p in multiprocessing.active_children():
         p.terminate()  # multiprocessing's own handle reaps them (no zombies left in its table)
-    try:
-        children = psutil.Process().children(recursive=True)
-    except psutil.Error:
-        children = []
+    children = {p.pid: p for p in [*also, *descendants()]}.values()  # psutil checks a pid was not reused
     tracker = _resource_tracker_pid()
     # The resource tracker exits on its own once its writers are gone (and then unlinks what it
     # tracks); killing it first could leave shared memory behind.
-    helpers = [c for c in children if c.pid != tracker]
+    helpers = [c for c in children if c.pid != tracker and c.is_running()]
     for c in helpers:
         try:
             c.terminate()

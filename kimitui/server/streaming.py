@@ -86,6 +86,7 @@ async def until_shutdown(ended: asyncio.Event, events: AsyncIterator[T]) -> Asyn
         raise shutting_down()
     it = events.__aiter__()
     stop = asyncio.ensure_future(ended.wait())
+    step = None
     try:
         while True:
             step = asyncio.ensure_future(it.__anext__())
@@ -101,6 +102,9 @@ async def until_shutdown(ended: asyncio.Event, events: AsyncIterator[T]) -> Asyn
             yield item
     finally:
         stop.cancel()
+        if step is not None and not step.done():  # we were cancelled (the client went away) mid-step
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
         aclose = getattr(it, "aclose", None)
         if aclose is not None:
             await aclose()
