@@ -296,8 +296,10 @@ class ModelRunner:
 
     def _decode_inputs(self, inp: StepInputs, meta: AttentionMetadata) -> None:
         """Decode block tables and context lengths into their persistent buffers, and the attention
-        kernel's bound. With a fixed capacity the tables are [D, max_blocks_per_seq] views of one
-        buffer and, on an accelerator, the bound is the capacity (the kernel's grid then does not
+        kernel's bound. Steps from ``prepare`` carry table rows: the persistent tables get the step's
+        appended blocks and the step's rows are gathered on the device (engine/block_tables.py).
+        Explicit tables (``decode_tables``) with a fixed capacity are [D, max_blocks_per_seq] views
+        of one buffer. On an accelerator, the bound is the capacity (the kernel's grid then does not
         follow the host's longest context). On the CPU the bound stays the step's longest context:
         the reference path gathers [D, bound] cache rows, so there the bound is work, not a launch
         shape."""

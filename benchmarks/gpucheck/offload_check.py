@@ -5,7 +5,9 @@ layer's experts in host RAM (computed by the CPU kernels while the device comput
 experts), decodes at batch 1 and 64, and asks the engine's overlap meter
 (``engine.offload.overlap_meter``: ``enable(model)``, ``report(model)``) for host time, time the
 device waited at the join, and the hidden fraction ``1 - wait / host``. Where the engine has no
-overlap meter yet the section says so and skips.
+overlap meter yet the section says so and skips. Then a K3-shaped model (KDA + MLA, MXFP4 latent
+experts) with an eighth of its routed experts on the host runs decode steps: the configuration of a
+K3 workstation with CPU experts, which must run and give finite logits and valid tokens.
 """
 
 from __future__ import annotations
@@ -23,16 +25,44 @@ S = "offload"
 def offload_rows(mode, sink) -> None:
     if importlib.util.find_spec("kimitui.engine.offload.overlap_meter") is None:
         sink.add(Row(S, "host-expert overlap", SKIP, note="engine/offload/overlap_meter.py is not in this tree yet"))
-        return
-    sink.run("host-expert overlap", _measure, mode)
+    else:
+        sink.run("host-expert overlap", _measure, mode)
+    sink.run("offloaded K3 step", _k3_offloaded, mode)
+
+
+def _host_placement(config) -> tuple[list[list[int]], int, int]:
+    experts = config.n_routed_experts
+    host = max(1, experts // 8)  # an eighth of every MoE layer's experts in host RAM
+    return [[-1 if e < host else 0 for e in range(experts)] for _ in range(config.num_hidden_layers)], host, experts
+
+
+def _k3_offloaded(mode) -> Iterator[Row]:
+    import time
+
+    import torch
+
+    config = kimi_config("k3", 4, tiny=mode.emulate)
+    placement, host, experts = _host_placement(config)
+    max_model_len = mode.pick(2048, 64)
+    model = build_random_model(config, mode, max_model_len, expert_placement=placement)
+    bench = Bench(model, mode, max_num_seqs=mode.pick(64, 4), max_model_len=max_model_len)
+    runner = bench.runner(False)
+    for n in mode.pick((1, 16), (1, 4)):
+        inp = bench.decode_inputs(n, mode.pick(1024, 20))
+        decode_step(runner, inp)  # warm-up: pinned buffers, worker threads, kernels
+        t = time.perf_counter()
+        logits, _ = runner.forward_step(inp)
+        tokens = logits.argmax(-1).tolist()
+        ms = (time.perf_counter() - t) * 1e3
+        ok = bool(torch.isfinite(logits).all()) and len(tokens) == n and all(0 <= x < config.vocab_size for x in tokens)
+        yield Row(S, f"K3 shape, {host}/{experts} experts on the host, decode B={n}", PASS if ok else FAIL, ms=ms,
+                  tok_s=n / ms * 1e3, note="finite logits, valid tokens" if ok else "non-finite logits or bad tokens")
 
 
 def _measure(mode) -> Iterator[Row]:
     meter = importlib.import_module("kimitui.engine.offload.overlap_meter")
     config = kimi_config("k2", 2, tiny=mode.emulate)
-    experts = config.n_routed_experts
-    host = experts // 8  # an eighth of every MoE layer's experts in host RAM
-    placement = [[-1 if e < host else 0 for e in range(experts)] for _ in range(config.num_hidden_layers)]
+    placement, host, experts = _host_placement(config)
     max_model_len = mode.pick(2048, 64)
     model = build_random_model(config, mode, max_model_len, expert_placement=placement)
     bench = Bench(model, mode, max_num_seqs=mode.pick(64, 4), max_model_len=max_model_len)

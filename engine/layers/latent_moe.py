@@ -70,13 +70,17 @@ class KimiMoE(nn.Module):
         # the weights rounded to the experts' dtype in the router's launch too (not a cast of its own)
         topk_ids, topk_weights = self.gate(x, experts.routing_counts, x.dtype, count_rows=experts.count_rows)
         z = x if self.latent is None else self.routed_expert_down_proj(x)  # [T, L]
-        y = experts(z, topk_ids, topk_weights, counted=True)  # the kernels compute SiTU in their epilogue
+        # the shared experts need no host result: enqueued before the host experts' join (the latent
+        # up-projection does: the norm between makes it a function of the joined sum)
+        shared = []
+        hook = (lambda: shared.append(self.shared_experts(x))) if self.shared_experts is not None else None
+        y = experts(z, topk_ids, topk_weights, counted=True, before_join=hook)  # SiTU in the kernels' epilogue
         if self.latent is not None:
             y = self.par.all_reduce(y)
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)
             y = self.routed_expert_up_proj(y[:, self.l0:self.l1] if self.par.is_parallel else y)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+        if shared:
+            y = y + shared[0]
         return y
 

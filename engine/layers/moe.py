@@ -304,8 +304,11 @@ class RoutedExperts(nn.Module):
         return f"{'local' if stack is self.local else 'host'}.{'w2' if proj == 'down_proj' else 'w13'}_{suffix}"
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                counted: bool = False) -> torch.Tensor:
-        """``counted``: the router already added this routing to ``routing_counts`` (in its launch)."""
+                counted: bool = False, before_join=None) -> torch.Tensor:
+        """``counted``: the router already added this routing to ``routing_counts`` (in its launch).
+        ``before_join``: called once, with no argument, after the device's own experts are enqueued and
+        before waiting for the host experts' result: the caller's work that does not need it (the
+        shared experts) then runs while the CPU computes, instead of after the join (issue 38)."""
         if not counted and self.count_rows is not None:
             count_routing(self.routing_counts, topk_ids, self.count_rows)
         elif not counted:  # index_add_ rather than bincount, which syncs with the host on a device
@@ -318,7 +321,10 @@ class RoutedExperts(nn.Module):
         # expert. Routers told to round (``weights_dtype``) hand them over in x.dtype: no copy then.
         w = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.to(x.dtype)
         if self.whole_layer_local:
-            return self.local(x, topk_ids, w)
+            y = self.local(x, topk_ids, w)
+            if before_join is not None:
+                before_join()
+            return y
         # host share first (a worker thread; on a device, one non-blocking copy to pinned memory), then
         # the device's own experts beside it, then the join: one non-blocking copy back
         pending = self.executor.submit(x, topk_ids, w) if self.executor is not None else None
@@ -327,6 +333,8 @@ class RoutedExperts(nn.Module):
             timing = self.executor.timing if self.executor is not None else None
             with timing.device_span(x.device) if timing is not None else contextlib.nullcontext():
                 y = run_subset(self.local, self.local_map, x, topk_ids, w)
+        if before_join is not None:
+            before_join()
         if pending is not None:
             return pending.add_to(y)
         return y if y is not None else torch.zeros_like(x)
@@ -360,7 +368,9 @@ class MoE(nn.Module):
         ``x32``: None, or ``x.float()`` already made (the router computes in fp32)."""
         topk_ids, topk_weights = self.gate(x if x32 is None else x32, self.experts.routing_counts, x.dtype,
                                            self.experts.count_rows)
-        y = self.experts(x, topk_ids, topk_weights, counted=True)
-        if self.shared_experts is not None:
-            y = y.add_(self.shared_experts(x))  # y is this call's own output: add in place
+        shared = []  # the shared experts, enqueued before the host experts' join
+        hook = (lambda: shared.append(self.shared_experts(x))) if self.shared_experts is not None else None
+        y = self.experts(x, topk_ids, topk_weights, counted=True, before_join=hook)
+        if shared:
+            y = y.add_(shared[0])  # y is this call's own output: add in place
         return y
