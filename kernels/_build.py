@@ -140,7 +140,10 @@ def _prebuilt(ext: Extension, variant: str, key: str) -> str | None:
 def _jit_dir(ext: Extension, variant: str, key: str) -> Path:
     from torch.utils.cpp_extension import get_default_build_root
 
-    return Path(get_default_build_root()) / "kimitui" / f"{ext.name}_{variant}_{key}"
+    # TORCH_EXTENSIONS_DIR first, as torch's own load() does: get_default_build_root() alone follows
+    # XDG_CACHE_HOME, which the test suite moves to a fresh folder per run (a 5-minute build each run)
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(root) / "kimitui" / f"{ext.name}_{variant}_{key}"
 
 
 def pending_builds() -> list[str]:
