@@ -79,7 +79,7 @@ class LLMEngine:
                 spec = WorkerSpec(str(self.model_dir), args.tensor_parallel_size, free_port(), self.device.type,
                                   str(self.dtype).removeprefix("torch."), self.max_model_len, args.block_size,
                                   self.expert_placement, max(1, torch.get_num_threads() // args.tensor_parallel_size),
-                                  decode_graphs=self._decode_graphs())
+                                  decode_graphs=self._decode_graphs(), device_base=self.device.index or 0)
                 self.workers = WorkerGroup(spec)
                 par = self.workers.join_as_rank0()
             t0 = time.monotonic()
