@@ -82,6 +82,13 @@ class EngineArgs:
         dev = torch.device(self.device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} asked for, but torch sees no CUDA/ROCm GPU")
+        if dev.type == "cuda":
+            # rank r runs on GPU base + r (engine.parallel.workers.rank_device): all of them must be visible
+            base, visible = dev.index or 0, torch.cuda.device_count()
+            if base + self.tensor_parallel_size > visible:
+                raise ValueError(f"device {self.device!r} with {self.tensor_parallel_size} GPU(s) needs GPUs {base}.."
+                                 f"{base + self.tensor_parallel_size - 1}, but torch sees {visible} (indices 0.."
+                                 f"{visible - 1}; CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES choose them)")
         return dev
 
     def resolve_dtype(self, device: torch.device, checkpoint_dtype: str, config=None) -> torch.dtype:

@@ -81,7 +81,7 @@ class LLMEngine:
                                   str(self.dtype).removeprefix("torch."), self.max_model_len, args.block_size,
                                   self.expert_placement, max(1, torch.get_num_threads() // args.tensor_parallel_size),
                                   decode_graphs=self._decode_graphs(),
-                                  capture_graphs=not args.lazy_graph_capture)
+                                  capture_graphs=not args.lazy_graph_capture, device_base=self.device.index or 0)
                 self.workers = WorkerGroup(spec)
                 par = self.workers.join_as_rank0()
             t0 = time.monotonic()

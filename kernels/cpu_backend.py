@@ -7,9 +7,9 @@ fp16, or a machine where the extension does not build take ``kernels.cpu_linear`
 ``kernels.cpu_moe``. Whether the extension is used is decided once, when the backend is made; each
 call then only checks its own shape (rows, dtype), which a fixed choice cannot know ahead.
 
-The backend owns the C++ MoE's scratch buffer (the per-pair expert outputs, kept between calls so a
-prefill does not page-fault a fresh one in every layer) and the lock that lets one call use it at a
-time (host-RAM experts run on their own thread).
+The backend owns the C++ MoE's scratch buffers (the per-pair expert outputs, kept between calls so a
+prefill does not page-fault a fresh one in every layer): one per calling thread, since the C++ kernels
+run without the GIL and host-RAM experts run on threads of their own (one per NUMA node), side by side.
 """
 
 from __future__ import annotations
@@ -72,11 +72,18 @@ class CpuBackend(Backend):
         # The C++ kernels compute in float32 on float32 or bf16 weights: an fp16 model never builds them.
         self.settings = settings
         self.cxx = settings.cpu_kernels and dtype in CXX_DTYPES and cpu_few_rows.available()
-        # grown in place by the C++ MoE up to its cap (64 MB). Never an inference tensor, even when the
-        # backend is made under torch.inference_mode: calls outside it could not resize one.
-        with torch.inference_mode(False):
-            self.moe_scratch = torch.empty(0, dtype=_F32)
-        self.moe_lock = threading.Lock()
+        self._scratch = threading.local()
+
+    @property
+    def moe_scratch(self) -> torch.Tensor:
+        """The calling thread's scratch for the C++ MoE, grown in place by it up to its cap (64 MB)."""
+        scratch = getattr(self._scratch, "tensor", None)
+        if scratch is None:
+            # Never an inference tensor, even when the backend is used under torch.inference_mode:
+            # calls outside it could not resize one.
+            with torch.inference_mode(False):
+                scratch = self._scratch.tensor = torch.empty(0, dtype=_F32)
+        return scratch
 
     def __repr__(self) -> str:
         return f"CpuBackend(cxx={self.cxx})"
@@ -129,9 +136,7 @@ class CpuBackend(Backend):
 
     def moe_experts(self, x, topk_ids, topk_weights, w13, w2, activation=None):
         if self.cxx and 0 < x.shape[0] <= cpu_few_rows.MAX_MOE_TOKENS and _cxx_dtypes(x, w13, w2):
-            with self.moe_lock:
-                return cpu_few_rows.moe(x, topk_ids, topk_weights, w13, w2, self.moe_scratch,
-                                        **_act_kwargs(activation))
+            return cpu_few_rows.moe(x, topk_ids, topk_weights, w13, w2, self.moe_scratch, **_act_kwargs(activation))
         return cpu_moe.moe_experts(x, topk_ids, topk_weights, w13, w2, activation)
 
     def quant_experts_native(self, fmt, hidden, inter, group_size=32) -> bool:

@@ -282,19 +282,25 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 int64_t threads() { return at::get_num_threads(); }
 
+// Every binding that touches no Python object runs without the GIL (released once its arguments are
+// converted, taken back before the result is): the host-expert workers, one per NUMA node, then run
+// their kernels side by side, and the TUI's and HTTP server's threads keep running during a call.
+// The capsule bindings keep it: they make or read Python objects.
+using NoGil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "x [M, K] @ w [N, K].T for float32 CPU tensors");
-  m.def("moe", &moe, "gated (SiLU / SiTU) MoE over dense float32 experts on the CPU");
-  m.def("mla_decode", &mla_decode, "absorbed MLA decode over the paged latent cache, float32 on the CPU");
-  m.def("mla_decode_absorbed", &mla_decode_absorbed,
+  m.def("linear", &linear, NoGil(), "x [M, K] @ w [N, K].T for float32 CPU tensors");
+  m.def("moe", &moe, NoGil(), "gated (SiLU / SiTU) MoE over dense float32 experts on the CPU");
+  m.def("mla_decode", &mla_decode, NoGil(), "absorbed MLA decode over the paged latent cache, float32 on the CPU");
+  m.def("mla_decode_absorbed", &mla_decode_absorbed, NoGil(),
         "a whole absorbed MLA decode step after the projections (cache write included), float32 on the CPU");
-  m.def("moe_route", &moe_route, "DeepSeek-V3 router (noaux_tc top-k), float32 on the CPU");
-  m.def("rms_norm", &rms_norm, "HF RMSNorm over the last dim, float32 on the CPU");
-  m.def("attention_block", &attention_block, "x + MLA(norm(x)) for a batch of decodes, float32 on the CPU");
-  m.def("ffn_block", &ffn_block, "x + MoE or MLP(norm(x)) for a few rows, float32 on the CPU");
+  m.def("moe_route", &moe_route, NoGil(), "DeepSeek-V3 router (noaux_tc top-k), float32 on the CPU");
+  m.def("rms_norm", &rms_norm, NoGil(), "HF RMSNorm over the last dim, float32 on the CPU");
+  m.def("attention_block", &attention_block, NoGil(), "x + MLA(norm(x)) for a batch of decodes, float32 on the CPU");
+  m.def("ffn_block", &ffn_block, NoGil(), "x + MoE or MLP(norm(x)) for a few rows, float32 on the CPU");
   m.def("team_capsule", [] {
     return py::capsule(reinterpret_cast<void*>(&Team::run_on), kTeamCapsule);
   }, "this extension's thread team, for another extension's use_team()");
-  m.def("threads", &threads, "the thread count at::parallel_for uses here");
-  m.def("onednn_packed_count", &onednn_packed_count, "bf16 weights kept packed for oneDNN (cpu_onednn_packed.cpp)");
+  m.def("threads", &threads, NoGil(), "the thread count at::parallel_for uses here");
+  m.def("onednn_packed_count", &onednn_packed_count, NoGil(), "bf16 weights kept packed for oneDNN (cpu_onednn_packed.cpp)");
 }

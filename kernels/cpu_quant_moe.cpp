@@ -306,14 +306,20 @@ const char* isa_name(int64_t isa) {
   return isa == kAmxBf16 ? "amx_bf16" : isa == kAvx512Bf16 ? "avx512bf16" : isa == kAvx512 ? "avx512" : isa == kAvx2 ? "avx2+fma" : "scalar";
 }
 
+// Every binding that touches no Python object runs without the GIL (released once its arguments are
+// converted, taken back before the result is): the host-expert workers, one per NUMA node, then run
+// their kernels side by side, and the TUI's and HTTP server's threads keep running during a call.
+// The capsule bindings keep it: they make or read Python objects.
+using NoGil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (int b = 0; b < 256; ++b)
     g_e8m0[b] = b == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, b - 127);
-  m.def("moe", &moe, "gated (SiLU / SiTU) MoE over INT4 / MXFP4 experts in the tile layout, on the CPU");
-  m.def("repack", &repack, "checkpoint-layout rows of packed experts -> the kernels' tile layout");
-  m.def("best_isa", &best_isa,
+  m.def("moe", &moe, NoGil(), "gated (SiLU / SiTU) MoE over INT4 / MXFP4 experts in the tile layout, on the CPU");
+  m.def("repack", &repack, NoGil(), "checkpoint-layout rows of packed experts -> the kernels' tile layout");
+  m.def("best_isa", &best_isa, NoGil(),
         "the widest instruction set path this CPU (and OS) runs: 4 AMX-BF16, 3 AVX-512 BF16, 2 AVX-512, 1 AVX2+FMA, 0 portable");
-  m.def("isa_name", &isa_name, "the name of an instruction set path");
+  m.def("isa_name", &isa_name, NoGil(), "the name of an instruction set path");
   m.def("use_team", [](py::capsule team) {
     TORCH_CHECK(std::string(team.name()) == kimitui_cpu::kTeamCapsule, "use_team: not a ", kimitui_cpu::kTeamCapsule,
                 " capsule");

@@ -82,6 +82,7 @@ class WorkerSpec:
     expert_placement: list[list[int]] | None
     threads_per_rank: int
     dist_timeout_s: float | None = None  # None: KIMITUI_DIST_TIMEOUT_S as rank 0 reads it (WorkerGroup sets it)
+    device_base: int = 0  # rank r runs on GPU device_base + r (rank_device)
     decode_graphs: bool | None = False  # rank 0's ModelRunner argument: every rank must take the same path
     capture_graphs: bool = True  # capture every decode graph bucket after ready, as rank 0 does
 
@@ -92,8 +93,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_device(device_type: str, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+def rank_device(device_type: str, rank: int, base: int = 0) -> torch.device:
+    """Rank ``rank``'s device: GPU ``base + rank`` (``base``: the index ``--device`` named, checked
+    against the visible GPUs by ``EngineArgs.resolve_device``), or the CPU."""
+    return torch.device("cuda", base + rank) if device_type == "cuda" else torch.device("cpu")
 
 
 def init_rank(spec: WorkerSpec, rank: int) -> ParallelState:
@@ -126,7 +129,7 @@ def _worker_main(rank: int, spec: WorkerSpec, heartbeat, work) -> None:
         Heartbeat(heartbeat)  # rank 0's watchdog hears this process is alive (engine/parallel/watchdog.py)
     try:
         torch.set_num_threads(spec.threads_per_rank)
-        device = rank_device(spec.device_type, rank)
+        device = rank_device(spec.device_type, rank, spec.device_base)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         par = init_rank(spec, rank)
