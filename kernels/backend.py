@@ -32,6 +32,8 @@ def written_rows(slots: torch.Tensor) -> torch.Tensor | None:
     (engine/graph_padding.py). The Triton kernels skip such rows themselves; the PyTorch and C++ CPU
     paths drop them with this. A CPU tensor is read through numpy: no device, so no sync, and no op a
     step's launch / sync count would see; on a device only the reference backend gets here (and syncs)."""
+    if slots.device.type == "meta":  # a dry run (no values): the memory is the same either way
+        return None
     if slots.device.type == "cpu":
         host = slots.numpy()
         if not host.size or host.min() >= 0:

@@ -102,12 +102,25 @@ async def until_shutdown(ended: asyncio.Event, events: AsyncIterator[T]) -> Asyn
             yield item
     finally:
         stop.cancel()
-        if step is not None and not step.done():  # we were cancelled (the client went away) mid-step
-            step.cancel()
-            await asyncio.gather(step, return_exceptions=True)
-        aclose = getattr(it, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        # Closing ``it`` aborts its engine request, so it must happen even when we are being cancelled
+        # (the client went away): anyio cancels every await of a cancelled scope again, which would
+        # cut this cleanup short and leave the request generating. It runs as a task of its own.
+        cleanup = asyncio.ensure_future(_close_after(step, it))
+        _CLEANUPS.add(cleanup)
+        cleanup.add_done_callback(_CLEANUPS.discard)
+        await asyncio.shield(cleanup)
+
+
+_CLEANUPS: set[asyncio.Future] = set()  # cleanups that outlive a cancelled caller (kept from the GC)
+
+
+async def _close_after(step: asyncio.Future | None, it) -> None:
+    if step is not None and not step.done():  # cancelled mid-step: the step first, then the generator
+        step.cancel()
+        await asyncio.gather(step, return_exceptions=True)
+    aclose = getattr(it, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
