@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from types import ModuleType
 from typing import Any
 
+from kimitui.telemetry import visible
 from kimitui.telemetry.backend import GpuBackend, number
 from kimitui.telemetry.sample import GpuSample
 
@@ -35,11 +37,14 @@ class AmdSmiBackend(GpuBackend):
 
     ``module`` replaces ``import amdsmi`` (tests pass a fake). One failing library call leaves
     that reading None for that GPU; the other readings still come through.
+    Only the engine's GPUs are read, in HIP's order: ``ROCR_VISIBLE_DEVICES`` first, then
+    ``HIP_VISIBLE_DEVICES`` (or ``CUDA_VISIBLE_DEVICES``, which HIP also honours) indexing into
+    what it left, then the first ``gpus`` (all when None).
     """
 
     name = "amdsmi"
 
-    def __init__(self, module: ModuleType | None = None) -> None:
+    def __init__(self, module: ModuleType | None = None, gpus: int | None = None) -> None:
         super().__init__()
         self._smi: ModuleType | None = None
         try:
@@ -59,7 +64,46 @@ class AmdSmiBackend(GpuBackend):
             self.close()
             self._unavailable(f"amdsmi_get_processor_handles failed: {exc}")
             return
-        self._adopt(handles, "amdsmi found no AMD GPUs")
+        chosen = visible.first(self._engine_handles(handles), gpus, "HIP_VISIBLE_DEVICES")
+        self._adopt(chosen, "amdsmi found no AMD GPUs" if not handles else
+                    "none of amdsmi's GPUs is visible to the engine (ROCR/HIP_VISIBLE_DEVICES)")
+
+    def _engine_handles(self, handles: list[Any]) -> list[Any]:
+        """The GPUs HIP shows the engine, in HIP's order."""
+        smi = self._smi
+        bus_ids = visible.engine_pci_bus_ids()
+        if bus_ids:
+            try:
+                # torch has already applied the visibility variables.
+                return [smi.amdsmi_get_processor_handle_from_bdf(f"{d:04x}:{b:02x}:{dev:02x}.0")
+                        for d, b, dev in bus_ids]
+            except Exception as exc:
+                log.debug("amdsmi_get_processor_handle_from_bdf failed: %r", exc)
+        # amdsmi's handle order is its own; HIP numbers GPUs by hip_id (its order with no
+        # visibility variable set), which follows the PCI bus order (BDF) when unreported.
+        enumeration = {id(h): _as_dict(self._optional("amdsmi_get_gpu_enumeration_info", h))
+                       for h in handles}
+        hip_ids = [number(enumeration[id(h)].get("hip_id")) for h in handles]
+        if all(i is not None for i in hip_ids) and len(set(hip_ids)) == len(hip_ids):
+            ordered = [h for _, h in sorted(zip(hip_ids, handles), key=lambda pair: pair[0])]
+        else:
+            bdfs = [self._optional("amdsmi_get_gpu_device_bdf", h) for h in handles]
+            ordered = handles if None in bdfs else [h for _, h in sorted(zip(bdfs, handles),
+                                                                         key=lambda pair: pair[0])]
+
+        def uuid_of(handle: Any) -> str | None:
+            uuid = enumeration[id(handle)].get("hip_uuid")
+            return uuid if isinstance(uuid, str) else None
+
+        rocr = visible.select(visible.visible_tokens("ROCR_VISIBLE_DEVICES"), ordered,
+                              "ROCR_VISIBLE_DEVICES", uuid_of)
+        variable = "HIP_VISIBLE_DEVICES" if "HIP_VISIBLE_DEVICES" in os.environ else "CUDA_VISIBLE_DEVICES"
+        return visible.select(visible.visible_tokens(variable), rocr, variable, uuid_of)
+
+    def _optional(self, function: str, handle: Any) -> Any:
+        """A call that older ROCm releases lack (enumeration info came with ROCm 6.4): None then."""
+        fn = getattr(self._smi, function, None)
+        return None if fn is None else self._call(function, fn, handle)
 
     def close(self) -> None:
         smi, self._smi = self._smi, None

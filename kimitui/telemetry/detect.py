@@ -12,13 +12,17 @@ from kimitui.telemetry.nvidia import NvmlBackend
 from kimitui.telemetry.rapl import RaplBackend
 
 
-def detect_backends(powercap_root: str | None = None, hwmon_root: str | None = None) -> list[Backend]:
+def detect_backends(powercap_root: str | None = None, hwmon_root: str | None = None,
+                    gpus: int | None = None) -> list[Backend]:
     """Every backend, constructed; unavailable ones carry ``error`` and are skipped when sampling.
+
+    The GPU backends read the GPUs the engine sees (``*_VISIBLE_DEVICES``), only the first
+    ``gpus`` of them when given (``--gpus N``).
 
     CPU power comes from RAPL when readable; ``amd_energy`` is only a fallback for it.
     """
     rapl = RaplBackend(powercap_root)
-    backends: list[Backend] = [AmdSmiBackend(), NvmlBackend(), rapl]
+    backends: list[Backend] = [AmdSmiBackend(gpus=gpus), NvmlBackend(gpus=gpus), rapl]
     if not rapl.available:
         backends.append(AmdEnergyBackend(hwmon_root))
     return backends + [HostBackend()]

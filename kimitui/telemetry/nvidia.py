@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from types import ModuleType
 from typing import Any
 
+from kimitui.telemetry import visible
 from kimitui.telemetry.backend import GpuBackend, number
 from kimitui.telemetry.sample import GpuSample
 
@@ -23,13 +25,16 @@ class NvmlBackend(GpuBackend):
 
     ``module`` replaces ``import pynvml`` (tests pass a fake). An ``NVMLError`` from one call
     (NOT_SUPPORTED on older boards, GPU_IS_LOST...) leaves that reading None.
+    Only the engine's GPUs are read, in the engine's order: the first ``gpus`` (all when None) of
+    those ``CUDA_VISIBLE_DEVICES`` leaves, matched by PCI bus id when torch has them open.
     """
 
     name = "nvml"
 
-    def __init__(self, module: ModuleType | None = None) -> None:
+    def __init__(self, module: ModuleType | None = None, gpus: int | None = None) -> None:
         super().__init__()
         self._nvml: ModuleType | None = None
+        self._order_note: str | None = None
         try:
             nvml = module if module is not None else importlib.import_module("pynvml")
         except Exception as exc:
@@ -48,7 +53,50 @@ class NvmlBackend(GpuBackend):
             self.close()
             self._unavailable(f"NVML device enumeration failed: {exc}")
             return
-        self._adopt(handles, "NVML found no NVIDIA GPUs")
+        chosen = self._engine_handles(handles)
+        self._adopt(visible.first(chosen, gpus, "CUDA_VISIBLE_DEVICES"),
+                    "NVML found no NVIDIA GPUs" if not handles else
+                    "none of NVML's GPUs is visible to the engine (CUDA_VISIBLE_DEVICES)")
+
+    def _engine_handles(self, handles: list[Any]) -> list[Any]:
+        """The GPUs CUDA shows the engine, in CUDA's order."""
+        nvml = self._nvml
+        bus_ids = visible.engine_pci_bus_ids()
+        if bus_ids:
+            try:
+                # torch has already applied CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER.
+                return [nvml.nvmlDeviceGetHandleByPciBusId(f"{d:08X}:{b:02X}:{dev:02X}.0")
+                        for d, b, dev in bus_ids]
+            except Exception as exc:
+                log.debug("nvmlDeviceGetHandleByPciBusId failed: %r", exc)
+        tokens = visible.visible_tokens("CUDA_VISIBLE_DEVICES")
+        if tokens is not None:
+            tokens = [self._mig_parent_uuid(t) if t.upper().startswith("MIG-") else t for t in tokens]
+        chosen = visible.select(tokens, handles, "CUDA_VISIBLE_DEVICES", self._uuid)
+        if len(chosen) > 1 and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+            # NVML enumerates in PCI bus order; CUDA's default order is FASTEST_FIRST. They agree
+            # on nodes of one GPU model, which is what tensor parallel runs on.
+            self._order_note = "GPUs taken in PCI bus order (set CUDA_DEVICE_ORDER=PCI_BUS_ID to match)"
+            log.info("NVML telemetry: %s", self._order_note)
+        return chosen
+
+    def _uuid(self, handle: Any) -> str | None:
+        uuid = self._call("nvmlDeviceGetUUID", self._nvml.nvmlDeviceGetUUID, handle)
+        return uuid.decode(errors="replace") if isinstance(uuid, bytes) else uuid
+
+    def _mig_parent_uuid(self, token: str) -> str:
+        """A MIG instance's parent GPU UUID: power and energy are only read per whole GPU."""
+        nvml = self._nvml
+        try:
+            mig = nvml.nvmlDeviceGetHandleByUUID(token)
+            return self._uuid(nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig)) or token
+        except Exception as exc:
+            log.debug("MIG device %s not resolved: %r", token, exc)
+            return token
+
+    @property
+    def detail(self) -> str:
+        return super().detail + (f"; {self._order_note}" if self._order_note else "")
 
     def close(self) -> None:
         nvml, self._nvml = self._nvml, None

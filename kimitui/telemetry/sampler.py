@@ -62,20 +62,22 @@ def _compose(t: float, wall: float, readings: Sequence[Any]) -> Sample:
 class TelemetrySampler:
     """Reads every available backend every ``interval_s`` on one daemon thread.
 
-    ``backends=None`` auto-detects amdsmi, NVML, RAPL and psutil. Samples older than
-    ``history_s`` (relative to the newest) are dropped. Use as a context manager, or call
+    ``backends=None`` auto-detects amdsmi, NVML, RAPL and psutil; ``gpus`` then limits the GPU
+    backends to the first N GPUs the engine sees (``--gpus N``; all visible ones when None).
+    Samples older than ``history_s`` (relative to the newest) are dropped. Use as a context manager, or call
     ``start()`` and ``stop()``; a stopped sampler has closed its backends and cannot restart.
     """
 
     def __init__(self, interval_s: float = 1.0, backends: Sequence[Backend] | None = None,
-                 history_s: float = 600.0) -> None:
+                 history_s: float = 600.0, gpus: int | None = None) -> None:
         if not interval_s > 0:
             raise ValueError(f"telemetry interval_s must be > 0 seconds, got {interval_s!r}")
         if not history_s >= 0:
             raise ValueError(f"telemetry history_s must be >= 0 seconds, got {history_s!r}")
         self._interval_s = float(interval_s)
         self._history_s = float(history_s)
-        self._backends: tuple[Backend, ...] = tuple(detect_backends() if backends is None else backends)
+        self._backends: tuple[Backend, ...] = tuple(
+            detect_backends(gpus=gpus) if backends is None else backends)
         # Time-based pruning keeps history_s; the cap only bounds memory if sample_now() is spammed.
         self._history: deque[Sample] = deque(maxlen=4 * math.ceil(history_s / interval_s) + 16)
         self._lock = threading.Lock()        # history and subscribers

@@ -8,7 +8,7 @@ from enum import IntEnum
 
 import pytest
 
-from kimitui.telemetry import AmdSmiBackend, GpuSample
+from kimitui.telemetry import AmdSmiBackend, GpuSample, visible
 
 MIB = 1024 * 1024
 
@@ -99,6 +99,14 @@ def mi355x(**overrides) -> dict:
     }
     gpu.update(overrides)
     return gpu
+
+
+@pytest.fixture(autouse=True)
+def whole_node(monkeypatch):
+    """These fakes stand for the whole node: the runner's own GPU visibility must not apply."""
+    for variable in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(visible, "engine_pci_bus_ids", lambda: None)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from collections import namedtuple
 
 import pytest
 
-from kimitui.telemetry import GpuSample, NvmlBackend
+from kimitui.telemetry import GpuSample, NvmlBackend, visible
 
 Utilization = namedtuple("c_nvmlUtilization_t", "gpu memory")
 Memory = namedtuple("c_nvmlMemory_t", "total free used")
@@ -75,6 +75,14 @@ def h200(**overrides) -> dict:
     }
     gpu.update(overrides)
     return gpu
+
+
+@pytest.fixture(autouse=True)
+def whole_node(monkeypatch):
+    """These fakes stand for the whole node: the runner's own GPU visibility must not apply."""
+    for variable in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(visible, "engine_pci_bus_ids", lambda: None)
 
 
 @pytest.fixture
