@@ -170,6 +170,14 @@ def extensions_root() -> Path:
     return Path(get_default_build_root()) / folder
 
 
+def _locate(ext: Extension, torch_version: str) -> tuple[str, str, str | None]:
+    """This CPU's variant of ``ext``, its build key, and the import name of the install's build of it
+    (None when there is none with that key)."""
+    variant = variant_for(ext)
+    key = build_key(ext, variant, torch_version)
+    return variant, key, _prebuilt(ext, variant, key)
+
+
 def _jit_dir(ext: Extension, variant: str, key: str) -> Path:
     return extensions_root() / "kimitui" / f"{ext.name}_{variant}_{key}"
 
@@ -182,9 +190,8 @@ def pending_builds() -> list[str]:
 
         out = []
         for ext in EXTENSIONS:
-            variant = variant_for(ext)
-            key = build_key(ext, variant, torch.__version__)
-            if _prebuilt(ext, variant, key) is None and not _jit_built(ext, variant, key):
+            variant, key, name = _locate(ext, torch.__version__)
+            if name is None and not _jit_built(ext, variant, key):
                 out.append(f"{ext.name} (about {ext.minutes:g} min)")
         return out
     except Exception:
@@ -199,9 +206,8 @@ def describe() -> str:
 
         parts = []
         for ext in EXTENSIONS:
-            variant = variant_for(ext)
-            key = build_key(ext, variant, torch.__version__)
-            where = ("built at install" if _prebuilt(ext, variant, key) else
+            variant, key, name = _locate(ext, torch.__version__)
+            where = ("built at install" if name else
                      "compiled earlier on first use" if _jit_built(ext, variant, key) else "compiles on first use")
             parts.append(f"{ext.name} {variant} ({where})")
         return "; ".join(parts)
@@ -254,9 +260,7 @@ def load_extension(ext: Extension, log: logging.Logger, what: str) -> ModuleType
     try:
         import torch
 
-        variant = variant_for(ext)
-        key = build_key(ext, variant, torch.__version__)
-        name = _prebuilt(ext, variant, key)
+        variant, key, name = _locate(ext, torch.__version__)
         if name is not None:
             return importlib.import_module(name)
         return _compile(ext, variant, key, log, what)
