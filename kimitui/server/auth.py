@@ -9,10 +9,12 @@ from fastapi import Request
 from kimitui.server.errors import APIError
 
 
-def check_api_key(request: Request) -> None:
+async def check_api_key(request: Request) -> None:
     """FastAPI dependency: raise 401 unless the request carries ``Authorization: Bearer <key>``.
 
-    A no-op when the server runs without an API key.
+    A no-op when the server runs without an API key. ``async`` although it never awaits: FastAPI
+    runs a plain ``def`` dependency in a worker thread, a hand-off that cost 0.3-0.4 ms of every
+    request's latency here.
     """
     expected = request.app.state.server.api_key
     if not expected:
