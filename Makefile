@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 
 .PHONY: run test test-all venv clean bench
 
-$(VENV)/.installed: pyproject.toml setup.py $(wildcard kernels/*.cpp kernels/*.h)
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard kernels/cpu/csrc/*.cpp kernels/cpu/csrc/*.h)
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
 		echo "reusing the system torch: $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
 		$(PYTHON) -m venv --system-site-packages $(VENV); \
@@ -22,8 +22,8 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard kernels/*.cpp kernels/*.h
 	# --no-build-isolation: the C++ CPU kernels compile here, against this venv's torch (4-6 min on 2 cores);
 	# without a compiler the install still succeeds and the PyTorch paths run
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
-	$(PY) -m kimitui.kernels.cpu_few_rows
-	$(PY) -m kimitui.kernels.cpu_quant_moe
+	$(PY) -m kimitui.kernels.cpu.few_rows
+	$(PY) -m kimitui.kernels.cpu.quant_moe
 	touch $@
 
 venv: $(VENV)/.installed

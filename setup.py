@@ -8,7 +8,7 @@ root a bare ``kernels`` is never ours) and are copied in beside the folder's mod
 C++ kernels: compiled with torch's extension helper against the torch in the build environment, so
 build without isolation (``pip install --no-build-isolation .``, as ``make venv`` does) to compile
 against the torch you run. Without torch at build time the wheel carries the sources only and the
-kernels compile on first use instead (announced; ``kernels/_build.py``). ``KIMITUI_BUILD_CPU_KERNELS=0``
+kernels compile on first use instead (announced; ``kernels/cpu/build.py``). ``KIMITUI_BUILD_CPU_KERNELS=0``
 skips them.
 """
 
@@ -27,7 +27,7 @@ FOLDERS = ("engine", "kernels", "themes")  # top-level folder -> kimitui.<folder
 
 
 def _load_build_module():
-    spec = importlib.util.spec_from_file_location("_kimitui_kernels_build", ROOT / "kernels" / "_build.py")
+    spec = importlib.util.spec_from_file_location("_kimitui_kernels_build", ROOT / "kernels" / "cpu" / "build.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
@@ -62,7 +62,7 @@ class BuildPy(build_py):
 
 
 def extensions():
-    """The C++ CPU kernels, every variant (kernels/_build.py), or nothing when torch is absent."""
+    """The C++ CPU kernels, every variant (kernels/cpu/build.py), or nothing when torch is absent."""
     if os.environ.get("KIMITUI_BUILD_CPU_KERNELS", "1").lower() in ("0", "false", "off"):
         return [], {}
     try:
@@ -77,15 +77,15 @@ def extensions():
     for ext in build.EXTENSIONS:
         for variant, _ in ext.variants:
             modules.append(CppExtension(
-                name=f"kimitui.kernels.{ext.module(variant)}",
-                sources=[f"kernels/{s}" for s in ext.sources],
+                name=f"kimitui.kernels.cpu.{ext.module(variant)}",
+                sources=[f"kernels/cpu/csrc/{s}" for s in ext.sources],
                 extra_compile_args=build.variant_flags(ext, variant),
                 extra_link_args=["-fopenmp"],
                 optional=True,  # no compiler: the install still succeeds, the kernels compile (or not) on first use
             ))
 
     class BuildKernels(BuildExtension):
-        """Writes each module's build key beside it (kernels/_build.py reads it at run time). Objects go to
+        """Writes each module's build key beside it (kernels/cpu/build.py reads it at run time). Objects go to
         one folder in build/ whatever the command (setuptools gives editable and wheel builds a fresh
         temporary one each), so ninja recompiles only what changed: a second install, or a wheel built
         after an editable install, links in seconds instead of compiling for minutes."""
@@ -115,10 +115,10 @@ def extensions():
                 self.build_temp = base
             ext, variant = next((e, v) for e in build.EXTENSIONS for v, _ in e.variants if e.module(v) == module)
             targets = {Path(self.get_ext_fullpath(extension.name)).parent}
-            if self.inplace or getattr(self, "editable_mode", False):  # the module is copied into kernels/ too
-                targets.add(ROOT / "kernels")
+            if self.inplace or getattr(self, "editable_mode", False):  # the module is copied into kernels/cpu/ too
+                targets.add(ROOT / "kernels" / "cpu")
             for folder in targets:
-                build.write_key(folder / "_", ext, variant, torch.__version__, folder=ROOT / "kernels")
+                build.write_key(folder / "_", ext, variant, torch.__version__, folder=ROOT / "kernels" / "cpu" / "csrc")
 
     return modules, {"build_ext": BuildKernels.with_options(use_ninja=True)}
 

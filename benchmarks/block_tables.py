@@ -1,4 +1,4 @@
-"""Host cost of a decode step's block tables: persistent tables (engine/block_tables.py) against the
+"""Host cost of a decode step's block tables: persistent tables (engine/runner/block_tables.py) against the
 full-width rebuild they replace, at two ``--max-model-len`` values.
 
 64 sequences of ``--context`` tokens decode ``--steps`` steps (one token each; a sequence gets a block
@@ -23,8 +23,8 @@ import time
 import torch
 
 from kimitui.engine.layers.attn_metadata import AttentionMetadata
-from kimitui.engine.runner import ModelRunner
-from kimitui.engine.schedule_output import ScheduledSeq
+from kimitui.engine.runner.model_runner import ModelRunner
+from kimitui.engine.scheduler.output import ScheduledSeq
 from kimitui.engine.sequence import Sequence
 
 BLOCK = 16

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The engine before torch, as every entry point of ours: it sets OpenMP's wait policy (PASSIVE), which
 # libgomp reads when torch loads it. With libgomp's default spin the flush before each timed call left
-# torch's two OpenMP threads spinning against the C++ kernels' own team (kernels/cpu_team.h): batch 1
+# torch's two OpenMP threads spinning against the C++ kernels' own team (kernels/cpu/csrc/cpu_team.h): batch 1
 # measured 30-50% slower than the engine runs it. torch's int4pack peer then runs under PASSIVE too
 # (about 10% slower at batch 1 than with spinning threads on the 2-core Zen 4 VM).
 from kimitui import engine  # noqa: E402,F401
@@ -39,7 +39,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.vllm_experts import Flush, best_time, last_level_cache_bytes  # noqa: E402
-from kimitui.kernels import cpu_moe, cpu_quant_moe  # noqa: E402
+from kimitui.kernels.cpu import moe as cpu_moe, quant_moe as cpu_quant_moe  # noqa: E402
 
 SHAPES = {"k2": (7168, 2048), "k3": (3584, 3072)}  # (hidden, expert width): Kimi K2, K3 latent
 

@@ -26,7 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kimitui.kernels import cpu_few_rows, cpu_linear, cpu_moe, reference  # noqa: E402
+from kimitui.kernels.cpu import few_rows as cpu_few_rows, linear as cpu_linear, moe as cpu_moe  # noqa: E402
+
+from kimitui.kernels import reference
 
 LINEAR_SHAPES = [(1024, 1024, "expert w13"), (1024, 512, "expert w2"), (5632, 1024, "dense w13"),
                  (32000, 1024, "LM head")]

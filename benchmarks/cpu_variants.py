@@ -1,7 +1,7 @@
 """The C++ few-row kernels as the install compiles them (x86-64-v3, or plain x86-64) against the same
 sources compiled with -march=native for this CPU, in one process, alternating.
 
-The wheel cannot know its user's CPU, so it ships portable variants (kernels/_build.py); this says what
+The wheel cannot know its user's CPU, so it ships portable variants (kernels/cpu/build.py); this says what
 that costs here. ``-march=native`` is compiled just in time on the first run (cached afterwards).
 
     python -m benchmarks.cpu_variants [--repeats 7] [--rows 1,4,16]
@@ -15,7 +15,7 @@ import os
 import statistics
 import time
 
-from kimitui.kernels import _build  # the engine's OpenMP settings before torch, as the engine runs
+from kimitui.kernels.cpu import build as _build  # the engine's OpenMP settings before torch, as the engine runs
 
 import torch  # noqa: E402
 

@@ -34,7 +34,7 @@ def main() -> int:
     path.mkdir(parents=True, exist_ok=True)
     write_checkpoint(path)
 
-    import kimitui.engine.runner as runner
+    import kimitui.engine.runner.model_runner as runner
     from kimitui.engine import LLM, SamplingParams
 
     pruned_rows = runner.output_rows

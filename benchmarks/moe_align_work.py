@@ -1,4 +1,4 @@
-"""The work of ``kernels/moe_align.py``, old single-program kernel against the new grid, on the CPU.
+"""The work of ``kernels/triton/moe_align.py``, old single-program kernel against the new grid, on the CPU.
 
 No GPU and no Triton interpreter: each kernel's algorithm is replayed with numpy, one vector
 operation per Triton operation, on the tiles the kernel uses (the old one: [CHUNK, BLOCK_E] one-hot
@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kimitui.kernels.fused_moe import moe_align_block_size as torch_align  # noqa: E402
-from kimitui.kernels.moe_align import align_launch  # noqa: E402
+from kimitui.kernels.triton.fused_moe import moe_align_block_size as torch_align  # noqa: E402
+from kimitui.kernels.triton.moe_align import align_launch  # noqa: E402
 
 # (name, tokens, top-k, experts): Kimi K2 (384 experts, top-8) and K3 (896 experts, top-16) decode
 SHAPES = [("K2 batch 1", 1, 8, 384), ("K2 batch 16", 16, 8, 384), ("K2 batch 64", 64, 8, 384),

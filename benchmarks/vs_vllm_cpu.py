@@ -212,7 +212,8 @@ def write_checkpoint(path: Path, config: dict) -> None:
             raise SystemExit(f"{path} holds a checkpoint of another shape; pass another --ckpt-dir")
         return
     sys.path.insert(0, str(ROOT))
-    from kimitui.engine.demo import _random_weights, write_shards
+    from kimitui.engine.demo.common import write_shards
+    from kimitui.engine.demo.k2 import _random_weights
 
     path.mkdir(parents=True, exist_ok=True)
     write_shards(path, _random_weights(config))

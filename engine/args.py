@@ -16,7 +16,7 @@ class EngineArgs:
     ``model``: checkpoint directory, or None / "demo" for the built-in demo checkpoint.
     ``cpu_offload``: "auto", "none" or a number of routed experts per MoE layer kept in host RAM.
     ``enforce_eager``: run every step eagerly; otherwise decode-only steps on a cuda/rocm device with
-    one rank replay a CUDA/HIP graph per batch-size bucket (engine/graph_runner.py), every bucket
+    one rank replay a CUDA/HIP graph per batch-size bucket (engine/runner/graphs.py), every bucket
     captured at start-up unless ``lazy_graph_capture`` (then each on the first step that needs it).
     """
 
@@ -148,13 +148,13 @@ def cpu_auto_dtype(checkpoint_dtype: str, config=None, flags: set[str] | None = 
     have = [f for f in _BF16_FLAGS if f in flags]
     if not have and {"avx2", "fma"} <= flags and "avx512f" not in flags:
         # AVX2 only: no bf16 arithmetic, but the C++ kernels widen bf16 weights in registers and the
-        # products that would be slow in bf16 there run in float32 (kernels/cpu_backend.py): decode
+        # products that would be slow in bf16 there run in float32 (kernels/cpu/backend.py): decode
         # reads half the bytes, measured 1.0-1.5x float32 at 1-64 requests on an AVX2 EPYC
         have = ["avx2 (bf16 weights widened in the C++ kernels)"]
     if not have:
         return torch.float32, "this CPU has no bf16 arithmetic (avx512_bf16 / amx_bf16) and is not AVX2-only"
     if kernels is None:
-        from kimitui.kernels import cpu_few_rows
+        from kimitui.kernels.cpu import few_rows as cpu_few_rows
         from kimitui.kernels.settings import KernelSettings
 
         kernels = KernelSettings.from_env().cpu_kernels and cpu_few_rows.available()
@@ -166,6 +166,6 @@ def cpu_auto_dtype(checkpoint_dtype: str, config=None, flags: set[str] | None = 
 def pending_kernel_builds() -> list[str]:
     """The C++ CPU kernels this process would compile before its first step ("<name> (about N min)"
     each; none after an install), so a load screen can say so before the wait."""
-    from kimitui.kernels._build import pending_builds
+    from kimitui.kernels.cpu.build import pending_builds
 
     return pending_builds()

@@ -112,7 +112,7 @@ class LLM:
         ``engine.chat_format.chat_format_for(llm.get_tokenizer()).reply_parser(...)``."""
         from dataclasses import replace
 
-        from kimitui.engine.chat_format import chat_format_for
+        from kimitui.engine.text.chat_format import chat_format_for
 
         tok = self.engine.tokenizer
         if tok is None:

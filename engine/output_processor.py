@@ -19,8 +19,8 @@ from kimitui.engine.sampling_params import SamplingParams
 from kimitui.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from kimitui.engine.runner import StepResult
-    from kimitui.engine.scheduler import SchedulerOutput
+    from kimitui.engine.runner.model_runner import StepResult
+    from kimitui.engine.scheduler.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -69,7 +69,7 @@ class OutputProcessor:
         prompt is the same request's (usage counts it once)."""
         detok = None
         if self.tokenizer is not None:
-            from kimitui.engine.tokenizer import IncrementalDetokenizer
+            from kimitui.engine.text.tokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
                                            skip_special_tokens=params.skip_special_tokens,

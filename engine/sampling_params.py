@@ -32,7 +32,7 @@ class SamplingParams:
     # special tokens kept in the text even with skip_special_tokens (chat: <think> and tool-call tags)
     keep_special_token_ids: list[int] | None = None
     n: int = 1
-    # OpenAI / vLLM penalties (engine/layers/penalties.py); the defaults are off
+    # OpenAI / vLLM penalties (engine/sampling/penalties.py); the defaults are off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

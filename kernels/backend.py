@@ -16,20 +16,17 @@ interpreter) override what they do better. Operations a backend cannot run fused
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-from kimitui.kernels import reference
-from kimitui.kernels.settings import KernelSettings
+from kimitui.kernels import kda, reference
 
 
 def written_rows(slots: torch.Tensor) -> torch.Tensor | None:
     """The rows of ``slots`` [N] that name a real cache / state slot, or None when all do. A negative
     slot (-1, vLLM's ``PAD_SLOT_ID``) is a decode graph's padding row, which writes nothing
-    (engine/graph_padding.py). The Triton kernels skip such rows themselves; the PyTorch and C++ CPU
+    (engine/runner/graph_padding.py). The Triton kernels skip such rows themselves; the PyTorch and C++ CPU
     paths drop them with this. A CPU tensor is read through numpy: no device, so no sync, and no op a
     step's launch / sync count would see; on a device only the reference backend gets here (and syncs)."""
     if slots.device.type == "meta":  # a dry run (no values): the memory is the same either way
@@ -229,20 +226,20 @@ class Backend:
 
     def kda_chunk(self, q, k, v, g, beta, initial_state, cu_seqlens, scale):
         """Prefill of packed sequences from their states: (o [T, H, V], final_state [N, H, K, V] fp32)."""
-        return _kernel("kda", "chunk_kda")(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+        return kda.chunk_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale)
 
     def kda_recurrent(self, q, k, v, g, beta, state, slots, scale):
         """One decode token per sequence; ``state[slots]`` is updated in place. -> o [N, H, V]"""
-        return _kernel("kda", "recurrent_kda")(q, k, v, g, beta, state, slots, scale)
+        return kda.recurrent_kda(q, k, v, g, beta, state, slots, scale)
 
     def kda_recurrent_spec(self, q, k, v, g, beta, state, indices, lengths, scale):
         """Speculative verification of N sequences of ``lengths`` rows: start from pool row
         ``indices[n, lengths[n] - 1]``, keep the state after position t in row ``indices[n, t]``."""
-        return _kernel("kda", "recurrent_kda_spec")(q, k, v, g, beta, state, indices, lengths, scale)
+        return kda.recurrent_kda_spec(q, k, v, g, beta, state, indices, lengths, scale)
 
     def causal_conv1d(self, x, weight, history, cu_seqlens=None):
         """Short causal conv + SiLU continuing each sequence's history: (y [T, C], new history [N, C, W-1])."""
-        return _kernel("kda", "causal_conv1d")(x, weight, history, cu_seqlens)
+        return kda.causal_conv1d(x, weight, history, cu_seqlens)
 
     def kda_decode(self, qkv, f_b, b, gate, conv_weight, A_log, dt_bias, lower_bound, norm_weight, eps, conv_state,
                    rec_state, slots, scale):
@@ -252,7 +249,6 @@ class Backend:
         ``rec_state[slots]`` and the output's RMSNorm gated by sigmoid(gate). ``qkv [N, 3P]``,
         ``f_b, gate [N, P]``, ``b [N, H]``, ``conv_weight [3P, W]``, ``A_log [H]``, ``dt_bias [P]``,
         ``norm_weight [D]``; both states updated in place. -> [N, P] in qkv.dtype (o_proj's input)"""
-        kda = importlib.import_module("kimitui.kernels.kda")
         n, h, d = qkv.shape[0], A_log.shape[0], norm_weight.shape[0]
         rows = written_rows(slots)
         if rows is not None:  # a decode graph's padding rows (slot -1): zeros, no state read or written
@@ -302,7 +298,7 @@ class Backend:
 def count_routing(counts: torch.Tensor | None, ids: torch.Tensor, count_rows: torch.Tensor | None = None) -> None:
     """Add one to ``counts [E]`` per routed (token, expert) pair of ``ids [T, k]`` (None: nothing).
     ``count_rows``: None, or an integer [>= T] tensor whose row t, when 0, keeps token t out (a decode
-    graph's padding rows and its capture warm-ups, engine/graph_runner.py). index_add_ rather than
+    graph's padding rows and its capture warm-ups, engine/runner/graphs.py). index_add_ rather than
     bincount, which syncs with the host on a device to size its output."""
     if counts is None:
         return
@@ -315,60 +311,9 @@ def count_routing(counts: torch.Tensor | None, ids: torch.Tensor, count_rows: to
     counts.index_add_(0, flat, (count_rows[:t] != 0).to(counts.dtype)[:, None].expand(t, k).reshape(-1))
 
 
-def _kernel(module: str, name: str):
-    # kernel modules import on first use, so importing kernels never needs triton or fla
-    return getattr(importlib.import_module(f"kimitui.kernels.{module}"), name)
-
-
 REFERENCE = Backend()  # stateless: the default of a layer nobody has handed a backend yet
 
 
 def _check_int4_k(x, k):
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the INT4 weight has {k}")
-
-
-def select_backend(device: torch.device | str, dtype: torch.dtype, settings: KernelSettings) -> Backend:
-    """The backend for a model whose weights live on ``device`` in ``dtype``, chosen once.
-
-    ``kernels=reference``: the reference. Device emulation: Triton on CPU tensors (interpreted).
-    A CUDA/ROCm device: Triton (``TritonUnavailableError`` when it does not import or work). A CPU: the CPU backend (C++ kernels when they build and
-    ``cpu_kernels`` allows). Anything else: the reference.
-    """
-    device = torch.device(device)
-    if settings.kernels == "reference":
-        return REFERENCE
-    if settings.emulate_device and not settings.triton_interpret:
-        raise ValueError("KIMITUI_EMULATE_DEVICE=1 needs TRITON_INTERPRET=1 (Triton kernels on CPU tensors)")
-    # A GPU (or its emulation) without a working triton is an error naming the package, never a
-    # silent fall back to the reference, which loops over experts with host syncs.
-    from kimitui.kernels.triton_check import require_triton
-
-    if require_triton(device, settings):
-        from kimitui.kernels.triton_backend import TritonBackend
-
-        return TritonBackend()
-    if device.type == "cpu":
-        from kimitui.kernels.cpu_backend import CpuBackend
-
-        return CpuBackend(settings, dtype)
-    return REFERENCE
-
-
-def attach_backends(model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype,
-                    settings: KernelSettings) -> Backend:
-    """Choose the backend of a loaded model on ``device`` in ``dtype`` and hand it to every submodule
-    with an ``ops`` attribute; submodules marked ``host_ram`` (experts offloaded to host RAM) get the
-    CPU backend whatever the model's device, an emulated one included. Returns the model's backend."""
-    device = torch.device(device)
-    ops = select_backend(device, dtype, settings)
-    on_cpu = device.type == "cpu" and not settings.emulate_device
-    host_ops = ops if on_cpu else select_backend("cpu", dtype, replace(settings, emulate_device=False))
-    if ops.name == "triton" and device.type == "cuda" and any(getattr(m, "needs_fla", False) for m in model.modules()):
-        from kimitui.kernels.kda_fla import require
-
-        require()  # KDA layers on a GPU: fla-core or a clear error, never the PyTorch loops in silence
-    for module in model.modules():
-        if isinstance(getattr(module, "ops", None), Backend):
-            module.ops = host_ops if getattr(module, "host_ram", False) else ops
-    return ops

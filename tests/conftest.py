@@ -1,6 +1,6 @@
 """Test-wide settings: nothing touches the user's real cache, config or data dirs, nothing downloads.
 
-The one exception is the build cache of the C++ CPU kernels (kernels/cpu_few_rows.py): it stays where
+The one exception is the build cache of the C++ CPU kernels (kernels/cpu/few_rows.py): it stays where
 torch keeps it, so the suite compiles them once per machine rather than once per run (about 30 s).
 """
 
@@ -9,7 +9,7 @@ import tempfile
 
 
 if "TORCH_EXTENSIONS_DIR" not in os.environ:  # before XDG_CACHE_HOME moves below: torch's root follows it
-    from kimitui.kernels._build import extensions_root  # so the tests reuse the builds `make` and the app made
+    from kimitui.kernels.cpu.build import extensions_root  # so the tests reuse the builds `make` and the app made
 
     os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_root())
 _ROOT = tempfile.mkdtemp(prefix="kimitui-tests-")
@@ -21,7 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def _kimi_linear_oracle_without_fla() -> None:
     """transformers' Kimi Linear (the KDA oracle) swaps in fla-core's Triton kernels when ``fla``
-    imports, which it does since fla-core is a test extra (tests/kernels/test_fla_interpret.py runs
+    imports, which it does since fla-core is a test extra (tests/kernels/triton/test_fla_interpret.py runs
     it interpreted, in child processes). On a machine without a GPU those kernels have no driver, and
     the oracle should be transformers' own PyTorch path anyway: import its modeling module once
     with ``fla`` hidden, so its kernels bind to the PyTorch functions."""

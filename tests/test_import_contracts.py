@@ -58,4 +58,4 @@ def test_design_public_names_import_from_kimitui_engine():
     from kimitui.engine import (AsyncLLM, CompletionOutput, EngineArgs, LLM, RequestOutput,  # noqa: F401
                                 SamplingParams, Tokenizer)
 
-    assert Tokenizer.__module__ == "kimitui.engine.tokenizer"
+    assert Tokenizer.__module__ == "kimitui.engine.text.tokenizer"

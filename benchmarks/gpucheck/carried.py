@@ -2,7 +2,7 @@
 they import where the sections run.
 
 A bare GPU image cannot install anything, so pure-Python wheels are put on the sections'
-``PYTHONPATH`` as zips: fla-core, pinned to the version ``kernels/kda_fla.py`` is written against
+``PYTHONPATH`` as zips: fla-core, pinned to the version ``kernels/triton/kda_fla.py`` is written against
 (0.7 deprecates arguments it passes), and einops, which fla-core imports but does not bring when a
 wheel is carried without its dependencies. The environment row runs the same import the engine
 does (``kernels.kda_fla.unavailable_reason``) in a child with the sections' environment, so it says
@@ -25,7 +25,7 @@ FETCH = f"pip download --no-deps fla-core=={FLA_VERSION} einops -d benchmarks/wh
 
 _PROBE = """
 import json
-from kimitui.kernels import kda_fla
+from kimitui.kernels.triton import kda_fla
 info = {"reason": kda_fla.unavailable_reason()}
 if info["reason"] is None:
     import fla

@@ -65,7 +65,7 @@ def _cache_tensors(caches) -> list[torch.Tensor]:
 
 def k3_graph_rows(mode, bench: Bench) -> list[Row]:
     """K3 graph step with padding rows against eager from the same caches: logits, KDA states, latents."""
-    from kimitui.engine.graph_runner import bucket_for
+    from kimitui.engine.runner.graphs import bucket_for
 
     s = "graphs"
     eager, graphed = bench.runner(False), bench.runner(True)

@@ -19,7 +19,7 @@ import torch
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.kv_cache.pool import KVCachePool
 from kimitui.engine.loader import build_model
-from kimitui.engine.runner import ModelRunner, StepInputs
+from kimitui.engine.runner.model_runner import ModelRunner, StepInputs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "configs"
 

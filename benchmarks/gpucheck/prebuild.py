@@ -1,7 +1,7 @@
 """The C++ CPU kernels, compiled before the section that times them.
 
 The ``offload`` section runs host experts on the CPU kernels, which a fresh machine compiles on
-first use (``kernels/_build.py``: a minute or more). Inside that section's time limit the compile
+first use (``kernels/cpu/build.py``: a minute or more). Inside that section's time limit the compile
 would eat the measurement or get the section killed. So the build starts in a process of its own
 when the one-shot starts, beside the GPU sections (which do not use those kernels), under a limit of
 its own; the offload section waits for what is left of it and only then starts its clock. A build
@@ -23,7 +23,7 @@ from benchmarks.gpucheck.common import ERROR, FAIL, PASS, SKIP, Row
 REPO = Path(__file__).resolve().parents[2]
 CHECK = "C++ CPU kernels build (before the timed section)"
 _CODE = """
-from kimitui.kernels import cpu_few_rows, cpu_quant_moe
+from kimitui.kernels.cpu import few_rows as cpu_few_rows, quant_moe as cpu_quant_moe
 print("BUILT", cpu_few_rows.available(), cpu_quant_moe.available())
 """
 

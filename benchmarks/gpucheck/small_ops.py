@@ -31,7 +31,7 @@ def _row(mode, name, err, times, note=""):
 
 
 def rms_norm_rows(mode) -> list[Row]:
-    from kimitui.kernels.rms_norm import rms_norm
+    from kimitui.kernels.triton.rms_norm import rms_norm
 
     h = mode.pick(7168, 96)
     rows = []
@@ -45,7 +45,7 @@ def rms_norm_rows(mode) -> list[Row]:
 
 
 def add_rms_norm_rows(mode) -> list[Row]:
-    from kimitui.kernels.fused_add_rms_norm import fused_add_rms_norm
+    from kimitui.kernels.triton.fused_add_rms_norm import fused_add_rms_norm
 
     h = mode.pick(7168, 96)
     rows = []
@@ -67,7 +67,7 @@ def _rope_tables(mode, positions: int, half: int):
 
 
 def rope_rows(mode) -> list[Row]:
-    from kimitui.kernels.rope_fused import rope_mla
+    from kimitui.kernels.triton.rope_fused import rope_mla
 
     heads, nope, rope, r = mode.pick((64, 128, 64, 512), (4, 16, 16, 16))
     cos, sin = _rope_tables(mode, mode.pick(8192, 64), rope // 2)
@@ -88,7 +88,7 @@ def rope_rows(mode) -> list[Row]:
 
 
 def cache_write_rows(mode) -> list[Row]:
-    from kimitui.kernels.mla_cache_write import mla_cache_write
+    from kimitui.kernels.triton.mla_cache_write import mla_cache_write
 
     r, rope, block = mode.pick((512, 64, 16), (16, 16, 16))
     cos, sin = _rope_tables(mode, mode.pick(8192, 64), rope // 2)
@@ -111,7 +111,7 @@ def cache_write_rows(mode) -> list[Row]:
 
 
 def router_rows(mode) -> list[Row]:
-    from kimitui.kernels.moe_router import moe_route_logits
+    from kimitui.kernels.triton.moe_router import moe_route_logits
 
     rows = []
     # K2 (384 experts, no groups, top-8) and DeepSeek-V3's grouped top-k (256 in 8 groups, 4 kept)
@@ -134,7 +134,7 @@ def router_rows(mode) -> list[Row]:
 
 
 def align_rows(mode) -> list[Row]:
-    from kimitui.kernels.moe_align import moe_align_block_size
+    from kimitui.kernels.triton.moe_align import moe_align_block_size
 
     e, k = mode.pick((384, 8), (8, 2))
     rows = []
@@ -153,7 +153,7 @@ def align_rows(mode) -> list[Row]:
 
 
 def mla_decode_rows(mode) -> list[Row]:
-    from kimitui.kernels.mla_decode import mla_decode
+    from kimitui.kernels.triton.mla_decode import mla_decode
 
     r, rope, heads, block = mode.pick((512, 64, 64, 16), (16, 16, 4, 16))
     rows = []

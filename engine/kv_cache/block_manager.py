@@ -159,7 +159,7 @@ class BlockManager:
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> tuple[int, int] | None:
         """Give ``child`` the KV of ``parent``'s first ``num_tokens`` tokens (an ``n > 1`` request's
-        sample forked from the one that computed the prompt, engine/parallel_sampling.py).
+        sample forked from the one that computed the prompt, engine/sampling/fanout.py).
 
         Full blocks are shared (one more reference each: they never change again, as a prefix hit's
         blocks). A partial last block would be written by both sequences' next tokens, so the child

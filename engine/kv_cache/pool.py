@@ -152,7 +152,7 @@ class KVCachePool:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.num_snapshots = num_snapshots if has_state(self.specs) else 0
-        # speculative decoding: scratch states of verified positions (engine/runner.py), after the snapshots
+        # speculative decoding: scratch states of verified positions (engine/runner/model_runner.py), after the snapshots
         self.num_spec_slots = num_spec_slots if has_state(self.specs) else 0
         self.spec_scratch_base = max_num_seqs + self.num_snapshots
         self.device = torch.device(device)

@@ -32,7 +32,8 @@ from kimitui.engine.layers.mlp import MLP
 from kimitui.engine.layers.norm import RMSNorm
 from kimitui.engine.models.registry import WeightTarget
 from kimitui.engine.parallel.state import SINGLE, ParallelState
-from kimitui.kernels.backend import REFERENCE, Backend, attach_backends
+from kimitui.kernels.backend import REFERENCE, Backend
+from kimitui.kernels.select import attach_backends
 from kimitui.kernels.settings import KernelSettings
 
 # checkpoint MoE spellings -> module names: K3 and transformers' save_pretrained write the MoE (and

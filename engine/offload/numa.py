@@ -15,7 +15,7 @@ Policies (``--numa``, read once into ``EngineArgs.numa``):
 * ``off``: one stack, one worker thread, no pinning (the behaviour before this module).
 
 Threads: ``os.sched_setaffinity(0, cpus)`` pins the calling thread only. The C++ CPU kernels run their
-parallel passes on a team of threads per calling thread (``kernels/cpu_team.h``), created by that
+parallel passes on a team of threads per calling thread (``kernels/cpu/csrc/cpu_team.h``), created by that
 thread, so each team's threads inherit its CPU mask and each node's team stays on its node; a team
 has ``at::get_num_threads()`` threads (torch's process-wide intra-op count) but at most one per CPU of
 that mask. What still runs on OpenMP (a few ATen operations, BLAS in the dense experts' larger

@@ -123,7 +123,7 @@ def _worker_main(rank: int, spec: WorkerSpec, heartbeat, work) -> None:
     from kimitui.engine.config import ModelConfig
     from kimitui.engine.kv_cache.pool import KVCachePool
     from kimitui.engine.loader import load_model
-    from kimitui.engine.runner import ModelRunner
+    from kimitui.engine.runner.model_runner import ModelRunner
 
     if heartbeat is not None:
         Heartbeat(heartbeat)  # rank 0's watchdog hears this process is alive (engine/parallel/watchdog.py)

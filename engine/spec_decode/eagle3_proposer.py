@@ -63,7 +63,7 @@ class Eagle3Proposer:
         self._finished: set[str] = set()
 
     def _attach_backend(self, settings) -> None:
-        from kimitui.kernels.backend import attach_backends
+        from kimitui.kernels.select import attach_backends
         from kimitui.kernels.settings import KernelSettings
 
         attach_backends(self.drafter, self.device, self.dtype,
@@ -76,7 +76,7 @@ class Eagle3Proposer:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """(source, destination) block copies of the target's cache (an ``n > 1`` sample forked from
-        the one that computed the prompt, engine/scheduler.py): the drafter's KV follows the blocks.
+        the one that computed the prompt, engine/scheduler/scheduler.py): the drafter's KV follows the blocks.
         The drafter row at the prompt's last position keeps the leader's sampled token as its next
         token (a drafter-quality approximation; verification stays exact); the child drafts from its
         second decode on, once its own first row is absorbed."""

@@ -9,7 +9,7 @@ sequence is its accepted drafts followed by exactly one token of the target's ow
   then the forced token. The rule above still draws its randomness, so nothing else shifts.
 - Sampled sequences (standard speculative sampling; Leviathan et al. 2023, Chen et al. 2023, vLLM's
   ``v1/sample/rejection_sampler.py``): with target p (the row's logits / temperature, top-k and
-  top-p masked exactly as ``engine/layers/sampler.py`` samples) and draft probabilities q, accept
+  top-p masked exactly as ``engine/sampling/sampler.py`` samples) and draft probabilities q, accept
   draft x with probability min(1, p(x) / q(x)); at the first rejection draw from
   norm(max(0, p - q)); after k accepted drafts draw the bonus from p. Deterministic drafters
   (n-gram, suffix, greedy EAGLE) have q = one-hot(x): accept with probability p(x), and on rejection
@@ -29,7 +29,7 @@ import itertools
 
 import torch
 
-from kimitui.engine.layers.sampler import SamplingBatch, apply_top_k_top_p
+from kimitui.engine.sampling.sampler import SamplingBatch, apply_top_k_top_p
 
 
 def _accept_prob(p_draft: torch.Tensor, q_draft: torch.Tensor | None) -> torch.Tensor:
@@ -91,7 +91,7 @@ def rejection_sample(logits: torch.Tensor, num_drafts: list[int], draft_token_id
     _check(logits, num_drafts, draft_token_ids, batch, draft_probs)
     device = logits.device
     logits = logits.float()
-    if batch.penalties is not None:  # one penalty row per logits row (see engine/layers/penalties.py)
+    if batch.penalties is not None:  # one penalty row per logits row (see engine/sampling/penalties.py)
         logits = batch.penalties.apply(logits)
     n, vocab = len(num_drafts), logits.shape[1]
     max_k = max(num_drafts, default=0)

@@ -1,6 +1,6 @@
 """The runner's side of structured outputs: per-request grammar state and each step's masks.
 
-Lives with the sampler (rank 0 of a tensor-parallel group, engine/runner.py). ``mask_logits`` is
+Lives with the sampler (rank 0 of a tensor-parallel group, engine/runner/model_runner.py). ``mask_logits`` is
 called with the logits of the rows the step samples, before temperature / top-k / top-p: for a
 plain row the mask of its request's next token; for a decode that verifies drafts one mask per
 verified position, position ``j`` masked with the grammar state after ``drafts[:j]`` (a draft the

@@ -2,7 +2,7 @@
 
 The marker is text (``</think>`` for Kimi K2, ``<|close|>think<|sep|>`` for K3, several tokens
 in K3), so it is found in the bytes of the generated tokens, as the reply parsers find it in
-the text (engine/chat.py, engine/xtml_reply.py); a marker split across tokens is found too.
+the text (engine/text/k2.py, engine/text/xtml/reply.py); a marker split across tokens is found too.
 """
 
 from __future__ import annotations

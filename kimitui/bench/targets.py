@@ -99,7 +99,7 @@ class HttpTarget:
 
 def load_tokenizer(directory: str) -> Any:
     """The tokenizer of a checkpoint directory; ValueError (one line) when there is none."""
-    from kimitui.engine.tokenizer import Tokenizer, TokenizerError
+    from kimitui.engine.text.tokenizer import Tokenizer, TokenizerError
 
     path = Path(directory).expanduser()
     if not path.is_dir():

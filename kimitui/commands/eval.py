@@ -181,7 +181,7 @@ def _model_dir(model: str | None) -> Path:
 
 
 def _tokenizer(model_dir: Path):
-    from kimitui.engine.tokenizer import Tokenizer
+    from kimitui.engine.text.tokenizer import Tokenizer
 
     if (model_dir / "tokenizer.json").is_file() or (model_dir / "tiktoken.model").is_file():
         return Tokenizer.from_pretrained(model_dir)

@@ -67,7 +67,7 @@ def device_lines() -> list[str]:
         lines.append(f"gpu       none visible to torch ({build})")
     physical = psutil.cpu_count(logical=False)
     lines.append(f"cpu       {cpu_model()}, {physical or '?'} cores / {os.cpu_count()} threads")
-    from kimitui.kernels import _build, cpu_quant_moe  # the instruction set the packed-expert CPU kernels use
+    from kimitui.kernels.cpu import build as _build, quant_moe as cpu_quant_moe  # the instruction set the packed-expert CPU kernels use
 
     lines.append(f"cpu isa   {cpu_quant_moe.planned_isa()} (INT4 / MXFP4 experts on the CPU)")
     lines.append(f"cpu build {_build.describe()}")
@@ -86,7 +86,7 @@ def version_lines() -> list[str]:
 
 def demo_lines() -> list[str]:
     from kimitui.engine.demo import demo_dir
-    from kimitui.engine.demo_k3 import demo_k3_dir
+    from kimitui.engine.demo.k3 import demo_k3_dir
 
     lines = []
     for name, path, seconds in (("demo", demo_dir(), 4), ("demo-k3", demo_k3_dir(), 10)):
@@ -113,7 +113,7 @@ def numa_lines(args: argparse.Namespace, root: str | None = None) -> list[str]:
 def placement_lines(args: argparse.Namespace) -> list[str]:
     """The planner's placement for --model on --gpus devices (what the engine would build)."""
     from kimitui.engine.config import ConfigError, ModelConfig
-    from kimitui.engine.offload.planner import PlacementError, plan_placement
+    from kimitui.engine.plan.planner import PlacementError, plan_placement
 
     gpus = getattr(args, "gpus", None) or 1
     memory = getattr(args, "gpu_memory_gb", None) or 288.0

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 from kimitui.engine.config import ConfigError, ModelConfig
-from kimitui.engine.offload.planner import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, Placement, PlacementError,
+from kimitui.engine.plan.planner import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, Placement, PlacementError,
                                     plan_placement)
-from kimitui.engine.offload.routing_stats import load_routing_stats
+from kimitui.engine.plan.routing_stats import load_routing_stats
 from kimitui.engine.spec_decode.config import SpeculativeConfig
 from kimitui.engine.units import GiB
 from kimitui.commands.engine_flags import cpu_offload_arg, speculative_config_arg

@@ -14,9 +14,9 @@ from fastapi.responses import JSONResponse, Response
 
 from kimitui.engine import RequestOutput, SamplingParams
 from kimitui.engine.outputs import CompletionOutput
-from kimitui.engine.chat import StreamDelta, ToolCall
-from kimitui.engine.chat_format import ChatFormat, chat_format_for
-from kimitui.engine.xtml_options import THINKING_EFFORTS, OptionError, response_format_type, tool_choice_name
+from kimitui.engine.text.k2 import StreamDelta, ToolCall
+from kimitui.engine.text.chat_format import ChatFormat, chat_format_for
+from kimitui.engine.text.xtml.options import THINKING_EFFORTS, OptionError, response_format_type, tool_choice_name
 from kimitui.server.body import read_body
 from kimitui.server.errors import bad_request, engine_error, error_body
 from kimitui.server.limits import check_prompt_chars_of

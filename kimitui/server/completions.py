@@ -1,7 +1,7 @@
 """POST /v1/completions: text or token-id prompts, ``n`` choices per prompt, streaming or not.
 
 Choice ``i * n + j`` is sample ``j`` of prompt ``i``, as OpenAI numbers them; the ``n`` samples of a
-prompt are one engine request (engine/parallel_sampling.py), so they share its computed prompt."""
+prompt are one engine request (engine/sampling/fanout.py), so they share its computed prompt."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ class SamplingFields(_Body):
     best_of: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # OpenAI's penalties and vLLM's repetition_penalty (engine/layers/penalties.py)
+    # OpenAI's penalties and vLLM's repetition_penalty (engine/sampling/penalties.py)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -84,6 +84,6 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}.
     response_format: dict[str, Any] | None = None
-    # OpenAI's effort names; Kimi K3 maps them onto its thinking effort (engine/xtml_options.py).
+    # OpenAI's effort names; Kimi K3 maps them onto its thinking effort (engine/text/xtml/options.py).
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None

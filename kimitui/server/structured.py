@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from kimitui.engine.structured import StructuredOutputs
-from kimitui.engine.structured.chat_constraints import response_format_constraint, tool_call_constraint
+from kimitui.engine.text.constraints import response_format_constraint, tool_call_constraint
 from kimitui.engine.structured.grammar import GrammarError, check
 from kimitui.server.errors import bad_request
 from kimitui.server.limits import check_schema_depth

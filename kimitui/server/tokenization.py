@@ -75,7 +75,7 @@ async def tokenize(request: Request) -> dict:
 
 
 async def _chat_ids(state, req: TokenizeRequest) -> list[int]:
-    from kimitui.engine.chat_format import chat_format_for
+    from kimitui.engine.text.chat_format import chat_format_for
     from kimitui.server.chat import _template_options
 
     if req.continue_final_message:

@@ -4,9 +4,9 @@ import pytest
 
 from kimitui.engine.kv_cache.block_manager import BlockManager
 from kimitui.engine.output_processor import OutputProcessor
-from kimitui.engine.runner import StepResult
+from kimitui.engine.runner.model_runner import StepResult
 from kimitui.engine.sampling_params import SamplingParams
-from kimitui.engine.scheduler import Scheduler, SchedulerConfig
+from kimitui.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from kimitui.engine.sequence import Sequence
 
 EOS = 99

@@ -11,7 +11,7 @@ from tests.helpers.checkpoints import BASE
 def random_mla_layer(heads: int, seed: int = 0, ops=None) -> MLAttention:
     """``model.layers.0.self_attn`` of the tiny BASE config with ``heads`` heads: norms drawn in
     [0.5, 1.5), other weights N(0, 0.2^2) from one generator seeded ``seed``, then ``post_load``.
-    ``ops``: a kernel backend set on every submodule (as ``kernels.backend.attach_backends`` does);
+    ``ops``: a kernel backend set on every submodule (as ``kernels.select.attach_backends`` does);
     None keeps the layer's default."""
     config = ModelConfig.from_dict({**BASE, "num_attention_heads": heads, "num_key_value_heads": heads,
                                     "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]})

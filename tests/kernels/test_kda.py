@@ -149,7 +149,7 @@ def test_bad_shapes_raise_clear_errors():
 
 
 def test_backend_entry_points_run_the_cpu_forms():
-    from kimitui.kernels.backend import select_backend
+    from kimitui.kernels.select import select_backend
     from kimitui.kernels.settings import KernelSettings
 
     ops = select_backend("cpu", torch.float32, KernelSettings())  # what a CPU model's KDA layers call

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kimitui.kernels import reference as ref
-from kimitui.kernels.triton_backend import TritonBackend
+from kimitui.kernels.triton.backend import TritonBackend
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,7 +38,7 @@ def test_quantised_linears_bf16(dev, m):
 def test_rms_norm_bf16(dev):
     x = torch.randn(4, 7168, device=dev, dtype=torch.bfloat16)
     weight = torch.rand(7168, device=dev, dtype=torch.bfloat16)
-    from kimitui.kernels.rms_norm import rms_norm
+    from kimitui.kernels.triton.rms_norm import rms_norm
 
     _close_bf16(rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6))
 

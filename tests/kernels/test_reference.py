@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kimitui.kernels import cpu_moe
+from kimitui.kernels.cpu import moe as cpu_moe
 from kimitui.kernels import reference as ref
 
 
@@ -258,7 +258,7 @@ def test_moe_quantised_references_match_naive_loop():
 def test_linear_cpu_equals_f_linear_for_every_row_count():
     import torch.nn.functional as F
 
-    from kimitui.kernels.cpu_linear import linear_cpu
+    from kimitui.kernels.cpu.linear import linear_cpu
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 128, generator=g)
@@ -275,7 +275,7 @@ def test_linear_cpu_bf16_is_one_rounding_of_a_float32_product_without_native_bf1
     float32 on the widened weight and round once; elsewhere they are F.linear's bf16 product."""
     import torch.nn.functional as F
 
-    from kimitui.kernels import cpu_linear
+    from kimitui.kernels.cpu import linear as cpu_linear
 
     monkeypatch.setattr(cpu_linear, "onednn_bf16_native", lambda: native)
     g = torch.Generator().manual_seed(1)

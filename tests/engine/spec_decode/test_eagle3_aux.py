@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kimitui.engine import LLM, SamplingParams
-from kimitui.kernels import cpu_few_rows
+from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.settings import KernelSettings
 from tests.helpers.checkpoints import write_hf_checkpoint
 from tests.helpers.eagle3_reference import hf_aux_states

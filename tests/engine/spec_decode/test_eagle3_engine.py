@@ -131,7 +131,7 @@ def test_tensor_parallel_two_ranks(ckpts):
 
 
 def test_forked_samples_carry_the_drafters_kv_and_stay_exact(ckpts):
-    """n = 3 greedy: the samples forked from the first (engine/scheduler.py) get the drafter's KV of
+    """n = 3 greedy: the samples forked from the first (engine/scheduler/scheduler.py) get the drafter's KV of
     the prompt's partial last block with the target's, and their output equals the single request's."""
     target, _, drafter, _, _ = ckpts
     [prompt] = _prompts(1, [40], seed=5)  # 2 full blocks + 8 tokens, one prefill step

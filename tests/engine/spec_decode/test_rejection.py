@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kimitui.engine.layers.sampler import SamplingBatch, sample
+from kimitui.engine.sampling.sampler import SamplingBatch, sample
 from kimitui.engine.spec_decode import rejection
 from kimitui.engine.spec_decode.rejection import rejection_sample, to_lists
 from kimitui.kernels.launch_count import count_launches

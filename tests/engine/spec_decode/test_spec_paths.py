@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kimitui.engine import LLM, SamplingParams
-from kimitui.engine.runner import ModelRunner
+from kimitui.engine.runner.model_runner import ModelRunner
 from tests.engine.spec_decode.scripted import ScriptedProposer
 from tests.engine.spec_decode.test_spec_greedy import SPEC, _prompts, k2_path, k3_path  # noqa: F401
 

@@ -6,7 +6,7 @@ slots are reserved for model drafters."""
 from dataclasses import dataclass
 
 from kimitui.engine.kv_cache.block_manager import BlockManager
-from kimitui.engine.scheduler import Scheduler, SchedulerConfig
+from kimitui.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from kimitui.engine.sequence import Sequence
 
 BS = 4

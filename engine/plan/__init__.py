@@ -1,0 +1,1 @@
+"""Where every weight lives: the placement planner, parameter counts, the printed report."""

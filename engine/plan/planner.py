@@ -1,0 +1,465 @@
+"""Placement planner: memory budget -> where every weight, the KV cache and each routed expert lives.
+
+Order of filling each GPU: non-expert weights (tensor parallel, uneven splits), the MLA latent KV
+cache for ``max_model_len x max_num_seqs`` tokens, the fixed per-sequence state of linear-attention
+layers (Kimi K3's KDA: ``max_num_seqs`` slots, this rank's heads), a reserve for activations and
+workspace (by default the worst step ``max_num_batched_tokens`` and ``max_num_seqs`` allow,
+engine.offload.activation_reserve); then
+routed experts (expert parallel) while they fit; the rest live in host RAM and run on the CPU
+(KTransformers' split; llama.cpp's ``-ot exps=CPU`` offloads all of them). Sizes are bytes; the
+text renderer prints GiB (2^30), the unit the published checkpoint sizes and ``rocm-smi`` use.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from kimitui.engine.config import ModelConfig
+from kimitui.engine.plan.activation_reserve import ActivationReserve, activation_reserve
+from kimitui.engine.plan.param_count import ModelSize, footprint, moe_layers
+from kimitui.engine.parallel.state import split_sizes
+from kimitui.engine.units import GiB
+
+DEFAULT_BLOCK_SIZE = 64   # FlashMLA / vLLM MLA page size
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # the engine's default (engine.args.EngineArgs)
+
+
+class PlacementError(ValueError):
+    """The model does not fit under the requested policy; ``placement`` holds the attempted plan."""
+
+    def __init__(self, message: str, placement: "Placement | None" = None):
+        super().__init__(message)
+        self.placement = placement
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """What one GPU holds, in bytes."""
+
+    index: int
+    heads: int
+    vocab_rows: int
+    non_expert_bytes: int
+    num_experts: int
+    expert_bytes: int
+    kv_bytes: int
+    reserve_bytes: int
+    capacity_bytes: int
+    state_bytes: int = 0  # KDA state slots (max_num_seqs x this rank's heads), 0 for pure MLA
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.non_expert_bytes + self.expert_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.state_bytes + self.reserve_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.total_bytes
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A complete plan. ``expert_device[layer][expert]`` is a GPU index or -1 (host RAM, CPU compute);
+    dense layers have an empty row.
+
+    ``max_model_len_by_memory``: the largest context (a multiple of ``block_size``) for which
+    ``max_num_seqs`` full-length sequences fit under the same ``cpu_offload`` policy, the experts
+    re-placed for that length ("auto" may move every routed expert to host RAM, an int N keeps N per
+    layer there, "none" keeps all on GPU). ``max_model_len_that_fits`` caps it at the model's
+    ``max_position_embeddings``. ``max_model_len_with_placement``: the largest such context that
+    fits with the routed experts left where this plan put them (0 if the plan does not fit).
+    """
+
+    model: str
+    num_devices: int
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int
+    cpu_offload: str | int
+    devices: tuple[DevicePlan, ...]
+    host_bytes: int
+    host_capacity_bytes: int | None
+    expert_bytes: int
+    kv_bytes_per_token: int
+    expert_device: tuple[tuple[int, ...], ...]
+    fits: bool
+    problems: tuple[str, ...]
+    notes: tuple[str, ...]
+    max_model_len_by_memory: int
+    max_model_len_that_fits: int
+    max_model_len_with_placement: int
+    max_position_embeddings: int
+    model_size: ModelSize
+    state_bytes_per_seq: int = 0      # KDA state of one sequence, all layers, all ranks together
+    num_state_layers: int = 0         # KDA layers
+    num_paged_layers: int = 0         # MLA layers
+    max_num_seqs_with_placement: int = 0  # sequences of max_model_len that fit beside these weights
+    activation: ActivationReserve | None = None  # what the reserve is made of (None: given explicitly)
+
+    @property
+    def num_cpu_experts(self) -> int:
+        return sum(row.count(-1) for row in self.expert_device)
+
+    @property
+    def fits_on_gpus(self) -> bool:
+        """The plan fits with every routed expert on a GPU (no CPU expert compute)."""
+        return self.fits and self.num_cpu_experts == 0
+
+    def seq_bytes(self, model_len: int) -> int:
+        """GPU bytes one sequence of ``model_len`` tokens costs over all GPUs: its MLA latent on every
+        GPU (replicated) plus its KDA state (split by head)."""
+        blocks = math.ceil(model_len / self.block_size) * self.block_size
+        return self.num_devices * blocks * self.kv_bytes_per_token + self.state_bytes_per_seq
+
+    @property
+    def shortfall_bytes(self) -> int:
+        """GPU bytes missing over all devices (0 when the GPUs fit)."""
+        return sum(max(0, -d.free_bytes) for d in self.devices)
+
+    @property
+    def host_shortfall_bytes(self) -> int:
+        if self.host_capacity_bytes is None:
+            return 0
+        return max(0, self.host_bytes - self.host_capacity_bytes)
+
+    def experts_per_layer(self) -> dict[int, tuple[int, int]]:
+        """{MoE layer: (experts on GPU, experts on CPU)}."""
+        return {i: (len(r) - r.count(-1), r.count(-1)) for i, r in enumerate(self.expert_device) if r}
+
+    def summary_lines(self) -> list[str]:
+        """Human-readable plan: a table per GPU, host RAM, experts per layer, fit and largest context."""
+        from kimitui.engine.plan.report import render
+
+        return render(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (bytes as integers)."""
+        return {
+            "model": self.model, "num_devices": self.num_devices, "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs, "block_size": self.block_size, "cpu_offload": self.cpu_offload,
+            "fits": self.fits, "fits_on_gpus": self.fits_on_gpus, "problems": list(self.problems), "notes": list(self.notes),
+            "devices": [asdict(d) | {"weight_bytes": d.weight_bytes, "total_bytes": d.total_bytes,
+                                     "free_bytes": d.free_bytes} for d in self.devices],
+            "host": {"num_experts": self.num_cpu_experts, "bytes": self.host_bytes,
+                     "capacity_bytes": self.host_capacity_bytes},
+            "shortfall_bytes": self.shortfall_bytes, "host_shortfall_bytes": self.host_shortfall_bytes,
+            "expert_bytes": self.expert_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
+            "state_bytes_per_seq": self.state_bytes_per_seq, "num_kda_layers": self.num_state_layers,
+            "num_mla_layers": self.num_paged_layers, "max_num_seqs_with_placement": self.max_num_seqs_with_placement,
+            "max_model_len_by_memory": self.max_model_len_by_memory,
+            "max_model_len_that_fits": self.max_model_len_that_fits,
+            "max_model_len_with_placement": self.max_model_len_with_placement,
+            "max_position_embeddings": self.max_position_embeddings,
+            "experts_per_layer": {str(k): {"gpu": g, "cpu": c} for k, (g, c) in self.experts_per_layer().items()},
+            "expert_device": [list(r) for r in self.expert_device],
+            "model_size": {k: {"params": v.params, "bytes": v.nbytes} for k, v in self.model_size.parts.items()},
+            "storage_bytes": dict(self.model_size.storage),
+            "reserve": self.activation.to_dict() if self.activation is not None else
+                       {"bytes": self.devices[0].reserve_bytes, "given": True},
+        }
+
+
+def _normalize_stats(stats: dict | list, config: ModelConfig) -> dict[int, tuple[float, ...]]:
+    layers = moe_layers(config)
+    if isinstance(stats, dict) and "tokens_per_expert" in stats:
+        stats = stats["tokens_per_expert"]
+    if isinstance(stats, dict):
+        items = {int(k): v for k, v in stats.items()}
+    elif isinstance(stats, (list, tuple)):
+        if len(stats) == config.num_hidden_layers:
+            items = {i: v for i, v in enumerate(stats) if v}
+        elif len(stats) == len(layers):
+            items = dict(zip(layers, stats))
+        else:
+            raise ValueError(f"routing statistics have {len(stats)} layers; expected {config.num_hidden_layers} "
+                             f"(all layers) or {len(layers)} (MoE layers)")
+    else:
+        raise ValueError("routing statistics must be a dict of layer -> counts or a nested list")
+    out = {}
+    for layer, counts in items.items():
+        if layer not in layers:
+            if counts:
+                raise ValueError(f"routing statistics given for layer {layer}, which is not a MoE layer")
+            continue
+        if len(counts) != config.n_routed_experts or any(not isinstance(x, (int, float)) or x < 0 for x in counts):
+            raise ValueError(f"routing statistics for layer {layer} must be {config.n_routed_experts} "
+                             "non-negative counts")
+        out[layer] = tuple(float(x) for x in counts)
+    return out
+
+
+# -- planning ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Budget:
+    """The numbers that decide feasibility, shared by the plan and the context-length search."""
+
+    capacity: int
+    non_expert: tuple[int, ...]
+    reserve: int
+    kv_per_token: int
+    max_num_seqs: int
+    block_size: int
+    expert_bytes: int
+    num_moe_layers: int
+    n_experts: int
+    policy: str | int
+    host_capacity: int | None
+    state_per_seq: tuple[int, ...] = ()  # per device: KDA state bytes of one sequence on that rank
+    states_per_seq: int = 1  # 1 + num_speculative_tokens with speculative decoding (scratch states)
+    drafter_kv_per_token: int = 0  # an EAGLE-3 drafter's KV, on the first GPU only
+
+    def state(self, d: int) -> int:
+        return self.max_num_seqs * self.state_per_seq[d] * self.states_per_seq if self.state_per_seq else 0
+
+    def fixed(self, kv: int) -> list[int]:
+        """Per device: everything but the routed experts."""
+        drafter_kv = kv * self.drafter_kv_per_token // self.kv_per_token if self.kv_per_token else 0
+        return [ne + kv + self.state(d) + self.reserve + (drafter_kv if d == 0 else 0)
+                for d, ne in enumerate(self.non_expert)]
+
+    def kv_bytes(self, model_len: int) -> int:
+        # Each sequence holds whole blocks. With tensor-parallel MLA the latent is not split by head,
+        # so every rank caches all tokens: KV is replicated, not divided, across GPUs.
+        return self.max_num_seqs * math.ceil(model_len / self.block_size) * self.block_size * self.kv_per_token
+
+    def slots(self, kv: int) -> list[int]:
+        free = [self.capacity - f for f in self.fixed(kv)]
+        return [max(0, f // self.expert_bytes) if self.expert_bytes else 0 for f in free]
+
+    def gpu_experts_needed(self) -> int:
+        total = self.num_moe_layers * self.n_experts
+        if self.policy == "none":
+            return total
+        if self.policy == "auto":
+            if self.host_capacity is None:
+                return 0
+            return total - min(total, self.host_capacity // max(1, self.expert_bytes))
+        return self.num_moe_layers * (self.n_experts - self.policy)
+
+    def fits(self, kv: int) -> bool:
+        if any(f > self.capacity for f in self.fixed(kv)):
+            return False
+        if isinstance(self.policy, int) and self.host_capacity is not None:
+            if self.policy * self.num_moe_layers * self.expert_bytes > self.host_capacity:
+                return False
+        return sum(self.slots(kv)) >= self.gpu_experts_needed()
+
+    def max_len_by_memory(self) -> int:
+        per_block = self.max_num_seqs * self.block_size * self.kv_per_token
+        if not self.fits(0):
+            return 0
+        lo = 0  # blocks per sequence known to fit
+        hi = (self.capacity - min(self.non_expert) - self.reserve) // per_block + 1  # known not to fit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.fits(self.kv_bytes(mid * self.block_size)) else (lo, mid)
+        return lo * self.block_size
+
+
+def _parse_policy(cpu_offload: str | int, n_experts: int) -> str | int:
+    if cpu_offload in ("auto", "none"):
+        return cpu_offload
+    try:
+        n = int(cpu_offload)
+    except (TypeError, ValueError):
+        raise ValueError(f"cpu_offload must be 'auto', 'none' or an integer, got {cpu_offload!r}") from None
+    if not 0 <= n <= n_experts:
+        raise ValueError(f"cpu_offload={n}: must be between 0 and n_routed_experts ({n_experts})")
+    return n
+
+
+def _layer_counts(g_total: int, layers: list[int], n: int, stats: dict[int, tuple[float, ...]]) -> list[int]:
+    # Same number of GPU experts in every layer, +1 for the layers whose next expert is hottest.
+    base, extra = divmod(g_total, len(layers))
+    if base >= n:
+        return [n] * len(layers)
+
+    def marginal(li: int) -> float:
+        counts = stats.get(layers[li])
+        if not counts:
+            return 0.0
+        return sorted(counts, reverse=True)[base] / (sum(counts) or 1.0)
+
+    bonus = set(sorted(range(len(layers)), key=lambda li: (-marginal(li), li))[:extra])
+    return [base + (li in bonus) for li in range(len(layers))]
+
+
+def _device_targets(g_total: int, slots: list[int]) -> list[int]:
+    n, cap = len(slots), sum(slots)
+    by_room = sorted(range(n), key=lambda d: (-slots[d], d))
+    even = [0] * n
+    for d, share in zip(by_room, split_sizes(g_total, n)):
+        even[d] = share
+    if all(e <= s for e, s in zip(even, slots)):
+        return even
+    if g_total > cap:  # does not fit: fill every GPU, spread the excess so the overflow shows
+        return [s + x for s, x in zip(slots, split_sizes(g_total - cap, n))]
+    exact = [g_total * s / cap for s in slots]
+    out = [int(x) for x in exact]
+    for d in sorted(range(n), key=lambda d: (out[d] - exact[d], d))[: g_total - sum(out)]:
+        out[d] += 1
+    return out
+
+
+def _deal(targets: list[int]):
+    # Smooth weighted round robin: device d comes up targets[d] times in sum(targets) picks, evenly
+    # interleaved, so every layer's GPU experts spread over all GPUs in proportion.
+    total, current = sum(targets), [0] * len(targets)
+    for _ in range(total):
+        for d, t in enumerate(targets):
+            current[d] += t
+        best = max(range(len(targets)), key=lambda d: current[d])
+        current[best] -= total
+        yield best
+
+
+def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_bytes: int, max_model_len: int,
+                   max_num_seqs: int, cpu_offload: str | int = "auto",
+                   reserve_bytes_per_device: int | None = None, routing_stats: dict | list | None = None,
+                   host_memory_bytes: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                   max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                   decode_graphs: bool | None = None, speculative=None) -> Placement:
+    """Decide where every weight lives on ``num_devices`` GPUs plus host RAM.
+
+    ``cpu_offload``: "auto" puts in host RAM only the routed experts that do not fit; an int N puts
+    exactly N experts of every MoE layer there (the coldest by ``routing_stats``, else the highest
+    indices); "none" raises ``PlacementError`` (with the shortfall) when the GPUs cannot hold it all.
+    ``routing_stats``: tokens routed to each expert, ``{layer: [count per expert]}`` or a nested list.
+    ``reserve_bytes_per_device``: kept back on every GPU for activations and workspace; None (the
+    default) estimates it for steps of ``max_num_batched_tokens`` tokens and ``max_num_seqs``
+    sequences (engine.offload.activation_reserve), with the decode graphs' pool when
+    ``decode_graphs`` (None: as the engine decides, on one GPU only).
+    ``speculative``: a SpeculativeConfig; its verification rows, KDA scratch states and an EAGLE-3
+    drafter's weights and KV (first GPU) are counted (engine.spec_decode.footprint).
+    Other plans that do not fit come back with ``fits=False`` and the reasons in ``problems``.
+    """
+    for name, v in (("num_devices", num_devices), ("max_model_len", max_model_len),
+                    ("max_num_seqs", max_num_seqs), ("block_size", block_size),
+                    ("max_num_batched_tokens", max_num_batched_tokens)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if memory_per_device_bytes <= 0 or (reserve_bytes_per_device is not None and reserve_bytes_per_device < 0):
+        raise ValueError("memory_per_device_bytes must be positive and reserve_bytes_per_device non-negative")
+    activation = None
+    k = speculative.num_speculative_tokens if speculative is not None else 0
+    if reserve_bytes_per_device is None:
+        graphs = num_devices == 1 if decode_graphs is None else decode_graphs
+        activation = activation_reserve(config, num_devices, max(max_num_batched_tokens, max_num_seqs * (1 + k)),
+                                        max_num_seqs * (1 + k), max_model_len, graphs)
+        reserve_bytes_per_device = activation.total
+    n_exp = config.n_routed_experts
+    policy = _parse_policy(cpu_offload, n_exp)
+    stats = _normalize_stats(routing_stats, config) if routing_stats is not None else {}
+    layers = moe_layers(config)
+    # the engine's own model for this many ranks, built on the meta device: a split the engine
+    # cannot make raises here, naming the tensor
+    fp = footprint(config, num_devices)
+    e = fp.size.routed_expert.nbytes
+    non_expert, drafter_kv = list(fp.non_expert_per_device), 0
+    if speculative is not None and speculative.method == "eagle3":
+        from kimitui.engine.spec_decode.footprint import drafter_footprint
+
+        drafter = drafter_footprint(speculative.model, config.hidden_size, config.vocab_size)
+        non_expert[0] += drafter.weight_bytes
+        drafter_kv = drafter.kv_bytes_per_token
+    budget = _Budget(int(memory_per_device_bytes), tuple(non_expert), int(reserve_bytes_per_device),
+                     fp.kv_bytes_per_token, max_num_seqs, block_size, e, len(layers), n_exp, policy,
+                     None if host_memory_bytes is None else int(host_memory_bytes), fp.state_bytes_per_seq_per_device,
+                     1 + k, drafter_kv)
+
+    kv = budget.kv_bytes(max_model_len)
+    slots = budget.slots(kv)
+    total = len(layers) * n_exp
+    if policy == "auto":
+        g_total = max(min(total, sum(slots)), budget.gpu_experts_needed())
+        counts = _layer_counts(g_total, layers, n_exp, stats) if layers else []
+    else:
+        counts = [n_exp - (0 if policy == "none" else policy)] * len(layers)
+    dealer = _deal(_device_targets(sum(counts), slots))
+
+    rows: list[tuple[int, ...]] = [()] * config.num_hidden_layers
+    per_device = [0] * num_devices
+    for layer, g in zip(layers, counts):
+        hot = stats.get(layer)
+        order = sorted(range(n_exp), key=lambda x: (-hot[x], x)) if hot else list(range(n_exp))
+        devs = [next(dealer) for _ in range(g)]
+        row = [-1] * n_exp
+        # With stats the hottest experts go round-robin over GPUs (balanced load); without, each GPU
+        # takes a contiguous block of expert ids as in plain expert parallelism.
+        pairs = zip(order[:g], devs) if hot else zip(sorted(order[:g]), sorted(devs))
+        for x, d in pairs:
+            row[x] = d
+            per_device[d] += 1
+        rows[layer] = tuple(row)
+
+    heads, vocab = split_sizes(config.num_attention_heads, num_devices), split_sizes(config.vocab_size, num_devices)
+    dkv = kv * budget.drafter_kv_per_token // budget.kv_per_token if budget.kv_per_token else 0
+    devices = tuple(DevicePlan(d, heads[d], vocab[d], budget.non_expert[d], per_device[d], per_device[d] * e,
+                               kv + (dkv if d == 0 else 0),
+                               budget.reserve, budget.capacity, budget.state(d)) for d in range(num_devices))
+    host_bytes = (total - sum(counts)) * e
+    problems = [f"GPU {d.index} needs {d.total_bytes / GiB:.2f} GiB but has {d.capacity_bytes / GiB:.2f} GiB "
+                f"(short by {-d.free_bytes / GiB:.2f} GiB)" for d in devices if d.free_bytes < 0]
+    if policy == "auto" and g_total > sum(slots) and budget.host_capacity is not None:
+        problems.append(f"host RAM: {budget.host_capacity / GiB:.2f} GiB holds only {total - g_total} of the "
+                        f"{total - sum(slots)} experts that do not fit on the GPUs")
+    if host_memory_bytes is not None and host_bytes > host_memory_bytes:
+        problems.append(f"host RAM: CPU experts need {host_bytes / GiB:.2f} GiB but {host_memory_bytes / GiB:.2f} "
+                        "GiB were given")
+    notes = []
+    if max_model_len > config.max_position_embeddings:
+        notes.append(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                     f"({config.max_position_embeddings})")
+    by_memory = budget.max_len_by_memory()
+    placement = Placement(
+        model=config.name or config.model_type, num_devices=num_devices, max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs, block_size=block_size, cpu_offload=policy, devices=devices,
+        host_bytes=host_bytes, host_capacity_bytes=budget.host_capacity, expert_bytes=e,
+        kv_bytes_per_token=budget.kv_per_token, expert_device=tuple(rows), fits=not problems,
+        problems=tuple(problems), notes=tuple(notes), max_model_len_by_memory=by_memory,
+        max_model_len_that_fits=min(by_memory, config.max_position_embeddings),
+        max_model_len_with_placement=_len_with_placement(devices, budget),
+        max_position_embeddings=config.max_position_embeddings, model_size=fp.size,
+        state_bytes_per_seq=sum(fp.state_bytes_per_seq_per_device), num_state_layers=fp.num_state_layers,
+        num_paged_layers=fp.num_paged_layers,
+        max_num_seqs_with_placement=_seqs_with_placement(devices, budget, max_model_len), activation=activation)
+    if policy == "none" and not placement.fits:
+        raise PlacementError(_none_message(placement, budget, slots), placement)
+    return placement
+
+
+def _len_with_placement(devices: tuple[DevicePlan, ...], budget: _Budget) -> int:
+    per_block = budget.max_num_seqs * budget.block_size * budget.kv_per_token
+    room = min(d.capacity_bytes - d.weight_bytes - d.reserve_bytes - d.state_bytes for d in devices)
+    return max(0, room // per_block) * budget.block_size if per_block else 0
+
+
+def _seqs_with_placement(devices: tuple[DevicePlan, ...], budget: _Budget, model_len: int) -> int:
+    # One sequence costs each GPU its whole MLA latent (replicated) plus that rank's KDA state share.
+    one = replace(budget, max_num_seqs=1)
+    kv = one.kv_bytes(model_len)
+    counts = []
+    for d in devices:
+        per_seq = kv + one.state(d.index)
+        room = d.capacity_bytes - d.weight_bytes - d.reserve_bytes
+        counts.append(max(0, room) // per_seq if per_seq else 0)
+    return min(counts)
+
+
+def _none_message(p: Placement, budget: _Budget, slots: list[int]) -> str:
+    short = p.shortfall_bytes
+    msg = (f"{p.model} does not fit on {p.num_devices} x {budget.capacity / GiB:.1f} GiB without CPU offload: "
+           f"short by {short / GiB:.1f} GiB ({short / 1e9:.1f} GB) of GPU memory at max_model_len "
+           f"{p.max_model_len} x {p.max_num_seqs} seq(s)")
+    missing = budget.num_moe_layers * budget.n_experts - sum(slots)
+    if budget.num_moe_layers and missing > 0 and all(f <= budget.capacity
+                                                     for f in budget.fixed(p.devices[0].kv_bytes)):
+        msg += (f"; use cpu_offload='auto' or at least {math.ceil(missing / budget.num_moe_layers)} "
+                "CPU experts per layer")
+    return msg

@@ -1,0 +1,44 @@
+// Types shared by cpu_quant_moe.cpp (the MoE call) and cpu_quant_moe_isa.cpp (its per-instruction-set
+// kernels): one expert matrix in the tile layout of kernels/cpu/quant_moe_layout.py, and the kernels'
+// signature.
+#pragma once
+
+#include <cstdint>
+
+namespace cpu_quant_moe {
+
+constexpr int kTileRows = 16;
+
+// One expert's matrix [N, K] as tiles of 16 rows: tile t starts at data + t * tile_bytes with its
+// scale block (scale_block bytes: groups x 16 scales, bf16 or E8M0), then groups x 256 code bytes.
+struct Tiles {
+  const uint8_t* data;
+  int64_t tile_bytes;
+  int64_t scale_block;
+  int64_t groups;  // ceil(K / 32)
+  bool e8m0;       // MXFP4 (E2M1 codes, E8M0 scales); else INT4 (offset-8 codes, bf16 scales)
+};
+
+// out[c * ostride + r] = <row 16 * tile + r, x[c]> for r < nr <= 16, c < nc. x rows hold groups * 32
+// activations, zero past K: float32 (TileDotF32) or bf16 bits (TileDotBf16, pairs read as uint32).
+using TileDotF32 = void (*)(const Tiles&, int64_t tile, int nr, const float* const* x, int nc, float* out,
+                            int64_t ostride);
+using TileDotBf16 = void (*)(const Tiles&, int64_t tile, int nr, const uint16_t* const* x, int nc, float* out,
+                             int64_t ostride);
+// The AMX-BF16 kernel (cpu_quant_moe_amx.cpp): the same out as TileDotBf16, but the nc activation rows
+// are x, x + xs bytes, ... (one strided tile load per 16 tokens). Call only where best_isa()
+// (cpu_quant_moe.cpp) found AMX usable.
+extern const bool kAmxBuilt;  // whether this build has the AMX kernel
+void tile_dot_amx_bf16(const Tiles&, int64_t tile, int nr, const uint16_t* x, int64_t xs, int nc, float* out,
+                       int64_t os);
+void tile_dot_avx512bf16(const Tiles&, int64_t, int, const uint16_t* const*, int, float*, int64_t);
+void tile_dot_avx512(const Tiles&, int64_t, int, const float* const*, int, float*, int64_t);
+void tile_dot_avx2(const Tiles&, int64_t, int, const float* const*, int, float*, int64_t);
+void tile_dot_scalar(const Tiles&, int64_t, int, const float* const*, int, float*, int64_t);
+
+// nibble -> code value: INT4 stores q + 8; E2M1 (bit 3 the sign) as in the OCP MX spec.
+extern const float kInt4Lut[16];
+extern const float kE2M1Lut[16];
+extern float g_e8m0[256];  // E8M0 byte -> 2^(b - 127), 255 -> NaN (filled when the module loads)
+
+}  // namespace cpu_quant_moe

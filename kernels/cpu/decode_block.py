@@ -1,0 +1,223 @@
+"""Each half of a DeepSeek-V3 decoder layer as one C++ call, for a few float32 or bf16 rows on a CPU.
+
+``attention``: ``x + o_proj(MLA(input_layernorm(x)))`` for a step of decodes (writes the newest
+latents); ``ffn``: ``x + MoE or MLP(post_attention_layernorm(x))``. They chain the kernels the layer
+calls one by one (``cpu_decode_block.cpp``), in the same order, so the results are bit for bit those
+of the unfused layer (float32); what goes is the Python between the kernels.
+
+A bf16 model fuses too: its matrices and latent cache stay bf16 (the kernels widen them in
+registers, so a step reads half the bytes), while the few small vectors the kernels take as float32
+(norm weights, rotary tables, the router's weight and bias) are cast once here, when the layer is
+fused. Inside a block a bf16 model's activations are float32 and only the block's output is rounded
+to bf16 (the exact-accumulation choice): its results are within bf16 rounding of the op-by-op bf16
+layer, not bit-identical to it.
+
+The CPU backend builds a ``FusedDecoderLayer`` once per layer after loading
+(``CpuBackend.fuse_decoder_layer``), reading the layer's weights by name into one dataclass per
+half; a half whose weights the kernels cannot take (quantised, sharded, not contiguous float32 or
+bf16 CPU tensors) stays None and runs op by op.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kimitui.kernels.cpu import few_rows as cpu_few_rows
+from kimitui.kernels.backend import written_rows
+
+_ABSENT = torch.empty(0)  # an absent weight, for the C++ side (never written)
+DTYPES = (torch.float32, torch.bfloat16)  # the dtypes of the matrices (and activations) the blocks take
+
+
+def _dense(*tensors: torch.Tensor) -> bool:
+    # contiguous CPU tensors of one dtype the kernels read (float32 or bf16)
+    return (len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in DTYPES
+            and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors))
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    # a small vector the kernels take as float32: itself, or a float32 copy made once at fuse time
+    # (exact from bf16)
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionBlockWeights:
+    """The fixed arguments of ``attention_block``, in the C++ function's order."""
+
+    norm: torch.Tensor  # input_layernorm [D]
+    norm_eps: float
+    in_proj: torch.Tensor  # q_a_proj (or q_proj) stacked on kv_a_proj_with_mqa [q_width + r + rope, D]
+    q_width: int
+    q_norm: torch.Tensor  # q_a_layernorm [q_lora_rank], or empty without a q LoRA
+    q_norm_eps: float
+    q_b: torch.Tensor  # q_b_proj [H * (nope + rope), q_lora_rank], or empty
+    heads: int
+    kv_norm: torch.Tensor  # kv_a_layernorm [r]
+    kv_norm_eps: float
+    cos: torch.Tensor  # rotary tables [P, rope / 2]
+    sin: torch.Tensor
+    w_uk: torch.Tensor  # [H, nope, r]
+    w_uv: torch.Tensor  # [H, v, r]
+    scale: float  # softmax scale
+    o_proj: torch.Tensor  # [D, H * v]
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple:
+        """The fields in order, as the C++ function takes them (built once: this runs every step)."""
+        # not dataclasses.astuple, which deep-copies every tensor
+        return tuple(getattr(self, f) for f in self.__dataclass_fields__)
+
+
+@dataclass(frozen=True, eq=False)
+class FfnBlockWeights:
+    """The fixed arguments of ``ffn_block``, in the C++ function's order: a dense SwiGLU MLP
+    (``router`` empty), or a MoE: router, routed experts and the shared experts (when the model has
+    them) as gate_up / down."""
+
+    norm: torch.Tensor  # post_attention_layernorm [D]
+    norm_eps: float
+    gate_up: torch.Tensor  # [2I, D] (gate rows, then up), or empty
+    down: torch.Tensor  # [D, I], or empty
+    router: torch.Tensor  # [E, D], or empty for a dense MLP
+    bias: torch.Tensor  # e_score_correction_bias [E]
+    top_k: int
+    n_group: int
+    topk_group: int
+    sigmoid: bool  # scoring_func == "sigmoid" (else softmax)
+    norm_topk_prob: bool
+    scaling: float
+    w13: torch.Tensor  # routed experts [E, 2I, D]
+    w2: torch.Tensor  # [E, D, I]
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple:
+        """The fields in order, as the C++ function takes them."""
+        return tuple(getattr(self, f) for f in self.__dataclass_fields__)
+
+
+def attention_weights(norm, attn) -> AttentionBlockWeights | None:
+    """``norm`` (the layer's input RMSNorm) and ``attn`` (its ``MLAttention``) by name, or None where
+    the kernel cannot take them: quantised or sharded weights, or matrices that are not float32 or
+    bf16 CPU tensors of one dtype."""
+    q_b = getattr(attn, "q_b_proj", None)
+    q_norm = getattr(attn, "q_a_layernorm", None)
+    q_in = attn.q_proj if q_b is None else attn.q_a_proj
+    # The kernel computes rotary MLA without an output gate (DeepSeek-V3, Kimi K2), not NoPE or gated
+    # MLA (Kimi Linear / K3).
+    if (attn.in_proj is None or attn.par.is_parallel or attn.o_proj.fmt != "dense" or attn.rope is None
+            or getattr(attn, "g_proj", None) is not None or (q_b is not None and q_b.fmt != "dense")):
+        return None
+    matrices = [attn.in_proj, attn.w_uk, attn.w_uv, attn.o_proj.weight] + ([q_b.weight] if q_b is not None else [])
+    vectors = [norm.weight, attn.kv_a_layernorm.weight, attn.rope.cos, attn.rope.sin]
+    if q_b is not None:
+        vectors.append(q_norm.weight)
+    if not (_dense(*matrices) and all(t.device.type == "cpu" and t.dtype in DTYPES for t in vectors)):
+        return None
+    return AttentionBlockWeights(
+        norm=_f32(norm.weight), norm_eps=float(norm.eps), in_proj=attn.in_proj, q_width=int(q_in.out_features),
+        q_norm=_ABSENT if q_b is None else _f32(q_norm.weight), q_norm_eps=0.0 if q_b is None else float(q_norm.eps),
+        q_b=_ABSENT if q_b is None else q_b.weight, heads=int(attn.num_heads),
+        kv_norm=_f32(attn.kv_a_layernorm.weight), kv_norm_eps=float(attn.kv_a_layernorm.eps), cos=_f32(attn.rope.cos),
+        sin=_f32(attn.rope.sin), w_uk=attn.w_uk, w_uv=attn.w_uv, scale=float(attn.scale), o_proj=attn.o_proj.weight)
+
+
+def _mlp_fusable(mlp) -> bool:
+    # dense gate_up and down on one rank; the kernel computes SiLU only
+    act = getattr(mlp, "act", None)
+    return (mlp.gate_up is not None and mlp.down_proj.fmt == "dense" and not mlp.parallel
+            and (act is None or act.is_silu))
+
+
+def ffn_weights(norm, ffn) -> FfnBlockWeights | None:
+    """``norm`` (the post-attention RMSNorm) and ``ffn`` (an ``MLP``, or a ``MoE`` with ``gate``,
+    ``experts`` and ``shared_experts``) by name, or None unless every matrix is a dense CPU tensor
+    of one dtype, float32 or bf16, on this one rank (a MoE: every routed expert in this process's
+    one stack). The norm weight and the router (weight and bias) go to the kernel as float32."""
+    gate = getattr(ffn, "gate", None)
+    if gate is None:  # a dense MLP
+        if not (_mlp_fusable(ffn) and _dense(ffn.gate_up, ffn.down_proj.weight) and norm.weight.dtype in DTYPES):
+            return None
+        return FfnBlockWeights(norm=_f32(norm.weight), norm_eps=float(norm.eps), gate_up=ffn.gate_up,
+                               down=ffn.down_proj.weight, router=_ABSENT, bias=_ABSENT, top_k=0, n_group=1,
+                               topk_group=1, sigmoid=True, norm_topk_prob=True, scaling=1.0, w13=_ABSENT, w2=_ABSENT)
+    experts, shared = ffn.experts, ffn.shared_experts
+    # the kernel's MoE runs SiLU experts only (its C++ moe() takes SiTU, ffn_block does not pass it)
+    if (ffn.parallel or not experts.whole_layer_local or experts.local.fmt != "dense"
+            or getattr(experts.local, "activation", None) is not None):
+        return None
+    if shared is not None and not _mlp_fusable(shared):
+        return None
+    stack = experts.local
+    matrices = [stack.w13_weight, stack.w2_weight]
+    if shared is not None:
+        matrices += [shared.gate_up, shared.down_proj.weight]
+    vectors = [norm.weight, gate.weight, gate.e_score_correction_bias]
+    if not (_dense(*matrices) and all(t.device.type == "cpu" and t.dtype in DTYPES for t in vectors)):
+        return None
+    return FfnBlockWeights(
+        norm=_f32(norm.weight), norm_eps=float(norm.eps), gate_up=_ABSENT if shared is None else shared.gate_up,
+        down=_ABSENT if shared is None else shared.down_proj.weight, router=_f32(gate.weight),
+        bias=_f32(gate.e_score_correction_bias), top_k=int(gate.top_k), n_group=int(gate.n_group),
+        topk_group=int(gate.topk_group), sigmoid=gate.scoring_func == "sigmoid",
+        norm_topk_prob=bool(gate.norm_topk_prob), scaling=float(gate.scaling), w13=stack.w13_weight,
+        w2=stack.w2_weight)
+
+
+class FusedDecoderLayer:
+    """The fused halves of one decoder layer; either may be None (that half runs op by op)."""
+
+    def __init__(self, attention: AttentionBlockWeights | None, ffn: FfnBlockWeights | None,
+                 routing_counts: torch.Tensor, backend, experts=None):
+        self.attention_weights = attention
+        self.ffn_weights = ffn
+        self.routing_counts = routing_counts  # [E] int64, the MoE's counts (empty for a dense MLP)
+        self.experts = experts  # the MoE's RoutedExperts (None for a dense MLP), for its count_rows
+        self.backend = backend  # the CpuBackend: its MoE scratch buffer and lock
+
+    def attention_fusable(self, x: torch.Tensor, meta) -> bool:
+        """Whether this step's ``x [T, D]`` goes through ``attention``: decodes only, every output
+        wanted, up to ``MAX_ROWS`` float32 or bf16 rows, a latent cache of the matrices' dtype."""
+        return (self.attention_weights is not None and 0 < x.shape[0] <= cpu_few_rows.MAX_ROWS
+                and x.dtype in DTYPES and meta.decodes_only(x.shape[0]))
+
+    def attention(self, x: torch.Tensor, meta, cache: torch.Tensor) -> torch.Tensor:
+        """``x + o_proj(MLA(norm(x)))``; cache [num_blocks, block_size, r + rope]. A decode graph's
+        padding rows (slot -1) keep ``x`` and write no cache slot."""
+        rows = written_rows(meta.slot_mapping)
+        if rows is not None:
+            out = x.clone()
+            if rows.numel():
+                out[rows] = cpu_few_rows.attention_block(
+                    x[rows], meta.positions[rows], meta.slot_mapping[rows], cache.view(-1, cache.shape[-1]),
+                    meta.decode_block_tables[rows], meta.decode_context_lens[rows], meta.block_size,
+                    self.attention_weights)
+            return out
+        return cpu_few_rows.attention_block(x, meta.positions, meta.slot_mapping, cache.view(-1, cache.shape[-1]),
+                                            meta.decode_block_tables, meta.decode_context_lens, meta.block_size,
+                                            self.attention_weights)
+
+    def ffn_fusable(self, x: torch.Tensor) -> bool:
+        """Whether this step's ``x [T, D]`` goes through ``ffn``: up to ``MAX_ROWS`` float32 or bf16 rows, every
+        row's routing counted (the C++ block counts them all; a decode graph's padding rows must not)."""
+        return (self.ffn_weights is not None and 0 < x.shape[0] <= cpu_few_rows.MAX_ROWS and x.dtype in DTYPES
+                and getattr(self.experts, "count_rows", None) is None)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """``x + ffn(norm(x))``, counting a MoE's routing into ``routing_counts``."""
+        return cpu_few_rows.ffn_block(x, self.routing_counts, self.ffn_weights, self.backend.moe_scratch)
+
+
+def fuse_decoder_layer(layer, backend) -> FusedDecoderLayer | None:
+    """The fused halves of a loaded DeepSeek-V3 ``DecoderLayer`` (``input_layernorm``, ``self_attn``,
+    ``post_attention_layernorm``, ``mlp``), or None when neither half can be fused."""
+    attention = attention_weights(layer.input_layernorm, layer.self_attn)
+    ffn = ffn_weights(layer.post_attention_layernorm, layer.mlp)
+    if attention is None and ffn is None:
+        return None
+    experts = getattr(layer.mlp, "experts", None)
+    counts = experts.routing_counts if experts is not None else torch.empty(0, dtype=torch.int64)
+    return FusedDecoderLayer(attention, ffn, counts, backend, experts)

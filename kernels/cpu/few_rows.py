@@ -1,0 +1,144 @@
+"""Few-row products on the CPU (``cpu_few_rows.cpp``, ``cpu_mla_decode.cpp``), built on first use.
+
+Decode multiplies 1-16 rows of activations by each weight. There the cost is reading the weight,
+but MKL's time grows with the row count (2 rows cost 1.2-1.5x one row, 4 rows about 2x), and the
+MoE layer pays a dispatch per expert on top. The C++ loops read each weight tile once for all rows,
+and ``moe`` runs a whole MoE layer's routed experts in one call. ``mla_decode`` reads the latent
+cache in place through the block tables instead of gathering every sequence's context first, and
+``mla_decode_absorbed`` runs all of a decode-only MLA layer between its projections (norm, rope,
+cache write, W_UK, attention, W_UV) in one call; ``rms_norm`` is one call instead of eight ATen
+operations. ``attention_block`` and ``ffn_block`` (``cpu_decode_block.cpp``) chain those kernels
+into each half of a decoder layer for a few decode rows, so the Python between them goes too.
+
+The arithmetic is float32. Weights (and the MLA latent cache) may be float32 or bf16: bf16 ones are
+widened in registers by an exact 16-bit shift and run the float32 loops unchanged, so a bf16 model
+reads half the bytes per decode step and a row's result is the float32 kernel's on the widened
+weights. bf16 activations are widened on entry and the result rounded back to bf16. From 6 rows
+on, a bf16 linear (and a MoE expert with 6+ pairs) runs oneDNN's bf16 product instead (AMX where
+the CPU has it), faster there than the 8-wide float32 FMAs; those rows' bits then depend on the row
+count, as every BLAS product's do.
+
+The extension is compiled when the package is installed, for x86-64-v3 (AVX2 + FMA) and for plain
+x86-64, and the variant this CPU runs is imported (``kernels/cpu/build.py``; a checkout whose C++ changed
+since compiles it just in time, announced and locked). Without a compiler ``available()`` is False and the CPU backend (``kernels.cpu_backend``, the only caller,
+which also honours ``KIMITUI_CPU_KERNELS=0`` through its settings) keeps its PyTorch paths.
+``python -m kernels.cpu_few_rows`` builds it ahead of time.
+"""
+
+import functools
+import logging
+
+import torch
+
+from kimitui.kernels.cpu.build import FEW_ROWS, load_extension
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 16  # linear(): up to this many rows (1.2-1.3x BLAS at 16, even at 24, slower at 32+; 2 cores)
+# moe() and moe_route(): up to this many tokens. moe against BLAS per expert: 1.13-1.85x at 128-2048
+# tokens (experts with 32+ pairs run BLAS single-threaded, one expert per thread); not measured above.
+MAX_MOE_TOKENS = 4096
+# mla_decode() and mla_decode_absorbed(): up to this many sequences (mla_decode 3.9x at 1, 1.8x at 4,
+# 1.3x at 16; the fused layer 2.1 ms less per single-request step, even at 8-16 sequences)
+MAX_MLA_SEQS = 16
+
+
+@functools.cache
+def _module():
+    return load_extension(FEW_ROWS, log, "CPU few-row kernels")
+
+
+def available() -> bool:
+    """True when the extension is built (building it on the first call)."""
+    return _module() is not None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ w [N, K].T -> [..., N]``; float32 or bf16 CPU tensors (the result in x's dtype),
+    ``w`` contiguous."""
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, w has {k}")
+    if x.dim() == 2 and x.is_contiguous():  # the usual decode call: no reshapes
+        return _module().linear(x, w)
+    out = _module().linear(x.reshape(-1, k).contiguous(), w)
+    return out.view(*x.shape[:-1], n)
+
+
+def moe(x, topk_ids, topk_weights, w13, w2, scratch: torch.Tensor | None = None, act: str = "silu",
+        beta: float = 1.0, linear_beta: float | None = None) -> torch.Tensor:
+    """Gated MoE over dense float32 or bf16 experts, as ``reference.moe_experts_reference``: x [T, D],
+    topk [T, k], w13 [E, 2I, D], w2 [E, D, I] -> [T, D]. ``scratch``: a float32 CPU tensor the
+    caller owns and lends to one call at a time; the kernel grows it (up to 64 MB) to keep the
+    per-pair expert outputs between calls (None: a buffer for this call only). ``act`` "silu" or
+    "situ" with ``beta`` / ``linear_beta`` (None: up unbounded), as ``kernels.activation``."""
+    if act not in ("silu", "situ") or (linear_beta is not None and linear_beta <= 0):
+        raise ValueError(f"cpu_few_rows.moe: activation {act!r} (linear_beta={linear_beta}) is not silu or situ "
+                         "with positive betas")
+    scratch = torch.empty(0) if scratch is None else scratch
+    return _module().moe(x.contiguous(), topk_ids.long().contiguous(), topk_weights.float().contiguous(), w13, w2,
+                         scratch, int(act == "situ"), float(beta), 0.0 if linear_beta is None else float(linear_beta))
+
+
+def moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling):
+    """The MoE router, as ``reference.moe_route``: float32 x [T, D], weight [E, D], bias [E] ->
+    (topk_ids [T, k] int64, topk_weights [T, k] float32)."""
+    return _module().moe_route(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, top_k, n_group, topk_group,
+                               scoring_func == "sigmoid", norm_topk_prob, float(scaling))
+
+
+def mla_decode(q, cache, block_tables, context_lens, block_size, kv_lora_rank, scale) -> torch.Tensor:
+    """Absorbed MLA decode over the paged latent cache, as ``reference.mla_decode_reference``:
+    q [B, H, r + rope], cache [slots, r + rope], block_tables [B, max_blocks], context_lens [B] -> [B, H, r]."""
+    return _module().mla_decode(q.contiguous(), cache, block_tables.int().contiguous(),
+                                context_lens.int().contiguous(), block_size, kv_lora_rank, float(scale))
+
+
+def mla_decode_absorbed(q, kv, kv_norm_weight, eps, cos, sin, positions, slots, w_uk, w_uv, cache, block_tables,
+                        context_lens, block_size, scale) -> torch.Tensor:
+    """One MLA layer's absorbed decode step after its projections, decodes only: q [B, H, nope + rope]
+    (q_b_proj), kv [B, r + rope] (kv_a_proj_with_mqa, before its norm), the rotary cos/sin tables
+    [P, rope / 2], positions and cache slots [B], W_UK [H, nope, r], W_UV [H, v, r], cache
+    [slots, r + rope]. Writes each sequence's newest latent to its slot -> [B, H, v]."""
+    return _module().mla_decode_absorbed(
+        q.contiguous(), kv.contiguous(), kv_norm_weight, float(eps), cos, sin, positions.long().contiguous(),
+        slots.long().contiguous(), w_uk, w_uv, cache, block_tables.int().contiguous(), context_lens.int().contiguous(),
+        block_size, float(scale))
+
+
+def attention_block(x, positions, slots, cache, block_tables, context_lens, block_size, weights) -> torch.Tensor:
+    """``x + o_proj(MLA(norm(x)))`` for x [B, D], decodes only (``mla_decode_absorbed``'s positions,
+    slots, cache and tables; int64 positions and slots, int32 tables), writing each sequence's newest
+    latent; ``weights``: a ``kernels.cpu_decode_block.AttentionBlockWeights``."""
+    return _module().attention_block(x, positions, slots, cache, block_tables, context_lens, block_size,
+                                     *weights.kernel_args)
+
+
+def ffn_block(x, counts, weights, scratch: torch.Tensor) -> torch.Tensor:
+    """``x + ffn(norm(x))`` for x [T, D]; a MoE counts each token's experts into ``counts`` [E] int64
+    (an empty tensor for a dense MLP); ``weights``: a ``kernels.cpu_decode_block.FfnBlockWeights``;
+    ``scratch`` as for ``moe``."""
+    return _module().ffn_block(x, counts, *weights.kernel_args, scratch)
+
+
+def rms_norm(x, weight, eps) -> torch.Tensor:
+    """HF RMSNorm over the last dim of float32 ``x [..., D]``."""
+    d = weight.shape[0]
+    if x.shape[-1] != d:
+        raise ValueError(f"x has {x.shape[-1]} features, the norm weight {d}")
+    return _module().rms_norm(x.reshape(-1, d).contiguous(), weight, float(eps)).view(x.shape)
+
+
+def threads() -> int:
+    """The thread count the extension's parallel loops use (torch's, set by ``torch.set_num_threads``)."""
+    return _module().threads()
+
+
+def team_capsule():
+    """This extension's thread team (``kernels/cpu/csrc/cpu_team.h``), for another extension's ``use_team``."""
+    return _module().team_capsule()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    print("CPU few-row kernels:", "built" if available() else "unavailable")

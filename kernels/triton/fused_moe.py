@@ -1,0 +1,372 @@
+"""Fused MoE experts (SwiGLU), vLLM-style grouped GEMM over expert-sorted token rows.
+
+Pipeline (vLLM's ``vllm/model_executor/layers/fused_moe/fused_moe.py``): ``moe_align_block_size`` sorts the T*k (token, slot) pairs by expert
+and pads each expert's run to BLOCK_M rows, so every M-tile belongs to one expert. GEMM1 reads
+gate and up rows of w13 in the same program and writes ``act(gate, up)`` [T*k, I] (SiLU's
+``silu(gate) * up``, or Kimi K3's SiTU: ``activation``, see ``kernels.activation``); GEMM2 reads
+those rows, multiplies by w2 and the routing weight, and writes fp32 [T*k, D]; a third launch sums
+each token's k slots and casts to the activation dtype. One kernel serves every expert format,
+decoding weight tiles in-kernel: dense (``fused_moe``), compressed-tensors INT4
+(``fused_moe_w4a16``), OCP MXFP4 (``fused_moe_mxfp4``, Kimi K3.x) and block FP8 (``fused_moe_fp8``).
+References: ``reference.moe_experts_reference*``.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device, interpreting
+from kimitui.kernels.activation import GatedActivation, resolve
+from kimitui.kernels.triton.gated_act import _tanh  # portable tanh (no libdevice), shared with the dense MLP's launch
+from kimitui.kernels.triton.mxfp4_gemm import MXFP4_BLOCK, _e2m1_to_float
+
+# Weight formats of the experts (constexpr WFMT of the kernel).
+DENSE, INT4, MXFP4, FP8 = 0, 1, 2, 3
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int):
+    """Sort (token, slot) pairs by expert, padding each expert to a multiple of ``block_size``.
+
+    An id equal to ``num_experts`` marks a pair computed elsewhere (another rank, or host RAM):
+    it gets no tile, and its output rows stay zero.
+
+    Returns ``sorted_token_ids`` int32 [num_blocks * block_size] (pad id = T*k), ``expert_ids``
+    int32 [num_blocks] and ``num_tokens_post_padded`` int32 [1]. No host sync: the buffer is sized
+    by the worst case, and tiles past ``num_tokens_post_padded`` exit early in the kernel.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [T*k]
+    numel = flat.numel()
+    device = flat.device
+    # scatter_add_ instead of bincount: bincount syncs on CUDA to size its output. The last bucket
+    # collects the pairs marked "elsewhere".
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    counts[num_experts] = 0  # no tiles for pairs computed elsewhere
+    padded = (counts + block_size - 1) // block_size * block_size  # [E + 1]
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)  # pair indices grouped by expert
+    experts = flat[order]
+    rank = torch.arange(numel, device=device) - start[experts]  # position within its expert
+    # Each non-empty tile holds at least one pair, so at most T*k tiles are used.
+    num_blocks = min(triton.cdiv(numel + num_experts * (block_size - 1), block_size), numel)
+    size = num_blocks * block_size
+    # One spare slot past the end takes every "elsewhere" pair, and is cut off.
+    sorted_token_ids = torch.full((size + 1,), numel, dtype=torch.int32, device=device)
+    dest = torch.where(experts < num_experts, padded_start[experts] + rank, size)
+    sorted_token_ids[dest] = order.to(torch.int32)
+    block_starts = torch.arange(num_blocks, device=device) * block_size
+    expert_ids = torch.searchsorted(padded_end[:num_experts], block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_token_ids[:size], expert_ids.to(torch.int32), padded_end[num_experts - 1: num_experts].to(torch.int32)
+
+
+# Up to this many (token, slot) pairs (decode), one Triton launch aligns them (kernels/triton/moe_align.py);
+# beyond it (prefill, not launch-bound) the PyTorch version above, whose ops scale across the GPU.
+_TRITON_ALIGN_MAX_PAIRS = 4096
+
+
+def _align(topk_ids: torch.Tensor, block_size: int, num_experts: int):
+    if topk_ids.numel() <= _TRITON_ALIGN_MAX_PAIRS:
+        from kimitui.kernels.triton.moe_align import moe_align_block_size as triton_align
+
+        return triton_align(topk_ids, block_size, num_experts)
+    return moe_align_block_size(topk_ids, block_size, num_experts)
+
+
+@triton.jit
+def _load_b(b_ptr, s_ptr, expert, offs_n, offs_k, mask,
+            stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
+            WFMT: tl.constexpr, GROUP_SIZE: tl.constexpr, QBLOCK_N: tl.constexpr):
+    # Returns the [BK, BN] fp32 weight tile of one expert. GROUP_SIZE is the K extent of one
+    # scale (INT4 group, 32 for MXFP4, the FP8 block's K side); QBLOCK_N the FP8 block's N side.
+    b_base = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn
+    s_ptrs = s_ptr + expert * stride_se + (offs_k[:, None] // GROUP_SIZE) * stride_sk
+    if WFMT == 1:  # INT4: eight signed nibbles per int32 word along K, one scale per group
+        words = tl.load(b_base + (offs_k[:, None] // 8) * stride_bk, mask=mask, other=0)
+        q = ((words >> ((offs_k[:, None] % 8) * 4)) & 0xF) - 8
+        s = tl.load(s_ptrs + offs_n[None, :] * stride_sn, mask=mask, other=0.0)
+        b = q.to(tl.float32) * s.to(tl.float32)
+    elif WFMT == 2:  # MXFP4: two E2M1 codes per byte (even k low), one E8M0 exponent per 32
+        byte = tl.load(b_base + (offs_k[:, None] // 2) * stride_bk, mask=mask, other=0).to(tl.int32)
+        code = (byte >> ((offs_k[:, None] % 2) * 4)) & 0xF
+        e = tl.load(s_ptrs + offs_n[None, :] * stride_sn, mask=mask, other=127).to(tl.int32)
+        scale = tl.where(e == 255, float("nan"), tl.exp2((e - 127).to(tl.float32)))
+        b = _e2m1_to_float(code) * scale
+    elif WFMT == 3:  # FP8 e4m3fn with an fp32 scale per QBLOCK_N x GROUP_SIZE block
+        w = tl.load(b_base + offs_k[:, None] * stride_bk, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptrs + (offs_n[None, :] // QBLOCK_N) * stride_sn, mask=mask, other=0.0)
+        b = w * s
+    else:
+        b = tl.load(b_base + offs_k[:, None] * stride_bk, mask=mask, other=0.0).to(tl.float32)
+    return b
+
+
+@triton.jit
+def _fused_moe_kernel(
+    a_ptr, b_ptr, s_ptr, c_ptr, topk_weights_ptr,
+    sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+    N, K, num_valid_tokens,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
+    stride_cm, stride_cn, act_beta, act_linear_beta,
+    TOP_K: tl.constexpr, GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    ACTIVATION: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
+    WFMT: tl.constexpr, GROUP_SIZE: tl.constexpr, QBLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_token_ids_ptr + offs_m).to(tl.int64)  # [BM] (token, slot) index
+    valid = pair < num_valid_tokens
+    a_rows = pair // TOP_K  # GEMM1 reads x rows; GEMM2 (TOP_K=1) reads pair rows
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+            mask=valid[:, None] & mask_k[None, :], other=0.0,
+        )  # [BM, BK]
+        mask_b = mask_k[:, None] & mask_n[None, :]
+        b = _load_b(b_ptr, s_ptr, expert, offs_n, offs_k, mask_b,
+                    stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk, WFMT, GROUP_SIZE, QBLOCK_N)
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision="ieee")
+        if GATED:
+            # Up rows sit N (= I) rows below the gate rows of w13 [E, 2I, K].
+            b_up = _load_b(b_ptr, s_ptr, expert, offs_n + N, offs_k, mask_b,
+                           stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk, WFMT, GROUP_SIZE, QBLOCK_N)
+            acc_up = tl.dot(a, b_up.to(a.dtype), acc_up, input_precision="ieee")
+    if GATED:
+        if ACTIVATION == 1:  # SiTU (kernels.activation): both halves bounded by scaled tanh, in fp32
+            gate = act_beta * _tanh(acc / act_beta) * tl.sigmoid(acc)
+            if HAS_LINEAR_BETA:
+                acc_up = act_linear_beta * _tanh(acc_up / act_linear_beta)
+            acc = gate * acc_up
+        else:  # SiLU
+            acc = acc * tl.sigmoid(acc) * acc_up
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    tl.store(
+        c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+        acc.to(c_ptr.dtype.element_ty),
+        mask=valid[:, None] & mask_n[None, :],
+    )
+
+
+
+@triton.jit
+def _moe_combine_kernel(
+    pairs_ptr, ids_ptr, y_ptr, D, num_experts,
+    stride_p, stride_i, stride_y,
+    TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # y[t] = sum over the token's k slots of its pair rows, in slot order and fp32 (as a sum over
+    # dim 1 of [T, k, D]), rounded once. Pairs computed elsewhere (id == E) were never written: they
+    # are skipped here instead of zero-filled beforehand (no zeros launch, no read of zeros).
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = cols < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        width = tl.where(tl.load(ids_ptr + t * stride_i + j) < num_experts, D, 0)  # 0: nothing to read
+        row = tl.load(pairs_ptr + (t * TOP_K + j) * stride_p + cols, mask=cols < width, other=0.0)
+        acc += row.to(tl.float32)
+    tl.store(y_ptr + t * stride_y + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_routing(x, topk_ids, topk_weights):
+    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"x must be a 2-D fp16/bf16/fp32 tensor [T, D], got {tuple(x.shape)} {x.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"topk_ids must be int32/int64 [T={x.shape[0]}, k], got {tuple(topk_ids.shape)} {topk_ids.dtype}"
+        )
+    if topk_weights.shape != topk_ids.shape or not topk_weights.dtype.is_floating_point:
+        raise ValueError(f"topk_weights must be float {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+
+
+def _check_placement(x, *tensors):
+    if any(t.device != x.device for t in tensors):
+        raise ValueError(f"all tensors must be on one device, got {[str(t.device) for t in (x, *tensors)]}")
+    if x.device.type != "cuda" and not interpreting():
+        raise ValueError(f"Triton kernels need a CUDA/ROCm tensor (or TRITON_INTERPRET=1), got {x.device}")
+    if not all(w.is_contiguous() for w in tensors[2:]):
+        raise ValueError("expert weights and scales must be contiguous")
+
+
+def _act_meta(activation: GatedActivation | None) -> dict:
+    # The kernel's activation arguments: the kind and whether up is bounded are compile-time (one
+    # specialisation per model), the betas plain fp32 scalars.
+    act = resolve(activation)
+    linear_beta = act.linear_beta
+    return dict(act_beta=float(act.beta), act_linear_beta=1.0 if linear_beta is None else float(linear_beta),
+                ACTIVATION=act.code, HAS_LINEAR_BETA=linear_beta is not None)
+
+
+def _run(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, inter, wfmt, group_size, qblock_n=1,
+         activation=None):
+    t, d = x.shape
+    top_k = topk_ids.shape[1]
+    num_pairs = t * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    block_m = 16 if num_pairs <= 64 else 64
+    block_n, block_k = 64, 64
+    sorted_ids, expert_ids, num_post = _align(topk_ids, block_m, w13.shape[0])
+    num_blocks = expert_ids.shape[0]
+    routing = topk_weights.reshape(-1).contiguous()  # [T*k]
+    hidden = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)  # act(gate, up)
+    # rows of pairs computed elsewhere (id == E) are never written; the combine skips them
+    out = torch.empty((num_pairs, d), dtype=torch.float32, device=x.device)
+    s13 = w13 if w13_scale is None else w13_scale  # dummy pointer for dense weights
+    s2 = w2 if w2_scale is None else w2_scale
+    meta = dict(WFMT=wfmt, GROUP_SIZE=group_size, QBLOCK_N=qblock_n, BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_K=block_k, **_act_meta(activation))
+
+    def scale_strides(s, dense):
+        return (0, 0, 0) if dense else (s.stride(0), s.stride(1), s.stride(2))
+
+    _fused_moe_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+        x, w13, s13, hidden, routing, sorted_ids, expert_ids, num_post,
+        inter, d, num_pairs,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        *scale_strides(s13, w13_scale is None), hidden.stride(0), hidden.stride(1),
+        TOP_K=top_k, GATED=True, MUL_ROUTED_WEIGHT=False, **meta,
+    )
+    _fused_moe_kernel[(num_blocks, triton.cdiv(d, block_n))](
+        hidden, w2, s2, out, routing, sorted_ids, expert_ids, num_post,
+        d, inter, num_pairs,
+        hidden.stride(0), hidden.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        *scale_strides(s2, w2_scale is None), out.stride(0), out.stride(1),
+        TOP_K=1, GATED=False, MUL_ROUTED_WEIGHT=True, **meta,
+    )
+    return moe_combine(out, topk_ids, w13.shape[0], x.dtype)  # [T, D]
+
+
+def moe_combine(pairs: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's sum over its k slots of the weighted expert rows ``pairs [T*k, D]`` (fp32, row
+    ``t*k + j`` for slot j of token t), cast to ``dtype`` -> [T, D]. Slots whose id is ``num_experts``
+    (computed elsewhere) are skipped: their rows are never read. One launch (op by op: zeros for the
+    skipped rows, a sum and a cast)."""
+    t, top_k = topk_ids.shape
+    if pairs.dim() != 2 or pairs.shape[0] != t * top_k or pairs.stride(-1) != 1:
+        raise ValueError(f"moe_combine: pairs must be [T*k={t * top_k}, D] with a contiguous last dim, got "
+                         f"{tuple(pairs.shape)}")
+    d = pairs.shape[1]
+    y = torch.empty((t, d), dtype=dtype, device=pairs.device)
+    ids = topk_ids if topk_ids.stride(-1) == 1 else topk_ids.contiguous()
+    check_device(pairs, ids)
+    if t and d:
+        block_d = min(1024, triton.next_power_of_2(d))
+        _moe_combine_kernel[(t, triton.cdiv(d, block_d))](
+            pairs, ids, y, d, num_experts, pairs.stride(0), ids.stride(0), y.stride(0), TOP_K=top_k, BLOCK_D=block_d,
+        )
+    return y
+
+
+def _check_shapes(expected: dict):
+    for name, (tensor, shape, dtypes) in expected.items():
+        if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
+            names = "/".join(str(d).replace("torch.", "") for d in dtypes)
+            raise ValueError(f"{name} must be {names} {list(shape)}, got {tuple(tensor.shape)} {tensor.dtype}")
+
+
+def fused_moe(x, topk_ids, topk_weights, w13, w2, activation: GatedActivation | None = None) -> torch.Tensor:
+    """Gated MoE over dense experts: x [T, D], w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I] -> [T, D].
+    ``activation``: SiLU (None) or SiTU, here and in the other formats' functions."""
+    _check_routing(x, topk_ids, topk_weights)
+    if w13.dim() != 3 or w13.shape[2] != x.shape[1] or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be [E, 2I, D={x.shape[1]}], got {tuple(w13.shape)}")
+    e, inter = w13.shape[0], w13.shape[1] // 2
+    _check_shapes({
+        "w13": (w13, (e, 2 * inter, x.shape[1]), FLOAT_DTYPES),
+        "w2": (w2, (e, x.shape[1], inter), FLOAT_DTYPES),
+    })
+    _check_placement(x, topk_ids, topk_weights, w13, w2)
+    return _run(x, topk_ids, topk_weights, w13, w2, None, None, inter, DENSE, 1, activation=activation)
+
+
+def fused_moe_w4a16(
+    x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size: int = 32,
+    activation: GatedActivation | None = None,
+) -> torch.Tensor:
+    """Gated MoE over INT4 experts (compressed-tensors pack-quantized).
+
+    w13_packed int32 [E, 2I, ceil(D/8)], w13_scale [E, 2I, ceil(D/g)], w2_packed int32
+    [E, D, ceil(I/8)], w2_scale [E, D, ceil(I/g)] -> [T, D] in x.dtype.
+    """
+    _check_routing(x, topk_ids, topk_weights)
+    t, d = x.shape
+    if group_size <= 0:
+        raise ValueError(f"group_size must be positive, got {group_size}")
+    if w13_packed.dim() != 3 or w13_packed.shape[1] % 2 or w13_packed.shape[2] != -(-d // 8):
+        raise ValueError(f"w13_packed must be [E, 2I, ceil(D/8)={-(-d // 8)}], got {tuple(w13_packed.shape)}")
+    e, inter = w13_packed.shape[0], w13_packed.shape[1] // 2
+    i32 = (torch.int32,)
+    _check_shapes({
+        "w13_packed": (w13_packed, (e, 2 * inter, -(-d // 8)), i32),
+        "w13_scale": (w13_scale, (e, 2 * inter, -(-d // group_size)), FLOAT_DTYPES),
+        "w2_packed": (w2_packed, (e, d, -(-inter // 8)), i32),
+        "w2_scale": (w2_scale, (e, d, -(-inter // group_size)), FLOAT_DTYPES),
+    })
+    _check_placement(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
+    return _run(x, topk_ids, topk_weights, w13_packed, w2_packed, w13_scale, w2_scale, inter, INT4, group_size,
+                activation=activation)
+
+
+def fused_moe_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                    activation: GatedActivation | None = None) -> torch.Tensor:
+    """Gated MoE over OCP MXFP4 experts: w13_packed uint8 [E, 2I, D/2], w13_scale uint8 E8M0
+    [E, 2I, D/32]; w2_packed uint8 [E, D, I/2], w2_scale uint8 [E, D, I/32] -> [T, D] in x.dtype."""
+    _check_routing(x, topk_ids, topk_weights)
+    d = x.shape[1]
+    if w13_packed.dim() != 3 or w13_packed.shape[1] % 2:
+        raise ValueError(f"w13_packed must be uint8 [E, 2I, D/2], got {tuple(w13_packed.shape)}")
+    e, inter = w13_packed.shape[0], w13_packed.shape[1] // 2
+    if d % MXFP4_BLOCK or inter % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 experts need D ({d}) and I ({inter}) to be multiples of {MXFP4_BLOCK}")
+    u8 = (torch.uint8,)
+    _check_shapes({
+        "w13_packed": (w13_packed, (e, 2 * inter, d // 2), u8),
+        "w13_scale": (w13_scale, (e, 2 * inter, d // MXFP4_BLOCK), u8),
+        "w2_packed": (w2_packed, (e, d, inter // 2), u8),
+        "w2_scale": (w2_scale, (e, d, inter // MXFP4_BLOCK), u8),
+    })
+    _check_placement(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale)
+    return _run(x, topk_ids, topk_weights, w13_packed, w2_packed, w13_scale, w2_scale, inter, MXFP4, MXFP4_BLOCK,
+                activation=activation)
+
+
+def fused_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128),
+                  activation: GatedActivation | None = None) -> torch.Tensor:
+    """Gated MoE over block-FP8 experts: w13 e4m3fn [E, 2I, D] + fp32 scale_inv [E, 2I/bn, D/bk]
+    (ceil), w2 e4m3fn [E, D, I] + scale_inv [E, D/bn, I/bk] -> [T, D] in x.dtype."""
+    _check_routing(x, topk_ids, topk_weights)
+    d = x.shape[1]
+    bn, bk = block
+    if bn <= 0 or bk <= 0:
+        raise ValueError(f"block must be positive, got {block}")
+    if w13.dim() != 3 or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be float8_e4m3fn [E, 2I, D], got {tuple(w13.shape)}")
+    e, inter = w13.shape[0], w13.shape[1] // 2
+    if inter % bn:
+        # gate and up rows of w13 share scale rows only when I falls on a block boundary
+        raise ValueError(f"FP8 experts need I ({inter}) divisible by the block's N side ({bn})")
+    fp8, f32 = (torch.float8_e4m3fn,), (torch.float32,)
+    _check_shapes({
+        "w13": (w13, (e, 2 * inter, d), fp8),
+        "w13_scale_inv": (w13_scale_inv, (e, 2 * inter // bn, -(-d // bk)), f32),
+        "w2": (w2, (e, d, inter), fp8),
+        "w2_scale_inv": (w2_scale_inv, (e, -(-d // bn), -(-inter // bk)), f32),
+    })
+    _check_placement(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv)
+    return _run(x, topk_ids, topk_weights, w13, w2, w13_scale_inv, w2_scale_inv, inter, FP8, bk, bn,
+                activation=activation)
