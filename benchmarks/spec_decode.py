@@ -192,7 +192,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from kimitui.engine.spec_decode.config import SpeculativeConfig
-    from kimitui.engine.spec_decode.proposer import make_proposer
+    from kimitui.engine.spec_decode.select import make_proposer
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

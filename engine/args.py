@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from kimitui.kernels.cpu.build import pending_builds
+from kimitui.engine.spec_decode.config import SpeculativeConfig
+from kimitui.kernels.cpu import few_rows as cpu_few_rows
+from kimitui.kernels.settings import KernelSettings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,8 +75,6 @@ class EngineArgs:
     @property
     def speculative(self):
         """``speculative_config`` parsed (engine.spec_decode.SpeculativeConfig), or None."""
-        from kimitui.engine.spec_decode.config import SpeculativeConfig
-
         return SpeculativeConfig.parse(self.speculative_config)
 
     def resolve_device(self) -> torch.device:
@@ -154,8 +156,6 @@ def cpu_auto_dtype(checkpoint_dtype: str, config=None, flags: set[str] | None = 
     if not have:
         return torch.float32, "this CPU has no bf16 arithmetic (avx512_bf16 / amx_bf16) and is not AVX2-only"
     if kernels is None:
-        from kimitui.kernels.cpu import few_rows as cpu_few_rows
-        from kimitui.kernels.settings import KernelSettings
 
         kernels = KernelSettings.from_env().cpu_kernels and cpu_few_rows.available()
     if not kernels:
@@ -166,6 +166,4 @@ def cpu_auto_dtype(checkpoint_dtype: str, config=None, flags: set[str] | None = 
 def pending_kernel_builds() -> list[str]:
     """The C++ CPU kernels this process would compile before its first step ("<name> (about N min)"
     each; none after an install), so a load screen can say so before the wait."""
-    from kimitui.kernels.cpu.build import pending_builds
-
     return pending_builds()

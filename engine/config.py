@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kimitui.engine.models.registry import model_family, supported_model_types
+import re
 
 
 
@@ -44,8 +45,6 @@ class QuantConfig:
 
     def applies_to(self, module_name: str) -> bool:
         """True when the Linear called ``module_name`` (HF name, no prefix) is quantised."""
-        import re
-
         for pattern in self.ignore:
             if pattern.startswith("re:"):
                 if re.match(pattern[3:], module_name):

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,25 +21,30 @@ import torch
 from kimitui.engine.args import EngineArgs
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.kv_cache.block_manager import BlockManager
-from kimitui.engine.kv_cache.pool import (KVCachePool, bytes_of_state, bytes_per_block, has_state, num_blocks_for_budget,
+from kimitui.engine.kv_cache.pool import (bytes_of_state, bytes_per_block, has_state, num_blocks_for_budget,
                                   snapshots_for_budget)
 from kimitui.engine.kv_cache.state_slots import StateSlots
-from kimitui.engine.loader import load_model
 from kimitui.engine.metrics import EngineStats
-from kimitui.engine.offload.numa import NumaPolicy, place_host_experts, read_topology
+from kimitui.engine.offload.cpu_experts import place_host_experts
+from kimitui.engine.offload.numa import NumaPolicy, read_topology
 from kimitui.engine.plan.placement import device_reserve_bytes, expert_placement_for
 from kimitui.engine.parallel.state import SINGLE
 from kimitui.engine.parallel.workers import WorkerGroup, WorkerSpec, free_port
 from kimitui.engine.output_processor import OutputProcessor, ProcessedStep
-from kimitui.engine.sampling.fanout import ParentRequest, child_params, fans_out
+from kimitui.engine.sampling.fanout import FanOut, ParentRequest, child_params, fans_out
 from kimitui.engine.outputs import RequestOutput
-from kimitui.engine.runner.model_runner import ModelRunner
+from kimitui.engine.runner.worker import CacheShape, RankSpec, build_rank, worker_main
 from kimitui.engine.sampling_params import SamplingParams
 from kimitui.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from kimitui.engine.sequence import Sequence
-from kimitui.engine.spec_decode.proposer import make_proposer
-from kimitui.engine.spec_decode.backoff import DraftBackoff
-from kimitui.engine.spec_decode.stats import SpecDecodeStats
+from kimitui.engine.spec_decode.select import make_proposer
+from kimitui.engine.spec_decode.speculation import Speculation
+from kimitui.engine.text.tokenizer import Tokenizer, TokenizerError
+from kimitui.engine.spec_decode.footprint import drafter_footprint
+from kimitui.engine.plan.routing_stats import save_routing_stats
+from kimitui.engine.demo import demo_checkpoint
+from kimitui.engine.structured.manager import StructuredOutputManager
+import psutil
 
 log = logging.getLogger(__name__)
 
@@ -74,39 +80,30 @@ class LLMEngine:
             self.config, args.cpu_offload, self.device, args.tensor_parallel_size, self.max_model_len,
             args.max_num_seqs, args.gpu_memory_gb, args.routing_stats, self.reserve_bytes)
         self.workers = None
-        par = SINGLE
+        self._proposer = None  # made once the target is loaded; then Speculation owns it
+        self._t0 = time.monotonic()
         try:
+            par = SINGLE
             if args.tensor_parallel_size > 1:
-                spec = WorkerSpec(str(self.model_dir), args.tensor_parallel_size, free_port(), self.device.type,
-                                  str(self.dtype).removeprefix("torch."), self.max_model_len, args.block_size,
-                                  self.expert_placement, max(1, torch.get_num_threads() // args.tensor_parallel_size),
-                                  decode_graphs=self._decode_graphs(),
-                                  capture_graphs=not args.lazy_graph_capture, device_base=self.device.index or 0)
-                self.workers = WorkerGroup(spec)
+                self.workers = WorkerGroup(WorkerSpec(
+                    str(self.model_dir), args.tensor_parallel_size, free_port(), self.device.type,
+                    str(self.dtype).removeprefix("torch."), self.max_model_len, args.block_size,
+                    self.expert_placement, max(1, torch.get_num_threads() // args.tensor_parallel_size),
+                    decode_graphs=self._decode_graphs(), capture_graphs=not args.lazy_graph_capture,
+                    device_base=self.device.index or 0), target=worker_main)
                 par = self.workers.join_as_rank0()
-            t0 = time.monotonic()
-            self.model, self.load_report = load_model(self.config, self.model_dir, self.device, self.dtype,
-                                                      self.max_model_len, progress, par, self.expert_placement)
-            self.load_seconds = time.monotonic() - t0
-            # host experts split per NUMA node (no-op on one node); worker ranks (tp > 1) keep one stack
-            self.numa_layers, self.numa_workers = place_host_experts(self.model, NumaPolicy(args.numa),
-                                                                     read_topology())
-            self.cache_pool = self._allocate_cache()
-            if self.workers is not None:
-                pool = self.cache_pool  # workers allocate the same cache
-                self.workers.broadcast((pool.num_blocks, pool.max_num_seqs, pool.num_snapshots, pool.num_spec_slots,
-                                     self.num_spec_tokens))
-                self.workers.wait_ready(par, self.device)
+            rank = build_rank(RankSpec(self.config, str(self.model_dir), self.device, self.dtype, self.max_model_len,
+                                       args.block_size, self.expert_placement, self._decode_graphs(),
+                                       not args.lazy_graph_capture),
+                              par, self._after_load, ready=lambda: self._ready(par), workers=self.workers,
+                              progress=progress)
         except BaseException:
             self.shutdown()
             raise
         self._finalizer = weakref.finalize(self, _shutdown_workers, self.workers)
-        self.proposer = make_proposer(self.speculative, self.model, self.model_dir) if self.speculative else None
-        if hasattr(self.proposer, "bind_cache"):  # a model drafter's own KV cache, on the target's block ids
-            self.proposer.bind_cache(self.cache_pool.num_blocks, args.block_size)
-        self.spec_stats = SpecDecodeStats()
-        self.backoff = DraftBackoff.from_config(self.speculative) if self.speculative else None
+        self.load_report, self.cache_pool, self.runner = rank.load_report, rank.cache_pool, rank.runner
         log.info("%s", self.cache_pool.describe())
+        self.spec = Speculation(self.speculative, self._proposer, self.max_model_len)
         slots = StateSlots(args.max_num_seqs, self.cache_pool.num_snapshots) if self.cache_pool.is_hybrid else None
         self.block_manager = BlockManager(self.cache_pool.num_blocks, args.block_size, args.enable_prefix_caching,
                                           slots)
@@ -119,17 +116,42 @@ class LLMEngine:
             snapshot_every_blocks=args.state_snapshot_interval // args.block_size,
             num_lookahead_slots=self.speculative.num_lookahead_slots if self.speculative else 0,
         ), self.block_manager)
-        self.runner = ModelRunner(self.model, self.cache_pool.caches, args.block_size, self.device, self.workers,
-                                  args.max_num_seqs, self.max_model_len, self._decode_graphs(),
-                                  num_spec_tokens=self.num_spec_tokens, spec_scratch_base=self.cache_pool.spec_scratch_base,
-                                  keep_hidden=bool(self.proposer is not None and self.proposer.needs_hidden))
-        if self.runner.graphs is not None and not args.lazy_graph_capture:
-            self.runner.graphs.capture_all()  # the workers capture at the same point (after ready)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        # n > 1 / best_of: requests fanned out into child sequences (engine/sampling/fanout.py)
-        self._parents: dict[str, ParentRequest] = {}
-        self._child_of: dict[str, tuple[ParentRequest, int]] = {}
+        self.fanout = FanOut()  # n > 1 / best_of: requests fanned out into child sequences
+
+    def _after_load(self, model) -> CacheShape:
+        """Rank 0, once its shard is loaded: host experts split per NUMA node, the cache sized from what
+        is left (and sent to the workers, which allocate the same), the proposer made."""
+        self.model = model
+        self.load_seconds = time.monotonic() - self._t0
+        # host experts split per NUMA node (no-op on one node); worker ranks (tp > 1) keep one stack
+        self.numa_layers, self.numa_workers = place_host_experts(model, NumaPolicy(self.args.numa), read_topology())
+        shape = self._cache_shape()
+        if self.workers is not None:
+            self.workers.broadcast(shape.message())
+        if self.speculative is not None:
+            self._proposer = make_proposer(self.speculative, model, self.model_dir)
+            if hasattr(self._proposer, "bind_cache"):  # a model drafter's own KV cache, on the target's block ids
+                self._proposer.bind_cache(shape.num_blocks, self.args.block_size)
+        return replace(shape, keep_hidden=bool(self._proposer is not None and self._proposer.needs_hidden))
+
+    def _ready(self, par) -> None:
+        if self.workers is not None:
+            self.workers.wait_ready(par, self.device)
+
+    # speculation's proposer and counters, as tests and benchmarks reach them
+    @property
+    def proposer(self):
+        return self.spec.proposer
+
+    @proposer.setter
+    def proposer(self, value) -> None:
+        self.spec.proposer = value
+
+    @property
+    def spec_stats(self):
+        return self.spec.stats
 
     def _decode_graphs(self) -> bool | None:
         """False when decode steps must stay eager: asked for, or experts run in host RAM (their
@@ -138,7 +160,9 @@ class LLMEngine:
         return False if self.args.enforce_eager or offloaded else None
 
     # -- capacity --------------------------------------------------------------------------
-    def _allocate_cache(self) -> KVCachePool:
+    def _cache_shape(self) -> CacheShape:
+        """How many blocks, state slots and snapshots the cache holds on every rank, from the budget
+        left after loading (host RAM on the CPU)."""
         a = self.args
         specs = self.model.cache_specs(self.dtype)
         # Hybrid models: a state slot per sequence, and as many prefix snapshots again if they fit.
@@ -154,8 +178,6 @@ class LLMEngine:
             budget = min(budget, self._device_kv_budget() - (drafter.weight_bytes if drafter else 0))
         elif a.kv_cache_tokens is None:
             # Host RAM is shared with everything else: at most 1 GiB or a tenth of what is free.
-            import psutil
-
             budget = min(budget, 1 << 30, psutil.virtual_memory().available // 10)
         if drafter is not None and a.kv_cache_tokens is None:
             # the drafter's KV lives on the same block ids: every block costs the target's and its bytes
@@ -174,13 +196,12 @@ class LLMEngine:
         if num_blocks < min_blocks:
             log.warning("KV cache holds %d tokens, less than max_model_len %d", num_blocks * a.block_size,
                         self.max_model_len)
-        return KVCachePool(specs, num_blocks, a.block_size, a.max_num_seqs, self.device, snapshots, spec_slots)
+        return CacheShape(num_blocks, a.max_num_seqs, snapshots, spec_slots, self.num_spec_tokens)
 
     def _drafter_footprint(self):
         """An EAGLE-3 drafter's weights and KV per token (engine.spec_decode.footprint), or None."""
         if self.speculative is None or self.speculative.method != "eagle3":
             return None
-        from kimitui.engine.spec_decode.footprint import drafter_footprint
 
         return drafter_footprint(self.speculative.model, self.config.hidden_size, self.config.vocab_size,
                                  self.dtype.itemsize)
@@ -215,7 +236,7 @@ class LLMEngine:
         if fans_out(params):
             self._add_parent(request_id, text, ids, params, eos, arrival_time)
             return request_id
-        if request_id in self._parents:
+        if self.fanout.in_use(request_id):
             raise PromptError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, ids, params, eos, arrival_time)
         self._add_grammars([seq])  # compiled here, so a bad schema fails this request only
@@ -244,7 +265,6 @@ class LLMEngine:
         if self.runner.structured is None:
             if self.tokenizer is None:
                 raise PromptError(f"structured outputs need tokenizer files, and {self.model_dir} has none")
-            from kimitui.engine.structured.manager import StructuredOutputManager
 
             self.runner.structured = StructuredOutputManager(self.tokenizer, self.config.vocab_size, self.device)
         return self.runner.structured
@@ -252,7 +272,7 @@ class LLMEngine:
     def _add_parent(self, request_id: str, text, ids: list[int], params: SamplingParams, eos, arrival_time) -> None:
         """Fan a request for several samples out into child sequences (engine/sampling/fanout.py)."""
         parent = ParentRequest(request_id, params, params.best_of or params.n)
-        if request_id in self._parents or any(c in self.output_processor.requests for c in parent.child_ids):
+        if self.fanout.in_use(request_id) or any(c in self.output_processor.requests for c in parent.child_ids):
             raise PromptError(f"request id {request_id!r} is already in use")
         seqs = [Sequence(c, ids, child_params(params, i), eos, arrival_time) for i, c in enumerate(parent.child_ids)]
         self._add_grammars(seqs)
@@ -266,30 +286,7 @@ class LLMEngine:
             raise
         for i, seq in enumerate(seqs):
             self.output_processor.add_request(seq, seq.sampling_params, text, count_prompt=i == 0)
-            self._child_of[seq.seq_id] = (parent, i)
-        self._parents[request_id] = parent
-
-    def _join(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Children's outputs joined into their request's (one per request and step)."""
-        joined: dict[str, RequestOutput] = {}
-        plain = []
-        for out in outputs:
-            link = self._child_of.get(out.request_id)
-            if link is None:
-                plain.append(out)
-                continue
-            parent, i = link
-            j = parent.collect(i, out)
-            if j is not None:
-                joined[parent.request_id] = j
-            if j is not None and j.finished:
-                self._forget_parent(parent)
-        return plain + list(joined.values())
-
-    def _forget_parent(self, parent: ParentRequest) -> None:
-        self._parents.pop(parent.request_id, None)
-        for c in parent.child_ids:
-            self._child_of.pop(c, None)
+        self.fanout.add(parent)
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -311,19 +308,17 @@ class LLMEngine:
         return text, list(ids)
 
     def abort_request(self, request_id: str) -> bool:
-        parent = self._parents.get(request_id)
+        parent = self.fanout.parent(request_id)
         if parent is not None:
             for c in reversed(parent.child_ids):  # the parked children before their leader
                 self.abort_request(c)
-            self._forget_parent(parent)
+            self.fanout.forget(parent)
             return True
         if not self.output_processor.abort_request(request_id):
             return False
         self.scheduler.abort(request_id)
         self.runner.release(request_id)
-        if self.proposer is not None:
-            self.proposer.finish(request_id)
-            self.backoff.finish(request_id)
+        self.spec.finish(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -332,8 +327,7 @@ class LLMEngine:
     def request_ids(self) -> list[str]:
         """Ids of the requests added and neither finished nor aborted yet (a request fanned out
         for ``n > 1`` under its own id, not its children's)."""
-        ids = (self._child_of[r][0].request_id if r in self._child_of else r for r in self.output_processor.requests)
-        return list(dict.fromkeys(ids))
+        return list(dict.fromkeys(self.fanout.request_id(r) for r in self.output_processor.requests))
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (if any); the engine is unusable afterwards."""
@@ -345,8 +339,6 @@ class LLMEngine:
 
     def save_routing_stats(self, path: str) -> None:
         """Tokens per expert per layer so far, for hottest-first placement at the next start."""
-        from kimitui.engine.plan.routing_stats import save_routing_stats
-
         save_routing_stats(path, self.routing_stats())
 
     # -- the step --------------------------------------------------------------------------
@@ -356,40 +348,17 @@ class LLMEngine:
             return []
         self.output_processor.on_scheduled(sched)
         result = self.runner.execute(sched)
-        self.spec_stats.observe_step(sched.scheduled, result.sampled)
-        if self.backoff is not None:
-            self.backoff.observe_step(sched.scheduled, result.sampled)
         finished = self.scheduler.postprocess(sched, result.sampled)
         processed = self.output_processor.process_outputs(sched, result, finished)
         self._retire(processed)
-        if self.proposer is not None:
-            self._propose(result)
-            if sched.block_copies and hasattr(self.proposer, "copy_blocks"):
-                self.proposer.copy_blocks(sched.block_copies)  # a drafter's KV on the same block ids
-        return self._join(processed.outputs) if self._child_of else processed.outputs
-
-    def _propose(self, result) -> None:
-        """Drafts for every sequence that decodes next step, verified by that step."""
-        seqs, caps = [], []
-        for seq in self.scheduler.running:
-            if seq.num_uncomputed_tokens == 1:
-                seqs.append(seq)
-                caps.append(min(self.num_spec_tokens, seq.spec_budget(self.max_model_len)))
-        if not seqs and result.hidden is None:
-            return
-        budgets = self.backoff.budgets(seqs, caps)  # engine.spec_decode.backoff: recent acceptance, batch size
-        drafts = self.proposer.propose(seqs, budgets, result.hidden)
-        for seq, d, k in zip(seqs, drafts, budgets):
-            seq.spec_token_ids = list(d[:k])
+        self.spec.after_step(sched, result, processed.finished, self.scheduler.running)
+        return self.fanout.join(processed.outputs)
 
     def _retire(self, processed: ProcessedStep) -> None:
         for rid in processed.stop:  # stop strings are found in text, after the scheduler's checks
             self.scheduler.finish(rid, "stop")
         for rid in processed.finished:
             self.runner.release(rid)
-            if self.proposer is not None:
-                self.proposer.finish(rid)
-                self.backoff.finish(rid)
 
     # -- observability ---------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -411,7 +380,7 @@ class LLMEngine:
             computed_prompt_tokens=out.total_computed_prompt_tokens,
             prefix_cache_queries=bm.num_prefix_query_tokens,
             prefix_cache_hits=bm.num_prefix_hit_tokens,
-            spec_decode=self.spec_stats.copy() if self.proposer is not None else None,
+            spec_decode=self.spec.stats.copy() if self.spec.enabled else None,
         )
 
 
@@ -422,8 +391,6 @@ def _shutdown_workers(workers) -> None:
 
 def _resolve_model(model: str | None) -> str:
     if model in (None, "", "demo", "demo-k3"):
-        from kimitui.engine.demo import demo_checkpoint
-
         return str(demo_checkpoint(model))
     path = Path(model).expanduser()
     if not path.is_dir():
@@ -432,8 +399,6 @@ def _resolve_model(model: str | None) -> str:
 
 
 def _load_tokenizer(model_dir: Path):
-    from kimitui.engine.text.tokenizer import Tokenizer, TokenizerError
-
     if not ((model_dir / "tokenizer.json").is_file() or (model_dir / "tiktoken.model").is_file()):
         return None
     try:

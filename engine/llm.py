@@ -8,6 +8,8 @@ from kimitui.engine.args import EngineArgs
 from kimitui.engine.engine import LLMEngine, PromptError
 from kimitui.engine.outputs import LogprobRows, RequestOutput
 from kimitui.engine.sampling_params import SamplingParams
+from dataclasses import replace
+from kimitui.engine.text.chat_format import chat_format_for
 
 
 class LLM:
@@ -110,9 +112,6 @@ class LLM:
         the end of the assistant turn. ``thinking_effort`` (low / high / max) is a K3
         option: a K2 checkpoint ignores it with a logged note. Parse a reply's text with
         ``engine.chat_format.chat_format_for(llm.get_tokenizer()).reply_parser(...)``."""
-        from dataclasses import replace
-
-        from kimitui.engine.text.chat_format import chat_format_for
 
         tok = self.engine.tokenizer
         if tok is None:

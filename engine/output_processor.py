@@ -17,6 +17,7 @@ from kimitui.engine.metrics import ThroughputWindow
 from kimitui.engine.outputs import CompletionOutput, LogprobRows, RequestMetrics, RequestOutput
 from kimitui.engine.sampling_params import SamplingParams
 from kimitui.engine.sequence import Sequence
+from kimitui.engine.text.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from kimitui.engine.runner.model_runner import StepResult
@@ -69,8 +70,6 @@ class OutputProcessor:
         prompt is the same request's (usage counts it once)."""
         detok = None
         if self.tokenizer is not None:
-            from kimitui.engine.text.tokenizer import IncrementalDetokenizer
-
             detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
                                            skip_special_tokens=params.skip_special_tokens,
                                            keep_special_ids=params.keep_special_token_ids or ())

@@ -104,12 +104,12 @@ class _Recorder(TorchDispatchMode):
 
 def _launcher_classes() -> list[type]:
     try:
-        from triton.runtime.jit import JITFunction
+        from triton.runtime.jit import JITFunction  # optional dependency: triton
     except Exception:  # no (working) triton: nothing to wrap
         return []
     classes = [JITFunction]
     try:
-        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.interpreter import InterpretedFunction  # optional dependency: triton
 
         if not issubclass(InterpretedFunction, JITFunction):
             classes.append(InterpretedFunction)

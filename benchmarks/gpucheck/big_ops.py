@@ -154,9 +154,9 @@ def moe_mxfp4_rows(mode) -> Iterator[Row]:
 
 
 def gemm_rows(mode) -> Iterator[Row]:
-    from kimitui.kernels.triton.fp8_block_gemm import fp8_block_gemm
-    from kimitui.kernels.triton.mxfp4_gemm import mxfp4_gemm
-    from kimitui.kernels.triton.w4a16_gemm import w4a16_gemm
+    from kimitui.kernels.triton.gemm.fp8_block import fp8_block_gemm
+    from kimitui.kernels.triton.gemm.mxfp4 import mxfp4_gemm
+    from kimitui.kernels.triton.gemm.w4a16 import w4a16_gemm
 
     # FP8: K2-Instruct's dense MLP gate+up [2 x 18432, 7168]
     n, kk = mode.pick((36864, 7168), (48, 64))

@@ -18,7 +18,7 @@ import torch
 
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.kv_cache.pool import KVCachePool
-from kimitui.engine.loader import build_model
+from kimitui.engine.loader import build_model, finish_load
 from kimitui.engine.runner.model_runner import ModelRunner, StepInputs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "configs"
@@ -87,7 +87,7 @@ def fill_random(model: torch.nn.Module) -> None:
 def build_random_model(config: ModelConfig, mode, max_model_len: int, expert_placement=None):
     model = build_model(config, mode.device, mode.dtype, max_model_len, expert_placement=expert_placement)
     fill_random(model)
-    model.post_load()
+    finish_load(model)
     return model
 
 

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from kimitui.engine.text.tokenizer import KIMI_PAT_STR_ONIG, NUM_RESERVED_SPECIAL_TOKENS, bytes_to_unicode
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
 # Kimi K2's named special tokens as offsets from num_base_tokens (tokenization_kimi.py and
 # tokenizer_config.json of moonshotai/Kimi-K2-Instruct); every other
@@ -68,8 +69,6 @@ def train_ranks(text: str, num_base_tokens: int = 4096) -> dict[bytes, int]:
     Deterministic: the same text gives the same ranks. Raises ValueError when the text is too
     small to yield that many tokens.
     """
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
-
     if num_base_tokens < 256:
         raise ValueError(f"num_base_tokens must be at least 256 (one per byte), got {num_base_tokens}")
     tok = Tokenizer(models.BPE())

@@ -20,6 +20,7 @@ from kimitui.engine.layers.mlp import MLP
 from kimitui.engine.loader.source import TensorSource
 from kimitui.engine.parallel.state import SINGLE, ParallelState, split_sizes
 from kimitui.kernels.backend import REFERENCE, Backend, count_routing
+from kimitui.engine.offload.cpu_experts import CpuExpertExecutor
 
 
 class Router(nn.Module):
@@ -152,6 +153,18 @@ class ExpertStack(nn.Module):
                                         self.w2_weight, self.w2_weight_scale_inv, self.quant.weight_block_size,
                                         activation=act)
 
+    def run_subset(self, expert_map: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+        """The contribution of this stack's experts only; ``expert_map`` [E] gives each global
+        expert's slot in the stack or -1. -> [T, D]
+
+        Pairs routed to experts held elsewhere get the id ``self.num``, which every MoE kernel reads
+        as "adds nothing": no nonzero(), so no host sync on a device.
+        """
+        local = expert_map[topk_ids]  # [T, k]
+        ids = torch.where(local >= 0, local, torch.full_like(local, self.num))
+        return self(x, ids, weights)
+
     def check_activation(self) -> None:
         """Refuse (at load) a backend whose expert ops do not compute this stack's activation."""
         kind = "silu" if self.activation is None else self.activation.kind
@@ -159,19 +172,6 @@ class ExpertStack(nn.Module):
             supported = ", ".join(self.ops.expert_activations)
             raise ValueError(f"the {self.ops.name} backend's MoE kernels compute {supported}, not the experts' "
                              f"activation {kind!r}")
-
-
-def run_subset(stack: ExpertStack, expert_map: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
-               weights: torch.Tensor) -> torch.Tensor:
-    """The contribution of the experts in ``stack`` only; ``expert_map`` [E] gives each global
-    expert's slot in the stack or -1. -> [T, D]
-
-    Pairs routed to experts held elsewhere get the id ``stack.num``, which every MoE kernel reads
-    as "adds nothing": no nonzero(), so no host sync on a device.
-    """
-    local = expert_map[topk_ids]  # [T, k]
-    ids = torch.where(local >= 0, local, torch.full_like(local, stack.num))
-    return stack(x, ids, weights)
 
 
 class RoutedExperts(nn.Module):
@@ -221,8 +221,6 @@ class RoutedExperts(nn.Module):
         self.whole_layer_local = len(on_device) == n
         self.executor = None
         if self.host is not None:
-            from kimitui.engine.offload.cpu_experts import CpuExpertExecutor
-
             self.executor = CpuExpertExecutor(self.host, self.host_map)
 
     def post_load(self, dtype: torch.dtype) -> None:
@@ -332,7 +330,7 @@ class RoutedExperts(nn.Module):
         if self.local is not None:
             timing = self.executor.timing if self.executor is not None else None
             with timing.device_span(x.device) if timing is not None else contextlib.nullcontext():
-                y = run_subset(self.local, self.local_map, x, topk_ids, w)
+                y = self.local.run_subset(self.local_map, x, topk_ids, w)
         if before_join is not None:
             before_join()
         if pending is not None:

@@ -22,8 +22,8 @@ from kimitui.engine.layers.norm import RMSNorm
 from kimitui.engine.layers.rope import YarnRotaryEmbedding
 from kimitui.engine.models.registry import WeightTarget
 from kimitui.engine.parallel.state import SINGLE, ParallelState
-from kimitui.kernels.select import attach_backends
-from kimitui.kernels.settings import KernelSettings
+from kimitui.engine.models.common import derive_weights, prepare_experts, routing_stats, skip_reason
+from kimitui.kernels.backend import Backend
 
 
 class DecoderLayer(nn.Module):
@@ -190,22 +190,13 @@ class DeepseekV3ForCausalLM(nn.Module):
         """The last forward's aux hidden states [T, n_aux * hidden] (None when capturing is off)."""
         return self.model.aux_hidden
 
-    def post_load(self, settings: KernelSettings | None = None) -> None:
-        """Once the weights are in: derived weights, then the backend, chosen once from the weights'
-        device and dtype and ``settings`` (default: read from the environment now)."""
-        for layer in self.model.layers:
-            layer.self_attn.post_load()
-            for mlp in (layer.mlp, getattr(layer.mlp, "shared_experts", None)):
-                if isinstance(mlp, MLP):
-                    mlp.post_load()
-        settings = KernelSettings.from_env() if settings is None else settings
-        weight = self.model.norm.weight
-        ops = attach_backends(self, weight.device, weight.dtype, settings)
+    def post_load(self, ops: Backend) -> None:
+        """Once the weights are in and every module has its backend (``ops``, the model's): derived
+        weights, each decoder layer's fused halves where the backend has them, the experts' layout."""
+        derive_weights(self.model.layers)
         for layer in self.model.layers:
             layer.fused = ops.fuse_decoder_layer(layer)
-            experts = getattr(layer.mlp, "experts", None)
-            if experts is not None:
-                experts.post_load(weight.dtype)
+        prepare_experts(self.model.layers, self.model.norm.weight.dtype)
 
     # -- declarations (see engine.models.registry) ------------------------------------------------
     def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
@@ -217,11 +208,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         up to its last dot), or why it is skipped."""
         if name.endswith("rotary_emb.inv_freq"):
             return "rotary inv_freq"
-        if not (name.startswith("model.") or name.startswith("lm_head.")):
-            return "not part of the text model"
+        skip = skip_reason(name, self.config.num_hidden_layers)
+        if skip is not None:
+            return skip
         parts = name.split(".")
-        if parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= self.config.num_hidden_layers:
-            return "MTP layer"
         if parts[3:5] == ["mlp", "experts"]:
             experts = ".".join(parts[:5])
             if parts[5].isdigit():  # experts.E.{gate,up,down}_proj.<suffix>: one expert's tensor
@@ -231,6 +221,4 @@ class DeepseekV3ForCausalLM(nn.Module):
         return WeightTarget(module, leaf)
 
     def routing_stats(self) -> dict[int, list[int]]:
-        """Tokens routed to each expert so far, per MoE layer (for hottest-first placement)."""
-        return {i: layer.mlp.experts.routing_counts.tolist() for i, layer in enumerate(self.model.layers)
-                if hasattr(layer.mlp, "experts")}
+        return routing_stats(self.model.layers)

@@ -33,8 +33,10 @@ from kimitui.engine.layers.norm import RMSNorm
 from kimitui.engine.models.registry import WeightTarget
 from kimitui.engine.parallel.state import SINGLE, ParallelState
 from kimitui.kernels.backend import REFERENCE, Backend
-from kimitui.kernels.select import attach_backends
-from kimitui.kernels.settings import KernelSettings
+from kimitui.engine.models.common import derive_weights, prepare_experts, routing_stats, skip_reason
+from kimitui.engine.layers.kda import KDAConfig
+from kimitui.engine.kv_cache.state import KDAStateSpec
+from kimitui.engine.layers.kda import KimiDeltaAttention
 
 # checkpoint MoE spellings -> module names: K3 and transformers' save_pretrained write the MoE (and
 # Kimi Linear's dense first layer) under block_sparse_moe., experts as w1 (gate), w3 (up), w2 (down)
@@ -44,8 +46,6 @@ _W_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
 def _kda_config(config: ModelConfig):
-    from kimitui.engine.layers.kda import KDAConfig
-
     la = config.linear_attn
     return KDAConfig.from_linear_attn_config(config.hidden_size, dict(la.raw), config.rms_norm_eps,
                                              config.quantization)
@@ -64,8 +64,6 @@ class KimiDecoderLayer(nn.Module):
         self.is_kda = c.is_kda_layer(layer_idx)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         if self.is_kda:
-            from kimitui.engine.layers.kda import KimiDeltaAttention
-
             self.self_attn = KimiDeltaAttention(_kda_config(c), f"{prefix}.self_attn", par, dtype)
         else:
             self.self_attn = MLAttention(c, f"{prefix}.self_attn", None, par, dtype)  # NoPE: no rotary at all
@@ -190,30 +188,19 @@ class KimiLinearForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, V] fp32
 
-    def post_load(self) -> None:
-        weight = self.model.norm.weight  # the backend, chosen once (see kernels.backend)
-        attach_backends(self, weight.device, weight.dtype, KernelSettings.from_env())
-        for layer in self.model.layers:
-            post = getattr(layer.self_attn, "post_load", None)
-            if post is not None:
-                post()
-            for mlp in (layer.mlp, getattr(layer.mlp, "shared_experts", None)):
-                if isinstance(mlp, MLP):
-                    mlp.post_load()
-            experts = getattr(layer.mlp, "experts", None)
-            if experts is not None:
-                experts.post_load(self.model.norm.weight.dtype)
+    def post_load(self, ops: Backend) -> None:
+        """Once the weights are in and every module has its backend: derived weights, the experts' layout."""
+        derive_weights(self.model.layers)
+        prepare_experts(self.model.layers, self.model.norm.weight.dtype)
 
     # -- declarations (see engine.models.registry) ------------------------------------------------
     def checkpoint_target(self, name: str) -> WeightTarget | str:
         """Where checkpoint tensor ``name`` (prefix removed) goes, or why it is skipped. The MoE
         (and transformers' dense first layer) sits under block_sparse_moe., loaded into mlp.;
         experts.E.w1 / w3 / w2 are the gate / up / down of expert E."""
-        if not (name.startswith("model.") or name.startswith("lm_head.")):
-            return "not part of the text model"
-        parts = name.split(".")
-        if parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= self.config.num_hidden_layers:
-            return "MTP layer"
+        skip = skip_reason(name, self.config.num_hidden_layers)
+        if skip is not None:
+            return skip
         name = _MOE.sub(r"\1mlp.", name)
         m = _EXPERT.match(name)
         if m:
@@ -223,8 +210,6 @@ class KimiLinearForCausalLM(nn.Module):
 
     def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
         """Per layer: the paged MLA latent cache (``dtype``) or the KDA state (fp32) on this rank."""
-        from kimitui.engine.kv_cache.state import KDAStateSpec
-
         specs: list[CacheSpec] = []
         for layer in self.model.layers:
             if layer.is_kda:
@@ -237,6 +222,4 @@ class KimiLinearForCausalLM(nn.Module):
         return specs
 
     def routing_stats(self) -> dict[int, list[int]]:
-        """Tokens routed to each expert so far, per MoE layer (for hottest-first placement)."""
-        return {i: layer.mlp.experts.routing_counts.tolist() for i, layer in enumerate(self.model.layers)
-                if hasattr(layer.mlp, "experts")}
+        return routing_stats(self.model.layers)

@@ -28,7 +28,7 @@ Parameter classes for the planner
     belongs to the class of the closest enclosing module that sets one (``parameter_classes``).
     The planner sums the bytes of a meta-device build grouped this way, so what it counts is what
     the engine allocates.
-``model.forward(input_ids, meta, caches)``, ``model.compute_logits(hidden)``, ``model.post_load()``,
+``model.forward(input_ids, meta, caches)``, ``model.compute_logits(hidden)``, ``model.post_load(ops)`` (after ``loader.finish_load`` hands every module its backend),
 ``model.routing_stats()``
     Running the model, as ``engine.runner`` calls it.
 """
@@ -41,8 +41,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import nn
-
-    from kimitui.engine.config import ModelConfig
 
 PARAM_CLASSES = ("embedding", "lm_head", "final_norm", "attention", "dense_mlp", "router", "shared_experts",
                  "routed_experts")
@@ -86,11 +84,11 @@ def model_family(model_type: str) -> ModelFamily | None:
     return FAMILIES.get(model_type)
 
 
-def model_class(config: "ModelConfig") -> type:
-    """The class that builds ``config``'s model."""
-    family = FAMILIES.get(config.model_type)
+def model_class(model_type: str) -> type:
+    """The class that builds a model of ``model_type``."""
+    family = FAMILIES.get(model_type)
     if family is None:
-        raise ValueError(f"model_type {config.model_type!r} is not supported "
+        raise ValueError(f"model_type {model_type!r} is not supported "
                          f"(supported: {', '.join(supported_model_types())})")
     module, name = family.model_class.split(":")
     return getattr(importlib.import_module(module), name)

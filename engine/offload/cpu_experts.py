@@ -127,17 +127,15 @@ class CpuExpertExecutor:
 
     def _compute(self, inputs, staging: HostStaging | None, timing: LayerTiming | None) -> torch.Tensor:
         # on the worker thread: [T, D] on the CPU (in the pinned output block on a device run)
-        from kimitui.engine.layers.moe import run_subset
-
         t0 = time.perf_counter()
         if staging is not None:
             staging.wait_inputs()
         t1 = time.perf_counter()
         x, ids, w = inputs
         if not self.nodes:
-            out = run_subset(self.stack, self.expert_map, x, ids, w)
+            out = self.stack.run_subset(self.expert_map, x, ids, w)
         else:
-            parts = [self._workers.pool(cpus).submit(run_subset, sub, node_map, x, ids, w)
+            parts = [self._workers.pool(cpus).submit(sub.run_subset, node_map, x, ids, w)
                      for cpus, sub, node_map in self.nodes]
             out = _sum_parts(parts, x.dtype)
         if staging is not None:
@@ -202,3 +200,21 @@ def share_staging(model: torch.nn.Module) -> int:
 def _timing_requested() -> bool:
     # read when a layer is built, never per call (see engine.offload.overlap_meter)
     return os.environ.get("KIMITUI_OFFLOAD_TIMING", "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def place_host_experts(model: torch.nn.Module, policy: numa.NumaPolicy, topology: numa.NumaTopology):
+    """Split every host-expert executor of ``model`` across ``topology``'s nodes when the policy says so
+    (and give them one shared staging block, ``cpu_experts.share_staging``); -> (number of layers
+    split, the node workers they share, or None)."""
+    share_staging(model)  # one pinned staging block for all layers (device runs), whatever the policy
+    if not policy.split(topology):
+        return 0, None
+
+    workers = NodeWorkers()
+    count = 0
+    for m in model.modules():
+        executor = getattr(m, "executor", None)
+        if executor is not None and hasattr(executor, "split_across"):
+            executor.split_across(topology, workers)
+            count += 1
+    return count, workers

@@ -176,23 +176,3 @@ def first_touch_copy(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype)
     out.copy_(t)
     return out
-
-
-def place_host_experts(model: torch.nn.Module, policy: NumaPolicy, topology: NumaTopology):
-    """Split every host-expert executor of ``model`` across ``topology``'s nodes when the policy says so
-    (and give them one shared staging block, ``cpu_experts.share_staging``); -> (number of layers
-    split, the node workers they share, or None)."""
-    from kimitui.engine.offload.cpu_experts import NodeWorkers, share_staging
-
-    share_staging(model)  # one pinned staging block for all layers (device runs), whatever the policy
-    if not policy.split(topology):
-        return 0, None
-
-    workers = NodeWorkers()
-    count = 0
-    for m in model.modules():
-        executor = getattr(m, "executor", None)
-        if executor is not None and hasattr(executor, "split_across"):
-            executor.split_across(topology, workers)
-            count += 1
-    return count, workers

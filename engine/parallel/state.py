@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 def split_sizes(total: int, parts: int, unit: int = 1) -> list[int]:
@@ -49,8 +50,6 @@ class ParallelState:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_parallel:
-            import torch.distributed as dist
-
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -58,8 +57,6 @@ class ParallelState:
         """Concatenate every rank's ``x`` [..., sizes[r]] along the last dim (uneven sizes allowed)."""
         if not self.is_parallel:
             return x
-        import torch.distributed as dist
-
         width = max(sizes)
         padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]

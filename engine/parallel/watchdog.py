@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 log = logging.getLogger(__name__)
 
 
@@ -44,8 +46,6 @@ def stop_workers(procs) -> None:
     NCCL/RCCL waits on the GPU for ever, so its communicators are aborted; stopping the surviving
     workers closes their sockets, which fails any gloo operation at once.
     """
-    import torch.distributed as dist
-
     if dist.is_initialized() and dist.get_backend() == "nccl":
         dist.distributed_c10d._abort_process_group()
     for p in procs:

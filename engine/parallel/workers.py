@@ -26,10 +26,8 @@ import math
 import os
 import pickle
 import socket
-import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -38,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kimitui.engine.parallel.state import ParallelState
-from kimitui.engine.parallel.watchdog import Heartbeat, Watchdog, stop_workers
+from kimitui.engine.parallel.watchdog import Watchdog, stop_workers
 
 log = logging.getLogger(__name__)
 
@@ -119,66 +117,18 @@ def next_message(conn):
     return pickle.loads(conn.recv_bytes())
 
 
-def _worker_main(rank: int, spec: WorkerSpec, heartbeat, work) -> None:
-    from kimitui.engine.config import ModelConfig
-    from kimitui.engine.kv_cache.pool import KVCachePool
-    from kimitui.engine.loader import load_model
-    from kimitui.engine.runner.model_runner import ModelRunner
-
-    if heartbeat is not None:
-        Heartbeat(heartbeat)  # rank 0's watchdog hears this process is alive (engine/parallel/watchdog.py)
-    try:
-        torch.set_num_threads(spec.threads_per_rank)
-        device = rank_device(spec.device_type, rank, spec.device_base)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        par = init_rank(spec, rank)
-        config = ModelConfig.from_pretrained(spec.model_dir)
-        dtype = getattr(torch, spec.dtype)
-        model, _ = load_model(config, spec.model_dir, device, dtype, spec.max_model_len, par=par,
-                              expert_placement=spec.expert_placement)
-        # Rank 0 sized the pool; every rank allocates the same blocks and state slots (its own
-        # share of each layer), since the scheduler's block and slot ids index all of them.
-        try:
-            num_blocks, max_num_seqs, num_snapshots, num_spec_slots, num_spec_tokens = next_message(work)
-        except EOFError:  # rank 0's own start-up failed (it reports why) and it closed the pipe
-            return
-        pool = KVCachePool(model.cache_specs(dtype), num_blocks, spec.block_size, max_num_seqs, device,
-                           num_snapshots, num_spec_slots)
-        # Same fixed-capacity decode tables and decode graph choice as rank 0: graphed steps pad to
-        # the same bucket on every rank, so the collectives inside match.
-        runner = ModelRunner(model, pool.caches, spec.block_size, device, max_num_seqs=max_num_seqs,
-                             max_model_len=spec.max_model_len, decode_graphs=spec.decode_graphs,
-                             num_spec_tokens=num_spec_tokens, spec_scratch_base=pool.spec_scratch_base)
-        par.all_reduce(torch.zeros(1, device=device))  # ready (WorkerGroup.wait_ready)
-        if runner.graphs is not None and spec.capture_graphs:
-            runner.graphs.capture_all()  # rank 0 captures right after creating its runner: same order
-        while True:
-            try:
-                inputs = next_message(work)
-            except EOFError:  # rank 0 closed its end: shut down, or died (nobody is left to serve)
-                break
-            runner.forward_step(inputs)
-    except Exception:
-        traceback.print_exc(file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(1)  # skip atexit handlers that could block on the broken process group
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 class WorkerGroup:
     """Ranks 1..N-1 as child processes, and rank 0's handle on them."""
 
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, target):
+        """``target(rank, spec, heartbeat, work)``: a worker's main (engine/runner/worker.py)."""
         if spec.dist_timeout_s is None:  # read once here, so every rank uses rank 0's value
             spec = dataclasses.replace(spec, dist_timeout_s=dist_timeout_s())
         self.spec = spec
         ctx = mp.get_context("spawn")
         pipes = [ctx.Pipe(duplex=False) for _ in range(1, spec.world_size)]  # heartbeats: (rank 0's end, the worker's)
         work = [ctx.Pipe(duplex=False) for _ in range(1, spec.world_size)]  # step inputs: (the worker's end, rank 0's)
-        self.procs = [ctx.Process(target=_worker_main, args=(r, spec, send, recv), name=f"kimitui-rank{r}",
+        self.procs = [ctx.Process(target=target, args=(r, spec, send, recv), name=f"kimitui-rank{r}",
                                   daemon=True)
                       for r, (_, send), (recv, _) in zip(range(1, spec.world_size), pipes, work)]
         for p, (_, send), (recv, _) in zip(self.procs, pipes, work):

@@ -21,6 +21,7 @@ from kimitui.engine.config import ModelConfig
 from kimitui.engine.layers.linear import linear_format
 from kimitui.engine.models.registry import PARAM_CLASSES, parameter_classes
 from kimitui.engine.parallel.state import ParallelState, split_sizes
+from kimitui.engine.loader import build_model
 
 _TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
                 "float32": torch.float32, "float": torch.float32}
@@ -34,8 +35,6 @@ def compute_dtype(config: ModelConfig) -> torch.dtype:
 def meta_model(config: ModelConfig, world_size: int = 1, rank: int = 0, par: ParallelState | None = None) -> nn.Module:
     """Rank ``rank``'s model on the meta device, experts spread evenly over the ranks (``par``: the
     parallel state to build with, default ``ParallelState(rank, world_size)``)."""
-    from kimitui.engine.loader import build_model
-
     par = ParallelState(rank=rank, world_size=world_size) if par is None else par
     return build_model(config, torch.device("meta"), compute_dtype(config), par=par)
 

@@ -21,6 +21,7 @@ from kimitui.engine.plan.activation_reserve import ActivationReserve, activation
 from kimitui.engine.plan.param_count import ModelSize, footprint, moe_layers
 from kimitui.engine.parallel.state import split_sizes
 from kimitui.engine.units import GiB
+from kimitui.engine.spec_decode.footprint import drafter_footprint
 
 DEFAULT_BLOCK_SIZE = 64   # FlashMLA / vLLM MLA page size
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # the engine's default (engine.args.EngineArgs)
@@ -130,12 +131,6 @@ class Placement:
     def experts_per_layer(self) -> dict[int, tuple[int, int]]:
         """{MoE layer: (experts on GPU, experts on CPU)}."""
         return {i: (len(r) - r.count(-1), r.count(-1)) for i, r in enumerate(self.expert_device) if r}
-
-    def summary_lines(self) -> list[str]:
-        """Human-readable plan: a table per GPU, host RAM, experts per layer, fit and largest context."""
-        from kimitui.engine.plan.report import render
-
-        return render(self)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (bytes as integers)."""
@@ -363,8 +358,6 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
     e = fp.size.routed_expert.nbytes
     non_expert, drafter_kv = list(fp.non_expert_per_device), 0
     if speculative is not None and speculative.method == "eagle3":
-        from kimitui.engine.spec_decode.footprint import drafter_footprint
-
         drafter = drafter_footprint(speculative.model, config.hidden_size, config.vocab_size)
         non_expert[0] += drafter.weight_bytes
         drafter_kv = drafter.kv_bytes_per_token

@@ -1,5 +1,5 @@
 """The planner's text report: the headline story, the per-sequence cache line, a table per GPU,
-host RAM and experts per layer (``Placement.summary_lines``). Sizes in GiB (2^30)."""
+host RAM and experts per layer (``render``). Sizes in GiB (2^30)."""
 
 from __future__ import annotations
 

@@ -100,3 +100,52 @@ class ParentRequest:
         firsts = [x.first_token_time for x in ms if x.first_token_time is not None]
         return replace(m, token_times=list(m.token_times), first_token_time=min(firsts) if firsts else None,
                        finished_time=max(x.finished_time for x in ms) if done else None)
+
+
+class FanOut:
+    """The engine's fanned-out requests: which child belongs to which request, and their outputs
+    joined back into one per request and step (identity when nothing fans out)."""
+
+    def __init__(self):
+        self._parents: dict[str, ParentRequest] = {}
+        self._child_of: dict[str, tuple[ParentRequest, int]] = {}
+
+    def in_use(self, request_id: str) -> bool:
+        return request_id in self._parents
+
+    def parent(self, request_id: str) -> ParentRequest | None:
+        return self._parents.get(request_id)
+
+    def add(self, parent: ParentRequest) -> None:
+        for i, c in enumerate(parent.child_ids):
+            self._child_of[c] = (parent, i)
+        self._parents[parent.request_id] = parent
+
+    def forget(self, parent: ParentRequest) -> None:
+        self._parents.pop(parent.request_id, None)
+        for c in parent.child_ids:
+            self._child_of.pop(c, None)
+
+    def request_id(self, seq_id: str) -> str:
+        """The request ``seq_id`` serves (itself unless it is a child)."""
+        link = self._child_of.get(seq_id)
+        return link[0].request_id if link is not None else seq_id
+
+    def join(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Children's outputs joined into their request's (one per request and step)."""
+        if not self._child_of:
+            return outputs
+        joined: dict[str, RequestOutput] = {}
+        plain = []
+        for out in outputs:
+            link = self._child_of.get(out.request_id)
+            if link is None:
+                plain.append(out)
+                continue
+            parent, i = link
+            j = parent.collect(i, out)
+            if j is not None:
+                joined[parent.request_id] = j
+            if j is not None and j.finished:
+                self.forget(parent)
+        return plain + list(joined.values())

@@ -1,7 +1,7 @@
 """Speculative decoding: proposers draft tokens, the target model verifies them in one step.
 
 - ``config.py``: ``SpeculativeConfig``, vLLM's ``speculative_config`` dict, validated once.
-- ``proposer.py``: the proposer interface the engine calls after every step.
+- ``proposer.py``: the proposer interface the engine calls after every step; ``select.py`` picks one.
 - ``ngram.py`` / ``suffix.py`` (+ ``suffix_global.py``, ``history.py``): draft-model-free proposers
   (prompt lookup, suffix decoding) over per-request token arrays.
 - ``eagle3*.py``: EAGLE-3 drafters over a Kimi K2.x target's hidden states.

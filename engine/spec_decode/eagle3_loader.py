@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from kimitui.engine.spec_decode.eagle3 import Eagle3Config, Eagle3Drafter, rope_parameters
+from safetensors import safe_open
 
 _IGNORED = ("t2d", "mask_hidden")  # unused by greedy chain drafting (vLLM skips them too)
 _ALIASES = {".self_attn.kv_a_proj.": ".self_attn.kv_a_proj_with_mqa."}
@@ -54,8 +55,6 @@ def load_eagle3(path: str | Path, target_config, device: torch.device | str, dty
                 aux_override=None, aux_convention: str | None = None) -> Eagle3Drafter:
     """Load an EAGLE-3 drafter checkpoint (any float dtype on disk) for a target with
     ``target_config`` (engine ``ModelConfig``), on ``device`` in ``dtype``."""
-    from safetensors import safe_open
-
     path = Path(path)
     cfg = read_config(path, target_config, aux_override, aux_convention)
     files = sorted(path.glob("*.safetensors"))

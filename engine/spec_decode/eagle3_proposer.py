@@ -23,6 +23,10 @@ from kimitui.engine.sequence import Sequence
 from kimitui.engine.spec_decode.eagle3 import Eagle3Drafter
 from kimitui.engine.spec_decode.eagle3_loader import load_eagle3
 from kimitui.engine.spec_decode.proposer import StepHidden
+from kimitui.engine.layers.embedding import VocabEmbedding
+from kimitui.engine.loader.checkpoint import CheckpointReader
+from kimitui.kernels.select import attach_backends
+from kimitui.kernels.settings import KernelSettings
 
 
 class Eagle3Proposer:
@@ -63,8 +67,6 @@ class Eagle3Proposer:
         self._finished: set[str] = set()
 
     def _attach_backend(self, settings) -> None:
-        from kimitui.kernels.select import attach_backends
-        from kimitui.kernels.settings import KernelSettings
 
         attach_backends(self.drafter, self.device, self.dtype,
                         KernelSettings.from_env() if settings is None else settings)
@@ -176,8 +178,6 @@ class Eagle3Proposer:
 def _whole_embedding(model_dir, config, device: torch.device, dtype: torch.dtype):
     """The target's whole token embedding read from its checkpoint (``model.embed_tokens.weight`` under
     the family's prefix), on ``device``: what a drafter on rank 0 shares under tensor parallel."""
-    from kimitui.engine.layers.embedding import VocabEmbedding
-    from kimitui.engine.loader.checkpoint import CheckpointReader
 
     if model_dir is None:
         raise ValueError("speculative_config: eagle3 with tensor parallel needs the target's checkpoint directory")

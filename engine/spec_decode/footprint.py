@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from kimitui.engine.spec_decode.eagle3 import drafter_architecture
+from kimitui.engine.spec_decode.eagle3_mla import MLAShape
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -40,8 +42,6 @@ def drafter_footprint(model_dir: str | Path, target_hidden_size: int, target_voc
         heads = int(c["num_attention_heads"])
     except KeyError as e:
         raise ValueError(f"{path}: missing {e.args[0]!r}") from None
-    from kimitui.engine.spec_decode.eagle3 import drafter_architecture
-    from kimitui.engine.spec_decode.eagle3_mla import MLAShape
 
     kv_heads = int(c.get("num_key_value_heads", heads))
     hd = int(c.get("head_dim", h // heads))

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -205,8 +207,6 @@ def deep_sort(obj: Any) -> Any:
 
 
 def _compile(template_str: str):
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str):
         raise TemplateError(message)

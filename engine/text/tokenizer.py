@@ -19,6 +19,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 from kimitui.engine.paths import cache_root
+from tokenizers import Regex, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE
+from tokenizers import decoders
 
 # Kimi's split pattern exactly as in Moonshot's tokenization_kimi.py (same in K2, K2.5, K2.6, K3
 # on huggingface.co/moonshotai). It relies on
@@ -107,8 +110,6 @@ def tiktoken_to_hf_json(ranks: dict[bytes, int], pattern: str, specials: dict[in
 
     ``pattern`` must be Oniguruma-compatible (use KIMI_PAT_STR_ONIG for Kimi).
     """
-    from tokenizers import Regex, decoders, pre_tokenizers, processors
-    from tokenizers.models import BPE
 
     vocab = {token_bytes_to_string(b): r for b, r in ranks.items()}
     # Merges as in transformers' TikTokenConverter: every split (l, r) of a token whose parts are
@@ -264,8 +265,6 @@ class Tokenizer:
 
     def _byte_table(self, hf: HFTokenizer) -> list[bytes] | None:
         """Bytes of every id when the model is byte-level BPE (enables exact streaming decode)."""
-        from tokenizers import decoders
-
         if not isinstance(hf.decoder, decoders.ByteLevel):
             return None
         dec = {c: b for b, c in bytes_to_unicode().items()}

@@ -25,6 +25,7 @@ from kimitui.kernels.cpu import few_rows as cpu_few_rows, linear as cpu_linear, 
 from kimitui.kernels import reference
 from kimitui.kernels.backend import Backend, count_routing, written_rows
 from kimitui.kernels.settings import KernelSettings
+from kimitui.kernels.cpu.decode_block import fuse_decoder_layer
 
 _F32 = torch.float32
 _BF16 = torch.bfloat16
@@ -246,6 +247,5 @@ class CpuBackend(Backend):
     def fuse_decoder_layer(self, layer):
         if not self.cxx:
             return None
-        from kimitui.kernels.cpu.decode_block import fuse_decoder_layer
 
         return fuse_decoder_layer(layer, self)

@@ -156,8 +156,8 @@ def _prebuilt(ext: Extension, variant: str, key: str) -> str | None:
 def extensions_root() -> Path:
     """Where torch builds extensions: ``TORCH_EXTENSIONS_DIR``, else its default root (which follows
     ``XDG_CACHE_HOME``) and the python / accelerator folder under it, as ``torch.utils.cpp_extension``."""
-    import torch
-    from torch.utils.cpp_extension import get_default_build_root
+    import torch  # optional here: setup.py loads this module before torch may be installed
+    from torch.utils.cpp_extension import get_default_build_root  # optional here: setup.py loads this module before torch may be installed
 
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return Path(os.environ["TORCH_EXTENSIONS_DIR"])
@@ -187,7 +187,7 @@ def pending_builds() -> list[str]:
     """The extensions this process would compile before its first use (none after an install):
     "<name> (about N min)" each, for a load screen to say before the wait. Never raises."""
     try:
-        import torch
+        import torch  # optional here: setup.py loads this module before torch may be installed
 
         out = []
         for ext in EXTENSIONS:
@@ -203,7 +203,7 @@ def describe() -> str:
     """One line for ``kimitui info``: each extension's variant and where its build comes from, without
     compiling or importing anything."""
     try:
-        import torch
+        import torch  # optional here: setup.py loads this module before torch may be installed
 
         parts = []
         for ext in EXTENSIONS:
@@ -259,7 +259,7 @@ def load_extension(ext: Extension, log: logging.Logger, what: str) -> ModuleType
     """``ext``'s module for this CPU: the one built at install when its key matches, else compiled
     now (announced, under the lock); None, with a warning naming ``what``, when it cannot be had."""
     try:
-        import torch
+        import torch  # optional here: setup.py loads this module before torch may be installed
 
         variant, key, name = _locate(ext, torch.__version__)
         if name is not None:
@@ -272,7 +272,7 @@ def load_extension(ext: Extension, log: logging.Logger, what: str) -> ModuleType
 
 
 def _compile(ext: Extension, variant: str, key: str, log: logging.Logger, what: str) -> ModuleType:
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import load  # optional here: setup.py loads this module before torch may be installed
 
     folder = _jit_dir(ext, variant, key)
     name = f"kimitui_{ext.name}_{variant}_{key}"
@@ -283,7 +283,7 @@ def _compile(ext: Extension, variant: str, key: str, log: logging.Logger, what: 
                         "on 2 cores, once, into %s). `pip install --no-build-isolation -e .` builds it ahead of time.",
                         what, _torch_version(), variant, ext.minutes, folder)
         if shutil.which("ninja") is None:  # the ninja wheel's binary, when its venv is not on PATH
-            import ninja
+            import ninja  # optional here: setup.py loads this module before torch may be installed
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         folder.mkdir(parents=True, exist_ok=True)
@@ -296,6 +296,6 @@ def _compile(ext: Extension, variant: str, key: str, log: logging.Logger, what: 
 
 
 def _torch_version() -> str:
-    import torch
+    import torch  # optional here: setup.py loads this module before torch may be installed
 
     return torch.__version__

@@ -38,6 +38,7 @@ import torch
 
 from kimitui.kernels.cpu import quant_moe_layout as layout
 from kimitui.kernels.cpu.build import QUANT_MOE, load_extension
+from kimitui.kernels.cpu import few_rows as cpu_few_rows
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,6 @@ def _module():
     module = load_extension(QUANT_MOE, log, "CPU quantised MoE kernels")
     # a thread calling both extensions runs one thread team (kernels/cpu/csrc/cpu_team.h): the few-row kernels'
     # (when they build)
-    from kimitui.kernels.cpu import few_rows as cpu_few_rows
-
     if module is not None and cpu_few_rows.available():
         module.use_team(cpu_few_rows.team_capsule())
     return module

@@ -24,7 +24,6 @@ from kimitui.kernels import kda
 from kimitui.kernels.backend import Backend
 from kimitui.kernels.triton import (
     attn_res_mix,
-    fp8_block_gemm,
     fused_add_rms_norm,
     fused_moe,
     gated_act,
@@ -34,12 +33,11 @@ from kimitui.kernels.triton import (
     mla_decode,
     mla_q_absorb,
     moe_router,
-    mxfp4_gemm,
     rms_norm,
     rope_fused,
     sigmoid_gate,
-    w4a16_gemm,
 )
+from kimitui.kernels.triton.gemm import fp8_block, mxfp4, w4a16
 
 
 def _fla(x) -> bool:
@@ -55,17 +53,17 @@ class TritonBackend(Backend):
     name = "triton"
 
     def linear_fp8_block(self, x, w, scale_inv, block=(128, 128)):
-        out = fp8_block_gemm.fp8_block_gemm(_as_rows(x), w, scale_inv, tuple(block))
+        out = fp8_block.fp8_block_gemm(_as_rows(x), w, scale_inv, tuple(block))
         return out.view(*x.shape[:-1], w.shape[0])
 
     def linear_w4a16(self, x, packed, scale, k, group_size=32):
         if x.shape[-1] != k:
             raise ValueError(f"x has {x.shape[-1]} input features, the INT4 weight has {k}")
-        out = w4a16_gemm.w4a16_gemm(_as_rows(x), packed, scale, group_size)
+        out = w4a16.w4a16_gemm(_as_rows(x), packed, scale, group_size)
         return out.view(*x.shape[:-1], packed.shape[0])
 
     def linear_mxfp4(self, x, packed, scale):
-        out = mxfp4_gemm.mxfp4_gemm(_as_rows(x), packed, scale)
+        out = mxfp4.mxfp4_gemm(_as_rows(x), packed, scale)
         return out.view(*x.shape[:-1], packed.shape[0])
 
     def gated_act(self, gu, act):

@@ -18,7 +18,8 @@ import triton.language as tl
 from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device, interpreting
 from kimitui.kernels.activation import GatedActivation, resolve
 from kimitui.kernels.triton.gated_act import _tanh  # portable tanh (no libdevice), shared with the dense MLP's launch
-from kimitui.kernels.triton.mxfp4_gemm import MXFP4_BLOCK, _e2m1_to_float
+from kimitui.kernels.triton.gemm.mxfp4 import MXFP4_BLOCK, _e2m1_to_float
+from kimitui.kernels.triton.moe_align import moe_align_block_size as triton_align
 
 # Weight formats of the experts (constexpr WFMT of the kernel).
 DENSE, INT4, MXFP4, FP8 = 0, 1, 2, 3
@@ -68,8 +69,6 @@ _TRITON_ALIGN_MAX_PAIRS = 4096
 
 def _align(topk_ids: torch.Tensor, block_size: int, num_experts: int):
     if topk_ids.numel() <= _TRITON_ALIGN_MAX_PAIRS:
-        from kimitui.kernels.triton.moe_align import moe_align_block_size as triton_align
-
         return triton_align(topk_ids, block_size, num_experts)
     return moe_align_block_size(topk_ids, block_size, num_experts)
 

@@ -53,7 +53,7 @@ def require() -> None:
 def chunk_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale):
     """Varlen prefill: q, k [T, H, K]; v [T, H, V]; g [T, H, K]; beta [T, H]; initial_state
     [N, H, K, V] fp32; cu_seqlens [N+1] int64 on q's device. -> (o [T, H, V], final [N, H, K, V])"""
-    from fla.ops.kda import chunk_kda as fla_chunk_kda
+    from fla.ops.kda import chunk_kda as fla_chunk_kda  # optional dependency: fla-core
 
     o, final = fla_chunk_kda(
         q[None], k[None], v[None], g[None], beta[None], scale=scale,
@@ -65,7 +65,7 @@ def chunk_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale):
 def recurrent_kda(q, k, v, g, beta, state, slots, scale):
     """One token per sequence: q, k, g [N, H, K]; v [N, H, V]; beta [N, H]; state [num_slots, H, K, V]
     fp32, rows ``slots`` [N] updated in place. -> o [N, H, V]"""
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # optional dependency: fla-core
 
     if not state.is_contiguous():
         raise ValueError("recurrent_kda: the state pool must be contiguous (fla writes it in place by slot)")
@@ -82,7 +82,7 @@ def recurrent_kda_spec(q, k, v, g, beta, state, indices, lengths, scale):
     continuous-batching spec mode, varlen rows, ``ssm_state_indices`` = ``indices`` [N, T] and
     ``num_accepted_tokens`` = the lengths, so each sequence starts from its row at its last position
     and every position's state is written in place."""
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # optional dependency: fla-core
 
     if not state.is_contiguous():
         raise ValueError("recurrent_kda_spec: the state pool must be contiguous (fla writes it in place by slot)")
@@ -99,7 +99,7 @@ def recurrent_kda_spec(q, k, v, g, beta, state, indices, lengths, scale):
 def causal_conv1d(x, weight, history, cu_seqlens=None):
     """x [T, C]; weight [C, W]; history [N, C, W-1]; cu_seqlens [N+1] or None for one row per
     sequence. -> (y [T, C] in x.dtype, new history [N, C, W-1] in history.dtype)"""
-    from fla.modules.causal_conv1d import causal_conv1d as fla_conv, causal_conv1d_update
+    from fla.modules.causal_conv1d import causal_conv1d as fla_conv, causal_conv1d_update  # optional dependency: fla-core
 
     cache = F.pad(history, (1, 0)).contiguous()  # [N, C, W]
     if cu_seqlens is None:

@@ -114,6 +114,7 @@ def placement_lines(args: argparse.Namespace) -> list[str]:
     """The planner's placement for --model on --gpus devices (what the engine would build)."""
     from kimitui.engine.config import ConfigError, ModelConfig
     from kimitui.engine.plan.planner import PlacementError, plan_placement
+    from kimitui.engine.plan.report import render
 
     gpus = getattr(args, "gpus", None) or 1
     memory = getattr(args, "gpu_memory_gb", None) or 288.0
@@ -125,7 +126,7 @@ def placement_lines(args: argparse.Namespace) -> list[str]:
         plan = plan_placement(config, gpus, int(memory * 2**30), config.max_position_embeddings, 1, offload)
     except (ConfigError, PlacementError, ValueError) as e:
         return [f"n/a: {e}"]
-    return plan.summary_lines()
+    return render(plan)
 
 
 def dtype_lines(args: argparse.Namespace) -> list[str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from kimitui.engine.config import ConfigError, ModelConfig
 from kimitui.engine.plan.planner import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, Placement, PlacementError,
                                     plan_placement)
+from kimitui.engine.plan.report import render
 from kimitui.engine.plan.routing_stats import load_routing_stats
 from kimitui.engine.spec_decode.config import SpeculativeConfig
 from kimitui.engine.units import GiB
@@ -77,7 +78,7 @@ def _emit(placement: Placement, as_json: bool, error: str | None = None) -> None
             out["error"] = error
         print(json.dumps(out))
     else:
-        print("\n".join(placement.summary_lines()))
+        print("\n".join(render(placement)))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,8 +20,8 @@ MODULES = [
     "benchmarks.gpucheck.main", "benchmarks.gpucheck.section", "benchmarks.gpucheck.small_ops",
     "benchmarks.gpucheck.big_ops", "benchmarks.gpucheck.model_checks", "benchmarks.gpucheck.offload_check",
     "kimitui.kernels.triton.rms_norm", "kimitui.kernels.triton.fused_add_rms_norm", "kimitui.kernels.triton.rope_fused", "kimitui.kernels.triton.mla_cache_write",
-    "kimitui.kernels.triton.moe_router", "kimitui.kernels.triton.moe_align", "kimitui.kernels.triton.mla_decode", "kimitui.kernels.triton.fused_moe", "kimitui.kernels.triton.fp8_block_gemm",
-    "kimitui.kernels.triton.w4a16_gemm", "kimitui.kernels.triton.mxfp4_gemm", "kimitui.kernels.kda", "kimitui.kernels.triton.kda_fla", "kimitui.kernels.triton.backend",
+    "kimitui.kernels.triton.moe_router", "kimitui.kernels.triton.moe_align", "kimitui.kernels.triton.mla_decode", "kimitui.kernels.triton.fused_moe", "kimitui.kernels.triton.gemm.fp8_block",
+    "kimitui.kernels.triton.gemm.w4a16", "kimitui.kernels.triton.gemm.mxfp4", "kimitui.kernels.kda", "kimitui.kernels.triton.kda_fla", "kimitui.kernels.triton.backend",
     "kimitui.engine.models.deepseek_v3", "kimitui.engine.models.kimi_linear", "kimitui.engine.runner.model_runner", "kimitui.engine.runner.graphs",
     "kimitui.engine.offload.cpu_experts",
 ]

@@ -80,10 +80,10 @@ def test_cpu_backend_matches_reference():
 
 @needs_triton
 def test_wrappers_reject_bad_inputs(monkeypatch):
-    from kimitui.kernels.triton.fp8_block_gemm import fp8_block_gemm
+    from kimitui.kernels.triton.gemm.fp8_block import fp8_block_gemm
     from kimitui.kernels.triton.fused_moe import fused_moe
-    from kimitui.kernels.triton.mxfp4_gemm import mxfp4_gemm
-    from kimitui.kernels.triton.w4a16_gemm import w4a16_gemm
+    from kimitui.kernels.triton.gemm.mxfp4 import mxfp4_gemm
+    from kimitui.kernels.triton.gemm.w4a16 import w4a16_gemm
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x = torch.randn(2, 64)

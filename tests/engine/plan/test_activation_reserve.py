@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kimitui.engine.plan.report import render
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.plan.activation_reserve import (FRAGMENTATION, _Dims, _experts, WORKSPACE_BYTES, StepShape, activation_reserve,
                                                step_peak)
@@ -88,10 +89,10 @@ def test_planner_and_engine_use_one_number():
     expected = activation_reserve(k26, 6, 4096, 8, 32768, graphs=False)
     assert p.activation == expected and all(d.reserve_bytes == expected.total for d in p.devices)
     assert p.to_dict()["reserve"]["bytes"] == expected.total
-    assert expected.line() in p.summary_lines()
+    assert expected.line() in render(p)
     # the engine's number for the same arguments (a cuda device object needs no GPU)
     assert device_reserve_bytes(k26, torch.device("cuda", 0), 6, 4096, 8, 32768, False) == expected.total
     assert device_reserve_bytes(k26, torch.device("cpu"), 6, 4096, 8, 32768, False) == 0
     given = plan_placement(k26, 6, 288 * GiB, 32768, 8, reserve_bytes_per_device=GiB)
     assert given.activation is None and given.devices[0].reserve_bytes == GiB
-    assert "reserve per GPU 1.00 GiB (given)" in given.summary_lines()
+    assert "reserve per GPU 1.00 GiB (given)" in render(given)

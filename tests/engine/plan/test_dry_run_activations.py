@@ -41,7 +41,7 @@ import kimitui.engine.layers.mla as mla
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
 from kimitui.engine.sampling.sampler import SamplingBatch, sample
-from kimitui.engine.loader import build_model
+from kimitui.engine.loader import build_model, finish_load
 from kimitui.engine.plan.activation_reserve import StepShape, step_peak
 from kimitui.engine.plan.param_count import compute_dtype
 from kimitui.engine.parallel.state import ParallelState
@@ -145,7 +145,7 @@ def fake_model(name: str, tp: int):
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         model = build_model(config, torch.device("meta"), compute_dtype(config),
                             par=ParallelState(rank=0, world_size=tp))
-        model.post_load()
+        finish_load(model)
     return config, model, mode
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kimitui.engine.plan.report import render
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.layers.linear import linear_format
 from kimitui.engine.plan.param_count import count_params, meta_model
@@ -209,7 +210,7 @@ def test_context_with_current_placement():
 
 
 def test_summary_lines():
-    text = "\n".join(plan("kimi_k26", 4, 140).summary_lines())
+    text = "\n".join(render(plan("kimi_k26", 4, 140)))
     for needle in ("GPU heads", "non-expert", "host RAM:", "fits: yes", "largest context that fits",
                    "on GPU", "on CPU"):
         assert needle in text

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kimitui.engine.plan.report import render
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.plan.param_count import count_params
 from kimitui.engine.plan.planner import GiB, plan_placement
@@ -109,7 +110,7 @@ def test_four_mi355x_put_experts_on_the_cpus(k3, four):
 
 
 def test_k3_story_lines(six, four):
-    text6, text4 = "\n".join(six.summary_lines()), "\n".join(four.summary_lines())
+    text6, text4 = "\n".join(render(six)), "\n".join(render(four))
     assert text6.splitlines()[0].startswith("fits on 6 x 288.00 GiB GPUs: all 896 routed experts of every MoE layer")
     assert f"room for {six.max_num_seqs_with_placement} concurrent sequence" in text6
     head = text4.splitlines()[:2]

@@ -10,7 +10,7 @@ import pytest
 from kimitui.engine.sequence import Sequence
 from kimitui.engine.spec_decode.config import SpeculativeConfig
 from kimitui.engine.spec_decode.ngram import NgramProposer, find_ngram_draft
-from kimitui.engine.spec_decode.proposer import make_proposer
+from kimitui.engine.spec_decode.select import make_proposer
 
 
 def seq(seq_id: str, tokens: list[int], num_prompt: int | None = None) -> Sequence:

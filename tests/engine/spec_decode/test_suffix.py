@@ -9,7 +9,7 @@ import pytest
 
 from kimitui.engine.sequence import Sequence
 from kimitui.engine.spec_decode.config import SpeculativeConfig
-from kimitui.engine.spec_decode.proposer import make_proposer
+from kimitui.engine.spec_decode.select import make_proposer
 from kimitui.engine.spec_decode.suffix import SuffixProposer
 from kimitui.engine.spec_decode.suffix_global import GlobalSuffixCache
 from tests.engine.spec_decode.suffix_trie import SuffixTrie

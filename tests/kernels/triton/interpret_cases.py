@@ -25,7 +25,7 @@ CASES, case = case_registry()
 @case
 def w4a16_gemm_fp32_ragged_k():
     from kimitui.kernels import reference as ref
-    from kimitui.kernels.triton.w4a16_gemm import w4a16_gemm
+    from kimitui.kernels.triton.gemm.w4a16 import w4a16_gemm
 
     # K = 76: not a multiple of 8 (last word half used) nor of 32 (partial last group).
     x, w = torch.randn(5, 76), torch.randn(48, 76)
@@ -37,7 +37,7 @@ def w4a16_gemm_fp32_ragged_k():
 @case
 def w4a16_gemm_fp16_group128():
     from kimitui.kernels import reference as ref
-    from kimitui.kernels.triton.w4a16_gemm import w4a16_gemm
+    from kimitui.kernels.triton.gemm.w4a16 import w4a16_gemm
 
     x, w = torch.randn(3, 128).half(), torch.randn(70, 128)
     packed, scale = ref.quantize_int4(w.half(), group_size=128)
@@ -49,7 +49,7 @@ def w4a16_gemm_fp16_group128():
 @case
 def mxfp4_gemm_fp32():
     from kimitui.kernels import reference as ref
-    from kimitui.kernels.triton.mxfp4_gemm import mxfp4_gemm
+    from kimitui.kernels.triton.gemm.mxfp4 import mxfp4_gemm
 
     x = torch.randn(4, 64)
     packed = torch.randint(0, 256, (24, 32), dtype=torch.uint8)  # every code, both nibbles
@@ -60,7 +60,7 @@ def mxfp4_gemm_fp32():
 @case
 def mxfp4_gemm_fp16():
     from kimitui.kernels import reference as ref
-    from kimitui.kernels.triton.mxfp4_gemm import mxfp4_gemm
+    from kimitui.kernels.triton.gemm.mxfp4 import mxfp4_gemm
 
     x = torch.randn(2, 96).half()
     packed, scale = ref.quantize_mxfp4(torch.randn(40, 96))
@@ -70,7 +70,7 @@ def mxfp4_gemm_fp16():
 @case
 def fp8_block_gemm_partial_blocks():
     from kimitui.kernels import reference as ref
-    from kimitui.kernels.triton.fp8_block_gemm import fp8_block_gemm
+    from kimitui.kernels.triton.gemm.fp8_block import fp8_block_gemm
 
     # N = 70, K = 96 with 32x32 quant blocks: quant blocks and 64-wide tiles do not align.
     x, w = torch.randn(3, 96), torch.randn(70, 96)

@@ -30,12 +30,12 @@ TILES = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
 
 
 def _specs():
-    from kimitui.kernels.triton.fp8_block_gemm import _fp8_block_gemm_kernel
+    from kimitui.kernels.triton.gemm.fp8_block import _fp8_block_gemm_kernel
     from kimitui.kernels.triton.fused_moe import _fused_moe_kernel
     from kimitui.kernels.triton.moe_align import _moe_align_kernel, align_launch
-    from kimitui.kernels.triton.mxfp4_gemm import _mxfp4_gemm_kernel
+    from kimitui.kernels.triton.gemm.mxfp4 import _mxfp4_gemm_kernel
     from kimitui.kernels.triton.rms_norm import _rms_norm_kernel
-    from kimitui.kernels.triton.w4a16_gemm import _w4a16_gemm_kernel
+    from kimitui.kernels.triton.gemm.w4a16 import _w4a16_gemm_kernel
 
     gemm = {"x_ptr": "*bf16", "out_ptr": "*bf16"}
     moe = {"a_ptr": "*bf16", "s_ptr": "*bf16", "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32",
