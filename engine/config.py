@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kimitui.engine.models.registry import model_family, supported_model_types
+from kimitui.engine.registry import model_family, supported_model_types
 import re
 
 

@@ -59,3 +59,18 @@ def test_design_public_names_import_from_kimitui_engine():
                                 SamplingParams, Tokenizer)
 
     assert Tokenizer.__module__ == "kimitui.engine.text.tokenizer"
+
+
+def test_import_linter_catches_a_layer_breach_and_a_package_cycle(tmp_path):
+    # the scheduler reaching up into the runner breaks the engine's layers; the kernel interface
+    # importing its CPU implementation closes a cycle between kernels' sibling packages
+    pytest.importorskip("importlinter")
+    tree = stage_package(tmp_path)
+    for path, planted in (("engine/scheduler/output.py", "import kimitui.engine.runner.model_runner"),
+                          ("kernels/backend.py", "import kimitui.kernels.cpu.backend")):
+        f = tree / "kimitui" / path
+        f.write_text(f.read_text() + f"\n{planted}  # planted by the test\n")
+    res = _lint(tree, ROOT / "pyproject.toml")
+    assert res.returncode != 0, res.stdout
+    assert "kimitui.engine.scheduler.output -> kimitui.engine.runner.model_runner" in res.stdout, res.stdout
+    assert "No cycles are allowed in kimitui.kernels" in res.stdout, res.stdout

@@ -12,7 +12,7 @@ from kimitui.engine.parallel.state import SINGLE, ParallelState, split_sizes
 
 
 class VocabEmbedding(nn.Module):
-    param_class = "embedding"  # for the planner, see engine.models.registry
+    param_class = "embedding"  # for the planner, see engine.registry
 
     def __init__(self, vocab_size: int, hidden_size: int, par: ParallelState = SINGLE,
                  dtype: torch.dtype = torch.float32):

@@ -31,7 +31,7 @@ PREFILL_SLICE = 4096
 
 class MLAttention(nn.Module):
     ops: Backend = REFERENCE  # the model's backend, set when it is loaded
-    param_class = "attention"  # for the planner, see engine.models.registry
+    param_class = "attention"  # for the planner, see engine.registry
     prefill_slice = PREFILL_SLICE  # an instance may set its own (tests use small slices)
 
     def __init__(self, config: ModelConfig, prefix: str, rope: YarnRotaryEmbedding | None,

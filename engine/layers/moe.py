@@ -27,7 +27,7 @@ class Router(nn.Module):
     """Group-limited top-k over sigmoid scores; the correction bias steers selection only."""
 
     ops: Backend = REFERENCE  # the model's backend, set when it is loaded
-    param_class = "router"  # for the planner, see engine.models.registry
+    param_class = "router"  # for the planner, see engine.registry
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -184,7 +184,7 @@ class RoutedExperts(nn.Module):
     ``down_proj``) land in the owning stack; see ``load_weight``.
     """
 
-    param_class = "routed_experts"  # for the planner, see engine.models.registry
+    param_class = "routed_experts"  # for the planner, see engine.registry
 
     def __init__(self, config: ModelConfig, prefix: str, par: ParallelState = SINGLE,
                  placement_row: list[int] | None = None, dtype: torch.dtype = torch.float32):

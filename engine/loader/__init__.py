@@ -10,7 +10,7 @@ import torch
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.loader.checkpoint import CheckpointError, CheckpointReader, TensorInfo
 from kimitui.engine.loader.weights import LoadProgress, LoadReport, load_weights
-from kimitui.engine.models.registry import model_class
+from kimitui.engine.registry import model_class
 from kimitui.engine.parallel.state import SINGLE
 from kimitui.kernels.backend import Backend
 from kimitui.kernels.select import attach_backends

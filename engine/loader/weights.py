@@ -1,6 +1,6 @@
 """Copy a checkpoint's tensors into a built model, one tensor at a time, by the model's own
 declarations: its checkpoint name mapping and its layers' ``load_weight`` (see
-``engine.models.registry``). This file knows no model's weight names."""
+``engine.registry``). This file knows no model's weight names."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from kimitui.engine.loader.checkpoint import CheckpointError, CheckpointReader
 from kimitui.engine.loader.source import TensorSource, copy_into
-from kimitui.engine.models.registry import WeightTarget
+from kimitui.engine.registry import WeightTarget
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Module and parameter names follow Hugging Face's checkpoint names (``model.layers.3.self_attn
 .q_a_proj.weight``) so loading is a copy by name; routed experts are the one exception, stacked
 per layer (see ``RoutedExperts``). The declarations the engine builds from (checkpoint name
-mapping, cache specs, planner classes) are described in ``engine.models.registry``.
+mapping, cache specs, planner classes) are described in ``engine.registry``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kimitui.engine.layers.mlp import MLP
 from kimitui.engine.layers.moe import MoE
 from kimitui.engine.layers.norm import RMSNorm
 from kimitui.engine.layers.rope import YarnRotaryEmbedding
-from kimitui.engine.models.registry import WeightTarget
+from kimitui.engine.registry import WeightTarget
 from kimitui.engine.parallel.state import SINGLE, ParallelState
 from kimitui.engine.models.common import derive_weights, prepare_experts, routing_stats, skip_reason
 from kimitui.kernels.backend import Backend
@@ -149,7 +149,7 @@ class DeepseekV3Model(nn.Module):
 class DeepseekV3ForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, max_position: int | None = None,
                  par: ParallelState = SINGLE, expert_placement: list[list[int]] | None = None):
-        """``dtype``: of the dense weights (see engine.models.registry for the others).
+        """``dtype``: of the dense weights (see engine.registry for the others).
         ``expert_placement[layer][expert]``: the rank that computes the expert on its device, or -1
         for host RAM (computed by the CPU); None spreads experts evenly over the ranks."""
         super().__init__()
@@ -198,7 +198,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             layer.fused = ops.fuse_decoder_layer(layer)
         prepare_experts(self.model.layers, self.model.norm.weight.dtype)
 
-    # -- declarations (see engine.models.registry) ------------------------------------------------
+    # -- declarations (see engine.registry) ------------------------------------------------
     def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
         """Every layer is MLA: a paged latent of kv_lora_rank + qk_rope_head_dim values per token."""
         return [MLACacheSpec(dim=self.config.kv_cache_dim, dtype=dtype)] * self.config.num_hidden_layers

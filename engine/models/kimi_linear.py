@@ -8,7 +8,7 @@ gated MLP, a sigmoid output gate on MLA, and attention residuals (``engine.layer
 
 Module and parameter names follow Hugging Face's checkpoint names; ``checkpoint_target`` maps the
 checkpoint's MoE spellings (``block_sparse_moe.``, ``experts.E.w1/w2/w3``) onto them. The
-declarations the engine builds from are described in ``engine.models.registry``.
+declarations the engine builds from are described in ``engine.registry``.
 References: transformers ``models/kimi_linear/modeling_kimi_linear.py``; Kimi Linear paper
 arXiv:2510.26692; Kimi K3 tech report arXiv:2607.24653.
 """
@@ -30,7 +30,7 @@ from kimitui.engine.layers.latent_moe import KimiMoE
 from kimitui.engine.layers.mla import MLAttention
 from kimitui.engine.layers.mlp import MLP
 from kimitui.engine.layers.norm import RMSNorm
-from kimitui.engine.models.registry import WeightTarget
+from kimitui.engine.registry import WeightTarget
 from kimitui.engine.parallel.state import SINGLE, ParallelState
 from kimitui.kernels.backend import REFERENCE, Backend
 from kimitui.engine.models.common import derive_weights, prepare_experts, routing_stats, skip_reason
@@ -193,7 +193,7 @@ class KimiLinearForCausalLM(nn.Module):
         derive_weights(self.model.layers)
         prepare_experts(self.model.layers, self.model.norm.weight.dtype)
 
-    # -- declarations (see engine.models.registry) ------------------------------------------------
+    # -- declarations (see engine.registry) ------------------------------------------------
     def checkpoint_target(self, name: str) -> WeightTarget | str:
         """Where checkpoint tensor ``name`` (prefix removed) goes, or why it is skipped. The MoE
         (and transformers' dense first layer) sits under block_sparse_moe., loaded into mlp.;

@@ -2,7 +2,7 @@
 
 The model is built on the meta device (shapes and dtypes, no storage) exactly as the engine builds
 it for (config, world_size, rank), and its parameters are summed by the planner class each one
-declares (``engine.models.registry.parameter_classes``). So the planner counts the tensors the
+declares (``engine.registry.parameter_classes``). So the planner counts the tensors the
 engine allocates, in their formats, shards and dtypes: a split the engine cannot make fails here
 with the engine's own message, naming the tensor. Sizes use the checkpoint's dtype for dense
 weights, the dtype a GPU run computes in.
@@ -19,7 +19,7 @@ from torch import nn
 
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.layers.linear import linear_format
-from kimitui.engine.models.registry import PARAM_CLASSES, parameter_classes
+from kimitui.engine.registry import PARAM_CLASSES, parameter_classes
 from kimitui.engine.parallel.state import ParallelState, split_sizes
 from kimitui.engine.loader import build_model
 

@@ -254,11 +254,7 @@ class ModelRunner:
             copies = buf.put("block_copies", inp.block_copies, torch.int64) if inp.block_copies else None
             buf.end_step()
             hidden = self.graphs.run(ids, meta.decode_block_tables, meta.decode_context_lens, meta.state_slots)
-            if saves is not None:
-                _copy_state_slots(self.states, *saves)
-            if copies is not None:
-                copy_blocks(self.kv_caches, copies[:, 0], copies[:, 1])
-            return (self.model.compute_logits(hidden[sample_rows]) if sample_rows is not None else None), []
+            return self._after_forward(hidden, saves, copies, sample_rows, [])
         if inp.num_decodes:
             pos = meta.decode_context_lens.long() - 1  # [D] each decode writes its newest token
             rows = torch.arange(inp.num_decodes, device=self.device)
@@ -284,15 +280,20 @@ class ModelRunner:
                 meta, positions=meta.positions[meta.out_rows], slot_mapping=None,
                 prefills=[PrefillChunk(a, b, c.context_len, c.block_table) for c, (a, b) in zip(chunks, bounds)])
         hidden = self.model(ids, meta, self.kv_caches)
+        spans = [(row[sp.row] if row is not None else sp.row, sp.num_rows) for sp in inp.prompt_spans]
+        return self._after_forward(hidden, saves, copies, sample_rows, spans)
+
+    def _after_forward(self, hidden: torch.Tensor, saves, copies, sample_rows: torch.Tensor | None,
+                       spans: list[tuple[int, int]]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """What every forward (graphed or eager) ends with: the step's KDA state saves and block
+        copies, then fp32 logits of the rows to sample and of each prompt-logprob span of ``hidden``."""
         if saves is not None:
             _copy_state_slots(self.states, *saves)
         if copies is not None:
             copy_blocks(self.kv_caches, copies[:, 0], copies[:, 1])
-        spans = [(row[sp.row] if row is not None else sp.row, sp.num_rows) for sp in inp.prompt_spans]
         prompt_logits = [self.model.compute_logits(hidden[r: r + n]) for r, n in spans]
-        if sample_rows is None:
-            return None, prompt_logits
-        return self.model.compute_logits(hidden[sample_rows]), prompt_logits
+        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows is not None else None
+        return logits, prompt_logits
 
     def _decode_inputs(self, inp: StepInputs, meta: AttentionMetadata) -> None:
         """Decode block tables and context lengths into their persistent buffers, and the attention

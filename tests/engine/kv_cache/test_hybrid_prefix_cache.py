@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def make_engine(monkeypatch, model_dir):
-    monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: (ToyHybrid(), None))
+    monkeypatch.setattr("kimitui.engine.runner.worker.load_model", lambda *a, **k: (ToyHybrid(), None))
 
     def make(**kw) -> LLMEngine:
         return LLMEngine(EngineArgs(model=model_dir, device="cpu", dtype="float32", **kw))

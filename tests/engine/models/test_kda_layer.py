@@ -206,7 +206,7 @@ def _load_from_safetensors(ckpt: dict, tmp_path, cfg: KDAConfig, par) -> KimiDel
     holder.model.layers = nn.ModuleList([nn.Module()])
     holder.model.layers[0].self_attn = layer
     # the registry protocol's name mapping: checkpoint names are module paths here
-    from kimitui.engine.models.registry import WeightTarget
+    from kimitui.engine.registry import WeightTarget
 
     holder.checkpoint_target = lambda name: WeightTarget(*name.rsplit(".", 1))
     with torch.no_grad():

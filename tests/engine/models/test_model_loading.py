@@ -12,7 +12,7 @@ import torch
 from kimitui.engine import LLM, SamplingParams
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.loader import CheckpointReader, build_model, load_model
-from kimitui.engine.models.registry import WeightTarget, model_class, parameter_classes, supported_model_types
+from kimitui.engine.registry import WeightTarget, model_class, parameter_classes, supported_model_types
 from kimitui.engine.plan.param_count import meta_model, part_sizes
 from kimitui.engine.plan.planner import plan_placement
 from kimitui.engine.parallel.state import ParallelState

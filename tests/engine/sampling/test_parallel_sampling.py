@@ -154,7 +154,7 @@ def hybrid_engine(monkeypatch, tmp_path):
     from transformers import DeepseekV3Config
 
     DeepseekV3Config(**{**BASE, "max_position_embeddings": 2048}).save_pretrained(str(tmp_path))
-    monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: (ToyHybrid(), None))
+    monkeypatch.setattr("kimitui.engine.runner.worker.load_model", lambda *a, **k: (ToyHybrid(), None))
 
     def make(**kw) -> LLMEngine:
         return LLMEngine(EngineArgs(**{**dict(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=1024,
