@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 
-.PHONY: run test test-all venv clean bench
+.PHONY: run test test-all venv clean bench format
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard kernels/cpu/csrc/*.cpp kernels/cpu/csrc/*.h)
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -37,8 +37,13 @@ run: venv
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
+# ruff first: formatting and import order (pyproject.toml [tool.ruff]); `make format` fixes both
 test: venv
+	$(PY) -m ruff format --check --quiet . && $(PY) -m ruff check --quiet .
 	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
+
+format: venv
+	$(PY) -m ruff format --quiet . && $(PY) -m ruff check --quiet --fix .
 
 test-all: venv
 	$(PY) -m pytest -q -m "" $(XDIST) $(PYTEST_ARGS)

@@ -16,7 +16,7 @@ from kimitui.engine import LLM, SamplingParams
 from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.settings import KernelSettings
 from tests.helpers.checkpoints import write_hf_checkpoint
-from tests.helpers.eagle3_reference import hf_aux_states
+from tests.helpers.spec.eagle3_reference import hf_aux_states
 
 LAYERS = 4
 

@@ -14,8 +14,8 @@ from kimitui.engine.layers.attn_metadata import PrefillChunk
 from kimitui.engine.spec_decode.eagle3 import Eagle3Config, rope_parameters
 from kimitui.engine.spec_decode.eagle3_loader import load_eagle3
 from tests.helpers.checkpoints import BASE
-from tests.helpers.eagle3_checkpoint import write_eagle3_checkpoint
-from tests.helpers.eagle3_reference import hf_llama, reference
+from tests.helpers.spec.eagle3_checkpoint import write_eagle3_checkpoint
+from tests.helpers.spec.eagle3_reference import hf_llama, reference
 
 TARGET = {**BASE, "num_hidden_layers": 6}  # default aux ids (2, 3, 3) would repeat: tests name their own
 AUX = [1, 3, 6]
@@ -114,7 +114,7 @@ def test_long_chunk_is_tiled_and_bf16_stays_close(tmp_path, monkeypatch):
                                      {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
                                       "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16}])
 def test_rope_matches_hugging_face(scaling):
-    from tests.helpers.eagle3_checkpoint import eagle3_config
+    from tests.helpers.spec.eagle3_checkpoint import eagle3_config
 
     d = eagle3_config(TARGET, rope_scaling=scaling, aux_layer_ids=AUX)
     cfg = Eagle3Config.from_dict(d, 6, 64, 320)
@@ -150,7 +150,7 @@ def test_a_narrower_drafter_needs_its_own_embedding(tmp_path):
 
 
 def test_config_defaults_and_errors(tmp_path):
-    from tests.helpers.eagle3_checkpoint import eagle3_config
+    from tests.helpers.spec.eagle3_checkpoint import eagle3_config
 
     d = eagle3_config({**BASE, "num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840})
     cfg = Eagle3Config.from_dict(d, 61, 7168, 163840)

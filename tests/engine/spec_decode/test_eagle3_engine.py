@@ -14,8 +14,8 @@ import torch
 from kimitui.engine import LLM, SamplingParams
 from kimitui.engine.spec_decode.eagle3_proposer import Eagle3Proposer
 from tests.helpers.checkpoints import BASE, write_hf_checkpoint
-from tests.helpers.eagle3_checkpoint import write_eagle3_checkpoint
-from tests.helpers.eagle3_reference import hf_aux_states, reference
+from tests.helpers.spec.eagle3_checkpoint import write_eagle3_checkpoint
+from tests.helpers.spec.eagle3_reference import hf_aux_states, reference
 
 K = 3
 

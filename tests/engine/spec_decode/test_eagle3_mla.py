@@ -1,6 +1,6 @@
 """MLA EAGLE-3 and EAGLE-3.1 drafters (``Eagle3DeepseekV2ForCausalLM``): chosen by ``architectures``,
 loaded from the published layout, and their paged forward against a dense float64 reference written
-from the DeepSeek-V3 equations (tests/helpers/eagle3_mla_checkpoint.py)."""
+from the DeepSeek-V3 equations (tests/helpers/spec/eagle3_mla_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 from kimitui.engine.layers.attn_metadata import PrefillChunk
 from kimitui.engine.spec_decode.eagle3_loader import load_eagle3, read_config
 from tests.helpers.checkpoints import BASE
-from tests.helpers.eagle3_mla_checkpoint import mla_combine, mla_reference, write_mla_checkpoint
+from tests.helpers.spec.eagle3_mla_checkpoint import mla_combine, mla_reference, write_mla_checkpoint
 
 TARGET = {**BASE, "num_hidden_layers": 6}
 TCFG = SimpleNamespace(num_hidden_layers=6, hidden_size=BASE["hidden_size"], vocab_size=BASE["vocab_size"])
