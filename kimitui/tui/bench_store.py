@@ -5,18 +5,12 @@ scripts read them too. No Textual here."""
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kimitui.bench.runner import default_result_filename, save_result
-
-
-def runs_dir() -> Path:
-    """``$XDG_DATA_HOME/kimitui/bench`` (XDG default ``~/.local/share``)."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(base) / "kimitui" / "bench"
+from kimitui.paths import bench_runs_dir, unique_path
 
 
 @dataclass(frozen=True)
@@ -29,14 +23,9 @@ class SavedRun:
 def save_run(result: dict[str, Any], directory: Path | None = None) -> Path:
     """Write ``result`` under vLLM's default name; a run finishing in the same second as another
     (sweep points, tiny runs) gets a numbered name instead of overwriting it."""
-    directory = directory or runs_dir()
+    directory = directory or bench_runs_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    name = Path(default_result_filename(result))
-    candidate, n = name, 2
-    while (directory / candidate).exists():
-        candidate = Path(f"{name.stem}-{n}{name.suffix}")
-        n += 1
-    return save_result(result, str(directory), candidate.name)
+    return save_result(result, str(directory), unique_path(directory, default_result_filename(result)).name)
 
 
 def run_title(result: dict[str, Any]) -> str:
@@ -52,7 +41,7 @@ def run_title(result: dict[str, Any]) -> str:
 
 def list_runs(directory: Path | None = None) -> list[SavedRun]:
     """Saved runs, newest first; files that are not run results (sweep summaries, junk) are skipped."""
-    directory = directory or runs_dir()
+    directory = directory or bench_runs_dir()
     if not directory.is_dir():
         return []
     runs = []

@@ -5,18 +5,13 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kimitui.paths import eval_results_dir, unique_path
+
 KINDS = ("kl", "recall")
-
-
-def results_dir() -> Path:
-    """``$XDG_DATA_HOME/kimitui/eval`` (XDG default ``~/.local/share``)."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(base) / "kimitui" / "eval"
 
 
 @dataclass(frozen=True)
@@ -31,12 +26,9 @@ def save_result(result: dict[str, Any], directory: Path | None = None) -> Path:
     a second one in the same second gets a numbered name instead of overwriting the first."""
     if result.get("kind") not in KINDS:
         raise ValueError(f"an evaluation result needs kind in {KINDS}, got {result.get('kind')!r}")
-    directory = directory or results_dir()
+    directory = directory or eval_results_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    stem = f"{result.get('date', 'undated')}-{result['kind']}"
-    path, n = directory / f"{stem}.json", 2
-    while path.exists():
-        path, n = directory / f"{stem}-{n}.json", n + 1
+    path = unique_path(directory, f"{result.get('date', 'undated')}-{result['kind']}.json")
     path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return path
 
@@ -54,7 +46,7 @@ def result_title(result: dict[str, Any]) -> str:
 
 def list_results(directory: Path | None = None) -> list[SavedEval]:
     """Saved results, newest first; files that are not evaluation results are skipped."""
-    directory = directory or results_dir()
+    directory = directory or eval_results_dir()
     if not directory.is_dir():
         return []
     out = []

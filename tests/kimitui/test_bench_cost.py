@@ -4,7 +4,8 @@ import pytest
 
 from kimitui.bench.cost import (DEFAULT_TIERS, CostSettings, PricingTier, efficiency_keys,
                                 electricity_usd_per_mtok, format_efficiency_block, load_cost_settings,
-                                parse_pricing_tier, settings_path, usd_per_mtok, with_overrides)
+                                parse_pricing_tier, usd_per_mtok, with_overrides)
+from kimitui.paths import settings_file
 
 
 def test_rental_cost_reproduces_inferencex_pages():
@@ -90,7 +91,7 @@ def test_no_gpu_says_so_and_per_gpu_numbers_are_na():
 
 def test_settings_file_and_cli_overrides(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    assert settings_path() == tmp_path / "kimitui" / "settings.toml"
+    assert settings_file() == tmp_path / "kimitui" / "settings.toml"
     assert load_cost_settings() == CostSettings()
     p = tmp_path / "kimitui" / "settings.toml"
     p.parent.mkdir()

@@ -11,7 +11,8 @@ import pytest
 from kimitui.engine import AsyncLLM, EngineArgs
 from kimitui.tui.app import KimiApp
 from kimitui.tui.bench_setup import clip_lengths, config_from_form, default_form, preset, preset_form
-from kimitui.tui.bench_store import list_runs, runs_dir
+from kimitui.paths import bench_runs_dir
+from kimitui.tui.bench_store import list_runs
 from kimitui.tui.screens.benchmark import BenchmarkScreen
 from kimitui.tui.widgets.bench_form import BenchForm
 from kimitui.tui.widgets.bench_frontier import FrontierPanel, char_plot
@@ -77,7 +78,7 @@ def test_tiny_run_shows_results_and_is_saved(llm, data_home):
             assert "n/a" in table  # no telemetry sampler: power and energy are n/a, not invented
             runs = list_runs()
             assert len(runs) == 1 and runs[0].result["completed"] == 4
-            assert runs[0].path.parent == runs_dir() == data_home / "data" / "kimitui" / "bench"
+            assert runs[0].path.parent == bench_runs_dir() == data_home / "data" / "kimitui" / "bench"
             saved = json.loads(runs[0].path.read_text())
             assert saved["total_output_tokens"] == 32 and saved["label"] == "tiny"
             assert "tiny" in screen_saved_text(screen)

@@ -11,7 +11,8 @@ import pytest
 
 from kimitui.engine import AsyncLLM, EngineArgs
 from kimitui.tui.app import KimiApp
-from kimitui.tui.eval_store import list_results, results_dir, save_result
+from kimitui.paths import eval_results_dir
+from kimitui.tui.eval_store import list_results, save_result
 from kimitui.tui.gen_settings import GenerationSettings
 from kimitui.tui.screens.evaluation import EvaluationScreen, settings_from_form
 from kimitui.tui.widgets.eval_views import bar, kl_table, recall_by_depth, recall_plot
@@ -87,7 +88,7 @@ def test_both_evaluations_run_on_the_demo(llm, monkeypatch):
             # saved on disk, listed on the screen, and selecting one shows it again
             saved = list_results()
             assert sorted(s.result["kind"] for s in saved) == ["kl", "recall"]
-            assert {p.parent for p in msg.saved} == {results_dir()}
+            assert {p.parent for p in msg.saved} == {eval_results_dir()}
             screen.query_one("#eval-kl").update("")
             screen.query_one("#eval-recall").update("")
             options = screen.query_one("#eval-saved-list")
@@ -127,8 +128,8 @@ def _recall_canned() -> dict:
 def test_saved_results_reload_and_snapshot(llm):
     save_result(KL_CANNED)
     save_result(_recall_canned())
-    (results_dir() / "junk.json").write_text("{not json")
-    (results_dir() / "other.json").write_text(json.dumps({"kind": "bench"}))
+    (eval_results_dir() / "junk.json").write_text("{not json")
+    (eval_results_dir() / "other.json").write_text(json.dumps({"kind": "bench"}))
     assert [s.result["kind"] for s in list_results()] == ["recall", "kl"]  # newest first, junk skipped
 
     async def scenario():

@@ -6,7 +6,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import SelectionList, Static
 
-from kimitui.tui.bench_store import SavedRun, list_runs, runs_dir
+from kimitui.paths import bench_runs_dir
+from kimitui.tui.bench_store import SavedRun, list_runs
 from kimitui.tui.widgets.bench_tables import ComparisonTable
 
 
@@ -36,7 +37,7 @@ class SavedRuns(Vertical):
         self.runs = list_runs()
         lst.clear_options()
         lst.add_options([(r.title, str(r.path), str(r.path) in ticked) for r in self.runs])
-        where = runs_dir()
+        where = bench_runs_dir()
         self.query_one("#bench-saved-hint", Static).update(
             f"{len(self.runs)} saved run(s) in {where}. Space ticks a run; tick two or more to compare."
             if self.runs else f"No saved runs yet in {where}: every finished run is saved there.")
