@@ -65,7 +65,7 @@ def run_tui(args: argparse.Namespace) -> int:
 
 def _remote_bridge_factory(args: argparse.Namespace, num_gpus=None):
     """``--base-url``: the TUI over a server's API; bad URLs fail here, before the screen opens."""
-    from kimitui.tui.remote.bridge import RemoteBridge
+    from kimitui.tui.bridges.remote import RemoteBridge
 
     if args.num_gpus is not None and args.num_gpus < 0:
         raise ValueError(f"--num-gpus must be >= 0, got {args.num_gpus}")

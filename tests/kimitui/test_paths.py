@@ -5,7 +5,9 @@ from pathlib import Path
 from kimitui import paths
 from kimitui.bench import cost
 from kimitui.themes import user_dir
-from kimitui.tui import bench_store, eval_store, user_settings
+from kimitui.tui import user_settings
+from kimitui.tui.benchmark import store as bench_store
+from kimitui.tui.evaluation import store as eval_store
 
 
 def test_each_directory_follows_its_variable(tmp_path, monkeypatch):
