@@ -110,10 +110,14 @@ def test_new_connections_are_refused_while_draining(llm):
 
 # -- kimitui serve under SIGTERM -----------------------------------------------------------------
 
-def _serve(tmp_path_factory, *extra: str) -> subprocess.Popen:
+def _serve(tmp_path_factory, *extra: str, mark: str | None = None) -> subprocess.Popen:
+    """``kimitui serve`` in a subprocess; ``mark``: a value of $KIMITUI_TEST_MARK that every process
+    it starts inherits (``_marked`` finds them)."""
     env = {**os.environ, "XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME")
            or str(tmp_path_factory.getbasetemp() / "xdg")}
     env.pop("KIMITUI_API_KEY", None)
+    if mark is not None:
+        env["KIMITUI_TEST_MARK"] = mark
     return subprocess.Popen([sys.executable, "-m", "kimitui.cli", "serve", "--port", "0", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
@@ -148,10 +152,13 @@ def _alive(procs: list[psutil.Process]) -> list[str]:
     return out
 
 
-def test_sigterm_with_16_open_streams(tmp_path_factory):
-    grace = 2.0
+@pytest.mark.parametrize("gpus", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: a worker and its tracker
+def test_sigterm_with_16_open_streams(tmp_path_factory, gpus):
+    import uuid
+
+    grace, mark = 2.0, uuid.uuid4().hex
     proc = _serve(tmp_path_factory, "--max-model-len", "512", "--kv-cache-tokens", "8192", "--max-num-seqs", "16",
-                  "--shutdown-timeout", str(grace))
+                  "--shutdown-timeout", str(grace), "--gpus", str(gpus), mark=mark)
     lines: list = []
     try:
         url = _wait_for_url(proc, lines)
@@ -164,6 +171,7 @@ def test_sigterm_with_16_open_streams(tmp_path_factory):
         for s in started:
             assert s.wait(120), "a stream never started"
         children = _descendants(proc.pid)
+        workers = [c.pid for c in children if _is_worker(c)]
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
@@ -179,47 +187,118 @@ def test_sigterm_with_16_open_streams(tmp_path_factory):
     for e in events:
         assert e and e[-1] == "[DONE]", e[-3:]
     assert "Traceback" not in log, log[-3000:]
+    if gpus > 1:  # else the check below would pass on an empty list
+        assert workers, [c.pid for c in children]
+    deadline = time.monotonic() + 5  # the resource tracker reads EOF once every writer is gone
+    while (_alive(children) or _marked(mark)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not _alive(children), _alive(children)
+    assert not _marked(mark), _marked(mark)
 
 
 def _is_worker(p: psutil.Process) -> bool:
+    """A tensor-parallel rank spawned by multiprocessing (not its resource tracker)."""
     try:
-        return "multiprocessing" in " ".join(p.cmdline())
-    except psutil.NoSuchProcess:
+        cmd = " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+    return "multiprocessing.spawn" in cmd or "--multiprocessing-fork" in cmd
+
+
+def _marked(mark: str) -> list[str]:
+    """Every process on the machine whose environment carries ``mark``: whatever a server started,
+    even one re-parented to init after its parent died (which a walk of descendants misses)."""
+    out = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("KIMITUI_TEST_MARK") == mark and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+        except psutil.Error:
+            pass
+    return out
+
+
+def _is_tracker(p: psutil.Process) -> bool:
+    try:
+        return "resource_tracker" in " ".join(p.cmdline())
+    except psutil.Error:
         return False
 
 
-@pytest.mark.slow  # four starts of a two-rank server: ~1-3 min on two cores
-def test_sigterm_at_random_points_of_a_two_rank_start_up_leaves_no_process(tmp_path_factory):
+def _start_until_signalled(tmp_path_factory, mark: str, fire_at, deadline_s: float = 300.0):
+    """Start a two-rank server; poll its process tree every 10 ms; send SIGTERM once
+    ``fire_at(times)`` returns a moment that has come (``times``: "launch", and "tracker" / "worker"
+    once multiprocessing's resource tracker / the rank-1 worker appeared). Returns (process, times,
+    when the signal went, every process seen)."""
+    proc = _serve(tmp_path_factory, "--gpus", "2", "--max-model-len", "256", "--kv-cache-tokens", "2048", mark=mark)
+    seen: dict[int, psutil.Process] = {}
+    times = {"launch": time.monotonic()}
+    while proc.poll() is None and time.monotonic() < times["launch"] + deadline_s:
+        now = time.monotonic()
+        for p in _descendants(proc.pid):
+            seen.setdefault(p.pid, p)
+            if "worker" not in times and _is_worker(p):
+                times["worker"] = now
+            if "tracker" not in times and _is_tracker(p):
+                times["tracker"] = now
+        at = fire_at(times)
+        if at is not None and now >= at:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    return proc, times, time.monotonic(), seen
+
+
+@pytest.mark.slow  # ten starts of a two-rank server: about 4 min on two busy cores
+def test_sigterm_around_the_rank1_worker_spawn_leaves_no_process(tmp_path_factory):
+    """SIGTERM at seeded random points around the moment the rank-1 worker spawns: up to 4 s after
+    it appears in the process table (the case that used to leave the worker and the resource
+    tracker behind: 1 s after), within 50 ms of multiprocessing's resource tracker appearing (it
+    starts just before the first worker is spawned), and at a random fraction of the start-up time
+    the first run measured (before the spawn). Afterwards no process the server started may be
+    left: worker, resource tracker or compiler, found by an environment mark on the whole machine,
+    not only among the server's descendants (an orphan is re-parented away from them)."""
     import random
+    import uuid
 
     rng = random.Random(41)
-    # (seconds after launch, or None: 1 s after the rank-1 worker appears, the case that used to
-    # leave the worker and the resource tracker behind)
-    points = [None, *sorted(rng.uniform(0.5, 15.0) for _ in range(3))]
-    workers_seen = 0
-    for delay in points:
-        proc = _serve(tmp_path_factory, "--gpus", "2", "--max-model-len", "256", "--kv-cache-tokens", "2048")
-        seen: dict[int, psutil.Process] = {}
-        t0, fire_at = time.monotonic(), None if delay is None else time.monotonic() + delay
-        while proc.poll() is None and time.monotonic() < t0 + 120:
-            for p in _descendants(proc.pid):  # every worker and helper that ever appears
-                seen.setdefault(p.pid, p)
-            if fire_at is None and any(_is_worker(p) for p in seen.values()):
-                fire_at = time.monotonic() + 1.0
-            if fire_at is not None and time.monotonic() >= fire_at:
-                break
-            time.sleep(0.05)
-        workers_seen += any(_is_worker(p) for p in seen.values())
-        proc.send_signal(signal.SIGTERM)
+    plan = [("worker", 1.0), ("launch", rng.uniform(0.3, 0.9)), ("tracker", rng.uniform(0.0, 0.05)),
+            *[("worker", rng.uniform(0.0, 4.0)) for _ in range(4)], ("launch", rng.uniform(0.5, 0.95)),
+            ("tracker", rng.uniform(0.0, 0.05)), ("worker", rng.uniform(0.0, 0.3))]
+    spawn_after = None  # launch -> worker seen, in the first run
+    runs = []  # (event, delay, the signal's time after the worker appeared or None if it had not)
+    for event, delay in plan:
+        mark = uuid.uuid4().hex
+
+        def fire_at(times, event=event, delay=delay):
+            if event == "launch":
+                return times["launch"] + delay * spawn_after
+            if event == "tracker" and "tracker" in times:
+                return min(times["tracker"] + delay, times.get("worker", float("inf")))
+            return times["worker"] + delay if "worker" in times else None
+
+        proc, times, fired, seen = _start_until_signalled(tmp_path_factory, mark, fire_at)
+        if spawn_after is None:
+            assert "worker" in times, "the first start-up never spawned its rank-1 worker"
+            spawn_after = times["worker"] - times["launch"]
         try:
             out, _ = proc.communicate(timeout=60)
         finally:
             if proc.poll() is None:
                 proc.kill()
         deadline = time.monotonic() + 5  # the resource tracker reads EOF once every writer is gone
-        while _alive(list(seen.values())) and time.monotonic() < deadline:
+        while (_alive(list(seen.values())) or _marked(mark)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(list(seen.values())), (delay, _alive(list(seen.values())), out[-2000:])
+        left = sorted(set(_alive(list(seen.values()))) | set(_marked(mark)))
+        after_worker = fired - times["worker"] if "worker" in times else None
+        assert not left, (event, delay, after_worker, left, out[-2000:])
         assert "Traceback" not in out, out[-3000:]
-    assert workers_seen >= 2, "the signals all came before any worker started: the test proved nothing"
+        # 143: stopped during start-up; 0: after it; killed by the signal: only before `serve` set
+        # its handler, while Python imported the CLI and nothing had been started yet
+        assert proc.returncode in (0, 128 + signal.SIGTERM) or (proc.returncode == -signal.SIGTERM and not seen), \
+            (proc.returncode, list(seen), out[-2000:])
+        runs.append((event, round(delay, 3), None if after_worker is None else round(after_worker, 3)))
+    print("signals (planned event, delay, seconds after the worker appeared):", runs)
+    # The point of the test: signals after the worker spawned, and some before or at the spawn.
+    assert sum(r[2] is not None and r[2] > 0.05 for r in runs) >= 4, runs
+    assert sum(r[2] is None or r[2] <= 0.05 for r in runs) >= 2, runs
