@@ -302,3 +302,52 @@ def test_sigterm_around_the_rank1_worker_spawn_leaves_no_process(tmp_path_factor
     # The point of the test: signals after the worker spawned, and some before or at the spawn.
     assert sum(r[2] is not None and r[2] > 0.05 for r in runs) >= 4, runs
     assert sum(r[2] is None or r[2] <= 0.05 for r in runs) >= 2, runs
+
+
+_FAKE_BUILD = r"""
+import subprocess, sys, time
+import kimitui.engine
+
+class BuildingLLM:
+    '''Stands for a load that compiles the C++ kernels: a ninja-like child with a compiler under it.'''
+    def __init__(self, *args, **kwargs):
+        # as torch's cpp_extension runs ninja: subprocess.run, which kills the tool when the
+        # signal's exception unwinds through it, leaving the compiler an orphan
+        subprocess.run(["sh", "-c", "sh -c 'sleep 300' & echo building; sleep 300"])
+
+kimitui.engine.AsyncLLM = BuildingLLM
+from kimitui.cli import main
+sys.exit(main(["serve", "--port", "0"]))
+"""
+
+
+def test_sigterm_during_a_kernel_build_leaves_no_compiler(tmp_path):
+    """A signal while the load compiles: the build's whole process tree ends, the compiler under
+    the build tool included (once the tool dies, the compiler is re-parented and no longer a
+    descendant; `serve` reads the tree when the signal comes)."""
+    import uuid
+
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "KIMITUI_TEST_MARK": mark, "XDG_CACHE_HOME": str(tmp_path)}
+    env.pop("KIMITUI_API_KEY", None)
+    log = tmp_path / "serve.log"  # a file, not a pipe: an orphan holding a pipe would hang the read
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", _FAKE_BUILD], stdout=f, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while "building" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        assert len(_marked(mark)) >= 4, _marked(mark)  # python, sh, sh, sleep (at least)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = log.read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "SIGTERM during start-up: stopped" in out and "Traceback" not in out, out
+    deadline = time.monotonic() + 5
+    while _marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _marked(mark), _marked(mark)
