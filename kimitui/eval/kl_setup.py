@@ -24,7 +24,7 @@ def model_dir(model: str | None) -> Path:
 
 def checkpoint_tokenizer(folder: Path):
     """The checkpoint's own tokenizer, or None when it ships none."""
-    from kimitui.engine.tokenizer import Tokenizer
+    from kimitui.engine.text.tokenizer import Tokenizer
 
     if (folder / "tokenizer.json").is_file() or (folder / "tiktoken.model").is_file():
         return Tokenizer.from_pretrained(folder)

@@ -161,7 +161,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def in_process_target(llm: Any, name: str) -> RecallTarget:
     """An ``engine.LLM`` in this process: prompts in its checkpoint's chat format, thinking off, greedy."""
-    from kimitui.engine.chat_format import chat_format_for
+    from kimitui.engine.text.chat_format import chat_format_for
     from kimitui.engine.sampling_params import SamplingParams
 
     tok = llm.get_tokenizer()
@@ -198,7 +198,7 @@ def http_target(base_url: str, model: str | None, tokenizer_for: Callable[[str],
     ``usage.prompt_tokens`` is what gets reported."""
     import httpx
 
-    from kimitui.engine.chat_format import chat_format_for
+    from kimitui.engine.text.chat_format import chat_format_for
     from kimitui.client.http import server_root
 
     root = server_root(base_url)

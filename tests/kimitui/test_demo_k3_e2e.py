@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from kimitui.engine import AsyncLLM, EngineArgs, SamplingParams
-from kimitui.engine.chat_format import chat_format_for
+from kimitui.engine.text.chat_format import chat_format_for
 from kimitui.cli import main
 from kimitui.server import BackgroundServer, create_app
 from kimitui.tui.app import KimiApp

@@ -21,7 +21,7 @@ from textual.message_pump import MessagePump
 
 from kimitui.engine import AsyncLLM, EngineArgs
 from kimitui.engine.args import pending_kernel_builds
-from kimitui.engine.chat_format import ChatFormat, ChatPrompt, chat_format_for
+from kimitui.engine.text.chat_format import ChatFormat, ChatPrompt, chat_format_for
 from kimitui.tui.bridges.base import BenchSource
 from kimitui.tui.chat.session import Chat
 from kimitui.tui.chat.generation import GenerationSettings

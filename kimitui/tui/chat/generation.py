@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kimitui.engine import SamplingParams
-from kimitui.engine.xtml import DEFAULT_THINKING_EFFORT, THINKING_EFFORTS
+from kimitui.engine.text.xtml.render import DEFAULT_THINKING_EFFORT, THINKING_EFFORTS
 
 
 @dataclass(frozen=True)

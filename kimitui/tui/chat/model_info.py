@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kimitui.engine.offload.param_count import CacheLayout, cache_layout, count_params, meta_model
+from kimitui.engine.plan.param_count import CacheLayout, cache_layout, count_params, meta_model
 
 DEMO_NOTE = "random weights: output is noise"
 

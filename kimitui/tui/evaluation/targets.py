@@ -41,7 +41,7 @@ def recall_target(bridge: Any) -> RecallTarget:
 def async_engine_target(llm: Any, name: str) -> RecallTarget:
     """The loaded ``AsyncLLM``: prompts in its checkpoint's chat format, thinking off, greedy,
     all codes of one length in flight together (the engine batches them)."""
-    from kimitui.engine.chat_format import chat_format_for
+    from kimitui.engine.text.chat_format import chat_format_for
     from kimitui.engine.sampling_params import SamplingParams
 
     tok = llm.tokenizer

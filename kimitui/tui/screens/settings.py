@@ -8,7 +8,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static, Switch, TextArea
 
-from kimitui.engine.xtml import THINKING_EFFORTS
+from kimitui.engine.text.xtml.render import THINKING_EFFORTS
 from kimitui.tui.chat.generation import GenerationSettings
 
 # (field, label, parse, input type): Textual's Input restricts what can be typed by type.

@@ -120,7 +120,7 @@ def test_bf16_is_close_and_a_broken_path_is_not(ckpt, tmp_path, monkeypatch, cap
 
 @pytest.mark.parametrize("method", ["int4", "mxfp4"])
 def test_offloaded_packed_experts(tmp_path, method):
-    from kimitui.kernels import cpu_quant_moe
+    from kimitui.kernels.cpu import quant_moe as cpu_quant_moe
     from tests.helpers.quantized import quantize_checkpoint
 
     if not cpu_quant_moe.available():

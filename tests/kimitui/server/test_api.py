@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from kimitui.engine import AsyncLLM, EngineArgs, RequestOutput, SamplingParams
-from kimitui.engine.chat_format import chat_format_for
+from kimitui.engine.text.chat_format import chat_format_for
 from kimitui.engine.outputs import CompletionOutput
 from kimitui.server import BackgroundServer, create_app
 from kimitui.server import chat as chat_route

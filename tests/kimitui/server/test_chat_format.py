@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from kimitui.engine.chat_format import chat_format_for
+from kimitui.engine.text.chat_format import chat_format_for
 from kimitui.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kimitui.engine.tokenizer import Tokenizer
+from kimitui.engine.text.tokenizer import Tokenizer
 from kimitui.server import create_app
 
 REPLY = ('Think first.<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|>'
@@ -47,14 +47,14 @@ class ScriptedLLM:
 
 @pytest.fixture(scope="module")
 def k3_tok():
-    from kimitui.engine.demo_k3 import ensure_demo_k3_checkpoint
+    from kimitui.engine.demo.k3 import ensure_demo_k3_checkpoint
 
     return Tokenizer.from_pretrained(ensure_demo_k3_checkpoint())
 
 
 @pytest.fixture(scope="module")
 def k2_tok(tmp_path_factory):
-    from kimitui.engine.bpe_train import demo_corpus, train_ranks, write_kimi_tokenizer_files
+    from kimitui.engine.demo.bpe_train import demo_corpus, train_ranks, write_kimi_tokenizer_files
 
     d = tmp_path_factory.mktemp("k2tok")
     write_kimi_tokenizer_files(d, train_ranks(demo_corpus()[:200_000], 512))

@@ -45,7 +45,7 @@ def test_tokenize_and_detokenize_round_trip(served):
 
 def test_tokenize_chat_messages_renders_the_chat_format(served):
     llm, url = served
-    from kimitui.engine.chat_format import chat_format_for
+    from kimitui.engine.text.chat_format import chat_format_for
 
     messages = [{"role": "user", "content": "hi"}]
     r = httpx.post(f"{url}/tokenize", json={"messages": messages}, headers=AUTH)

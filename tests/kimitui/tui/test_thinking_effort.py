@@ -9,8 +9,8 @@ import pytest
 from textual.app import App
 from textual.widgets import Select, Switch
 
-from kimitui.engine.chat_format import chat_format_for
-from kimitui.engine.tokenizer import Tokenizer
+from kimitui.engine.text.chat_format import chat_format_for
+from kimitui.engine.text.tokenizer import Tokenizer
 from kimitui.tui.bridges.local import EngineBridge
 from kimitui.tui.chat.session import Chat, Turn
 from kimitui.tui.chat.generation import GenerationSettings
@@ -56,7 +56,7 @@ def test_settings_modal_effort_selector(supported):
 
 @pytest.fixture(scope="module")
 def k3_tok():
-    from kimitui.engine.demo_k3 import ensure_demo_k3_checkpoint
+    from kimitui.engine.demo.k3 import ensure_demo_k3_checkpoint
 
     return Tokenizer.from_pretrained(ensure_demo_k3_checkpoint())
 
@@ -81,7 +81,7 @@ def test_bridge_renders_k3_effort_and_history(k3_tok):
 
 
 def test_bridge_k2_ignores_effort(tmp_path):
-    from kimitui.engine.bpe_train import demo_corpus, train_ranks, write_kimi_tokenizer_files
+    from kimitui.engine.demo.bpe_train import demo_corpus, train_ranks, write_kimi_tokenizer_files
 
     write_kimi_tokenizer_files(tmp_path, train_ranks(demo_corpus()[:200_000], 512))
     bridge = _bridge(Tokenizer.from_pretrained(tmp_path))

@@ -42,9 +42,9 @@ VLLM_PYTHON = _vllm_python()
 
 def write_vllm_checkpoint(path: Path) -> None:
     from benchmarks.vs_vllm_cpu import MODEL_CONFIG
-    from kimitui.engine.bpe_train import demo_corpus, kimi_special_tokens_for, train_ranks, write_kimi_tokenizer_files
+    from kimitui.engine.demo.bpe_train import demo_corpus, kimi_special_tokens_for, train_ranks, write_kimi_tokenizer_files
     from kimitui.engine.demo import NUM_BASE_TOKENS, _random_weights, write_shards
-    from kimitui.engine.tokenizer import KIMI_PAT_STR_ONIG, tiktoken_to_hf_json
+    from kimitui.engine.text.tokenizer import KIMI_PAT_STR_ONIG, tiktoken_to_hf_json
 
     config = {**MODEL_CONFIG, "num_hidden_layers": 2, "hidden_size": 512, "intermediate_size": 1024,
               "moe_intermediate_size": 128, "n_routed_experts": 8, "num_experts_per_tok": 2,
