@@ -17,7 +17,6 @@ A user theme with a built-in's name replaces it.
 
 from __future__ import annotations
 
-import os
 import re
 try:
     import tomllib
@@ -25,6 +24,8 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kimitui.paths import user_themes_dir
 
 COLOR_SLOTS = ("primary", "secondary", "accent", "warning", "error", "success", "foreground",
                "background", "surface", "panel", "boost")
@@ -52,9 +53,8 @@ def builtin_dir() -> Path:
 
 
 def user_dir() -> Path:
-    """``$XDG_CONFIG_HOME/kimitui/themes`` (XDG default ``~/.config``)."""
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "kimitui" / "themes"
+    """``$XDG_CONFIG_HOME/kimitui/themes`` (XDG default ``~/.config``): kimitui.paths owns the rule."""
+    return user_themes_dir()
 
 
 def parse_theme(text: str, source: str = "<string>") -> ThemeSpec:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from kimitui.bench.workload import SampleRequest
+from kimitui.client.http import request_headers, server_root
 
 # vLLM's AIOHTTP_TIMEOUT: long prompts on slow hardware may legitimately take hours.
 _REQUEST_TIMEOUT_S = 6 * 60 * 60
@@ -114,24 +114,6 @@ class InProcessClient:
         pass
 
 
-def server_root(base_url: str) -> str:
-    """The server's root URL: ``http://host:8000``, ``http://host:8000/`` and ``http://host:8000/v1``
-    all name the same server (vLLM's ``--base-url`` takes the root, OpenAI clients take ``/v1``);
-    routes are then ``root + "/v1/..."`` and ``root + "/metrics"``."""
-    root = base_url.strip().rstrip("/")
-    return root.removesuffix("/v1").rstrip("/")
-
-
-def _headers(api_key: str | None, request_id: str | None = None) -> dict[str, str]:
-    headers = {"Content-Type": "application/json"}
-    key = api_key or os.environ.get("OPENAI_API_KEY")
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    if request_id:
-        headers["x-request-id"] = request_id
-    return headers
-
-
 class OpenAICompletionsClient:
     """Streaming POST `{base_url}/v1/completions`, timed like vLLM's `openai` backend."""
 
@@ -184,7 +166,7 @@ class OpenAICompletionsClient:
         last = st
         try:
             async with self._http.stream("POST", url, json=self.payload(request),
-                                         headers=_headers(self.api_key, request_id)) as resp:
+                                         headers=request_headers(self.api_key, request_id)) as resp:
                 if resp.status_code != 200:
                     body = (await resp.aread()).decode("utf-8", "replace")[:500]
                     return RequestFuncOutput(False, "", prompt_len, 0, 0.0, [], 0.0, st,
@@ -238,7 +220,7 @@ async def fetch_models(base_url: str, api_key: str | None = None, timeout_s: flo
     url = f"{server_root(base_url)}/v1/models"
     try:
         async with httpx.AsyncClient(timeout=timeout_s) as http:
-            resp = await http.get(url, headers=_headers(api_key))
+            resp = await http.get(url, headers=request_headers(api_key))
             resp.raise_for_status()
             ids = [m["id"] for m in resp.json().get("data", [])]
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:

@@ -11,11 +11,12 @@ process_result.py `tput_per_gpu` and the published pages' "tokens/s per GPU" are
 from __future__ import annotations
 
 import math
-import os
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
+
+from kimitui.paths import settings_file
 
 
 @dataclass(frozen=True)
@@ -60,16 +61,10 @@ class CostSettings:
             raise ValueError(f"pricing tier names must be unique, got {names}")
 
 
-def settings_path() -> Path:
-    """`$XDG_CONFIG_HOME/kimitui/settings.toml` (XDG default `~/.config`)."""
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "kimitui" / "settings.toml"
-
-
 def load_cost_settings(path: str | Path | None = None) -> CostSettings:
     """Read `[cost]` (`usd_per_kwh`, `[[cost.tiers]] name, usd_per_gpu_hour`) from the
     settings file; a missing file or section gives the defaults, tiers given replace them."""
-    p = Path(path) if path is not None else settings_path()
+    p = Path(path) if path is not None else settings_file()
     if not p.is_file():
         return CostSettings()
     try:

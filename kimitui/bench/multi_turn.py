@@ -91,9 +91,9 @@ async def read_prefix_counters(client: Any) -> tuple[int, int] | None:
     if base_url is None or http is None:
         return None
     try:
-        from kimitui.bench.clients import _headers
+        from kimitui.client.http import request_headers
 
-        resp = await http.get(base_url + "/metrics", headers=_headers(getattr(client, "api_key", None)))
+        resp = await http.get(base_url + "/metrics", headers=request_headers(getattr(client, "api_key", None)))
         return parse_prefix_counters(resp.text) if resp.status_code == 200 else None
     except Exception:  # noqa: BLE001 - a server without /metrics: no engine-side rate, never a failure
         return None

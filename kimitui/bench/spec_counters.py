@@ -27,9 +27,9 @@ async def read_spec_counters(client: Any) -> SpecDecodeStats | None:
     if base_url is None or http is None:
         return None
     try:
-        from kimitui.bench.clients import _headers
+        from kimitui.client.http import request_headers
 
-        resp = await http.get(base_url.removesuffix("/v1") + "/metrics", headers=_headers(getattr(client, "api_key", None)))
+        resp = await http.get(base_url.removesuffix("/v1") + "/metrics", headers=request_headers(getattr(client, "api_key", None)))
         if resp.status_code != 200:
             return None
         return parse_spec_counters(resp.text)

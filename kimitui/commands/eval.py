@@ -7,11 +7,11 @@ import importlib
 import json
 import os
 import sys
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 from kimitui.commands.engine_flags import add_engine_arguments, engine_args_from
+from kimitui.eval.kl_setup import checkpoint_tokenizer, describe_engine, model_dir, plain_path
 
 _RECALL_MODULE = "kimitui.commands.eval_recall"
 
@@ -113,16 +113,16 @@ def run_kl(args: argparse.Namespace) -> int:
         if args.save_base:
             llm = _load(LLM, engine_args, "reference to save")
             llms.append(llm)
-            writer = BaseWriter(args.base_top_k, {"path": _describe(engine_args), "model": str(engine_args.model)})
+            writer = BaseWriter(args.base_top_k, {"path": describe_engine(engine_args), "model": str(engine_args.model)})
             record_base(prompts, LocalSource(llm, args.chunk), writer, progress("scoring"))
             writer.save(args.save_base)
             print(f"saved the log-probs of {len(prompts)} prompts ({sum(len(t) - 1 for t in prompts)} positions, "
-                  f"top-k {args.base_top_k or 'all'}) of {_describe(engine_args)} to {args.save_base}")
+                  f"top-k {args.base_top_k or 'all'}) of {describe_engine(engine_args)} to {args.save_base}")
             return 0
         if reference is None:
             ref_args = replace(engine_args, dtype="float32", tensor_parallel_size=1, speculative_config=None,
                                max_num_seqs=1, enable_prefix_caching=False)
-            with _plain_path():
+            with plain_path():
                 ref_llm = _load(LLM, ref_args, "float32 reference")
             llms.append(ref_llm)
             reference = LocalSource(ref_llm, args.chunk)
@@ -137,7 +137,7 @@ def run_kl(args: argparse.Namespace) -> int:
             llms.append(test_llm)
             broken = apply_break(test_llm)
             test = LocalSource(test_llm, args.chunk)
-            test_desc = _describe(engine_args) + (f", {broken}" if broken else "")
+            test_desc = describe_engine(engine_args) + (f", {broken}" if broken else "")
         report = measure(prompts, reference, test, args.decode_tokens, progress("comparing"))
     finally:
         for llm in llms:
@@ -158,69 +158,20 @@ def _prompts(args, model) -> list[list[int]]:
     from kimitui.engine.config import ModelConfig
     from kimitui.eval.kl_run import file_prompts, generated_prompts
 
-    model_dir = _model_dir(model)
-    tok = _tokenizer(model_dir)
+    folder = model_dir(model)
+    tok = checkpoint_tokenizer(folder)
     if args.prompts:
         return file_prompts(args.prompts, tok, args.num_prompts, args.prompt_len)
-    vocab = ModelConfig.from_pretrained(model_dir).vocab_size
+    vocab = ModelConfig.from_pretrained(folder).vocab_size
     if tok is not None:
         vocab = min(vocab, tok.vocab_size)
     return generated_prompts(vocab, args.num_prompts, args.prompt_len, args.seed,
                              tok.special_ids if tok is not None else frozenset())
 
 
-def _model_dir(model: str | None) -> Path:
-    from kimitui.engine.demo import DEMO_MODELS, demo_checkpoint
-
-    if model in (None, "", *DEMO_MODELS):
-        return demo_checkpoint(model or "demo")
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist")
-    return path
-
-
-def _tokenizer(model_dir: Path):
-    from kimitui.engine.text.tokenizer import Tokenizer
-
-    if (model_dir / "tokenizer.json").is_file() or (model_dir / "tiktoken.model").is_file():
-        return Tokenizer.from_pretrained(model_dir)
-    return None
-
-
 def _load(llm_cls, engine_args, what: str):
-    print(f"kimitui eval kl: loading the {what}: {_describe(engine_args)} ...", file=sys.stderr, flush=True)
+    print(f"kimitui eval kl: loading the {what}: {describe_engine(engine_args)} ...", file=sys.stderr, flush=True)
     return llm_cls(**{f: getattr(engine_args, f) for f in engine_args.__dataclass_fields__})
-
-
-def _describe(a) -> str:
-    parts = [str(a.model or "demo"), f"dtype={a.dtype}"]
-    if a.tensor_parallel_size > 1:
-        parts.append(f"tensor-parallel={a.tensor_parallel_size}")
-    if a.cpu_offload not in ("auto", "none"):
-        parts.append(f"cpu-offload={a.cpu_offload}")
-    if a.speculative_config:
-        parts.append(f"speculative={json.dumps(a.speculative_config) if isinstance(a.speculative_config, dict) else a.speculative_config}")
-    if os.environ.get("KIMITUI_EMULATE_DEVICE", "").strip().lower() in ("1", "true", "on", "yes"):
-        parts.append("emulated device path")
-    if os.environ.get("KIMITUI_KERNELS", "").strip():
-        parts.append(f"kernels={os.environ['KIMITUI_KERNELS']}")
-    return " ".join(parts)
-
-
-@contextmanager
-def _plain_path():
-    """The reference loads on the plain path of this device: device emulation (read when a model
-    loads) is for the path under test only."""
-    saved = os.environ.get("KIMITUI_EMULATE_DEVICE")
-    os.environ["KIMITUI_EMULATE_DEVICE"] = "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("KIMITUI_EMULATE_DEVICE", None)
-        else:
-            os.environ["KIMITUI_EMULATE_DEVICE"] = saved
 
 
 def _progress_printer():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -128,6 +129,11 @@ def run(args: argparse.Namespace) -> int:
         stop_children(started)
         for s, handler in previous.items():
             signal.signal(s, handler)
+        # What is left is the interpreter's teardown, whose final garbage collection walks every
+        # object the engine made: 2.0 s at exit on a busy 2-core machine, 0.4 s with them frozen
+        # (frozen objects are skipped; the process is exiting, so nothing is lost). A SIGTERM's
+        # sender (systemd, Kubernetes, the shutdown test) waits for that exit.
+        gc.freeze()
     if crashed:
         print("kimitui serve: the HTTP server stopped unexpectedly", file=sys.stderr, flush=True)
         return 1

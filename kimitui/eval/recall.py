@@ -199,7 +199,7 @@ def http_target(base_url: str, model: str | None, tokenizer_for: Callable[[str],
     import httpx
 
     from kimitui.engine.text.chat_format import chat_format_for
-    from kimitui.bench.clients import server_root
+    from kimitui.client.http import server_root
 
     root = server_root(base_url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

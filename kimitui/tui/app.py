@@ -13,11 +13,11 @@ from textual.app import App
 from textual.binding import Binding
 
 from kimitui.engine import EngineArgs
-from kimitui.tui.bridge import EngineBridge, EngineFactory
-from kimitui.tui.bridge_api import Bridge
-from kimitui.tui.chat_session import ChatHistory
-from kimitui.tui.commands import KimiCommands
-from kimitui.tui.gen_settings import GenerationSettings
+from kimitui.tui.bridges.local import EngineBridge, EngineFactory
+from kimitui.tui.bridges.base import Bridge
+from kimitui.tui.chat.session import ChatHistory
+from kimitui.tui.palette import KimiCommands
+from kimitui.tui.chat.generation import GenerationSettings
 from kimitui.tui.messages import EngineReady
 from kimitui.tui.screens.help import HelpScreen
 from kimitui.tui.screens.load import LoadScreen

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from textual.message import Message
 
-from kimitui.tui.model_info import ModelInfo
+from kimitui.tui.chat.model_info import ModelInfo
 
 
 @dataclass

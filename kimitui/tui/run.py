@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from contextlib import contextmanager
 from pathlib import Path
 
-
-def log_path() -> Path:
-    """``$XDG_STATE_HOME/kimitui/tui.log`` (XDG default ``~/.local/state``)."""
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(base) / "kimitui" / "tui.log"
+from kimitui.paths import tui_log_file
 
 
 @contextmanager
@@ -51,7 +46,7 @@ def run_tui(args: argparse.Namespace) -> int:
     else:
         backends = None  # this machine's GPUs, CPU package and host
     bridge_factory = _remote_bridge_factory(args) if getattr(args, "base_url", None) else None
-    with logging_to_file(log_path()):
+    with logging_to_file(tui_log_file()):
         sampler = TelemetrySampler(interval_s=interval, backends=backends)
         if bridge_factory is not None and getattr(args, "num_gpus", None) is None and urls:
             bridge_factory = _remote_bridge_factory(args, lambda: _gpus_seen(sampler))
@@ -70,7 +65,7 @@ def run_tui(args: argparse.Namespace) -> int:
 
 def _remote_bridge_factory(args: argparse.Namespace, num_gpus=None):
     """``--base-url``: the TUI over a server's API; bad URLs fail here, before the screen opens."""
-    from kimitui.tui.remote.bridge import RemoteBridge
+    from kimitui.tui.bridges.remote import RemoteBridge
 
     if args.num_gpus is not None and args.num_gpus < 0:
         raise ValueError(f"--num-gpus must be >= 0, got {args.num_gpus}")

@@ -13,6 +13,8 @@ import re
 import tempfile
 from pathlib import Path
 
+from kimitui.paths import settings_file
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -21,15 +23,9 @@ except ModuleNotFoundError:  # Python 3.10
 _HEADER = re.compile(r"^\s*\[\s*([A-Za-z0-9_.\-\"]+)\s*\]\s*(#.*)?$")
 
 
-def settings_path() -> Path:
-    """``$XDG_CONFIG_HOME/kimitui/settings.toml`` (XDG default ``~/.config``)."""
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "kimitui" / "settings.toml"
-
-
 def read_settings(path: Path | None = None) -> dict:
     """The whole document; an absent or unreadable file is an empty one (the UI must start)."""
-    path = path or settings_path()
+    path = path or settings_file()
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
@@ -58,7 +54,7 @@ def set_value(text: str, table: str, key: str, value: str | int | float | bool) 
 def write_value(table: str, key: str, value: str | int | float | bool, path: Path | None = None) -> None:
     """Set one value in the settings file, atomically. Refuses to touch a file it cannot parse
     (rewriting it could lose what the user wrote); raises ValueError then."""
-    path = path or settings_path()
+    path = path or settings_file()
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -19,9 +19,9 @@ from kimitui.engine.text.chat_format import chat_format_for
 from kimitui.cli import main
 from kimitui.server import BackgroundServer, create_app
 from kimitui.tui.app import KimiApp
-from kimitui.tui.gen_settings import GenerationSettings
-from kimitui.tui.widgets.chat_message import AssistantMessage
-from kimitui.tui.widgets.prompt_input import PromptInput
+from kimitui.tui.chat.generation import GenerationSettings
+from kimitui.tui.widgets.chat.message import AssistantMessage
+from kimitui.tui.widgets.chat.prompt import PromptInput
 from tests.kimitui.tui_fakes import SharedLLM, screen_text, wait_for
 
 ARGS = EngineArgs(model="demo-k3", max_model_len=1024, kv_cache_tokens=4096, device="cpu", max_num_seqs=4)

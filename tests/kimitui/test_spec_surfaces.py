@@ -15,8 +15,8 @@ from kimitui.bench.spec_counters import parse_spec_counters
 from kimitui.cli import main
 from kimitui.commands.engine_flags import add_engine_arguments, engine_args_from
 from kimitui.server.metrics import ServerMetrics
-from tests.kimitui.test_bench_e2e import WORKLOAD, _bench, _saved, demo_checkpoint  # noqa: F401
-from tests.kimitui.test_plan_cmd import CONFIGS, run_plan
+from tests.kimitui.bench.test_e2e import WORKLOAD, _bench, _saved, demo_checkpoint  # noqa: F401
+from tests.kimitui.commands.test_plan import CONFIGS, run_plan
 
 SPEC_KEYS = ("spec_decode_acceptance_rate", "spec_decode_acceptance_length", "spec_decode_num_drafts",
              "spec_decode_draft_tokens", "spec_decode_accepted_tokens", "spec_decode_per_position_acceptance_rates")

@@ -141,7 +141,7 @@ def assert_snapshot(app, name: str) -> None:
 def local_app(args, llm):
     """The TUI on a shared in-process engine ``llm`` (a ``SharedLLM``), short greedy replies."""
     from kimitui.tui.app import KimiApp
-    from kimitui.tui.gen_settings import GenerationSettings
+    from kimitui.tui.chat.generation import GenerationSettings
 
     return KimiApp(args, engine_factory=lambda a, progress: llm,
                    generation=GenerationSettings(max_tokens=8, temperature=0.0))

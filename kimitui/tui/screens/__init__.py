@@ -1,1 +1,2 @@
-"""kimitui's screens: load, main, settings, help and chat history."""
+"""kimitui's screens: load, main, settings, help, chat history, and the benchmark and evaluation
+screens on one JobScreen base (job.py)."""

@@ -9,7 +9,7 @@ from textual.screen import ModalScreen
 from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
 
-from kimitui.tui.chat_session import ChatHistory
+from kimitui.tui.chat.session import ChatHistory
 
 
 class ChatsScreen(ModalScreen[int | None]):

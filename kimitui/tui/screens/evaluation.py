@@ -1,20 +1,19 @@
 """The evaluation screen (F9): is the serving path faithful? A small form on the left (which
 evaluation, recall context lengths, KL prompts and decode tokens); on the right a progress bar,
 the result (the KL table; the recall table and its per-depth plot) and the saved results, which
-a selection shows again. Runs go on a worker thread (eval_job.py), so the UI never waits."""
+a selection shows again. Runs go on a worker thread (tui/evaluation/job.py), so the UI never waits."""
 
 from __future__ import annotations
 
 from textual.app import ComposeResult
-from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.screen import Screen
 from textual.widgets import (Button, Footer, Header, Input, Label, OptionList, ProgressBar, Select, Static,
                              TabbedContent, TabPane)
 
 from kimitui.eval.recall import parse_context_lengths
-from kimitui.tui.eval_job import EvalFinished, EvalJob, EvalProgressed, EvalSettings
-from kimitui.tui.eval_store import list_results
+from kimitui.tui.evaluation.job import EvalFinished, EvalJob, EvalProgressed, EvalSettings
+from kimitui.tui.evaluation.store import list_results
+from kimitui.tui.screens.job import JobScreen
 from kimitui.tui.widgets.eval_views import kl_table, recall_plot, recall_table
 
 WHICH = [("KL divergence and recall", "both"), ("KL divergence vs float32", "kl"), ("Long-context recall", "recall")]
@@ -44,7 +43,7 @@ def settings_from_form(which: str, values: dict[str, str]) -> EvalSettings:
                         decode_tokens=positive("decode_tokens", "decode tokens", allow_zero=True))
 
 
-class EvaluationScreen(Screen):
+class EvaluationScreen(JobScreen):
     DEFAULT_CSS = """
     #eval-body { height: 1fr; }
     #eval-left { width: 44; border: round $panel-lighten-2; border-title-color: $primary; padding: 0 1; }
@@ -58,22 +57,12 @@ class EvaluationScreen(Screen):
     #eval-note { color: $warning; height: auto; }
     #eval-saved-list { height: 1fr; }
     """
-    BINDINGS = [
-        Binding("escape", "back", "Back to chat"),
-        Binding("ctrl+r", "run", "Run"),
-        Binding("ctrl+x", "cancel", "Cancel run"),
-    ]
+    JOB_NAME, ID_PREFIX = "evaluation", "eval"  # keys and Esc: JobScreen
 
     def __init__(self) -> None:
         super().__init__(id="evaluation")
-        self.job: EvalJob | None = None
-        self.runs_finished = 0
         self.last: EvalFinished | None = None
         self._saved = []
-
-    @property
-    def running(self) -> bool:
-        return self.job is not None
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False, icon="◆")
@@ -115,10 +104,6 @@ class EvaluationScreen(Screen):
         self.reload_saved()
         self.query_one("#eval-which").focus()
 
-    def on_unmount(self) -> None:
-        if self.job is not None:
-            self.job.cancel()
-
     # -- form ------------------------------------------------------------------------------
     def form_values(self) -> dict[str, str]:
         return {name: self.query_one(f"#eval-{name}", Input).value for name in DEFAULTS}
@@ -129,68 +114,38 @@ class EvaluationScreen(Screen):
         for name, value in values.items():
             self.query_one(f"#eval-{name}", Input).value = value
 
-    # -- actions ---------------------------------------------------------------------------
-    def check_action(self, action: str, parameters: tuple) -> bool | None:
-        if action == "run":
-            return None if self.running else True
-        if action == "cancel":
-            return True if self.running else None
-        return True
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        if event.button.id == "eval-run":
-            self.action_run()
-        elif event.button.id == "eval-cancel":
-            self.action_cancel()
-
-    def action_run(self) -> None:
-        if self.running:
-            return
+    # -- the job (JobScreen) ----------------------------------------------------------------
+    def make_job(self) -> EvalJob | None:
         error = self.query_one("#eval-error", Static)
         try:
             settings = settings_from_form(str(self.query_one("#eval-which", Select).value), self.form_values())
         except ValueError as e:
             error.update(str(e))
-            return
+            return None
         error.update("")
-        self.job = EvalJob(settings, self.app.bridge, notify=self)
-        self._set_running(True)
         self.query_one("#eval-status", Static).update("starting…")
         self.query_one(ProgressBar).update(total=1, progress=0)
-        self.refresh_bindings()
-        self.run_worker(self.job.run, thread=True, group="evaluation", exit_on_error=False, name="evaluation")
+        return EvalJob(settings, self.app.bridge, notify=self)
 
-    def action_cancel(self) -> None:
-        if self.job is not None and not self.job.cancel_requested:
-            self.job.cancel()
-            self.query_one("#eval-status", Static).update("cancelling: stopping at the next step…")
-
-    def action_back(self) -> None:
-        if self.job is not None:
-            self.job.cancel()
-        self.app.pop_screen()
-
-    def _set_running(self, running: bool) -> None:
+    def show_running(self, running: bool) -> None:
         self.query_one("#eval-run", Button).disabled = running
         self.query_one("#eval-cancel", Button).disabled = not running
 
+    def show_cancelling(self) -> None:
+        self.query_one("#eval-status", Static).update("cancelling: stopping at the next step…")
+
     # -- messages from the job -------------------------------------------------------------
     def on_eval_progressed(self, msg: EvalProgressed) -> None:
-        if self.job is None or self.job.cancel_requested:
+        if not self.wants_progress():
             return
         self.query_one(ProgressBar).update(total=max(1, msg.total), progress=msg.done)
         self.query_one("#eval-status", Static).update(f"{msg.label} ({msg.done}/{msg.total})")
 
     def on_eval_finished(self, msg: EvalFinished) -> None:
-        self.job = None
-        self.runs_finished += 1
         self.last = msg
-        self._set_running(False)
-        self.refresh_bindings()
         status = self.query_one("#eval-status", Static)
-        if msg.error:
+        if not self.job_ended(msg):
             status.update(f"failed: {msg.error}")
-            self.notify(msg.error, title="Evaluation failed", severity="error")
             return
         state = "cancelled" if msg.cancelled else "finished"
         status.update(f"{state}: {len(msg.results)} result(s), {len(msg.saved)} saved")

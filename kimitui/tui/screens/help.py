@@ -8,6 +8,8 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
+from kimitui.tui.screens.job import ESC_CONFIRM_S
+
 KEYS = [
     ("Enter", "send the prompt"),
     ("Shift+Enter, Ctrl+J", "newline in the prompt (Ctrl+J works in every terminal)"),
@@ -17,9 +19,11 @@ KEYS = [
     ("F2", "settings: temperature, top-p, top-k, max tokens, thinking, system prompt"),
     ("Ctrl+T", "thinking on/off"),
     ("F4", "next theme (the choice is saved)"),
-    ("F5", "benchmark screen: presets, sweeps, saved runs (there: Ctrl+R run, Ctrl+X cancel, F6 next tab, Esc back)"),
+    ("F5", "benchmark screen: presets, sweeps, saved runs (there F6: next tab)"),
     ("F8", "hardware panel: compact rows or history graphs (power with the cap, utilisation, memory, node total)"),
-    ("F9", "evaluation screen: KL against float32, long-context recall, saved results (Ctrl+R run, Esc back)"),
+    ("F9", "evaluation screen: KL against float32, long-context recall, saved results"),
+    ("  Ctrl+R / Ctrl+X", "(F5, F9) run / cancel the run and stay to see what finished"),
+    ("  Esc", f"(F5, F9) back; during a run it warns, a second Esc within {ESC_CONFIRM_S:g} s cancels it"),
     ("Ctrl+P", "command palette: every action, themes"),
     ("F1", "this help"),
     ("Ctrl+Q", "quit"),

@@ -13,7 +13,7 @@ from textual.widgets import Footer, ProgressBar, Static
 
 from kimitui.tui.formatting import duration
 from kimitui.tui.messages import EngineFailed, LoadProgressed, LoadStage
-from kimitui.tui.run import log_path
+from kimitui.paths import tui_log_file
 
 
 class LoadScreen(Screen):
@@ -56,6 +56,6 @@ class LoadScreen(Screen):
         failed = self.title_text.replace("Loading", "Could not load", 1).replace("Connecting to", "Could not connect to", 1)
         self.query_one("#load-title", Static).update(failed)
         self.query_one("#load-detail", Static).update(
-            f"{msg.error}\n\nDetails in the log ({log_path()}). Ctrl+Q quits; `kimitui --help` lists engine flags.")
+            f"{msg.error}\n\nDetails in the log ({tui_log_file()}). Ctrl+Q quits; `kimitui --help` lists engine flags.")
         self.query_one(ProgressBar).display = False
         self.add_class("failed")

@@ -6,8 +6,6 @@ messages from the sampler thread.
 
 from __future__ import annotations
 
-import importlib.util
-
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
@@ -15,25 +13,17 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header
 
 from kimitui.tui.messages import ReplyFinished, TelemetryUpdated
-from kimitui.tui.hw_history import HISTORY_S
-from kimitui.tui.model_info import DEMO_NOTE, ModelInfo
+from kimitui.tui.hardware.history import HISTORY_S
+from kimitui.tui.chat.model_info import DEMO_NOTE, ModelInfo
 from kimitui.tui.screens.chats import ChatsScreen
 from kimitui.tui.screens.settings import SettingsScreen
-from kimitui.tui.token_energy import TokenEnergyMeter
-from kimitui.tui.widgets.chat_pane import ChatPane
-from kimitui.tui.widgets.hardware_panel import HardwarePanel
+from kimitui.tui.chat.token_energy import TokenEnergyMeter
+from kimitui.tui.widgets.chat.pane import ChatPane
+from kimitui.tui.widgets.hardware.panel import HardwarePanel
 from kimitui.tui.widgets.model_panel import ModelPanel
 from kimitui.tui.widgets.throughput_panel import ThroughputPanel
 
 STATS_PERIOD_S = 0.5
-BENCHMARK_MODULE = "kimitui.tui.screens.benchmark"
-
-
-def benchmark_available() -> bool:
-    try:
-        return importlib.util.find_spec(BENCHMARK_MODULE) is not None
-    except ModuleNotFoundError:
-        return False
 
 
 def welcome_text(info: ModelInfo) -> str:
@@ -116,8 +106,6 @@ class MainScreen(Screen):
 
     # -- actions -------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple) -> bool | None:
-        if action == "benchmark":
-            return benchmark_available()  # hidden from the footer until the screen exists
         if action == "stop":
             return True if self.app.bridge.generating else None
         return True
@@ -161,9 +149,6 @@ class MainScreen(Screen):
         self.notify(f"Hardware: {'history graphs' if shown else 'compact rows'}", timeout=2)
 
     def action_benchmark(self) -> None:
-        if not benchmark_available():
-            self.notify("The benchmark screen is not installed in this build.", severity="warning")
-            return
         from kimitui.tui.screens.benchmark import BenchmarkScreen
 
         self.app.push_screen(BenchmarkScreen())

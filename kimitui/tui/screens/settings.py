@@ -9,7 +9,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static, Switch, TextArea
 
 from kimitui.engine.text.xtml.render import THINKING_EFFORTS
-from kimitui.tui.gen_settings import GenerationSettings
+from kimitui.tui.chat.generation import GenerationSettings
 
 # (field, label, parse, input type): Textual's Input restricts what can be typed by type.
 FIELDS = [

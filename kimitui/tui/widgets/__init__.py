@@ -1,1 +1,1 @@
-"""kimitui's widgets: chat pane and the three live panels (throughput, hardware, model)."""
+"""kimitui's widgets, by feature (bench/, chat/, hardware/) beside the model, throughput and evaluation views."""

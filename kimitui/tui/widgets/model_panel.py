@@ -6,7 +6,7 @@ from __future__ import annotations
 from textual.widgets import Static
 
 from kimitui.tui.formatting import count
-from kimitui.tui.model_info import DEMO_NOTE, ModelInfo, architecture_lines, remote_lines
+from kimitui.tui.chat.model_info import DEMO_NOTE, ModelInfo, architecture_lines, remote_lines
 
 
 class ModelPanel(Static):

@@ -1,0 +1,1 @@
+"""The hardware panel's data: history rings of telemetry samples for the graphs."""

@@ -1,0 +1,1 @@
+"""The benchmark screen's widgets: form, progress, result tables, frontier, saved runs."""

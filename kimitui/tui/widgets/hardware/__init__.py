@@ -1,0 +1,1 @@
+"""The hardware panel: compact rows and history graphs."""
