@@ -8,7 +8,8 @@ every ``@triton.jit`` function under ``kernels/``:
 - a *runtime stride* is a parameter whose name contains ``stride`` and which is not annotated
   ``tl.constexpr``;
 - every ``a * b`` where one side mentions a runtime stride must have an int64 operand: an
-  expression holding ``.to(tl.int64)`` / ``tl.cast(..., tl.int64)`` or a name assigned from one
+  expression holding ``.to(tl.int64)`` / ``tl.cast(..., tl.int64)`` / ``tl.zeros(..., tl.int64)``
+  or a name assigned from one
   (names are followed in source order, so ``t = tl.program_id(0).to(tl.int64)`` makes ``t`` and
   ``t * K + j`` int64); or the other side is the same in every program and bounded at compile
   time: literals, ``tl.constexpr`` parameters, ``tl.arange`` over them and names bound to such
@@ -59,12 +60,12 @@ def _is_int64_dtype(node: ast.AST) -> bool:
 
 
 def _casts_to_int64(node: ast.AST) -> bool:
-    # x.to(tl.int64) or tl.cast(x, tl.int64)
+    # x.to(tl.int64), tl.cast(x, tl.int64), tl.zeros(shape, dtype=tl.int64), tl.full(..., tl.int64)
     for sub in ast.walk(node):
         if not isinstance(sub, ast.Call):
             continue
         func = sub.func
-        if isinstance(func, ast.Attribute) and func.attr in ("to", "cast"):
+        if isinstance(func, ast.Attribute) and func.attr in ("to", "cast", "zeros", "full"):
             args = list(sub.args) + [kw.value for kw in sub.keywords if kw.arg in ("dtype",)]
             if any(_is_int64_dtype(a) for a in args):
                 return True
