@@ -35,7 +35,9 @@ def _specs():
     from kimitui.kernels.moe_align import _moe_align_kernel, align_launch
     from kimitui.kernels.moe_router import _moe_router_kernel
     from kimitui.kernels.mxfp4_gemm import _mxfp4_gemm_kernel
+    from kimitui.kernels.mla_decode import _mla_merge_kernel
     from kimitui.kernels.rms_norm import _rms_norm_kernel
+    from kimitui.kernels.rope_fused import _rope_mla_kernel
     from kimitui.kernels.split_k import _split_k_reduce_kernel
     from kimitui.kernels.w4a16_gemm import _w4a16_gemm_kernel
 
@@ -75,6 +77,11 @@ def _specs():
         # the forms for Triton 3.0-3.3 (no tl.gather, no masked tl.histogram), compiled by this Triton
         "moe_align_k3_portable": (_moe_align_kernel, {**align, "ids_ptr": "*i32"},
                                   {**align_launch(1024, 64, 896).kernel_args(), "PORTABLE": True}),
+        # the MLA split merge (Kimi K2: 64 heads, latent 512) and the query/key rope (64 heads, rope 64)
+        "mla_merge": (_mla_merge_kernel, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16"},
+                      dict(R=512, BLOCK_R=512, BLOCK_H=16)),
+        "rope_mla": (_rope_mla_kernel, {name: "*bf16" for name in ("q_ptr", "k_ptr", "qo_ptr", "ko_ptr")}
+                     | {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64"}, dict(BLOCK_H=64, BLOCK_P=32)),
         "rms_norm": (_rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
                      dict(BLOCK=8192)),
     }
@@ -131,7 +138,7 @@ K3_SPEC_NAMES = ["k3_kda_decode", "k3_attn_res_mix_norm", "k3_mla_cache_write_no
                  "k3_sigmoid_gate"]
 
 SPEC_NAMES = ["w4a16", "w4a16_split_g128", "w4a16_split_g48", "mxfp4", "mxfp4_split", "fp8_block",
-              "fp8_block_split_gathered", "split_k_reduce", "moe_router_k2", "moe_router_grouped_softmax", "rms_norm", "moe_align_k2", "moe_align_k3",
+              "fp8_block_split_gathered", "split_k_reduce", "moe_router_k2", "moe_router_grouped_softmax", "mla_merge", "rope_mla", "rms_norm", "moe_align_k2", "moe_align_k3",
               "moe_align_k3_portable"] + [
     f"moe_{fmt}_{gemm}" for fmt in ("dense", "int4", "mxfp4", "fp8") for gemm in ("gemm1", "gemm2", "gemm1_situ")
 ] + K3_SPEC_NAMES
