@@ -62,7 +62,7 @@ def _specs():
                       dict(QBLOCK_N=128, QBLOCK_K=128, SPLIT=False, **TILES)),
         "fp8_block_split_gathered": (_fp8_block_gemm_kernel, {**split, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                                      dict(QBLOCK_N=128, QBLOCK_K=96, SPLIT=True, **TILES)),
-        "split_k_reduce": (_split_k_reduce_kernel, {"ws_ptr": "*fp32", "out_ptr": "*bf16"}, dict(BLOCK=1024)),
+        "split_k_reduce": (_split_k_reduce_kernel, {"ws_ptr": "*fp32", "out_ptr": "*bf16"}, dict(BLOCK=256)),
         # the NaN-safe router: Kimi K2 (384 experts, top-8, statistics with padding rows), DeepSeek-V3 groups
         "moe_router_k2": (_moe_router_kernel, router, dict(TOP_K=8, N_GROUP=1, TOPK_GROUP=1, SOFTMAX=False,
                                                            RENORMALIZE=True, HAS_BIAS=True, COUNT=True, ROW_MASK=True,

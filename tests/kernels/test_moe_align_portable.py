@@ -17,7 +17,12 @@ if __name__ == "__main__":
 import pytest
 import torch
 
-from tests.helpers.interpret import case_registry, child_main, needs_triton, run_interpreted
+from tests.helpers.interpret import (
+    case_registry,
+    child_main,
+    needs_triton,
+    run_interpreted,
+)
 
 CASES, case = case_registry()
 
@@ -27,8 +32,9 @@ def _routed(tokens, top_k, experts):
 
 
 def _check(topk_ids, block, experts):
-    from kimitui.kernels import reference as ref
     from kimitui.kernels.moe_align import moe_align_block_size
+
+    from kimitui.kernels import reference as ref
 
     portable = moe_align_block_size(topk_ids, block, experts, portable=True)
     native = moe_align_block_size(topk_ids, block, experts, portable=False)
@@ -93,7 +99,7 @@ class _Recorder:
 def test_the_installed_triton_picks_the_path(version, portable, monkeypatch):
     import triton
 
-    import kimitui.kernels.moe_align as moe_align
+    from kimitui.kernels import moe_align
 
     monkeypatch.setattr(triton, "__version__", version)
     recorder = _Recorder()

@@ -21,7 +21,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers.interpret import case_registry, child_main, needs_triton, run_interpreted
+from tests.helpers.interpret import (
+    case_registry,
+    child_main,
+    needs_triton,
+    run_interpreted,
+)
 
 CASES, case = case_registry()
 
@@ -124,8 +129,9 @@ def test_reference_router_nan_row():
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_engine_router_nan_hidden_state(backend):
     """``Backend.moe_route`` from the hidden state (the CPU backend: the C++ router for few rows)."""
-    from kimitui.kernels import reference as ref
     from kimitui.kernels.backend import REFERENCE
+
+    from kimitui.kernels import reference as ref
 
     if backend == "cpu":
         from kimitui.kernels.cpu_backend import CpuBackend
