@@ -237,3 +237,22 @@ def test_k3_kda_decode_keeps_its_state_tile_in_registers(target):
     compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget(*TARGETS[target]),
                               options={"num_warps": 4})
     assert _spill_bytes(compiled, target) == 0
+
+
+@pytest.mark.parametrize("target", GENERIC_TARGETS)
+@pytest.mark.parametrize("name", ["w4a16_split_g128", "mxfp4_split", "fp8_block_split_gathered", "moe_int4_gemm1",
+                                  "moe_mxfp4_gemm1"])
+def test_packed_gemms_unpack_in_registers_without_spills(name, target):
+    # The INT4 / MXFP4 tiles load each word once and unpack it in registers ([BK/8, 8, BN] -> [BK, BN]);
+    # the reshape must not push the tile out to scratch on either target.
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, types, consts = _specs()[name]
+    if not hasattr(fn, "arg_names"):
+        pytest.skip("kernel module was imported in interpreter mode")
+    signature = {arg: "constexpr" if arg in consts else types.get(arg, "i32") for arg in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget(*TARGETS[target]),
+                              options={"num_warps": 4})
+    assert _spill_bytes(compiled, target) == 0
