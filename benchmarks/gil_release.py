@@ -15,7 +15,7 @@ so two threads side by side get half a share each and the wall ratio reads about
 kernel does; a thread blocked on the GIL is asleep, not waiting for a CPU, so the second figure
 still shows a kernel that keeps the GIL (about 2). Weights are random packed MXFP4 bytes and scales
 (the kernel's speed does not depend on their values). Pinned to one CPU each, a thread's kernel
-team has that thread alone (``kernels/cpu_team.h``: at most one thread per CPU of its mask), so the
+team has that thread alone (``kernels/cpu/csrc/cpu_team.h``: at most one thread per CPU of its mask), so the
 pair uses two CPUs and the call alone one.
 """
 
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kimitui import engine  # noqa: E402,F401  (OpenMP's wait policy, before torch: see cpu_experts.py)
 import torch  # noqa: E402
 
-from kimitui.kernels import cpu_quant_moe  # noqa: E402
+from kimitui.kernels.cpu import quant_moe as cpu_quant_moe  # noqa: E402
 
 
 def mxfp4_experts(e: int, hidden: int, inter: int, seed: int = 0) -> cpu_quant_moe.TiledExperts:

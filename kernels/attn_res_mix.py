@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimitui.kernels._checks import FLOAT_DTYPES, check_device
+from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device
 
 _MAX_BLOCK = 65536  # one row in one block: 7168 (K3's hidden size) pads to 8192
 

@@ -9,7 +9,7 @@
 // rms_norm(x [M, D], weight [D], eps) -> [M, D]
 // with the MLA decode kernels of cpu_mla_decode.cpp and the decode blocks of cpu_decode_block.cpp.
 // Threads take runs of weight rows (parallel_runs in cpu_parallel.h, on the kernels' thread team of
-// torch's thread count, cpu_team.h). Built on first use by kernels/cpu_few_rows.py.
+// torch's thread count, cpu_team.h). Built on first use by kernels/cpu/few_rows.py.
 
 #include "cpu_few_rows.h"
 

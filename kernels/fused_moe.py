@@ -15,11 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kimitui.kernels._checks import FLOAT_DTYPES, check_device, interpreting
+from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device, interpreting
 from kimitui.kernels.activation import GatedActivation, resolve
-from kimitui.kernels.gated_act import _tanh  # portable tanh (no libdevice), shared with the dense MLP's launch
-from kimitui.kernels.mxfp4_gemm import MXFP4_BLOCK, _mxfp4_tile
-from kimitui.kernels.w4a16_gemm import _int4_scales, _int4_tile
+from kimitui.kernels.triton.gated_act import _tanh  # portable tanh (no libdevice), shared with the dense MLP's launch
+from kimitui.kernels.triton.gemm.mxfp4 import MXFP4_BLOCK, _mxfp4_tile
+from kimitui.kernels.triton.gemm.w4a16 import _int4_scales, _int4_tile
 
 # Weight formats of the experts (constexpr WFMT of the kernel).
 DENSE, INT4, MXFP4, FP8 = 0, 1, 2, 3
@@ -62,14 +62,14 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     return sorted_token_ids[:size], expert_ids.to(torch.int32), padded_end[num_experts - 1: num_experts].to(torch.int32)
 
 
-# Up to this many (token, slot) pairs (decode), one Triton launch aligns them (kernels/moe_align.py);
+# Up to this many (token, slot) pairs (decode), one Triton launch aligns them (kernels/triton/moe_align.py);
 # beyond it (prefill, not launch-bound) the PyTorch version above, whose ops scale across the GPU.
 _TRITON_ALIGN_MAX_PAIRS = 4096
 
 
 def _align(topk_ids: torch.Tensor, block_size: int, num_experts: int):
     if topk_ids.numel() <= _TRITON_ALIGN_MAX_PAIRS:
-        from kimitui.kernels.moe_align import moe_align_block_size as triton_align
+        from kimitui.kernels.triton.moe_align import moe_align_block_size as triton_align
 
         return triton_align(topk_ids, block_size, num_experts)
     return moe_align_block_size(topk_ids, block_size, num_experts)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimitui.kernels._checks import FLOAT_DTYPES, check_device, interpreting
+from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device, interpreting
 
 
 @triton.jit
@@ -224,7 +224,7 @@ def _estimate(limits: GpuLimits, block_h, block_n, warps, stages, block_r, block
 
     Fitted to the compiler's own reports (``metadata.shared``; ptxas ``-v``; the AMDGPU ``NumVgprs``,
     ``NumAgprs`` and ``ScratchSize``) for r = 512, rope = 64, bf16, and checked for every chosen tile
-    by tests/kernels/test_compile_targets.py:
+    by tests/kernels/triton/test_compile_targets.py:
     - every program holds the fp32 accumulator [BLOCK_H, BLOCK_R] and the query [BLOCK_H, width]
       spread over its threads;
     - CUDA (sm_90, wgmma): the key tile is staged in shared memory (with the query, and room for the
@@ -302,7 +302,7 @@ def _device_params(index: int, num_heads: int, r: int, rope: int, dtype: torch.d
 def _num_splits(batch: int, head_blocks: int, max_context_len: int, block_n: int, block_h: int = 16) -> int:
     # About 256 programs of 16 heads' worth (4096 head rows) to fill a large GPU: a program of more
     # heads counts as several, which keeps the fp32 partial sums [B, splits, H, r] within the bound
-    # engine/offload/activation_reserve.py reserves for them. No more splits than the longest context
+    # engine/plan/activation_reserve.py reserves for them. No more splits than the longest context
     # has minimum-length splits (the kernel sizes each sequence's splits from its own length).
     want = triton.cdiv(256 * 16, batch * head_blocks * block_h)
     return max(1, min(want, triton.cdiv(max_context_len, _MIN_TILES * block_n)))

@@ -2,13 +2,13 @@
 ``Backend.mla_absorb_query`` composes them).
 
 The absorbed decode scores a query ``[q_nope @ W_UK, rope(q_pe)]`` of width r + R per head against
-the cached ``[c_kv, k_pe]`` rows (``kernels/mla_decode.py``). Op by op that is a batched GEMM per
+the cached ``[c_kv, k_pe]`` rows (``kernels/triton/mla_decode.py``). Op by op that is a batched GEMM per
 head, a rope and a cat (three launches; two with the rope and the GEMM writing into one buffer). Here
 program (h, r block, batch block) multiplies its batch rows' ``q_nope[:, h]`` by the ``W_UK[h]``
 columns of its r block (one tile of W_UK read once per batch block, fp32 accumulation, one rounding)
 and the programs of r block 0 also rotate the batch rows' ``q_pe[:, h]`` into the tail.
 
-Rope convention as ``kernels/rope_fused.py``: interleaved pairs turned by the fp32 ``cos``/``sin``
+Rope convention as ``kernels/triton/rope_fused.py``: interleaved pairs turned by the fp32 ``cos``/``sin``
 caches ``[P, R/2]`` (YaRN amplitude folded in), in fp32, rounded once; a position outside the cache
 zeroes its row (never an out-of-bounds read). Without rope tables (NoPE: Kimi Linear's and K3's MLA)
 the tail is q_pe copied.
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimitui.kernels._checks import FLOAT_DTYPES, check_device
+from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device
 
 
 @triton.jit

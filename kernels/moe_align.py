@@ -1,6 +1,6 @@
 """Expert alignment for the fused MoE in one Triton launch (reference: ``reference.moe_align_block_size``).
 
-The fused MoE GEMM (``kernels/fused_moe.py``) wants the T*k (token, slot) pairs sorted by expert,
+The fused MoE GEMM (``kernels/triton/fused_moe.py``) wants the T*k (token, slot) pairs sorted by expert,
 each expert's run padded to a multiple of BLOCK_M, so that every M-tile belongs to one expert.
 The PyTorch version (``fused_moe.moe_align_block_size``) takes a scatter-add, two cumsums, a stable
 argsort, a searchsorted and a dozen elementwise ops: about 37 launches per MoE layer. Here it is one
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimitui.kernels._checks import check_device
+from kimitui.kernels.triton.common import check_device
 
 _ID_CHUNK = (128, 1024)  # pair ids histogrammed per loop step: all of a decode step's in one, 4 at 4096
 _PAIRS = 32  # pairs placed per program: a [32, 32] compare for the order inside the chunk
@@ -41,11 +41,11 @@ _TILE_SLOTS = 512  # slots per program for the expert ids and the pad fill (TILE
 def native_ops() -> bool:
     """Whether the installed Triton has ``tl.gather`` (3.2) and ``tl.histogram``'s mask (3.4).
 
-    The floor is 3.0 (torch 2.4's, kernels/triton_check.py). Below 3.4 the kernel takes the portable
+    The floor is 3.0 (torch 2.4's, kernels/triton/check.py). Below 3.4 the kernel takes the portable
     forms (PORTABLE=True): a one-hot sum for each gather, and an unmasked histogram with the
     masked-out lanes (all put in bin 0) taken back out of bin 0.
     """
-    from kimitui.kernels.triton_check import _version
+    from kimitui.kernels.triton.check import _version
 
     return _version(getattr(triton, "__version__", "0")) >= (3, 4)
 
@@ -181,7 +181,7 @@ class AlignLaunch:
         id per chunk (load, masks, two histograms), 12 per expert slot of BLOCK_E (padding, prefix sum),
         6 per entry of the [PAIRS, PAIRS] compare and 8 per pair, 7 per tile per search step and 8 per
         slot of the pad tile. (The interpreter also materialises splats, casts and broadcasts, about
-        five times this: tests/kernels/test_moe_align.py measures that figure.)"""
+        five times this: tests/kernels/triton/test_moe_align.py measures that figure.)"""
         return (self.serial_steps * self.id_chunk * 12 + self.block_e * 12 + self.pairs * (6 * self.pairs + 8)
                 + self.tiles * (7 * self.search_steps + 8 * self.block_size_p2))
 

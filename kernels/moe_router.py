@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimitui.kernels._checks import FLOAT_DTYPES, check_device
+from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device
 
 _MAX_EXPERTS = 4096  # one row of logits in one block
 

@@ -225,7 +225,7 @@ def rms_norm(x, weight, eps=1e-6):
 
 def _router_scores(logits, scoring_func):
     # NaN-safe router scores: a NaN logit counts as -inf (sigmoid 0); a NaN score (softmax of a row
-    # of -inf) as 0. Every router (this, kernels/moe_router.py, the C++ CPU one) does the same, so a
+    # of -inf) as 0. Every router (this, kernels/triton/moe_router.py, the C++ CPU one) does the same, so a
     # NaN hidden state routes to valid experts with weight 0 instead of an expert id past E.
     logits = logits.masked_fill(logits.isnan(), float("-inf"))
     scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(-1)
@@ -362,9 +362,9 @@ def mla_decode_reference(q, cache, block_tables, context_lens, max_context_len, 
 
 # ---------------------------------------------------------------------------------------------
 # Fused small ops of the decode step (one Triton launch each on a GPU): fused_add_rms_norm
-# (kernels/fused_add_rms_norm.py), rope_mla (kernels/rope_fused.py), mla_cache_write
-# (kernels/mla_cache_write.py), moe_route_logits (kernels/moe_router.py), moe_align_block_size
-# (kernels/moe_align.py).
+# (kernels/triton/fused_add_rms_norm.py), rope_mla (kernels/triton/rope_fused.py), mla_cache_write
+# (kernels/triton/mla_cache_write.py), moe_route_logits (kernels/triton/moe_router.py), moe_align_block_size
+# (kernels/triton/moe_align.py).
 
 
 def fused_add_rms_norm(x, residual, weight, eps=1e-6):
@@ -460,4 +460,4 @@ def moe_align_block_size(topk_ids, block_size, num_experts):
 
 
 # Kimi K3's oracles live in their own module; re-exported so ``reference.<name>`` names every oracle.
-from kimitui.kernels.reference_k3 import attn_res_mix, causal_conv1d_reference, kda_recurrence_reference  # noqa: E402,F401
+from kimitui.kernels.reference.k3 import attn_res_mix, causal_conv1d_reference, kda_recurrence_reference  # noqa: E402,F401

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimitui.kernels._checks import FLOAT_DTYPES, check_device
+from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device
 
 
 @triton.jit

@@ -5,7 +5,7 @@ INT4 (K2.5 / K2.6), block FP8 (K2-Instruct) and bf16 (K2 bf16); K3's latent MoE 
 wide, 896 experts, top-16) for MXFP4; K3's KDA (96 heads of 128). Weights are random bytes in each
 format (quantising 384 real experts would take longer than the check), scaled so the products stay
 in range. The references loop over experts in PyTorch: their times say what the kernels save.
-KDA on a GPU is fla-core's Triton kernels (``kernels/kda_fla.py``) against the PyTorch forms of
+KDA on a GPU is fla-core's Triton kernels (``kernels/triton/kda_fla.py``) against the PyTorch forms of
 ``kernels/kda.py`` in fp32; fla-core does not run on a CPU, so the self-test reports it skipped.
 """
 
@@ -97,7 +97,7 @@ def _touched(ids, e) -> int:
 
 
 def moe_rows(mode) -> Iterator[Row]:
-    from kimitui.kernels import fused_moe as fm
+    from kimitui.kernels.triton import fused_moe as fm
 
     e, d, inter, k = mode.pick((384, 7168, 2048, 8), (8, 64, 32, 2))
     e = _experts_that_fit(mode, e, 3 * 2 * inter * d * mode.dtype.itemsize)  # the bf16 stack is the largest
@@ -140,7 +140,7 @@ def moe_rows(mode) -> Iterator[Row]:
 
 
 def moe_mxfp4_rows(mode) -> Iterator[Row]:
-    from kimitui.kernels import fused_moe as fm
+    from kimitui.kernels.triton import fused_moe as fm
 
     e, d, inter, k = mode.pick((896, 3584, 3072, 16), (8, 64, 32, 2))  # K3's latent MoE
     e = _experts_that_fit(mode, e, 3 * inter * d * 0.6)  # 4-bit codes + a scale byte per 32
@@ -156,9 +156,9 @@ def moe_mxfp4_rows(mode) -> Iterator[Row]:
 
 
 def gemm_rows(mode) -> Iterator[Row]:
-    from kimitui.kernels.fp8_block_gemm import fp8_block_gemm
-    from kimitui.kernels.mxfp4_gemm import mxfp4_gemm
-    from kimitui.kernels.w4a16_gemm import w4a16_gemm
+    from kimitui.kernels.triton.gemm.fp8_block import fp8_block_gemm
+    from kimitui.kernels.triton.gemm.mxfp4 import mxfp4_gemm
+    from kimitui.kernels.triton.gemm.w4a16 import w4a16_gemm
 
     # FP8: K2-Instruct's dense MLP gate+up [2 x 18432, 7168]
     n, kk = mode.pick((36864, 7168), (48, 64))
@@ -200,10 +200,10 @@ def gemv_split_rows(mode) -> Iterator[Row]:
     """Decode GEMVs at Kimi's narrow projections, split-K (the wrappers' plan) against one K range
     per tile, back to back: K2's kv_a_proj_with_mqa [576, 7168] (9 tiles of 64 columns) and q_a_proj
     [1536, 7168] in block FP8, K3's MXFP4 expert w2 [3584, 3072], an INT4 [576, 7168]."""
-    from kimitui.kernels.fp8_block_gemm import fp8_block_gemm
-    from kimitui.kernels.mxfp4_gemm import mxfp4_gemm
+    from kimitui.kernels.triton.gemm.fp8_block import fp8_block_gemm
+    from kimitui.kernels.triton.gemm.mxfp4 import mxfp4_gemm
     from kimitui.kernels.split_k import plan_gemm
-    from kimitui.kernels.w4a16_gemm import w4a16_gemm
+    from kimitui.kernels.triton.gemm.w4a16 import w4a16_gemm
 
     cases = []
     for n, kk in mode.pick(((576, 7168), (1536, 7168)), ((40, 256),)):
@@ -234,7 +234,8 @@ def gemv_split_rows(mode) -> Iterator[Row]:
 
 
 def kda_rows(mode) -> Iterator[Row]:
-    from kimitui.kernels import kda, kda_fla
+    from kimitui.kernels import kda
+    from kimitui.kernels.triton import kda_fla
 
     if mode.device.type != "cuda":
         yield Row(S, "KDA fla-core vs kernels/kda.py", SKIP, note="fla-core's kernels need a CUDA/ROCm device")

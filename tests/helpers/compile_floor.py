@@ -1,4 +1,4 @@
-"""Compile every kernel of ``tests/kernels/test_compile_targets.py`` for sm_90 with whichever Triton
+"""Compile every kernel of ``tests/kernels/triton/test_compile_targets.py`` for sm_90 with whichever Triton
 imports first: a check of the pinned floor (Triton 3.0) by hand, no GPU needed.
 
     pip install --no-deps --target /tmp/triton30 triton==3.0.0

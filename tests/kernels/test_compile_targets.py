@@ -30,16 +30,16 @@ TILES = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
 
 
 def _specs():
-    from kimitui.kernels.fp8_block_gemm import _fp8_block_gemm_kernel
-    from kimitui.kernels.fused_moe import _fused_moe_kernel
-    from kimitui.kernels.moe_align import _moe_align_kernel, align_launch
-    from kimitui.kernels.moe_router import _moe_router_kernel
-    from kimitui.kernels.mxfp4_gemm import _mxfp4_gemm_kernel
-    from kimitui.kernels.mla_decode import _mla_merge_kernel
-    from kimitui.kernels.rms_norm import _rms_norm_kernel
-    from kimitui.kernels.rope_fused import _rope_mla_kernel
+    from kimitui.kernels.triton.gemm.fp8_block import _fp8_block_gemm_kernel
+    from kimitui.kernels.triton.fused_moe import _fused_moe_kernel
+    from kimitui.kernels.triton.moe_align import _moe_align_kernel, align_launch
+    from kimitui.kernels.triton.moe_router import _moe_router_kernel
+    from kimitui.kernels.triton.gemm.mxfp4 import _mxfp4_gemm_kernel
+    from kimitui.kernels.triton.mla_decode import _mla_merge_kernel
+    from kimitui.kernels.triton.rms_norm import _rms_norm_kernel
+    from kimitui.kernels.triton.rope_fused import _rope_mla_kernel
     from kimitui.kernels.split_k import _split_k_reduce_kernel
-    from kimitui.kernels.w4a16_gemm import _w4a16_gemm_kernel
+    from kimitui.kernels.triton.gemm.w4a16 import _w4a16_gemm_kernel
 
     gemm = {"x_ptr": "*bf16", "out_ptr": "*bf16"}
     moe = {"a_ptr": "*bf16", "s_ptr": "*bf16", "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32",
@@ -102,16 +102,16 @@ def _specs():
 
 
 def _k3_specs():
-    """Kimi K3's decode fusions (tests/kernels/test_k3_fusions.py checks their maths): the KDA decode
+    """Kimi K3's decode fusions (tests/kernels/triton/test_k3_fusions.py checks their maths): the KDA decode
     step at head_dim 128, an AttnRes mix + norm at hidden 7168, the NoPE cache write and absorbed
     query at K3's latent 512 + 64, the output gate."""
     import triton.language as tl
 
-    from kimitui.kernels.attn_res_mix import _attn_res_mix_norm_kernel
-    from kimitui.kernels.kda_decode import _kda_decode_kernel
-    from kimitui.kernels.mla_cache_write import _mla_cache_write_kernel
-    from kimitui.kernels.mla_q_absorb import _mla_q_absorb_kernel
-    from kimitui.kernels.sigmoid_gate import _sigmoid_gate_kernel
+    from kimitui.kernels.triton.attn_res_mix import _attn_res_mix_norm_kernel
+    from kimitui.kernels.triton.kda_decode import _kda_decode_kernel
+    from kimitui.kernels.triton.mla_cache_write import _mla_cache_write_kernel
+    from kimitui.kernels.triton.mla_q_absorb import _mla_q_absorb_kernel
+    from kimitui.kernels.triton.sigmoid_gate import _sigmoid_gate_kernel
 
     bf, f32 = "*bf16", "*fp32"
     kda = {"qkv_ptr": bf, "fb_ptr": bf, "b_ptr": bf, "gate_ptr": bf, "convw_ptr": f32, "alog_ptr": f32,
@@ -172,7 +172,7 @@ def _compile_mla(target, block_h, block_n, num_warps, num_stages):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kimitui.kernels.mla_decode import _mla_decode_kernel as fn
+    from kimitui.kernels.triton.mla_decode import _mla_decode_kernel as fn
 
     if not hasattr(fn, "arg_names"):
         pytest.skip("kernel module was imported in interpreter mode")
@@ -202,7 +202,7 @@ def _spill_bytes(compiled, target) -> int:
 def test_mla_decode_tile_fits_each_target(target, heads):
     import torch
 
-    from kimitui.kernels.mla_decode import gpu_limits, mla_decode_launch_params
+    from kimitui.kernels.triton.mla_decode import gpu_limits, mla_decode_launch_params
 
     params = mla_decode_launch_params(target, heads, 512, 64, torch.bfloat16)
     compiled = _compile_mla(target, params.block_h, params.block_n, params.num_warps, params.num_stages)

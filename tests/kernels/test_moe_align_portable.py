@@ -1,4 +1,4 @@
-"""kernels/moe_align.py on Triton 3.0-3.3: the portable forms of ``tl.gather`` and masked ``tl.histogram``.
+"""kernels/triton/moe_align.py on Triton 3.0-3.3: the portable forms of ``tl.gather`` and masked ``tl.histogram``.
 
 pyproject.toml's floor is Triton 3.0 (torch 2.4), but the alignment kernel used ``tl.gather`` (Triton
 3.2) and ``tl.histogram(mask=)`` (3.4): on an older Triton it failed to compile on the first MoE
@@ -32,7 +32,7 @@ def _routed(tokens, top_k, experts):
 
 
 def _check(topk_ids, block, experts):
-    from kimitui.kernels.moe_align import moe_align_block_size
+    from kimitui.kernels.triton.moe_align import moe_align_block_size
 
     from kimitui.kernels import reference as ref
 
@@ -99,7 +99,7 @@ class _Recorder:
 def test_the_installed_triton_picks_the_path(version, portable, monkeypatch):
     import triton
 
-    from kimitui.kernels import moe_align
+    from kimitui.kernels.triton import moe_align
 
     monkeypatch.setattr(triton, "__version__", version)
     recorder = _Recorder()
@@ -118,7 +118,7 @@ def test_floor_is_the_same_everywhere():
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib
 
-    from kimitui.kernels.triton_check import MIN_VERSION
+    from kimitui.kernels.triton.check import MIN_VERSION
 
     project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     pins = [d for d in project["project"]["optional-dependencies"]["test"] if d.startswith("triton")]

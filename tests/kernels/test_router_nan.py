@@ -1,6 +1,6 @@
 """NaN-safe routing: a NaN router row routes to valid experts, on every router.
 
-Before, the Triton router (kernels/moe_router.py) gave a row of NaN logits expert id BLOCK_E (512
+Before, the Triton router (kernels/triton/moe_router.py) gave a row of NaN logits expert id BLOCK_E (512
 for Kimi K2's 384 experts): every ``v == max`` compare is False with a NaN max, so the lowest
 matching index was the sentinel. Its routing statistics then added one past the end of the
 ``counts [E]`` buffer, and the id went on to the expert kernels. The defined behaviour now, the same
@@ -61,7 +61,7 @@ def _check_against_reference(ids, weights, logits, bias, *args, **kwargs):
 
 @case
 def triton_router_nan_row_gives_valid_ids_and_in_bounds_counts():
-    from kimitui.kernels.moe_router import moe_route_logits
+    from kimitui.kernels.triton.moe_router import moe_route_logits
 
     logits, bias = _nan_logits(), torch.randn(E_K2) * 0.01
     # counts sits inside a larger buffer: a write past [E] would land in the guard cells
@@ -77,7 +77,7 @@ def triton_router_nan_row_gives_valid_ids_and_in_bounds_counts():
 
 @case
 def triton_router_nan_grouped_and_softmax():
-    from kimitui.kernels.moe_router import moe_route_logits
+    from kimitui.kernels.triton.moe_router import moe_route_logits
 
     logits = _nan_logits(e=64)
     bias = torch.randn(64) * 0.01
@@ -134,7 +134,7 @@ def test_engine_router_nan_hidden_state(backend):
     from kimitui.kernels import reference as ref
 
     if backend == "cpu":
-        from kimitui.kernels.cpu_backend import CpuBackend
+        from kimitui.kernels.cpu.backend import CpuBackend
 
         ops = CpuBackend()
         if not ops.cxx:

@@ -59,7 +59,7 @@ MI355X_CUS = 256
 @case
 def w4a16_split_k_every_scale_path():
     from kimitui.kernels.split_k import plan_gemm
-    from kimitui.kernels.w4a16_gemm import w4a16_gemm
+    from kimitui.kernels.triton.gemm.w4a16 import w4a16_gemm
 
     from kimitui.kernels import reference as ref
 
@@ -81,7 +81,7 @@ def w4a16_split_k_every_scale_path():
 
 @case
 def mxfp4_split_k():
-    from kimitui.kernels.mxfp4_gemm import mxfp4_gemm
+    from kimitui.kernels.triton.gemm.mxfp4 import mxfp4_gemm
     from kimitui.kernels.split_k import plan_gemm
 
     from kimitui.kernels import reference as ref
@@ -100,7 +100,7 @@ def mxfp4_split_k():
 
 @case
 def fp8_split_k_aligned_and_gathered_scales():
-    from kimitui.kernels.fp8_block_gemm import fp8_block_gemm
+    from kimitui.kernels.triton.gemm.fp8_block import fp8_block_gemm
     from kimitui.kernels.split_k import plan_gemm
 
     from kimitui.kernels import reference as ref
@@ -115,7 +115,7 @@ def fp8_split_k_aligned_and_gathered_scales():
 @case
 def split_k_is_two_launches_and_no_host_sync():
     from kimitui.kernels.launch_count import count_launches
-    from kimitui.kernels.w4a16_gemm import w4a16_gemm
+    from kimitui.kernels.triton.gemm.w4a16 import w4a16_gemm
 
     from kimitui.kernels import reference as ref
 
@@ -174,9 +174,9 @@ def _weights(fmt, n, k):
 @needs_triton
 @pytest.mark.parametrize("fmt", ["fp8", "int4", "mxfp4"])
 def test_decode_launch_fills_the_device_on_kimi_shapes(fmt, monkeypatch):
-    import kimitui.kernels.fp8_block_gemm as fp8_mod
-    import kimitui.kernels.mxfp4_gemm as mxfp4_mod
-    import kimitui.kernels.w4a16_gemm as w4a16_mod
+    import kimitui.kernels.triton.gemm.fp8_block as fp8_mod
+    import kimitui.kernels.triton.gemm.mxfp4 as mxfp4_mod
+    import kimitui.kernels.triton.gemm.w4a16 as w4a16_mod
 
     from kimitui.kernels import split_k
 
