@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
@@ -181,6 +183,56 @@ def gemm_rows(mode) -> Iterator[Row]:
                      lambda: ref.linear_mxfp4(x, p, s), p.nbytes + s.nbytes)
 
 
+@contextmanager
+def _one_split():
+    """The GEMM wrappers launch without split-K inside (the grid before issue 38: N/64 programs)."""
+    from kimitui.kernels import split_k
+
+    target = split_k.TARGET_PROGRAMS
+    split_k.TARGET_PROGRAMS = 0
+    try:
+        yield
+    finally:
+        split_k.TARGET_PROGRAMS = target
+
+
+def gemv_split_rows(mode) -> Iterator[Row]:
+    """Decode GEMVs at Kimi's narrow projections, split-K (the wrappers' plan) against one K range
+    per tile, back to back: K2's kv_a_proj_with_mqa [576, 7168] (9 tiles of 64 columns) and q_a_proj
+    [1536, 7168] in block FP8, K3's MXFP4 expert w2 [3584, 3072], an INT4 [576, 7168]."""
+    from kimitui.kernels.triton.gemm.fp8_block import fp8_block_gemm
+    from kimitui.kernels.triton.gemm.mxfp4 import mxfp4_gemm
+    from kimitui.kernels.split_k import plan_gemm
+    from kimitui.kernels.triton.gemm.w4a16 import w4a16_gemm
+
+    cases = []
+    for n, kk in mode.pick(((576, 7168), (1536, 7168)), ((40, 256),)):
+        w, s = _fp8(mode, n, kk)
+        cases.append((f"FP8 GEMV N={n} K={kk}", n, kk, lambda x, w=w, s=s: fp8_block_gemm(x, w, s),
+                      lambda x, w=w, s=s: ref.linear_fp8_block(x, w, s), w.nbytes + s.nbytes))
+    n, kk = mode.pick((576, 7168), (40, 256))
+    p4, s4 = _int4(mode, n, kk)
+    cases.append((f"w4a16 GEMV N={n} K={kk}", n, kk, lambda x: w4a16_gemm(x, p4, s4),
+                  lambda x: ref.linear_w4a16(x, p4, s4, kk), p4.nbytes + s4.nbytes))
+    n, kk = mode.pick((3584, 3072), (40, 256))
+    pm, sm = _mxfp4(mode, n, kk)
+    cases.append((f"MXFP4 GEMV N={n} K={kk}", n, kk, lambda x: mxfp4_gemm(x, pm, sm),
+                  lambda x: ref.linear_mxfp4(x, pm, sm), pm.nbytes + sm.nbytes))
+    for name, n, kk, fn, reference, nbytes in cases:
+        for m in mode.pick((1, 16), (3,)):
+            x = torch.randn(m, kk, device=mode.device, dtype=mode.dtype)
+            plan = plan_gemm(m, n, kk)
+            with _one_split():
+                before = _check(mode, f"{name} M={m} one K range ({plan.grid[1]} programs)", lambda: fn(x),
+                                lambda: reference(x), nbytes)
+            after = _check(mode, f"{name} M={m} split-K ({plan.programs} programs)", lambda: fn(x),
+                           lambda: reference(x), nbytes)
+            if before.ms and after.ms:
+                after = replace(after, note=f"{before.ms / after.ms:.2f}x the speed of one K range")
+            yield before
+            yield after
+
+
 def kda_rows(mode) -> Iterator[Row]:
     from kimitui.kernels import kda
     from kimitui.kernels.triton import kda_fla
@@ -230,5 +282,6 @@ CHECKS = [
     ("fused MoE int4/fp8/dense", moe_rows),
     ("fused MoE mxfp4", moe_mxfp4_rows),
     ("quantised GEMMs", gemm_rows),
+    ("decode GEMVs, split-K", gemv_split_rows),
     ("KDA", kda_rows),
 ]

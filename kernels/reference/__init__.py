@@ -223,13 +223,27 @@ def rms_norm(x, weight, eps=1e-6):
 # MoE router (DeepSeek-V3 noaux_tc): group-limited top-k; the correction bias steers selection only
 
 
+def _router_scores(logits, scoring_func):
+    # NaN-safe router scores: a NaN logit counts as -inf (sigmoid 0); a NaN score (softmax of a row
+    # of -inf) as 0. Every router (this, kernels/triton/moe_router.py, the C++ CPU one) does the same, so a
+    # NaN hidden state routes to valid experts with weight 0 instead of an expert id past E.
+    logits = logits.masked_fill(logits.isnan(), float("-inf"))
+    scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(-1)
+    return scores.masked_fill(scores.isnan(), 0.0)
+
+
+def _router_choice(scores, bias):
+    choice = scores if bias is None else scores + bias.float()
+    return choice.masked_fill(choice.isnan(), float("-inf"))
+
+
 def moe_route(x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid", norm_topk_prob=True,
               scaling=1.0):
     """x [T, D], weight [E, D], bias [E] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32); ids in
-    descending order of score + bias. Computed in fp32 whatever x's dtype."""
+    descending order of score + bias. Computed in fp32 whatever x's dtype. NaN-safe (``_router_scores``)."""
     logits = F.linear(x.float(), weight.float())  # [T, E]
-    scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(-1)
-    choice = scores + bias.float()
+    scores = _router_scores(logits, scoring_func)
+    choice = _router_choice(scores, bias)
     if n_group > 1:
         t, e = choice.shape
         grouped = choice.view(t, n_group, e // n_group)
@@ -400,11 +414,11 @@ def moe_route_logits(logits, bias, top_k, n_group=1, topk_group=1, scoring_func=
                      norm_topk_prob=True, scaling=1.0):
     """``moe_route`` after the gate GEMM: logits [T, E] -> (ids [T, k] int64, weights fp32).
 
-    Ties (equal biased scores, equal group scores) pick the lower id, as the kernel does.
+    Ties (equal biased scores, equal group scores) pick the lower id, as the kernel does. NaN-safe
+    (``_router_scores``): a NaN row picks the lowest-choice ties' lowest ids, weight 0.
     """
-    logits = logits.float()
-    scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(-1)
-    choice = scores if bias is None else scores + bias.float()
+    scores = _router_scores(logits.float(), scoring_func)
+    choice = _router_choice(scores, bias)
     t, e = choice.shape
     if n_group > 1:
         grouped = choice.view(t, n_group, e // n_group)

@@ -47,14 +47,17 @@ def _attn_res_mix_norm_kernel(
         tl.store(s_ptr + t * stride_s + offs, s, mask=m)
     s = s.to(tl.float32)
     if SAVE:  # the incoming sum becomes block N (the caller's buffer has room for it)
-        tl.store(blocks_ptr + N * stride_bn + t * stride_bt + offs, s.to(blocks_ptr.dtype.element_ty), mask=m)
+        n64 = N + tl.zeros((1,), dtype=tl.int64)  # block N's offset in int64: N * T * D passes 2**31 for long steps
+        tl.store(blocks_ptr + n64 * stride_bn + t * stride_bt + offs, s.to(blocks_ptr.dtype.element_ty), mask=m)
     q = tl.load(rw_ptr + offs, mask=m, other=0.0).to(tl.float32) * tl.load(pw_ptr + offs, mask=m, other=0.0).to(tl.float32)
     # online softmax over blocks[0..N) and s; s first (any order gives the same softmax)
     run_max = _score(s, q, D, res_eps)
     run_sum = run_max * 0.0 + 1.0
     acc = s
+    v_ptrs = blocks_ptr + t * stride_bt + offs  # block i's row: the pointer steps by the stride (64-bit)
     for i in range(0, N):
-        v = tl.load(blocks_ptr + i * stride_bn + t * stride_bt + offs, mask=m, other=0.0).to(tl.float32)
+        v = tl.load(v_ptrs, mask=m, other=0.0).to(tl.float32)
+        v_ptrs += stride_bn
         sc = _score(v, q, D, res_eps)
         new_max = tl.maximum(run_max, sc)
         alpha = tl.exp(run_max - new_max)

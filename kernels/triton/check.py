@@ -15,7 +15,10 @@ import importlib.util
 
 import torch
 
-MIN_VERSION = (3, 0)  # as pyproject.toml pins
+# As pyproject.toml pins (torch 2.4's Triton). Every kernel compiles there: the one that uses newer
+# ops (kernels/triton/moe_align.py: tl.gather from 3.2, tl.histogram's mask from 3.4) takes portable forms
+# below 3.4, tested by tests/kernels/test_moe_align_portable.py.
+MIN_VERSION = (3, 0)
 
 
 class TritonUnavailableError(RuntimeError):

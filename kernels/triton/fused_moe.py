@@ -18,7 +18,8 @@ import triton.language as tl
 from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device, interpreting
 from kimitui.kernels.activation import GatedActivation, resolve
 from kimitui.kernels.triton.gated_act import _tanh  # portable tanh (no libdevice), shared with the dense MLP's launch
-from kimitui.kernels.triton.gemm.mxfp4 import MXFP4_BLOCK, _e2m1_to_float
+from kimitui.kernels.triton.gemm.mxfp4 import MXFP4_BLOCK, _mxfp4_tile
+from kimitui.kernels.triton.gemm.w4a16 import _int4_scales, _int4_tile
 from kimitui.kernels.triton.moe_align import moe_align_block_size as triton_align
 
 # Weight formats of the experts (constexpr WFMT of the kernel).
@@ -74,30 +75,42 @@ def _align(topk_ids: torch.Tensor, block_size: int, num_experts: int):
 
 
 @triton.jit
-def _load_b(b_ptr, s_ptr, expert, offs_n, offs_k, mask,
+def _load_b(b_ptr, s_ptr, expert, offs_n, mask_n, k0, K,
             stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
-            WFMT: tl.constexpr, GROUP_SIZE: tl.constexpr, QBLOCK_N: tl.constexpr):
-    # Returns the [BK, BN] fp32 weight tile of one expert. GROUP_SIZE is the K extent of one
-    # scale (INT4 group, 32 for MXFP4, the FP8 block's K side); QBLOCK_N the FP8 block's N side.
-    b_base = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn
-    s_ptrs = s_ptr + expert * stride_se + (offs_k[:, None] // GROUP_SIZE) * stride_sk
+            WFMT: tl.constexpr, GROUP_SIZE: tl.constexpr, QBLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    # Returns the [BK, BN] fp32 weight tile [k0, k0 + BK) of one expert. GROUP_SIZE is the K extent of
+    # one scale (INT4 group, 32 for MXFP4, the FP8 block's K side); QBLOCK_N the FP8 block's N side.
+    # Packed formats load each word / byte and each scale once per tile and unpack in registers.
+    expert = expert.to(tl.int64)  # no-op for the caller's int64; keeps every offset below in int64
+    offs_n = offs_n.to(tl.int64)
+    b_base = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn  # [1, BN]
+    s_row = s_ptr + expert * stride_se + offs_n[None, :] * stride_sn  # [1, BN]
     if WFMT == 1:  # INT4: eight signed nibbles per int32 word along K, one scale per group
-        words = tl.load(b_base + (offs_k[:, None] // 8) * stride_bk, mask=mask, other=0)
-        q = ((words >> ((offs_k[:, None] % 8) * 4)) & 0xF) - 8
-        s = tl.load(s_ptrs + offs_n[None, :] * stride_sn, mask=mask, other=0.0)
-        b = q.to(tl.float32) * s.to(tl.float32)
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(b_base + kw.to(tl.int64)[:, None] * stride_bk,
+                        mask=(kw < (K + 7) // 8)[:, None] & mask_n[None, :], other=0)  # [BK/8, BN]
+        sc = _int4_scales(s_row, k0, (K + GROUP_SIZE - 1) // GROUP_SIZE, mask_n, stride_sk, GROUP_SIZE, BLOCK_K,
+                          BLOCK_N)
+        b = _int4_tile(words, BLOCK_K, BLOCK_N).to(tl.float32) * sc
     elif WFMT == 2:  # MXFP4: two E2M1 codes per byte (even k low), one E8M0 exponent per 32
-        byte = tl.load(b_base + (offs_k[:, None] // 2) * stride_bk, mask=mask, other=0).to(tl.int32)
-        code = (byte >> ((offs_k[:, None] % 2) * 4)) & 0xF
-        e = tl.load(s_ptrs + offs_n[None, :] * stride_sn, mask=mask, other=127).to(tl.int32)
-        scale = tl.where(e == 255, float("nan"), tl.exp2((e - 127).to(tl.float32)))
-        b = _e2m1_to_float(code) * scale
-    elif WFMT == 3:  # FP8 e4m3fn with an fp32 scale per QBLOCK_N x GROUP_SIZE block
-        w = tl.load(b_base + offs_k[:, None] * stride_bk, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(s_ptrs + (offs_n[None, :] // QBLOCK_N) * stride_sn, mask=mask, other=0.0)
-        b = w * s
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        byte = tl.load(b_base + kb.to(tl.int64)[:, None] * stride_bk,
+                       mask=(kb < K // 2)[:, None] & mask_n[None, :], other=0).to(tl.int32)  # [BK/2, BN]
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        e = tl.load(s_row + ks.to(tl.int64)[:, None] * stride_sk,
+                    mask=(ks < K // 32)[:, None] & mask_n[None, :], other=127).to(tl.int32)  # [BK/32, BN]
+        b = _mxfp4_tile(byte, e, BLOCK_K, BLOCK_N)
     else:
-        b = tl.load(b_base + offs_k[:, None] * stride_bk, mask=mask, other=0.0).to(tl.float32)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = (offs_k < K)[:, None] & mask_n[None, :]
+        w = tl.load(b_base + offs_k.to(tl.int64)[:, None] * stride_bk, mask=mask, other=0.0).to(tl.float32)
+        if WFMT == 3:  # FP8 e4m3fn with an fp32 scale per QBLOCK_N x GROUP_SIZE block
+            s = tl.load(s_ptr + expert * stride_se + (offs_n[None, :] // QBLOCK_N) * stride_sn
+                        + (offs_k // GROUP_SIZE).to(tl.int64)[:, None] * stride_sk, mask=mask, other=0.0)
+            b = w * s
+        else:
+            b = w
     return b
 
 
@@ -130,17 +143,18 @@ def _fused_moe_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = tl.load(
-            a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+            a_ptr + a_rows[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak,
             mask=valid[:, None] & mask_k[None, :], other=0.0,
         )  # [BM, BK]
-        mask_b = mask_k[:, None] & mask_n[None, :]
-        b = _load_b(b_ptr, s_ptr, expert, offs_n, offs_k, mask_b,
-                    stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk, WFMT, GROUP_SIZE, QBLOCK_N)
+        b = _load_b(b_ptr, s_ptr, expert, offs_n, mask_n, k0, K,
+                    stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk, WFMT, GROUP_SIZE, QBLOCK_N,
+                    BLOCK_K, BLOCK_N)
         acc = tl.dot(a, b.to(a.dtype), acc, input_precision="ieee")
         if GATED:
             # Up rows sit N (= I) rows below the gate rows of w13 [E, 2I, K].
-            b_up = _load_b(b_ptr, s_ptr, expert, offs_n + N, offs_k, mask_b,
-                           stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk, WFMT, GROUP_SIZE, QBLOCK_N)
+            b_up = _load_b(b_ptr, s_ptr, expert, offs_n + N, mask_n, k0, K,
+                           stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk, WFMT, GROUP_SIZE, QBLOCK_N,
+                           BLOCK_K, BLOCK_N)
             acc_up = tl.dot(a, b_up.to(a.dtype), acc_up, input_precision="ieee")
     if GATED:
         if ACTIVATION == 1:  # SiTU (kernels.activation): both halves bounded by scaled tanh, in fp32
@@ -154,7 +168,7 @@ def _fused_moe_kernel(
         w = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
     tl.store(
-        c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+        c_ptr + pair[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn,
         acc.to(c_ptr.dtype.element_ty),
         mask=valid[:, None] & mask_n[None, :],
     )

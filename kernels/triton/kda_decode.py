@@ -33,6 +33,7 @@ def _conv_silu(qkv_row, conv_row, convw_ptr, ch, m, stride_cc, stride_cw, W: tl.
     """Channels ``ch`` (mask ``m``) of one row: conv over (history, input) + SiLU in fp32, rounded to
     the activation dtype; the history shifted by one and the input appended, written back."""
     j = tl.arange(0, BLOCK_W)
+    ch = ch.to(tl.int64)
     mw_old = m[:, None] & (j[None, :] < W - 1)  # the history's W-1 columns, oldest first
     mw_new = m[:, None] & (j[None, :] < W - 2)  # the shifted history keeps W-2 of them
     x = tl.load(qkv_row + ch, mask=m, other=0.0).to(tl.float32)

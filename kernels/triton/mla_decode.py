@@ -49,7 +49,7 @@ def _mla_decode_kernel(
     start = split * split_len
     end = tl.minimum(start + split_len, context)  # start >= end: an empty split, merged as nothing
 
-    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = (head_block * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     mask_h = heads < H
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
@@ -98,23 +98,28 @@ def _mla_merge_kernel(
     # out[b, h] = sum_s acc[b, s, h] * w_s / sum_s l[b, s, h] * w_s with w_s = exp(m_s - max_s m_s);
     # a split past its sequence's end kept m = -inf and l = 0 (and acc = 0), so weighs nothing.
     b = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     mask_h = heads < H
     offs_r = tl.arange(0, BLOCK_R)
     mask = mask_h[:, None] & (offs_r[None, :] < R)
     ml = ml_ptr + b * stride_mb + heads * stride_mh
     m_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    ml_s = ml  # split s's (m, l): pointers step by the stride (64-bit), no split * stride product
     for s in range(0, S):
-        m_max = tl.maximum(m_max, tl.load(ml + s * stride_ms, mask=mask_h, other=float("-inf")))
+        m_max = tl.maximum(m_max, tl.load(ml_s, mask=mask_h, other=float("-inf")))
+        ml_s += stride_ms
     m_max = tl.where(mask_h, m_max, 0.0)  # padding heads: no -inf - -inf
     num = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
     den = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    ml_s = ml
+    acc_s = acc_ptr + b * stride_ab + heads[:, None] * stride_ah + offs_r[None, :]
     for s in range(0, S):
-        w = tl.exp(tl.load(ml + s * stride_ms, mask=mask_h, other=float("-inf")) - m_max)  # [BH]
-        den += tl.load(ml + s * stride_ms + 1, mask=mask_h, other=0.0) * w
-        a = tl.load(acc_ptr + b * stride_ab + s * stride_as + heads[:, None] * stride_ah + offs_r[None, :],
-                    mask=mask, other=0.0)
+        w = tl.exp(tl.load(ml_s, mask=mask_h, other=float("-inf")) - m_max)  # [BH]
+        den += tl.load(ml_s + 1, mask=mask_h, other=0.0) * w
+        a = tl.load(acc_s, mask=mask, other=0.0)
         num += a * w[:, None]
+        ml_s += stride_ms
+        acc_s += stride_as
     out = num / tl.where(mask_h, den, 1.0)[:, None]
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_r[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)

@@ -42,7 +42,7 @@ def _mla_q_absorb_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < NOPE
         a = tl.load(q_rows + offs_k[None, :], mask=mask_b[:, None] & mask_k[None, :], other=0.0)  # [BB, BK]
-        w = tl.load(w_ptr + h * stride_wh + offs_k[:, None] * stride_wn + offs_r[None, :],
+        w = tl.load(w_ptr + h * stride_wh + offs_k.to(tl.int64)[:, None] * stride_wn + offs_r[None, :],
                     mask=mask_k[:, None] & mask_r[None, :], other=0.0)  # [BK, BR]
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision="ieee")
     tl.store(out_rows + offs_r[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask_b[:, None] & mask_r[None, :])

@@ -38,12 +38,64 @@ _PAIRS = 32  # pairs placed per program: a [32, 32] compare for the order inside
 _TILE_SLOTS = 512  # slots per program for the expert ids and the pad fill (TILES = this / BLOCK_M)
 
 
+def native_ops() -> bool:
+    """Whether the installed Triton has ``tl.gather`` (3.2) and ``tl.histogram``'s mask (3.4).
+
+    The floor is 3.0 (torch 2.4's, kernels/triton/check.py). Below 3.4 the kernel takes the portable
+    forms (PORTABLE=True): a one-hot sum for each gather, and an unmasked histogram with the
+    masked-out lanes (all put in bin 0) taken back out of bin 0.
+    """
+    from kimitui.kernels.triton.check import _version
+
+    return _version(getattr(triton, "__version__", "0")) >= (3, 4)
+
+
+# The native ops are named only where this Triton has them: Triton 3.0's JIT resolves every
+# ``tl.<name>`` in a kernel's source (untaken constexpr branches included) when it hashes the kernel.
+if native_ops():
+    @triton.jit
+    def _native_gather(src, idx):
+        return tl.gather(src, idx, 0)
+
+    @triton.jit
+    def _native_histogram(ids, mask, N: tl.constexpr):
+        return tl.histogram(ids, N, mask=mask)
+else:
+    @triton.jit
+    def _native_gather(src, idx):  # never called: PORTABLE is set below 3.4
+        return src
+
+    @triton.jit
+    def _native_histogram(ids, mask, N: tl.constexpr):  # never called: PORTABLE is set below 3.4
+        return ids
+
+
+@triton.jit
+def _gather(src, idx, N: tl.constexpr, PORTABLE: tl.constexpr):
+    # src[idx] for src [N] and idx of any 1-D shape (every idx in [0, N))
+    if PORTABLE:
+        lanes = tl.arange(0, N)
+        return tl.sum(tl.where(idx[:, None] == lanes[None, :], src[None, :], 0), axis=1)
+    else:
+        return _native_gather(src, idx)
+
+
+@triton.jit
+def _histogram(ids, mask, N: tl.constexpr, PORTABLE: tl.constexpr):
+    # how many lanes in ``mask`` hold each id (ids in [0, N) wherever mask is set)
+    if PORTABLE:  # lanes outside the mask all go to bin 0, and their count is taken back out of it
+        dropped = tl.sum((mask == 0).to(tl.int32), axis=0)
+        return tl.histogram(tl.where(mask, ids, 0), N) - tl.where(tl.arange(0, N) == 0, dropped, 0)
+    else:
+        return _native_histogram(ids, mask, N)
+
+
 @triton.jit
 def _moe_align_kernel(
     ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
     numel, E, num_blocks,
     BLOCK_SIZE: tl.constexpr, BLOCK_SIZE_P2: tl.constexpr, BLOCK_E: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    ID_CHUNK: tl.constexpr, PAIRS: tl.constexpr, TILES: tl.constexpr,
+    ID_CHUNK: tl.constexpr, PAIRS: tl.constexpr, TILES: tl.constexpr, PORTABLE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pair_start = pid * PAIRS
@@ -58,8 +110,8 @@ def _moe_align_kernel(
         ids = tl.load(ids_ptr + offs, mask=offs < numel, other=-1)
         routed = (ids >= 0) & (ids < E)  # masked lanes loaded -1
         ids = tl.where(routed, ids, 0).to(tl.int32)
-        counts += tl.histogram(ids, BLOCK_E, mask=routed)
-        before += tl.histogram(ids, BLOCK_E, mask=routed & (offs < pair_start))
+        counts += _histogram(ids, routed, BLOCK_E, PORTABLE)
+        before += _histogram(ids, routed & (offs < pair_start), BLOCK_E, PORTABLE)
     padded = (counts + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE  # [BE]; 0 for experts >= E
     padded_end = tl.cumsum(padded, axis=0)
     padded_start = padded_end - padded
@@ -75,7 +127,7 @@ def _moe_align_kernel(
     ids = tl.where(routed, ids, 0).to(tl.int32)
     same = (ids[:, None] == ids[None, :]) & routed[None, :] & (i[None, :] < i[:, None])  # [PAIRS, PAIRS]
     earlier = tl.sum(same.to(tl.int32), axis=1)
-    dest = tl.gather(padded_start + before, ids, 0) + earlier
+    dest = _gather(padded_start + before, ids, BLOCK_E, PORTABLE) + earlier
     tl.store(sorted_ptr + dest, p, mask=routed)
 
     # 3. this program's tiles. Owner = how many of the E experts end at or before the tile's first
@@ -86,12 +138,12 @@ def _moe_align_kernel(
     owner = tl.zeros((TILES,), tl.int32)
     for s in tl.static_range(SEARCH_STEPS):
         cand = owner + (BLOCK_E >> s)
-        ends = tl.gather(padded_end, tl.minimum(cand, E) - 1, 0)
+        ends = _gather(padded_end, tl.maximum(tl.minimum(cand, E) - 1, 0), BLOCK_E, PORTABLE)
         owner = tl.where((cand <= E) & (ends <= first), cand, owner)
     real = owner < E  # else the tile is past the last expert's run: all padding, skipped by the GEMM
     expert = tl.minimum(owner, E - 1)
     tl.store(expert_ids_ptr + t, expert, mask=t < num_blocks)
-    fill_end = tl.where(real, tl.gather(filled_end, expert, 0), 0)  # [TILES]
+    fill_end = tl.where(real, _gather(filled_end, expert, BLOCK_E, PORTABLE), 0)  # [TILES]
     j = tl.arange(0, BLOCK_SIZE_P2)
     slots = first[:, None] + j[None, :]  # [TILES, BLOCK_SIZE_P2]
     pad = (t[:, None] < num_blocks) & (j[None, :] < BLOCK_SIZE) & (slots >= fill_end[:, None])
@@ -153,8 +205,11 @@ def align_launch(numel: int, block_size: int, num_experts: int) -> AlignLaunch:
                        pairs=_PAIRS, tiles=tiles)
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int):
+def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int, portable: bool | None = None):
     """Drop-in for ``fused_moe.moe_align_block_size``, one launch and no host sync.
+
+    ``portable``: take the forms that Triton 3.0-3.3 compile (no ``tl.gather``, no masked
+    ``tl.histogram``); None: only where the installed Triton is older than 3.4. Same outputs.
 
     ``topk_ids [T, k]`` int32/int64; an id equal to ``num_experts`` marks a pair computed elsewhere
     (another rank, host RAM): it gets no slot. Returns ``sorted_token_ids`` int32
@@ -182,6 +237,6 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
         return sorted_ids, expert_ids, num_post.zero_()
     _moe_align_kernel[(launch.programs,)](
         flat, sorted_ids, expert_ids, num_post, numel, num_experts, launch.num_blocks,
-        **launch.kernel_args(), num_warps=4,
+        **launch.kernel_args(), PORTABLE=(not native_ops()) if portable is None else bool(portable), num_warps=4,
     )
     return sorted_ids, expert_ids, num_post

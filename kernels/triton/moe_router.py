@@ -21,10 +21,13 @@ _MAX_EXPERTS = 4096  # one row of logits in one block
 
 
 @triton.jit
-def _first_argmax(v, idx, BIG: tl.constexpr):
-    # (max, lowest index holding it) of v [B]; an explicit tie rule rather than tl.argmax's.
+def _first_argmax(v, idx, avail, BIG: tl.constexpr):
+    # (max, lowest index holding it) of v [B] over the lanes in ``avail``; an explicit tie rule
+    # rather than tl.argmax's. v holds no NaN (the caller maps them to -inf), so while any lane is
+    # available the index is one of them, even when all are -inf: never BIG, never out of range.
+    v = tl.where(avail, v, float("-inf"))
     m = tl.max(v, axis=0)
-    return m, tl.min(tl.where(v == m, idx, BIG), axis=0)
+    return m, tl.min(tl.where(avail & (v == m), idx, BIG), axis=0)
 
 
 @triton.jit
@@ -40,16 +43,21 @@ def _moe_router_kernel(
     e = tl.arange(0, BLOCK_E)
     valid = e < E
     x = tl.load(logits_ptr + t * stride_l + e, mask=valid, other=float("-inf")).to(tl.float32)  # [BE]
+    neg_inf = float("-inf")
+    # NaN-safe (reference.moe_route_logits): a NaN logit counts as -inf, a NaN score as 0 (a row of
+    # -inf under softmax), a NaN biased score as -inf. A NaN row then routes to valid experts
+    # (the lowest ids among equals) with weight 0, instead of an id past E.
+    x = tl.where(x == x, x, neg_inf)
     if SOFTMAX:
         p = tl.exp(x - tl.max(x, axis=0))
         scores = p / tl.sum(p, axis=0)
     else:
         scores = tl.sigmoid(x)
+    scores = tl.where(scores == scores, scores, 0.0)
     choice = scores
     if HAS_BIAS:
         choice = scores + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
-    neg_inf = float("-inf")
-    choice = tl.where(valid, choice, neg_inf)
+    choice = tl.where(valid & (choice == choice), choice, neg_inf)
 
     if N_GROUP > 1:
         # group score = sum of the group's two best biased experts; keep the TOPK_GROUP best groups
@@ -58,26 +66,28 @@ def _moe_router_kernel(
         g = tl.arange(0, BLOCK_G)
         group_scores = tl.full((BLOCK_G,), neg_inf, tl.float32)
         for gi in tl.static_range(N_GROUP):
-            v = tl.where(group == gi, choice, neg_inf)
-            best, at = _first_argmax(v, e, BLOCK_E)
-            second = tl.max(tl.where(e == at, neg_inf, v), axis=0)
+            in_group = valid & (group == gi)
+            best, at = _first_argmax(choice, e, in_group, BLOCK_E)
+            second = tl.max(tl.where(in_group & (e != at), choice, neg_inf), axis=0)
             group_scores = tl.where(g == gi, best + second, group_scores)
         keep = e < 0  # all False [BE]
+        group_avail = g < N_GROUP
         for _ in tl.static_range(TOPK_GROUP):
-            _, gbest = _first_argmax(group_scores, g, BLOCK_G)
+            _, gbest = _first_argmax(group_scores, g, group_avail, BLOCK_G)
             keep = keep | (group == gbest)
-            group_scores = tl.where(g == gbest, neg_inf, group_scores)
+            group_avail = group_avail & (g != gbest)
         choice = tl.where(keep & valid, choice, neg_inf)
 
     k = tl.arange(0, BLOCK_K)
     top_ids = tl.zeros((BLOCK_K,), tl.int32)
     top_w = tl.zeros((BLOCK_K,), tl.float32)
+    avail = valid  # experts not yet chosen (ties at -inf still pick distinct valid ids)
     for j in tl.static_range(TOP_K):
-        _, at = _first_argmax(choice, e, BLOCK_E)
+        _, at = _first_argmax(choice, e, avail, BLOCK_E)
         w = tl.sum(tl.where(e == at, scores, 0.0), axis=0)  # the unbiased score of the winner
         top_ids = tl.where(k == j, at, top_ids)
         top_w = tl.where(k == j, w, top_w)
-        choice = tl.where(e == at, neg_inf, choice)
+        avail = avail & (e != at)
     if RENORMALIZE:
         top_w = top_w / (tl.sum(top_w, axis=0) + 1e-20)
     mask_k = k < TOP_K

@@ -24,6 +24,7 @@ from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device
 def _rotate(src_ptr, dst_ptr, rows, stride_src, stride_dst, c, s, mask, i):
     # rows [BH] row offsets, i [BP] pair index; c, s [BP] fp32. Reads both halves before writing,
     # so src == dst (in place) is safe.
+    rows = rows.to(tl.int64)
     even = rows[:, None] * stride_src + 2 * i[None, :]
     x0 = tl.load(src_ptr + even, mask=mask, other=0.0).to(tl.float32)  # [BH, BP]
     x1 = tl.load(src_ptr + even + 1, mask=mask, other=0.0).to(tl.float32)

@@ -218,7 +218,11 @@ std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor x, torch::Tenso
       return [&v](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); };
     };
     for (int64_t t = t0; t < t1; ++t) {
-      const float* l = ls[t];
+      float* l = ls[t];
+      // NaN-safe, as kernels.reference._router_scores: a NaN logit counts as -inf, a NaN score as 0,
+      // a NaN biased score as -inf (the comparator below then stays a strict weak order)
+      for (int64_t e = 0; e < E; ++e)
+        if (std::isnan(l[e])) l[e] = -INFINITY;
       if (sigmoid) {
         for (int64_t e = 0; e < E; ++e) score[e] = 1.0f / (1.0f + std::exp(-l[e]));
       } else {
@@ -227,7 +231,11 @@ std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor x, torch::Tenso
         for (int64_t e = 0; e < E; ++e) sum += (score[e] = std::exp(l[e] - m));
         for (int64_t e = 0; e < E; ++e) score[e] /= sum;
       }
-      for (int64_t e = 0; e < E; ++e) choice[e] = score[e] + bp[e];
+      for (int64_t e = 0; e < E; ++e) {
+        if (std::isnan(score[e])) score[e] = 0.0f;
+        choice[e] = score[e] + bp[e];
+        if (std::isnan(choice[e])) choice[e] = -INFINITY;
+      }
       if (n_group > 1) {
         for (int64_t g = 0; g < n_group; ++g) {
           float a = -INFINITY, b = -INFINITY;  // the group's two best

@@ -12,47 +12,49 @@ import triton
 import triton.language as tl
 
 from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device, interpreting
+from kimitui.kernels.split_k import finish, outputs, plan_gemm
 
 
 @triton.jit
 def _fp8_block_gemm_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_om, stride_on,
+    M, N, K, STEPS,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_os, stride_om, stride_on,
     QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    # Program (m, n, s): output tile (m, n), K-steps [s * STEPS, (s + 1) * STEPS).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_k = tl.program_id(2)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    k_begin = pid_k * STEPS * BLOCK_K
+    k_end = tl.minimum(k_begin + STEPS * BLOCK_K, K)
+    lanes_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_begin + lanes_k).to(tl.int64)[None, :] * stride_xk
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + (k_begin + lanes_k).to(tl.int64)[:, None] * stride_wk
+    s_cols = s_ptr + (offs_n[None, :] // QBLOCK_N) * stride_sn  # [1, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        offs_k = k0 + lanes_k
         mask_k = offs_k < K
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-            mask=mask_m[:, None] & mask_k[None, :], other=0.0,
-        )  # [BM, BK]
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
         mask_w = mask_k[:, None] & mask_n[None, :]
-        w = tl.load(
-            w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask=mask_w, other=0.0
-        ).to(tl.float32)  # [BK, BN]
-        # Tiles need not align with quant blocks, so the scale is gathered per element.
-        s = tl.load(
-            s_ptr + (offs_n[None, :] // QBLOCK_N) * stride_sn + (offs_k[:, None] // QBLOCK_K) * stride_sk,
-            mask=mask_w, other=0.0,
-        )  # [BK, BN] fp32
+        w = tl.load(w_ptrs, mask=mask_w, other=0.0).to(tl.float32)  # [BK, BN]
+        if QBLOCK_K % BLOCK_K == 0:  # the tile lies in one quant block along K: one scale per column
+            kb = ((k0 + tl.zeros((1,), dtype=tl.int32)) // QBLOCK_K).to(tl.int64)  # [1]
+            s = tl.load(s_cols + kb[:, None] * stride_sk, mask=mask_n[None, :], other=0.0)  # [1, BN]
+        else:  # tiles need not align with quant blocks: the scale is gathered per element
+            s = tl.load(s_cols + (offs_k // QBLOCK_K).to(tl.int64)[:, None] * stride_sk, mask=mask_w, other=0.0)
         acc = tl.dot(x, (w * s).to(x.dtype), acc, input_precision="ieee")
-    tl.store(
-        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
-        acc.to(out_ptr.dtype.element_ty),
-        mask=mask_m[:, None] & mask_n[None, :],
-    )
-
-
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    # SPLIT: the fp32 partial of this K range, summed by split_k's reduce kernel
+    out = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out, acc if SPLIT else acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def fp8_block_gemm(
@@ -78,14 +80,13 @@ def fp8_block_gemm(
         raise ValueError("w_fp8 and scale_inv must be contiguous")
     check_device(x, w_fp8, scale_inv)
 
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n, block_k = 64, 64
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _fp8_block_gemm_kernel[grid](
-        x, w_fp8, scale_inv, out, m, n, k,
-        x.stride(0), x.stride(1), w_fp8.stride(0), w_fp8.stride(1),
-        scale_inv.stride(0), scale_inv.stride(1), out.stride(0), out.stride(1),
-        QBLOCK_N=bn, QBLOCK_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    plan = plan_gemm(m, n, k)
+    out, target = outputs(plan, x.dtype, x.device)
+    split = plan.split > 1
+    _fp8_block_gemm_kernel[plan.grid](
+        x, w_fp8, scale_inv, target, m, n, k, plan.steps_per_split,
+        x.stride(0), x.stride(1), w_fp8.stride(0), w_fp8.stride(1), scale_inv.stride(0), scale_inv.stride(1),
+        target.stride(0) if split else 0, target.stride(-2), target.stride(-1),
+        QBLOCK_N=bn, QBLOCK_K=bk, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT=split,
     )
-    return out
+    return finish(plan, out, target)

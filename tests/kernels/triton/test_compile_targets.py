@@ -33,8 +33,12 @@ def _specs():
     from kimitui.kernels.triton.gemm.fp8_block import _fp8_block_gemm_kernel
     from kimitui.kernels.triton.fused_moe import _fused_moe_kernel
     from kimitui.kernels.triton.moe_align import _moe_align_kernel, align_launch
+    from kimitui.kernels.triton.moe_router import _moe_router_kernel
     from kimitui.kernels.triton.gemm.mxfp4 import _mxfp4_gemm_kernel
+    from kimitui.kernels.triton.mla_decode import _mla_merge_kernel
     from kimitui.kernels.triton.rms_norm import _rms_norm_kernel
+    from kimitui.kernels.triton.rope_fused import _rope_mla_kernel
+    from kimitui.kernels.split_k import _split_k_reduce_kernel
     from kimitui.kernels.triton.gemm.w4a16 import _w4a16_gemm_kernel
 
     gemm = {"x_ptr": "*bf16", "out_ptr": "*bf16"}
@@ -42,14 +46,42 @@ def _specs():
            "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32", "act_beta": "fp32",
            "act_linear_beta": "fp32"}
     align = {"sorted_ptr": "*i32", "expert_ids_ptr": "*i32", "num_post_ptr": "*i32"}
+    split = {**gemm, "out_ptr": "*fp32"}  # split-K: fp32 partials
+    router = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32",
+              "counts_ptr": "*i32", "count_rows_ptr": "*i32", "scaling": "fp32"}
     specs = {
-        "w4a16": (_w4a16_gemm_kernel, {**gemm, "w_ptr": "*i32", "s_ptr": "*bf16"}, dict(GROUP_SIZE=32, **TILES)),
-        "mxfp4": (_mxfp4_gemm_kernel, {**gemm, "w_ptr": "*u8", "s_ptr": "*u8"}, TILES),
+        "w4a16": (_w4a16_gemm_kernel, {**gemm, "w_ptr": "*i32", "s_ptr": "*bf16"},
+                  dict(GROUP_SIZE=32, SPLIT=False, **TILES)),
+        "w4a16_split_g128": (_w4a16_gemm_kernel, {**split, "w_ptr": "*i32", "s_ptr": "*bf16"},
+                             dict(GROUP_SIZE=128, SPLIT=True, **TILES)),
+        "w4a16_split_g48": (_w4a16_gemm_kernel, {**split, "w_ptr": "*i32", "s_ptr": "*bf16"},
+                            dict(GROUP_SIZE=48, SPLIT=True, **TILES)),
+        "mxfp4": (_mxfp4_gemm_kernel, {**gemm, "w_ptr": "*u8", "s_ptr": "*u8"}, dict(SPLIT=False, **TILES)),
+        "mxfp4_split": (_mxfp4_gemm_kernel, {**split, "w_ptr": "*u8", "s_ptr": "*u8"}, dict(SPLIT=True, **TILES)),
         "fp8_block": (_fp8_block_gemm_kernel, {**gemm, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
-                      dict(QBLOCK_N=128, QBLOCK_K=128, **TILES)),
+                      dict(QBLOCK_N=128, QBLOCK_K=128, SPLIT=False, **TILES)),
+        "fp8_block_split_gathered": (_fp8_block_gemm_kernel, {**split, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+                                     dict(QBLOCK_N=128, QBLOCK_K=96, SPLIT=True, **TILES)),
+        "split_k_reduce": (_split_k_reduce_kernel, {"ws_ptr": "*fp32", "out_ptr": "*bf16"}, dict(BLOCK=256)),
+        # the NaN-safe router: Kimi K2 (384 experts, top-8, statistics with padding rows), DeepSeek-V3 groups
+        "moe_router_k2": (_moe_router_kernel, router, dict(TOP_K=8, N_GROUP=1, TOPK_GROUP=1, SOFTMAX=False,
+                                                           RENORMALIZE=True, HAS_BIAS=True, COUNT=True, ROW_MASK=True,
+                                                           BLOCK_E=512, BLOCK_K=8, BLOCK_G=1)),
+        "moe_router_grouped_softmax": (_moe_router_kernel, router,
+                                       dict(TOP_K=8, N_GROUP=8, TOPK_GROUP=4, SOFTMAX=True, RENORMALIZE=True,
+                                            HAS_BIAS=True, COUNT=False, ROW_MASK=False, BLOCK_E=256, BLOCK_K=8,
+                                            BLOCK_G=8)),
         # Kimi K2 at batch 64 (384 experts, top-8, BLOCK_M 64) and K3 (896 experts, top-16)
         "moe_align_k2": (_moe_align_kernel, {**align, "ids_ptr": "*i64"}, align_launch(512, 64, 384).kernel_args()),
         "moe_align_k3": (_moe_align_kernel, {**align, "ids_ptr": "*i32"}, align_launch(1024, 64, 896).kernel_args()),
+        # the forms for Triton 3.0-3.3 (no tl.gather, no masked tl.histogram), compiled by this Triton
+        "moe_align_k3_portable": (_moe_align_kernel, {**align, "ids_ptr": "*i32"},
+                                  {**align_launch(1024, 64, 896).kernel_args(), "PORTABLE": True}),
+        # the MLA split merge (Kimi K2: 64 heads, latent 512) and the query/key rope (64 heads, rope 64)
+        "mla_merge": (_mla_merge_kernel, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16"},
+                      dict(R=512, BLOCK_R=512, BLOCK_H=16)),
+        "rope_mla": (_rope_mla_kernel, {name: "*bf16" for name in ("q_ptr", "k_ptr", "qo_ptr", "ko_ptr")}
+                     | {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64"}, dict(BLOCK_H=64, BLOCK_P=32)),
         "rms_norm": (_rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
                      dict(BLOCK=8192)),
     }
@@ -105,7 +137,9 @@ def _k3_specs():
 K3_SPEC_NAMES = ["k3_kda_decode", "k3_attn_res_mix_norm", "k3_mla_cache_write_nope", "k3_mla_q_absorb_nope",
                  "k3_sigmoid_gate"]
 
-SPEC_NAMES = ["w4a16", "mxfp4", "fp8_block", "rms_norm", "moe_align_k2", "moe_align_k3"] + [
+SPEC_NAMES = ["w4a16", "w4a16_split_g128", "w4a16_split_g48", "mxfp4", "mxfp4_split", "fp8_block",
+              "fp8_block_split_gathered", "split_k_reduce", "moe_router_k2", "moe_router_grouped_softmax", "mla_merge", "rope_mla", "rms_norm", "moe_align_k2", "moe_align_k3",
+              "moe_align_k3_portable"] + [
     f"moe_{fmt}_{gemm}" for fmt in ("dense", "int4", "mxfp4", "fp8") for gemm in ("gemm1", "gemm2", "gemm1_situ")
 ] + K3_SPEC_NAMES
 
@@ -197,6 +231,25 @@ def test_k3_kda_decode_keeps_its_state_tile_in_registers(target):
     from triton.compiler import ASTSource
 
     fn, types, consts = _specs()["k3_kda_decode"]
+    if not hasattr(fn, "arg_names"):
+        pytest.skip("kernel module was imported in interpreter mode")
+    signature = {arg: "constexpr" if arg in consts else types.get(arg, "i32") for arg in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget(*TARGETS[target]),
+                              options={"num_warps": 4})
+    assert _spill_bytes(compiled, target) == 0
+
+
+@pytest.mark.parametrize("target", GENERIC_TARGETS)
+@pytest.mark.parametrize("name", ["w4a16_split_g128", "mxfp4_split", "fp8_block_split_gathered", "moe_int4_gemm1",
+                                  "moe_mxfp4_gemm1"])
+def test_packed_gemms_unpack_in_registers_without_spills(name, target):
+    # The INT4 / MXFP4 tiles load each word once and unpack it in registers ([BK/8, 8, BN] -> [BK, BN]);
+    # the reshape must not push the tile out to scratch on either target.
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, types, consts = _specs()[name]
     if not hasattr(fn, "arg_names"):
         pytest.skip("kernel module was imported in interpreter mode")
     signature = {arg: "constexpr" if arg in consts else types.get(arg, "i32") for arg in fn.arg_names}
