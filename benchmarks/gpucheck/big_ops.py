@@ -186,7 +186,7 @@ def gemm_rows(mode) -> Iterator[Row]:
 @contextmanager
 def _one_split():
     """The GEMM wrappers launch without split-K inside (the grid before issue 38: N/64 programs)."""
-    from kimitui.kernels import split_k
+    from kimitui.kernels.triton import split_k
 
     target = split_k.TARGET_PROGRAMS
     split_k.TARGET_PROGRAMS = 0
@@ -202,7 +202,7 @@ def gemv_split_rows(mode) -> Iterator[Row]:
     [1536, 7168] in block FP8, K3's MXFP4 expert w2 [3584, 3072], an INT4 [576, 7168]."""
     from kimitui.kernels.triton.gemm.fp8_block import fp8_block_gemm
     from kimitui.kernels.triton.gemm.mxfp4 import mxfp4_gemm
-    from kimitui.kernels.split_k import plan_gemm
+    from kimitui.kernels.triton.split_k import plan_gemm
     from kimitui.kernels.triton.gemm.w4a16 import w4a16_gemm
 
     cases = []

@@ -17,7 +17,7 @@ import torch
 
 # As pyproject.toml pins (torch 2.4's Triton). Every kernel compiles there: the one that uses newer
 # ops (kernels/triton/moe_align.py: tl.gather from 3.2, tl.histogram's mask from 3.4) takes portable forms
-# below 3.4, tested by tests/kernels/test_moe_align_portable.py.
+# below 3.4, tested by tests/kernels/triton/test_moe_align_portable.py.
 MIN_VERSION = (3, 0)
 
 

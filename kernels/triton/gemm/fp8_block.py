@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device, interpreting
-from kimitui.kernels.split_k import finish, outputs, plan_gemm
+from kimitui.kernels.triton.split_k import finish, outputs, plan_gemm
 
 
 @triton.jit

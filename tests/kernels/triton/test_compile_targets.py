@@ -38,7 +38,7 @@ def _specs():
     from kimitui.kernels.triton.mla_decode import _mla_merge_kernel
     from kimitui.kernels.triton.rms_norm import _rms_norm_kernel
     from kimitui.kernels.triton.rope_fused import _rope_mla_kernel
-    from kimitui.kernels.split_k import _split_k_reduce_kernel
+    from kimitui.kernels.triton.split_k import _split_k_reduce_kernel
     from kimitui.kernels.triton.gemm.w4a16 import _w4a16_gemm_kernel
 
     gemm = {"x_ptr": "*bf16", "out_ptr": "*bf16"}

@@ -1,20 +1,20 @@
-"""Every runtime stride in the Triton kernels is multiplied in int64 (tests/helpers/int64_lint.py).
+"""Every runtime stride in the Triton kernels is multiplied in int64 (tests/helpers/kernels/int64_lint.py).
 
 Triton passes integers that fit in 32 bits as i32 and program ids, aranges and loop counters are
 i32, so ``index * stride`` wraps past 2**31 elements: Kimi K3's AttnRes snapshot buffer
 [blocks, T, 7168] did at block 8 of a 37K-token step (``i * stride_bn``), and the dense GEMMs'
 ``offs_m * stride_xm`` do for x past 2**31 elements. The lint walks every ``@triton.jit`` function
 under ``kernels/``; on the tree before this fix it reported 42 such products in 10 files
-(``python -m tests.helpers.int64_lint <old kernels dir>``).
+(``python -m tests.helpers.kernels.int64_lint <old kernels dir>``).
 """
 
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.int64_lint import lint_source, lint_tree
+from tests.helpers.kernels.int64_lint import lint_source, lint_tree
 
-KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+KERNELS = Path(__file__).resolve().parents[3] / "kernels"
 
 
 def test_kernels_multiply_strides_in_int64():

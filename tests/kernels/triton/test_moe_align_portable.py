@@ -74,7 +74,7 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    return run_interpreted("tests.kernels.test_moe_align_portable")
+    return run_interpreted("tests.kernels.triton.test_moe_align_portable")
 
 
 @needs_triton
@@ -120,6 +120,6 @@ def test_floor_is_the_same_everywhere():
 
     from kimitui.kernels.triton.check import MIN_VERSION
 
-    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    project = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml").read_text())
     pins = [d for d in project["project"]["optional-dependencies"]["test"] if d.startswith("triton")]
     assert pins == ["triton>=3.0; platform_system == 'Linux'"] and MIN_VERSION == (3, 0), pins

@@ -58,7 +58,7 @@ MI355X_CUS = 256
 
 @case
 def w4a16_split_k_every_scale_path():
-    from kimitui.kernels.split_k import plan_gemm
+    from kimitui.kernels.triton.split_k import plan_gemm
     from kimitui.kernels.triton.gemm.w4a16 import w4a16_gemm
 
     from kimitui.kernels import reference as ref
@@ -82,7 +82,7 @@ def w4a16_split_k_every_scale_path():
 @case
 def mxfp4_split_k():
     from kimitui.kernels.triton.gemm.mxfp4 import mxfp4_gemm
-    from kimitui.kernels.split_k import plan_gemm
+    from kimitui.kernels.triton.split_k import plan_gemm
 
     from kimitui.kernels import reference as ref
 
@@ -101,7 +101,7 @@ def mxfp4_split_k():
 @case
 def fp8_split_k_aligned_and_gathered_scales():
     from kimitui.kernels.triton.gemm.fp8_block import fp8_block_gemm
-    from kimitui.kernels.split_k import plan_gemm
+    from kimitui.kernels.triton.split_k import plan_gemm
 
     from kimitui.kernels import reference as ref
 
@@ -137,7 +137,7 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    return run_interpreted("tests.kernels.test_split_k")
+    return run_interpreted("tests.kernels.triton.test_split_k")
 
 
 @needs_triton
@@ -178,7 +178,7 @@ def test_decode_launch_fills_the_device_on_kimi_shapes(fmt, monkeypatch):
     import kimitui.kernels.triton.gemm.mxfp4 as mxfp4_mod
     import kimitui.kernels.triton.gemm.w4a16 as w4a16_mod
 
-    from kimitui.kernels import split_k
+    from kimitui.kernels.triton import split_k
 
     module, kernel, wrapper = {
         "fp8": (fp8_mod, "_fp8_block_gemm_kernel", fp8_mod.fp8_block_gemm),
@@ -212,7 +212,7 @@ def test_decode_launch_fills_the_device_on_kimi_shapes(fmt, monkeypatch):
 
 
 def test_plan_covers_k_exactly():
-    from kimitui.kernels.split_k import TARGET_PROGRAMS, plan_gemm
+    from kimitui.kernels.triton.split_k import TARGET_PROGRAMS, plan_gemm
 
     for (n, k) in list(SHAPES.values()) + [(48, 76), (5, 64), (1, 1), (100, 65)]:
         for m in (1, 7, 16, 17, 64, 65, 300):

@@ -2,7 +2,7 @@
 imports first: a check of the pinned floor (Triton 3.0) by hand, no GPU needed.
 
     pip install --no-deps --target /tmp/triton30 triton==3.0.0
-    PYTHONPATH=/tmp/triton30 python -m tests.helpers.compile_floor
+    PYTHONPATH=/tmp/triton30 python -m tests.helpers.kernels.compile_floor
 
 Triton 3.0's ``ASTSource`` takes argument indices, not names; the native ``moe_align`` specs are
 expected to fail there (``tl.gather``, masked ``tl.histogram``), their portable spec to compile.

@@ -17,7 +17,7 @@ every ``@triton.jit`` function under ``kernels/``:
   Anything built from ``tl.program_id``, a loaded value, a loop counter or a helper's parameter is
   program-dependent and needs the cast.
 
-Run as ``python -m tests.helpers.int64_lint [dir]`` to print the offending lines of a tree (an
+Run as ``python -m tests.helpers.kernels.int64_lint [dir]`` to print the offending lines of a tree (an
 older checkout's ``kernels/`` for instance); exit status 1 when there are any.
 """
 
@@ -181,7 +181,7 @@ def lint_tree(root: Path) -> list[Finding]:
 
 
 def main(argv: list[str]) -> int:
-    root = Path(argv[0]) if argv else Path(__file__).resolve().parents[2] / "kernels"
+    root = Path(argv[0]) if argv else Path(__file__).resolve().parents[3] / "kernels"
     findings = lint_tree(root)
     for f in findings:
         print(f)
