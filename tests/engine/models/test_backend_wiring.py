@@ -13,6 +13,7 @@ from kimitui.engine.offload.cpu_experts import CpuExpertExecutor
 from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.backend import REFERENCE, Backend
 from kimitui.kernels.cpu.backend import CpuBackend
+from kimitui.engine.layers.moe import ExpertStack
 from tests.helpers.checkpoints import write_hf_checkpoint
 
 
@@ -47,6 +48,7 @@ def test_the_backend_is_chosen_at_load_and_fixed(tmp_path, monkeypatch):
 
 class _DoublingStack:
     num = 2
+    run_subset = ExpertStack.run_subset  # the executor's call into a stack
 
     def __call__(self, x, ids, weights):
         return x * 2

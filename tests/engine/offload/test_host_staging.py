@@ -9,6 +9,7 @@ import torch
 
 from kimitui.engine.offload.cpu_experts import CpuExpertExecutor
 from kimitui.engine.offload.host_staging import HostStaging
+from kimitui.engine.layers.moe import ExpertStack
 
 
 def _inputs(t: int, d: int = 64, k: int = 4, dtype=torch.bfloat16, seed: int = 0):
@@ -76,6 +77,7 @@ def test_odd_byte_widths_are_refused_with_a_clear_error():
 
 class _DoublingStack:
     num = 2
+    run_subset = ExpertStack.run_subset  # the executor's call into a stack
 
     def __call__(self, x, ids, weights):
         return x * 2
@@ -95,6 +97,7 @@ class _MixingStack:
     """Output depends on the hidden state, the mapped ids and the weights, so a wrong slice shows."""
 
     num = 3
+    run_subset = ExpertStack.run_subset
 
     def __call__(self, x, ids, weights):
         return x * (ids.to(x.dtype).sum(1, keepdim=True) + weights.sum(1, keepdim=True))

@@ -73,15 +73,15 @@ def test_torchs_stale_lock_file_is_removed(tmp_path, caplog):
 def test_build_key_follows_sources_flags_and_torch(tmp_path):
     ext = _build.FEW_ROWS
     for name in (*ext.sources, *ext.headers):
-        (tmp_path / name).write_text((_build.HERE / name).read_text())
+        (tmp_path / name).write_text((_build.CSRC / name).read_text())
     variant = ext.variants[0][0]
     key = _build.build_key(ext, variant, "2.13.0", tmp_path)
-    assert key == _build.build_key(ext, variant, "2.13.0", _build.HERE)
+    assert key == _build.build_key(ext, variant, "2.13.0", _build.CSRC)
     assert key != _build.build_key(ext, variant, "2.14.0", tmp_path)
     (tmp_path / ext.headers[0]).write_text((tmp_path / ext.headers[0]).read_text() + "\n// edited\n")
     assert key != _build.build_key(ext, variant, "2.13.0", tmp_path)
     if len(ext.variants) > 1:
-        assert _build.build_key(ext, ext.variants[1][0], "2.13.0", _build.HERE) != key
+        assert _build.build_key(ext, ext.variants[1][0], "2.13.0", _build.CSRC) != key
 
 
 def test_variant_follows_the_cpu_flags():

@@ -26,7 +26,8 @@ import sys
 if sys.argv[1] == "missing":
     sys.modules["triton"] = None
 import torch
-from kimitui.kernels.backend import REFERENCE, select_backend
+from kimitui.kernels.backend import REFERENCE
+from kimitui.kernels.select import select_backend
 from kimitui.kernels.settings import KernelSettings
 from kimitui.kernels.triton.check import TritonUnavailableError
 
@@ -73,7 +74,8 @@ class _KDALike(torch.nn.Module):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_kda_model_on_a_gpu_without_fla_core_is_an_error_naming_it(monkeypatch):
     from kimitui.kernels.triton import kda_fla
-    from kimitui.kernels.backend import REFERENCE, attach_backends
+    from kimitui.kernels.backend import REFERENCE
+    from kimitui.kernels.select import attach_backends
     from kimitui.kernels.settings import KernelSettings
 
     monkeypatch.setitem(sys.modules, "fla", None)  # what importlib reports for an absent package
