@@ -91,7 +91,8 @@ def _measure(kind: str, repeats: int, tmp: str) -> dict:
                 t.copy_(b)
             if r == 0:
                 with count_launches() as c:
-                    logits[name] = runner.forward_step(inp)[0].float()
+                    step_logits = runner.forward_step(inp)[0]
+                logits[name] = step_logits.float()
                 out[name] = {"launches": c.launches, "kernels": c.kernels, "graph_launches": sum(c.graphs.values()),
                              "host_syncs": sum(c.host_syncs.values())}
                 continue

@@ -313,6 +313,7 @@ class DecodeGraphRunner:
             m.reserve_graph_staging(self.staging, self.cfg.max_num_seqs, self.device)
         if self.staging is not None:
             self.staging.frozen = True
+            self.staging.clear_output()  # what the capture reads in place of the host experts' result
         if self.cfg.emulate:
             from kimitui.engine.emulated_graph import EmulatedGraph
 

@@ -65,8 +65,11 @@ class HostStaging:
         cap = max(tokens, self.capacity if key == self._key else 0)
         cap = 1 << (cap - 1).bit_length()  # powers of two: a growing prefill reallocates a few times at most
         pin = key[0].type != "cpu"
-        self._in = torch.empty(cap * self.in_row_bytes(hidden, top_k, dtype), dtype=torch.uint8, pin_memory=pin)
-        self._out = torch.empty(cap * hidden, dtype=dtype, pin_memory=pin)
+        # plain tensors even when a step (under inference mode) reserves: the worker thread, outside
+        # inference mode, writes the output block in place, which an inference tensor refuses
+        with torch.inference_mode(False):
+            self._in = torch.empty(cap * self.in_row_bytes(hidden, top_k, dtype), dtype=torch.uint8, pin_memory=pin)
+            self._out = torch.empty(cap * hidden, dtype=dtype, pin_memory=pin)
         if self._in_ready is None and pin:
             self._in_ready, self._out_free = torch.Event(key[0].type), torch.Event(key[0].type)
         self._key, self.capacity = key, cap
@@ -111,6 +114,13 @@ class HostStaging:
         if self._out_free is not None and record:
             self._out_free.record()
         return dev
+
+    def clear_output(self) -> None:
+        """Zero the whole output block: a graph capture reads it before any worker has written it (the
+        host actions do not run at capture), and on the emulated device the captured ops really run,
+        so uninitialised memory there would send NaN rows to the next layer's router."""
+        if self._out is not None:
+            self._out.zero_()
 
     def mark_sent(self) -> None:
         """Between graph replays, on the current stream after the segment that staged a layer's inputs

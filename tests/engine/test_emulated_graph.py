@@ -125,3 +125,27 @@ def test_frozen_staging_refuses_to_move():
         s.reserve(9, torch.device("cpu"), torch.float16, 64, 2)
     with pytest.raises(ValueError, match="captured by decode graphs"):
         s.reserve(4, torch.device("cpu"), torch.float16, 32, 2)
+
+
+def test_staging_reserved_under_inference_mode_takes_the_workers_write():
+    # A decode step runs under inference mode and reserves the blocks; the CPU worker thread (outside
+    # inference mode) writes the output block in place. An inference tensor would refuse that write
+    # ("Inplace update to inference tensor outside InferenceMode").
+    import threading
+
+    s = HostStaging()
+    with torch.inference_mode():
+        s.reserve(4, torch.device("cpu"), torch.float16, 64, 2)
+    errors = []
+
+    def worker():
+        try:
+            s.output(4).copy_(torch.ones(4, 64, dtype=torch.float16))
+        except RuntimeError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert not errors, errors
+    assert s.output(4).eq(1).all()
