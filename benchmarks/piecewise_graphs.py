@@ -85,11 +85,14 @@ def _measure(kind: str, repeats: int, tmp: str) -> dict:
            "host_layers": len(graphs.host_experts), "segments": graphs.segments(8), "capture_s": round(capture_s, 1)}
     ms = {name: [] for name in runners}
     logits = {}
-    for r in range(repeats + 1):  # the first round warms up
+    for r in range(repeats + 2):  # round 0 warms up (first-step buffers), round 1 counts, then timed
         for name, runner in runners.items():  # alternating, same caches each time
             for t, b in zip(caches, before):
                 t.copy_(b)
             if r == 0:
+                runner.forward_step(inp)
+                continue
+            if r == 1:
                 with count_launches() as c:
                     step_logits = runner.forward_step(inp)[0]
                 logits[name] = step_logits.float()
