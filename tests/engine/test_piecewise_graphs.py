@@ -47,7 +47,8 @@ def _check(got: dict) -> None:
     assert got["caches"] < 1e-3 and got["kda_state"] < 1e-3, got
     # per replayed step: one graph launch per segment, each layer's host experts once
     assert got["graphed_launches"]["graphs"] == got["segments"], got
-    assert got["host_calls_per_step"] == got["host_layers"], got
+    assert got["host_calls"][0] == 3 * got["host_layers"], got  # two capture warm-ups, then the replay
+    assert got["host_calls"][1:] == [got["host_layers"]] * (len(got["host_calls"]) - 1), got
     # outside the graphs only the step's own inputs and the logits: no layer runs op by op
     assert got["graphed_launches"]["kernels"] < 40, got
     assert got["graphed_launches"]["launches"] * 3 < got["eager_launches"]["launches"], got
@@ -64,6 +65,7 @@ def test_k3_piecewise_graphs_with_host_experts_match_eager(tmp_path):
     _check(got)
 
 
+@pytest.mark.slow  # 1.5-2 minutes under the interpreter; the K3 test above covers the same path by default
 def test_k2_piecewise_graphs_with_host_experts_match_eager(tmp_path):
     from tests.helpers.checkpoints import write_hf_checkpoint
     from tests.helpers.quantized import quantize_checkpoint
@@ -149,11 +151,12 @@ def _child(path: str, kind: str, offload: int) -> None:
     want_caches = snapshot(caches)
     restore(caches, before)
     calls = count_host_calls(graphed.model)
-    got = []
+    got, host_calls = [], []
     for s in range(STEPS):
+        n0 = calls["n"]
         logits, _ = graphed.forward_step(step_inputs(ids[s], s, hybrid))
         got.append(logits)
-    host_calls = calls["n"]
+        host_calls.append(calls["n"] - n0)  # step 0 also captures: its two warm-ups run the host experts
     got_caches = snapshot(caches)
     kinds = [k for c in caches for k in (["kda", "kda"] if isinstance(c, KDAState) else ["kv"])]
     real = min([c.num_slots for c in caches if isinstance(c, KDAState)] + [MAX_SEQS])
@@ -176,7 +179,7 @@ def _child(path: str, kind: str, offload: int) -> None:
         "bucket": MAX_SEQS, "padding_rows": MAX_SEQS - len(LENS), "host_layers": host_layers,
         "kda_layers": sum(k == "kda" for k in kinds) // 2, "segments": graphed.graphs.segments(MAX_SEQS),
         "buckets": {b: graphed.graphs.segments(b) for b in graphed.graphs.buckets},
-        "host_calls_per_step": host_calls / STEPS, "eager_launches": _counts(e), "graphed_launches": _counts(g),
+        "host_calls": host_calls, "eager_launches": _counts(e), "graphed_launches": _counts(g),
         "failed": graphed.graphs.failed,
     }))
     llm.shutdown()
