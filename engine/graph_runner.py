@@ -124,8 +124,11 @@ class DecodeGraphRunner:
         self.device = device
         if cfg.capture and device.type != "cuda":
             raise ValueError(f"graph capture needs a cuda/rocm device, got {device}")
-        if cfg.emulate and device.type != "cpu":
-            raise ValueError(f"emulated graph capture runs on the CPU, got {device}")
+        if cfg.emulate and (device.type != "cpu" or not KernelSettings.from_env().emulate_device):
+            # the C++ CPU kernels are pybind calls a recording does not see: only the emulated device
+            # path (Triton kernels and ATen ops, all recorded) can be replayed faithfully
+            raise ValueError(f"emulated graph capture needs the emulated device path (KIMITUI_EMULATE_DEVICE=1) "
+                             f"on the CPU, got {device}")
         self.buckets = batch_buckets(cfg.max_num_seqs)
         s, w = cfg.max_num_seqs, cfg.max_blocks_per_seq
         # Static inputs, written in place each step (addresses captured by the graphs).

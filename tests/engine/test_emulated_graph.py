@@ -149,3 +149,27 @@ def test_staging_reserved_under_inference_mode_takes_the_workers_write():
     t.join()
     assert not errors, errors
     assert s.output(4).eq(1).all()
+
+
+def test_emulated_capture_is_refused_off_the_emulated_device(monkeypatch):
+    # the CPU backend's C++ kernels are pybind calls no recording sees: a replay would skip them
+    from kimitui.engine.graph_runner import DecodeGraphRunner, GraphConfig
+
+    monkeypatch.delenv("KIMITUI_EMULATE_DEVICE", raising=False)
+    cfg = GraphConfig(4, 2, 16, capture=False, emulate=True)
+    with pytest.raises(ValueError, match="KIMITUI_EMULATE_DEVICE=1"):
+        DecodeGraphRunner(None, [], cfg, torch.device("cpu"))
+    with pytest.raises(ValueError, match="exclude each other"):
+        GraphConfig(4, 2, 16, capture=True, emulate=True)
+
+
+def test_an_offloaded_engine_keeps_its_decode_graphs(tmp_path):
+    # --cpu-offload used to turn decode graphs off for the whole model (LLMEngine._decode_graphs)
+    from kimitui.engine import LLM
+    from tests.helpers.checkpoints import write_hf_checkpoint
+
+    write_hf_checkpoint(tmp_path, seed=5, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2,
+                        n_group=1, topk_group=1, first_k_dense_replace=1)
+    with LLM(str(tmp_path), max_model_len=64, max_num_seqs=2, cpu_offload=4, kv_cache_tokens=256) as llm:
+        assert any(-1 in row for row in llm.engine.expert_placement)
+        assert llm.engine._decode_graphs() is None  # the runner decides, as without offload
