@@ -270,7 +270,7 @@ class DecodeGraphRunner:
         try:
             with self._parked(n, b):
                 return self._capture(b)
-        except Exception as e:  # an op the graph cannot hold (a host sync, CPU-offloaded experts)
+        except Exception as e:  # an op the graph cannot hold (a host sync, a staging layout that would move)
             self.failed[b] = f"{type(e).__name__}: {e}"
             log.warning("decode graph capture of batch bucket %d failed (%s); that bucket runs eagerly", b, e)
             return None
