@@ -173,3 +173,32 @@ def test_an_offloaded_engine_keeps_its_decode_graphs(tmp_path):
     with LLM(str(tmp_path), max_model_len=64, max_num_seqs=2, cpu_offload=4, kv_cache_tokens=256) as llm:
         assert any(-1 in row for row in llm.engine.expert_placement)
         assert llm.engine._decode_graphs() is None  # the runner decides, as without offload
+
+
+def test_segmented_capture_on_the_cuda_branch_shares_one_pool_and_counts_each_replay():
+    # torch.cuda.CUDAGraph's calls as the GPU path makes them, with a stand-in graph (no GPU here)
+    calls: list = []
+
+    class FakeCUDAGraph:
+        def capture_begin(self, pool=None):
+            calls.append(("begin", pool))
+
+        def capture_end(self):
+            calls.append(("end",))
+
+        def pool(self):
+            return "pool-0"
+
+        def replay(self):
+            calls.append(("replay", id(self)))
+
+    log: list = []
+    layers = [_Cutter(log)]
+    graph, _ = segmented_capture(FakeCUDAGraph, lambda: layers[0](torch.ones(2)), layers, pool="shared",
+                                 kind="cuda")
+    assert [c for c in calls if c[0] == "begin"] == [("begin", "shared")] * 2  # the runner's pool, every segment
+    calls.clear()
+    with count_launches() as counts:
+        graph.replay()
+    assert [c[0] for c in calls] == ["replay", "replay"] and log == ["host"]
+    assert counts.graphs["cuda"] == 2 and counts.launches == 2
