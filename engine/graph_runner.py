@@ -223,6 +223,8 @@ class DecodeGraphRunner:
             return self._forward(b)[:n]
         graph, out = entry
         if isinstance(graph, SegmentedGraph):
+            if self.staging is not None:
+                self.staging.live_rows = n  # the host experts compute the step's rows, not the padding
             graph.replay()  # counts its own launches
         else:
             with launch_count.graph_launch("cuda"):

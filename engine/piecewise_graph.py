@@ -23,8 +23,10 @@ the graph pool's intermediates, and one pinned staging pair (``HostStaging``, fr
 reservation for ``max_num_seqs`` rows) shared by every layer. The copies between host and device are
 *inside* the segments (memcpy nodes to and from page-locked memory, which CUDA and HIP graphs hold);
 the events the worker waits on are recorded by the host between replays, never inside a capture.
-Padding rows are staged and computed like any row (the host experts of row 0's token) and write
-nothing: their output rows are discarded and their cache / state slots are -1 (engine/graph_padding.py).
+Padding rows are staged with the bucket but the CPU computes only the step's real rows (the runner
+sets ``HostStaging.live_rows`` before each replay): a padding row's rows of the output block keep older
+finite values, which only that padding row reads. Padding rows write nothing: their outputs are
+discarded and their cache / state slots are -1 (engine/graph_padding.py).
 
 A bucket's capture runs the model once with ``RoutedExperts.graph_breaks`` set to this object: the
 MoE layer calls ``cut(action)`` where a segment ends; the action is what the host runs there at

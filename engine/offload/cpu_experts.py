@@ -204,10 +204,14 @@ class GraphHostJob:
         self._future: Future | None = None
 
     def start(self) -> None:
-        """After the segment that staged the inputs: mark them sent, hand them to the worker."""
+        """After the segment that staged the inputs: mark them sent, hand the step's real rows to the
+        worker (``HostStaging.live_rows``: a bucket's padding rows cost no CPU time; their rows of
+        the output block keep older finite values, which only padding rows read)."""
         self.staging.mark_sent()
         ex = self.executor
-        self._future = ex._pool.submit(ex._compute, self.inputs, self.staging, ex.timing)
+        rows = self.staging.live_rows
+        inputs = self.inputs if rows is None else tuple(t[:rows] for t in self.inputs)
+        self._future = ex._pool.submit(ex._compute, inputs, self.staging, ex.timing)
 
     def finish(self) -> None:
         """Before the segment that copies the output to the device: wait for the worker."""

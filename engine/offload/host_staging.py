@@ -45,6 +45,9 @@ class HostStaging:
         self._in = self._out = None  # uint8 [capacity * in_row_bytes], dtype [capacity * hidden]
         self._in_ready = self._out_free = None  # events on the device (None for CPU tensors)
         self.frozen = False  # captured by graphs: the blocks may not be reallocated any more
+        # graphs: the replayed step's real rows (the bucket's padding rows after them are not computed
+        # on the host; their output rows are discarded); None: every staged row
+        self.live_rows: int | None = None
 
     @staticmethod
     def in_row_bytes(hidden: int, top_k: int, dtype: torch.dtype) -> int:

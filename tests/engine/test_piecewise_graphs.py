@@ -11,7 +11,8 @@ experts) and Kimi K2 (MLA, INT4 experts), each with part of every MoE layer's ex
   same caches: logits of every step and every cache / KDA state afterwards are the same;
 - the launch counter sees, per replayed step, 2 x (MoE layers with host experts) + 1 graph launches
   and only the step's input copies and logits outside them, against hundreds of launches eager; the
-  host experts of every such layer ran once per replayed step (on their worker, between segments).
+  host experts of every such layer ran once per replayed step (on their worker, between segments),
+  on the step's five rows only (the bucket's padding rows cost no CPU time).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def _check(got: dict) -> None:
     assert got["graphed_launches"]["graphs"] == got["segments"], got
     assert got["host_calls"][0] == 3 * got["host_layers"], got  # two capture warm-ups, then the replay
     assert got["host_calls"][1:] == [got["host_layers"]] * (len(got["host_calls"]) - 1), got
+    # a replay hands the CPU the step's five rows, not the bucket's eight: padding rows cost no CPU time
+    assert got["host_rows"] == [len(LENS)] * got["host_layers"], got
     # outside the graphs only the step's own inputs and the logits: no layer runs op by op
     assert got["graphed_launches"]["kernels"] < 40, got
     assert got["graphed_launches"]["launches"] * 3 < got["eager_launches"]["launches"], got
@@ -112,13 +115,14 @@ def count_host_calls(model) -> dict:
     """Wrap every host-expert executor's worker function; -> the live call counter."""
     from kimitui.engine.offload.cpu_experts import CpuExpertExecutor
 
-    calls = {"n": 0}
+    calls = {"n": 0, "rows": []}
     for m in model.modules():
         ex = getattr(m, "executor", None)
         if isinstance(ex, CpuExpertExecutor):
-            def counted(*args, _f=ex._compute, **kwargs):
+            def counted(inputs, *args, _f=ex._compute, **kwargs):
                 calls["n"] += 1
-                return _f(*args, **kwargs)
+                calls["rows"].append(inputs[0].shape[0])  # tokens the CPU computes
+                return _f(inputs, *args, **kwargs)
             ex._compute = counted
     return calls
 
@@ -153,9 +157,11 @@ def _child(path: str, kind: str, offload: int) -> None:
     got, host_calls = [], []
     for s in range(STEPS):
         n0 = calls["n"]
+        calls["rows"].clear()
         logits, _ = graphed.forward_step(step_inputs(ids[s], s, hybrid))
         got.append(logits)
         host_calls.append(calls["n"] - n0)  # step 0 also captures: its two warm-ups run the host experts
+    replay_rows = list(calls["rows"])  # the last step's (a replay only)
     got_caches = snapshot(caches)
     kinds = [k for c in caches for k in (["kda", "kda"] if isinstance(c, KDAState) else ["kv"])]
     real = min([c.num_slots for c in caches if isinstance(c, KDAState)] + [MAX_SEQS])
@@ -178,7 +184,7 @@ def _child(path: str, kind: str, offload: int) -> None:
         "bucket": MAX_SEQS, "padding_rows": MAX_SEQS - len(LENS), "host_layers": host_layers,
         "kda_layers": sum(k == "kda" for k in kinds) // 2, "segments": graphed.graphs.segments(MAX_SEQS),
         "buckets": {b: graphed.graphs.segments(b) for b in graphed.graphs.buckets},
-        "host_calls": host_calls, "eager_launches": _counts(e), "graphed_launches": _counts(g),
+        "host_calls": host_calls, "host_rows": replay_rows, "eager_launches": _counts(e), "graphed_launches": _counts(g),
         "failed": graphed.graphs.failed,
     }))
     llm.shutdown()
