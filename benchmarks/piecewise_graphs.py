@@ -49,7 +49,7 @@ def measure(kind: str, repeats: int) -> dict:
 def _measure(kind: str, repeats: int, tmp: str) -> dict:
     from kimitui.engine import LLM
     from kimitui.engine.kv_cache.state import KDAState
-    from kimitui.engine.runner import ModelRunner, StepInputs
+    from kimitui.engine.runner.model_runner import ModelRunner, StepInputs
     from kimitui.kernels.launch_count import count_launches
 
     if kind == "k3":

@@ -2,7 +2,7 @@
 
 The emulated device path (``KIMITUI_EMULATE_DEVICE=1 TRITON_INTERPRET=1``) runs the Triton kernels a
 GPU runs, on the CPU. Decode graphs there used to be direct calls of the model on the static buffers
-(engine/graph_runner.py), which proves the buffers and the padding but not what a graph really does:
+(engine/runner/graphs.py), which proves the buffers and the padding but not what a graph really does:
 a replay runs the *recorded kernels* again on the *same memory*, without any of the Python that
 issued them. Whatever that Python computed at capture time (a row count, a branch, a host result) is
 frozen into the graph. This class gives the CPU those semantics, so that a capture that leans on

@@ -26,7 +26,7 @@ the events the worker waits on are recorded by the host between replays, never i
 Padding rows are staged with the bucket but the CPU computes only the step's real rows (the runner
 sets ``HostStaging.live_rows`` before each replay): a padding row's rows of the output block keep older
 finite values, which only that padding row reads. Padding rows write nothing: their outputs are
-discarded and their cache / state slots are -1 (engine/graph_padding.py).
+discarded and their cache / state slots are -1 (engine/runner/graph_padding.py).
 
 A bucket's capture runs the model once with ``RoutedExperts.graph_breaks`` set to this object: the
 MoE layer calls ``cut(action)`` where a segment ends; the action is what the host runs there at

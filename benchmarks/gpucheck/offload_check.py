@@ -68,7 +68,7 @@ def _k3_piecewise(model, mode, host: int, experts: int, max_model_len: int) -> I
     """The offloaded K3 model's decode step through piecewise graphs against eager (own caches)."""
     import time
 
-    from kimitui.engine.runner import ModelRunner
+    from kimitui.engine.runner.model_runner import ModelRunner
     from kimitui.kernels.launch_count import count_launches
 
     bench = Bench(model, mode, max_num_seqs=8, max_model_len=max_model_len)

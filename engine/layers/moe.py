@@ -216,7 +216,7 @@ class RoutedExperts(nn.Module):
         self.register_buffer("routing_counts", torch.zeros(n, dtype=torch.int64), persistent=False)
         # None: every row of a step counts. A decode graph sets an integer [max_num_seqs] buffer here
         # while it runs the model, 0 on its padding rows and everywhere during capture warm-ups, so
-        # that only real tokens count (engine/graph_runner.py); a replay reads its current values.
+        # that only real tokens count (engine/runner/graphs.py); a replay reads its current values.
         self.count_rows: torch.Tensor | None = None
         self.register_buffer("one", torch.ones((), dtype=torch.int64), persistent=False)  # expanded, no fill per step
         self.whole_layer_local = len(on_device) == n

@@ -153,7 +153,7 @@ def test_staging_reserved_under_inference_mode_takes_the_workers_write():
 
 def test_emulated_capture_is_refused_off_the_emulated_device(monkeypatch):
     # the CPU backend's C++ kernels are pybind calls no recording sees: a replay would skip them
-    from kimitui.engine.graph_runner import DecodeGraphRunner, GraphConfig
+    from kimitui.engine.runner.graphs import DecodeGraphRunner, GraphConfig
 
     monkeypatch.delenv("KIMITUI_EMULATE_DEVICE", raising=False)
     cfg = GraphConfig(4, 2, 16, capture=False, emulate=True)

@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from tests.engine.test_graph_padding_rows import restore, run_child, snapshot
+from tests.engine.runner.test_graph_padding_rows import restore, run_child, snapshot
 
 MAX_SEQS = 8  # buckets 1, 2, 4, 8
 LENS = [20, 5, 40, 17, 33]  # five decodes: bucket 8, three padding rows
@@ -82,7 +82,7 @@ def test_k2_piecewise_graphs_with_host_experts_match_eager(tmp_path):
 
 
 def step_inputs(ids: list[int], step: int, hybrid: bool):
-    from kimitui.engine.runner import StepInputs
+    from kimitui.engine.runner.model_runner import StepInputs
 
     lens = [n + step for n in LENS]
     tables = [[i * 4 + j for j in range(-(-n // BLOCK))] for i, n in enumerate(lens)]
@@ -99,7 +99,7 @@ def build(path: str, offload: int):
     """The engine on the emulated device with ``offload`` experts per MoE layer in host RAM, and an
     eager and a piecewise-graphed (emulated capture) runner over its model and caches."""
     from kimitui.engine import LLM
-    from kimitui.engine.runner import ModelRunner
+    from kimitui.engine.runner.model_runner import ModelRunner
 
     llm = LLM(path, dtype="float16", max_model_len=64, max_num_seqs=MAX_SEQS, enable_prefix_caching=False,
               kv_cache_tokens=512, cpu_offload=offload, enforce_eager=True)
