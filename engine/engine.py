@@ -154,10 +154,10 @@ class LLMEngine:
         return self.spec.stats
 
     def _decode_graphs(self) -> bool | None:
-        """False when decode steps must stay eager: asked for, or experts run in host RAM (their
-        CPU matmuls cannot be captured in a device graph); None lets the runner decide."""
-        offloaded = self.expert_placement is not None and any(-1 in layer for layer in self.expert_placement)
-        return False if self.args.enforce_eager or offloaded else None
+        """False when decode steps must stay eager (asked for); None lets the runner decide. Experts
+        in host RAM no longer turn graphs off: the step is captured piecewise around their joins
+        (engine/piecewise_graph.py)."""
+        return False if self.args.enforce_eager else None
 
     # -- capacity --------------------------------------------------------------------------
     def _cache_shape(self) -> CacheShape:

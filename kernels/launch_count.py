@@ -19,11 +19,17 @@ kernels per layer, no host sync in the forward" can be a test instead of a profi
   size depends on the data (``nonzero``, ``masked_select``, ``unique``...: they sync on a GPU to size
   their output) and copies from a device tensor to the CPU. On a CPU, ``.cpu()`` and ``.tolist()``
   of a CPU tensor dispatch nothing; the other kinds are seen as on a GPU.
+- Graph launches: a replayed decode graph (``torch.cuda.CUDAGraph`` on a GPU,
+  ``engine.emulated_graph.EmulatedGraph`` on the emulated device) is one launch from the host, whatever
+  it holds: the runner wraps each replay in ``graph_launch``, which counts it in ``graphs`` and keeps
+  the ops an emulated replay issues out of the other counts. ``launches`` is what the host launches
+  per step: kernels run outside graphs plus graph launches.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -34,6 +40,28 @@ _NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_st
 _DATA_DEPENDENT = {"nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive",
                    "bincount", "repeat_interleave", "_local_scalar_dense", "is_nonzero"}
 _COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional"}
+# public names for engine.emulated_graph, which records what this module counts
+NO_KERNEL_OPS, DATA_DEPENDENT_OPS, COLLECTIVE_NAMESPACES = _NO_KERNEL, _DATA_DEPENDENT, _COLLECTIVE_NAMESPACES
+_active: list = []  # the LaunchCounts of every count_launches block now open
+_replay = threading.local()  # .depth > 0 while this thread replays a graph (graph_launch)
+
+
+def _replaying() -> bool:
+    return getattr(_replay, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def graph_launch(kind: str = "graph"):
+    """Around one graph replay: counted once in ``LaunchCounts.graphs[kind]`` of every open
+    ``count_launches`` block; the ops the replay issues (an emulated graph) are not counted again."""
+    if not _replaying():
+        for counts in list(_active):
+            counts.graphs[kind] += 1
+    _replay.depth = getattr(_replay, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _replay.depth -= 1
 
 
 @dataclass
@@ -44,15 +72,22 @@ class LaunchCounts:
     triton: Counter = field(default_factory=Counter)  # Triton launches by kernel name
     collectives: Counter = field(default_factory=Counter)
     host_syncs: Counter = field(default_factory=Counter)
+    graphs: Counter = field(default_factory=Counter)  # graph launches (replays) by kind
 
     @property
     def kernels(self) -> int:
-        """ATen kernels plus Triton launches: the number the launch budget is about."""
+        """ATen kernels plus Triton launches outside graphs: the number the launch budget is about."""
         return sum(self.aten.values()) + sum(self.triton.values())
 
+    @property
+    def launches(self) -> int:
+        """What the host launched: kernels outside graphs plus one per graph replay."""
+        return self.kernels + sum(self.graphs.values())
+
     def summary(self) -> str:
+        graphs = f", {sum(self.graphs.values())} graph launches" if self.graphs else ""
         return (f"{self.kernels} kernels ({sum(self.aten.values())} ATen, {sum(self.triton.values())} Triton), "
-                f"{sum(self.collectives.values())} collectives, {sum(self.host_syncs.values())} host syncs")
+                f"{sum(self.collectives.values())} collectives, {sum(self.host_syncs.values())} host syncs{graphs}")
 
 
 def _is_device_to_host(name: str, args, kwargs) -> bool:
@@ -71,7 +106,7 @@ def _has_tensor(out) -> bool:
     return isinstance(out, torch.Tensor)
 
 
-def _copied(out, args) -> bool:
+def copied(out, args) -> bool:
     # Ops whose schema may alias (``to``, ``contiguous``, ``reshape`` under inference mode) launch a
     # copy kernel when their output does not share storage with an input (a cast, a gather of strides).
     if not isinstance(out, torch.Tensor):
@@ -89,11 +124,11 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.triton_depth == 0:
+        if self.triton_depth == 0 and not _replaying():
             name = func.overloadpacket.__name__
             if func.namespace in _COLLECTIVE_NAMESPACES:
                 self.counts.collectives[name] += 1
-            elif func.namespace == "aten" and (not func.is_view or _copied(out, args)) and name not in _NO_KERNEL:
+            elif func.namespace == "aten" and (not func.is_view or copied(out, args)) and name not in _NO_KERNEL:
                 sync = name in _DATA_DEPENDENT or _is_device_to_host(name, args, kwargs)
                 if sync:
                     self.counts.host_syncs[name] += 1
@@ -102,7 +137,8 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _launcher_classes() -> list[type]:
+def launcher_classes() -> list[type]:
+    """The Triton launcher classes whose ``run`` a launch goes through (none without Triton)."""
     try:
         from triton.runtime.jit import JITFunction  # optional dependency: triton
     except Exception:  # no (working) triton: nothing to wrap
@@ -123,11 +159,11 @@ def count_launches():
     """Count launches inside the ``with`` block; yields the ``LaunchCounts`` it fills."""
     counts = LaunchCounts()
     recorder = _Recorder(counts)
-    originals = {cls: cls.run for cls in _launcher_classes()}
+    originals = {cls: cls.run for cls in launcher_classes()}
 
     def wrap(original):
         def run(self, *args, **kwargs):
-            if kwargs.get("warmup"):  # compiles only, launches nothing
+            if kwargs.get("warmup") or _replaying():  # compiles only / inside a counted graph launch
                 return original(self, *args, **kwargs)
             if recorder.triton_depth == 0:
                 counts.triton[getattr(self, "__name__", None) or self.fn.__name__] += 1
@@ -140,9 +176,11 @@ def count_launches():
 
     for cls, original in originals.items():
         cls.run = wrap(original)
+    _active.append(counts)
     try:
         with recorder:
             yield counts
     finally:
+        _active.remove(counts)
         for cls, original in originals.items():
             cls.run = original

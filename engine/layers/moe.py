@@ -192,6 +192,7 @@ class RoutedExperts(nn.Module):
         n = config.n_routed_experts
         self.num_experts = n
         self.prefix = prefix
+        self.top_k, self.act_dtype = config.num_experts_per_tok, dtype
         self.fmt = linear_format(config.quantization, f"{prefix}.0.gate_proj")
         self.shapes = {"gate_proj": [config.moe_intermediate_size, config.hidden_size],
                        "up_proj": [config.moe_intermediate_size, config.hidden_size],
@@ -219,6 +220,10 @@ class RoutedExperts(nn.Module):
         self.count_rows: torch.Tensor | None = None
         self.register_buffer("one", torch.ones((), dtype=torch.int64), persistent=False)  # expanded, no fill per step
         self.whole_layer_local = len(on_device) == n
+        # set by a piecewise decode graph while it captures (engine/piecewise_graph.py): where the host
+        # join cuts the step, and the pinned staging the graphs' copies use (kept by the graph runner)
+        self.graph_breaks = None
+        self.graph_staging = None
         self.executor = None
         if self.host is not None:
             self.executor = CpuExpertExecutor(self.host, self.host_map)
@@ -323,6 +328,8 @@ class RoutedExperts(nn.Module):
             if before_join is not None:
                 before_join()
             return y
+        if self.graph_breaks is not None and self.executor is not None:
+            return self._forward_segmented(x, topk_ids, w, before_join)
         # host share first (a worker thread; on a device, one non-blocking copy to pinned memory), then
         # the device's own experts beside it, then the join: one non-blocking copy back
         pending = self.executor.submit(x, topk_ids, w) if self.executor is not None else None
@@ -336,6 +343,32 @@ class RoutedExperts(nn.Module):
         if pending is not None:
             return pending.add_to(y)
         return y if y is not None else torch.zeros_like(x)
+
+
+    def reserve_graph_staging(self, staging, rows: int, device: torch.device) -> None:
+        """Size the piecewise graphs' pinned staging for ``rows`` tokens of this layer's layout, before
+        any capture (allocating page-locked memory is not allowed inside one)."""
+        staging.reserve(rows, device, self.act_dtype, self.shapes["down_proj"][0], self.top_k)
+
+    def _forward_segmented(self, x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor,
+                           before_join) -> torch.Tensor:
+        """The host join inside a piecewise decode graph's capture (engine/piecewise_graph.py): the
+        rows staged into the graphs' pinned block, cut A (the worker starts), the device's own
+        experts and ``before_join`` (shared experts), cut B (the worker's result is in), the pinned
+        output copied to the device and added. Every address here is fixed across replays."""
+        breaks, staging = self.graph_breaks, self.graph_staging
+        if staging is None:
+            raise RuntimeError(f"{self.prefix}: a piecewise capture needs the graphs' host staging")
+        # reserved and frozen before the capture (``reserve_graph_staging``): this only checks the layout
+        staging.reserve(x.shape[0], x.device, x.dtype, x.shape[1], topk_ids.shape[1])
+        job = self.executor.graph_job(x, topk_ids, w, staging)
+        breaks.cut(job.start)
+        y = run_subset(self.local, self.local_map, x, topk_ids, w) if self.local is not None else None
+        if before_join is not None:
+            before_join()
+        breaks.cut(job.finish)
+        out = staging.to_device(staging.output(x.shape[0], wait=False), x.device, record=False)
+        return out if y is None else y.add_(out)
 
 
 def _expert_sources(prefix: str, experts: list[int], projs: tuple[str, ...], suffix: str) -> dict:

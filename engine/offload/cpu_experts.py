@@ -144,6 +144,14 @@ class CpuExpertExecutor:
             timing.add_host(t1 - t0, time.perf_counter() - t1)
         return out
 
+    def graph_job(self, x: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor,
+                  staging: HostStaging) -> GraphHostJob:
+        """Inside a piecewise decode graph's capture (engine/piecewise_graph.py): stage this layer's rows
+        into ``staging`` (frozen, shared by the graphs' layers) with the copies captured and no event;
+        -> the job whose ``start`` / ``finish`` the graph runs at its two cuts on every replay."""
+        inputs = staging.stage_inputs(x, topk_ids, weights, record=False)
+        return GraphHostJob(self, inputs, staging)
+
     def shutdown(self) -> None:
         """Stop the worker thread once its queued work is done."""
         self._finalizer.detach()
@@ -183,6 +191,36 @@ class PendingHostExperts:
         if self._staging is not None:
             out = self._staging.to_device(out, self.device)
         return out if y is None else y.add_(out)
+
+
+class GraphHostJob:
+    """A layer's host experts as a replayed piecewise decode graph runs them: the staged inputs and the
+    pinned output are the same blocks at every replay (captured copies read and write them)."""
+
+    def __init__(self, executor: CpuExpertExecutor, inputs: tuple, staging: HostStaging):
+        self.executor, self.inputs, self.staging = executor, inputs, staging
+        self._future: Future | None = None
+
+    def start(self) -> None:
+        """After the segment that staged the inputs: mark them sent, hand the step's real rows to the
+        worker (``HostStaging.live_rows``: a bucket's padding rows cost no CPU time; their rows of
+        the output block keep older finite values, which only padding rows read)."""
+        self.staging.mark_sent()
+        ex = self.executor
+        rows = self.staging.live_rows
+        inputs = self.inputs if rows is None else tuple(t[:rows] for t in self.inputs)
+        self._future = ex._pool.submit(ex._compute, inputs, self.staging, ex.timing)
+
+    def finish(self) -> None:
+        """Before the segment that copies the output to the device: wait for the worker."""
+        future, self._future = self._future, None
+        if future is None:
+            raise RuntimeError("GraphHostJob.finish before start (segments replayed out of order)")
+        timing = self.executor.timing
+        t0 = time.perf_counter()
+        future.result()
+        if timing is not None:
+            timing.add_wait(time.perf_counter() - t0)
 
 
 def share_staging(model: torch.nn.Module) -> int:

@@ -34,6 +34,16 @@ Hybrid models (Kimi Linear / K3): each row's KDA state slot is one more static b
 (``slots``), so a replay updates whichever slots the step's sequences hold. Padding rows and capture
 warm-ups address slot -1 and count no routing statistics (engine/runner/graph_padding.py).
 
+Host-RAM experts (``--cpu-offload``): the step is captured piecewise, cut at each MoE layer's host
+join, and the host hands the rows to the CPU workers and waits for them between the segments'
+replays (engine/piecewise_graph.py). A model without host experts is one segment, as before.
+
+Emulated capture (``GraphConfig.emulate``): on the CPU, the graphs are ``EmulatedGraph`` recordings
+(engine/emulated_graph.py) instead of direct calls: a replay re-issues the captured launches on the
+same tensors without the Python, as a GPU does, and counts as one launch in ``kernels.launch_count``.
+Tests and benchmarks ask for it; the default emulated device path keeps the direct calls (a capture
+runs the model three times, slow under the Triton interpreter).
+
 Tensor parallel: every rank runs this runner on the same inputs (the workers mirror each step), so
 every rank pads to the same bucket, captures the same bucket at the same step and replays the same
 graph; the collectives are captured inside it, as vLLM does with NCCL. On gloo (CPU ranks, and the
@@ -51,6 +61,9 @@ import torch
 from kimitui.engine.runner.graph_padding import PAD_SLOT, RoutingRows
 from kimitui.engine.kv_cache.state import KDAState
 from kimitui.engine.layers.attn_metadata import AttentionMetadata
+from kimitui.engine.offload.host_staging import HostStaging
+from kimitui.engine.piecewise_graph import SegmentedGraph, segmented_capture
+from kimitui.kernels import launch_count
 from kimitui.kernels.settings import KernelSettings
 
 log = logging.getLogger(__name__)
@@ -62,8 +75,11 @@ class GraphConfig:
     max_blocks_per_seq: int
     block_size: int
     capture: bool  # True: torch.cuda.CUDAGraph; False: direct calls on the same static buffers
+    emulate: bool = False  # with capture False: EmulatedGraph recordings on the CPU (engine/emulated_graph.py)
 
     def __post_init__(self) -> None:
+        if self.capture and self.emulate:
+            raise ValueError("GraphConfig: capture (CUDA/HIP graphs) and emulate (CPU recordings) exclude each other")
         if self.max_num_seqs < 1 or self.max_blocks_per_seq < 1 or self.block_size < 1:
             raise ValueError(f"GraphConfig: max_num_seqs ({self.max_num_seqs}), max_blocks_per_seq "
                              f"({self.max_blocks_per_seq}) and block_size ({self.block_size}) must be >= 1")
@@ -108,6 +124,11 @@ class DecodeGraphRunner:
         self.device = device
         if cfg.capture and device.type != "cuda":
             raise ValueError(f"graph capture needs a cuda/rocm device, got {device}")
+        if cfg.emulate and (device.type != "cpu" or not KernelSettings.from_env().emulate_device):
+            # the C++ CPU kernels are pybind calls a recording does not see: only the emulated device
+            # path (Triton kernels and ATen ops, all recorded) can be replayed faithfully
+            raise ValueError(f"emulated graph capture needs the emulated device path (KIMITUI_EMULATE_DEVICE=1) "
+                             f"on the CPU, got {device}")
         self.buckets = batch_buckets(cfg.max_num_seqs)
         s, w = cfg.max_num_seqs, cfg.max_blocks_per_seq
         # Static inputs, written in place each step (addresses captured by the graphs).
@@ -120,7 +141,16 @@ class DecodeGraphRunner:
                       if self.states else None)  # [S]
         # the step's real rows (1) and padding rows (0): which rows count routing and write a cache slot
         self.routing = RoutingRows(model, s, device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # MoE layers with host experts: the step is captured piecewise, cut at their joins, and their
+        # copies use one pinned staging pair of the graphs' own (never reallocated once captured)
+        from kimitui.engine.layers.moe import RoutedExperts
+
+        self.host_experts = [m for m in (model.modules() if model is not None else [])
+                             if isinstance(m, RoutedExperts) and m.executor is not None]
+        self.staging = HostStaging() if self.host_experts else None
+        for m in self.host_experts:
+            m.graph_staging = self.staging
+        self._graphs: dict[int, tuple[object, torch.Tensor]] = {}
         self.failed: dict[int, str] = {}  # bucket -> why its capture failed: its steps run direct calls
         self._pool = None  # memory pool shared by all buckets' graphs (largest captured first)
 
@@ -181,7 +211,7 @@ class DecodeGraphRunner:
         n = ids.shape[0]
         b = bucket_for(n, self.buckets)
         self._fill(ids, tables, lens, state_slots, b)
-        if not self.cfg.capture:
+        if not self.captures:
             return self._forward(b)[:n]
         entry = self._graphs.get(b)
         if entry is None and b not in self.failed:
@@ -192,14 +222,33 @@ class DecodeGraphRunner:
         if entry is None:
             return self._forward(b)[:n]
         graph, out = entry
-        graph.replay()
+        if isinstance(graph, SegmentedGraph):
+            if self.staging is not None:
+                self.staging.live_rows = n  # the host experts compute the step's rows, not the padding
+            graph.replay()  # counts its own launches
+        else:
+            with launch_count.graph_launch("cuda"):
+                graph.replay()
         return out[:n]
+
+    @property
+    def captures(self) -> bool:
+        """Whether buckets are captured (CUDA/HIP graphs, or CPU recordings), not direct calls."""
+        return self.cfg.capture or self.cfg.emulate
+
+    def segments(self, b: int) -> int:
+        """Graph segments bucket ``b`` replays (0: not captured, direct calls)."""
+        entry = self._graphs.get(b)
+        if entry is None:
+            return 0
+        return entry[0].num_segments if isinstance(entry[0], SegmentedGraph) else 1
 
     def capture_all(self) -> None:
         """Capture every bucket not yet captured, largest first, on padding rows only (no cache or
-        state written, nothing counted). No-op without capture (CPU, emulated device). Every rank
-        of a tensor-parallel group calls this at the same point: the collectives inside pair up."""
-        if not self.cfg.capture:
+        state written, nothing counted). No-op without capture (CPU, emulated device unless
+        ``emulate``). Every rank of a tensor-parallel group calls this at the same point: the
+        collectives inside pair up."""
+        if not self.captures:
             return
         self._fill_padding()
         for b in sorted(self.buckets, reverse=True):
@@ -223,7 +272,7 @@ class DecodeGraphRunner:
         try:
             with self._parked(n, b):
                 return self._capture(b)
-        except Exception as e:  # an op the graph cannot hold (a host sync, CPU-offloaded experts)
+        except Exception as e:  # an op the graph cannot hold (a host sync, a staging layout that would move)
             self.failed[b] = f"{type(e).__name__}: {e}"
             log.warning("decode graph capture of batch bucket %d failed (%s); that bucket runs eagerly", b, e)
             return None
@@ -243,7 +292,9 @@ class DecodeGraphRunner:
                 self.slots[:b].copy_(real)
             self.routing.set(n)
 
-    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, b: int) -> tuple[object, torch.Tensor]:
+        if self.host_experts or self.cfg.emulate:
+            return self._capture_segmented(b)
         # Warm-up on a side stream (lazy inits, Triton autotuning, cuBLAS workspaces) before capture.
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -258,4 +309,37 @@ class DecodeGraphRunner:
             self._pool = graph.pool()
         self._graphs[b] = (graph, out)
         log.debug("captured the decode graph of batch bucket %d", b)
+        return graph, out
+
+    def _capture_segmented(self, b: int) -> tuple[SegmentedGraph, torch.Tensor]:
+        """Capture bucket ``b`` as segments cut at the host joins (one segment without host experts):
+        CUDA/HIP graphs sharing the pool, or EmulatedGraph recordings on the CPU."""
+        for m in self.host_experts:  # page-locked blocks are allocated before, never inside, a capture
+            m.reserve_graph_staging(self.staging, self.cfg.max_num_seqs, self.device)
+        if self.staging is not None:
+            self.staging.frozen = True
+            self.staging.clear_output()  # what the capture reads in place of the host experts' result
+        if self.cfg.emulate:
+            from kimitui.engine.emulated_graph import EmulatedGraph
+
+            for _ in range(2):  # as on a GPU: lazy initialisations run before the capture
+                self._forward(b)
+            graph, out = segmented_capture(EmulatedGraph, lambda: self._forward(b), self.host_experts,
+                                           kind="emulated", max_rows=self.cfg.max_num_seqs)
+        else:
+            current = torch.cuda.current_stream(self.device)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(b)
+            stream.synchronize()  # the warm-ups' host experts and copies are done before capturing
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.stream(stream):
+                graph, out = segmented_capture(torch.cuda.CUDAGraph, lambda: self._forward(b), self.host_experts,
+                                               pool=self._pool, kind="cuda", max_rows=self.cfg.max_num_seqs)
+            current.wait_stream(stream)
+        self._graphs[b] = (graph, out)
+        log.debug("captured the decode graph of batch bucket %d in %d segment(s)", b, graph.num_segments)
         return graph, out

@@ -109,11 +109,12 @@ class ModelRunner:
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
                  workers=None, max_num_seqs: int | None = None, max_model_len: int | None = None,
                  decode_graphs: bool | None = None, num_spec_tokens: int = 0, spec_scratch_base: int = 0,
-                 keep_hidden: bool = False):
+                 keep_hidden: bool = False, emulate_graphs: bool = False):
         """``num_spec_tokens``: the most drafts a decode verifies (0: no speculation); KDA scratch
         slot ``spec_scratch_base + slot * num_spec_tokens + j`` holds sequence slot ``slot``'s state
         after its verified position ``j``. ``keep_hidden``: return the target's aux hidden states
-        (``StepResult.hidden``) for a model drafter."""
+        (``StepResult.hidden``) for a model drafter. ``emulate_graphs``: on a CPU, the decode graphs
+        are recorded and replayed (engine/emulated_graph.py) instead of called directly."""
         self.model = model
         self.num_spec_tokens = num_spec_tokens
         self.spec_scratch_base = spec_scratch_base
@@ -141,7 +142,8 @@ class ModelRunner:
         if decode_graphs:
             if self.table_shape is None:
                 raise ValueError("decode graphs need max_num_seqs and max_model_len (the static buffers' capacity)")
-            cfg = GraphConfig(*self.table_shape, block_size, capture=device.type == "cuda")
+            cfg = GraphConfig(*self.table_shape, block_size, capture=device.type == "cuda",
+                              emulate=emulate_graphs and device.type == "cpu")
             self.graphs = DecodeGraphRunner(model, kv_caches, cfg, device)
 
     def release(self, seq_id: str) -> None:
