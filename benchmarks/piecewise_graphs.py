@@ -2,13 +2,13 @@
 
 Before, any expert in host RAM turned decode graphs off for the whole model, so every kernel of the
 step was launched from the host. Now the step is captured in segments cut at each MoE layer's host
-join (engine/piecewise_graph.py) and replayed: a replayed segment is one launch from the host
+join (engine/runner/piecewise.py) and replayed: a replayed segment is one launch from the host
 (``kernels.launch_count``: graph launches count one each, the kernels inside are not counted again).
 
 This script builds tiny checkpoints in the real on-disk formats (Kimi K3: demo-k3's layout, KDA layers
 then MLA, MXFP4 latent experts; Kimi K2: MLA, INT4 experts), loads each on the emulated device path
 (``KIMITUI_EMULATE_DEVICE=1 TRITON_INTERPRET=1``, set here for a child process) with ``--cpu-offload N``,
-captures the decode graphs with the CPU emulation of capture (engine/emulated_graph.py) and counts one
+captures the decode graphs with the CPU emulation of capture (engine/runner/emulated_graph.py) and counts one
 decode step of five sequences (bucket 8) eager and replayed, then times both, alternating, in the same
 process (medians of ``--repeats``). Launch counts do not depend on the widths (grids grow, not the
 number of launches), so they carry over to the real models per layer; the milliseconds do not: under

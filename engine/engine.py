@@ -156,7 +156,7 @@ class LLMEngine:
     def _decode_graphs(self) -> bool | None:
         """False when decode steps must stay eager (asked for); None lets the runner decide. Experts
         in host RAM no longer turn graphs off: the step is captured piecewise around their joins
-        (engine/piecewise_graph.py)."""
+        (engine/runner/piecewise.py)."""
         return False if self.args.enforce_eager else None
 
     # -- capacity --------------------------------------------------------------------------

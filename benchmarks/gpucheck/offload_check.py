@@ -8,7 +8,7 @@ device waited at the join, and the hidden fraction ``1 - wait / host``. Where th
 overlap meter yet the section says so and skips. Then a K3-shaped model (KDA + MLA, MXFP4 latent
 experts) with an eighth of its routed experts on the host runs decode steps: the configuration of a
 K3 workstation with CPU experts, which must run and give finite logits and valid tokens. Last, that
-K3 model's decode step through piecewise graphs (engine/piecewise_graph.py: CUDA/HIP graph segments
+K3 model's decode step through piecewise graphs (engine/runner/piecewise.py: CUDA/HIP graph segments
 cut at each MoE layer's host join; on the CPU self-test, emulated recordings): five sequences in
 bucket 8 (three padding rows), replayed against eager from the same caches (logits and caches), with
 the launches per step of each (kernels.launch_count: graph launches count one each).

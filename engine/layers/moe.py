@@ -220,7 +220,7 @@ class RoutedExperts(nn.Module):
         self.count_rows: torch.Tensor | None = None
         self.register_buffer("one", torch.ones((), dtype=torch.int64), persistent=False)  # expanded, no fill per step
         self.whole_layer_local = len(on_device) == n
-        # set by a piecewise decode graph while it captures (engine/piecewise_graph.py): where the host
+        # set by a piecewise decode graph while it captures (engine/runner/piecewise.py): where the host
         # join cuts the step, and the pinned staging the graphs' copies use (kept by the graph runner)
         self.graph_breaks = None
         self.graph_staging = None
@@ -352,7 +352,7 @@ class RoutedExperts(nn.Module):
 
     def _forward_segmented(self, x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor,
                            before_join) -> torch.Tensor:
-        """The host join inside a piecewise decode graph's capture (engine/piecewise_graph.py): the
+        """The host join inside a piecewise decode graph's capture (engine/runner/piecewise.py): the
         rows staged into the graphs' pinned block, cut A (the worker starts), the device's own
         experts and ``before_join`` (shared experts), cut B (the worker's result is in), the pinned
         output copied to the device and added. Every address here is fixed across replays."""

@@ -146,7 +146,7 @@ class CpuExpertExecutor:
 
     def graph_job(self, x: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor,
                   staging: HostStaging) -> GraphHostJob:
-        """Inside a piecewise decode graph's capture (engine/piecewise_graph.py): stage this layer's rows
+        """Inside a piecewise decode graph's capture (engine/runner/piecewise.py): stage this layer's rows
         into ``staging`` (frozen, shared by the graphs' layers) with the copies captured and no event;
         -> the job whose ``start`` / ``finish`` the graph runs at its two cuts on every replay."""
         inputs = staging.stage_inputs(x, topk_ids, weights, record=False)

@@ -24,7 +24,7 @@ and a CPU-only run needs no staging at all: the executor calls this only for dev
 The class itself also runs on CPU tensors (plain memory, no events), which is how its buffer logic
 is tested on machines without a device.
 
-Piecewise decode graphs (engine/piecewise_graph.py) capture the two copies inside their segments, so
+Piecewise decode graphs (engine/runner/piecewise.py) capture the two copies inside their segments, so
 the blocks must never move: the graph runner gives the executors a staging object of their own,
 ``frozen`` once it is reserved for the largest bucket (a later reservation that would reallocate
 raises instead), stages with ``record=False`` and records the events between replays (``mark_sent``).

@@ -36,10 +36,10 @@ warm-ups address slot -1 and count no routing statistics (engine/runner/graph_pa
 
 Host-RAM experts (``--cpu-offload``): the step is captured piecewise, cut at each MoE layer's host
 join, and the host hands the rows to the CPU workers and waits for them between the segments'
-replays (engine/piecewise_graph.py). A model without host experts is one segment, as before.
+replays (engine/runner/piecewise.py). A model without host experts is one segment, as before.
 
 Emulated capture (``GraphConfig.emulate``): on the CPU, the graphs are ``EmulatedGraph`` recordings
-(engine/emulated_graph.py) instead of direct calls: a replay re-issues the captured launches on the
+(engine/runner/emulated_graph.py) instead of direct calls: a replay re-issues the captured launches on the
 same tensors without the Python, as a GPU does, and counts as one launch in ``kernels.launch_count``.
 Tests and benchmarks ask for it; the default emulated device path keeps the direct calls (a capture
 runs the model three times, slow under the Triton interpreter).
@@ -62,9 +62,11 @@ from kimitui.engine.runner.graph_padding import PAD_SLOT, RoutingRows
 from kimitui.engine.kv_cache.state import KDAState
 from kimitui.engine.layers.attn_metadata import AttentionMetadata
 from kimitui.engine.offload.host_staging import HostStaging
-from kimitui.engine.piecewise_graph import SegmentedGraph, segmented_capture
+from kimitui.engine.runner.piecewise import SegmentedGraph, segmented_capture
 from kimitui.kernels import launch_count
 from kimitui.kernels.settings import KernelSettings
+from kimitui.engine.layers.moe import RoutedExperts
+from kimitui.engine.runner.emulated_graph import EmulatedGraph
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ class GraphConfig:
     max_blocks_per_seq: int
     block_size: int
     capture: bool  # True: torch.cuda.CUDAGraph; False: direct calls on the same static buffers
-    emulate: bool = False  # with capture False: EmulatedGraph recordings on the CPU (engine/emulated_graph.py)
+    emulate: bool = False  # with capture False: EmulatedGraph recordings on the CPU (engine/runner/emulated_graph.py)
 
     def __post_init__(self) -> None:
         if self.capture and self.emulate:
@@ -143,8 +145,6 @@ class DecodeGraphRunner:
         self.routing = RoutingRows(model, s, device)
         # MoE layers with host experts: the step is captured piecewise, cut at their joins, and their
         # copies use one pinned staging pair of the graphs' own (never reallocated once captured)
-        from kimitui.engine.layers.moe import RoutedExperts
-
         self.host_experts = [m for m in (model.modules() if model is not None else [])
                              if isinstance(m, RoutedExperts) and m.executor is not None]
         self.staging = HostStaging() if self.host_experts else None
@@ -320,8 +320,6 @@ class DecodeGraphRunner:
             self.staging.frozen = True
             self.staging.clear_output()  # what the capture reads in place of the host experts' result
         if self.cfg.emulate:
-            from kimitui.engine.emulated_graph import EmulatedGraph
-
             for _ in range(2):  # as on a GPU: lazy initialisations run before the capture
                 self._forward(b)
             graph, out = segmented_capture(EmulatedGraph, lambda: self._forward(b), self.host_experts,

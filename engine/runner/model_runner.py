@@ -114,7 +114,7 @@ class ModelRunner:
         slot ``spec_scratch_base + slot * num_spec_tokens + j`` holds sequence slot ``slot``'s state
         after its verified position ``j``. ``keep_hidden``: return the target's aux hidden states
         (``StepResult.hidden``) for a model drafter. ``emulate_graphs``: on a CPU, the decode graphs
-        are recorded and replayed (engine/emulated_graph.py) instead of called directly."""
+        are recorded and replayed (engine/runner/emulated_graph.py) instead of called directly."""
         self.model = model
         self.num_spec_tokens = num_spec_tokens
         self.spec_scratch_base = spec_scratch_base

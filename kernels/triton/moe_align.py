@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kimitui.kernels.triton.common import check_device
+from kimitui.kernels.triton.check import _version
 
 _ID_CHUNK = (128, 1024)  # pair ids histogrammed per loop step: all of a decode step's in one, 4 at 4096
 _PAIRS = 32  # pairs placed per program: a [32, 32] compare for the order inside the chunk
@@ -45,8 +46,6 @@ def native_ops() -> bool:
     forms (PORTABLE=True): a one-hot sum for each gather, and an unmasked histogram with the
     masked-out lanes (all put in bin 0) taken back out of bin 0.
     """
-    from kimitui.kernels.triton.check import _version
-
     return _version(getattr(triton, "__version__", "0")) >= (3, 4)
 
 

@@ -1,8 +1,8 @@
 """Piecewise decode graphs with host-RAM experts (``--cpu-offload``), on the emulated device path.
 
 With experts in host RAM a decode step used to run eagerly (the whole model, every launch from the
-host). Now it is captured in segments cut at each MoE layer's host join (engine/piecewise_graph.py).
-Here the capture is emulated (engine/emulated_graph.py: launches recorded, replayed on the same
+host). Now it is captured in segments cut at each MoE layer's host join (engine/runner/piecewise.py).
+Here the capture is emulated (engine/runner/emulated_graph.py: launches recorded, replayed on the same
 tensors without the Python, as a GPU replays a graph), in a child with ``KIMITUI_EMULATE_DEVICE=1
 TRITON_INTERPRET=1``. For Kimi K3 (demo-k3's layout: KDA layers, then MLA; latent MoE with MXFP4
 experts) and Kimi K2 (MLA, INT4 experts), each with part of every MoE layer's experts on the host:
@@ -62,7 +62,7 @@ def test_k3_piecewise_graphs_with_host_experts_match_eager(tmp_path):
 
     # demo-k3's layout: KDA layers 1-3 (1 dense, 2-3 MoE), then MLA layer 4 (MoE)
     write_k3_checkpoint(tmp_path, seed=3, num_layers=4, kda_layers=(1, 2, 3), full_attn_layers=(4,))
-    got = run_child("tests.engine.test_piecewise_graphs", str(tmp_path), "k3", "5")
+    got = run_child("tests.engine.runner.test_piecewise_graphs", str(tmp_path), "k3", "5")
     assert got["kda_layers"] > 0
     _check(got)
 
@@ -74,7 +74,7 @@ def test_k2_piecewise_graphs_with_host_experts_match_eager(tmp_path):
 
     hf = write_hf_checkpoint(tmp_path, seed=5, **K2_STRUCTURE)
     quantize_checkpoint(tmp_path, "int4", hf)
-    got = run_child("tests.engine.test_piecewise_graphs", str(tmp_path), "k2", "8")
+    got = run_child("tests.engine.runner.test_piecewise_graphs", str(tmp_path), "k2", "8")
     _check(got)
 
 

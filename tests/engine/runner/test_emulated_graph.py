@@ -1,14 +1,14 @@
-"""The CPU stand-in for CUDA graphs (engine/emulated_graph.py), the segmented capture built on it
-(engine/piecewise_graph.py) and the frozen host staging those graphs capture."""
+"""The CPU stand-in for CUDA graphs (engine/runner/emulated_graph.py), the segmented capture built on it
+(engine/runner/piecewise.py) and the frozen host staging those graphs capture."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kimitui.engine.emulated_graph import EmulatedGraph, GraphCaptureError
+from kimitui.engine.runner.emulated_graph import EmulatedGraph, GraphCaptureError
 from kimitui.engine.offload.host_staging import HostStaging
-from kimitui.engine.piecewise_graph import segmented_capture
+from kimitui.engine.runner.piecewise import segmented_capture
 from kimitui.kernels.launch_count import count_launches
 
 
