@@ -82,4 +82,8 @@ def make_proposer(config, target=None, model_dir=None) -> Proposer:
         from kimitui.engine.spec_decode.eagle3_proposer import Eagle3Proposer
 
         return Eagle3Proposer(config, target, model_dir=model_dir)
+    if config.method == "dspark":
+        from kimitui.engine.spec_decode.dspark_proposer import DSparkProposer
+
+        return DSparkProposer(config, target, model_dir=model_dir)
     raise ValueError(f"speculative_config: no proposer for method {config.method!r}")
