@@ -25,14 +25,19 @@ from kimitui.engine import LLM, SamplingParams
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "dspark_tiny"
 K = 7
-MAX_TOKENS = 24
 SPEC = {"method": "dspark", "num_speculative_tokens": K, "backoff": False}
 
 
 def _prompts():
-    from benchmarks.train_dspark_tiny import prompts
+    from benchmarks.train_dspark_tiny import EVAL_PROMPTS, prompts
 
-    return prompts(6, seed=99)
+    return prompts(*EVAL_PROMPTS)
+
+
+def _max_tokens():
+    from benchmarks.train_dspark_tiny import MAX_TOKENS
+
+    return MAX_TOKENS
 
 
 def _engine_run(drafter: Path | None, prompts, params):
@@ -72,18 +77,23 @@ def _reference(drafter_dir: Path, prompts):
     model.load_state_dict(sd, strict=True)
     drafted = accepted = 0
     outs = []
-    for p in prompts:
-        out, d, a = greedy_speculative(ref, model, p, MAX_TOKENS, K)
-        outs.append(out)
-        drafted += d
-        accepted += a
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny float64 ops: one thread is many times faster on a shared machine
+    try:
+        for p in prompts:
+            out, d, a = greedy_speculative(ref, model, p, _max_tokens(), K)
+            outs.append(out)
+            drafted += d
+            accepted += a
+    finally:
+        torch.set_num_threads(threads)
     return outs, accepted / drafted
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     prompts = _prompts()
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=_max_tokens(), ignore_eos=True)
     plain, _ = _engine_run(None, prompts, greedy)
     spec, stats = _engine_run(FIXTURE / "drafter", prompts, greedy)
     shifted, shifted_stats = _engine_run(_shifted(tmp_path_factory.mktemp("s")), prompts, greedy)
