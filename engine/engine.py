@@ -159,8 +159,10 @@ class LLMEngine:
             budget = min(budget, 1 << 30, psutil.virtual_memory().available // 10)
         if drafter is not None and a.kv_cache_tokens is None:
             # the drafter's KV lives on the same block ids: every block costs the target's and its bytes
+            # (the state slots of a hybrid target are not blocks: they keep their share)
             per_token = bytes_per_block(specs, 1)
-            budget = budget * per_token // (per_token + drafter.kv_bytes_per_token)
+            state = min(budget, bytes_of_state(specs, a.max_num_seqs + wanted_snapshots + spec_slots))
+            budget = state + (budget - state) * per_token // (per_token + drafter.kv_bytes_per_token)
         min_blocks = -(-self.max_model_len // a.block_size)
         # Snapshots only where they leave a max_model_len sequence its blocks (or all blocks asked for).
         snapshots = snapshots_for_budget(specs, a.block_size, int(budget), a.max_num_seqs,
@@ -178,8 +180,12 @@ class LLMEngine:
 
     def _drafter_footprint(self):
         """An EAGLE-3 drafter's weights and KV per token (engine.spec_decode.footprint), or None."""
-        if self.speculative is None or self.speculative.method != "eagle3":
+        if self.speculative is None or self.speculative.method not in ("eagle3", "dspark"):
             return None
+        if self.speculative.method == "dspark":  # a DSpark drafter's weights and per-layer context cache
+            from kimitui.engine.spec_decode.dspark import dspark_footprint
+
+            return dspark_footprint(self.speculative.model, self.config, self.dtype.itemsize)
         from kimitui.engine.spec_decode.footprint import drafter_footprint
 
         return drafter_footprint(self.speculative.model, self.config.hidden_size, self.config.vocab_size,

@@ -441,3 +441,29 @@ def param_count(cfg: DSparkConfig, own_embedding: bool) -> int:
     return total
 
 
+
+
+def dspark_footprint(model_dir, target_config, dtype_bytes: int):
+    """(weight bytes, context-cache bytes per token) of a DSpark drafter, from its config.json alone
+    (``embed_tokens`` counted when the checkpoint holds it: its size is read from the safetensors
+    header), for the memory plan."""
+    import json
+    from pathlib import Path
+
+    from kimitui.engine.spec_decode.footprint import DrafterFootprint
+
+    path = Path(model_dir)
+    try:
+        d = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"speculative_config.model: {path / 'config.json'} does not exist") from None
+    cfg = DSparkConfig.from_dict(d, target_config.num_hidden_layers, target_config.hidden_size,
+                                 target_config.vocab_size,
+                                 bool(getattr(target_config, "attn_res_block_size", None)))
+    own = False
+    for f in path.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            header = fh.read(int.from_bytes(fh.read(8), "little"))
+        own = own or b'embed_tokens.weight"' in header
+    return DrafterFootprint(param_count(cfg, own) * dtype_bytes,
+                            cfg.num_hidden_layers * cfg.cache_width * dtype_bytes)

@@ -43,6 +43,13 @@ def _greedy(path, prompts, spec=None, n=12):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
         stats = llm.engine.stats().spec_decode
+        if spec:  # the memory plan's count (config and header only) is the loaded drafter's
+            from kimitui.engine.spec_decode.dspark import dspark_footprint
+
+            d = llm.engine.proposer.drafter
+            fp = dspark_footprint(spec["model"], llm.engine.config, 4)
+            assert fp.weight_bytes == 4 * sum(p.numel() for p in d.parameters())
+            assert fp.kv_bytes_per_token == d.cache_bytes_per_token(torch.float32)
     return [o.outputs[0].token_ids for o in outs], stats
 
 
