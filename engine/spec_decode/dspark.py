@@ -219,26 +219,26 @@ class DSparkAttention(nn.Module):
         kv = self.kv_a_proj_with_mqa(x)
         return torch.cat((self.kv_a_layernorm(kv[:, :r]), self._rope(kv[:, None, r:], positions)[:, 0]), dim=-1)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, context: list[torch.Tensor], block: int
-                ) -> torch.Tensor:
-        """``x`` [S * block, hidden] (normed), sequence after sequence; ``context[s]`` [c_s, kv_lora + rope]:
-        sequence s's cached latent context. Every row sees its whole context and its whole block."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, context: torch.Tensor, valid: torch.Tensor,
+                block: int) -> torch.Tensor:
+        """``x`` [S * block, hidden] (normed), sequence after sequence; ``context`` [S, C, kv_lora + rope]:
+        each sequence's cached latent context, padded to C rows (``valid`` [S, C] marks the real ones).
+        Every row sees its whole context and its whole block: one padded attention call for all."""
         c, t, heads = self.cfg, x.shape[0], self.heads
         nope, rope, vd, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        s_n = t // block
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if c.q_lora_rank else self.q_proj(x)
         q = q.view(t, heads, nope + rope)
         q = torch.cat((q[..., :nope], self._rope(q[..., nope:], positions)), dim=-1)
-        own = self.latent(x, positions)  # [T, r + rope]
-        out = torch.empty(t, heads, vd, dtype=x.dtype, device=x.device)
-        for s, ctx in enumerate(context):
-            lat = torch.cat((ctx.to(x.dtype), own[s * block:(s + 1) * block]), dim=0)  # [n, r + rope]
-            n = lat.shape[0]
-            kvh = self.kv_b_proj(lat[:, :r]).view(n, heads, nope + vd)
-            k = torch.cat((kvh[..., :nope], lat[:, None, r:].expand(n, heads, rope)), dim=-1)
-            o = F.scaled_dot_product_attention(q[s * block:(s + 1) * block].transpose(0, 1), k.transpose(0, 1),
-                                               kvh[..., nope:].transpose(0, 1), scale=self.scale)
-            out[s * block:(s + 1) * block] = o.transpose(0, 1)
-        return self.o_proj(out.reshape(t, heads * vd))
+        own = self.latent(x, positions).view(s_n, block, -1)
+        lat = torch.cat((context.to(x.dtype), own), dim=1)  # [S, n, r + rope]
+        n = lat.shape[1]
+        kvh = self.kv_b_proj(lat[..., :r].reshape(s_n * n, r)).view(s_n, n, heads, nope + vd)
+        k = torch.cat((kvh[..., :nope], lat[:, :, None, r:].expand(s_n, n, heads, rope)), dim=-1)
+        mask = torch.cat((valid, valid.new_ones(s_n, block)), dim=1)[:, None, None, :]  # [S, 1, 1, n]
+        o = F.scaled_dot_product_attention(q.view(s_n, block, heads, -1).transpose(1, 2), k.transpose(1, 2),
+                                           kvh[..., nope:].transpose(1, 2), attn_mask=mask, scale=self.scale)
+        return self.o_proj(o.transpose(1, 2).reshape(t, heads * vd))
 
 
 class DSparkMLP(nn.Module):
@@ -267,8 +267,8 @@ class DSparkLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = DSparkMLP(cfg, dtype)
 
-    def forward(self, x, positions, context, block):
-        x = x + self.self_attn(self.input_layernorm(x), positions, context, block)
+    def forward(self, x, positions, context, valid, block):
+        x = x + self.self_attn(self.input_layernorm(x), positions, context, valid, block)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -360,17 +360,18 @@ class DSparkDrafter(nn.Module):
         """[T, layers, kv_lora + rope]: what each layer caches for those context rows."""
         return torch.stack([layer.self_attn.latent(feats, positions) for layer in self.layers], dim=1)
 
-    def block_hidden(self, anchors: torch.Tensor, first_positions: torch.Tensor, context: list[torch.Tensor],
-                     block: int) -> torch.Tensor:
-        """The block pass: ``anchors`` [S] (the token at ``first_positions[s]``), ``context[s]`` [c_s, layers,
-        width] (the latent context of positions 0 .. first_positions[s] - 1). -> final-normed hidden [S, K, H]."""
+    def block_hidden(self, anchors: torch.Tensor, first_positions: torch.Tensor, context: torch.Tensor,
+                     valid: torch.Tensor, block: int) -> torch.Tensor:
+        """The block pass: ``anchors`` [S] (the token at ``first_positions[s]``), ``context`` [S, C, layers,
+        width] (the latent context of positions 0 .. first_positions[s] - 1, padded to C rows; ``valid``
+        [S, C] marks the real ones). -> final-normed hidden [S, K, H]."""
         s_n = anchors.shape[0]
         ids = torch.full((s_n, block), self.config.mask_token_id, dtype=torch.int64, device=anchors.device)
         ids[:, 0] = anchors
         positions = (first_positions[:, None] + torch.arange(block, device=anchors.device)[None]).reshape(-1)
         x = self.embed(ids.reshape(-1))
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, [ctx[:, i] for ctx in context], block)
+            x = layer(x, positions, context[:, :, i], valid, block)
         return self.final_norm(x).view(s_n, block, -1)
 
     def markov_embed(self, prev: torch.Tensor) -> torch.Tensor:

@@ -111,8 +111,7 @@ class DSparkProposer:
 
     def _draft(self, seqs: list[Sequence], max_drafts: list[int]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in seqs]
-        live, anchors, firsts, context = [], [], [], []
-        flat = self.cache.view(-1, *self.cache.shape[2:])
+        live, anchors, firsts = [], [], []
         for i, (seq, k) in enumerate(zip(seqs, max_drafts)):
             first = seq.num_tokens - 1  # the anchor's position: the token just sampled
             if k < 1 or first < 1 or self._filled.get(seq.seq_id) != first:
@@ -120,11 +119,24 @@ class DSparkProposer:
             live.append(i)
             anchors.append(seq.last_token_id)
             firsts.append(first)
-            context.append(flat.index_select(0, self._slots(seq, 0, first)))
         if not live:
             return out
+        # every sequence's context slots, padded to the longest (padding reads slot 0, masked out)
+        width = max(firsts)
+        bs = self.block_size
+        tables = [seqs[i].block_table for i in live]
+        blocks = torch.zeros(len(live), -(-width // bs), dtype=torch.int64)
+        for r, table in enumerate(tables):
+            used = table[:-(-width // bs)]
+            blocks[r, :len(used)] = torch.tensor(used, dtype=torch.int64)
+        pos = torch.arange(width)
+        slots = (blocks[:, pos // bs] * bs + pos % bs).to(self.device)  # [S, C]
+        firsts_t = torch.tensor(firsts, device=self.device)
+        valid = pos.to(self.device)[None, :] < firsts_t[:, None]
+        flat = self.cache.view(-1, *self.cache.shape[2:])
+        context = flat.index_select(0, slots.reshape(-1)).view(len(live), width, *self.cache.shape[2:])
         anchor_t = torch.tensor(anchors, dtype=torch.int64, device=self.device)
-        hidden = self.drafter.block_hidden(anchor_t, torch.tensor(firsts, device=self.device), context, self.block)
+        hidden = self.drafter.block_hidden(anchor_t, firsts_t, context, valid, self.block)
         temps = top_k = top_p = gens = None
         if self.probabilistic:
             params = [seqs[i].sampling_params for i in live]
