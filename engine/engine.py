@@ -385,8 +385,10 @@ class LLMEngine:
             return
         budgets = self.backoff.budgets(seqs, caps)  # engine.spec_decode.backoff: recent acceptance, batch size
         drafts = self.proposer.propose(seqs, budgets, result.hidden)
+        probs = getattr(self.proposer, "draft_probs", None)  # sampled drafts' q, for the verification
         for seq, d, k in zip(seqs, drafts, budgets):
             seq.spec_token_ids = list(d[:k])
+            seq.spec_draft_probs = probs.pop(seq.seq_id, None) if probs else None
 
     def _retire(self, processed: ProcessedStep) -> None:
         for rid in processed.stop:  # stop strings are found in text, after the scheduler's checks

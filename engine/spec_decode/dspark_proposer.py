@@ -10,8 +10,9 @@ every sequence that decodes next: the anchor (the token just sampled, position p
 head picks the drafts left to right, greedily or, under ``draft_sample_method: "probabilistic"``, by
 sampling each from the request's own distribution (temperature, top-k, top-p).
 
-Verification is the engine's usual step: drafts are verified as the chain they are, sampled drafts
-as one-hot guesses (exact for any guess: accept with p(x), else draw from p without x). With
+Verification is the engine's usual step: drafts are verified as the chain they are; sampled drafts
+come with the distributions q they were drawn from (``draft_probs``, which the engine passes to the
+rejection sampler: accept x with min(1, p(x) / q(x)), else draw from max(0, p - q)). With
 ``backoff`` on (the default) the confidence head also cuts each block where the expected gain of the
 next draft falls under ``dspark.MIN_PREDICTED_GAIN``. KDA state rollback is the runner's, as for
 every proposer.
@@ -56,6 +57,9 @@ class DSparkProposer:
         self._filled: dict[str, int] = {}  # seq_id -> positions 0..n-1 hold context KV
         self._finished: set[str] = set()
         self._generators: dict[str, torch.Generator] = {}
+        # seq_id -> [block, V]: the distributions this step's sampled drafts were drawn from; the
+        # engine hands them to the verification (taken by the engine after each propose)
+        self.draft_probs: dict[str, torch.Tensor] = {}
 
     def bind_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the drafter's context cache for the target's ``num_blocks`` blocks of ``block_size``."""
@@ -153,8 +157,11 @@ class DSparkProposer:
             lengths = torch.minimum(lengths, confident_length(blk.confidence))
         flat_out = torch.cat((lengths, blk.tokens.reshape(-1))).tolist()  # the one host sync
         n = len(live)
+        self.draft_probs.clear()
         for a, i in enumerate(live):
             out[i] = flat_out[n + a * self.block: n + a * self.block + flat_out[a]]
+            if blk.probs is not None and seqs[i].sampling_params.temperature > 0:
+                self.draft_probs[seqs[i].seq_id] = blk.probs[a]
         return out
 
     def _generator(self, seq_id: str, seed: int | None) -> torch.Generator | None:
