@@ -10,7 +10,7 @@ as vLLM's V0 engine read it), so a recipe's JSON pastes unchanged:
   (10000), ``suffix_decoding_max_spec_factor`` (1.0), ``suffix_decoding_min_token_prob`` (0.1).
 - ``draft_sample_method``: ``greedy`` (drafts are the drafter's argmax, verified as one-hot guesses);
   ``probabilistic`` (dspark: each draft sampled from the drafter's distribution at the request's
-  temperature / top-k / top-p; still verified as a one-hot guess, which is exact for any guess).
+  temperature / top-k / top-p; the verification gets the draft distributions).
 - ``rejection_sample_method``: ``standard`` (per-token rejection sampling, exact for every setting);
   ``block`` is accepted so vLLM's DSpark recipe pastes unchanged, and verified by the same exact
   per-token rule (block verification's longer accepted runs are not implemented here).
