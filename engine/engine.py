@@ -179,7 +179,8 @@ class LLMEngine:
         return KVCachePool(specs, num_blocks, a.block_size, a.max_num_seqs, self.device, snapshots, spec_slots)
 
     def _drafter_footprint(self):
-        """An EAGLE-3 drafter's weights and KV per token (engine.spec_decode.footprint), or None."""
+        """A model drafter's weights and KV per token (EAGLE-3: engine.spec_decode.footprint; DSpark:
+        engine.spec_decode.dspark.dspark_footprint), or None."""
         if self.speculative is None or self.speculative.method not in ("eagle3", "dspark"):
             return None
         if self.speculative.method == "dspark":  # a DSpark drafter's weights and per-layer context cache
