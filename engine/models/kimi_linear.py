@@ -30,7 +30,7 @@ from kimitui.engine.layers.latent_moe import KimiMoE
 from kimitui.engine.layers.mla import MLAttention
 from kimitui.engine.layers.mlp import MLP
 from kimitui.engine.layers.norm import RMSNorm
-from kimitui.engine.models.registry import WeightTarget
+from kimitui.engine.registry import WeightTarget
 from kimitui.engine.parallel.state import SINGLE, ParallelState
 from kimitui.kernels.backend import REFERENCE, Backend, attach_backends
 from kimitui.kernels.settings import KernelSettings

@@ -396,7 +396,7 @@ class DSparkDrafter(nn.Module):
                 conf[:, j] = torch.sigmoid(self.confidence_head.proj(feat).float()[:, 0] + self.confidence_head.proj.bias.float())
             nxt = step.argmax(dim=-1)
             if sampled:
-                from kimitui.engine.layers.sampler import apply_top_k_top_p
+                from kimitui.engine.sampling.sampler import apply_top_k_top_p
 
                 temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
                 scaled = step / temp[:, None]

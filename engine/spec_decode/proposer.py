@@ -4,7 +4,7 @@ After a step's tokens are applied, the engine calls ``propose`` once with every 
 that will decode next (exactly one uncomputed token: the last sampled one). A proposer returns, per
 sequence, up to ``max_drafts[i]`` token ids that it guesses follow ``seq.token_ids``; an empty list
 means "no guess" and that sequence decodes one token as usual. The next step verifies every draft
-of every sequence together (engine/runner.py), accepts a prefix of each (engine/spec_decode/rejection.py)
+of every sequence together (engine/runner/model_runner.py), accepts a prefix of each (engine/spec_decode/rejection.py)
 and rolls back what the rejected positions touched.
 
 Draft tokens are deterministic guesses (one-hot draft distributions), which is what the n-gram and

@@ -23,7 +23,7 @@ def test_serve_with_vllm_dspark_recipe(tmp_path_factory, layout):
     xdg = os.environ.get("XDG_CACHE_HOME") or str(tmp_path_factory.getbasetemp() / "xdg")
     env = {**os.environ, "XDG_CACHE_HOME": xdg}
     os.environ.setdefault("XDG_CACHE_HOME", xdg)
-    from kimitui.engine.demo_k3 import ensure_demo_k3_checkpoint
+    from kimitui.engine.demo.k3 import ensure_demo_k3_checkpoint
 
     target = ensure_demo_k3_checkpoint()
     drafter = write_tiny_dspark(tmp_path_factory.mktemp("drafter"), target, layout, seed=2,
