@@ -40,6 +40,7 @@ from kimitui.engine.sequence import Sequence
 from kimitui.engine.spec_decode.select import make_proposer
 from kimitui.engine.spec_decode.speculation import Speculation
 from kimitui.engine.text.tokenizer import Tokenizer, TokenizerError
+from kimitui.engine.spec_decode.dspark import dspark_footprint
 from kimitui.engine.spec_decode.footprint import drafter_footprint
 from kimitui.engine.plan.routing_stats import save_routing_stats
 from kimitui.engine.demo import demo_checkpoint
@@ -181,8 +182,10 @@ class LLMEngine:
             budget = min(budget, 1 << 30, psutil.virtual_memory().available // 10)
         if drafter is not None and a.kv_cache_tokens is None:
             # the drafter's KV lives on the same block ids: every block costs the target's and its bytes
+            # (the state slots of a hybrid target are not blocks: they keep their share)
             per_token = bytes_per_block(specs, 1)
-            budget = budget * per_token // (per_token + drafter.kv_bytes_per_token)
+            state = min(budget, bytes_of_state(specs, a.max_num_seqs + wanted_snapshots + spec_slots))
+            budget = state + (budget - state) * per_token // (per_token + drafter.kv_bytes_per_token)
         min_blocks = -(-self.max_model_len // a.block_size)
         # Snapshots only where they leave a max_model_len sequence its blocks (or all blocks asked for).
         snapshots = snapshots_for_budget(specs, a.block_size, int(budget), a.max_num_seqs,
@@ -199,10 +202,12 @@ class LLMEngine:
         return CacheShape(num_blocks, a.max_num_seqs, snapshots, spec_slots, self.num_spec_tokens)
 
     def _drafter_footprint(self):
-        """An EAGLE-3 drafter's weights and KV per token (engine.spec_decode.footprint), or None."""
-        if self.speculative is None or self.speculative.method != "eagle3":
+        """A model drafter's weights and KV per token (EAGLE-3: engine.spec_decode.footprint; DSpark:
+        engine.spec_decode.dspark.dspark_footprint), or None."""
+        if self.speculative is None or self.speculative.method not in ("eagle3", "dspark"):
             return None
-
+        if self.speculative.method == "dspark":  # a DSpark drafter's weights and per-layer context cache
+            return dspark_footprint(self.speculative.model, self.config, self.dtype.itemsize)
         return drafter_footprint(self.speculative.model, self.config.hidden_size, self.config.vocab_size,
                                  self.dtype.itemsize)
 

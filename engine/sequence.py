@@ -57,6 +57,7 @@ class Sequence:
         "block_table",
         "state_slot",
         "spec_token_ids",
+        "spec_draft_probs",
         "status",
         "finish_reason",
         "arrival_time",
@@ -85,6 +86,8 @@ class Sequence:
         # Speculative decoding: tokens a proposer guessed follow ``token_ids``; the next step
         # verifies them. They are not part of the sequence until accepted.
         self.spec_token_ids: list[int] = []
+        # [>= len(spec_token_ids), V] the distributions sampled drafts were drawn from (None: one-hot)
+        self.spec_draft_probs = None
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -148,9 +148,16 @@ class KimiLinearModel(nn.Module):
         if self.attn_res:
             self.output_attn_res_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
             self.output_attn_res_proj = AttnResProj(c.hidden_size, dtype)
+        # Block drafters (DSpark) read a few layers' hidden states (see set_aux_hidden_layers); None
+        # keeps the plain loop, so a model without a drafter pays nothing.
+        self.aux_layers: tuple[int, ...] | None = None
+        self.aux_stream = "prefix"
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        if self.aux_layers is not None:
+            return self._forward_capturing(h, meta, caches)
         last = len(self.layers) - 1
         if not self.attn_res:
             for i, (layer, cache) in enumerate(zip(self.layers, caches)):
@@ -159,6 +166,53 @@ class KimiLinearModel(nn.Module):
         blocks = DepthBlocks.for_model(len(self.layers), self.layers[0].block_size, h)
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             h, blocks = layer.forward_attn_res(h, blocks, meta, cache, last=i == last)
+        out, _ = self.ops.attn_res_mix_norm(h, blocks.buf, blocks.n, self.output_attn_res_norm.weight,
+                                            self.output_attn_res_norm.eps, self.output_attn_res_proj.weight,
+                                            self.norm.weight, self.norm.eps)
+        return out
+
+
+    def _forward_capturing(self, h: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:
+        """``forward`` that also leaves ``aux_hidden`` [T, len(aux_layers) * D]: for each capture id k
+        (ascending), the hidden state entering layer k for every row of the step (k = 0: the embedding,
+        k = L: after the last layer). With attention residuals it is, by ``aux_stream``, the running
+        block sum (``prefix``) or the AttnRes mix layer k's attention reads, before its norm
+        (``attn_res``; for k = L the model's output mix before the final norm). When k = L is captured
+        the last layer computes every row and the rows to keep are taken after it."""
+        from kimitui.kernels.reference import attn_res_mix
+
+        ids, n_layers, d = self.aux_layers, len(self.layers), h.shape[-1]
+        aux = h.new_empty(h.shape[0], len(ids) * d)
+        cols = {k: aux[:, j * d:(j + 1) * d] for j, k in enumerate(ids)}
+        take_after = n_layers in cols and meta.out_rows is not None
+        blocks = DepthBlocks.for_model(n_layers, self.layers[0].block_size, h) if self.attn_res else None
+
+        def capture(k: int) -> None:
+            if blocks is not None and self.aux_stream == "attn_res" and blocks.n:
+                if k < n_layers:
+                    norm, proj = self.layers[k].self_attention_res_norm, self.layers[k].self_attention_res_proj
+                else:
+                    norm, proj = self.output_attn_res_norm, self.output_attn_res_proj
+                cols[k].copy_(attn_res_mix(h, list(blocks.filled), norm.weight, norm.eps, proj.weight))
+            else:
+                cols[k].copy_(h)
+
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            if i in cols:
+                capture(i)
+            last = i == n_layers - 1 and not take_after
+            if blocks is None:
+                h = layer(h, meta, cache, last=last)
+            else:
+                h, blocks = layer.forward_attn_res(h, blocks, meta, cache, last=last)
+        if n_layers in cols:
+            capture(n_layers)
+        if take_after:
+            h = h.index_select(0, meta.out_rows)
+            blocks = blocks.select_rows(meta.out_rows) if blocks is not None else None
+        self.aux_hidden = aux
+        if blocks is None:
+            return self.norm(h)
         out, _ = self.ops.attn_res_mix_norm(h, blocks.buf, blocks.n, self.output_attn_res_norm.weight,
                                             self.output_attn_res_norm.eps, self.output_attn_res_proj.weight,
                                             self.norm.weight, self.norm.eps)
@@ -187,6 +241,30 @@ class KimiLinearForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, V] fp32
+
+    def set_aux_hidden_layers(self, layer_ids, stream: str = "prefix") -> None:
+        """Keep, after each forward, the hidden states a block drafter reads in ``aux_hidden``: for each
+        capture id k (0..num_hidden_layers) the state entering layer k (layer k - 1's output), from the
+        AttnRes ``stream`` (``prefix`` or ``attn_res``, see ``KimiLinearModel._forward_capturing``). Ids
+        are kept in ascending order. None (or empty) turns capturing off."""
+        if not layer_ids:
+            self.model.aux_layers = self.model.aux_hidden = None
+            return
+        n = self.config.num_hidden_layers
+        ids = sorted(int(k) for k in layer_ids)
+        if len(set(ids)) != len(ids) or not all(0 <= k <= n for k in ids):
+            raise ValueError(f"aux hidden layer ids must be distinct and in 0..{n} (the target has {n} layers), "
+                             f"got {list(layer_ids)}")
+        if stream not in ("prefix", "attn_res"):
+            raise ValueError(f"aux hidden stream {stream!r}: supported prefix, attn_res")
+        if stream == "attn_res" and not self.model.attn_res:
+            raise ValueError("aux hidden stream 'attn_res' needs a model with attention residuals")
+        self.model.aux_layers, self.model.aux_stream, self.model.aux_hidden = tuple(ids), stream, None
+
+    @property
+    def aux_hidden(self) -> torch.Tensor | None:
+        """The last forward's aux hidden states [T, n_aux * hidden] (None when capturing is off)."""
+        return self.model.aux_hidden
 
     def post_load(self, ops: Backend) -> None:
         """Once the weights are in and every module has its backend: derived weights, the experts' layout."""

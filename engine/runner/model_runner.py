@@ -382,7 +382,8 @@ class ModelRunner:
             if any(has_penalties(p) for p in params):
                 batch.penalties = penalty_rows(sample_seqs, drafts, logits.shape[-1], self.device)
             if drafts is not None:  # some decode verifies drafts: one row per position, the rule decides
-                outs, lp_lists = verify_and_logprobs(logits, drafts, batch, params)  # the one host sync
+                outs, lp_lists = verify_and_logprobs(logits, drafts, batch, params,  # the one host sync
+                                                     _draft_probs(sample_seqs, drafts, logits.shape[-1]))
                 for j, s in enumerate(sample_seqs):
                     spec = bool(s.spec_token_ids)
                     result.sampled[pos[id(s)]] = outs[j] if spec else outs[j][0]
@@ -467,6 +468,25 @@ class ModelRunner:
             gen.manual_seed(seed)
             self._generators[seq_id] = gen
         return gen
+
+
+def _draft_probs(sample_seqs, drafts: list[list[int]], vocab: int) -> torch.Tensor | None:
+    """[sum k_i, V] the draft distributions of this step's drafts, one-hot rows for drafts without
+    one (deterministic proposers); None when no sequence brought any (the one-hot rule then)."""
+    if not any(d and getattr(s.seq, "spec_draft_probs", None) is not None for s, d in zip(sample_seqs, drafts)):
+        return None
+    rows = []
+    for s, d in zip(sample_seqs, drafts):
+        if not d:
+            continue
+        q = getattr(s.seq, "spec_draft_probs", None)
+        if q is not None and q.shape[0] >= len(d) and q.shape[-1] == vocab:
+            rows.append(q[:len(d)].float())
+        else:
+            ids = torch.tensor(d, dtype=torch.int64)
+            rows.append(torch.nn.functional.one_hot(ids, vocab).float())
+    device = next((r.device for r in rows if r.device.type != "cpu"), rows[0].device)
+    return torch.cat([r.to(device) for r in rows])
 
 
 def _copy_state_slots(states: list[KDAState], src: torch.Tensor, dst: torch.Tensor) -> None:

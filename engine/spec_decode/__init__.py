@@ -5,6 +5,8 @@
 - ``ngram.py`` / ``suffix.py`` (+ ``suffix_global.py``, ``history.py``): draft-model-free proposers
   (prompt lookup, suffix decoding) over per-request token arrays.
 - ``eagle3*.py``: EAGLE-3 drafters over a Kimi K2.x target's hidden states.
+- ``dspark*.py``: DSpark block drafters over a Kimi K3 / Kimi Linear target's tapped hidden states
+  (drafter and memory footprint, checkpoint loader, proposer).
 - ``rejection.py``: the verification rule (greedy, and standard rejection sampling otherwise);
   ``verify.py``: the verification step's logits -> tokens and log-probs, and the KDA per-position layout.
 - ``footprint.py``: what speculation adds to the memory plan.

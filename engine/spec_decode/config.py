@@ -3,13 +3,17 @@
 Keys with vLLM's names, meanings and defaults (``vllm/config/speculative.py``; ``disable_by_batch_size``
 as vLLM's V0 engine read it), so a recipe's JSON pastes unchanged:
 
-- ``method``: ``ngram``, ``suffix``, ``eagle3``; ``num_speculative_tokens``; ``model`` (the drafter
-  checkpoint, eagle3); ``draft_tensor_parallel_size`` (the drafter runs on rank 0 whatever it says).
+- ``method``: ``ngram``, ``suffix``, ``eagle3``, ``dspark``; ``num_speculative_tokens`` (dspark: the
+  block width); ``model`` (the drafter checkpoint, eagle3 and dspark); ``draft_tensor_parallel_size`` (the drafter runs on rank 0 whatever it says).
 - ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram; one given sets the other, none gives 5 and 5).
 - the suffix tree's ``suffix_decoding_max_tree_depth`` (24), ``suffix_decoding_max_cached_requests``
   (10000), ``suffix_decoding_max_spec_factor`` (1.0), ``suffix_decoding_min_token_prob`` (0.1).
-- ``draft_sample_method``: ``greedy`` (drafts are the drafter's argmax, verified as one-hot guesses).
-- ``rejection_sample_method``: ``standard`` (per-token rejection sampling, exact for every setting).
+- ``draft_sample_method``: ``greedy`` (drafts are the drafter's argmax, verified as one-hot guesses);
+  ``probabilistic`` (dspark: each draft sampled from the drafter's distribution at the request's
+  temperature / top-k / top-p; the verification gets the draft distributions).
+- ``rejection_sample_method``: ``standard`` (per-token rejection sampling, exact for every setting);
+  ``block`` is accepted so vLLM's DSpark recipe pastes unchanged, and verified by the same exact
+  per-token rule (block verification's longer accepted runs are not implemented here).
 - ``disable_by_batch_size``: no drafts in a step whose batch holds more than this many sequences.
 - ``eagle_aux_hidden_state_layer_ids``: the target layers an EAGLE-3 drafter reads, overriding its
   config; ``eagle_aux_hidden_state_layer_convention`` (ours): ``input`` (id k = the hidden state
@@ -31,16 +35,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram", "suffix", "eagle3")
-DRAFT_SAMPLE_METHODS = ("greedy",)
-REJECTION_SAMPLE_METHODS = ("standard",)
+METHODS = ("ngram", "suffix", "eagle3", "dspark")
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+REJECTION_SAMPLE_METHODS = ("standard", "block")
 AUX_CONVENTIONS = ("input", "output")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 # vLLM's other methods and values, named so the error says they are known but not built here
-_KNOWN_ELSEWHERE = {"method": ("dspark", "dflash", "eagle", "medusa", "mlp_speculator", "draft_model", "mtp",
+_KNOWN_ELSEWHERE = {"method": ("dflash", "eagle", "medusa", "mlp_speculator", "draft_model", "mtp",
                                "ngram_gpu", "custom_class"),
-                    "draft_sample_method": ("probabilistic",),
-                    "rejection_sample_method": ("block", "synthetic")}
+                    "rejection_sample_method": ("synthetic",)}
 
 
 def _choice(key: str, value, supported: tuple[str, ...]) -> None:
@@ -93,12 +96,15 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: need 1 <= prompt_lookup_min ({lo}) <= prompt_lookup_max ({hi})")
             set_("prompt_lookup_min", lo)
             set_("prompt_lookup_max", hi)
-        if self.method == "eagle3" and not self.model:
-            raise ValueError("speculative_config: method 'eagle3' needs model (the drafter checkpoint directory)")
+        if self.method in ("eagle3", "dspark") and not self.model:
+            raise ValueError(f"speculative_config: method {self.method!r} needs model (the drafter checkpoint directory)")
         if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
             raise ValueError("speculative_config: suffix_decoding_max_tree_depth must be >= 1 and "
                              "suffix_decoding_max_cached_requests >= 0")
         _choice("draft_sample_method", self.draft_sample_method, DRAFT_SAMPLE_METHODS)
+        if self.draft_sample_method == "probabilistic" and self.method != "dspark":
+            raise ValueError(f"speculative_config: draft_sample_method 'probabilistic' applies to method dspark "
+                             f"here, not {self.method!r} (supported for {self.method!r}: greedy)")
         _choice("rejection_sample_method", self.rejection_sample_method, REJECTION_SAMPLE_METHODS)
         if self.disable_by_batch_size is not None and (not _is_int(self.disable_by_batch_size)
                                                        or self.disable_by_batch_size < 1):

@@ -14,8 +14,8 @@ every sampling setting without the drafter's probabilities.
 Plugging in another drafter:
 - chain drafters (EAGLE-like, a draft model): implement ``propose``; set ``needs_hidden`` to receive
   the target's auxiliary hidden states (``StepHidden``) of the step that was just verified.
-- block drafters (DFlash, DSpark: a whole block of drafts from one drafter pass) fit the same call:
-  return the block as the list.
+- block drafters (DSpark, dspark_proposer.py: a whole block of drafts from one drafter pass) fit the
+  same call: return the block as the list.
 - tree drafts need a tree attention mask in the verification step; the interface leaves room (a
   proposer could return a tree), but today's verification step takes one chain per sequence.
 """

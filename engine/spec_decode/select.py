@@ -3,6 +3,7 @@ from the interface (``proposer.py``), which every proposer imports."""
 
 from __future__ import annotations
 
+from kimitui.engine.spec_decode.dspark_proposer import DSparkProposer
 from kimitui.engine.spec_decode.eagle3_proposer import Eagle3Proposer
 from kimitui.engine.spec_decode.ngram import NgramProposer
 from kimitui.engine.spec_decode.proposer import Proposer
@@ -22,4 +23,6 @@ def make_proposer(config, target=None, model_dir=None) -> Proposer:
                               min_token_prob=config.suffix_decoding_min_token_prob)
     if config.method == "eagle3":
         return Eagle3Proposer(config, target, model_dir=model_dir)
+    if config.method == "dspark":
+        return DSparkProposer(config, target, model_dir=model_dir)
     raise ValueError(f"speculative_config: no proposer for method {config.method!r}")

@@ -47,8 +47,10 @@ class Speculation:
             return
         budgets = self.backoff.budgets(seqs, caps)  # engine.spec_decode.backoff: recent acceptance, batch size
         drafts = self.proposer.propose(seqs, budgets, hidden)
+        probs = getattr(self.proposer, "draft_probs", None)  # sampled drafts' q, for the verification
         for seq, d, k in zip(seqs, drafts, budgets):
             seq.spec_token_ids = list(d[:k])
+            seq.spec_draft_probs = probs.pop(seq.seq_id, None) if probs else None
 
     def finish(self, request_id: str) -> None:
         """``request_id`` finished or was aborted: drop what was kept for it."""

@@ -40,14 +40,15 @@ def test_values_land_where_they_mean_something():
 
 
 @pytest.mark.parametrize("value, needle", [
-    ({"method": "dspark", "num_speculative_tokens": 7}, "method 'dspark' (vLLM's, not supported here): "
-                                                         "supported ngram, suffix, eagle3"),
+    ({"method": "dflash", "num_speculative_tokens": 7}, "method 'dflash' (vLLM's, not supported here): "
+                                                         "supported ngram, suffix, eagle3, dspark"),
     ({"method": "medusa", "num_speculative_tokens": 3}, "method 'medusa'"),
     ({"method": "bogus", "num_speculative_tokens": 3}, "method 'bogus': supported ngram, suffix, eagle3"),
     ({"method": "eagle3", "model": "d", "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"},
-     "draft_sample_method 'probabilistic' (vLLM's, not supported here): supported greedy"),
-    ({"method": "ngram", "num_speculative_tokens": 3, "rejection_sample_method": "block"},
-     "rejection_sample_method 'block' (vLLM's, not supported here): supported standard"),
+     "draft_sample_method 'probabilistic' applies to method dspark here, not 'eagle3' (supported for 'eagle3': "
+     "greedy)"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic"},
+     "rejection_sample_method 'synthetic' (vLLM's, not supported here): supported standard, block"),
     ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}, "disable_by_batch_size must be"),
     ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": True}, "disable_by_batch_size must be"),
     ({"method": "ngram", "num_speculative_tokens": 3, "eagle_aux_hidden_state_layer_ids": [1]},
