@@ -8,7 +8,7 @@ continuations are chaotic: no small model generalises to them in minutes, but th
 them from the target's taps, which is what the tests need (with the taps shifted by one layer the
 same weights see other states and acceptance collapses).
 
-The drafter is the plain-PyTorch DSpark of tests/helpers/dspark_reference.py in
+The drafter is the plain-PyTorch DSpark of tests/helpers/spec/dspark_reference.py in
 lightseekorg/kimi-k3-dspark's layout (``fc_norm``, the ``attn_res`` stream, its own ``embed_tokens``
 copied from the target, the target's LM head shared); its taps come from the naive float64 K3
 forward. It is trained as speculators' DSpark trainer does it, teacher-forced on anchored blocks:
@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from tests.helpers.dspark_checkpoint import dspark_config, write_dspark_checkpoint  # noqa: E402
-from tests.helpers.dspark_reference import RefDSpark, target_taps  # noqa: E402
+from tests.helpers.spec.dspark_checkpoint import dspark_config, write_dspark_checkpoint  # noqa: E402
+from tests.helpers.spec.dspark_reference import RefDSpark, target_taps  # noqa: E402
 from tests.helpers.k3_checkpoint import write_k3_checkpoint  # noqa: E402
 from tests.helpers.k3_reference import K3Reference  # noqa: E402
 

@@ -37,6 +37,7 @@ from kimitui.engine.models.common import derive_weights, prepare_experts, routin
 from kimitui.engine.layers.kda import KDAConfig
 from kimitui.engine.kv_cache.state import KDAStateSpec
 from kimitui.engine.layers.kda import KimiDeltaAttention
+from kimitui.kernels.reference import attn_res_mix
 
 # checkpoint MoE spellings -> module names: K3 and transformers' save_pretrained write the MoE (and
 # Kimi Linear's dense first layer) under block_sparse_moe., experts as w1 (gate), w3 (up), w2 (down)
@@ -179,8 +180,6 @@ class KimiLinearModel(nn.Module):
         block sum (``prefix``) or the AttnRes mix layer k's attention reads, before its norm
         (``attn_res``; for k = L the model's output mix before the final norm). When k = L is captured
         the last layer computes every row and the rows to keep are taken after it."""
-        from kimitui.kernels.reference import attn_res_mix
-
         ids, n_layers, d = self.aux_layers, len(self.layers), h.shape[-1]
         aux = h.new_empty(h.shape[0], len(ids) * d)
         cols = {k: aux[:, j * d:(j + 1) * d] for j, k in enumerate(ids)}

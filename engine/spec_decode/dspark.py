@@ -46,6 +46,10 @@ from kimitui.engine.layers.linear import Linear
 from kimitui.engine.layers.norm import RMSNorm
 from kimitui.engine.layers.rope import yarn_inv_freq
 from kimitui.engine.spec_decode.eagle3_mla import rope_interleaved
+import json
+from pathlib import Path
+from kimitui.engine.spec_decode.footprint import DrafterFootprint
+from kimitui.engine.sampling.sampler import apply_top_k_top_p
 
 ARCHITECTURES = ("K3DSparkModel",)
 AUX_STREAMS = ("prefix", "attn_res")
@@ -396,8 +400,6 @@ class DSparkDrafter(nn.Module):
                 conf[:, j] = torch.sigmoid(self.confidence_head.proj(feat).float()[:, 0] + self.confidence_head.proj.bias.float())
             nxt = step.argmax(dim=-1)
             if sampled:
-                from kimitui.engine.sampling.sampler import apply_top_k_top_p
-
                 temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
                 scaled = step / temp[:, None]
                 if top_k is not None or top_p is not None:
@@ -448,10 +450,7 @@ def dspark_footprint(model_dir, target_config, dtype_bytes: int):
     """(weight bytes, context-cache bytes per token) of a DSpark drafter, from its config.json alone
     (``embed_tokens`` counted when the checkpoint holds it: its size is read from the safetensors
     header), for the memory plan."""
-    import json
-    from pathlib import Path
 
-    from kimitui.engine.spec_decode.footprint import DrafterFootprint
 
     path = Path(model_dir)
     try:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from kimitui.engine.spec_decode.dspark import DSparkConfig, DSparkDrafter
+from safetensors import safe_open
 
 
 def checkpoint_name(name: str) -> str:
@@ -43,8 +44,6 @@ def read_config(path: str | Path, target_config) -> DSparkConfig:
 
 def load_dspark(path: str | Path, target_config, device: torch.device | str, dtype: torch.dtype) -> DSparkDrafter:
     """Load a DSpark drafter checkpoint (any float dtype on disk) on ``device`` in ``dtype``."""
-    from safetensors import safe_open
-
     path = Path(path)
     cfg = read_config(path, target_config)
     files = sorted(path.glob("*.safetensors"))

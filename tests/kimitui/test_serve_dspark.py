@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers.dspark_checkpoint import write_tiny_dspark
+from tests.helpers.spec.dspark_checkpoint import write_tiny_dspark
 
 
 @pytest.mark.parametrize("layout", ["lightseek", "inferact"])

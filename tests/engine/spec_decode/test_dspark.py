@@ -12,7 +12,7 @@ import torch
 
 from kimitui.engine import LLM, SamplingParams
 from kimitui.engine.spec_decode.config import SpeculativeConfig
-from tests.helpers.dspark_checkpoint import LAYOUTS, dspark_config, dspark_tensors, write_dspark_checkpoint, write_tiny_dspark
+from tests.helpers.spec.dspark_checkpoint import LAYOUTS, dspark_config, dspark_tensors, write_dspark_checkpoint, write_tiny_dspark
 from tests.helpers.k3_checkpoint import write_k3_checkpoint
 
 RECIPE = {"method": "dspark", "num_speculative_tokens": 7, "draft_sample_method": "probabilistic",
@@ -102,7 +102,7 @@ def test_bad_checkpoints_fail_in_one_line(target, tmp_path):
 @pytest.mark.parametrize("stream", ["prefix", "attn_res"])
 def test_target_taps_are_the_reference_states(target, stream):
     """The engine's captured taps (capture id k = layer k - 1's output) against the naive float64 K3."""
-    from tests.helpers.dspark_reference import target_taps
+    from tests.helpers.spec.dspark_reference import target_taps
     from tests.helpers.hybrid_driver import HybridDriver
     from tests.helpers.k3_reference import K3Reference
 

@@ -3,7 +3,7 @@ tiny Kimi K3 target and a DSpark drafter in lightseekorg/kimi-k3-dspark's layout
 target's own greedy outputs.
 
 - kimitui's acceptance equals (within 2 points) the acceptance that the independent implementation
-  (tests/helpers/dspark_reference.py over the naive float64 K3 forward) measures on the same files;
+  (tests/helpers/spec/dspark_reference.py over the naive float64 K3 forward) measures on the same files;
 - the same weights with every tap shifted by one layer lose at least 10 points (the test can fail:
   the taps are wired);
 - greedy output is the target's with and without drafting;
@@ -61,7 +61,7 @@ def _shifted(tmp_path) -> Path:
 def _reference(drafter_dir: Path, prompts):
     from safetensors.torch import load_file
 
-    from tests.helpers.dspark_reference import RefDSpark, greedy_speculative
+    from tests.helpers.spec.dspark_reference import RefDSpark, greedy_speculative
     from tests.helpers.k3_reference import K3Reference
 
     target_cfg = json.loads((FIXTURE / "target" / "config.json").read_text())
