@@ -91,6 +91,8 @@ class LLMEngine:
             # host experts split per NUMA node (no-op on one node); worker ranks (tp > 1) keep one stack
             self.numa_layers, self.numa_workers = place_host_experts(self.model, NumaPolicy(args.numa),
                                                                      read_topology())
+            # a drafter loads before the KV cache is sized: its weights are in memory when the cache takes the rest
+            self.proposer = make_proposer(self.speculative, self.model, self.model_dir) if self.speculative else None
             self.cache_pool = self._allocate_cache()
             if self.workers is not None:
                 pool = self.cache_pool  # workers allocate the same cache
@@ -101,7 +103,6 @@ class LLMEngine:
             self.shutdown()
             raise
         self._finalizer = weakref.finalize(self, _shutdown_workers, self.workers)
-        self.proposer = make_proposer(self.speculative, self.model, self.model_dir) if self.speculative else None
         if hasattr(self.proposer, "bind_cache"):  # a model drafter's own KV cache, on the target's block ids
             self.proposer.bind_cache(self.cache_pool.num_blocks, args.block_size)
         self.spec_stats = SpecDecodeStats()
@@ -150,8 +151,10 @@ class LLMEngine:
             specs, a.max_num_seqs + wanted_snapshots + spec_slots)
         drafter = self._drafter_footprint()
         if a.gpu_memory_gb is not None or self.device.type == "cuda":
-            # an EAGLE-3 drafter loads after the cache: its weights come out of the same memory
-            budget = min(budget, self._device_kv_budget() - (drafter.weight_bytes if drafter else 0))
+            # an EAGLE-3 drafter is loaded by now: on a device the free memory already lacks its weights;
+            # under gpu_memory_gb its own (not the target's shared embedding / LM head) come off the budget
+            budget = min(budget, self._device_kv_budget() - (self._drafter_weight_bytes()
+                                                             if a.gpu_memory_gb is not None else 0))
         elif a.kv_cache_tokens is None:
             # Host RAM is shared with everything else: at most 1 GiB or a tenth of what is free.
             import psutil
@@ -175,6 +178,11 @@ class LLMEngine:
             log.warning("KV cache holds %d tokens, less than max_model_len %d", num_blocks * a.block_size,
                         self.max_model_len)
         return KVCachePool(specs, num_blocks, a.block_size, a.max_num_seqs, self.device, snapshots, spec_slots)
+
+    def _drafter_weight_bytes(self) -> int:
+        """The loaded drafter's own weights (the target's shared embedding / LM head not counted)."""
+        drafter = getattr(getattr(self, "proposer", None), "drafter", None)
+        return sum(p.numel() * p.element_size() for p in drafter.parameters()) if drafter is not None else 0
 
     def _drafter_footprint(self):
         """An EAGLE-3 drafter's weights and KV per token (engine.spec_decode.footprint), or None."""
@@ -381,6 +389,8 @@ class LLMEngine:
         drafts = self.proposer.propose(seqs, budgets, result.hidden)
         for seq, d, k in zip(seqs, drafts, budgets):
             seq.spec_token_ids = list(d[:k])
+        # sampled drafts' distributions (seq_id -> [k, V]) for the rejection rule; {}: all one-hot
+        self.runner.draft_probs = getattr(self.proposer, "draft_probs", None) or {}
 
     def _retire(self, processed: ProcessedStep) -> None:
         for rid in processed.stop:  # stop strings are found in text, after the scheduler's checks

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.nn.functional as F
 
 from kimitui.engine.block_tables import DeviceTables, TableRows
 from kimitui.engine.graph_runner import DecodeGraphRunner, GraphConfig, default_decode_graphs
@@ -126,6 +127,9 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         # grammar masks of constrained requests (engine/structured); the engine sets it on the first one
         self.structured = None
+        # seq_id -> [k, V] distributions the next step's sampled drafts were drawn from (a model
+        # drafter's ``draft_sample_method: probabilistic``); the engine sets it after each proposal
+        self.draft_probs: dict[str, torch.Tensor] = {}
         self.buffers = StepBuffers(device)  # step inputs, reused across steps
         self.states = [c for c in kv_caches if isinstance(c, KDAState)]  # the KDA layers' slots
         self.table_shape = None  # (max_num_seqs, max_blocks_per_seq) of the fixed decode tables
@@ -243,7 +247,9 @@ class ModelRunner:
         # a hybrid model's verifying decodes share a slot over several rows: stepped position by
         # position (KDA layers), which the graphs' one-row-per-slot replay does not do
         kda_verify = bool(inp.state_slots) and any(n > 1 for n in inp.spec_lens)
-        graphed = self.graphs is not None and not inp.keep_all_rows and not kda_verify and self.graphs.accepts(
+        # (a decode-only step computes every row anyway: a model drafter's aux states come out of the
+        # graph's static memory, and a verification step is decode rows, so both replay graphs)
+        graphed = self.graphs is not None and not kda_verify and self.graphs.accepts(
             inp.num_decodes, len(inp.ids), bool(inp.prefills), bool(inp.state_slots))
         if inp.num_decodes:
             self._decode_inputs(inp, meta)
@@ -379,7 +385,8 @@ class ModelRunner:
             if any(has_penalties(p) for p in params):
                 batch.penalties = penalty_rows(sample_seqs, drafts, logits.shape[-1], self.device)
             if drafts is not None:  # some decode verifies drafts: one row per position, the rule decides
-                outs, lp_lists = verify_and_logprobs(logits, drafts, batch, params)  # the one host sync
+                q = self._draft_probs(sample_seqs, drafts, logits) if self.draft_probs else None
+                outs, lp_lists = verify_and_logprobs(logits, drafts, batch, params, q)  # the one host sync
                 for j, s in enumerate(sample_seqs):
                     spec = bool(s.spec_token_ids)
                     result.sampled[pos[id(s)]] = outs[j] if spec else outs[j][0]
@@ -429,6 +436,22 @@ class ModelRunner:
         if slot is not None and accepted < len(s.spec_token_ids):
             scratch = self.spec_scratch_base + slot * self.num_spec_tokens + accepted
             self._rollbacks[s.seq.seq_id] = (scratch, slot)
+
+    def _draft_probs(self, sample_seqs, drafts: list[list[int]], logits: torch.Tensor) -> torch.Tensor | None:
+        """[sum k_i, V] draft distributions for the rejection rule: a sampled draft's own row, a
+        one-hot row for any other draft (the same rule as q = None). None when no draft was sampled."""
+        rows, any_sampled = [], False
+        vocab = logits.shape[-1]
+        for s, d in zip(sample_seqs, drafts):
+            if not d:
+                continue
+            q = self.draft_probs.get(getattr(getattr(s, "seq", None), "seq_id", None))
+            if q is not None and q.shape[0] >= len(d):
+                rows.append(q[: len(d)].to(logits.device, torch.float32))
+                any_sampled = True
+            else:
+                rows.append(F.one_hot(torch.tensor(d, device=logits.device), vocab).float())
+        return torch.cat(rows) if any_sampled else None
 
     def _hidden(self, order, sampled, pos) -> StepHidden | None:
         """The model's aux hidden states of this step, with each sequence's valid rows: a prefill

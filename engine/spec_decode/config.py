@@ -8,7 +8,9 @@ as vLLM's V0 engine read it), so a recipe's JSON pastes unchanged:
 - ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram; one given sets the other, none gives 5 and 5).
 - the suffix tree's ``suffix_decoding_max_tree_depth`` (24), ``suffix_decoding_max_cached_requests``
   (10000), ``suffix_decoding_max_spec_factor`` (1.0), ``suffix_decoding_min_token_prob`` (0.1).
-- ``draft_sample_method``: ``greedy`` (drafts are the drafter's argmax, verified as one-hot guesses).
+- ``draft_sample_method``: ``greedy`` (drafts are the drafter's argmax, verified as one-hot guesses);
+  ``probabilistic`` (eagle3: a sampled request's drafts are drawn from the drafter's distribution at
+  its temperature, and that distribution q goes to the rejection rule: accept with min(1, p / q)).
 - ``rejection_sample_method``: ``standard`` (per-token rejection sampling, exact for every setting).
 - ``disable_by_batch_size``: no drafts in a step whose batch holds more than this many sequences.
 - ``eagle_aux_hidden_state_layer_ids``: the target layers an EAGLE-3 drafter reads, overriding its
@@ -32,14 +34,13 @@ import json
 from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "suffix", "eagle3")
-DRAFT_SAMPLE_METHODS = ("greedy",)
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REJECTION_SAMPLE_METHODS = ("standard",)
 AUX_CONVENTIONS = ("input", "output")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 # vLLM's other methods and values, named so the error says they are known but not built here
 _KNOWN_ELSEWHERE = {"method": ("dspark", "dflash", "eagle", "medusa", "mlp_speculator", "draft_model", "mtp",
                                "ngram_gpu", "custom_class"),
-                    "draft_sample_method": ("probabilistic",),
                     "rejection_sample_method": ("block", "synthetic")}
 
 
@@ -99,6 +100,9 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: suffix_decoding_max_tree_depth must be >= 1 and "
                              "suffix_decoding_max_cached_requests >= 0")
         _choice("draft_sample_method", self.draft_sample_method, DRAFT_SAMPLE_METHODS)
+        if self.draft_sample_method == "probabilistic" and self.method not in ("eagle3", "dspark"):
+            raise ValueError(f"speculative_config: draft_sample_method 'probabilistic' needs a model drafter "
+                             f"(eagle3), not method {self.method!r} (supported for it: greedy)")
         _choice("rejection_sample_method", self.rejection_sample_method, REJECTION_SAMPLE_METHODS)
         if self.disable_by_batch_size is not None and (not _is_int(self.disable_by_batch_size)
                                                        or self.disable_by_batch_size < 1):

@@ -69,12 +69,15 @@ def kda_spec_layout(spec_lens: list[int], state_slots: list[int], scratch_base: 
     return KDASpecLayout(torch.tensor(rows, dtype=torch.int64, device=device), list(spec_lens))
 
 
-def verify_and_logprobs(logits: torch.Tensor, drafts: list[list[int]], batch, params: list):
+def verify_and_logprobs(logits: torch.Tensor, drafts: list[list[int]], batch, params: list,
+                        draft_probs: torch.Tensor | None = None):
     """Accept drafts and sample one more token per sequence; ``logits`` [R, V] fp32 hold
-    ``len(drafts[i]) + 1`` rows for sequence ``i``, in order. Returns (tokens per sequence, the
-    log-prob dicts of those tokens per sequence or None where not asked), read back in one copy."""
+    ``len(drafts[i]) + 1`` rows for sequence ``i``, in order; ``draft_probs`` [sum k_i, V]: the
+    distribution each draft was sampled from (None: every draft one-hot). Returns (tokens per
+    sequence, the log-prob dicts of those tokens per sequence or None where not asked), read back in
+    one copy."""
     num_drafts = [len(d) for d in drafts]
-    out = rejection_sample(logits, num_drafts, drafts, batch)  # [N, K + 1], -1 padded
+    out = rejection_sample(logits, num_drafts, drafts, batch, draft_probs)  # [N, K + 1], -1 padded
     n, width = out.shape
     cols = [out.reshape(-1).double()]
     k = max(batch.max_logprobs, 0)
