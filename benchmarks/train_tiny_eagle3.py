@@ -33,8 +33,11 @@ SEED = 11
 
 
 def drafter_config(target: dict, v31: bool, taps=TAPS) -> dict:
+    from tests.helpers.checkpoints import BASE
     from tests.helpers.eagle3_mla_checkpoint import mla_config
 
+    # the drafter's rope as the target's (transformers 5 writes it as rope_parameters)
+    target = {**target, "rope_theta": BASE["rope_theta"], "rope_scaling": BASE["rope_scaling"]}
     c = mla_config(target, aux_layer_ids=tuple(taps), v31=v31, heads=4, q_lora_rank=32, kv_lora_rank=32,
                    nope=16, rope=8, v_head_dim=16, intermediate_size=128, torch_dtype="float32")
     return c
@@ -79,11 +82,23 @@ def dataset(hf, ps, conts):
     """Per sequence: all hidden states [L + 1, T, D], tokens [T], next-token probs [T, V]."""
     from tests.helpers.eagle3_mla_torchspec import hf_all_states
 
+    seqs = [p + c for p, c in zip(ps, conts)]
     data = []
-    for p, c in zip(ps, conts):
-        ids = p + c
-        states, logits = hf_all_states(hf, ids, logits=True)
-        data.append((states, torch.tensor(ids), logits.softmax(-1)))
+    for length in sorted({len(q) for q in seqs}):  # one batched pass per length
+        group = torch.tensor([q for q in seqs if len(q) == length])
+        outs = []
+        hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
+                 for layer in hf.model.layers]
+        try:
+            with torch.no_grad():
+                first = hf.model.embed_tokens(group)
+                logits = hf(group).logits.float()
+        finally:
+            for h in hooks:
+                h.remove()
+        states = torch.stack([first.float()] + [o.float() for o in outs], 1)  # [B, L + 1, T, D]
+        for b in range(group.shape[0]):
+            data.append((states[b], group[b], logits[b].softmax(-1)))
     return data
 
 
@@ -149,12 +164,23 @@ def main(argv=None):
 
     out = Path(a.out)
     t0 = time.monotonic()
-    hf = make_target(out / "target")
+    if (out / "target" / "config.json").exists():  # keep the target (and the data made from it)
+        from transformers import DeepseekV3ForCausalLM
+
+        hf = DeepseekV3ForCausalLM.from_pretrained(str(out / "target"), dtype=torch.float32,
+                                                   attn_implementation="eager").eval()
+    else:
+        hf = make_target(out / "target")
     target = json.loads((out / "target" / "config.json").read_text())
     vocab = target["vocab_size"]
     train_p = prompts(a.train_prompts, 1, vocab)
-    conts = greedy(hf, train_p, a.new_tokens)
-    data = dataset(hf, train_p, conts)
+    cache = out / f"data-{a.train_prompts}-{a.new_tokens}.pt"  # not part of the pair: regenerated if absent
+    if cache.exists():
+        data = torch.load(cache)
+    else:
+        conts = greedy(hf, train_p, a.new_tokens)
+        data = dataset(hf, train_p, conts)
+        torch.save(data, cache)
     print(f"target: {LAYERS} layers, {len(data)} training sequences ({time.monotonic() - t0:.0f} s)", flush=True)
     embed = hf.model.embed_tokens.weight.detach().float()
     eval_p = prompts(a.eval_prompts, 2, vocab)
