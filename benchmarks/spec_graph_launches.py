@@ -1,6 +1,6 @@
 """Launches of a K2 decode step with an EAGLE-3 drafter on, graphed against eager, on the emulated
 device path (``KIMITUI_EMULATE_DEVICE=1``, ``TRITON_INTERPRET=1``, fp16; set here for a child
-process, as tests/engine/test_launch_budget.py does).
+process, as tests/engine/runner/test_launch_budget.py does).
 
 The target keeps its aux hidden states for the drafter. Before, such a step never took the decode
 graphs (``keep_all_rows`` excluded them); now a decode-only step (plain decodes, or a verification
@@ -30,11 +30,11 @@ def _child(path: str) -> dict:
     import torch
 
     from kimitui.engine import LLM
-    from kimitui.engine.graph_runner import DecodeGraphRunner
-    from kimitui.engine.runner import StepInputs
+    from kimitui.engine.runner.graphs import DecodeGraphRunner
+    from kimitui.engine.runner.model_runner import StepInputs
     from kimitui.kernels.launch_count import count_launches
     from tests.helpers.checkpoints import BASE, write_hf_checkpoint
-    from tests.helpers.eagle3_mla_checkpoint import write_mla_checkpoint
+    from tests.helpers.spec.eagle3_mla_checkpoint import write_mla_checkpoint
 
     target, drafter = Path(path) / "k2", Path(path) / "drafter"
     write_hf_checkpoint(target, seed=5, **STRUCTURE)

@@ -39,7 +39,7 @@ SEED = 11
 
 def drafter_config(target: dict, v31: bool, taps=TAPS) -> dict:
     from tests.helpers.checkpoints import BASE
-    from tests.helpers.eagle3_mla_checkpoint import mla_config
+    from tests.helpers.spec.eagle3_mla_checkpoint import mla_config
 
     # the drafter's rope as the target's (transformers 5 writes it as rope_parameters)
     target = {**target, "rope_theta": BASE["rope_theta"], "rope_scaling": BASE["rope_scaling"]}

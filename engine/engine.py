@@ -26,15 +26,15 @@ from kimitui.engine.kv_cache.state_slots import StateSlots
 from kimitui.engine.loader import load_model
 from kimitui.engine.metrics import EngineStats
 from kimitui.engine.offload.numa import NumaPolicy, place_host_experts, read_topology
-from kimitui.engine.offload.placement import device_reserve_bytes, expert_placement_for
+from kimitui.engine.plan.placement import device_reserve_bytes, expert_placement_for
 from kimitui.engine.parallel.state import SINGLE
 from kimitui.engine.parallel.workers import WorkerGroup, WorkerSpec, free_port
 from kimitui.engine.output_processor import OutputProcessor, ProcessedStep
-from kimitui.engine.parallel_sampling import ParentRequest, child_params, fans_out
+from kimitui.engine.sampling.fanout import ParentRequest, child_params, fans_out
 from kimitui.engine.outputs import RequestOutput
-from kimitui.engine.runner import ModelRunner
+from kimitui.engine.runner.model_runner import ModelRunner
 from kimitui.engine.sampling_params import SamplingParams
-from kimitui.engine.scheduler import Scheduler, SchedulerConfig
+from kimitui.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from kimitui.engine.sequence import Sequence
 from kimitui.engine.spec_decode.proposer import make_proposer
 from kimitui.engine.spec_decode.backoff import DraftBackoff
@@ -128,7 +128,7 @@ class LLMEngine:
             self.runner.graphs.capture_all()  # the workers capture at the same point (after ready)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        # n > 1 / best_of: requests fanned out into child sequences (engine/parallel_sampling.py)
+        # n > 1 / best_of: requests fanned out into child sequences (engine/sampling/fanout.py)
         self._parents: dict[str, ParentRequest] = {}
         self._child_of: dict[str, tuple[ParentRequest, int]] = {}
 
@@ -258,7 +258,7 @@ class LLMEngine:
         return self.runner.structured
 
     def _add_parent(self, request_id: str, text, ids: list[int], params: SamplingParams, eos, arrival_time) -> None:
-        """Fan a request for several samples out into child sequences (engine/parallel_sampling.py)."""
+        """Fan a request for several samples out into child sequences (engine/sampling/fanout.py)."""
         parent = ParentRequest(request_id, params, params.best_of or params.n)
         if request_id in self._parents or any(c in self.output_processor.requests for c in parent.child_ids):
             raise PromptError(f"request id {request_id!r} is already in use")
@@ -353,7 +353,7 @@ class LLMEngine:
 
     def save_routing_stats(self, path: str) -> None:
         """Tokens per expert per layer so far, for hottest-first placement at the next start."""
-        from kimitui.engine.offload.routing_stats import save_routing_stats
+        from kimitui.engine.plan.routing_stats import save_routing_stats
 
         save_routing_stats(path, self.routing_stats())
 
@@ -442,7 +442,7 @@ def _resolve_model(model: str | None) -> str:
 
 
 def _load_tokenizer(model_dir: Path):
-    from kimitui.engine.tokenizer import Tokenizer, TokenizerError
+    from kimitui.engine.text.tokenizer import Tokenizer, TokenizerError
 
     if not ((model_dir / "tokenizer.json").is_file() or (model_dir / "tiktoken.model").is_file()):
         return None

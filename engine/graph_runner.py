@@ -24,7 +24,7 @@ Padding rows repeat row 0's token, block table and context length (so attention 
 blocks), but write nothing: their cache slot (``slot_mapping``) and KDA state slot are -1, which
 every cache write skips (vLLM's ``PAD_SLOT_ID``). They used to write row 0's cache slot and share
 one spare KDA slot; under an ordering where one padding row read the state another had just
-written, its latent differed from row 0's and overwrote row 0's newest cache slot (engine/graph_padding.py).
+written, its latent differed from row 0's and overwrote row 0's newest cache slot (engine/runner/graph_padding.py).
 
 On a device other than cuda (ROCm reports cuda too) the same static-buffer / bucket / padding path
 runs, with the graph replaced by a direct call of the model: that is the path tests exercise on a
@@ -32,7 +32,7 @@ CPU, and the one device emulation (``KIMITUI_EMULATE_DEVICE=1``) takes by defaul
 
 Hybrid models (Kimi Linear / K3): each row's KDA state slot is one more static buffer the graph reads
 (``slots``), so a replay updates whichever slots the step's sequences hold. Padding rows and capture
-warm-ups address slot -1 and count no routing statistics (engine/graph_padding.py).
+warm-ups address slot -1 and count no routing statistics (engine/runner/graph_padding.py).
 
 Tensor parallel: every rank runs this runner on the same inputs (the workers mirror each step), so
 every rank pads to the same bucket, captures the same bucket at the same step and replays the same
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kimitui.engine.graph_padding import PAD_SLOT, RoutingRows
+from kimitui.engine.runner.graph_padding import PAD_SLOT, RoutingRows
 from kimitui.engine.kv_cache.state import KDAState
 from kimitui.engine.layers.attn_metadata import AttentionMetadata
 from kimitui.kernels.settings import KernelSettings

@@ -30,19 +30,19 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from kimitui.engine.block_tables import DeviceTables, TableRows
-from kimitui.engine.graph_runner import DecodeGraphRunner, GraphConfig, default_decode_graphs
+from kimitui.engine.runner.block_tables import DeviceTables, TableRows
+from kimitui.engine.runner.graphs import DecodeGraphRunner, GraphConfig, default_decode_graphs
 from kimitui.engine.kv_cache.pool import copy_blocks
 from kimitui.engine.kv_cache.state import KDAState
 from kimitui.engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
-from kimitui.engine.layers.penalties import has_penalties
-from kimitui.engine.layers.sampler import SamplingBatch, logprob_dicts, prompt_logprob_dicts, sample
+from kimitui.engine.sampling.penalties import has_penalties
+from kimitui.engine.sampling.sampler import SamplingBatch, logprob_dicts, prompt_logprob_dicts, sample
 from kimitui.engine.outputs import LogprobRows
-from kimitui.engine.sample_rows import forced_rows, fork_rows, penalty_rows
-from kimitui.engine.schedule_output import ScheduledSeq, SchedulerOutput
+from kimitui.engine.sampling.rows import forced_rows, fork_rows, penalty_rows
+from kimitui.engine.scheduler.output import ScheduledSeq, SchedulerOutput
 from kimitui.engine.spec_decode.proposer import StepHidden
 from kimitui.engine.spec_decode.verify import KDASpecStep, kda_spec_layout, kda_spec_steps, verify_and_logprobs
-from kimitui.engine.step_buffers import StepBuffers
+from kimitui.engine.runner.buffers import StepBuffers
 
 
 @dataclass
@@ -80,7 +80,7 @@ class StepInputs:
     keep_all_rows: bool = False  # a model drafter reads every row's hidden state
     # Forks: (source, destination) block ids whose rows every paged layer copies after the forward pass
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    # Persistent decode tables (engine/block_tables.py), in place of ``decode_tables``: each decode
+    # Persistent decode tables (engine/runner/block_tables.py), in place of ``decode_tables``: each decode
     # row's table row, and the (row, first column, block ids) writes that bring the tables up to date first
     decode_rows: list[int] = field(default_factory=list)
     table_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)
@@ -303,7 +303,7 @@ class ModelRunner:
     def _decode_inputs(self, inp: StepInputs, meta: AttentionMetadata) -> None:
         """Decode block tables and context lengths into their persistent buffers, and the attention
         kernel's bound. Steps from ``prepare`` carry table rows: the persistent tables get the step's
-        appended blocks and the step's rows are gathered on the device (engine/block_tables.py).
+        appended blocks and the step's rows are gathered on the device (engine/runner/block_tables.py).
         Explicit tables (``decode_tables``) with a fixed capacity are [D, max_blocks_per_seq] views
         of one buffer. On an accelerator, the bound is the capacity (the kernel's grid then does not
         follow the host's longest context). On the CPU the bound stays the step's longest context:

@@ -19,7 +19,7 @@ drafter that never helps (16 x (1 + k) rows in its first step). While recent acc
 a rejection stops a request at once (no length-one step first) and probes are rationed over the
 whole batch: one request probes, then none for 1, 2, 4 ... ``MAX_WAIT`` steps while probes fail. A
 batch of 16 then pays one extra row now and then, not sixteen in most steps (which matters beyond
-the rows themselves: on the CPU a step of 17 rows leaves the few-row kernels, kernels/cpu_few_rows.py).
+the rows themselves: on the CPU a step of 17 rows leaves the few-row kernels, kernels/cpu/few_rows.py).
 
 Independently, a step whose batch holds more than ``disable_by_batch_size`` sequences drafts nothing
 (vLLM's meaning of the key), and a sequence longer than ``speculative_config``'s ``max_model_len``

@@ -90,7 +90,7 @@ class Eagle3Proposer:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """(source, destination) block copies of the target's cache (an ``n > 1`` sample forked from
-        the one that computed the prompt, engine/scheduler.py): the drafter's KV follows the blocks.
+        the one that computed the prompt, engine/scheduler/scheduler.py): the drafter's KV follows the blocks.
         The drafter row at the prompt's last position keeps the leader's sampled token as its next
         token (a drafter-quality approximation; verification stays exact); the child drafts from its
         second decode on, once its own first row is absorbed."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kimitui.engine.layers.sampler import logprob_dicts
+from kimitui.engine.sampling.sampler import logprob_dicts
 from kimitui.engine.spec_decode.rejection import rejection_sample
 
 

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers.eagle3_mla_checkpoint import write_mla_checkpoint
+from tests.helpers.spec.eagle3_mla_checkpoint import write_mla_checkpoint
 
 
 @pytest.mark.parametrize("v31", [False, True], ids=["eagle3-mla", "eagle3.1-mla"])

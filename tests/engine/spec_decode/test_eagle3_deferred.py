@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kimitui.engine import LLM, SamplingParams
 from tests.helpers.checkpoints import BASE, write_hf_checkpoint
-from tests.helpers.eagle3_mla_checkpoint import write_mla_checkpoint
+from tests.helpers.spec.eagle3_mla_checkpoint import write_mla_checkpoint
 
 
 def test_no_drafter_pass_for_sequences_without_drafts(tmp_path):
