@@ -122,19 +122,21 @@ class LLMEngine:
         self.fanout = FanOut()  # n > 1 / best_of: requests fanned out into child sequences
 
     def _after_load(self, model) -> CacheShape:
-        """Rank 0, once its shard is loaded: host experts split per NUMA node, the cache sized from what
-        is left (and sent to the workers, which allocate the same), the proposer made."""
+        """Rank 0, once its shard is loaded: host experts split per NUMA node, the proposer made (a model
+        drafter's weights load now), the cache sized from what is left (and sent to the workers, which
+        allocate the same)."""
         self.model = model
         self.load_seconds = time.monotonic() - self._t0
         # host experts split per NUMA node (no-op on one node); worker ranks (tp > 1) keep one stack
         self.numa_layers, self.numa_workers = place_host_experts(model, NumaPolicy(self.args.numa), read_topology())
+        if self.speculative is not None:
+            # a drafter loads before the cache is sized: its weights are in memory when the cache takes the rest
+            self._proposer = make_proposer(self.speculative, model, self.model_dir)
         shape = self._cache_shape()
         if self.workers is not None:
             self.workers.broadcast(shape.message())
-        if self.speculative is not None:
-            self._proposer = make_proposer(self.speculative, model, self.model_dir)
-            if hasattr(self._proposer, "bind_cache"):  # a model drafter's own KV cache, on the target's block ids
-                self._proposer.bind_cache(shape.num_blocks, self.args.block_size)
+        if hasattr(self._proposer, "bind_cache"):  # a model drafter's own KV cache, on the target's block ids
+            self._proposer.bind_cache(shape.num_blocks, self.args.block_size)
         return replace(shape, keep_hidden=bool(self._proposer is not None and self._proposer.needs_hidden))
 
     def _ready(self, par) -> None:
@@ -175,8 +177,10 @@ class LLMEngine:
             specs, a.max_num_seqs + wanted_snapshots + spec_slots)
         drafter = self._drafter_footprint()
         if a.gpu_memory_gb is not None or self.device.type == "cuda":
-            # an EAGLE-3 drafter loads after the cache: its weights come out of the same memory
-            budget = min(budget, self._device_kv_budget() - (drafter.weight_bytes if drafter else 0))
+            # an EAGLE-3 drafter is loaded by now: on a device the free memory already lacks its weights;
+            # under gpu_memory_gb its own (not the target's shared embedding / LM head) come off the budget
+            budget = min(budget, self._device_kv_budget() - (self._drafter_weight_bytes()
+                                                             if a.gpu_memory_gb is not None else 0))
         elif a.kv_cache_tokens is None:
             # Host RAM is shared with everything else: at most 1 GiB or a tenth of what is free.
             budget = min(budget, 1 << 30, psutil.virtual_memory().available // 10)
@@ -200,6 +204,11 @@ class LLMEngine:
             log.warning("KV cache holds %d tokens, less than max_model_len %d", num_blocks * a.block_size,
                         self.max_model_len)
         return CacheShape(num_blocks, a.max_num_seqs, snapshots, spec_slots, self.num_spec_tokens)
+
+    def _drafter_weight_bytes(self) -> int:
+        """The loaded drafter's own weights (the target's shared embedding / LM head not counted)."""
+        drafter = getattr(self._proposer, "drafter", None)
+        return sum(p.numel() * p.element_size() for p in drafter.parameters()) if drafter is not None else 0
 
     def _drafter_footprint(self):
         """A model drafter's weights and KV per token (EAGLE-3: engine.spec_decode.footprint; DSpark:

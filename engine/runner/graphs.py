@@ -153,6 +153,10 @@ class DecodeGraphRunner:
         self._graphs: dict[int, tuple[object, torch.Tensor]] = {}
         self.failed: dict[int, str] = {}  # bucket -> why its capture failed: its steps run direct calls
         self._pool = None  # memory pool shared by all buckets' graphs (largest captured first)
+        # a model that keeps aux hidden states for an EAGLE-3 drafter (``aux_layers`` set before
+        # capture): each bucket's aux buffer, which the forward allocates inside the graph's pool
+        self._aux_owner = getattr(model, "model", model)
+        self._aux: dict[int, torch.Tensor] = {}
 
     def accepts(self, num_decodes: int, num_rows: int, has_prefills: bool, stateful: bool) -> bool:
         """Whether a step can run here: decodes only, within capacity, every row kept, KDA slots only
@@ -229,6 +233,9 @@ class DecodeGraphRunner:
         else:
             with launch_count.graph_launch("cuda"):
                 graph.replay()
+        aux = self._aux.get(b)
+        if aux is not None:  # an EAGLE-3 drafter's aux hidden states, in the graph's static memory
+            self._aux_owner.aux_hidden = aux[:n]
         return out[:n]
 
     @property
@@ -308,6 +315,8 @@ class DecodeGraphRunner:
         if self._pool is None:
             self._pool = graph.pool()
         self._graphs[b] = (graph, out)
+        if getattr(self._aux_owner, "aux_layers", None) is not None:
+            self._aux[b] = self._aux_owner.aux_hidden  # written by every replay, like ``out``
         log.debug("captured the decode graph of batch bucket %d", b)
         return graph, out
 

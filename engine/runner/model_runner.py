@@ -245,7 +245,9 @@ class ModelRunner:
         # a hybrid model's verifying decodes share a slot over several rows: stepped position by
         # position (KDA layers), which the graphs' one-row-per-slot replay does not do
         kda_verify = bool(inp.state_slots) and any(n > 1 for n in inp.spec_lens)
-        graphed = self.graphs is not None and not inp.keep_all_rows and not kda_verify and self.graphs.accepts(
+        # (a decode-only step computes every row anyway: a model drafter's aux states come out of the
+        # graph's static memory, and a verification step is decode rows, so both replay graphs)
+        graphed = self.graphs is not None and not kda_verify and self.graphs.accepts(
             inp.num_decodes, len(inp.ids), bool(inp.prefills), bool(inp.state_slots))
         if inp.num_decodes:
             self._decode_inputs(inp, meta)

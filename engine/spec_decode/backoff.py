@@ -33,7 +33,7 @@ from dataclasses import dataclass
 MAX_WAIT = 32
 PRIOR_MIN = 0.1  # recent acceptance below this: new requests start without drafts
 PRIOR_WAIT = 4  # ... and probe first after this many decode steps
-_ALPHA = 0.1  # weight of one verified decode in the recent-acceptance average
+_ALPHA = 0.25  # weight of one verified decode in the recent-acceptance average
 
 
 @dataclass

@@ -9,8 +9,8 @@ as vLLM's V0 engine read it), so a recipe's JSON pastes unchanged:
 - the suffix tree's ``suffix_decoding_max_tree_depth`` (24), ``suffix_decoding_max_cached_requests``
   (10000), ``suffix_decoding_max_spec_factor`` (1.0), ``suffix_decoding_min_token_prob`` (0.1).
 - ``draft_sample_method``: ``greedy`` (drafts are the drafter's argmax, verified as one-hot guesses);
-  ``probabilistic`` (dspark: each draft sampled from the drafter's distribution at the request's
-  temperature / top-k / top-p; the verification gets the draft distributions).
+  ``probabilistic`` (eagle3, dspark: each draft sampled from the drafter's distribution at the request's
+  temperature / top-k / top-p; that distribution q goes to the rejection rule: accept with min(1, p / q)).
 - ``rejection_sample_method``: ``standard`` (per-token rejection sampling, exact for every setting);
   ``block`` is accepted so vLLM's DSpark recipe pastes unchanged, and verified by the same exact
   per-token rule (block verification's longer accepted runs are not implemented here).
@@ -102,9 +102,9 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: suffix_decoding_max_tree_depth must be >= 1 and "
                              "suffix_decoding_max_cached_requests >= 0")
         _choice("draft_sample_method", self.draft_sample_method, DRAFT_SAMPLE_METHODS)
-        if self.draft_sample_method == "probabilistic" and self.method != "dspark":
-            raise ValueError(f"speculative_config: draft_sample_method 'probabilistic' applies to method dspark "
-                             f"here, not {self.method!r} (supported for {self.method!r}: greedy)")
+        if self.draft_sample_method == "probabilistic" and self.method not in ("eagle3", "dspark"):
+            raise ValueError(f"speculative_config: draft_sample_method 'probabilistic' needs a model drafter "
+                             f"(eagle3 or dspark), not method {self.method!r} (supported for it: greedy)")
         _choice("rejection_sample_method", self.rejection_sample_method, REJECTION_SAMPLE_METHODS)
         if self.disable_by_batch_size is not None and (not _is_int(self.disable_by_batch_size)
                                                        or self.disable_by_batch_size < 1):

@@ -16,6 +16,12 @@ builds it from ``DeepseekV2MLAAttention``; TorchSpec's ``models/draft/deepseek_e
 
 The paged cache holds what the target's MLA cache holds, per token the normed latent and the roped
 k_rope: ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``, a fraction of per-head K/V.
+
+Rows of short chunks (the chain's one-row passes, a verified decode's accepted rows) attend as the
+target's decodes do: W_UK folded into the query, the backend's ``mla_decode`` reading the latent
+cache in place through the block table (Triton on a GPU, the C++ kernel on a CPU), W_UV after; no
+copy of the context and no per-token ``kv_b_proj``. Long chunks (a prompt) gather their context
+once and run dense attention.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ from kimitui.engine.layers.attn_metadata import PrefillChunk
 from kimitui.engine.layers.linear import Linear
 from kimitui.engine.layers.norm import RMSNorm
 from kimitui.engine.layers.rope import yarn_inv_freq
+from kimitui.kernels.backend import REFERENCE, Backend
 
+DECODE_ROWS = 16  # a chunk of at most this many rows attends row by row through mla_decode (in place)
 MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
@@ -96,6 +104,8 @@ def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
 
 
 class Eagle3MLAAttention(nn.Module):
+    ops: Backend = REFERENCE  # the drafter's backend, set when it is loaded
+
     def __init__(self, cfg, dtype: torch.dtype):
         super().__init__()
         m = cfg.mla
@@ -138,10 +148,15 @@ class Eagle3MLAAttention(nn.Module):
         flat.index_copy_(0, slots, torch.cat((latent, k_rope), dim=-1).to(cache.dtype))
         out = torch.empty(t, heads, vd, dtype=x.dtype, device=x.device)
         bs = cache.shape[1]
-        for c in chunks:  # each chunk: its rows are the last end - start of its context_len positions
+        short = [c for c in chunks if c.end - c.start <= DECODE_ROWS]
+        if short:
+            self._decode_rows(q, short, flat, bs, out)
+        for c in chunks:  # long chunks: its rows are the last end - start of its context_len positions
             n, ctx = c.end - c.start, c.context_len
+            if n <= DECODE_ROWS:
+                continue
             pos = torch.arange(ctx, device=x.device)
-            lat = flat[c.block_table[pos // bs].long() * bs + pos % bs].to(x.dtype)  # [ctx, r + rope]
+            lat = flat.index_select(0, c.block_table[pos // bs].long() * bs + pos % bs).to(x.dtype)  # [ctx, r + rope]
             kvh = self.kv_b_proj(lat[:, :r]).view(ctx, heads, nope + vd)
             k = torch.cat((kvh[..., :nope], lat[:, None, r:].expand(ctx, heads, rope)), dim=-1)
             mask = pos[None, :] <= torch.arange(ctx - n, ctx, device=x.device)[:, None]
@@ -149,3 +164,39 @@ class Eagle3MLAAttention(nn.Module):
                                                kvh[..., nope:].transpose(0, 1), attn_mask=mask, scale=self.scale)
             out[c.start:c.end] = o.transpose(0, 1)
         return self.o_proj(out.reshape(t, heads * vd))
+
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [heads, nope, r] and W_UV [heads, v, r] from kv_b_proj (cached; the weights never change)."""
+        w = self.__dict__.get("_w_ukv")
+        if w is None or w[0].device != self.kv_b_proj.weight.device:
+            m = self.m
+            kvb = self.kv_b_proj.weight.view(self.heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+            w = self.__dict__["_w_ukv"] = (kvb[:, :m.qk_nope_head_dim].contiguous(),
+                                           kvb[:, m.qk_nope_head_dim:].contiguous())
+        return w
+
+    def _decode_rows(self, q: torch.Tensor, chunks: list[PrefillChunk], flat: torch.Tensor, bs: int,
+                     out: torch.Tensor) -> None:
+        """Every row of ``chunks`` as one decode query (row i of a chunk sees positions up to its own),
+        through the backend's paged ``mla_decode``: the cache is read in place."""
+        m, dev = self.m, q.device
+        nope, r = m.qk_nope_head_dim, m.kv_lora_rank
+        rows, lens, tables = [], [], []
+        for c in chunks:
+            n = c.end - c.start
+            rows.extend(range(c.start, c.end))
+            lens.extend(range(c.context_len - n + 1, c.context_len + 1))
+            tables.extend([c.block_table] * n)
+        width = max(len(tb) for tb in tables)
+        table = torch.stack([F.pad(tb, (0, width - len(tb))) for tb in tables]).to(torch.int32)
+        idx = torch.tensor(rows, device=dev)
+        lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
+        w_uk, w_uv = self._absorbed()
+        qr = q.index_select(0, idx)  # [B, H, nope + rope], rope already applied
+        q_abs = torch.empty(qr.shape[0], self.heads, r + m.qk_rope_head_dim, dtype=q.dtype, device=dev)
+        q_abs[..., r:] = qr[..., nope:]
+        self.ops.bmm(qr[..., :nope].transpose(0, 1), w_uk.to(q.dtype), out=q_abs[..., :r].transpose(0, 1))
+        o_lat = self.ops.mla_decode(q_abs, flat, table, lens_t, max(lens), bs, r, self.scale)  # [B, H, r]
+        o = torch.empty(qr.shape[0], self.heads, m.v_head_dim, dtype=q.dtype, device=dev)
+        self.ops.bmm(o_lat.transpose(0, 1), w_uv.to(q.dtype).transpose(1, 2), out=o.transpose(0, 1))
+        out.index_copy_(0, idx, o)

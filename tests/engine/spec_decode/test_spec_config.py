@@ -44,9 +44,8 @@ def test_values_land_where_they_mean_something():
                                                          "supported ngram, suffix, eagle3, dspark"),
     ({"method": "medusa", "num_speculative_tokens": 3}, "method 'medusa'"),
     ({"method": "bogus", "num_speculative_tokens": 3}, "method 'bogus': supported ngram, suffix, eagle3"),
-    ({"method": "eagle3", "model": "d", "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"},
-     "draft_sample_method 'probabilistic' applies to method dspark here, not 'eagle3' (supported for 'eagle3': "
-     "greedy)"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"},
+     "draft_sample_method 'probabilistic' needs a model drafter (eagle3 or dspark), not method 'ngram'"),
     ({"method": "ngram", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic"},
      "rejection_sample_method 'synthetic' (vLLM's, not supported here): supported standard, block"),
     ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}, "disable_by_batch_size must be"),

@@ -70,9 +70,12 @@ def mla_tensors(c: dict, seed: int = 0, std: float = 0.1) -> dict[str, torch.Ten
 
 
 def write_mla_checkpoint(path: str | Path, target: dict, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                         tensors: dict[str, torch.Tensor] | None = None, drop=(), **config_kw):
+                         tensors: dict[str, torch.Tensor] | None = None, drop=(), layout: str = "midlayer",
+                         **config_kw):
     """config.json + model.safetensors; ``tensors`` (published names) replaces the random ones;
-    ``drop``: names left out (e.g. ``lm_head.weight``: shared with the target). -> (config, fp32 tensors)."""
+    ``drop``: names left out (e.g. ``lm_head.weight``: shared with the target); ``layout``:
+    ``midlayer`` (SpecForge / ModelOpt names) or ``torchspec`` (TorchSpec's export, which renames
+    ``midlayer.`` to ``layers.0.``: lightseekorg's files). -> (config, fp32 tensors, midlayer names)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -80,7 +83,9 @@ def write_mla_checkpoint(path: str | Path, target: dict, *, seed: int = 0, dtype
     c = mla_config(target, torch_dtype=str(dtype).removeprefix("torch."), **config_kw)
     t = mla_tensors(c, seed) if tensors is None else tensors
     t = {n: v.to(dtype) for n, v in t.items() if n not in drop}
-    save_file({n: v.contiguous() for n, v in t.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    disk = {("layers.0." + n[len("midlayer."):] if layout == "torchspec" and n.startswith("midlayer.") else n): v
+            for n, v in t.items()}
+    save_file({n: v.contiguous() for n, v in disk.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(c, indent=2))
     return c, {n: v.float() for n, v in t.items()}
 

@@ -27,8 +27,9 @@ def test_serve_with_vllm_recipe_json_and_mla_drafter(tmp_path_factory, v31):
 
     target = json.loads((demo_checkpoint() / "config.json").read_text())
     drafter = tmp_path_factory.mktemp("drafter")
+    # EAGLE-3 in TorchSpec's export layout (layers.0.*, lightseekorg's files), 3.1 in the midlayer one
     write_mla_checkpoint(drafter, target, aux_layer_ids=(1, 2, 3), v31=v31, seed=1,
-                         drop=("lm_head.weight",) if v31 else ())
+                         drop=("lm_head.weight",) if v31 else (), layout="midlayer" if v31 else "torchspec")
     recipe = ('{"model": "%s", "method": "eagle3", "num_speculative_tokens": 3, "max_model_len": 8192, '
               '"draft_tensor_parallel_size": 1}' % drafter)
     proc = subprocess.Popen(
