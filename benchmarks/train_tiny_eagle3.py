@@ -10,7 +10,7 @@ a few minutes), and write the pair in the published layouts:
 
 Taps: ``eagle_aux_hidden_state_layer_ids`` [1, 3, 5] read as layer inputs (vLLM's convention), like
 the public [1, 29, 57] of a 61-layer K2. The trainer is the plain-PyTorch TorchSpec-style drafter of
-tests/helpers/eagle3_mla_torchspec.py (training-time test over ``--ttt`` steps, soft targets = the
+tests/helpers/spec/eagle3_mla_torchspec.py (training-time test over ``--ttt`` steps, soft targets = the
 target's next-token distribution). It prints teacher-forced accuracy per step and the greedy
 acceptance that drafter measures on held-out prompts.
 
@@ -85,7 +85,7 @@ def greedy(hf, ps: list[list[int]], n: int) -> list[list[int]]:
 
 def dataset(hf, ps, conts):
     """Per sequence: all hidden states [L + 1, T, D], tokens [T], next-token probs [T, V]."""
-    from tests.helpers.eagle3_mla_torchspec import hf_all_states
+    from tests.helpers.spec.eagle3_mla_torchspec import hf_all_states
 
     seqs = [p + c for p, c in zip(ps, conts)]
     data = []
@@ -118,7 +118,7 @@ def batches(data, taps, size, rng):
 
 
 def train(c: dict, embed: torch.Tensor, data, taps, steps: int, ttt: int, lr: float, seed: int, log=print):
-    from tests.helpers.eagle3_mla_torchspec import MLADrafter, ttt_loss
+    from tests.helpers.spec.eagle3_mla_torchspec import MLADrafter, ttt_loss
 
     torch.manual_seed(seed)
     d = MLADrafter(c)
@@ -165,7 +165,7 @@ def main(argv=None):
     ap.add_argument("--eval-prompts", type=int, default=12)
     a = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    from tests.helpers.eagle3_mla_torchspec import MLADrafter, greedy_acceptance
+    from tests.helpers.spec.eagle3_mla_torchspec import MLADrafter, greedy_acceptance
 
     out = Path(a.out)
     t0 = time.monotonic()
@@ -190,7 +190,7 @@ def main(argv=None):
     embed = hf.model.embed_tokens.weight.detach().float()
     eval_p = prompts(a.eval_prompts, 2, vocab)
     eval_c = greedy(hf, eval_p, 32)
-    from tests.helpers.eagle3_mla_torchspec import hf_all_states
+    from tests.helpers.spec.eagle3_mla_torchspec import hf_all_states
 
     for name, v31 in (("eagle3-mla", False), ("eagle3.1-mla", True)):
         c = drafter_config(target, v31)

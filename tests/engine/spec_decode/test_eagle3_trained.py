@@ -4,7 +4,7 @@ tests/fixtures/eagle3_mla_pair, in TorchSpec's export layout of lightseekorg/kim
 
 - kimitui's greedy acceptance equals, within 2 points, what an independent implementation measures
   on the same files: the plain-PyTorch drafter written from TorchSpec's trainer
-  (tests/helpers/eagle3_mla_torchspec.py) over Hugging Face's DeepSeek-V3 target;
+  (tests/helpers/spec/eagle3_mla_torchspec.py) over Hugging Face's DeepSeek-V3 target;
 - the drafter predicts the target well on the target's own continuations it was trained on
   (acceptance above 60%; on fresh random prompts the tiny drafter reaches about 20%: it memorises);
 - tapping the target one layer off (ids + 1) costs at least 10 points (the wiring matters: a test
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kimitui.engine import LLM, SamplingParams
-from tests.helpers.eagle3_mla_torchspec import MLADrafter, aux_ids, greedy_acceptance, hf_all_states
+from tests.helpers.spec.eagle3_mla_torchspec import MLADrafter, aux_ids, greedy_acceptance, hf_all_states
 
 PAIR = Path(__file__).resolve().parents[2] / "fixtures" / "eagle3_mla_pair"
 K, NEW, N_PROMPTS = 3, 32, 12
