@@ -40,7 +40,7 @@ from kimitui.engine.sequence import Sequence
 from kimitui.engine.spec_decode.select import make_proposer
 from kimitui.engine.spec_decode.speculation import Speculation
 from kimitui.engine.text.tokenizer import Tokenizer, TokenizerError
-from kimitui.engine.spec_decode.dspark import dspark_footprint
+from kimitui.engine.spec_decode.dspark.model import dspark_footprint
 from kimitui.engine.spec_decode.footprint import drafter_footprint
 from kimitui.engine.plan.routing_stats import save_routing_stats
 from kimitui.engine.demo import demo_checkpoint

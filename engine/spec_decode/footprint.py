@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from kimitui.engine.spec_decode.eagle3 import drafter_architecture
-from kimitui.engine.spec_decode.eagle3_mla import MLAShape
+from kimitui.engine.spec_decode.eagle3.model import drafter_architecture
+from kimitui.engine.spec_decode.eagle3.mla import MLAShape
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -3,8 +3,8 @@ from the interface (``proposer.py``), which every proposer imports."""
 
 from __future__ import annotations
 
-from kimitui.engine.spec_decode.dspark_proposer import DSparkProposer
-from kimitui.engine.spec_decode.eagle3_proposer import Eagle3Proposer
+from kimitui.engine.spec_decode.dspark.proposer import DSparkProposer
+from kimitui.engine.spec_decode.eagle3.proposer import Eagle3Proposer
 from kimitui.engine.spec_decode.ngram import NgramProposer
 from kimitui.engine.spec_decode.proposer import Proposer
 from kimitui.engine.spec_decode.suffix import SuffixProposer

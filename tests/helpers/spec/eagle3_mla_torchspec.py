@@ -2,7 +2,7 @@
 (lightseekorg/TorchSpec: ``torchspec/models/draft/deepseek_eagle.py``, ``models/eagle3.py``,
 ``models/draft/keymap.py``), the trainer behind lightseekorg/kimi-k2.6-eagle3-mla. It is the
 independent side of the trained-pair tests: it trains the tiny drafters
-(``benchmarks/train_tiny_eagle3.py``), exports them in the published key layouts, and measures
+(``benchmarks/spec/train_eagle3.py``), exports them in the published key layouts, and measures
 greedy acceptance with its own dense forward over a Hugging Face target. Nothing here imports
 kimitui's drafter.
 

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from kimitui.engine.layers.attn_metadata import PrefillChunk
 from kimitui.engine.sequence import Sequence
-from kimitui.engine.spec_decode.eagle3 import Eagle3Drafter
-from kimitui.engine.spec_decode.eagle3_loader import load_eagle3
+from kimitui.engine.spec_decode.eagle3.model import Eagle3Drafter
+from kimitui.engine.spec_decode.eagle3.loader import load_eagle3
 from kimitui.engine.spec_decode.proposer import StepHidden
 from kimitui.engine.layers.embedding import VocabEmbedding
 from kimitui.engine.loader.checkpoint import CheckpointReader

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kimitui.engine.spec_decode.dspark import DSparkConfig, DSparkDrafter
+from kimitui.engine.spec_decode.dspark.model import DSparkConfig, DSparkDrafter
 from safetensors import safe_open
 
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from kimitui.engine.sequence import Sequence
-from kimitui.engine.spec_decode.dspark import DSparkDrafter, confident_length
-from kimitui.engine.spec_decode.dspark_loader import load_dspark
+from kimitui.engine.spec_decode.dspark.model import DSparkDrafter, confident_length
+from kimitui.engine.spec_decode.dspark.loader import load_dspark
 from kimitui.engine.spec_decode.proposer import StepHidden
 
 

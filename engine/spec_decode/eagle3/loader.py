@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kimitui.engine.spec_decode.eagle3 import Eagle3Config, Eagle3Drafter, rope_parameters
+from kimitui.engine.spec_decode.eagle3.model import Eagle3Config, Eagle3Drafter, rope_parameters
 from safetensors import safe_open
 
 _IGNORED = ("t2d", "mask_hidden")  # unused by greedy chain drafting (vLLM skips them too)

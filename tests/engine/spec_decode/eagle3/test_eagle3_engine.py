@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kimitui.engine import LLM, SamplingParams
-from kimitui.engine.spec_decode.eagle3_proposer import Eagle3Proposer
+from kimitui.engine.spec_decode.eagle3.proposer import Eagle3Proposer
 from tests.helpers.checkpoints import BASE, write_hf_checkpoint
 from tests.helpers.spec.eagle3_checkpoint import write_eagle3_checkpoint
 from tests.helpers.spec.eagle3_reference import hf_aux_states, reference

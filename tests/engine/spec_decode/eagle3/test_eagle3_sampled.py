@@ -19,7 +19,7 @@ import torch
 from kimitui.engine import LLM, SamplingParams
 from kimitui.engine.spec_decode import rejection
 
-PAIR = Path(__file__).resolve().parents[2] / "fixtures" / "eagle3_mla_pair"
+PAIR = Path(__file__).resolve().parents[3] / "fixtures" / "eagle3_mla_pair"
 PROMPT = [17, 91, 5, 203, 44, 150, 77, 12]
 N = 1500
 TEMP = 0.5

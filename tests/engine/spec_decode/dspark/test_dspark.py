@@ -44,7 +44,7 @@ def _greedy(path, prompts, spec=None, n=12):
                             SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
         stats = llm.engine.stats().spec_decode
         if spec:  # the memory plan's count (config and header only) is the loaded drafter's
-            from kimitui.engine.spec_decode.dspark import dspark_footprint
+            from kimitui.engine.spec_decode.dspark.model import dspark_footprint
 
             d = llm.engine.proposer.drafter
             fp = dspark_footprint(spec["model"], llm.engine.config, 4)

@@ -52,7 +52,7 @@ from kimitui.engine.layers.embedding import VocabEmbedding
 from kimitui.engine.layers.linear import Linear
 from kimitui.engine.layers.norm import RMSNorm
 from kimitui.engine.layers.rope import yarn_inv_freq
-from kimitui.engine.spec_decode.eagle3_mla import Eagle3MLAAttention, MLAShape
+from kimitui.engine.spec_decode.eagle3.mla import Eagle3MLAAttention, MLAShape
 
 log = logging.getLogger(__name__)
 

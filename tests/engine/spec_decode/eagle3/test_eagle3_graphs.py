@@ -3,7 +3,7 @@ through ``DecodeGraphRunner`` although the target keeps aux hidden states for th
 ``keep_all_rows`` sent every such step down the eager path), and the drafter reads the aux states the
 graph path left. Run on the CPU with the graph runner's static-buffer path switched on (what a GPU
 captures; the emulated device takes the same path): greedy output, acceptance and the drafts
-equal the eager engine's. Launch counts of the two paths: ``python -m benchmarks.spec_graph_launches``."""
+equal the eager engine's. Launch counts of the two paths: ``python -m benchmarks.spec.graph_launches``."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ For each (model, workload, batch) the baseline (no speculation) and every propos
 acceptance length. The engine is built once per model with ``num_speculative_tokens`` set; the
 baseline runs it with the proposer removed, which is the plain decode path.
 
-    python benchmarks/spec_decode.py [--models successor,random,moe] [--batches 1,4,16] [--k 4]
+    python benchmarks/spec/decode.py [--models successor,random,moe] [--batches 1,4,16] [--k 4]
         [--hidden 1024] [--inter 4096] [--layers 8] [--vocab 4096] [--tokens 64] [--repeats 2]
         [--threads 2] [--backoff on|off] [--json FILE] [--keep DIR]
 
@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # the engine before torch: it sets OpenMP's wait policy, which libgomp reads when torch loads it
 from kimitui.engine import LLM, SamplingParams  # noqa: E402

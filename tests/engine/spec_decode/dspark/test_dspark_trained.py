@@ -1,4 +1,4 @@
-"""The trained tiny pair (tests/fixtures/dspark_tiny, made by benchmarks/train_dspark_tiny.py): a
+"""The trained tiny pair (tests/fixtures/dspark_tiny, made by benchmarks/spec/train_dspark.py): a
 tiny Kimi K3 target and a DSpark drafter in lightseekorg/kimi-k3-dspark's layout trained on the
 target's own greedy outputs.
 
@@ -23,19 +23,19 @@ import torch
 
 from kimitui.engine import LLM, SamplingParams
 
-FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "dspark_tiny"
+FIXTURE = Path(__file__).resolve().parents[3] / "fixtures" / "dspark_tiny"
 K = 7
 SPEC = {"method": "dspark", "num_speculative_tokens": K, "backoff": False}
 
 
 def _prompts():
-    from benchmarks.train_dspark_tiny import EVAL_PROMPTS, prompts
+    from benchmarks.spec.train_dspark import EVAL_PROMPTS, prompts
 
     return prompts(*EVAL_PROMPTS)
 
 
 def _max_tokens():
-    from benchmarks.train_dspark_tiny import MAX_TOKENS
+    from benchmarks.spec.train_dspark import MAX_TOKENS
 
     return MAX_TOKENS
 

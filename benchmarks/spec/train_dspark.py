@@ -2,7 +2,7 @@
 
 The target is a random-weight K3-shaped checkpoint (tests/helpers/k3_checkpoint.py: KDA + NoPE MLA,
 latent MoE, attention residuals, unquantised, vocabulary 256); its greedy continuations of a fixed
-set of seeded random prompts (``EVAL_PROMPTS``, the ones tests/engine/spec_decode/test_dspark_trained.py
+set of seeded random prompts (``EVAL_PROMPTS``, the ones tests/engine/spec_decode/dspark/test_dspark_trained.py
 decodes) are the data, so "predicts them well" is measured where it is used. A random target's
 continuations are chaotic: no small model generalises to them in minutes, but the drafter can learn
 them from the target's taps, which is what the tests need (with the taps shifted by one layer the
@@ -16,7 +16,7 @@ slot k of the block anchored at position a scores the target's greedy token afte
 (cross-entropy, the Markov bias fed the target's previous greedy token) and the confidence head
 learns whether that slot's argmax is right (binary cross-entropy).
 
-    python benchmarks/train_dspark_tiny.py --out tests/fixtures/dspark_tiny [--steps 90] [--k 7]
+    python benchmarks/spec/train_dspark.py --out tests/fixtures/dspark_tiny [--steps 90] [--k 7]
 
 Writes ``OUT/target`` (the K3 checkpoint), ``OUT/drafter`` (config.json + model.safetensors) and
 prints the teacher-forced per-slot accuracy.
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

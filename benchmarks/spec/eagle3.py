@@ -1,6 +1,6 @@
 """Speculative decoding with the trained tiny MLA EAGLE-3 / EAGLE-3.1 drafters, next to ngram and
 suffix, on their tiny K2 target (tests/fixtures/eagle3_mla_pair, made by
-``python -m benchmarks.train_tiny_eagle3``): decode tok/s and its speedup over no speculation,
+``python -m benchmarks.spec.train_eagle3``): decode tok/s and its speedup over no speculation,
 acceptance, and tokens per verifying step (1 + accepted / drafts), at batch 1, 4 and 16.
 
 One engine per proposer (each with its own back-off, on as by default), all alive; every repeat
@@ -10,7 +10,7 @@ random prompts, where they reach ~20-30%). The target is tiny (hidden 64,
 6 layers), so a step costs little beyond fixed per-step overhead: read the acceptance and tokens
 per step, and the speedups only as what that overhead allows.
 
-    python -m benchmarks.spec_decode_eagle3 [--batches 1,4,16] [--tokens 32] [--repeats 3] [--k 3]
+    python -m benchmarks.spec.eagle3 [--batches 1,4,16] [--tokens 32] [--repeats 3] [--k 3]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from kimitui.engine import LLM, SamplingParams
 
-PAIR = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "eagle3_mla_pair"
+PAIR = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "eagle3_mla_pair"
 
 
 def decode_rate(outs) -> float:
@@ -68,7 +68,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for batch in (int(b) for b in a.batches.split(",")):
         if a.workload == "train":
-            from benchmarks.train_tiny_eagle3 import prompts as train_prompts
+            from benchmarks.spec.train_eagle3 import prompts as train_prompts
 
             prompts = train_prompts(128, 1, vocab)[:batch]
         else:

@@ -1,5 +1,5 @@
 """Trained tiny pairs: a 6-layer K2 target and MLA EAGLE-3 / EAGLE-3.1 drafters trained on its own
-greedy outputs (``python -m benchmarks.train_tiny_eagle3``, committed under
+greedy outputs (``python -m benchmarks.spec.train_eagle3``, committed under
 tests/fixtures/eagle3_mla_pair, in TorchSpec's export layout of lightseekorg/kimi-k2.6-eagle3-mla).
 
 - kimitui's greedy acceptance equals, within 2 points, what an independent implementation measures
@@ -23,14 +23,14 @@ import torch
 from kimitui.engine import LLM, SamplingParams
 from tests.helpers.spec.eagle3_mla_torchspec import MLADrafter, aux_ids, greedy_acceptance, hf_all_states
 
-PAIR = Path(__file__).resolve().parents[2] / "fixtures" / "eagle3_mla_pair"
+PAIR = Path(__file__).resolve().parents[3] / "fixtures" / "eagle3_mla_pair"
 K, NEW, N_PROMPTS = 3, 32, 12
 
 
 def _prompts(vocab: int) -> list[list[int]]:
     """The first training prompts: the drafter is trained on the target's own continuations of these
     (tiny drafters memorise their tiny target; on fresh prompts the trainer measures about 20%)."""
-    from benchmarks.train_tiny_eagle3 import prompts
+    from benchmarks.spec.train_eagle3 import prompts
 
     return prompts(128, 1, vocab)[:N_PROMPTS]
 

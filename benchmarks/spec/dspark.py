@@ -1,6 +1,6 @@
 """K3 + DSpark against ngram / suffix and no speculation, on the trained tiny pair (CPU, one process).
 
-The pair is tests/fixtures/dspark_tiny (benchmarks/train_dspark_tiny.py): a tiny random-weight Kimi K3
+The pair is tests/fixtures/dspark_tiny (benchmarks/spec/train_dspark.py): a tiny random-weight Kimi K3
 target and a DSpark drafter trained on its greedy continuations of the prompts used here, so the
 drafter's acceptance is high and the measurement prices the mechanism (the target's taps, the
 drafter's context cache and block pass, the KDA rollback, verification of 1 + k rows) rather than a
@@ -12,7 +12,7 @@ The target is tiny (hidden 64): a decode step costs about as much in Python over
 drafter's pass, so these ratios say nothing about a real K3 (where a step reads ~50 GB of weights
 and the drafter ~5 GB); they show what the machinery costs where the model costs nothing.
 
-    python benchmarks/spec_decode_dspark.py [--batches 1,4,16] [--repeats 3] [--threads 2] [--json FILE]
+    python benchmarks/spec/dspark.py [--batches 1,4,16] [--repeats 3] [--threads 2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kimitui.engine import LLM, SamplingParams  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.train_dspark_tiny import EVAL_PROMPTS, MAX_TOKENS, prompts  # noqa: E402
+from benchmarks.spec.train_dspark import EVAL_PROMPTS, MAX_TOKENS, prompts  # noqa: E402
 
-FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "dspark_tiny"
+FIXTURE = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "dspark_tiny"
 
 
 def configs(k: int) -> dict[str, dict | None]:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kimitui.engine.layers.attn_metadata import PrefillChunk
-from kimitui.engine.spec_decode.eagle3_loader import load_eagle3, read_config
+from kimitui.engine.spec_decode.eagle3.loader import load_eagle3, read_config
 from tests.helpers.checkpoints import BASE
 from tests.helpers.spec.eagle3_mla_checkpoint import mla_combine, mla_reference, write_mla_checkpoint
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from kimitui.engine import LLM
 from kimitui.engine.engine import LLMEngine
 
-PAIR = Path(__file__).resolve().parents[2] / "fixtures" / "eagle3_mla_pair"
+PAIR = Path(__file__).resolve().parents[3] / "fixtures" / "eagle3_mla_pair"
 
 
 def test_drafter_weights_are_loaded_and_counted_before_the_cache(monkeypatch):

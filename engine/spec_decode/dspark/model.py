@@ -45,7 +45,7 @@ from kimitui.engine.layers.embedding import VocabEmbedding
 from kimitui.engine.layers.linear import Linear
 from kimitui.engine.layers.norm import RMSNorm
 from kimitui.engine.layers.rope import yarn_inv_freq
-from kimitui.engine.spec_decode.eagle3_mla import rope_interleaved
+from kimitui.engine.spec_decode.eagle3.mla import rope_interleaved
 import json
 from pathlib import Path
 from kimitui.engine.spec_decode.footprint import DrafterFootprint

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from kimitui.engine.layers.attn_metadata import PrefillChunk
-from kimitui.engine.spec_decode.eagle3 import Eagle3Config, rope_parameters
-from kimitui.engine.spec_decode.eagle3_loader import load_eagle3
+from kimitui.engine.spec_decode.eagle3.model import Eagle3Config, rope_parameters
+from kimitui.engine.spec_decode.eagle3.loader import load_eagle3
 from tests.helpers.checkpoints import BASE
 from tests.helpers.spec.eagle3_checkpoint import write_eagle3_checkpoint
 from tests.helpers.spec.eagle3_reference import hf_llama, reference
@@ -84,7 +84,7 @@ def test_paged_forward_matches_dense_reference(tmp_path, norm_before_residual):
 
 def test_long_chunk_is_tiled_and_bf16_stays_close(tmp_path, monkeypatch):
     """A chunk longer than the query tile, in a bf16 drafter, against the float64 reference."""
-    import kimitui.engine.spec_decode.eagle3 as e3
+    import kimitui.engine.spec_decode.eagle3.model as e3
 
     monkeypatch.setattr(e3, "QUERY_TILE", 8)
     config, w = write_eagle3_checkpoint(tmp_path, TARGET, dtype=torch.bfloat16, aux_layer_ids=AUX, seed=3,

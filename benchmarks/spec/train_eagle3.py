@@ -14,7 +14,7 @@ tests/helpers/spec/eagle3_mla_torchspec.py (training-time test over ``--ttt`` st
 target's next-token distribution). It prints teacher-forced accuracy per step and the greedy
 acceptance that drafter measures on held-out prompts.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.train_tiny_eagle3 --out tests/fixtures/eagle3_mla_pair
+    OMP_NUM_THREADS=1 python -m benchmarks.spec.train_eagle3 --out tests/fixtures/eagle3_mla_pair
 
 (about 4 minutes on a contended 2-core machine; one thread avoids spinning against other work).
 A drafter this small memorises its target's continuations: on the training prompts the greedy

@@ -9,7 +9,7 @@ static memory. On a GPU a replay is one launch for everything ``DecodeGraphRunne
 so the graphed count is: the step's launches outside that forward, plus one. Under emulation the
 forward still runs op by op, which is what lets this count it.
 
-    python -m benchmarks.spec_graph_launches            # prints a table and one JSON line
+    python -m benchmarks.spec.graph_launches            # prints a table and one JSON line
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STRUCTURE = dict(num_hidden_layers=3, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
                  n_shared_experts=1, first_k_dense_replace=1)
 
@@ -97,7 +97,7 @@ def main() -> int:
     env = {**os.environ, "KIMITUI_EMULATE_DEVICE": "1", "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1",
            "_SPEC_GRAPH_CHILD": "1"}
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.spec_graph_launches", tmp], cwd=REPO, env=env,
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.spec.graph_launches", tmp], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         print(proc.stderr[-4000:], file=sys.stderr)
