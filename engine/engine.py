@@ -45,7 +45,6 @@ from kimitui.engine.spec_decode.footprint import drafter_footprint
 from kimitui.engine.plan.routing_stats import save_routing_stats
 from kimitui.engine.demo import demo_checkpoint
 from kimitui.engine.structured.manager import StructuredOutputManager
-import psutil
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +182,8 @@ class LLMEngine:
                                                              if a.gpu_memory_gb is not None else 0))
         elif a.kv_cache_tokens is None:
             # Host RAM is shared with everything else: at most 1 GiB or a tenth of what is free.
+            import psutil  # optional dependency here: the lean GPU images gpu_check runs on may lack it
+
             budget = min(budget, 1 << 30, psutil.virtual_memory().available // 10)
         if drafter is not None and a.kv_cache_tokens is None:
             # the drafter's KV lives on the same block ids: every block costs the target's and its bytes

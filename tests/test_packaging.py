@@ -78,11 +78,11 @@ def test_wheel_installs_only_kimitui_with_compiled_kernels(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"kimitui", "kimitui-0.1.0.dist-info"}
     for needed in ("kimitui/engine/__init__.py", "kimitui/engine/llm.py", "kimitui/engine/models/deepseek_v3.py",
-                   "kimitui/engine/data/demo_corpus.txt", "kimitui/kernels/__init__.py", "kimitui/kernels/backend.py",
-                   "kimitui/kernels/cpu_few_rows.cpp", "kimitui/themes/__init__.py", "kimitui/themes/kimitui-dark.toml",
+                   "kimitui/engine/demo/data/demo_corpus.txt", "kimitui/kernels/__init__.py", "kimitui/kernels/backend.py",
+                   "kimitui/kernels/cpu/csrc/cpu_few_rows.cpp", "kimitui/themes/__init__.py", "kimitui/themes/kimitui-dark.toml",
                    "kimitui/tui/app.tcss"):
         assert needed in names, needed
-    built = [n for n in names if n.startswith("kimitui/kernels/_cpu_") and n.endswith(".so")]
+    built = [n for n in names if n.startswith("kimitui/kernels/cpu/_cpu_") and n.endswith(".so")]
     keys = [n for n in names if n.endswith(".buildkey")]
     assert built and len(keys) == len(built), (built, keys)
 
@@ -114,7 +114,7 @@ def test_installed_wheel_runs_info_and_the_demo_without_compiling(installed, tmp
     info = _run_fresh(installed, [str(installed / "bin" / "kimitui"), "info"], tmp_path)
     assert info.returncode == 0, info.stderr[-3000:]
     code = ("import json, kernels, kimitui\n"
-            "from kimitui.kernels import cpu_few_rows, cpu_quant_moe\n"
+            "from kimitui.kernels.cpu import few_rows as cpu_few_rows, quant_moe as cpu_quant_moe\n"
             "from kimitui.engine import LLM, SamplingParams\n"
             "out = LLM(max_model_len=256).generate('Hello', SamplingParams(max_tokens=4, temperature=0.0))\n"
             "print(json.dumps({'tokens': out[0].outputs[0].token_ids, 'kimitui': kimitui.__file__,"

@@ -53,12 +53,12 @@ _ADDITIONAL_SPECIAL = ["<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start
 
 
 def demo_corpus() -> str:
-    """The multilingual text shipped in engine/data for training the demo tokenizer."""
+    """The multilingual text shipped in engine/demo/data for training the demo tokenizer."""
     return (_DATA / "demo_corpus.txt").read_text(encoding="utf-8")
 
 
 def k2_chat_template() -> str:
-    """Our Jinja equivalent of Kimi K2-Instruct's chat template (engine/data)."""
+    """Our Jinja equivalent of Kimi K2-Instruct's chat template (engine/demo/data)."""
     path = _DATA / "kimi_k2_chat_template.jinja"
     return path.read_text(encoding="utf-8")
 

@@ -363,7 +363,7 @@ class RoutedExperts(nn.Module):
         staging.reserve(x.shape[0], x.device, x.dtype, x.shape[1], topk_ids.shape[1])
         job = self.executor.graph_job(x, topk_ids, w, staging)
         breaks.cut(job.start)
-        y = run_subset(self.local, self.local_map, x, topk_ids, w) if self.local is not None else None
+        y = self.local.run_subset(self.local_map, x, topk_ids, w) if self.local is not None else None
         if before_join is not None:
             before_join()
         breaks.cut(job.finish)

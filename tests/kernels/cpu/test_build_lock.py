@@ -100,7 +100,7 @@ def test_an_installed_build_is_imported_without_compiling(tmp_path):
              for e in _build.EXTENSIONS)
     if not ok:
         pytest.skip("no install-time build of the C++ kernels here (pip install --no-build-isolation -e .)")
-    code = ("from kimitui.kernels import cpu_few_rows, cpu_quant_moe; "
+    code = ("from kimitui.kernels.cpu import few_rows as cpu_few_rows, quant_moe as cpu_quant_moe; "
             "print(cpu_few_rows._module().__file__); print(cpu_quant_moe._module().__file__)")
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "jit")}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

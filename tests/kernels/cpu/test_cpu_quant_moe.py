@@ -176,7 +176,7 @@ def test_the_isa_is_chosen_once_from_the_cpu_or_the_environment():
     assert cpu_quant_moe.isa() in cpu_quant_moe.ISA_NAMES.values()
     if not os.environ.get("KIMITUI_CPU_ISA"):  # what `kimitui info` prints without building the extension
         assert cpu_quant_moe.planned_isa() == cpu_quant_moe.isa()
-    code = "from kimitui.kernels import cpu_quant_moe as q; print(q.isa(), q.planned_isa())"
+    code = "from kimitui.kernels.cpu import quant_moe as q; print(q.isa(), q.planned_isa())"
     for name in cpu_quant_moe.supported_isas():  # each level this CPU runs can be forced, and info says so
         env = dict(os.environ, KIMITUI_CPU_ISA=name)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

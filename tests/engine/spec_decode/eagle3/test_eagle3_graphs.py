@@ -12,7 +12,7 @@ import random
 import pytest
 
 from kimitui.engine import LLM, SamplingParams
-from kimitui.engine.runner.model_runner import model_runner as runner_mod
+from kimitui.engine.runner import model_runner as runner_mod
 from kimitui.engine.runner.graphs import DecodeGraphRunner
 from tests.helpers.checkpoints import BASE, write_hf_checkpoint
 from tests.helpers.spec.eagle3_mla_checkpoint import write_mla_checkpoint

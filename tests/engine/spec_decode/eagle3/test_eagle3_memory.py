@@ -14,14 +14,14 @@ PAIR = Path(__file__).resolve().parents[3] / "fixtures" / "eagle3_mla_pair"
 
 def test_drafter_weights_are_loaded_and_counted_before_the_cache(monkeypatch):
     seen = {}
-    real = LLMEngine._allocate_cache
+    real = LLMEngine._cache_shape
 
     def allocate(self):
         seen["drafter_bytes"] = self._drafter_weight_bytes()
         seen["budget"] = self._device_kv_budget()
         return real(self)
 
-    monkeypatch.setattr(LLMEngine, "_allocate_cache", allocate)
+    monkeypatch.setattr(LLMEngine, "_cache_shape", allocate)
     spec = {"method": "eagle3", "model": str(PAIR / "eagle3-mla"), "num_speculative_tokens": 3}
     gb = 1.0
     llm = LLM(str(PAIR / "target"), dtype="float32", max_model_len=128, max_num_seqs=2, gpu_memory_gb=gb,

@@ -151,7 +151,7 @@ def test_plan_counts_a_k26_shaped_mla_drafter(tmp_path, capsys):
     the target's MLA shape): its weights on GPU 0 and its latent KV per token."""
     import json
 
-    from tests.kimitui.test_plan_cmd import CONFIGS, run_plan
+    from tests.kimitui.commands.test_plan import CONFIGS, run_plan
 
     k26 = str(CONFIGS / "kimi_k26.json")
     target = json.loads((CONFIGS / "kimi_k26.json").read_text())
