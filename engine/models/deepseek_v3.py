@@ -60,6 +60,9 @@ class DecoderLayer(nn.Module):
             x = fused.attention(x, meta, cache)  # x + self_attn(input_layernorm(x))
             if fused.ffn_fusable(x):
                 return fused.ffn(x), None  # x + mlp(post_attention_layernorm(x))
+            packed = fused.packed_ffn
+            if packed is not None and packed.fusable(x):
+                return packed(x)  # (mlp(post_attention_layernorm(x)), x), as below, the same calls
             h = self.post_attention_layernorm(x)
             if isinstance(self.mlp, MoE):  # the router computes in fp32: give it h's exact fp32 copy, as
                 # add_forward_fp32 does below (a bf16 h sent the CPU's router to its PyTorch path)
@@ -202,10 +205,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         weight = self.model.norm.weight
         ops = attach_backends(self, weight.device, weight.dtype, settings)
         for layer in self.model.layers:
-            layer.fused = ops.fuse_decoder_layer(layer)
             experts = getattr(layer.mlp, "experts", None)
-            if experts is not None:
+            if experts is not None:  # first: the fused FFN of packed experts reads their CPU tiles
                 experts.post_load(weight.dtype)
+            layer.fused = ops.fuse_decoder_layer(layer)
 
     # -- declarations (see engine.models.registry) ------------------------------------------------
     def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
