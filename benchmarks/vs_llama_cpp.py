@@ -275,8 +275,8 @@ class Llama:
     def __init__(self, folder: Path, python: str | None):
         self.folder = folder
         self.bin = folder / "build" / "bin"
-        self.python = python or str(folder.resolve().parent / "venv" / "bin" / "python")
-        need = ["llama-batched-bench", "llama-quantize", "llama-perplexity", "llama-server"]
+        self.python = python or str(Path(os.path.abspath(folder)).parent / "venv" / "bin" / "python")
+        need = ["llama-batched-bench", "llama-quantize", "llama-perplexity"]  # llama-server: --no-serve skips it
         missing = [b for b in need if not (self.bin / b).is_file()]
         if missing or not (folder / "convert_hf_to_gguf.py").is_file():
             raise SystemExit(f"{folder}: no llama.cpp build ({', '.join(missing) or 'convert_hf_to_gguf.py'} "
@@ -305,8 +305,15 @@ class Llama:
         if out.is_file():
             return
         tmp = out.with_name(out.name + ".partial")
-        self.run([str(self.bin / "llama-quantize"), "--tensor-type", f"exps={kind}", str(src), str(tmp), "BF16",
-                  str(threads)], log)
+        # the routed experts to ``kind``, everything else kept bf16 (with BF16 as the target type
+        # llama-quantize copies every tensor as it is, overrides included; hence the inverse form)
+        keep = ["attn=bf16", "shexp=bf16", "ffn_(gate|up|down)\\.weight=bf16", f"exps={kind}"]
+        self.run([str(self.bin / "llama-quantize"), *[a for k in keep for a in ("--tensor-type", k)],
+                  "--output-tensor-type", "bf16", "--token-embedding-type", "bf16", str(src), str(tmp),
+                  kind.upper(), str(threads)], log)
+        text = log.read_text(errors="replace")
+        if not re.search(rf"_exps\.weight.*{kind}", text):
+            raise SystemExit(f"llama-quantize left the experts unquantized; see {log}")
         tmp.rename(out)
 
     def batched_bench(self, gguf: Path, n: int, input_len: int, output_len: int, threads: int, log: Path) -> dict:
@@ -586,6 +593,8 @@ def main() -> int:
     if not args.no_kl:
         results["kl"] = run_kl(args, cases, ckpt, gguf, llama, work, logs, kl_chunks)
     if not args.no_serve and any(c.startswith("k2") for c in cases):
+        if not (llama.bin / "llama-server").is_file():
+            raise SystemExit(f"{llama.bin}/llama-server is not built (build it, or pass --no-serve)")
         results["serve"] = run_serve(args, [c for c in cases if c.startswith("k2")], ckpt, gguf, llama, logs,
                                      serve_conc, out_len)
     report(results, cases, batches, rounds, args, out_len)
