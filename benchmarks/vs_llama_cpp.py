@@ -363,7 +363,7 @@ def write_kl_base(path: Path, sequences: list[list[int]], logprobs, vocab: int) 
             scale = ((mx - mn) / 65535.0)[:, 0].astype(np.float32)
             out = np.zeros((rows.shape[0], nv), dtype=np.uint16)
             inv = np.where(scale > 0, 1 / np.where(scale > 0, scale, 1), 0)[:, None]
-            q = np.where(rows > mn, np.rint(inv * (rows - mn)), 0).astype(np.uint16)
+            q = np.clip(np.where(rows > mn, np.rint(inv * (rows - mn)), 0), 0, 65535).astype(np.uint16)
             out[:, 4:4 + vocab] = q
             head = np.stack([scale, min_lp.astype(np.float32)], axis=1).view(np.uint16)
             out[:, :4] = head
@@ -494,6 +494,7 @@ def main() -> int:
     ap.add_argument("--no-kl", action="store_true")
     ap.add_argument("--no-serve", action="store_true")
     ap.add_argument("--no-contention", action="store_true")
+    ap.add_argument("--no-speed", action="store_true", help="skip the alternating speed runs (KL / serving only)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", help="also write every measurement here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -519,6 +520,9 @@ def main() -> int:
         ap.error("--llama-cpp DIR (or LLAMA_CPP_DIR) is required; the build recipe is at the top of this script")
     if out_len < 2 or args.input_len < 1 or min(batches) < 1 or args.kl_ctx < 8:
         ap.error("--output-len >= 2, --input-len >= 1, batches >= 1, --kl-ctx >= 8")
+    if not args.no_kl and (args.kl_ctx - 1 - args.kl_ctx // 2) * kl_chunks < 100:
+        ap.error("llama-perplexity prints its KL statistics from 100 scored positions on: raise --kl-chunks or "
+                 "--kl-ctx (each sequence scores its second half)")
     llama = Llama(Path(args.llama_cpp), args.llama_python)
     work = Path(args.work_dir)
     logs = work / "logs"
@@ -546,7 +550,7 @@ def main() -> int:
     results: dict = {"cpu": cpu_description(), "threads": args.threads, "speed": {}, "kl": {}, "serve": {},
                      "contention": {}}
     max_n = max(batches)
-    for case in cases:
+    for case in ([] if args.no_speed else cases):
         ours = Ours(ckpt[case], "bfloat16", args, logs / f"ours-{case}.log", max_num_seqs=max(max_n, 2),
                     max_model_len=max(args.input_len + out_len + 8, args.kl_ctx + 8))
         try:
