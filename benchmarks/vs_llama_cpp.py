@@ -285,9 +285,12 @@ class Llama:
             raise SystemExit(f"--llama-python {self.python}: no such Python (llama.cpp's converter venv)")
 
     def run(self, args: list[str], log: Path, timeout: float = 3600) -> str:
-        with open(log, "w") as f:
-            p = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=str(self.folder))
-        text = log.read_text(errors="replace")
+        # stdout (llama.cpp's LOG(): results) and stderr (its timestamped log) in two files: sharing one
+        # file, the block-buffered stdout lost its last lines
+        err = log.with_name(log.name + ".err")
+        with open(log, "w") as f, open(err, "w") as g:
+            p = subprocess.run(args, stdout=f, stderr=g, timeout=timeout, cwd=str(self.folder))
+        text = log.read_text(errors="replace") + err.read_text(errors="replace")
         if p.returncode:
             tail = "".join(text.splitlines(keepends=True)[-25:])
             raise SystemExit(f"{args[0]} exited {p.returncode}; last lines of {log}:\n{tail}")
@@ -723,6 +726,17 @@ def report(results: dict, cases, batches, rounds, args, out_len: int) -> None:
             print(f"| {case} | {n} | {a['tok_s']:.1f} | {b['tok_s']:.1f} | **{a['tok_s'] / b['tok_s']:.2f}x** | "
                   f"{a['tok_s_decode']:.1f} | {b['tok_s_decode']:.1f} | {a['tok_s_decode'] / b['tok_s_decode']:.2f}x | "
                   f"{a['ttft'] * 1e3:.0f} | {b['ttft'] * 1e3:.0f} | {b['ttft'] / a['ttft']:.2f}x |")
+    targets = {("k2-bf16", 1): 1.2, ("k2-bf16", 16): 1.5, ("k2-int4", 1): 1.2, ("k2-int4", 16): 1.5,
+               ("k3-mxfp4", 1): 1.0}  # issue 40's acceptance, on output tok/s including the prompt
+    checks = []
+    for (case, n), want in targets.items():
+        s = results["speed"].get(case, {})
+        a, b = s.get(f"kimitui {n}"), s.get(f"llama.cpp {n}")
+        if a and b:
+            got = a["tok_s"] / b["tok_s"]
+            checks.append(f"{case} batch {n}: {got:.2f}x (target >= {want}x: {'met' if got >= want else 'NOT met'})")
+    if checks:
+        print("targets: " + "; ".join(checks))
     if results["kl"]:
         print()
         print("KL against float32 (our engine in float32 on the unquantized checkpoint; llama.cpp's "
