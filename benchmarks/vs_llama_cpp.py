@@ -330,15 +330,23 @@ class Llama:
         r = rows[-1]
         return {"ttft": r["t_pp"], "full": r["t"], "decode": r["t_tg"], "flash_attn": r["flash_attn"]}
 
-    def kl(self, gguf: Path, base: Path, n_ctx: int, threads: int, log: Path) -> dict:
-        text = self.run([str(self.bin / "llama-perplexity"), "-m", str(gguf), "--kl-divergence-base", str(base),
-                         "--kl-divergence", "-c", str(n_ctx), "-b", str(n_ctx), "-t", str(threads),
-                         "-tb", str(threads)], log)
-        mean = re.search(r"Mean\s+KLD:\s+([-0-9.eE+]+)", text)
-        top = re.search(r"Same top p:\s+([0-9.]+)", text)
-        if not mean:
-            raise SystemExit(f"llama-perplexity printed no 'Mean KLD'; see {log}")
-        return {"kl": float(mean[1]), "same_top": float(top[1]) / 100 if top else float("nan")}
+    def kl(self, gguf: Path, base: Path, n_ctx: int, n_chunk: int, threads: int, log: Path) -> dict:
+        # llama.cpp's logger is a thread that the process does not drain at exit (llama.cpp issue
+        # 22142): on a busy machine the last lines, the statistics included, can be lost. The last
+        # chunk's line carries the same running means; failing both, run again.
+        for _ in range(3):
+            text = self.run([str(self.bin / "llama-perplexity"), "-m", str(gguf), "--kl-divergence-base", str(base),
+                             "--kl-divergence", "-c", str(n_ctx), "-b", str(n_ctx), "-t", str(threads),
+                             "-tb", str(threads)], log)
+            mean = re.search(r"Mean\s+KLD:\s+([-0-9.eE+]+)", text)
+            top = re.search(r"Same top p:\s+([0-9.]+)", text)
+            if mean:
+                return {"kl": float(mean[1]), "same_top": float(top[1]) / 100 if top else float("nan")}
+            last = re.search(rf"^\s*{n_chunk}\s+\S+ ±\s+\S+\s+\S+ ±\s+\S+\s+(\S+) ±\s+\S+\s+\S+ ±\s+\S+ %\s+(\S+) ±",
+                             text, re.M)
+            if last:
+                return {"kl": float(last[1]), "same_top": float(last[2]) / 100}
+        raise SystemExit(f"llama-perplexity printed no KL statistics in 3 runs; see {log}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,14 +654,14 @@ def run_kl(args, cases, ckpt, gguf, llama, work: Path, logs: Path, chunks: int) 
         for name, model, dtype, tag in tested:
             res[name] = kl_against_base(base, logprobs(model, dtype, tag))
         if fam == "k2":
-            res["llama.cpp bf16"] = llama.kl(gguf["k2-bf16"], base, args.kl_ctx, args.threads, logs / "kl-llama-k2-bf16.log")
+            res["llama.cpp bf16"] = llama.kl(gguf["k2-bf16"], base, args.kl_ctx, chunks, args.threads, logs / "kl-llama-k2-bf16.log")
             if "k2-int4" in members:
-                res["llama.cpp Q4_0 experts"] = llama.kl(gguf["k2-int4"], base, args.kl_ctx, args.threads,
+                res["llama.cpp Q4_0 experts"] = llama.kl(gguf["k2-int4"], base, args.kl_ctx, chunks, args.threads,
                                                          logs / "kl-llama-k2-q4.log")
-                res["llama.cpp, our INT4 file converted"] = llama.kl(work / "k2-int4-ct.gguf", base, args.kl_ctx,
+                res["llama.cpp, our INT4 file converted"] = llama.kl(work / "k2-int4-ct.gguf", base, args.kl_ctx, chunks,
                                                                      args.threads, logs / "kl-llama-k2-ct.log")
         else:
-            res["llama.cpp MXFP4 experts"] = llama.kl(gguf["k3-mxfp4"], base, args.kl_ctx, args.threads,
+            res["llama.cpp MXFP4 experts"] = llama.kl(gguf["k3-mxfp4"], base, args.kl_ctx, chunks, args.threads,
                                                       logs / "kl-llama-k3.log")
         for name, r in res.items():
             print(f"KL {fam} {name:<36} mean KL {r['kl']:.6f}, same top {r['same_top']:.1%}", flush=True)
