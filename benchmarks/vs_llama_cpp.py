@@ -321,12 +321,15 @@ class Llama:
 
     def batched_bench(self, gguf: Path, n: int, input_len: int, output_len: int, threads: int, log: Path) -> dict:
         ctx = n * (input_len + output_len) + 16
-        text = self.run([str(self.bin / "llama-batched-bench"), "-m", str(gguf), "-c", str(ctx), "-b", "2048",
-                         "-ub", "512", "-npp", str(input_len), "-ntg", str(output_len - 1), "-npl", str(n),
-                         "-t", str(threads), "-tb", str(threads), "--output-format", "jsonl"], log)
-        rows = [json.loads(line) for line in text.splitlines() if line.startswith("{\"n_kv_max\"")]
-        if not rows:
-            raise SystemExit(f"llama-batched-bench printed no result line; see {log}")
+        for _ in range(3):  # the result line can be lost at exit on a busy machine (see ``kl``): run again
+            text = self.run([str(self.bin / "llama-batched-bench"), "-m", str(gguf), "-c", str(ctx), "-b", "2048",
+                             "-ub", "512", "-npp", str(input_len), "-ntg", str(output_len - 1), "-npl", str(n),
+                             "-t", str(threads), "-tb", str(threads), "--output-format", "jsonl"], log)
+            rows = [json.loads(line) for line in text.splitlines() if line.startswith("{\"n_kv_max\"")]
+            if rows:
+                break
+        else:
+            raise SystemExit(f"llama-batched-bench printed no result line in 3 runs; see {log}")
         r = rows[-1]
         return {"ttft": r["t_pp"], "full": r["t"], "decode": r["t_tg"], "flash_attn": r["flash_attn"]}
 
