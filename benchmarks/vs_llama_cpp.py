@@ -562,7 +562,7 @@ def main() -> int:
     print(f"checkpoints and GGUFs ready ({time.time() - t0:.0f} s)", flush=True)
 
     results: dict = {"cpu": cpu_description(), "threads": args.threads, "speed": {}, "kl": {}, "serve": {},
-                     "contention": {}}
+                     "contention": {}, "load_start": os.getloadavg()[0]}
     max_n = max(batches)
     for case in ([] if args.no_speed else cases):
         ours = Ours(ckpt[case], "bfloat16", args, logs / f"ours-{case}.log", max_num_seqs=max(max_n, 2),
@@ -748,6 +748,10 @@ def report(results: dict, cases, batches, rounds, args, out_len: int) -> None:
             checks.append(f"{case} batch {n}: {got:.2f}x (target >= {want}x: {'met' if got >= want else 'NOT met'})")
     if checks:
         print("targets: " + "; ".join(checks))
+    busy = max(results.get("load_start", 0.0), os.getloadavg()[1])
+    if busy > 0.5 * (os.cpu_count() or 1):
+        print(f"WARNING: load average {busy:.1f} on {os.cpu_count()} CPUs: other jobs shared the cores, and "
+              "llama.cpp's spinning threads lose more to them than ours; these figures are not results")
     if results["kl"]:
         print()
         print("KL against float32 (our engine in float32 on the unquantized checkpoint; llama.cpp's "
