@@ -638,18 +638,17 @@ def run_kl(args, cases, ckpt, gguf, llama, work: Path, logs: Path, chunks: int) 
         base = work / f"kl-base-{fam}-{chunks}x{args.kl_ctx}.bin"
 
         def logprobs(model: Path, dtype: str, tag: str):
+            # computed afresh every run (a kept file would outlive a change to the engine)
             path = work / f"kl-{tag}-{chunks}x{args.kl_ctx}.npy"
-            if not path.is_file():
-                w = Ours(model, dtype, args, logs / f"kl-{tag}.log", max_num_seqs=2, max_model_len=args.kl_ctx + 8)
-                try:
-                    w.ask(op="logprobs", sequences=seqs, out=str(path))
-                finally:
-                    w.close()
+            w = Ours(model, dtype, args, logs / f"kl-{tag}.log", max_num_seqs=2, max_model_len=args.kl_ctx + 8)
+            try:
+                w.ask(op="logprobs", sequences=seqs, out=str(path))
+            finally:
+                w.close()
             return np.load(path)
 
         t0 = time.time()
-        if not base.is_file():
-            write_kl_base(base, seqs, logprobs(ref_ckpt, "float32", f"{fam}-f32"), vocab)
+        write_kl_base(base, seqs, logprobs(ref_ckpt, "float32", f"{fam}-f32"), vocab)
         res = {}
         tested = [("kimitui bf16", ref_ckpt, "bfloat16", f"{fam}-bf16")]
         if "k2-int4" in members:
