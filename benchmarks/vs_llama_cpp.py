@@ -94,7 +94,7 @@ K2_CONFIG = {
     "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
     "initializer_range": 0.02, "num_nextn_predict_layers": 0, "use_cache": True, "torch_dtype": "bfloat16",
 }
-K3_TEXT = {  # demo-k3's text_config, scaled up (filled in from kimitui.engine.demo_k3.TEXT_CONFIG)
+K3_TEXT = {  # demo-k3's text_config, scaled up (filled in from kimitui.engine.demo.k3.TEXT_CONFIG)
     "hidden_size": 1280, "intermediate_size": 3328, "num_hidden_layers": 8,
     "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 512, "kv_lora_rank": 512,
     "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
@@ -159,7 +159,7 @@ def write_k3(path: Path) -> None:
     if (path / "config.json").is_file():
         return
     sys.path.insert(0, str(ROOT))
-    from kimitui.engine import demo_k3
+    from kimitui.engine.demo import k3 as demo_k3
     from kimitui.engine.demo import write_shards
 
     text = dict(demo_k3.TEXT_CONFIG, **K3_TEXT)

@@ -20,7 +20,9 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from kimitui.kernels import cpu_few_rows, cpu_linear, cpu_moe, cpu_quant_moe, reference
+from kimitui.kernels.cpu import few_rows as cpu_few_rows, linear as cpu_linear, moe as cpu_moe, quant_moe as cpu_quant_moe
+
+from kimitui.kernels import reference
 from kimitui.kernels.backend import Backend, count_routing, written_rows
 from kimitui.kernels.settings import KernelSettings
 
@@ -249,6 +251,6 @@ class CpuBackend(Backend):
     def fuse_decoder_layer(self, layer):
         if not self.cxx:
             return None
-        from kimitui.kernels.cpu_decode_block import fuse_decoder_layer
+        from kimitui.kernels.cpu.decode_block import fuse_decoder_layer
 
         return fuse_decoder_layer(layer, self)

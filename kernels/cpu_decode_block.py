@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kimitui.kernels import cpu_few_rows
+from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.backend import written_rows
 
 _ABSENT = torch.empty(0)  # an absent weight, for the C++ side (never written)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kimitui.kernels import cpu_few_rows
+from kimitui.kernels.cpu import few_rows as cpu_few_rows
 
 DTYPES = (torch.float32, torch.bfloat16)
 

@@ -20,7 +20,7 @@ from kimitui.engine.layers.mlp import MLP
 from kimitui.engine.layers.moe import MoE
 from kimitui.engine.layers.norm import RMSNorm
 from kimitui.engine.layers.rope import YarnRotaryEmbedding
-from kimitui.engine.models.registry import WeightTarget
+from kimitui.engine.registry import WeightTarget
 from kimitui.engine.parallel.state import SINGLE, ParallelState
 from kimitui.kernels.backend import attach_backends
 from kimitui.kernels.settings import KernelSettings

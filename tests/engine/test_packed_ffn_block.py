@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kimitui.engine import LLM, SamplingParams
-from kimitui.kernels import cpu_few_rows, cpu_quant_moe, reference
+from kimitui.kernels.cpu import few_rows as cpu_few_rows, quant_moe as cpu_quant_moe
+from kimitui.kernels import reference
 from tests.helpers.checkpoints import write_hf_checkpoint
 from tests.helpers.quantized import quantize_checkpoint
 
@@ -65,7 +66,7 @@ def test_packed_ffn_block_matches_the_op_by_op_layer(tmp_path, dtype):
 
 
 def test_bf16_rms_norm_short_path_is_the_reference():
-    from kimitui.kernels.cpu_backend import CpuBackend
+    from kimitui.kernels.cpu.backend import CpuBackend
 
     backend = CpuBackend()
     g = torch.Generator().manual_seed(0)
