@@ -60,6 +60,9 @@ class DecoderLayer(nn.Module):
             x = fused.attention(x, meta, cache)  # x + self_attn(input_layernorm(x))
             if fused.ffn_fusable(x):
                 return fused.ffn(x), None  # x + mlp(post_attention_layernorm(x))
+            packed = fused.packed_ffn
+            if packed is not None and packed.fusable(x):
+                return packed(x)  # (mlp(post_attention_layernorm(x)), x), as below, the same calls
             h = self.post_attention_layernorm(x)
             if isinstance(self.mlp, MoE):  # the router computes in fp32: give it h's exact fp32 copy, as
                 # add_forward_fp32 does below (a bf16 h sent the CPU's router to its PyTorch path)
@@ -192,11 +195,12 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def post_load(self, ops: Backend) -> None:
         """Once the weights are in and every module has its backend (``ops``, the model's): derived
-        weights, each decoder layer's fused halves where the backend has them, the experts' layout."""
+        weights, the experts' layout, each decoder layer's fused halves where the backend has them."""
         derive_weights(self.model.layers)
+        # the experts' layout first: a fused FFN over packed experts reads their CPU tiles
+        prepare_experts(self.model.layers, self.model.norm.weight.dtype)
         for layer in self.model.layers:
             layer.fused = ops.fuse_decoder_layer(layer)
-        prepare_experts(self.model.layers, self.model.norm.weight.dtype)
 
     # -- declarations (see engine.registry) ------------------------------------------------
     def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:

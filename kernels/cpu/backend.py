@@ -122,6 +122,11 @@ class CpuBackend(Backend):
             # F.rms_norm runs the reference's operations in one call, bit-identical in fp32 (where the
             # cast is a no-op): a third of the time of the separate ops on a CPU.
             return F.rms_norm(x, weight.shape, weight, eps)
+        if x.dtype == weight.dtype == _BF16:
+            # the reference's steps in three calls instead of seven: normalise in fp32 (F.rms_norm, the
+            # same bits as its separate operations), round to bf16, multiply by the bf16 weight in place
+            # (bf16 x bf16 rounds once, as ``weight * h`` does): bit-identical to reference.rms_norm
+            return F.rms_norm(x.float(), weight.shape, None, eps).to(_BF16).mul_(weight)
         return reference.rms_norm(x, weight, eps)
 
     def moe_route(self, x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid",

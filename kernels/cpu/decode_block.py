@@ -171,9 +171,12 @@ class FusedDecoderLayer:
     """The fused halves of one decoder layer; either may be None (that half runs op by op)."""
 
     def __init__(self, attention: AttentionBlockWeights | None, ffn: FfnBlockWeights | None,
-                 routing_counts: torch.Tensor, backend, experts=None):
+                 routing_counts: torch.Tensor, backend, experts=None, packed_ffn=None):
         self.attention_weights = attention
         self.ffn_weights = ffn
+        # the FFN half over packed (INT4 / MXFP4) experts without Python between the kernels
+        # (kernels.cpu_packed_ffn_block), where ``ffn`` cannot take the layer; None: op by op
+        self.packed_ffn = packed_ffn
         self.routing_counts = routing_counts  # [E] int64, the MoE's counts (empty for a dense MLP)
         self.experts = experts  # the MoE's RoutedExperts (None for a dense MLP), for its count_rows
         self.backend = backend  # the CpuBackend: its MoE scratch buffer and lock
@@ -214,10 +217,13 @@ class FusedDecoderLayer:
 def fuse_decoder_layer(layer, backend) -> FusedDecoderLayer | None:
     """The fused halves of a loaded DeepSeek-V3 ``DecoderLayer`` (``input_layernorm``, ``self_attn``,
     ``post_attention_layernorm``, ``mlp``), or None when neither half can be fused."""
+    from kimitui.kernels.cpu_packed_ffn_block import PackedFfnBlock
+
     attention = attention_weights(layer.input_layernorm, layer.self_attn)
     ffn = ffn_weights(layer.post_attention_layernorm, layer.mlp)
-    if attention is None and ffn is None:
+    packed = None if ffn is not None else PackedFfnBlock.build(layer.post_attention_layernorm, layer.mlp, backend)
+    if attention is None and ffn is None and packed is None:
         return None
     experts = getattr(layer.mlp, "experts", None)
     counts = experts.routing_counts if experts is not None else torch.empty(0, dtype=torch.int64)
-    return FusedDecoderLayer(attention, ffn, counts, backend, experts)
+    return FusedDecoderLayer(attention, ffn, counts, backend, experts, packed)
