@@ -27,6 +27,7 @@ import torch
 
 from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.backend import written_rows
+from kimitui.kernels.cpu.packed_ffn_block import PackedFfnBlock
 
 _ABSENT = torch.empty(0)  # an absent weight, for the C++ side (never written)
 DTYPES = (torch.float32, torch.bfloat16)  # the dtypes of the matrices (and activations) the blocks take
@@ -217,8 +218,6 @@ class FusedDecoderLayer:
 def fuse_decoder_layer(layer, backend) -> FusedDecoderLayer | None:
     """The fused halves of a loaded DeepSeek-V3 ``DecoderLayer`` (``input_layernorm``, ``self_attn``,
     ``post_attention_layernorm``, ``mlp``), or None when neither half can be fused."""
-    from kimitui.kernels.cpu_packed_ffn_block import PackedFfnBlock
-
     attention = attention_weights(layer.input_layernorm, layer.self_attn)
     ffn = ffn_weights(layer.post_attention_layernorm, layer.mlp)
     packed = None if ffn is not None else PackedFfnBlock.build(layer.post_attention_layernorm, layer.mlp, backend)
