@@ -69,20 +69,25 @@ def extensions():
         import torch
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:
-        print("kimitui: torch is not importable at build time (build isolation?): the C++ CPU kernels will compile "
-              "on first use. `pip install --no-build-isolation .` compiles them now.", file=sys.stderr)
+        print(
+            "kimitui: torch is not importable at build time (build isolation?): the C++ CPU kernels will compile "
+            "on first use. `pip install --no-build-isolation .` compiles them now.",
+            file=sys.stderr,
+        )
         return [], {}
     build = _load_build_module()
     modules = []
     for ext in build.EXTENSIONS:
         for variant, _ in ext.variants:
-            modules.append(CppExtension(
-                name=f"kimitui.kernels.cpu.{ext.module(variant)}",
-                sources=[f"kernels/cpu/csrc/{s}" for s in ext.sources],
-                extra_compile_args=build.variant_flags(ext, variant),
-                extra_link_args=["-fopenmp"],
-                optional=True,  # no compiler: the install still succeeds, the kernels compile (or not) on first use
-            ))
+            modules.append(
+                CppExtension(
+                    name=f"kimitui.kernels.cpu.{ext.module(variant)}",
+                    sources=[f"kernels/cpu/csrc/{s}" for s in ext.sources],
+                    extra_compile_args=build.variant_flags(ext, variant),
+                    extra_link_args=["-fopenmp"],
+                    optional=True,  # no compiler: the install still succeeds, the kernels compile (or not) on first use
+                )
+            )
 
     class BuildKernels(BuildExtension):
         """Writes each module's build key beside it (kernels/cpu/build.py reads it at run time). Objects go to
@@ -99,8 +104,11 @@ def extensions():
             try:
                 super().build_extensions()
             except Exception as e:  # no usable compiler (torch checks it before any extension)
-                print(f"kimitui: the C++ CPU kernels did not compile ({str(e).splitlines()[0] if str(e) else e!r}); "
-                      "they will compile on first use, or the PyTorch path runs", file=sys.stderr)
+                print(
+                    f"kimitui: the C++ CPU kernels did not compile ({str(e).splitlines()[0] if str(e) else e!r}); "
+                    "they will compile on first use, or the PyTorch path runs",
+                    file=sys.stderr,
+                )
 
         def build_extension(self, extension):
             module = extension.name.rsplit(".", 1)[1]
@@ -108,8 +116,11 @@ def extensions():
             try:
                 super().build_extension(extension)
             except Exception as e:  # torch's ninja build raises RuntimeError, which setuptools' optional misses
-                print(f"kimitui: {module} did not compile ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                      "it will compile on first use, or the PyTorch path runs", file=sys.stderr)
+                print(
+                    f"kimitui: {module} did not compile ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                    "it will compile on first use, or the PyTorch path runs",
+                    file=sys.stderr,
+                )
                 return
             finally:
                 self.build_temp = base

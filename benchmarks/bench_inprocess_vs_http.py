@@ -17,11 +17,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kimitui.engine import AsyncLLM, EngineArgs  # noqa: E402
 from kimitui.bench import BenchmarkConfig, InProcessClient, OpenAICompletionsClient, run_benchmark  # noqa: E402
+from kimitui.engine import AsyncLLM, EngineArgs  # noqa: E402
 
-COLUMNS = (("output_throughput", "out tok/s"), ("mean_ttft_ms", "TTFT ms"), ("median_tpot_ms", "TPOT ms"),
-           ("mean_itl_ms", "ITL ms"), ("total_input_tokens", "in tok"), ("total_output_tokens", "out tok"))
+COLUMNS = (
+    ("output_throughput", "out tok/s"),
+    ("mean_ttft_ms", "TTFT ms"),
+    ("median_tpot_ms", "TPOT ms"),
+    ("mean_itl_ms", "ITL ms"),
+    ("total_input_tokens", "in tok"),
+    ("total_output_tokens", "out tok"),
+)
 
 
 def _serve(llm: AsyncLLM, name: str):
@@ -49,29 +55,39 @@ def main() -> int:
 
     llm = AsyncLLM(engine_args=EngineArgs(model=args.model, max_num_seqs=max(args.max_concurrency, 1)))
     name = args.model or llm.config.name
-    config = BenchmarkConfig(random_input_len=args.input_len, random_output_len=args.output_len,
-                             num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
-                             num_warmups=args.max_concurrency, max_model_len=llm.engine.max_model_len)
+    config = BenchmarkConfig(
+        random_input_len=args.input_len,
+        random_output_len=args.output_len,
+        num_prompts=args.num_prompts,
+        max_concurrency=args.max_concurrency,
+        num_warmups=args.max_concurrency,
+        max_model_len=llm.engine.max_model_len,
+    )
     server = None
     try:
         server = _serve(llm, name)
         url = server.url
         rows = []
-        for label, make in (("in-process", lambda: InProcessClient(llm, name, text_prompts=True)),
-                            ("http", lambda: OpenAICompletionsClient(url, name)),
-                            ("in-process again", lambda: InProcessClient(llm, name, text_prompts=True))):
+        for label, make in (
+            ("in-process", lambda: InProcessClient(llm, name, text_prompts=True)),
+            ("http", lambda: OpenAICompletionsClient(url, name)),
+            ("in-process again", lambda: InProcessClient(llm, name, text_prompts=True)),
+        ):
             rows.append((label, asyncio.run(_run(config, make(), llm.tokenizer))))
     finally:
         if server is not None:
             server.stop()
         llm.shutdown()
 
-    print(f"{name}: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, "
-          f"concurrency {args.max_concurrency}")
+    print(
+        f"{name}: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, "
+        f"concurrency {args.max_concurrency}"
+    )
     print("{:<18}".format("") + "".join(f"{h:>12}" for _, h in COLUMNS))
     for label, r in rows:
-        print(f"{label:<18}" + "".join(f"{r[k]:>12.2f}" if isinstance(r[k], float) else f"{r[k]:>12}"
-                                       for k, _ in COLUMNS))
+        print(
+            f"{label:<18}" + "".join(f"{r[k]:>12.2f}" if isinstance(r[k], float) else f"{r[k]:>12}" for k, _ in COLUMNS)
+        )
     return 0
 
 

@@ -50,8 +50,9 @@ def _step(seqs) -> None:
 
 
 def measure(max_model_len: int, context: int, steps: int, persistent: bool) -> dict:
-    runner = ModelRunner(None, [], BLOCK, torch.device("cpu"), max_num_seqs=SEQS, max_model_len=max_model_len,
-                         decode_graphs=False)
+    runner = ModelRunner(
+        None, [], BLOCK, torch.device("cpu"), max_num_seqs=SEQS, max_model_len=max_model_len, decode_graphs=False
+    )
     if not persistent:
         runner.table_rows = None  # prepare() then sends every table whole, as before
     seqs = _seqs(context)
@@ -84,8 +85,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"{SEQS} sequences of {args.context} tokens, {args.steps} decode steps, block size {BLOCK}")
-    print(f"{'tables':<10} {'max_model_len':>13} {'prepare':>8} {'pickle':>8} {'unpickle':>9} {'fill':>8} "
-          f"{'total ms':>9} {'bytes':>10}")
+    print(
+        f"{'tables':<10} {'max_model_len':>13} {'prepare':>8} {'pickle':>8} {'unpickle':>9} {'fill':>8} "
+        f"{'total ms':>9} {'bytes':>10}"
+    )
     for persistent in (False, True):
         for max_len in (8192, 131072):
             if args.context + args.steps > max_len:
@@ -93,8 +96,10 @@ def main() -> None:
                 continue
             r = measure(max_len, args.context, args.steps, persistent)
             total = r["prepare"] + r["pickle"] + r["unpickle"] + r["fill"]
-            print(f"{'persistent' if persistent else 'rebuild':<10} {max_len:>13} {r['prepare']:>8.3f} "
-                  f"{r['pickle']:>8.3f} {r['unpickle']:>9.3f} {r['fill']:>8.3f} {total:>9.3f} {r['bytes']:>10}")
+            print(
+                f"{'persistent' if persistent else 'rebuild':<10} {max_len:>13} {r['prepare']:>8.3f} "
+                f"{r['pickle']:>8.3f} {r['unpickle']:>9.3f} {r['fill']:>8.3f} {total:>9.3f} {r['bytes']:>10}"
+            )
 
 
 if __name__ == "__main__":

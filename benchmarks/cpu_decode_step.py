@@ -17,6 +17,7 @@ reused when it exists). Two clocks: wall time, and this process's CPU seconds ov
 (closer to the time alone on a machine shared with other jobs; see cpu_experts.best_time).
 ``--profile`` prints cProfile's top functions (CPU clock) over the decode steps of one request.
 """
+# ruff: noqa: I001 (import order matters here: the engine sets OpenMP's wait policy before torch loads)
 
 from __future__ import annotations
 
@@ -44,12 +45,29 @@ def hf_config(args):
     from transformers import DeepseekV3Config
 
     return DeepseekV3Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.inter,
-        moe_intermediate_size=args.inter, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.heads, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64,
-        qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=args.experts, num_experts_per_tok=args.top_k,
-        n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1, norm_topk_prob=True,
-        routed_scaling_factor=2.5, max_position_embeddings=4096, rope_theta=10000.0)
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.inter,
+        moe_intermediate_size=args.inter,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        q_lora_rank=512,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        n_routed_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        n_shared_experts=1,
+        first_k_dense_replace=0,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+    )
 
 
 def shapes(cfg) -> dict[str, tuple[int, ...]]:
@@ -80,15 +98,17 @@ def write_checkpoint(path: Path, args) -> None:
                 for proj, rows in projs:
                     if args.format == "mxfp4":  # E2M1 bytes, E8M0 scale 2^-9 per 32: |w| <= 6 * 0.002
                         tensors[f"{base}.{i}.{proj}.weight_packed"] = torch.randint(
-                            0, 256, (rows, k // 2), dtype=torch.uint8, generator=g)
-                        tensors[f"{base}.{i}.{proj}.weight_scale"] = torch.full((rows, k // 32), 118,
-                                                                                dtype=torch.uint8)
+                            0, 256, (rows, k // 2), dtype=torch.uint8, generator=g
+                        )
+                        tensors[f"{base}.{i}.{proj}.weight_scale"] = torch.full((rows, k // 32), 118, dtype=torch.uint8)
                         continue
                     # offset-8 nibbles, group 32, bf16 scales: |w| <= 8 * 0.003, activations stay tame
                     tensors[f"{base}.{i}.{proj}.weight_packed"] = torch.randint(
-                        -2**31, 2**31 - 1, (rows, k // 8), dtype=torch.int32, generator=g)
-                    tensors[f"{base}.{i}.{proj}.weight_scale"] = torch.full((rows, k // 32), 0.003,
-                                                                            dtype=torch.bfloat16)
+                        -(2**31), 2**31 - 1, (rows, k // 8), dtype=torch.int32, generator=g
+                    )
+                    tensors[f"{base}.{i}.{proj}.weight_scale"] = torch.full(
+                        (rows, k // 32), 0.003, dtype=torch.bfloat16
+                    )
                     tensors[f"{base}.{i}.{proj}.weight_shape"] = torch.tensor([rows, k], dtype=torch.int32)
         elif "norm" in name:
             tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
@@ -126,8 +146,18 @@ def step_bytes(args, compute: torch.dtype) -> dict[str, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for flag, default in (("--hidden", 2048), ("--inter", 1024), ("--experts", 64), ("--top-k", 8), ("--layers", 8),
-                          ("--heads", 8), ("--vocab", 4096), ("--tokens", 16), ("--threads", 2), ("--prompt", 32)):
+    for flag, default in (
+        ("--hidden", 2048),
+        ("--inter", 1024),
+        ("--experts", 64),
+        ("--top-k", 8),
+        ("--layers", 8),
+        ("--heads", 8),
+        ("--vocab", 4096),
+        ("--tokens", 16),
+        ("--threads", 2),
+        ("--prompt", 32),
+    ):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--format", choices=("int4", "mxfp4"), default="int4", help="routed experts' format")
@@ -142,8 +172,10 @@ def main() -> int:
             path.mkdir(parents=True, exist_ok=True)
             t = time.perf_counter()
             write_checkpoint(path, args)
-            print(f"wrote {sum(f.stat().st_size for f in path.glob('*.safetensors')) / 1e9:.2f} GB to {path} "
-                  f"in {time.perf_counter() - t:.0f} s")
+            print(
+                f"wrote {sum(f.stat().st_size for f in path.glob('*.safetensors')) / 1e9:.2f} GB to {path} "
+                f"in {time.perf_counter() - t:.0f} s"
+            )
         kept = json.loads((path / "config.json").read_text())["quantization_config"].get("format")
         if kept != ("mxfp4-pack-quantized" if args.format == "mxfp4" else "pack-quantized"):
             ap.error(f"--keep {path} holds a {kept} checkpoint, not --format {args.format}")
@@ -155,8 +187,14 @@ def run(path: Path, args) -> int:
     compute = getattr(torch, args.dtype)
     nbytes = step_bytes(args, compute)
     total = sum(nbytes.values())
-    with LLM(str(path), dtype=args.dtype, device="cpu", max_model_len=args.prompt + args.tokens + 8, max_num_seqs=1,
-             cpu_offload=offload) as llm:
+    with LLM(
+        str(path),
+        dtype=args.dtype,
+        device="cpu",
+        max_model_len=args.prompt + args.tokens + 8,
+        max_num_seqs=1,
+        cpu_offload=offload,
+    ) as llm:
         overlap_meter.enable(llm.engine.model)
         params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
         times = {"wall": [], "cpu": []}
@@ -200,24 +238,35 @@ def run(path: Path, args) -> int:
         decode(True)
         meter = overlap_meter.report(llm.engine.model)["total"]
     bw = {clock: read_bandwidth(clock) for clock in ("wall", "cpu")}
-    print(f"threads {args.threads} | {args.dtype} | hidden {args.hidden}, expert width {args.inter}, {args.experts} "
-          f"experts top-{args.top_k}, {args.layers} layers, vocab {args.vocab} | cpu_offload {args.cpu_offload}")
-    print("bytes per step: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in nbytes.items())
-          + f" = {total / 1e6:.1f} MB")
-    print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} | load average "
-          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print("| clock | TPOT ms (median) | TPOT ms (best) | GB/s (median) | read bw GB/s | % of read bw "
-          "| paired sum GB/s (median) | % of paired |")
+    print(
+        f"threads {args.threads} | {args.dtype} | hidden {args.hidden}, expert width {args.inter}, {args.experts} "
+        f"experts top-{args.top_k}, {args.layers} layers, vocab {args.vocab} | cpu_offload {args.cpu_offload}"
+    )
+    print(
+        "bytes per step: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in nbytes.items()) + f" = {total / 1e6:.1f} MB"
+    )
+    print(
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} | load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
+    print(
+        "| clock | TPOT ms (median) | TPOT ms (best) | GB/s (median) | read bw GB/s | % of read bw "
+        "| paired sum GB/s (median) | % of paired |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for clock, ts in times.items():
         med, best = statistics.median(ts), min(ts)
         pair = total / statistics.median(sums[clock])
-        print(f"| {clock} | {med * 1e3:.1f} | {best * 1e3:.1f} | {total / med / 1e9:.2f} | {bw[clock] / 1e9:.2f} | "
-              f"{total / med / bw[clock]:.0%} | {pair / 1e9:.2f} | {statistics.median(sums[clock]) / med:.0%} |")
+        print(
+            f"| {clock} | {med * 1e3:.1f} | {best * 1e3:.1f} | {total / med / 1e9:.2f} | {bw[clock] / 1e9:.2f} | "
+            f"{total / med / bw[clock]:.0%} | {pair / 1e9:.2f} | {statistics.median(sums[clock]) / med:.0%} |"
+        )
     if meter["calls"]:
-        print(f"host experts: {meter['calls']} layer calls, host {meter['host_s'] * 1e3:.1f} ms, device experts "
-              f"{meter['device_s'] * 1e3:.1f} ms, waited at join {meter['wait_s'] * 1e3:.1f} ms, hidden fraction "
-              f"{meter['hidden_fraction']:.0%}")
+        print(
+            f"host experts: {meter['calls']} layer calls, host {meter['host_s'] * 1e3:.1f} ms, device experts "
+            f"{meter['device_s'] * 1e3:.1f} ms, waited at join {meter['wait_s'] * 1e3:.1f} ms, hidden fraction "
+            f"{meter['hidden_fraction']:.0%}"
+        )
     return 0
 
 

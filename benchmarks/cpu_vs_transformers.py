@@ -24,13 +24,37 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CONFIG = dict(
-    vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512, num_hidden_layers=8,
-    num_attention_heads=16, num_key_value_heads=16, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64,
-    qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=1,
-    first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.827,
-    max_position_embeddings=4096, rope_theta=50000.0,
-    rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 1.0,
-                  "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    moe_intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=512,
+    kv_lora_rank=256,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    n_routed_experts=64,
+    num_experts_per_tok=6,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.827,
+    max_position_embeddings=4096,
+    rope_theta=50000.0,
+    rope_scaling={
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 1024,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
 )
 PROMPT_LEN, NEW_TOKENS, CONCURRENCY = 256, 32, 16
 
@@ -75,8 +99,14 @@ def run_transformers(model, batch: list[list[int]]) -> float:
         mask = torch.ones_like(ids)  # equal-length prompts: no padding
         model.generate(ids[:1, :16], attention_mask=mask[:1, :16], max_new_tokens=2, do_sample=False)  # warm-up
         t = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
         dt = time.perf_counter() - t
     assert out.shape[1] == PROMPT_LEN + NEW_TOKENS
     return len(batch) * NEW_TOKENS / dt
@@ -151,8 +181,11 @@ def main() -> int:
         if tok16 > ours16:
             ours16, tpot16, tpot16_min = tok16, t16, t16_min
         ours1 = max(ours1, tok1)
-        print(f"round {r + 1}/{args.rounds}: transformers {hf16:.2f} / {hf1:.2f} tok/s, "
-              f"kimitui {ours16:.2f} / {ours1:.2f} tok/s (best so far, {CONCURRENCY} / 1)", flush=True)
+        print(
+            f"round {r + 1}/{args.rounds}: transformers {hf16:.2f} / {hf1:.2f} tok/s, "
+            f"kimitui {ours16:.2f} / {ours1:.2f} tok/s (best so far, {CONCURRENCY} / 1)",
+            flush=True,
+        )
     hf16, hf1 = (hf16, hf1) if hf is not None else (None, None)
     fraction = step_bytes / tpot1 / bw
 
@@ -171,12 +204,13 @@ def main() -> int:
     # The copy bandwidth is measured right before each round's single-request run. The fraction
     # divides by the highest reading, so a slow moment of the machine cannot flatter it.
     print(f"memory copy bandwidth (read+write), best of {args.rounds} rounds: {bw / 1e9:.2f} GB/s")
-    print(f"single-request decode: TPOT {tpot1 * 1e3:.1f} ms, {step_bytes / 1e6:.0f} MB of weights per step, "
-          f"{step_bytes / tpot1 / 1e9:.2f} GB/s = {fraction:.0%} of copy bandwidth")
+    print(
+        f"single-request decode: TPOT {tpot1 * 1e3:.1f} ms, {step_bytes / 1e6:.0f} MB of weights per step, "
+        f"{step_bytes / tpot1 / 1e9:.2f} GB/s = {fraction:.0%} of copy bandwidth"
+    )
     # The 16-request tok/s above includes prefilling 16 x 256 prompt tokens. Requests whose prompts
     # went in the first prefill step also wait out the second in their TPOT; the fastest does not.
-    print(f"{CONCURRENCY}-request decode: TPOT {tpot16_min * 1e3:.1f} ms fastest request, "
-          f"{tpot16 * 1e3:.1f} ms median")
+    print(f"{CONCURRENCY}-request decode: TPOT {tpot16_min * 1e3:.1f} ms fastest request, {tpot16 * 1e3:.1f} ms median")
     return 0
 
 

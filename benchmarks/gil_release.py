@@ -18,6 +18,7 @@ still shows a kernel that keeps the GIL (about 2). Weights are random packed MXF
 team has that thread alone (``kernels/cpu/csrc/cpu_team.h``: at most one thread per CPU of its mask), so the
 pair uses two CPUs and the call alone one.
 """
+# ruff: noqa: I001 (import order matters here: the engine sets OpenMP's wait policy before torch loads)
 
 from __future__ import annotations
 
@@ -131,8 +132,9 @@ def pair_times(call, repeats: int = 5, cpus: tuple[int, int] | None = None) -> P
         cpus = (allowed[0], allowed[1])
     runs = [(_pinned_calls([cpus[0]], call)[:2], _pinned_calls(list(cpus), call)[:2]) for _ in range(repeats)]
     med = statistics.median
-    return PairTimes(med(a[0] for a, _ in runs), med(p[0] for _, p in runs), med(a[1] for a, _ in runs),
-                     med(p[1] for _, p in runs))
+    return PairTimes(
+        med(a[0] for a, _ in runs), med(p[0] for _, p in runs), med(a[1] for a, _ in runs), med(p[1] for _, p in runs)
+    )
 
 
 def main() -> None:
@@ -152,17 +154,26 @@ def main() -> None:
         return cpu_quant_moe.moe(x, ids, wts, "mxfp4", experts, None, None, None)
 
     t = pair_times(call, a.repeats)
-    print(f"packed MXFP4 experts {a.experts} x (hidden {a.hidden}, width {a.inter}), {a.tokens} tokens top-8, "
-          f"isa {cpu_quant_moe.isa()}, load average {os.getloadavg()[0]:.1f}; medians of {a.repeats}")
+    print(
+        f"packed MXFP4 experts {a.experts} x (hidden {a.hidden}, width {a.inter}), {a.tokens} tokens top-8, "
+        f"isa {cpu_quant_moe.isa()}, load average {os.getloadavg()[0]:.1f}; medians of {a.repeats}"
+    )
     print(f"                               wall       wall less the wait for a CPU")
     print(f"one call on one pinned thread: {t.alone * 1e3:6.1f} ms  {t.alone_net * 1e3:6.1f} ms")
     print(f"two pinned threads at once:    {t.pair * 1e3:6.1f} ms  {t.pair_net * 1e3:6.1f} ms")
     print(f"pair / alone:                  {t.ratio:6.2f}     {t.net_ratio:6.2f}")
     # issue 38's acceptance point is the wall ratio, on a machine with two otherwise idle CPUs
     verdict = "holds" if t.ratio < 1.3 else "does not hold"
-    quiet = "" if os.getloadavg()[0] < 1.0 else (f" (load average {os.getloadavg()[0]:.1f}: other work shares "
-                                                 "these CPUs; the second column is the figure to read here)")
+    quiet = (
+        ""
+        if os.getloadavg()[0] < 1.0
+        else (
+            f" (load average {os.getloadavg()[0]:.1f}: other work shares "
+            "these CPUs; the second column is the figure to read here)"
+        )
+    )
     print(f"ACCEPTANCE wall pair/alone = {t.ratio:.2f} (< 1.3 wanted): {verdict}{quiet}")
+
 
 if __name__ == "__main__":
     main()

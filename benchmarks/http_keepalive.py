@@ -77,8 +77,11 @@ class _Stages:
         self.rows.append(row)
 
         async def timed_send(message):
-            if "first_event" not in row and message["type"] == "http.response.body" \
-                    and message.get("body", b"").startswith(b"data: {"):
+            if (
+                "first_event" not in row
+                and message["type"] == "http.response.body"
+                and message.get("body", b"").startswith(b"data: {")
+            ):
                 row["first_event"] = time.perf_counter()
             await send(message)
 
@@ -105,8 +108,10 @@ class _RawClient:
     def __init__(self, url: str, body: dict):
         host, port = url.removeprefix("http://").split(":")
         data = json.dumps(body).encode()
-        self.request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                        f"X-Stages: 1\r\nContent-Length: {len(data)}\r\n\r\n").encode() + data
+        self.request = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"X-Stages: 1\r\nContent-Length: {len(data)}\r\n\r\n"
+        ).encode() + data
         self.sock = socket.create_connection((host, int(port)))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -156,8 +161,11 @@ def main() -> int:
     try:
         keepalive = []
         for _ in range(args.runs):
-            out = subprocess.run(["curl", "-s", *["-o", "/dev/null"] * 3, "-w", "%{time_total}\n",
-                                  *[srv.url + "/health"] * 3], capture_output=True, text=True).stdout.split()
+            out = subprocess.run(
+                ["curl", "-s", *["-o", "/dev/null"] * 3, "-w", "%{time_total}\n", *[srv.url + "/health"] * 3],
+                capture_output=True,
+                text=True,
+            ).stdout.split()
             keepalive.append([float(t) * 1e3 for t in out])
             print("curl /health x3 on one connection (ms):", " / ".join(f"{t:.1f}" for t in keepalive[-1]))
         body = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "stream": True, "ignore_eos": True, "temperature": 0}
@@ -185,14 +193,18 @@ def main() -> int:
             diffs[name] = (there, there - here)
             print(f"  HTTP on one connection, {name}: {there * 1e3:.2f} ms, {(there - here) * 1e3:+.2f} ms")
         if stages is not None:
-            _print_stages(stages.rows[-args.pairs:], sent, raw_ttft[1:], here)
+            _print_stages(stages.rows[-args.pairs :], sent, raw_ttft[1:], here)
         worst = max(max(run) for run in keepalive)
         print("acceptance (issue 41):")
-        print(f"  three requests on one kept-alive connection, worst of {args.runs} runs: {worst:.2f} ms "
-              f"-> {'holds' if worst < 5 else 'FAILS'} (each under 5 ms)")
+        print(
+            f"  three requests on one kept-alive connection, worst of {args.runs} runs: {worst:.2f} ms "
+            f"-> {'holds' if worst < 5 else 'FAILS'} (each under 5 ms)"
+        )
         for name, (there, diff) in diffs.items():
-            print(f"  streaming TTFT: in process {here * 1e3:.2f} ms, HTTP ({name}) {there * 1e3:.2f} ms, "
-                  f"difference {diff * 1e3:+.2f} ms -> {'holds' if diff <= 0.002 else 'FAILS'} (within 2 ms)")
+            print(
+                f"  streaming TTFT: in process {here * 1e3:.2f} ms, HTTP ({name}) {there * 1e3:.2f} ms, "
+                f"difference {diff * 1e3:+.2f} ms -> {'holds' if diff <= 0.002 else 'FAILS'} (within 2 ms)"
+            )
     finally:
         srv.stop()
         llm.shutdown()
@@ -208,13 +220,17 @@ def _find(app, kind):
 def _print_stages(rows: list[dict], sent: list[float], ttfts: list[float], local: float) -> None:
     """Medians of each stage of the raw client's requests, in ms."""
     rows = [dict(r, sent=s, received=s + t) for r, s, t in zip(rows, sent, ttfts) if "first_event" in r]
-    spans = [("client send -> app entry (socket, uvicorn h11 parse)", "sent", "entry"),
-             ("app entry -> generate() (middleware, auth, body, validation)", "entry", "generate"),
-             ("generate() -> first output (the engine, as in process)", "generate", "first_output"),
-             ("first output -> first SSE event sent (SSE framing, Starlette)", "first_output", "first_event"),
-             ("first SSE event sent -> client has it (uvicorn write, socket)", "first_event", "received")]
-    print(f"  server stages of the raw client's HTTP TTFT (medians of {len(rows)} requests; in process "
-          f"{local * 1e3:.2f} ms):")
+    spans = [
+        ("client send -> app entry (socket, uvicorn h11 parse)", "sent", "entry"),
+        ("app entry -> generate() (middleware, auth, body, validation)", "entry", "generate"),
+        ("generate() -> first output (the engine, as in process)", "generate", "first_output"),
+        ("first output -> first SSE event sent (SSE framing, Starlette)", "first_output", "first_event"),
+        ("first SSE event sent -> client has it (uvicorn write, socket)", "first_event", "received"),
+    ]
+    print(
+        f"  server stages of the raw client's HTTP TTFT (medians of {len(rows)} requests; in process "
+        f"{local * 1e3:.2f} ms):"
+    )
     for label, a, b in spans:
         print(f"    {label}: {statistics.median(r[b] - r[a] for r in rows) * 1e3:.3f} ms")
 

@@ -41,8 +41,11 @@ class PartResult:
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
     d = (out.float() - ref.float()).abs()
-    return {"max_abs": d.max().item(), "mean_abs": d.mean().item(),
-            "rel": (d.norm() / ref.float().norm().clamp_min(1e-30)).item()}
+    return {
+        "max_abs": d.max().item(),
+        "mean_abs": d.mean().item(),
+        "rel": (d.norm() / ref.float().norm().clamp_min(1e-30)).item(),
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -57,8 +60,15 @@ def write_checkpoints(root: Path) -> list[Path]:
 
     paths = [root / "k3-a", root / "k3-b"]
     write_k3_checkpoint(paths[0], seed=0)
-    write_k3_checkpoint(paths[1], seed=1, num_layers=6, kda_layers=(1, 2, 4, 5), full_attn_layers=(3, 6),
-                        attn_res_block_size=3, num_experts=16)
+    write_k3_checkpoint(
+        paths[1],
+        seed=1,
+        num_layers=6,
+        kda_layers=(1, 2, 4, 5),
+        full_attn_layers=(3, 6),
+        attn_res_block_size=3,
+        num_experts=16,
+    )
     return paths
 
 
@@ -117,8 +127,9 @@ def part_attn_res(m32, mh, dtype, gen):
         return attn_res_mix(x, blocks, nw, eps, pw)
 
     out = mix(cands[-1], cands[:-1], layerh.mlp_res_norm.weight, layerh.mlp_res_proj.weight)
-    ref = mix(cands[-1].float(), [c.float() for c in cands[:-1]], layer32.mlp_res_norm.weight,
-              layer32.mlp_res_proj.weight)
+    ref = mix(
+        cands[-1].float(), [c.float() for c in cands[:-1]], layer32.mlp_res_norm.weight, layer32.mlp_res_proj.weight
+    )
     ideal = ref.to(dtype)
     v = torch.stack(cands, dim=1)  # all in half
     normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
@@ -167,14 +178,27 @@ def part_router(m32, mh, dtype, gen):
     s = torch.sigmoid(logits).float()
     # the engine's top-k rule on these half-rounded scores: fed as logits through an identity
     # "router weight", so its sigmoid gives the same scores back (to fp32 rounding)
-    ids_n, w_n = reference.moe_route(torch.logit(s.clamp(1e-7, 1 - 1e-7)), torch.eye(s.shape[1]),
-                                     gh.e_score_correction_bias, gh.top_k, gh.n_group, gh.topk_group, "sigmoid",
-                                     gh.norm_topk_prob, gh.scaling)
+    ids_n, w_n = reference.moe_route(
+        torch.logit(s.clamp(1e-7, 1 - 1e-7)),
+        torch.eye(s.shape[1]),
+        gh.e_score_correction_bias,
+        gh.top_k,
+        gh.n_group,
+        gh.topk_group,
+        "sigmoid",
+        gh.norm_topk_prob,
+        gh.scaling,
+    )
     inn, wn = by_expert(ids_n, w_n.to(dtype))
     keep = agree & (inn == i32).all(dim=1)
-    return (wh[keep], w32[keep], w32[keep], wn[keep],
-            f"top-k ids agree on {agree.float().mean().item():.0%} of rows (naive half scores: "
-            f"{(inn == i32).all(dim=1).float().mean().item():.0%})")
+    return (
+        wh[keep],
+        w32[keep],
+        w32[keep],
+        wn[keep],
+        f"top-k ids agree on {agree.float().mean().item():.0%} of rows (naive half scores: "
+        f"{(inn == i32).all(dim=1).float().mean().item():.0%})",
+    )
 
 
 def _experts_inputs(m32, mh, dtype, gen):
@@ -208,7 +232,8 @@ def part_mxfp4_experts(m32, mh, dtype, gen):
                 h = act(g, u)
             else:
                 h = (act.beta * torch.tanh(g / act.beta) * torch.sigmoid(g)) * (
-                    act.linear_beta * torch.tanh(u / act.linear_beta))
+                    act.linear_beta * torch.tanh(u / act.linear_beta)
+                )
             yy = F.linear(h, w2)
             y.index_add_(0, tok, (yy.to(sum_dtype) * w[tok, slot, None].to(weights_dtype).to(sum_dtype)))
         return y.to(dtype)
@@ -228,7 +253,7 @@ def _checkpoint_experts(path: Path, layer: int) -> dict:
     out: dict = {}
     for name, shard in index.items():
         if name.startswith(pre) and name.endswith(".weight_packed"):
-            e, proj = name[len(pre):].split(".")[:2]
+            e, proj = name[len(pre) :].split(".")[:2]
             with safe_open(str(path / shard), "pt") as f:
                 packed = f.get_tensor(name)
             with safe_open(str(path / index[name.replace("weight_packed", "weight_scale")]), "pt") as f:
@@ -338,8 +363,11 @@ PARTS = [
     ("AttnRes mix (softmax over depth)", part_attn_res, "candidates, scores, softmax and mix in fp32"),
     ("SiTU", part_situ, "fp32, cast back (SituAndMul)"),
     ("router (sigmoid, top-k weights)", part_router, "logits, sigmoid, bias, top-k weights in fp32"),
-    ("MXFP4 experts (dequant, SiTU, weighted sum)", part_mxfp4_experts,
-     "exact dequant, fp32 SiTU, expert output x fp32 weight, fp32 sum"),
+    (
+        "MXFP4 experts (dequant, SiTU, weighted sum)",
+        part_mxfp4_experts,
+        "exact dequant, fp32 SiTU, expert output x fp32 weight, fp32 sum",
+    ),
     ("latent norm (routed_expert_norm)", part_latent_norm, "variance in fp32 (HF RMSNorm)"),
     ("latent MoE block (all of it)", part_latent_moe, "as its parts"),
     ("MLA output gate (NoPE MLA)", part_mla_gate, "model dtype: o * sigmoid(g_proj(x))"),
@@ -360,17 +388,25 @@ def measure_parts(path: Path, seed: int = 0) -> list[PartResult]:
             got = fn(m32, mh, dtype, gen)
             out, ref, ideal, naive = got[:4]
             note = got[4] if len(got) > 4 else ""
-            results.append(PartResult(name, keeps, str(dtype).removeprefix("torch."), errors(out, ref),
-                                      errors(ideal, ref), errors(naive, ref), note))
+            results.append(
+                PartResult(
+                    name,
+                    keeps,
+                    str(dtype).removeprefix("torch."),
+                    errors(out, ref),
+                    errors(ideal, ref),
+                    errors(naive, ref),
+                    note,
+                )
+            )
     return results
 
 
 @torch.no_grad()
 def end_to_end(path: Path, prompt_len: int = 96, seed: int = 0) -> dict:
     """max and mean |delta log-prob| (every position, every vocabulary entry) of bf16 / fp16 vs fp32."""
-    from tests.helpers.hybrid_driver import HybridDriver
-
     from kimitui.engine.layers.moe import Router
+    from tests.helpers.hybrid_driver import HybridDriver
 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 250, (prompt_len,), generator=gen).tolist()
@@ -395,21 +431,26 @@ def end_to_end(path: Path, prompt_len: int = 96, seed: int = 0) -> dict:
         for a, b in zip(routes32, routes):
             flipped |= (a != b).any(dim=1)
         out[str(dtype).removeprefix("torch.")] = {
-            "max": d.max().item(), "mean": d.mean().item(),
+            "max": d.max().item(),
+            "mean": d.mean().item(),
             "top1_agree": (lp.argmax(-1) == lp32.argmax(-1)).float().mean().item(),
             "positions_with_routing_flip": int(flipped.sum()),
             "max_at_flip": per_pos[flipped].max().item() if flipped.any() else 0.0,
-            "max_elsewhere": per_pos[~flipped].max().item() if (~flipped).any() else 0.0}
+            "max_elsewhere": per_pos[~flipped].max().item() if (~flipped).any() else 0.0,
+        }
     return out
 
 
 def format_parts(results: list[PartResult]) -> str:
-    lines = [f"{'part':<46} {'dtype':<8} {'max|d| engine':>13} {'ideal':>10} {'naive':>10} {'mean engine':>12} "
-             f"{'rel':>9}"]
+    lines = [
+        f"{'part':<46} {'dtype':<8} {'max|d| engine':>13} {'ideal':>10} {'naive':>10} {'mean engine':>12} {'rel':>9}"
+    ]
     for r in results:
-        lines.append(f"{r.part:<46} {r.dtype:<8} {r.engine['max_abs']:>13.3e} {r.ideal['max_abs']:>10.3e} "
-                     f"{r.naive['max_abs']:>10.3e} {r.engine['mean_abs']:>12.3e} {r.engine['rel']:>9.2e}"
-                     + (f"  {r.note}" if r.note else ""))
+        lines.append(
+            f"{r.part:<46} {r.dtype:<8} {r.engine['max_abs']:>13.3e} {r.ideal['max_abs']:>10.3e} "
+            f"{r.naive['max_abs']:>10.3e} {r.engine['mean_abs']:>12.3e} {r.engine['rel']:>9.2e}"
+            + (f"  {r.note}" if r.note else "")
+        )
     return "\n".join(lines)
 
 
@@ -424,11 +465,15 @@ def main(argv: list[str] | None = None) -> int:
         e2e = {p.name: end_to_end(p) for p in paths}
     print(format_parts(parts))
     for name, r in e2e.items():
-        print(f"end to end {name}: " + ", ".join(
-            f"{dt} max |d log-prob| {v['max']:.3f} mean {v['mean']:.4f} top-1 {v['top1_agree']:.0%} "
-            f"(routing flips at {v['positions_with_routing_flip']} positions: max {v['max_at_flip']:.3f} there, "
-            f"{v['max_elsewhere']:.3f} elsewhere)"
-            for dt, v in r.items()))
+        print(
+            f"end to end {name}: "
+            + ", ".join(
+                f"{dt} max |d log-prob| {v['max']:.3f} mean {v['mean']:.4f} top-1 {v['top1_agree']:.0%} "
+                f"(routing flips at {v['positions_with_routing_flip']} positions: max {v['max_at_flip']:.3f} there, "
+                f"{v['max_elsewhere']:.3f} elsewhere)"
+                for dt, v in r.items()
+            )
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"parts": [r.__dict__ for r in parts], "end_to_end": e2e}, indent=2))
     return 0

@@ -53,8 +53,11 @@ def _write(fmt: str, w: dict[str, torch.Tensor], inter: int, folder: str) -> Non
 
     out = {}
     for e in range(w["w13"].shape[0]):
-        mats = {"gate": (w["w13"][e, :inter], w["w13_scale"][e, :inter]),
-                "up": (w["w13"][e, inter:], w["w13_scale"][e, inter:]), "down": (w["w2"][e], w["w2_scale"][e])}
+        mats = {
+            "gate": (w["w13"][e, :inter], w["w13_scale"][e, :inter]),
+            "up": (w["w13"][e, inter:], w["w13_scale"][e, inter:]),
+            "down": (w["w2"][e], w["w2_scale"][e]),
+        }
         for proj, (packed, scale) in mats.items():
             if fmt == "int4":
                 base = f"model.layers.0.mlp.experts.{e}.{proj}_proj"
@@ -100,17 +103,26 @@ def prepare(fmt: str, w: dict[str, torch.Tensor], hidden: int, inter: int, args,
 
         NativeMoEWrapper.force_release_loader()  # its loader is a singleton bound to one folder
         wrapper = kt_kernel.KTMoEWrapper(
-            layer_idx=0, num_experts=w["w13"].shape[0], num_experts_per_tok=args.top_k, hidden_size=hidden,
-            moe_intermediate_size=inter, gpu_experts_mask=None, cpuinfer_threads=args.threads, threadpool_count=1,
-            weight_path=folder, chunked_prefill_size=max(512, max(int(b) for b in args.batches.split(","))),
-            method="RAWINT4" if fmt == "int4" else "MXFP4")
+            layer_idx=0,
+            num_experts=w["w13"].shape[0],
+            num_experts_per_tok=args.top_k,
+            hidden_size=hidden,
+            moe_intermediate_size=inter,
+            gpu_experts_mask=None,
+            cpuinfer_threads=args.threads,
+            threadpool_count=1,
+            weight_path=folder,
+            chunked_prefill_size=max(512, max(int(b) for b in args.batches.split(","))),
+            method="RAWINT4" if fmt == "int4" else "MXFP4",
+        )
         keep = []  # what its loader returns: its backends hold raw pointers into these, it drops them
         load = wrapper.loader.load_experts
         wrapper.loader.load_experts = lambda *a, **k: keep.append(load(*a, **k)) or keep[-1]
         wrapper.load_weights(torch.arange(w["w13"].shape[0]))
     except Exception as exc:
-        print(f"kt-kernel {fmt} {backend}: not run ({type(exc).__name__}: "
-              f"{str(exc).splitlines()[0] if str(exc) else ''})")
+        print(
+            f"kt-kernel {fmt} {backend}: not run ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        )
         return None
     finally:
         os.environ.pop(env, None)

@@ -94,8 +94,10 @@ def main() -> int:
         gguf.SpecialVocab(d, load_merges=False).add_to_gguf(self.gguf_writer)
         # K3's text config names its turn terminator; K2's checkpoint config names its own
         text = self.hparams
-        for key, add in (("bos_token_id", self.gguf_writer.add_bos_token_id),
-                         ("eos_token_id", self.gguf_writer.add_eos_token_id)):
+        for key, add in (
+            ("bos_token_id", self.gguf_writer.add_bos_token_id),
+            ("eos_token_id", self.gguf_writer.add_eos_token_id),
+        ):
             value = text.get(key)
             if isinstance(value, list):
                 value = value[0]

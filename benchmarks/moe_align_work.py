@@ -29,8 +29,14 @@ from kimitui.kernels.triton.fused_moe import moe_align_block_size as torch_align
 from kimitui.kernels.triton.moe_align import align_launch  # noqa: E402
 
 # (name, tokens, top-k, experts): Kimi K2 (384 experts, top-8) and K3 (896 experts, top-16) decode
-SHAPES = [("K2 batch 1", 1, 8, 384), ("K2 batch 16", 16, 8, 384), ("K2 batch 64", 64, 8, 384),
-          ("K3 batch 1", 1, 16, 896), ("K3 batch 16", 16, 16, 896), ("K3 batch 64", 64, 16, 896)]
+SHAPES = [
+    ("K2 batch 1", 1, 8, 384),
+    ("K2 batch 16", 16, 8, 384),
+    ("K2 batch 64", 64, 8, 384),
+    ("K3 batch 1", 1, 16, 896),
+    ("K3 batch 16", 16, 16, 896),
+    ("K3 batch 64", 64, 16, 896),
+]
 
 
 def _next_pow2(n: int) -> int:
@@ -91,7 +97,7 @@ def old_kernel(flat: np.ndarray, block_size: int, num_experts: int):
     for s0 in range(0, size, chunk):
         w.trips += 1
         slots = s0 + p
-        holds = ((padded_start[None, :] <= slots[:, None]) & (slots[:, None] < filled_end[None, :]) & real[None, :])
+        holds = (padded_start[None, :] <= slots[:, None]) & (slots[:, None] < filled_end[None, :]) & real[None, :]
         is_pad = holds.sum(1) == 0
         w.op(holds, holds, holds, holds, holds)
         ok = (slots < size) & is_pad
@@ -182,9 +188,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.manual_seed(0)
-    print(f"{'shape':<12} {'pairs':>5} {'BLOCK_M':>7} | {'old: trips':>10} {'elements':>11} {'ms':>8} | "
-          f"{'new: programs':>13} {'trips':>5} {'elements/prog':>13} {'ms/program':>11} {'all ms':>7} | "
-          f"{'elements x':>10} {'time x':>7}")
+    print(
+        f"{'shape':<12} {'pairs':>5} {'BLOCK_M':>7} | {'old: trips':>10} {'elements':>11} {'ms':>8} | "
+        f"{'new: programs':>13} {'trips':>5} {'elements/prog':>13} {'ms/program':>11} {'all ms':>7} | "
+        f"{'elements x':>10} {'time x':>7}"
+    )
     for name, tokens, top_k, experts in SHAPES:
         ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).to(torch.int32)
         pairs = tokens * top_k
@@ -201,9 +209,11 @@ def main() -> None:
         per_prog_ms = all_ms / launch.programs
         worst = max(new_work, key=lambda w: w.elements)
         old_el = old_work[0].elements
-        print(f"{name:<12} {pairs:>5} {block:>7} | {old_work[0].trips:>10} {old_el:>11,} {old_ms:>8.2f} | "
-              f"{launch.programs:>13} {worst.trips:>5} {worst.elements:>13,} {per_prog_ms:>11.3f} {all_ms:>7.2f} | "
-              f"{old_el / worst.elements:>10.0f} {old_ms / per_prog_ms:>7.0f}")
+        print(
+            f"{name:<12} {pairs:>5} {block:>7} | {old_work[0].trips:>10} {old_el:>11,} {old_ms:>8.2f} | "
+            f"{launch.programs:>13} {worst.trips:>5} {worst.elements:>13,} {per_prog_ms:>11.3f} {all_ms:>7.2f} | "
+            f"{old_el / worst.elements:>10.0f} {old_ms / per_prog_ms:>7.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,15 @@ sys.path.insert(0, str(REPO))
 LENS = [20, 5, 40, 17, 33]  # bucket 8: three padding rows
 SLOTS = [2, 5, 1, 7, 0]
 BLOCK = 16
-K2_STRUCTURE = dict(num_hidden_layers=3, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
-                    n_shared_experts=1, first_k_dense_replace=1)
+K2_STRUCTURE = dict(
+    num_hidden_layers=3,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+)
 
 
 def measure(kind: str, repeats: int) -> dict:
@@ -64,25 +71,63 @@ def _measure(kind: str, repeats: int, tmp: str) -> dict:
         hf = write_hf_checkpoint(Path(tmp), seed=5, **K2_STRUCTURE)
         quantize_checkpoint(Path(tmp), "int4", hf)
         offload = 8
-    llm = LLM(tmp, dtype="float16", max_model_len=64, max_num_seqs=8, enable_prefix_caching=False,
-              kv_cache_tokens=512, cpu_offload=offload, enforce_eager=True)
+    llm = LLM(
+        tmp,
+        dtype="float16",
+        max_model_len=64,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+        kv_cache_tokens=512,
+        cpu_offload=offload,
+        enforce_eager=True,
+    )
     base = llm.engine.runner
-    runners = {"eager": ModelRunner(base.model, base.kv_caches, base.block_size, base.device, max_num_seqs=8,
-                                    max_model_len=64, decode_graphs=False),
-               "piecewise": ModelRunner(base.model, base.kv_caches, base.block_size, base.device, max_num_seqs=8,
-                                        max_model_len=64, decode_graphs=True, emulate_graphs=True)}
+    runners = {
+        "eager": ModelRunner(
+            base.model,
+            base.kv_caches,
+            base.block_size,
+            base.device,
+            max_num_seqs=8,
+            max_model_len=64,
+            decode_graphs=False,
+        ),
+        "piecewise": ModelRunner(
+            base.model,
+            base.kv_caches,
+            base.block_size,
+            base.device,
+            max_num_seqs=8,
+            max_model_len=64,
+            decode_graphs=True,
+            emulate_graphs=True,
+        ),
+    }
     graphs = runners["piecewise"].graphs
     t0 = time.perf_counter()
     graphs.capture_all()
     capture_s = time.perf_counter() - t0
     hybrid = any(isinstance(c, KDAState) for c in base.kv_caches)
     tables = [[i * 4 + j for j in range(-(-n // BLOCK))] for i, n in enumerate(LENS)]
-    inp = StepInputs(ids=[11, 12, 13, 14, 15], num_decodes=5, decode_tables=tables, decode_lens=list(LENS),
-                     prefills=[], sample_rows=list(range(5)), state_slots=list(SLOTS) if hybrid else [])
+    inp = StepInputs(
+        ids=[11, 12, 13, 14, 15],
+        num_decodes=5,
+        decode_tables=tables,
+        decode_lens=list(LENS),
+        prefills=[],
+        sample_rows=list(range(5)),
+        state_slots=list(SLOTS) if hybrid else [],
+    )
     caches = [t for c in base.kv_caches for t in ([c.recurrent, c.conv] if isinstance(c, KDAState) else [c])]
     before = [t.clone() for t in caches]
-    out = {"model": kind, "cpu_offload": offload, "layers": len(base.model.model.layers),
-           "host_layers": len(graphs.host_experts), "segments": graphs.segments(8), "capture_s": round(capture_s, 1)}
+    out = {
+        "model": kind,
+        "cpu_offload": offload,
+        "layers": len(base.model.model.layers),
+        "host_layers": len(graphs.host_experts),
+        "segments": graphs.segments(8),
+        "capture_s": round(capture_s, 1),
+    }
     ms = {name: [] for name in runners}
     logits = {}
     for r in range(repeats + 2):  # round 0 warms up (first-step buffers), round 1 counts, then timed
@@ -96,8 +141,12 @@ def _measure(kind: str, repeats: int, tmp: str) -> dict:
                 with count_launches() as c:
                     step_logits = runner.forward_step(inp)[0]
                 logits[name] = step_logits.float()
-                out[name] = {"launches": c.launches, "kernels": c.kernels, "graph_launches": sum(c.graphs.values()),
-                             "host_syncs": sum(c.host_syncs.values())}
+                out[name] = {
+                    "launches": c.launches,
+                    "kernels": c.kernels,
+                    "graph_launches": sum(c.graphs.values()),
+                    "host_syncs": sum(c.host_syncs.values()),
+                }
                 continue
             t0 = time.perf_counter()
             runner.forward_step(inp)[0].argmax(-1).tolist()
@@ -110,14 +159,18 @@ def _measure(kind: str, repeats: int, tmp: str) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| model (layers, MoE layers with host experts) | step | launches per step | kernels outside graphs | "
-            "graph launches | host ms per step (interpreter) |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| model (layers, MoE layers with host experts) | step | launches per step | kernels outside graphs | "
+        "graph launches | host ms per step (interpreter) |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
         name = f"{r['model'].upper()} ({r['layers']}, {r['host_layers']}; --cpu-offload {r['cpu_offload']})"
         for step in ("eager", "piecewise"):
             c = r[step]
-            rows.append(f"| {name} | {step} | {c['launches']} | {c['kernels']} | {c['graph_launches']} | "
-                        f"{c['ms_median']} |")
+            rows.append(
+                f"| {name} | {step} | {c['launches']} | {c['kernels']} | {c['graph_launches']} | {c['ms_median']} |"
+            )
     return "\n".join(rows)
 
 
@@ -134,8 +187,13 @@ def main() -> int:
     env.pop("KIMITUI_KERNELS", None)
     results = []
     for kind in args.models.split(","):
-        proc = subprocess.run([sys.executable, __file__, "--child", kind, "--repeats", str(args.repeats)], cwd=REPO,
-                              env=env, capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", kind, "--repeats", str(args.repeats)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             print(proc.stderr[-4000:], file=sys.stderr)
             return 1

@@ -36,18 +36,39 @@ import torch
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
-def write_job(path: str, fmt: str, w: dict[str, torch.Tensor], batches: list[tuple], threads: int,
-              repeats: int, clock: str, bf16: bool = False, flush_bytes: int = 0) -> None:
+def write_job(
+    path: str,
+    fmt: str,
+    w: dict[str, torch.Tensor],
+    batches: list[tuple],
+    threads: int,
+    repeats: int,
+    clock: str,
+    bf16: bool = False,
+    flush_bytes: int = 0,
+) -> None:
     """The runner's input: experts ``w`` (w13, w13_scale, w2, w2_scale in kimitui's checkpoint
     layouts) and ``batches`` as (x bf16 [T, D], ids [T, k], weights [T, k])."""
     if fmt not in ("int4", "mxfp4"):
         raise ValueError(f"vllm_experts: format {fmt!r} is not int4 or mxfp4")
     if clock not in ("wall", "cpu"):
         raise ValueError(f"vllm_experts: clock {clock!r} is not wall or cpu")
-    torch.save({"fmt": fmt, "w": w, "batches": [(x.bfloat16().contiguous(), ids.to(torch.int32).contiguous(),
-                                                  tw.float().contiguous()) for x, ids, tw in batches],
-                "threads": threads, "repeats": repeats, "clock": clock, "bf16": bf16,
-                "flush_bytes": flush_bytes}, path)
+    torch.save(
+        {
+            "fmt": fmt,
+            "w": w,
+            "batches": [
+                (x.bfloat16().contiguous(), ids.to(torch.int32).contiguous(), tw.float().contiguous())
+                for x, ids, tw in batches
+            ],
+            "threads": threads,
+            "repeats": repeats,
+            "clock": clock,
+            "bf16": bf16,
+            "flush_bytes": flush_bytes,
+        },
+        path,
+    )
 
 
 def int4_to_gptq(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -56,8 +77,10 @@ def int4_to_gptq(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tenso
     ``scales [E, K/g, N]`` and ``qzeros [E, K/g, N/8]`` (every zero 8, stored 7: GPTQ adds 1).
     The nibbles are the same bits: GPTQ packs along K with the same order and offset."""
     if packed.dtype != torch.int32 or packed.dim() != 3 or scale.shape[:2] != packed.shape[:2]:
-        raise ValueError(f"vllm_experts: INT4 words {tuple(packed.shape)} {packed.dtype} / scales "
-                         f"{tuple(scale.shape)} are not [E, N, K/8] int32 / [E, N, K/g]")
+        raise ValueError(
+            f"vllm_experts: INT4 words {tuple(packed.shape)} {packed.dtype} / scales "
+            f"{tuple(scale.shape)} are not [E, N, K/8] int32 / [E, N, K/g]"
+        )
     e, n, _ = packed.shape
     if n % 8:
         raise ValueError(f"vllm_experts: GPTQ zero points pack 8 output rows per word, N={n}")
@@ -89,8 +112,12 @@ def last_level_cache_bytes() -> int:
     for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         text = f.read_text().strip().upper()
         try:
-            best = max(best, int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[text[-1]]
-                       if text[-1] in "KMG" else int(text))
+            best = max(
+                best,
+                int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[text[-1]]
+                if text[-1] in "KMG"
+                else int(text),
+            )
         except (ValueError, KeyError):
             continue
     return best
@@ -144,8 +171,10 @@ def main(argv: list[str]) -> int:
         print("vllm_experts: this vLLM has no torch.ops._C.fused_experts_cpu (not a CPU build)", file=sys.stderr)
         return 1
     if not torch.cpu._is_amx_tile_supported():  # vLLM's CPU quantised experts require AMX tiles
-        print("vllm_experts: vLLM's CPU INT4 / MXFP4 MoE needs AMX (torch.cpu._is_amx_tile_supported() "
-              "is False here)", file=sys.stderr)
+        print(
+            "vllm_experts: vLLM's CPU INT4 / MXFP4 MoE needs AMX (torch.cpu._is_amx_tile_supported() is False here)",
+            file=sys.stderr,
+        )
         return 1
     fmt, w = job["fmt"], job["w"]
     runs = {}
@@ -155,13 +184,14 @@ def main(argv: list[str]) -> int:
     else:
         g13, s13, z13 = int4_to_gptq(w["w13"], w["w13_scale"])
         g2, s2, z2 = int4_to_gptq(w["w2"], w["w2_scale"])
-        p13, p2, s13, s2, z13, z2 = cpu_moe.prepare_int4_moe_layer_for_cpu(g13, g2, s13, s2, w13_zeros=z13,
-                                                                             w2_zeros=z2)
+        p13, p2, s13, s2, z13, z2 = cpu_moe.prepare_int4_moe_layer_for_cpu(g13, g2, s13, s2, w13_zeros=z13, w2_zeros=z2)
         runs["INT4_W4A8"] = (p13, p2, ops.CPUQuantMethod.INT4_W4A8, s13, s2, z13, z2)
     if job["bf16"]:
+
         def bf16(name):  # one expert at a time: a K2 stack in float32 would be 3.7 GB
-            return torch.ops._C.convert_weight_packed(torch.stack(
-                [dequant(fmt, p, s).bfloat16() for p, s in zip(w[name], w[f"{name}_scale"])]))
+            return torch.ops._C.convert_weight_packed(
+                torch.stack([dequant(fmt, p, s).bfloat16() for p, s in zip(w[name], w[f"{name}_scale"])])
+            )
 
         runs["UNQUANT bf16"] = (bf16("w13"), bf16("w2"), ops.CPUQuantMethod.UNQUANT, None, None, None, None)
     del w
@@ -172,8 +202,9 @@ def main(argv: list[str]) -> int:
             out = torch.empty_like(x)
 
             def step():
-                ops.fused_experts_cpu(out, x, w1, w2, tw, ids, method, s1, s2, z1, z2, None, None, None, None,
-                                      None, True)
+                ops.fused_experts_cpu(
+                    out, x, w1, w2, tw, ids, method, s1, s2, z1, z2, None, None, None, None, None, True
+                )
 
             result["times"][(name, x.shape[0])] = best_time(step, job["repeats"], job["clock"], flush)
             result["outs"][(name, x.shape[0])] = out.clone()

@@ -61,6 +61,7 @@ What runs, in order (checkpoints, GGUFs and logs are kept in ``--work-dir`` and 
 rounds, 32 output tokens, two KL sequences, serving at concurrency 1 only. Speed figures on a
 machine shared with other jobs are not results; the table says the load average it ran under.
 """
+# ruff: noqa: I001 (import order matters here: the engine sets OpenMP's wait policy before torch loads)
 
 from __future__ import annotations
 
@@ -79,34 +80,85 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 K2_CONFIG = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
-    "hidden_size": 1280, "intermediate_size": 3328, "moe_intermediate_size": 384,
-    "num_hidden_layers": 8, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-    "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 512, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "n_routed_experts": 48, "num_experts_per_tok": 6, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-    "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 2.827,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "kimi_k2",
+    "hidden_size": 1280,
+    "intermediate_size": 3328,
+    "moe_intermediate_size": 384,
+    "num_hidden_layers": 8,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "q_lora_rank": 512,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 48,
+    "num_experts_per_tok": 6,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.827,
     "rope_theta": 50000.0,
-    "rope_scaling": {"type": "yarn", "factor": 8.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
-                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
-    "max_position_embeddings": 32768, "rms_norm_eps": 1e-06,
-    "vocab_size": 4096 + 256, "bos_token_id": 4096, "eos_token_id": 4097,
-    "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
-    "initializer_range": 0.02, "num_nextn_predict_layers": 0, "use_cache": True, "torch_dtype": "bfloat16",
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 8.0,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+    },
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-06,
+    "vocab_size": 4096 + 256,
+    "bos_token_id": 4096,
+    "eos_token_id": 4097,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "num_nextn_predict_layers": 0,
+    "use_cache": True,
+    "torch_dtype": "bfloat16",
 }
 K3_TEXT = {  # demo-k3's text_config, scaled up (filled in from kimitui.engine.demo.k3.TEXT_CONFIG)
-    "hidden_size": 1280, "intermediate_size": 3328, "num_hidden_layers": 8,
-    "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 512, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "routed_expert_hidden_size": 640, "num_experts": 48, "num_experts_per_token": 6, "moe_intermediate_size": 768,
-    "linear_attn_config": {"num_heads": 8, "head_dim": 128, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
-                           "use_full_rank_gate": True, "kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8]},
+    "hidden_size": 1280,
+    "intermediate_size": 3328,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "q_lora_rank": 512,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "routed_expert_hidden_size": 640,
+    "num_experts": 48,
+    "num_experts_per_token": 6,
+    "moe_intermediate_size": 768,
+    "linear_attn_config": {
+        "num_heads": 8,
+        "head_dim": 128,
+        "short_conv_kernel_size": 4,
+        "gate_lower_bound": -5.0,
+        "use_full_rank_gate": True,
+        "kda_layers": [1, 2, 3, 5, 6, 7],
+        "full_attn_layers": [4, 8],
+    },
 }
 CASES = ("k2-bf16", "k2-int4", "k3-mxfp4")
 
 
 # ---------------------------------------------------------------------------------------------
 # checkpoints (kimitui's Python: torch and the demo writers)
+
 
 def write_k2(path: Path, int4: bool) -> None:
     """The K2-shaped checkpoint (the demo's writer and tokenizer at K2_CONFIG); with ``int4`` the
@@ -130,20 +182,43 @@ def write_k2(path: Path, int4: bool) -> None:
             base = name[: -len(".weight")]
             tensors[f"{base}.weight_packed"], tensors[f"{base}.weight_scale"] = packed, scale
             tensors[f"{base}.weight_shape"] = torch_tensor(list(w.shape))
-        weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
-                   "dynamic": False, "observer": "minmax", "actorder": None}
+        weights = {
+            "num_bits": 4,
+            "type": "int",
+            "symmetric": True,
+            "strategy": "group",
+            "group_size": 32,
+            "dynamic": False,
+            "observer": "minmax",
+            "actorder": None,
+        }
         config["quantization_config"] = {
-            "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
-                                          "output_activations": None, "weights": weights}},
-            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-                       "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"], "kv_cache_scheme": None}
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "input_activations": None,
+                    "output_activations": None,
+                    "weights": weights,
+                }
+            },
+            "ignore": [
+                "lm_head",
+                "re:.*self_attn.*",
+                "re:.*shared_experts.*",
+                "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+            ],
+            "kv_cache_scheme": None,
+        }
     write_shards(tmp, tensors)
     demo = ensure_demo_checkpoint()
     for name in ("tiktoken.model", "tokenizer_config.json"):
         shutil.copy(demo / name, tmp / name)
-    (tmp / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": K2_CONFIG["bos_token_id"], "eos_token_id": K2_CONFIG["eos_token_id"]}) + "\n")
+    (tmp / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": K2_CONFIG["bos_token_id"], "eos_token_id": K2_CONFIG["eos_token_id"]}) + "\n"
+    )
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tmp.rename(path)
 
@@ -181,6 +256,7 @@ def write_k3(path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # the kimitui worker: loads one checkpoint, answers JSON lines on stdin
 
+
 def worker(args) -> int:
     sys.path.insert(0, str(ROOT))
     from kimitui.engine import LLM, SamplingParams  # before torch: it sets OpenMP's wait policy
@@ -188,8 +264,14 @@ def worker(args) -> int:
 
     torch.set_num_threads(args.threads)
     out = os.fdopen(args.result_fd, "w", buffering=1)
-    llm = LLM(args.model, dtype=args.dtype, device="cpu", max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device="cpu",
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=False,
+    )
     vocab = llm.engine.config.vocab_size
 
     def generate(batch, max_tokens):
@@ -233,14 +315,36 @@ def worker(args) -> int:
 class Ours:
     def __init__(self, model: Path, dtype: str, args, log: Path, max_num_seqs: int, max_model_len: int):
         read_fd, write_fd = os.pipe()
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--result-fd", str(write_fd),
-               "--model", str(model), "--dtype", dtype, "--threads", str(args.threads),
-               "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--result-fd",
+            str(write_fd),
+            "--model",
+            str(model),
+            "--dtype",
+            dtype,
+            "--threads",
+            str(args.threads),
+            "--max-model-len",
+            str(max_model_len),
+            "--max-num-seqs",
+            str(max_num_seqs),
+        ]
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         self.log = log
         with open(log, "w") as f:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=f, stderr=subprocess.STDOUT,
-                                         pass_fds=(write_fd,), text=True, env=env, cwd=str(ROOT))
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                pass_fds=(write_fd,),
+                text=True,
+                env=env,
+                cwd=str(ROOT),
+            )
         os.close(write_fd)
         self.results = os.fdopen(read_fd)
         ready = self._reply()
@@ -271,6 +375,7 @@ class Ours:
 # ---------------------------------------------------------------------------------------------
 # llama.cpp
 
+
 class Llama:
     def __init__(self, folder: Path, python: str | None):
         self.folder = folder
@@ -279,8 +384,10 @@ class Llama:
         need = ["llama-batched-bench", "llama-quantize", "llama-perplexity"]  # llama-server: --no-serve skips it
         missing = [b for b in need if not (self.bin / b).is_file()]
         if missing or not (folder / "convert_hf_to_gguf.py").is_file():
-            raise SystemExit(f"{folder}: no llama.cpp build ({', '.join(missing) or 'convert_hf_to_gguf.py'} "
-                             "missing); the build recipe is at the top of this script")
+            raise SystemExit(
+                f"{folder}: no llama.cpp build ({', '.join(missing) or 'convert_hf_to_gguf.py'} "
+                "missing); the build recipe is at the top of this script"
+            )
         if not Path(self.python).is_file():
             raise SystemExit(f"--llama-python {self.python}: no such Python (llama.cpp's converter venv)")
 
@@ -300,8 +407,19 @@ class Llama:
         if out.is_file():
             return
         tmp = out.with_name(out.name + ".partial")
-        self.run([self.python, str(ROOT / "benchmarks" / "llama_cpp_vocab.py"), str(self.folder), str(ckpt),
-                  "--outfile", str(tmp), "--outtype", outtype], log)
+        self.run(
+            [
+                self.python,
+                str(ROOT / "benchmarks" / "llama_cpp_vocab.py"),
+                str(self.folder),
+                str(ckpt),
+                "--outfile",
+                str(tmp),
+                "--outtype",
+                outtype,
+            ],
+            log,
+        )
         tmp.rename(out)
 
     def quantize_experts(self, src: Path, out: Path, kind: str, threads: int, log: Path) -> None:
@@ -311,9 +429,21 @@ class Llama:
         # the routed experts to ``kind``, everything else kept bf16 (with BF16 as the target type
         # llama-quantize copies every tensor as it is, overrides included; hence the inverse form)
         keep = ["attn=bf16", "shexp=bf16", "ffn_(gate|up|down)\\.weight=bf16", f"exps={kind}"]
-        self.run([str(self.bin / "llama-quantize"), *[a for k in keep for a in ("--tensor-type", k)],
-                  "--output-tensor-type", "bf16", "--token-embedding-type", "bf16", str(src), str(tmp),
-                  kind.upper(), str(threads)], log)
+        self.run(
+            [
+                str(self.bin / "llama-quantize"),
+                *[a for k in keep for a in ("--tensor-type", k)],
+                "--output-tensor-type",
+                "bf16",
+                "--token-embedding-type",
+                "bf16",
+                str(src),
+                str(tmp),
+                kind.upper(),
+                str(threads),
+            ],
+            log,
+        )
         text = log.read_text(errors="replace")
         if not re.search(rf"_exps\.weight.*{kind}", text):
             raise SystemExit(f"llama-quantize left the experts unquantized; see {log}")
@@ -322,10 +452,33 @@ class Llama:
     def batched_bench(self, gguf: Path, n: int, input_len: int, output_len: int, threads: int, log: Path) -> dict:
         ctx = n * (input_len + output_len) + 16
         for _ in range(3):  # the result line can be lost at exit on a busy machine (see ``kl``): run again
-            text = self.run([str(self.bin / "llama-batched-bench"), "-m", str(gguf), "-c", str(ctx), "-b", "2048",
-                             "-ub", "512", "-npp", str(input_len), "-ntg", str(output_len - 1), "-npl", str(n),
-                             "-t", str(threads), "-tb", str(threads), "--output-format", "jsonl"], log)
-            rows = [json.loads(line) for line in text.splitlines() if line.startswith("{\"n_kv_max\"")]
+            text = self.run(
+                [
+                    str(self.bin / "llama-batched-bench"),
+                    "-m",
+                    str(gguf),
+                    "-c",
+                    str(ctx),
+                    "-b",
+                    "2048",
+                    "-ub",
+                    "512",
+                    "-npp",
+                    str(input_len),
+                    "-ntg",
+                    str(output_len - 1),
+                    "-npl",
+                    str(n),
+                    "-t",
+                    str(threads),
+                    "-tb",
+                    str(threads),
+                    "--output-format",
+                    "jsonl",
+                ],
+                log,
+            )
+            rows = [json.loads(line) for line in text.splitlines() if line.startswith('{"n_kv_max"')]
             if rows:
                 break
         else:
@@ -338,15 +491,32 @@ class Llama:
         # 22142): on a busy machine the last lines, the statistics included, can be lost. The last
         # chunk's line carries the same running means; failing both, run again.
         for _ in range(3):
-            text = self.run([str(self.bin / "llama-perplexity"), "-m", str(gguf), "--kl-divergence-base", str(base),
-                             "--kl-divergence", "-c", str(n_ctx), "-b", str(n_ctx), "-t", str(threads),
-                             "-tb", str(threads)], log)
+            text = self.run(
+                [
+                    str(self.bin / "llama-perplexity"),
+                    "-m",
+                    str(gguf),
+                    "--kl-divergence-base",
+                    str(base),
+                    "--kl-divergence",
+                    "-c",
+                    str(n_ctx),
+                    "-b",
+                    str(n_ctx),
+                    "-t",
+                    str(threads),
+                    "-tb",
+                    str(threads),
+                ],
+                log,
+            )
             mean = re.search(r"Mean\s+KLD:\s+([-0-9.eE+]+)", text)
             top = re.search(r"Same top p:\s+([0-9.]+)", text)
             if mean:
                 return {"kl": float(mean[1]), "same_top": float(top[1]) / 100 if top else float("nan")}
-            last = re.search(rf"^\s*{n_chunk}\s+\S+ ±\s+\S+\s+\S+ ±\s+\S+\s+(\S+) ±\s+\S+\s+\S+ ±\s+\S+ %\s+(\S+) ±",
-                             text, re.M)
+            last = re.search(
+                rf"^\s*{n_chunk}\s+\S+ ±\s+\S+\s+\S+ ±\s+\S+\s+(\S+) ±\s+\S+\s+\S+ ±\s+\S+ %\s+(\S+) ±", text, re.M
+            )
             if last:
                 return {"kl": float(last[1]), "same_top": float(last[2]) / 100}
         raise SystemExit(f"llama-perplexity printed no KL statistics in 3 runs; see {log}")
@@ -354,6 +524,7 @@ class Llama:
 
 # ---------------------------------------------------------------------------------------------
 # KL with llama.cpp's definitions (tools/perplexity/perplexity.cpp)
+
 
 def write_kl_base(path: Path, sequences: list[list[int]], logprobs, vocab: int) -> None:
     """llama.cpp's ``--kl-divergence-base`` file: "_logits_", n_ctx, n_vocab, n_chunk, the tokens,
@@ -378,7 +549,7 @@ def write_kl_base(path: Path, sequences: list[list[int]], logprobs, vocab: int) 
             out = np.zeros((rows.shape[0], nv), dtype=np.uint16)
             inv = np.where(scale > 0, 1 / np.where(scale > 0, scale, 1), 0)[:, None]
             q = np.clip(np.where(rows > mn, np.rint(inv * (rows - mn)), 0), 0, 65535).astype(np.uint16)
-            out[:, 4:4 + vocab] = q
+            out[:, 4 : 4 + vocab] = q
             head = np.stack([scale, min_lp.astype(np.float32)], axis=1).view(np.uint16)
             out[:, :4] = head
             f.write(out.tobytes())
@@ -401,9 +572,13 @@ def kl_against_base(base: Path, logprobs) -> dict:
         rows = np.frombuffer(raw, np.uint16, per * nv, at + 2 * per * nv * c).reshape(per, nv)
         head = rows[:, :4].copy().view(np.float32)
         scale, min_lp = head[:, 0:1], head[:, 1:2]
-        p_log = scale * rows[:, 4:4 + vocab].astype(np.float32) + min_lp
+        p_log = scale * rows[:, 4 : 4 + vocab].astype(np.float32) + min_lp
         q = logprobs[c].astype(np.float64)
-        q = q - np.log(np.exp(q - q.max(axis=1, keepdims=True)).sum(axis=1, keepdims=True)) - q.max(axis=1, keepdims=True)
+        q = (
+            q
+            - np.log(np.exp(q - q.max(axis=1, keepdims=True)).sum(axis=1, keepdims=True))
+            - q.max(axis=1, keepdims=True)
+        )
         keep = p_log > -16
         terms = np.where(keep, np.exp(p_log) * (p_log - q), 0.0)
         kls.extend(terms.sum(axis=1).tolist())
@@ -413,6 +588,7 @@ def kl_against_base(base: Path, logprobs) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # serving
+
 
 def free_port() -> int:
     import socket
@@ -438,16 +614,48 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 900
     raise SystemExit(f"server at {url} not ready after {timeout:.0f} s; see {log}")
 
 
-def bench_client(url: str, tokenizer: Path, concurrency: int, num_prompts: int, input_len: int, output_len: int,
-                 out: Path, log: Path) -> dict:
-    cmd = [sys.executable, "-m", "kimitui.cli", "bench", "--base-url", url, "--tokenizer", str(tokenizer),
-           "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
-           "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--ignore-eos",
-           "--temperature", "0", "--num-warmups", str(concurrency), "--save-result",
-           "--result-dir", str(out.parent), "--result-filename", out.name]
+def bench_client(
+    url: str, tokenizer: Path, concurrency: int, num_prompts: int, input_len: int, output_len: int, out: Path, log: Path
+) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "kimitui.cli",
+        "bench",
+        "--base-url",
+        url,
+        "--tokenizer",
+        str(tokenizer),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(input_len),
+        "--random-output-len",
+        str(output_len),
+        "--num-prompts",
+        str(num_prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--num-warmups",
+        str(concurrency),
+        "--save-result",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+    ]
     with open(log, "w") as f:
-        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=str(ROOT),
-                           env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=3600)
+        p = subprocess.run(
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=str(ROOT),
+            env=dict(os.environ, HF_HUB_OFFLINE="1"),
+            timeout=3600,
+        )
     if p.returncode or not out.is_file():
         tail = "".join(log.read_text().splitlines(keepends=True)[-20:])
         raise SystemExit(f"kimitui bench exited {p.returncode}; last lines of {log}:\n{tail}")
@@ -457,6 +665,7 @@ def bench_client(url: str, tokenizer: Path, concurrency: int, num_prompts: int, 
 # ---------------------------------------------------------------------------------------------
 # parent
 
+
 def cpu_description() -> str:
     model, flags = "?", set()
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -464,8 +673,9 @@ def cpu_description() -> str:
             model = line.split(":", 1)[1].strip()
         elif line.startswith("flags") and not flags:
             flags = set(line.split(":", 1)[1].split())
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
-           if f in flags]
+    isa = [
+        f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8") if f in flags
+    ]
     return f"{model}, {os.cpu_count()} logical CPUs, {' '.join(isa) or 'no avx2'}"
 
 
@@ -490,12 +700,21 @@ class Busy:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP_DIR"),
-                    help="llama.cpp source folder with build/bin (env LLAMA_CPP_DIR)")
-    ap.add_argument("--llama-python", default=os.environ.get("LLAMA_CPP_PYTHON"),
-                    help="Python for llama.cpp's converter (default <llama-cpp>/../venv/bin/python)")
-    ap.add_argument("--work-dir", default=os.path.expanduser("~/.cache/kimitui/vs-llama-cpp"),
-                    help="checkpoints, GGUFs, logs (reused)")
+    ap.add_argument(
+        "--llama-cpp",
+        default=os.environ.get("LLAMA_CPP_DIR"),
+        help="llama.cpp source folder with build/bin (env LLAMA_CPP_DIR)",
+    )
+    ap.add_argument(
+        "--llama-python",
+        default=os.environ.get("LLAMA_CPP_PYTHON"),
+        help="Python for llama.cpp's converter (default <llama-cpp>/../venv/bin/python)",
+    )
+    ap.add_argument(
+        "--work-dir",
+        default=os.path.expanduser("~/.cache/kimitui/vs-llama-cpp"),
+        help="checkpoints, GGUFs, logs (reused)",
+    )
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--batches", default=None, help="default 1,4,16,64 (--quick: 1,16)")
     ap.add_argument("--rounds", type=int, default=None, help="alternations; medians reported (default 3, quick 2)")
@@ -535,8 +754,10 @@ def main() -> int:
     if out_len < 2 or args.input_len < 1 or min(batches) < 1 or args.kl_ctx < 8:
         ap.error("--output-len >= 2, --input-len >= 1, batches >= 1, --kl-ctx >= 8")
     if not args.no_kl and (args.kl_ctx - 1 - args.kl_ctx // 2) * kl_chunks < 100:
-        ap.error("llama-perplexity prints its KL statistics from 100 scored positions on: raise --kl-chunks or "
-                 "--kl-ctx (each sequence scores its second half)")
+        ap.error(
+            "llama-perplexity prints its KL statistics from 100 scored positions on: raise --kl-chunks or "
+            "--kl-ctx (each sequence scores its second half)"
+        )
     llama = Llama(Path(args.llama_cpp), args.llama_python)
     work = Path(args.work_dir)
     logs = work / "logs"
@@ -545,8 +766,11 @@ def main() -> int:
     print(f"llama.cpp: {llama.folder.resolve()} | work dir {work}", flush=True)
 
     ckpt = {"k2-bf16": work / "k2-bf16", "k2-int4": work / "k2-int4", "k3-mxfp4": work / "k3-mxfp4"}
-    gguf = {"k2-bf16": work / "k2-bf16.gguf", "k2-int4": work / "k2-q4_0-experts.gguf",
-            "k3-mxfp4": work / "k3-mxfp4.gguf"}
+    gguf = {
+        "k2-bf16": work / "k2-bf16.gguf",
+        "k2-int4": work / "k2-q4_0-experts.gguf",
+        "k3-mxfp4": work / "k3-mxfp4.gguf",
+    }
     t0 = time.time()
     if any(c.startswith("k2") for c in cases):
         write_k2(ckpt["k2-bf16"], int4=False)
@@ -561,12 +785,25 @@ def main() -> int:
         llama.convert(ckpt["k3-mxfp4"], gguf["k3-mxfp4"], "bf16", logs / "convert-k3.log")
     print(f"checkpoints and GGUFs ready ({time.time() - t0:.0f} s)", flush=True)
 
-    results: dict = {"cpu": cpu_description(), "threads": args.threads, "speed": {}, "kl": {}, "serve": {},
-                     "contention": {}, "load_start": os.getloadavg()[0]}
+    results: dict = {
+        "cpu": cpu_description(),
+        "threads": args.threads,
+        "speed": {},
+        "kl": {},
+        "serve": {},
+        "contention": {},
+        "load_start": os.getloadavg()[0],
+    }
     max_n = max(batches)
-    for case in ([] if args.no_speed else cases):
-        ours = Ours(ckpt[case], "bfloat16", args, logs / f"ours-{case}.log", max_num_seqs=max(max_n, 2),
-                    max_model_len=max(args.input_len + out_len + 8, args.kl_ctx + 8))
+    for case in [] if args.no_speed else cases:
+        ours = Ours(
+            ckpt[case],
+            "bfloat16",
+            args,
+            logs / f"ours-{case}.log",
+            max_num_seqs=max(max_n, 2),
+            max_model_len=max(args.input_len + out_len + 8, args.kl_ctx + 8),
+        )
         try:
             prompts = random_prompts(max_n, args.input_len, ours.vocab, seed=1)
             for n in batches:  # first-call costs out of the timed calls (and the page cache warm for llama.cpp)
@@ -581,17 +818,22 @@ def main() -> int:
                             res = ours.ask(op="generate", prompts=prompts[:n], output_len=out_len)
                             res["decode"] = res["full"] - res["ttft"]
                         else:
-                            res = llama.batched_bench(gguf[case], n, args.input_len, out_len, args.threads,
-                                                      logs / f"llama-{case}-{n}.log")
+                            res = llama.batched_bench(
+                                gguf[case], n, args.input_len, out_len, args.threads, logs / f"llama-{case}-{n}.log"
+                            )
                         res["tok_s"] = n * out_len / res["full"]
                         res["tok_s_decode"] = n * (out_len - 1) / res["decode"]
                         cells.setdefault((eng, n), []).append(res)
-                        print(f"{case} round {r + 1}/{rounds} n={n:<3} {eng:<10} {res['tok_s']:8.1f} tok/s, decode "
-                              f"{res['tok_s_decode']:8.1f} tok/s, TTFT {res['ttft'] * 1e3:8.1f} ms | load "
-                              f"{os.getloadavg()[0]:.1f}", flush=True)
-            results["speed"][case] = {f"{e} {n}": {k: statistics.median(x[k] for x in v)
-                                                   for k in ("tok_s", "tok_s_decode", "ttft")}
-                                      for (e, n), v in cells.items()}
+                        print(
+                            f"{case} round {r + 1}/{rounds} n={n:<3} {eng:<10} {res['tok_s']:8.1f} tok/s, decode "
+                            f"{res['tok_s_decode']:8.1f} tok/s, TTFT {res['ttft'] * 1e3:8.1f} ms | load "
+                            f"{os.getloadavg()[0]:.1f}",
+                            flush=True,
+                        )
+            results["speed"][case] = {
+                f"{e} {n}": {k: statistics.median(x[k] for x in v) for k in ("tok_s", "tok_s_decode", "ttft")}
+                for (e, n), v in cells.items()
+            }
             if not args.no_contention:
                 busy = Busy(1)
                 try:
@@ -599,8 +841,9 @@ def main() -> int:
                         if eng == "kimitui":
                             res = ours.ask(op="generate", prompts=prompts[:1], output_len=out_len)
                         else:
-                            res = llama.batched_bench(gguf[case], 1, args.input_len, out_len, args.threads,
-                                                      logs / f"llama-{case}-busy.log")
+                            res = llama.batched_bench(
+                                gguf[case], 1, args.input_len, out_len, args.threads, logs / f"llama-{case}-busy.log"
+                            )
                         results["contention"].setdefault(case, {})[eng] = 1 * out_len / res["full"]
                         print(f"{case} n=1 with a busy process: {eng} {out_len / res['full']:.1f} tok/s", flush=True)
                 finally:
@@ -613,8 +856,9 @@ def main() -> int:
     if not args.no_serve and any(c.startswith("k2") for c in cases):
         if not (llama.bin / "llama-server").is_file():
             raise SystemExit(f"{llama.bin}/llama-server is not built (build it, or pass --no-serve)")
-        results["serve"] = run_serve(args, [c for c in cases if c.startswith("k2")], ckpt, gguf, llama, logs,
-                                     serve_conc, out_len)
+        results["serve"] = run_serve(
+            args, [c for c in cases if c.startswith("k2")], ckpt, gguf, llama, logs, serve_conc, out_len
+        )
     report(results, cases, batches, rounds, args, out_len)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
@@ -656,15 +900,20 @@ def run_kl(args, cases, ckpt, gguf, llama, work: Path, logs: Path, chunks: int) 
         for name, model, dtype, tag in tested:
             res[name] = kl_against_base(base, logprobs(model, dtype, tag))
         if fam == "k2":
-            res["llama.cpp bf16"] = llama.kl(gguf["k2-bf16"], base, args.kl_ctx, chunks, args.threads, logs / "kl-llama-k2-bf16.log")
+            res["llama.cpp bf16"] = llama.kl(
+                gguf["k2-bf16"], base, args.kl_ctx, chunks, args.threads, logs / "kl-llama-k2-bf16.log"
+            )
             if "k2-int4" in members:
-                res["llama.cpp Q4_0 experts"] = llama.kl(gguf["k2-int4"], base, args.kl_ctx, chunks, args.threads,
-                                                         logs / "kl-llama-k2-q4.log")
-                res["llama.cpp, our INT4 file converted"] = llama.kl(work / "k2-int4-ct.gguf", base, args.kl_ctx, chunks,
-                                                                     args.threads, logs / "kl-llama-k2-ct.log")
+                res["llama.cpp Q4_0 experts"] = llama.kl(
+                    gguf["k2-int4"], base, args.kl_ctx, chunks, args.threads, logs / "kl-llama-k2-q4.log"
+                )
+                res["llama.cpp, our INT4 file converted"] = llama.kl(
+                    work / "k2-int4-ct.gguf", base, args.kl_ctx, chunks, args.threads, logs / "kl-llama-k2-ct.log"
+                )
         else:
-            res["llama.cpp MXFP4 experts"] = llama.kl(gguf["k3-mxfp4"], base, args.kl_ctx, chunks, args.threads,
-                                                      logs / "kl-llama-k3.log")
+            res["llama.cpp MXFP4 experts"] = llama.kl(
+                gguf["k3-mxfp4"], base, args.kl_ctx, chunks, args.threads, logs / "kl-llama-k3.log"
+            )
         for name, r in res.items():
             print(f"KL {fam} {name:<36} mean KL {r['kl']:.6f}, same top {r['same_top']:.1%}", flush=True)
         print(f"KL {fam}: {time.time() - t0:.0f} s", flush=True)
@@ -682,31 +931,92 @@ def run_serve(args, cases, ckpt, gguf, llama, logs: Path, concurrency: list[int]
             port = free_port()
             log = logs / f"serve-llama-{case}.log"
             f = open(log, "w")
-            procs.append(subprocess.Popen([str(llama.bin / "llama-server"), "-m", str(gguf[case]), "--host", "127.0.0.1",
-                                           "--port", str(port), "-t", str(args.threads), "-tb", str(args.threads),
-                                           "-c", str(ctx * max(concurrency)), "-np", str(max(concurrency)),
-                                           "--no-webui"], stdout=f, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        str(llama.bin / "llama-server"),
+                        "-m",
+                        str(gguf[case]),
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "-t",
+                        str(args.threads),
+                        "-tb",
+                        str(args.threads),
+                        "-c",
+                        str(ctx * max(concurrency)),
+                        "-np",
+                        str(max(concurrency)),
+                        "--no-webui",
+                    ],
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                )
+            )
             servers["llama.cpp"] = (f"http://127.0.0.1:{port}", procs[-1], log)
             port = free_port()
             log = logs / f"serve-ours-{case}.log"
             f = open(log, "w")
-            procs.append(subprocess.Popen([sys.executable, "-m", "kimitui.cli", "serve", "--model", str(ckpt[case]),
-                                           "--port", str(port), "--dtype", "bfloat16", "--device", "cpu",
-                                           "--max-model-len", str(ctx), "--max-num-seqs", str(max(concurrency)),
-                                           "--no-prefix-caching"], stdout=f, stderr=subprocess.STDOUT, cwd=str(ROOT),
-                                          env=dict(os.environ, HF_HUB_OFFLINE="1")))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "kimitui.cli",
+                        "serve",
+                        "--model",
+                        str(ckpt[case]),
+                        "--port",
+                        str(port),
+                        "--dtype",
+                        "bfloat16",
+                        "--device",
+                        "cpu",
+                        "--max-model-len",
+                        str(ctx),
+                        "--max-num-seqs",
+                        str(max(concurrency)),
+                        "--no-prefix-caching",
+                    ],
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    cwd=str(ROOT),
+                    env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                )
+            )
             servers["kimitui"] = (f"http://127.0.0.1:{port}", procs[-1], log)
             for url, proc, log in servers.values():
                 wait_ready(url, proc, log)
             for c in concurrency:
-                for eng in (("llama.cpp", "kimitui") if c % 2 else ("kimitui", "llama.cpp")):
+                for eng in ("llama.cpp", "kimitui") if c % 2 else ("kimitui", "llama.cpp"):
                     url = servers[eng][0]
-                    res = bench_client(url, ckpt[case], c, max(4, 2 * c), args.input_len, out_len,
-                                       logs / f"bench-{case}-{eng}-{c}.json", logs / f"bench-{case}-{eng}-{c}.log")
-                    out.setdefault(case, {})[f"{eng} {c}"] = {k: res.get(k) for k in (
-                        "output_throughput", "median_ttft_ms", "median_tpot_ms", "total_output_tokens", "completed")}
-                    print(f"serve {case} c={c} {eng:<10} {res.get('output_throughput', 0):8.1f} out tok/s, TTFT "
-                          f"{res.get('median_ttft_ms', 0):8.1f} ms, TPOT {res.get('median_tpot_ms', 0):7.2f} ms", flush=True)
+                    res = bench_client(
+                        url,
+                        ckpt[case],
+                        c,
+                        max(4, 2 * c),
+                        args.input_len,
+                        out_len,
+                        logs / f"bench-{case}-{eng}-{c}.json",
+                        logs / f"bench-{case}-{eng}-{c}.log",
+                    )
+                    out.setdefault(case, {})[f"{eng} {c}"] = {
+                        k: res.get(k)
+                        for k in (
+                            "output_throughput",
+                            "median_ttft_ms",
+                            "median_tpot_ms",
+                            "total_output_tokens",
+                            "completed",
+                        )
+                    }
+                    print(
+                        f"serve {case} c={c} {eng:<10} {res.get('output_throughput', 0):8.1f} out tok/s, TTFT "
+                        f"{res.get('median_ttft_ms', 0):8.1f} ms, TPOT {res.get('median_tpot_ms', 0):7.2f} ms",
+                        flush=True,
+                    )
         finally:
             for p in procs:
                 p.send_signal(signal.SIGINT)
@@ -720,11 +1030,15 @@ def run_serve(args, cases, ckpt, gguf, llama, logs: Path, concurrency: list[int]
 
 def report(results: dict, cases, batches, rounds, args, out_len: int) -> None:
     print()
-    print(f"CPU: {results['cpu']} | {args.threads} threads | {args.input_len} prompt + {out_len} output tokens, "
-          f"greedy | medians of {rounds} alternations | load average now {os.getloadavg()[0]:.1f}")
+    print(
+        f"CPU: {results['cpu']} | {args.threads} threads | {args.input_len} prompt + {out_len} output tokens, "
+        f"greedy | medians of {rounds} alternations | load average now {os.getloadavg()[0]:.1f}"
+    )
     print("ratio = kimitui / llama.cpp (above 1.0x: kimitui faster; TTFT ratio: llama.cpp's / ours)")
-    head = (f"| case | batch | kimitui tok/s | llama.cpp tok/s | ratio | kimitui decode tok/s | llama.cpp decode "
-            f"tok/s | ratio | kimitui TTFT ms | llama.cpp TTFT ms | ratio |")
+    head = (
+        f"| case | batch | kimitui tok/s | llama.cpp tok/s | ratio | kimitui decode tok/s | llama.cpp decode "
+        f"tok/s | ratio | kimitui TTFT ms | llama.cpp TTFT ms | ratio |"
+    )
     print(head)
     print("|" + "---|" * 11)
     for case in cases:
@@ -733,11 +1047,18 @@ def report(results: dict, cases, batches, rounds, args, out_len: int) -> None:
             a, b = s.get(f"kimitui {n}"), s.get(f"llama.cpp {n}")
             if not a or not b:
                 continue
-            print(f"| {case} | {n} | {a['tok_s']:.1f} | {b['tok_s']:.1f} | **{a['tok_s'] / b['tok_s']:.2f}x** | "
-                  f"{a['tok_s_decode']:.1f} | {b['tok_s_decode']:.1f} | {a['tok_s_decode'] / b['tok_s_decode']:.2f}x | "
-                  f"{a['ttft'] * 1e3:.0f} | {b['ttft'] * 1e3:.0f} | {b['ttft'] / a['ttft']:.2f}x |")
-    targets = {("k2-bf16", 1): 1.2, ("k2-bf16", 16): 1.5, ("k2-int4", 1): 1.2, ("k2-int4", 16): 1.5,
-               ("k3-mxfp4", 1): 1.0}  # issue 40's acceptance, on output tok/s including the prompt
+            print(
+                f"| {case} | {n} | {a['tok_s']:.1f} | {b['tok_s']:.1f} | **{a['tok_s'] / b['tok_s']:.2f}x** | "
+                f"{a['tok_s_decode']:.1f} | {b['tok_s_decode']:.1f} | {a['tok_s_decode'] / b['tok_s_decode']:.2f}x | "
+                f"{a['ttft'] * 1e3:.0f} | {b['ttft'] * 1e3:.0f} | {b['ttft'] / a['ttft']:.2f}x |"
+            )
+    targets = {
+        ("k2-bf16", 1): 1.2,
+        ("k2-bf16", 16): 1.5,
+        ("k2-int4", 1): 1.2,
+        ("k2-int4", 16): 1.5,
+        ("k3-mxfp4", 1): 1.0,
+    }  # issue 40's acceptance, on output tok/s including the prompt
     checks = []
     for (case, n), want in targets.items():
         s = results["speed"].get(case, {})
@@ -749,12 +1070,16 @@ def report(results: dict, cases, batches, rounds, args, out_len: int) -> None:
         print("targets: " + "; ".join(checks))
     busy = max(results.get("load_start", 0.0), os.getloadavg()[1])
     if busy > 0.5 * (os.cpu_count() or 1):
-        print(f"WARNING: load average {busy:.1f} on {os.cpu_count()} CPUs: other jobs shared the cores, and "
-              "llama.cpp's spinning threads lose more to them than ours; these figures are not results")
+        print(
+            f"WARNING: load average {busy:.1f} on {os.cpu_count()} CPUs: other jobs shared the cores, and "
+            "llama.cpp's spinning threads lose more to them than ours; these figures are not results"
+        )
     if results["kl"]:
         print()
-        print("KL against float32 (our engine in float32 on the unquantized checkpoint; llama.cpp's "
-              f"--kl-divergence definitions; {args.kl_ctx}-token sequences, second half scored)")
+        print(
+            "KL against float32 (our engine in float32 on the unquantized checkpoint; llama.cpp's "
+            f"--kl-divergence definitions; {args.kl_ctx}-token sequences, second half scored)"
+        )
         print("| model | path | mean KL | same top token |")
         print("|---|---|---|---|")
         for fam, res in results["kl"].items():
@@ -763,8 +1088,10 @@ def report(results: dict, cases, batches, rounds, args, out_len: int) -> None:
     if results["serve"]:
         print()
         print("serving: kimitui bench --base-url against llama-server and kimitui serve (same client)")
-        print("| case | concurrency | kimitui out tok/s | llama.cpp out tok/s | ratio | kimitui TTFT ms | "
-              "llama.cpp TTFT ms | kimitui TPOT ms | llama.cpp TPOT ms |")
+        print(
+            "| case | concurrency | kimitui out tok/s | llama.cpp out tok/s | ratio | kimitui TTFT ms | "
+            "llama.cpp TTFT ms | kimitui TPOT ms | llama.cpp TPOT ms |"
+        )
         print("|" + "---|" * 9)
         for case, res in results["serve"].items():
             for key in res:
@@ -774,9 +1101,11 @@ def report(results: dict, cases, batches, rounds, args, out_len: int) -> None:
                 a, b = res[key], res.get(f"llama.cpp {c}", {})
                 if not b:
                     continue
-                print(f"| {case} | {c} | {a['output_throughput']:.1f} | {b['output_throughput']:.1f} | "
-                      f"{a['output_throughput'] / b['output_throughput']:.2f}x | {a['median_ttft_ms']:.0f} | "
-                      f"{b['median_ttft_ms']:.0f} | {a['median_tpot_ms']:.1f} | {b['median_tpot_ms']:.1f} |")
+                print(
+                    f"| {case} | {c} | {a['output_throughput']:.1f} | {b['output_throughput']:.1f} | "
+                    f"{a['output_throughput'] / b['output_throughput']:.2f}x | {a['median_ttft_ms']:.0f} | "
+                    f"{b['median_ttft_ms']:.0f} | {a['median_tpot_ms']:.1f} | {b['median_tpot_ms']:.1f} |"
+                )
     if results["contention"]:
         print()
         print("batch 1 with one other busy process on the cores (output tok/s incl. prompt, one run each)")

@@ -27,6 +27,7 @@ token, the batch's prefill) and one with ``--output-len`` tokens (output tok/s =
 time). Each also reports the worker's CPU clock (CPU seconds of its whole process tree over the thread
 count), which on a machine shared with other jobs stays closer to the time the call takes alone.
 """
+# ruff: noqa: I001 (import order matters here: the engine sets OpenMP's wait policy before torch loads)
 
 from __future__ import annotations
 
@@ -70,8 +71,15 @@ MODEL_CONFIG = {
     "norm_topk_prob": True,
     "routed_scaling_factor": 2.827,
     "rope_theta": 50000.0,
-    "rope_scaling": {"type": "yarn", "factor": 8.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
-                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 8.0,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+    },
     "max_position_embeddings": 32768,
     "rms_norm_eps": 1e-06,
     "vocab_size": 32000,
@@ -90,6 +98,7 @@ MODEL_CONFIG = {
 
 # ---------------------------------------------------------------------------------------------
 # shared by the parent and the workers (no torch, no engine: the vLLM worker runs this file too)
+
 
 def prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
     """``n`` token-id prompts of ``length`` tokens, the same in every process (Python's own RNG)."""
@@ -110,7 +119,7 @@ def tree_cpu_seconds(pid: int) -> float:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
         ppid, utime, stime = int(fields[1]), int(fields[11]), int(fields[12])
         children.setdefault(ppid, []).append(int(entry))
         times[int(entry)] = (utime + stime) / tick
@@ -125,6 +134,7 @@ def tree_cpu_seconds(pid: int) -> float:
 # ---------------------------------------------------------------------------------------------
 # workers: load one engine, then answer {"n": N, "output_len": L, "warmup": bool} lines on stdin
 
+
 def _load_ours(args):
     sys.path.insert(0, str(ROOT))
     # the engine before torch: it sets OpenMP's wait policy, which libgomp reads when torch loads
@@ -132,8 +142,14 @@ def _load_ours(args):
     import torch
 
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, dtype=args.dtype, device="cpu", max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device="cpu",
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=False,
+    )
 
     def generate(batch, max_tokens):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -160,8 +176,15 @@ def _load_vllm(args):
     from vllm import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    kwargs = dict(model=args.model, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, seed=0)
+    kwargs = dict(
+        model=args.model,
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=False,
+        seed=0,
+    )
     if args.vllm_eager:
         kwargs["enforce_eager"] = True
     llm = LLM(**kwargs)
@@ -171,8 +194,9 @@ def _load_vllm(args):
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    return generate, (f"vLLM {vllm.__version__} bf16, torch {torch.__version__}, "
-                      f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
+    return generate, (
+        f"vLLM {vllm.__version__} bf16, torch {torch.__version__}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}"
+    )
 
 
 def worker(args) -> int:
@@ -204,6 +228,7 @@ def worker(args) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # parent
+
 
 def write_checkpoint(path: Path, config: dict) -> None:
     """Random bf16 weights in Kimi K2's tensor names (the demo checkpoint's writer), once."""
@@ -243,16 +268,40 @@ class Worker:
         self.name = name
         self.log = log_dir / f"{name.replace(' ', '_')}.log"
         read_fd, write_fd = os.pipe()
-        cmd = [python, str(Path(__file__).resolve()), "--worker", *extra, "--result-fd", str(write_fd),
-               "--model", args.ckpt, "--threads", str(args.threads), "--input-len", str(args.input_len),
-               "--max-model-len", str(args.input_len + args.output_len + 16),
-               "--max-num-seqs", str(max(args.concurrency)), "--vocab", str(MODEL_CONFIG["vocab_size"])]
+        cmd = [
+            python,
+            str(Path(__file__).resolve()),
+            "--worker",
+            *extra,
+            "--result-fd",
+            str(write_fd),
+            "--model",
+            args.ckpt,
+            "--threads",
+            str(args.threads),
+            "--input-len",
+            str(args.input_len),
+            "--max-model-len",
+            str(args.input_len + args.output_len + 16),
+            "--max-num-seqs",
+            str(max(args.concurrency)),
+            "--vocab",
+            str(MODEL_CONFIG["vocab_size"]),
+        ]
         if args.vllm_eager:
             cmd.append("--vllm-eager")
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                                         pass_fds=(write_fd,), text=True, env=env, cwd=str(ROOT))
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(write_fd,),
+                text=True,
+                env=env,
+                cwd=str(ROOT),
+            )
         os.close(write_fd)
         self.results = os.fdopen(read_fd)
         self.label = self._reply()["ready"]
@@ -301,12 +350,21 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; each cell keeps its best")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="our engine's compute dtypes")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--layers", type=int, default=MODEL_CONFIG["num_hidden_layers"],
-                    help="decoder layers (fewer: a quicker smoke run)")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=MODEL_CONFIG["num_hidden_layers"],
+        help="decoder layers (fewer: a quicker smoke run)",
+    )
     ap.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no torch.compile)")
-    ap.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
-                    help="an environment variable for the vLLM worker only (repeatable), e.g. "
-                         "VLLM_ENABLE_V1_MULTIPROCESSING=0 or LD_PRELOAD=...")
+    ap.add_argument(
+        "--vllm-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment variable for the vLLM worker only (repeatable), e.g. "
+        "VLLM_ENABLE_V1_MULTIPROCESSING=0 or LD_PRELOAD=...",
+    )
     # worker-only flags
     ap.add_argument("--worker", choices=("vllm", "kimitui"), help=argparse.SUPPRESS)
     ap.add_argument("--result-fd", type=int, help=argparse.SUPPRESS)
@@ -343,9 +401,12 @@ def main() -> int:
     args.ckpt = str(ckpt)
     logs = Path(tmp.name)
     print(f"CPU: {cpu_description()} | threads {args.threads}", flush=True)
-    print(f"model: {ckpt} ({parameter_count(ckpt) / 1e6:.0f}M parameters, {args.layers} layers, bf16) | "
-          f"{args.input_len} in / {args.output_len} out, greedy | concurrency {args.concurrency} | "
-          f"{args.rounds} rounds | load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(
+        f"model: {ckpt} ({parameter_count(ckpt) / 1e6:.0f}M parameters, {args.layers} layers, bf16) | "
+        f"{args.input_len} in / {args.output_len} out, greedy | concurrency {args.concurrency} | "
+        f"{args.rounds} rounds | load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
 
     workers: list[Worker] = []
     try:
@@ -376,19 +437,26 @@ def main() -> int:
                             old[k] = max(old[k], res[k])
                         for k in ("ttft", "ttft_cpu"):
                             old[k] = min(old[k], res[k])
-                    print(f"round {r + 1}/{args.rounds} n={n:<3} {w.name:<17} {res['tok_s']:8.1f} tok/s "
-                          f"(CPU clock {res['tok_s_cpu']:8.1f}), TTFT {res['ttft'] * 1e3:8.1f} ms, "
-                          f"load {os.getloadavg()[0]:.1f}", flush=True)
+                    print(
+                        f"round {r + 1}/{args.rounds} n={n:<3} {w.name:<17} {res['tok_s']:8.1f} tok/s "
+                        f"(CPU clock {res['tok_s_cpu']:8.1f}), TTFT {res['ttft'] * 1e3:8.1f} ms, "
+                        f"load {os.getloadavg()[0]:.1f}",
+                        flush=True,
+                    )
     finally:
         for w in workers:
             w.close()
 
     base = workers[0].name  # vLLM, or our first dtype with --no-vllm
     print()
-    print(f"best of {args.rounds} rounds; ratios against {base} (above 1.0x: faster than {base}); "
-          "TTFT = wall time until every request has its first token")
-    head = (f"{'n':>3}  {'engine':<17}{'tok/s':>9}{'ratio':>8}{'tok/s cpu':>11}{'ratio':>8}{'TTFT ms':>10}"
-            f"{'ratio':>8}  greedy tokens vs {base}")
+    print(
+        f"best of {args.rounds} rounds; ratios against {base} (above 1.0x: faster than {base}); "
+        "TTFT = wall time until every request has its first token"
+    )
+    head = (
+        f"{'n':>3}  {'engine':<17}{'tok/s':>9}{'ratio':>8}{'tok/s cpu':>11}{'ratio':>8}{'TTFT ms':>10}"
+        f"{'ratio':>8}  greedy tokens vs {base}"
+    )
     print(head)
     print("-" * len(head))
     for n in args.concurrency:
@@ -396,9 +464,11 @@ def main() -> int:
         for w in workers:
             b = best[(w.name, n)]
             same = "-" if w.name == base else agreement(b["tokens"], ref["tokens"])
-            print(f"{n:>3}  {w.name:<17}{b['tok_s']:9.1f}{b['tok_s'] / ref['tok_s']:7.2f}x"
-                  f"{b['tok_s_cpu']:11.1f}{b['tok_s_cpu'] / ref['tok_s_cpu']:7.2f}x"
-                  f"{b['ttft'] * 1e3:10.1f}{ref['ttft'] / b['ttft']:7.2f}x  {same}")
+            print(
+                f"{n:>3}  {w.name:<17}{b['tok_s']:9.1f}{b['tok_s'] / ref['tok_s']:7.2f}x"
+                f"{b['tok_s_cpu']:11.1f}{b['tok_s_cpu'] / ref['tok_s_cpu']:7.2f}x"
+                f"{b['ttft'] * 1e3:10.1f}{ref['ttft'] / b['ttft']:7.2f}x  {same}"
+            )
     print(f"load average at the end: {os.getloadavg()[0]:.1f} (other jobs on the machine slow every engine)")
     return 0
 

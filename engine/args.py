@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kimitui.kernels.cpu.build import pending_builds
+
 from kimitui.engine.spec_decode.config import SpeculativeConfig
 from kimitui.kernels.cpu import few_rows as cpu_few_rows
+from kimitui.kernels.cpu.build import pending_builds
 from kimitui.kernels.settings import KernelSettings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,11 +64,15 @@ class EngineArgs:
         if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
             raise ValueError(f"gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
         off = self.cpu_offload
-        if not (off in ("auto", "none") or (isinstance(off, int) and off >= 0) or (isinstance(off, str) and off.isdigit())):
+        if not (
+            off in ("auto", "none") or (isinstance(off, int) and off >= 0) or (isinstance(off, str) and off.isdigit())
+        ):
             raise ValueError(f"cpu_offload must be auto, none or a non-negative integer, got {off!r}")
         if self.state_snapshot_interval < self.block_size or self.state_snapshot_interval % self.block_size:
-            raise ValueError(f"state_snapshot_interval must be a positive multiple of block_size ({self.block_size}), "
-                             f"got {self.state_snapshot_interval}")
+            raise ValueError(
+                f"state_snapshot_interval must be a positive multiple of block_size ({self.block_size}), "
+                f"got {self.state_snapshot_interval}"
+            )
         if self.numa not in ("auto", "off"):
             raise ValueError(f"numa must be auto or off, got {self.numa!r}")
         self.speculative  # noqa: B018 (validates the dict now, not at load time)
@@ -88,9 +93,11 @@ class EngineArgs:
             # rank r runs on GPU base + r (engine.parallel.workers.rank_device): all of them must be visible
             base, visible = dev.index or 0, torch.cuda.device_count()
             if base + self.tensor_parallel_size > visible:
-                raise ValueError(f"device {self.device!r} with {self.tensor_parallel_size} GPU(s) needs GPUs {base}.."
-                                 f"{base + self.tensor_parallel_size - 1}, but torch sees {visible} (indices 0.."
-                                 f"{visible - 1}; CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES choose them)")
+                raise ValueError(
+                    f"device {self.device!r} with {self.tensor_parallel_size} GPU(s) needs GPUs {base}.."
+                    f"{base + self.tensor_parallel_size - 1}, but torch sees {visible} (indices 0.."
+                    f"{visible - 1}; CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES choose them)"
+                )
         return dev
 
     def resolve_dtype(self, device: torch.device, checkpoint_dtype: str, config=None) -> torch.dtype:
@@ -125,14 +132,20 @@ def _bf16_blocks(config) -> bool:
     # where the CPU has them: a step 10-12% shorter than float32's, benchmarks/README.md "MXFP4
     # against INT4 end to end"); FP8 checkpoints and Kimi Linear's KDA layers and gated MLA stay float32
     quant = config.quantization
-    return ((quant is None or quant.method in ("int4", "mxfp4")) and not config.layer_types
-            and not config.mla_use_output_gate
-            and not config.mla_use_nope and config.hidden_act == "silu" and not config.routed_expert_hidden_size
-            and not config.attn_res_block_size)
+    return (
+        (quant is None or quant.method in ("int4", "mxfp4"))
+        and not config.layer_types
+        and not config.mla_use_output_gate
+        and not config.mla_use_nope
+        and config.hidden_act == "silu"
+        and not config.routed_expert_hidden_size
+        and not config.attn_res_block_size
+    )
 
 
-def cpu_auto_dtype(checkpoint_dtype: str, config=None, flags: set[str] | None = None,
-                   kernels: bool | None = None) -> tuple[torch.dtype, str]:
+def cpu_auto_dtype(
+    checkpoint_dtype: str, config=None, flags: set[str] | None = None, kernels: bool | None = None
+) -> tuple[torch.dtype, str]:
     """``--dtype auto`` on a CPU: (dtype, why). bf16 when the checkpoint is bf16 and DeepSeek-V3-shaped,
     unquantised or with packed INT4 / MXFP4 experts (``config``, an ``engine.config.ModelConfig``;
     None: not checked), the CPU has
@@ -156,7 +169,6 @@ def cpu_auto_dtype(checkpoint_dtype: str, config=None, flags: set[str] | None = 
     if not have:
         return torch.float32, "this CPU has no bf16 arithmetic (avx512_bf16 / amx_bf16) and is not AVX2-only"
     if kernels is None:
-
         kernels = KernelSettings.from_env().cpu_kernels and cpu_few_rows.available()
     if not kernels:
         return torch.float32, "the C++ CPU kernels are off or do not build here"

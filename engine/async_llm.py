@@ -32,8 +32,7 @@ class AsyncLLM:
     outputs come back through per-request asyncio queues, so a step never blocks the event loop.
     """
 
-    def __init__(self, model: str | None = None, *, engine_args: EngineArgs | None = None, progress=None,
-                 **kwargs):
+    def __init__(self, model: str | None = None, *, engine_args: EngineArgs | None = None, progress=None, **kwargs):
         args = engine_args or EngineArgs(model=model, **kwargs)
         self.engine = LLMEngine(args, progress)
         self.tokenizer = self.engine.tokenizer
@@ -46,8 +45,9 @@ class AsyncLLM:
         self._thread.start()
 
     # -- public API ------------------------------------------------------------------------
-    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         if self._stop.is_set():
             raise EngineDeadError("the engine has been shut down")
         request_id = request_id or uuid.uuid4().hex

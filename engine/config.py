@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kimitui.engine.registry import model_family, supported_model_types
-import re
-
 
 
 class ConfigError(ValueError):
@@ -187,11 +186,14 @@ class ModelConfig:
         if family.text_config:
             text = raw.get(family.text_config)
             if not isinstance(text, dict):
-                raise ConfigError(f"{source}: field '{family.text_config}' is missing (needed for model_type "
-                                  f"{model_type})")
+                raise ConfigError(
+                    f"{source}: field '{family.text_config}' is missing (needed for model_type {model_type})"
+                )
             if family.text_model_type and text.get("model_type", family.text_model_type) != family.text_model_type:
-                raise ConfigError(f"{source}: field '{family.text_config}.model_type' is {text.get('model_type')!r}; "
-                                  f"expected {family.text_model_type!r}")
+                raise ConfigError(
+                    f"{source}: field '{family.text_config}.model_type' is {text.get('model_type')!r}; "
+                    f"expected {family.text_model_type!r}"
+                )
             source = f"{source} {family.text_config}"
         # Hybrid KDA + MLA models (Kimi Linear, Kimi K3): a kimi_linear text config
         hybrid = (family.text_model_type or model_type) == "kimi_linear"
@@ -235,8 +237,9 @@ class ModelConfig:
             bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=eos_ids,
             pad_token_id=text.get("pad_token_id", raw.get("pad_token_id")),
-            torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype")
-                            or raw.get("dtype") or "bfloat16"),
+            torch_dtype=str(
+                text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+            ),
             quantization=quant,
             weight_prefix=prefix,
             num_nextn_predict_layers=r.int("num_nextn_predict_layers", 0),
@@ -362,8 +365,11 @@ def _parse_quant(q: dict[str, Any] | None, source: str) -> QuantConfig | None:
     method = q.get("quant_method")
     if method == "fp8":
         block = q.get("weight_block_size") or [128, 128]
-        return QuantConfig(method="fp8", weight_block_size=(int(block[0]), int(block[1])),
-                           ignore=tuple(q.get("ignored_layers") or q.get("ignore") or ()))
+        return QuantConfig(
+            method="fp8",
+            weight_block_size=(int(block[0]), int(block[1])),
+            ignore=tuple(q.get("ignored_layers") or q.get("ignore") or ()),
+        )
     if method == "compressed-tensors":
         fmt = q.get("format")
         groups = q.get("config_groups") or {}
@@ -383,8 +389,7 @@ def _parse_quant(q: dict[str, Any] | None, source: str) -> QuantConfig | None:
             "(supported: pack-quantized, mxfp4-pack-quantized)"
         )
     raise ConfigError(
-        f"{source}: quantization_config.quant_method {method!r} is not supported "
-        "(supported: fp8, compressed-tensors)"
+        f"{source}: quantization_config.quant_method {method!r} is not supported (supported: fp8, compressed-tensors)"
     )
 
 
@@ -406,23 +411,26 @@ def _parse_linear_model(raw: dict[str, Any], text: dict[str, Any], r: _Reader) -
     full = tuple(lac.get("full_attn_layers") or ())
     if kda or full:
         types: list[str | None] = [None] * n
-        for key, ids, kind in (("kda_layers", kda, "linear_attention"),
-                               ("full_attn_layers", full, "full_attention")):
+        for key, ids, kind in (("kda_layers", kda, "linear_attention"), ("full_attn_layers", full, "full_attention")):
             for i in ids:
                 if isinstance(i, bool) or not isinstance(i, int) or not 1 <= i <= n:
-                    raise ConfigError(f"{src}: field 'linear_attn_config.{key}' holds {i!r}; layers are "
-                                      f"1-indexed, 1..{n}")
+                    raise ConfigError(
+                        f"{src}: field 'linear_attn_config.{key}' holds {i!r}; layers are 1-indexed, 1..{n}"
+                    )
                 if types[i - 1] is not None:
                     raise ConfigError(f"{src}: layer {i} (1-indexed) is in both kda_layers and full_attn_layers")
                 types[i - 1] = kind
         if None in types:
-            raise ConfigError(f"{src}: layer {types.index(None) + 1} (1-indexed) is in neither "
-                              "'linear_attn_config.kda_layers' nor 'full_attn_layers'")
+            raise ConfigError(
+                f"{src}: layer {types.index(None) + 1} (1-indexed) is in neither "
+                "'linear_attn_config.kda_layers' nor 'full_attn_layers'"
+            )
     elif isinstance(text.get("layer_types"), list) and len(text["layer_types"]) == n:
         types = list(text["layer_types"])  # an explicit per-layer list (transformers writes one too)
         if set(types) - {"linear_attention", "full_attention"}:
-            raise ConfigError(f"{src}: field 'layer_types' holds {sorted(set(types))}; expected "
-                              "linear_attention / full_attention")
+            raise ConfigError(
+                f"{src}: field 'layer_types' holds {sorted(set(types))}; expected linear_attention / full_attention"
+            )
     else:
         # Never guessed: transformers' fallback (MLA at every 4th 0-indexed layer) is not Kimi's layout.
         raise ConfigError(f"{src}: fields 'linear_attn_config.kda_layers' and 'full_attn_layers' are missing")

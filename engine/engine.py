@@ -20,31 +20,36 @@ import torch
 
 from kimitui.engine.args import EngineArgs
 from kimitui.engine.config import ModelConfig
+from kimitui.engine.demo import demo_checkpoint
 from kimitui.engine.kv_cache.block_manager import BlockManager
-from kimitui.engine.kv_cache.pool import (bytes_of_state, bytes_per_block, has_state, num_blocks_for_budget,
-                                  snapshots_for_budget)
+from kimitui.engine.kv_cache.pool import (
+    bytes_of_state,
+    bytes_per_block,
+    has_state,
+    num_blocks_for_budget,
+    snapshots_for_budget,
+)
 from kimitui.engine.kv_cache.state_slots import StateSlots
 from kimitui.engine.metrics import EngineStats
 from kimitui.engine.offload.cpu_experts import place_host_experts
 from kimitui.engine.offload.numa import NumaPolicy, read_topology
-from kimitui.engine.plan.placement import device_reserve_bytes, expert_placement_for
+from kimitui.engine.output_processor import OutputProcessor, ProcessedStep
+from kimitui.engine.outputs import RequestOutput
 from kimitui.engine.parallel.state import SINGLE
 from kimitui.engine.parallel.workers import WorkerGroup, WorkerSpec, free_port
-from kimitui.engine.output_processor import OutputProcessor, ProcessedStep
-from kimitui.engine.sampling.fanout import FanOut, ParentRequest, child_params, fans_out
-from kimitui.engine.outputs import RequestOutput
+from kimitui.engine.plan.placement import device_reserve_bytes, expert_placement_for
+from kimitui.engine.plan.routing_stats import save_routing_stats
 from kimitui.engine.runner.worker import CacheShape, RankSpec, build_rank, worker_main
+from kimitui.engine.sampling.fanout import FanOut, ParentRequest, child_params, fans_out
 from kimitui.engine.sampling_params import SamplingParams
 from kimitui.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from kimitui.engine.sequence import Sequence
-from kimitui.engine.spec_decode.select import make_proposer
-from kimitui.engine.spec_decode.speculation import Speculation
-from kimitui.engine.text.tokenizer import Tokenizer, TokenizerError
 from kimitui.engine.spec_decode.dspark.model import dspark_footprint
 from kimitui.engine.spec_decode.footprint import drafter_footprint
-from kimitui.engine.plan.routing_stats import save_routing_stats
-from kimitui.engine.demo import demo_checkpoint
+from kimitui.engine.spec_decode.select import make_proposer
+from kimitui.engine.spec_decode.speculation import Speculation
 from kimitui.engine.structured.manager import StructuredOutputManager
+from kimitui.engine.text.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +69,9 @@ class LLMEngine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL collectives run on the current device
         self.dtype = args.resolve_dtype(self.device, self.config.torch_dtype, self.config)
-        self.max_model_len = min(args.max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
+        self.max_model_len = min(
+            args.max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
+        )
         self.speculative = args.speculative  # SpeculativeConfig or None
         self.num_spec_tokens = self.speculative.num_speculative_tokens if self.speculative else 0
         self.tokenizer = _load_tokenizer(self.model_dir)
@@ -74,29 +80,67 @@ class LLMEngine:
         # kept back on each device for activations: one number for the expert placement and the cache
         decode_rows = args.max_num_seqs * (1 + self.num_spec_tokens)  # a verifying decode runs 1 + k rows
         self.reserve_bytes = device_reserve_bytes(
-            self.config, self.device, args.tensor_parallel_size, max(args.max_num_batched_tokens, decode_rows),
-            decode_rows, self.max_model_len, not args.enforce_eager)
+            self.config,
+            self.device,
+            args.tensor_parallel_size,
+            max(args.max_num_batched_tokens, decode_rows),
+            decode_rows,
+            self.max_model_len,
+            not args.enforce_eager,
+        )
         self.expert_placement = expert_placement_for(
-            self.config, args.cpu_offload, self.device, args.tensor_parallel_size, self.max_model_len,
-            args.max_num_seqs, args.gpu_memory_gb, args.routing_stats, self.reserve_bytes)
+            self.config,
+            args.cpu_offload,
+            self.device,
+            args.tensor_parallel_size,
+            self.max_model_len,
+            args.max_num_seqs,
+            args.gpu_memory_gb,
+            args.routing_stats,
+            self.reserve_bytes,
+        )
         self.workers = None
         self._proposer = None  # made once the target is loaded; then Speculation owns it
         self._t0 = time.monotonic()
         try:
             par = SINGLE
             if args.tensor_parallel_size > 1:
-                self.workers = WorkerGroup(WorkerSpec(
-                    str(self.model_dir), args.tensor_parallel_size, free_port(), self.device.type,
-                    str(self.dtype).removeprefix("torch."), self.max_model_len, args.block_size,
-                    self.expert_placement, max(1, torch.get_num_threads() // args.tensor_parallel_size),
-                    decode_graphs=self._decode_graphs(), capture_graphs=not args.lazy_graph_capture,
-                    device_base=self.device.index or 0), target=worker_main)
+                self.workers = WorkerGroup(
+                    WorkerSpec(
+                        str(self.model_dir),
+                        args.tensor_parallel_size,
+                        free_port(),
+                        self.device.type,
+                        str(self.dtype).removeprefix("torch."),
+                        self.max_model_len,
+                        args.block_size,
+                        self.expert_placement,
+                        max(1, torch.get_num_threads() // args.tensor_parallel_size),
+                        decode_graphs=self._decode_graphs(),
+                        capture_graphs=not args.lazy_graph_capture,
+                        device_base=self.device.index or 0,
+                    ),
+                    target=worker_main,
+                )
                 par = self.workers.join_as_rank0()
-            rank = build_rank(RankSpec(self.config, str(self.model_dir), self.device, self.dtype, self.max_model_len,
-                                       args.block_size, self.expert_placement, self._decode_graphs(),
-                                       not args.lazy_graph_capture),
-                              par, self._after_load, ready=lambda: self._ready(par), workers=self.workers,
-                              progress=progress)
+            rank = build_rank(
+                RankSpec(
+                    self.config,
+                    str(self.model_dir),
+                    self.device,
+                    self.dtype,
+                    self.max_model_len,
+                    args.block_size,
+                    self.expert_placement,
+                    self._decode_graphs(),
+                    not args.lazy_graph_capture,
+                ),
+                par,
+                self._after_load,
+                ready=lambda: self._ready(par),
+                workers=self.workers,
+                progress=progress,
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -105,17 +149,21 @@ class LLMEngine:
         log.info("%s", self.cache_pool.describe())
         self.spec = Speculation(self.speculative, self._proposer, self.max_model_len)
         slots = StateSlots(args.max_num_seqs, self.cache_pool.num_snapshots) if self.cache_pool.is_hybrid else None
-        self.block_manager = BlockManager(self.cache_pool.num_blocks, args.block_size, args.enable_prefix_caching,
-                                          slots)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
-            max_model_len=self.max_model_len,
-            block_size=args.block_size,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            snapshot_every_blocks=args.state_snapshot_interval // args.block_size,
-            num_lookahead_slots=self.speculative.num_lookahead_slots if self.speculative else 0,
-        ), self.block_manager)
+        self.block_manager = BlockManager(
+            self.cache_pool.num_blocks, args.block_size, args.enable_prefix_caching, slots
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
+                max_model_len=self.max_model_len,
+                block_size=args.block_size,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                snapshot_every_blocks=args.state_snapshot_interval // args.block_size,
+                num_lookahead_slots=self.speculative.num_lookahead_slots if self.speculative else 0,
+            ),
+            self.block_manager,
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.fanout = FanOut()  # n > 1 / best_of: requests fanned out into child sequences
@@ -173,13 +221,15 @@ class LLMEngine:
         # speculative decoding on a hybrid model: a scratch state per sequence and draft position
         spec_slots = a.max_num_seqs * self.num_spec_tokens if has_state(specs) else 0
         budget = wanted_tokens * bytes_per_block(specs, 1) + bytes_of_state(
-            specs, a.max_num_seqs + wanted_snapshots + spec_slots)
+            specs, a.max_num_seqs + wanted_snapshots + spec_slots
+        )
         drafter = self._drafter_footprint()
         if a.gpu_memory_gb is not None or self.device.type == "cuda":
             # an EAGLE-3 drafter is loaded by now: on a device the free memory already lacks its weights;
             # under gpu_memory_gb its own (not the target's shared embedding / LM head) come off the budget
-            budget = min(budget, self._device_kv_budget() - (self._drafter_weight_bytes()
-                                                             if a.gpu_memory_gb is not None else 0))
+            budget = min(
+                budget, self._device_kv_budget() - (self._drafter_weight_bytes() if a.gpu_memory_gb is not None else 0)
+            )
         elif a.kv_cache_tokens is None:
             # Host RAM is shared with everything else: at most 1 GiB or a tenth of what is free.
             import psutil  # optional dependency here: the lean GPU images gpu_check runs on may lack it
@@ -193,17 +243,25 @@ class LLMEngine:
             budget = state + (budget - state) * per_token // (per_token + drafter.kv_bytes_per_token)
         min_blocks = -(-self.max_model_len // a.block_size)
         # Snapshots only where they leave a max_model_len sequence its blocks (or all blocks asked for).
-        snapshots = snapshots_for_budget(specs, a.block_size, int(budget), a.max_num_seqs,
-                                         min(min_blocks, wanted_tokens // a.block_size), wanted_snapshots)
+        snapshots = snapshots_for_budget(
+            specs,
+            a.block_size,
+            int(budget),
+            a.max_num_seqs,
+            min(min_blocks, wanted_tokens // a.block_size),
+            wanted_snapshots,
+        )
         num_blocks = num_blocks_for_budget(specs, a.block_size, int(budget), a.max_num_seqs, snapshots + spec_slots)
         if num_blocks < 1:
             state = bytes_of_state(specs, a.max_num_seqs) / 2**30
-            raise MemoryError(f"no memory left for the KV cache on {self.device} after loading the weights"
-                              + (f" (the state slots of max_num_seqs={a.max_num_seqs} take {state:.2f} GiB)"
-                                 if state else ""))
+            raise MemoryError(
+                f"no memory left for the KV cache on {self.device} after loading the weights"
+                + (f" (the state slots of max_num_seqs={a.max_num_seqs} take {state:.2f} GiB)" if state else "")
+            )
         if num_blocks < min_blocks:
-            log.warning("KV cache holds %d tokens, less than max_model_len %d", num_blocks * a.block_size,
-                        self.max_model_len)
+            log.warning(
+                "KV cache holds %d tokens, less than max_model_len %d", num_blocks * a.block_size, self.max_model_len
+            )
         return CacheShape(num_blocks, a.max_num_seqs, snapshots, spec_slots, self.num_spec_tokens)
 
     def _drafter_weight_bytes(self) -> int:
@@ -218,25 +276,31 @@ class LLMEngine:
             return None
         if self.speculative.method == "dspark":  # a DSpark drafter's weights and per-layer context cache
             return dspark_footprint(self.speculative.model, self.config, self.dtype.itemsize)
-        return drafter_footprint(self.speculative.model, self.config.hidden_size, self.config.vocab_size,
-                                 self.dtype.itemsize)
+        return drafter_footprint(
+            self.speculative.model, self.config.hidden_size, self.config.vocab_size, self.dtype.itemsize
+        )
 
     def _device_kv_budget(self) -> int:
         # Experts kept in host RAM do not use the device budget.
-        weights = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if ".experts.host." not in n)
+        weights = sum(
+            p.numel() * p.element_size() for n, p in self.model.named_parameters() if ".experts.host." not in n
+        )
         reserve = self.reserve_bytes
         if self.args.gpu_memory_gb is not None:
             left = int(self.args.gpu_memory_gb * 2**30) - weights - reserve
             if left <= 0:
-                raise MemoryError(f"gpu_memory_gb={self.args.gpu_memory_gb} does not hold the weights "
-                                  f"({weights / 2**30:.2f} GiB) plus a {reserve / 2**30:.2f} GiB activation reserve")
+                raise MemoryError(
+                    f"gpu_memory_gb={self.args.gpu_memory_gb} does not hold the weights "
+                    f"({weights / 2**30:.2f} GiB) plus a {reserve / 2**30:.2f} GiB activation reserve"
+                )
             return left
         free, _total = torch.cuda.mem_get_info(self.device)
         return max(0, int(free * 0.9) - reserve)
 
     # -- requests --------------------------------------------------------------------------
-    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
+    def add_request(
+        self, request_id: str | None, prompt, params: SamplingParams | None = None, arrival_time: float | None = None
+    ) -> str:
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.output_processor.requests:
@@ -311,8 +375,10 @@ class LLMEngine:
             text = prompt.get("prompt")
         elif isinstance(prompt, str):
             if self.tokenizer is None:
-                raise PromptError(f"text prompt given, but {self.model_dir} has no tokenizer files "
-                                  "(tokenizer.json or tiktoken.model); pass token ids instead")
+                raise PromptError(
+                    f"text prompt given, but {self.model_dir} has no tokenizer files "
+                    "(tokenizer.json or tiktoken.model); pass token ids instead"
+                )
             return prompt, self.tokenizer.encode(prompt)
         else:
             ids, text = prompt, None

@@ -3,26 +3,44 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 from kimitui.engine.args import EngineArgs
 from kimitui.engine.engine import LLMEngine, PromptError
 from kimitui.engine.outputs import LogprobRows, RequestOutput
 from kimitui.engine.sampling_params import SamplingParams
-from dataclasses import replace
 from kimitui.engine.text.chat_format import chat_format_for
 
 
 class LLM:
     """Load a checkpoint (or the built-in demo when ``model`` is None or "demo") and generate."""
 
-    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
-                 tensor_parallel_size: int = 1, max_model_len: int | None = None, max_num_seqs: int = 64,
-                 enable_prefix_caching: bool = True, cpu_offload: str | int = "auto",
-                 gpu_memory_gb: float | None = None, progress=None, **kwargs):
-        args = EngineArgs(model=model, dtype=dtype, device=device, tensor_parallel_size=tensor_parallel_size,
-                          max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                          enable_prefix_caching=enable_prefix_caching, cpu_offload=cpu_offload,
-                          gpu_memory_gb=gpu_memory_gb, **kwargs)
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        enable_prefix_caching: bool = True,
+        cpu_offload: str | int = "auto",
+        gpu_memory_gb: float | None = None,
+        progress=None,
+        **kwargs,
+    ):
+        args = EngineArgs(
+            model=model,
+            dtype=dtype,
+            device=device,
+            tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching,
+            cpu_offload=cpu_offload,
+            gpu_memory_gb=gpu_memory_gb,
+            **kwargs,
+        )
         self.engine = LLMEngine(args, progress)
 
     def get_tokenizer(self):
@@ -38,8 +56,9 @@ class LLM:
     def __exit__(self, *exc):
         self.shutdown()
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         """Prompts: a str, a list of token ids, a {"prompt_token_ids": [...]} dict, or a list of these."""
         prompts = _as_prompt_list(prompts)
         if isinstance(sampling_params, list):
@@ -63,8 +82,7 @@ class LLM:
                     final[out.request_id] = out
         return [final[r] for r in ids]
 
-    def score_logits(self, prompt, decode_from: int | None = None, chunk: int | None = None
-                     ) -> Iterator[LogprobRows]:
+    def score_logits(self, prompt, decode_from: int | None = None, chunk: int | None = None) -> Iterator[LogprobRows]:
         """The model's full-vocabulary float32 log-probs at every position 1..n-1 of ``prompt``
         (token ids or text), in position order, as ``LogprobRows`` pieces of at most ``chunk``
         rows: row i of a piece is the distribution of the token at ``first_pos + i``.
@@ -86,8 +104,14 @@ class LLM:
         if not 1 <= d <= n:
             raise ValueError(f"decode_from must be in 1..{n} (the prompt's length), got {decode_from}")
         forced = ids[d:]
-        params = SamplingParams(temperature=0.0, max_tokens=max(1, len(forced)), ignore_eos=True,
-                                logprob_rows=True, forced_token_ids=forced or None, skip_special_tokens=False)
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=max(1, len(forced)),
+            ignore_eos=True,
+            logprob_rows=True,
+            forced_token_ids=forced or None,
+            skip_special_tokens=False,
+        )
         rid = self.engine.add_request(None, {"prompt_token_ids": ids[:d]}, params)
         done = False
         try:
@@ -100,14 +124,20 @@ class LLM:
                         keep = min(rows.num_rows, n - rows.first_pos)  # nothing past the last token
                         step = chunk or max(keep, 1)
                         for at in range(0, keep, step):
-                            yield LogprobRows(rows.first_pos + at, rows.values[at: min(at + step, keep)], rows.path)
+                            yield LogprobRows(rows.first_pos + at, rows.values[at : min(at + step, keep)], rows.path)
         finally:
             if not done:
                 self.engine.abort_request(rid)
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             thinking: bool | None = None, tools: list[dict] | None = None, thinking_effort: str | None = None,
-             preserve_thinking: bool | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        thinking: bool | None = None,
+        tools: list[dict] | None = None,
+        thinking_effort: str | None = None,
+        preserve_thinking: bool | None = None,
+    ) -> list[RequestOutput]:
         """Render the checkpoint's chat format (Kimi K2's, or K3's XTML) and generate; stops at
         the end of the assistant turn. ``thinking_effort`` (low / high / max) is a K3
         option: a K2 checkpoint ignores it with a logged note. Parse a reply's text with
@@ -121,9 +151,18 @@ class LLM:
         params = sampling_params or SamplingParams()
         stop_ids = list(dict.fromkeys(list(params.stop_token_ids or []) + fmt.stop_token_ids()))
         params = replace(params, stop_token_ids=stop_ids)
-        prompts = [{"prompt_token_ids": fmt.encode(c, thinking=thinking, tools=tools, thinking_effort=thinking_effort,
-                                                   preserve_thinking=preserve_thinking).ids}
-                   for c in conversations]
+        prompts = [
+            {
+                "prompt_token_ids": fmt.encode(
+                    c,
+                    thinking=thinking,
+                    tools=tools,
+                    thinking_effort=thinking_effort,
+                    preserve_thinking=preserve_thinking,
+                ).ids
+            }
+            for c in conversations
+        ]
         return self.generate(prompts, params)
 
 

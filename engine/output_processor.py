@@ -64,15 +64,17 @@ class OutputProcessor:
         self.total_prompt_tokens = self.total_generation_tokens = self.num_finished = 0
         self.total_computed_prompt_tokens = 0  # prompt positions the model computed (hits excluded)
 
-    def add_request(self, seq: Sequence, params: SamplingParams, prompt: str | None,
-                    count_prompt: bool = True) -> None:
+    def add_request(self, seq: Sequence, params: SamplingParams, prompt: str | None, count_prompt: bool = True) -> None:
         """``count_prompt``: False for the children of an ``n > 1`` request after the first, whose
         prompt is the same request's (usage counts it once)."""
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
-                                           skip_special_tokens=params.skip_special_tokens,
-                                           keep_special_ids=params.keep_special_token_ids or ())
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                seq.prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                keep_special_ids=params.keep_special_token_ids or (),
+            )
         req = RequestState(seq, params, prompt, RequestMetrics(arrival_time=seq.arrival_time), detok)
         if params.logprobs is not None:
             req.logprobs = []
@@ -92,16 +94,18 @@ class OutputProcessor:
             if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
 
-    def process_outputs(self, sched: SchedulerOutput, result: StepResult, finished: list[Sequence],
-                        now: float | None = None) -> ProcessedStep:
+    def process_outputs(
+        self, sched: SchedulerOutput, result: StepResult, finished: list[Sequence], now: float | None = None
+    ) -> ProcessedStep:
         """Turn one step's samples into outputs; ``finished`` are the sequences the scheduler
         finished while applying them (EOS, stop token id, max_tokens, context limit)."""
         now = time.monotonic() if now is None else now
         prefill_tokens = sum(s.num_new_tokens for s in sched.scheduled if s.is_prefill)
         decode_tokens = sum(len(t) if isinstance(t, list) else 1 for t in result.sampled if t is not None)
         self.throughput.record(prefill_tokens, decode_tokens, now)
-        self.total_computed_prompt_tokens += sum(max(0, min(s.end, s.seq.num_prompt_tokens) - s.start)
-                                                 for s in sched.scheduled)
+        self.total_computed_prompt_tokens += sum(
+            max(0, min(s.end, s.seq.num_prompt_tokens) - s.start) for s in sched.scheduled
+        )
         finished_ids = {s.seq_id for s in finished}
         step = ProcessedStep()
         for s, token, lp in zip(sched.scheduled, result.sampled, result.logprobs):
@@ -120,12 +124,12 @@ class OutputProcessor:
             if token is not None:
                 # what the scheduler appended: one token, or a verified decode's accepted drafts and
                 # its sampled token, cut at the first stop condition
-                new = req.seq.output_token_ids[req.num_seen:]
+                new = req.seq.output_token_ids[req.num_seen :]
                 lps = lp if isinstance(lp, list) else [lp]
                 for j, t in enumerate(new):
                     self._on_token(req, t, lps[j] if j < len(lps) else None, now, last=j == len(new) - 1)
                     if req.stopped_by_string:  # the rest never happened, as one token at a time
-                        del req.seq.output_token_ids[req.num_seen:]
+                        del req.seq.output_token_ids[req.num_seen :]
                         break
             if req.stopped_by_string:
                 step.stop.append(rid)

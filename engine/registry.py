@@ -42,8 +42,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import nn
 
-PARAM_CLASSES = ("embedding", "lm_head", "final_norm", "attention", "dense_mlp", "router", "shared_experts",
-                 "routed_experts")
+PARAM_CLASSES = (
+    "embedding",
+    "lm_head",
+    "final_norm",
+    "attention",
+    "dense_mlp",
+    "router",
+    "shared_experts",
+    "routed_experts",
+)
 
 
 @dataclass(frozen=True)
@@ -66,14 +74,22 @@ class WeightTarget:
 
 _DEEPSEEK_V3 = "kimitui.engine.models.deepseek_v3:DeepseekV3ForCausalLM"
 _KIMI_LINEAR = "kimitui.engine.models.kimi_linear:KimiLinearForCausalLM"
-FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
-    ModelFamily("kimi_k2", _DEEPSEEK_V3),
-    ModelFamily("deepseek_v3", _DEEPSEEK_V3),
-    ModelFamily("kimi_k25", _DEEPSEEK_V3, text_config="text_config", weight_prefix="language_model."),
-    ModelFamily("kimi_linear", _KIMI_LINEAR),
-    ModelFamily("kimi_k3", _KIMI_LINEAR, text_config="text_config", weight_prefix="language_model.",
-                text_model_type="kimi_linear"),
-)}
+FAMILIES: dict[str, ModelFamily] = {
+    f.model_type: f
+    for f in (
+        ModelFamily("kimi_k2", _DEEPSEEK_V3),
+        ModelFamily("deepseek_v3", _DEEPSEEK_V3),
+        ModelFamily("kimi_k25", _DEEPSEEK_V3, text_config="text_config", weight_prefix="language_model."),
+        ModelFamily("kimi_linear", _KIMI_LINEAR),
+        ModelFamily(
+            "kimi_k3",
+            _KIMI_LINEAR,
+            text_config="text_config",
+            weight_prefix="language_model.",
+            text_model_type="kimi_linear",
+        ),
+    )
+}
 
 
 def supported_model_types() -> tuple[str, ...]:
@@ -88,8 +104,9 @@ def model_class(model_type: str) -> type:
     """The class that builds a model of ``model_type``."""
     family = FAMILIES.get(model_type)
     if family is None:
-        raise ValueError(f"model_type {model_type!r} is not supported "
-                         f"(supported: {', '.join(supported_model_types())})")
+        raise ValueError(
+            f"model_type {model_type!r} is not supported (supported: {', '.join(supported_model_types())})"
+        )
     module, name = family.model_class.split(":")
     return getattr(importlib.import_module(module), name)
 

@@ -69,24 +69,37 @@ class SamplingParams:
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"),
             (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2.0 <= self.frequency_penalty <= 2.0,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (0.0 < self.repetition_penalty <= 100.0,
-             f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}"),
+            (
+                -2.0 <= self.frequency_penalty <= 2.0,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                0.0 < self.repetition_penalty <= 100.0,
+                f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}",
+            ),
             (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+            ),
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (self.best_of is None or self.best_of >= self.n, f"best_of must be >= n ({self.n}), got {self.best_of}"),
         ]
-        checks.append((self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
-                       "structured_outputs must be an engine.structured.StructuredOutputs"))
+        checks.append(
+            (
+                self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+                "structured_outputs must be an engine.structured.StructuredOutputs",
+            )
+        )
         if self.forced_token_ids is not None:
             self.forced_token_ids = list(self.forced_token_ids)
-            checks.append((all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                               for t in self.forced_token_ids),
-                           "forced_token_ids must be a list of non-negative token ids"))
+            checks.append(
+                (
+                    all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.forced_token_ids),
+                    "forced_token_ids must be a list of non-negative token ids",
+                )
+            )
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             checks.append((v is None or 0 <= v <= MAX_LOGPROBS, f"{name} must be in 0..{MAX_LOGPROBS}, got {v}"))

@@ -16,7 +16,6 @@ interpreter) override what they do better. Operations a backend cannot run fused
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
@@ -98,14 +97,28 @@ class Backend:
         out, s = self.add_rms_norm(x, residual, weight, eps)
         return out, s, out.float()
 
-    def moe_route(self, x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid",
-                  norm_topk_prob=True, scaling=1.0, counts=None, weights_dtype=None, count_rows=None):
+    def moe_route(
+        self,
+        x,
+        weight,
+        bias,
+        top_k,
+        n_group=1,
+        topk_group=1,
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        scaling=1.0,
+        counts=None,
+        weights_dtype=None,
+        count_rows=None,
+    ):
         """DeepSeek-V3 router: x [T, D], weight [E, D], bias [E] -> (topk_ids [T, k] int64,
         topk_weights [T, k] computed in fp32, rounded to ``weights_dtype`` when given). ``counts``: None,
         or the int64 [E] routing statistics, to which each chosen expert adds one; ``count_rows``: None,
         or an integer [>= T] tensor, 0 for the rows that must not count (``count_routing``)."""
-        ids, weights = reference.moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob,
-                                           scaling)
+        ids, weights = reference.moe_route(
+            x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling
+        )
         count_routing(counts, ids, count_rows)
         return ids, weights if weights_dtype is None else weights.to(weights_dtype)
 
@@ -120,23 +133,27 @@ class Backend:
         """Dense experts: w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I]."""
         return reference.moe_experts_reference(x, topk_ids, topk_weights, w13, w2, activation)
 
-    def moe_experts_w4a16(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                          group_size=32, activation=None):
+    def moe_experts_w4a16(
+        self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, activation=None
+    ):
         """INT4 experts (w13_packed [E, 2I, D/8], scales [E, 2I, D/g]; w2 likewise)."""
-        return reference.moe_experts_reference_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
-                                                      w2_scale, group_size, activation)
+        return reference.moe_experts_reference_w4a16(
+            x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, activation
+        )
 
-    def moe_experts_mxfp4(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                          activation=None):
+    def moe_experts_mxfp4(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, activation=None):
         """MXFP4 experts (w13_packed [E, 2I, D/2], w13_scale [E, 2I, D/32]; w2 likewise)."""
-        return reference.moe_experts_reference_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
-                                                     w2_scale, activation)
+        return reference.moe_experts_reference_mxfp4(
+            x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, activation
+        )
 
-    def moe_experts_fp8(self, x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128),
-                        activation=None):
+    def moe_experts_fp8(
+        self, x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128), activation=None
+    ):
         """Block-FP8 experts (w13 [E, 2I, D] e4m3fn + scale_inv [E, 2I/bn, D/bk]; w2 likewise)."""
-        return reference.moe_experts_reference_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv,
-                                                   block, activation)
+        return reference.moe_experts_reference_fp8(
+            x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block, activation
+        )
 
     def prepack_int4_experts(self, w13_packed, w13_scale, w2_packed, w2_scale, group_size, dtype):
         """INT4 experts (as ``moe_experts_w4a16`` takes them) converted once, after loading, to the
@@ -144,8 +161,7 @@ class Backend:
         w2_sz), or None where this backend has no such layout for them (then they stay as they are)."""
         return None
 
-    def moe_experts_int4pack_cpu(self, x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size,
-                                 activation=None):
+    def moe_experts_int4pack_cpu(self, x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size, activation=None):
         """INT4 experts in torch's CPU int4 layout (from ``prepack_int4_experts``)."""
         raise ValueError(f"the {self.name} backend does not run experts prepacked for the CPU int4 GEMM")
 
@@ -164,8 +180,9 @@ class Backend:
     def mla_decode(self, q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale):
         """q [B, H, r + rope], cache [slots, r + rope], block_tables [B, max_blocks] int32,
         context_lens [B] int32 -> [B, H, r] in q.dtype."""
-        return reference.mla_decode_reference(q, cache, block_tables, context_lens, max_context_len, block_size,
-                                              kv_lora_rank, scale)
+        return reference.mla_decode_reference(
+            q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale
+        )
 
     def mla_rope_query(self, q_pe, rope, positions, out=None):
         """YaRN rope of the query heads' rope channels ``q_pe [T, H, R]`` (a strided view is fine) by
@@ -205,8 +222,9 @@ class Backend:
         else:  # a decode graph's padding rows (slot -1) write nothing
             cache.index_copy_(0, slot_mapping[rows], new[rows])
 
-    def mla_cache_write_q_norm(self, q, q_norm_weight, q_eps, kv, norm_weight, eps, rope, positions, slot_mapping,
-                               cache):
+    def mla_cache_write_q_norm(
+        self, q, q_norm_weight, q_eps, kv, norm_weight, eps, rope, positions, slot_mapping, cache
+    ):
         """``mla_cache_write`` and the query LoRA's norm ``rms_norm(q) * q_norm_weight`` of ``q [T, Q]``
         (q_a_proj's output, the other part of the same projection) in one call -> the normed q."""
         self.mla_cache_write(kv, norm_weight, eps, rope, positions, slot_mapping, cache)
@@ -216,8 +234,24 @@ class Backend:
         """Whether a decode-only MLA step on ``x [B, D]`` can run as one ``mla_decode_absorbed`` call."""
         return False
 
-    def mla_decode_absorbed(self, q, kv, kv_norm_weight, eps, cos, sin, positions, slots, w_uk, w_uv, cache,
-                            block_tables, context_lens, block_size, scale):
+    def mla_decode_absorbed(
+        self,
+        q,
+        kv,
+        kv_norm_weight,
+        eps,
+        cos,
+        sin,
+        positions,
+        slots,
+        w_uk,
+        w_uv,
+        cache,
+        block_tables,
+        context_lens,
+        block_size,
+        scale,
+    ):
         """Norm, rope and cache write of the newest latents, W_UK absorption, attention over the paged
         cache and W_UV in one call, where ``mla_decode_fusable`` holds -> [B, H, v]."""
         raise ValueError(f"the {self.name} backend has no fused MLA decode (mla_decode_fusable is False)")
@@ -241,8 +275,23 @@ class Backend:
         """Short causal conv + SiLU continuing each sequence's history: (y [T, C], new history [N, C, W-1])."""
         return kda.causal_conv1d(x, weight, history, cu_seqlens)
 
-    def kda_decode(self, qkv, f_b, b, gate, conv_weight, A_log, dt_bias, lower_bound, norm_weight, eps, conv_state,
-                   rec_state, slots, scale):
+    def kda_decode(
+        self,
+        qkv,
+        f_b,
+        b,
+        gate,
+        conv_weight,
+        A_log,
+        dt_bias,
+        lower_bound,
+        norm_weight,
+        eps,
+        conv_state,
+        rec_state,
+        slots,
+        scale,
+    ):
         """A whole KDA decode step between the projections, one token for each of N sequences: the
         short conv + SiLU from each slot's history, the forget gate from ``f_b + dt_bias`` and
         ``A_log`` (``kernels.kda.kda_gate``), beta = sigmoid(b), the delta-rule step on
@@ -254,8 +303,22 @@ class Backend:
         if rows is not None:  # a decode graph's padding rows (slot -1): zeros, no state read or written
             out = qkv.new_zeros(n, h * d)
             if rows.numel():
-                out[rows] = self.kda_decode(qkv[rows], f_b[rows], b[rows], gate[rows], conv_weight, A_log, dt_bias,
-                                            lower_bound, norm_weight, eps, conv_state, rec_state, slots[rows], scale)
+                out[rows] = self.kda_decode(
+                    qkv[rows],
+                    f_b[rows],
+                    b[rows],
+                    gate[rows],
+                    conv_weight,
+                    A_log,
+                    dt_bias,
+                    lower_bound,
+                    norm_weight,
+                    eps,
+                    conv_state,
+                    rec_state,
+                    slots[rows],
+                    scale,
+                )
             return out
         g = kda.kda_gate((f_b.float() + dt_bias).view(n, h, d), A_log, lower_bound)
         beta = torch.sigmoid(b.float())
@@ -271,8 +334,9 @@ class Backend:
 
     # -- Kimi K3 attention residuals (engine/layers/attn_res.py)
 
-    def attn_res_mix_norm(self, x, blocks, n, res_norm_weight, res_eps, proj_weight, norm_weight, norm_eps,
-                          delta=None, save=False):
+    def attn_res_mix_norm(
+        self, x, blocks, n, res_norm_weight, res_eps, proj_weight, norm_weight, norm_eps, delta=None, save=False
+    ):
         """``(rms_norm(mix(s, blocks[:n])) * norm_weight, s)``: s = x + delta (x when delta is None), the
         AttnRes softmax mix of the candidates ``blocks[:n] + [s]`` (``reference.attn_res_mix``; s itself
         when n is 0), the norm of the sublayer after it. ``save``: also write s to ``blocks[n]`` (the

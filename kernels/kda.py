@@ -58,7 +58,7 @@ def _decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor) -> torch.
         diff = diff.masked_fill(~causal[:n, :n, None], float("-inf"))
         out[..., s:e, s:e] = (a[..., s:e, None, :] * b[..., None, s:e, :] * diff.exp()).sum(-1)
         if s:
-            ref = G[..., s:s + 1, :]
+            ref = G[..., s : s + 1, :]
             left = a[..., s:e, :] * (G[..., s:e, :] - ref).exp()  # [..., n, K]
             right = b[..., :s, :] * (ref - G[..., :s, :]).exp()  # [..., s, K]
             out[..., s:e, :s] = left @ right.transpose(-1, -2)
@@ -89,9 +89,18 @@ def _to_chunks(x: torch.Tensor, dest: torch.Tensor, num_chunks: int, chunk: int)
     return out.view(num_chunks, chunk, *x.shape[1:]).transpose(1, 2)
 
 
-def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              initial_state: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-              use_qk_l2norm: bool = True, chunk_size: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill of N packed sequences, each continuing from its own state.
 
     q, k [T, H, K]; v [T, H, V]; g [T, H, K] log-decays (<= 0); beta [T, H]; initial_state
@@ -145,8 +154,17 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     return out.to(v.dtype), state
 
 
-def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  state: torch.Tensor, slots: torch.Tensor, scale: float, use_qk_l2norm: bool = True) -> torch.Tensor:
+def recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
     """One decode token for each of N sequences; their states are updated in place.
 
     q, k [N, H, K]; v [N, H, V]; g [N, H, K]; beta [N, H]; state [num_slots, H, K, V] fp32 pool,
@@ -171,9 +189,18 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     return o.to(v.dtype)
 
 
-def recurrent_kda_spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor, indices: torch.Tensor, lengths: list[int], scale: float,
-                       use_qk_l2norm: bool = True) -> torch.Tensor:
+def recurrent_kda_spec(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    indices: torch.Tensor,
+    lengths: list[int],
+    scale: float,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
     """Speculative verification in fla-core's layout (``fused_recurrent_kda_fwd`` with
     ``ssm_state_indices [N, T]`` and ``num_accepted_tokens``): sequence n has ``lengths[n]``
     consecutive rows of q, k, g [R, H, K], v [R, H, V], beta [R, H]; it starts from pool row
@@ -182,8 +209,9 @@ def recurrent_kda_spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     R, H, K = k.shape
     _check(q, k, v, g, beta, R, H, K)
     if sum(lengths) != R or indices.shape[0] != len(lengths) or indices.shape[1] < max(lengths, default=0):
-        raise ValueError(f"recurrent_kda_spec: lengths {lengths} and indices {tuple(indices.shape)} do not "
-                         f"match {R} rows")
+        raise ValueError(
+            f"recurrent_kda_spec: lengths {lengths} and indices {tuple(indices.shape)} do not match {R} rows"
+        )
     o = v.new_empty(R, H, v.shape[-1])
     if R == 0:
         return o
@@ -201,8 +229,9 @@ def recurrent_kda_spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return o
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor,
-                  cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv (kernel W) + SiLU over packed sequences, each continuing its history.
 
     x [T, C]; weight [C, W] (fp32 in Kimi checkpoints; the conv runs in its dtype); history
@@ -214,8 +243,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor,
     W = weight.shape[-1]
     N = history.shape[0]
     if weight.shape != (Cn, W) or history.shape != (N, Cn, W - 1):
-        raise ValueError(f"causal_conv1d: x {tuple(x.shape)}, weight {tuple(weight.shape)}, history "
-                         f"{tuple(history.shape)} do not agree (want [T, C], [C, W], [N, C, W-1])")
+        raise ValueError(
+            f"causal_conv1d: x {tuple(x.shape)}, weight {tuple(weight.shape)}, history "
+            f"{tuple(history.shape)} do not agree (want [T, C], [C, W], [N, C, W-1])"
+        )
     if cu_seqlens is None:
         if T != N:
             raise ValueError(f"causal_conv1d: decode needs one row per sequence, got {T} rows for {N}")
@@ -232,8 +263,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor,
     lens = torch.tensor([e - s for s, e in zip(cu[:-1], cu[1:])], device=x.device)
     seq = torch.repeat_interleave(torch.arange(N, device=x.device), lens)
     rows = torch.arange(T, device=x.device) + seq * (W - 1) + (W - 1)  # row of x[t] in the extended layout
-    hist_rows = (torch.tensor(cu[:-1], device=x.device) + torch.arange(N, device=x.device) * (W - 1))[:, None] \
-        + torch.arange(W - 1, device=x.device)  # [N, W-1]
+    hist_rows = (torch.tensor(cu[:-1], device=x.device) + torch.arange(N, device=x.device) * (W - 1))[
+        :, None
+    ] + torch.arange(W - 1, device=x.device)  # [N, W-1]
     ext = torch.empty(T + N * (W - 1), Cn, dtype=weight.dtype, device=x.device)
     ext.index_copy_(0, rows, x.to(weight.dtype))
     ext.index_copy_(0, hist_rows.reshape(-1), history.transpose(1, 2).reshape(-1, Cn).to(weight.dtype))
@@ -243,10 +275,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor,
     n_out = ext.shape[0] - W + 1
     y_full = ext[:n_out] * weight[:, 0]
     for j in range(1, W):
-        y_full.addcmul_(ext[j: j + n_out], weight[:, j])
+        y_full.addcmul_(ext[j : j + n_out], weight[:, j])
     y = F.silu(y_full.index_select(0, rows - (W - 1)))
-    last = (torch.tensor(cu[1:], device=x.device) + torch.arange(N, device=x.device) * (W - 1))[:, None] \
-        + torch.arange(W - 1, device=x.device)  # the last W-1 ext rows of each sequence
+    last = (torch.tensor(cu[1:], device=x.device) + torch.arange(N, device=x.device) * (W - 1))[:, None] + torch.arange(
+        W - 1, device=x.device
+    )  # the last W-1 ext rows of each sequence
     new_hist = ext.index_select(0, last.reshape(-1)).view(N, W - 1, Cn).transpose(1, 2)
     return y.to(x.dtype), new_hist.to(history.dtype).contiguous()
 
@@ -271,5 +304,7 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 def _check(q, k, v, g, beta, T, H, K):
     if q.shape != (T, H, K) or g.shape != (T, H, K) or v.shape[:2] != (T, H) or beta.shape != (T, H):
-        raise ValueError(f"kda: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
-                         f"beta {tuple(beta.shape)} do not agree (want q, k, g [T, H, K], v [T, H, V], beta [T, H])")
+        raise ValueError(
+            f"kda: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
+            f"beta {tuple(beta.shape)} do not agree (want q, k, g [T, H, K], v [T, H, V], beta [T, H])"
+        )

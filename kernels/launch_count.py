@@ -37,8 +37,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "lift_fresh"}
-_DATA_DEPENDENT = {"nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive",
-                   "bincount", "repeat_interleave", "_local_scalar_dense", "is_nonzero"}
+_DATA_DEPENDENT = {
+    "nonzero",
+    "masked_select",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "bincount",
+    "repeat_interleave",
+    "_local_scalar_dense",
+    "is_nonzero",
+}
 _COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional"}
 # public names for engine.emulated_graph, which records what this module counts
 NO_KERNEL_OPS, DATA_DEPENDENT_OPS, COLLECTIVE_NAMESPACES = _NO_KERNEL, _DATA_DEPENDENT, _COLLECTIVE_NAMESPACES
@@ -86,8 +96,10 @@ class LaunchCounts:
 
     def summary(self) -> str:
         graphs = f", {sum(self.graphs.values())} graph launches" if self.graphs else ""
-        return (f"{self.kernels} kernels ({sum(self.aten.values())} ATen, {sum(self.triton.values())} Triton), "
-                f"{sum(self.collectives.values())} collectives, {sum(self.host_syncs.values())} host syncs{graphs}")
+        return (
+            f"{self.kernels} kernels ({sum(self.aten.values())} ATen, {sum(self.triton.values())} Triton), "
+            f"{sum(self.collectives.values())} collectives, {sum(self.host_syncs.values())} host syncs{graphs}"
+        )
 
 
 def _is_device_to_host(name: str, args, kwargs) -> bool:
@@ -172,6 +184,7 @@ def count_launches():
                 return original(self, *args, **kwargs)
             finally:
                 recorder.triton_depth -= 1
+
         return run
 
     for cls, original in originals.items():

@@ -40,8 +40,9 @@ def select_backend(device: torch.device | str, dtype: torch.dtype, settings: Ker
     return REFERENCE
 
 
-def attach_backends(model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype,
-                    settings: KernelSettings) -> Backend:
+def attach_backends(
+    model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype, settings: KernelSettings
+) -> Backend:
     """Choose the backend of a loaded model on ``device`` in ``dtype`` and hand it to every submodule
     with an ``ops`` attribute; submodules marked ``host_ram`` (experts offloaded to host RAM) get the
     CPU backend whatever the model's device, an emulated one included. Returns the model's backend."""

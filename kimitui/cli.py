@@ -23,19 +23,33 @@ def build_parser() -> argparse.ArgumentParser:
     tui.add_argument("--theme", default=None, help="theme name (built-in or from the XDG config dir)")
     tui.add_argument("--telemetry-interval", type=float, default=1.0, metavar="S", help="sampling period")
     remote = p.add_argument_group("remote server (the TUI without a local engine)")
-    remote.add_argument("--base-url", default=None, metavar="URL",
-                        help="chat with an OpenAI-compatible server (kimitui serve, vLLM, SGLang) instead of loading "
-                             "a model; with or without /v1. --model NAME then picks a served model")
-    remote.add_argument("--api-key", default=None, metavar="KEY",
-                        help="bearer token for --base-url (default: $OPENAI_API_KEY)")
-    remote.add_argument("--telemetry-url", action="append", default=None, metavar="URL",
-                        help="hardware telemetry from a Prometheus endpoint (kimitui agent, NVIDIA's DCGM exporter or "
-                             "AMD's device-metrics-exporter) "
-                             "instead of this machine; repeat for several nodes")
+    remote.add_argument(
+        "--base-url",
+        default=None,
+        metavar="URL",
+        help="chat with an OpenAI-compatible server (kimitui serve, vLLM, SGLang) instead of loading "
+        "a model; with or without /v1. --model NAME then picks a served model",
+    )
+    remote.add_argument(
+        "--api-key", default=None, metavar="KEY", help="bearer token for --base-url (default: $OPENAI_API_KEY)"
+    )
+    remote.add_argument(
+        "--telemetry-url",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="hardware telemetry from a Prometheus endpoint (kimitui agent, NVIDIA's DCGM exporter or "
+        "AMD's device-metrics-exporter) "
+        "instead of this machine; repeat for several nodes",
+    )
     remote.add_argument("--telemetry-token", default=None, metavar="T", help="bearer token for --telemetry-url")
-    remote.add_argument("--num-gpus", type=int, default=None, metavar="N",
-                        help="GPUs behind --base-url, for per-GPU benchmark numbers (default: GPUs seen by "
-                             "--telemetry-url, else n/a)")
+    remote.add_argument(
+        "--num-gpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="GPUs behind --base-url, for per-GPU benchmark numbers (default: GPUs seen by --telemetry-url, else n/a)",
+    )
     sub = p.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name in SUBCOMMANDS:
         try:

@@ -7,7 +7,6 @@ torch keeps it, so the suite compiles them once per machine rather than once per
 import os
 import tempfile
 
-
 if "TORCH_EXTENSIONS_DIR" not in os.environ:  # before XDG_CACHE_HOME moves below: torch's root follows it
     from kimitui.kernels.cpu.build import extensions_root  # so the tests reuse the builds `make` and the app made
 

@@ -19,8 +19,9 @@ def _lint(tree: Path, config: Path) -> subprocess.CompletedProcess:
     lint = Path(sys.executable).with_name("lint-imports")
     cmd = [str(lint)] if lint.exists() else [sys.executable, "-m", "importlinter.cli"]
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    return subprocess.run(cmd + ["--no-cache", "--config", str(config)], cwd=tree, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        cmd + ["--no-cache", "--config", str(config)], cwd=tree, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_import_linter_contracts_hold(tmp_path):
@@ -44,8 +45,8 @@ def test_import_linter_sees_the_engine_and_catches_a_breach(tmp_path):
 def test_design_module_paths_name_the_public_classes():
     # engine.py holds LLMEngine, async_llm.py holds AsyncLLM; `from engine import AsyncLLM` is the
     # public path. engine.engine has no proxy for it (no module __getattr__).
-    from kimitui import engine
     import kimitui.engine.engine as engine_module
+    from kimitui import engine
     from kimitui.engine.async_llm import AsyncLLM
     from kimitui.engine.engine import LLMEngine
 
@@ -55,8 +56,15 @@ def test_design_module_paths_name_the_public_classes():
 
 
 def test_design_public_names_import_from_kimitui_engine():
-    from kimitui.engine import (AsyncLLM, CompletionOutput, EngineArgs, LLM, RequestOutput,  # noqa: F401
-                                SamplingParams, Tokenizer)
+    from kimitui.engine import (
+        LLM,
+        AsyncLLM,
+        CompletionOutput,
+        EngineArgs,
+        RequestOutput,  # noqa: F401
+        SamplingParams,
+        Tokenizer,
+    )
 
     assert Tokenizer.__module__ == "kimitui.engine.text.tokenizer"
 
@@ -66,8 +74,10 @@ def test_import_linter_catches_a_layer_breach_and_a_package_cycle(tmp_path):
     # importing its CPU implementation closes a cycle between kernels' sibling packages
     pytest.importorskip("importlinter")
     tree = stage_package(tmp_path)
-    for path, planted in (("engine/scheduler/output.py", "import kimitui.engine.runner.model_runner"),
-                          ("kernels/backend.py", "import kimitui.kernels.cpu.backend")):
+    for path, planted in (
+        ("engine/scheduler/output.py", "import kimitui.engine.runner.model_runner"),
+        ("kernels/backend.py", "import kimitui.kernels.cpu.backend"),
+    ):
         f = tree / "kimitui" / path
         f.write_text(f.read_text() + f"\n{planted}  # planted by the test\n")
     res = _lint(tree, ROOT / "pyproject.toml")

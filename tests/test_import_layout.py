@@ -23,10 +23,14 @@ def test_the_checker_sees_a_cycle():
 
 def test_engine_and_kernels_import_at_module_level():
     _, local = graph()
-    hidden = [f"{i.module}:{i.line}: {i.text}" for i in local
-              if i.module.startswith(("kimitui.engine", "kimitui.kernels")) and "optional" not in i.text]
-    assert hidden == [], "imports inside functions (only optional dependencies, with a comment saying so):\n" + \
-        "\n".join(hidden)
+    hidden = [
+        f"{i.module}:{i.line}: {i.text}"
+        for i in local
+        if i.module.startswith(("kimitui.engine", "kimitui.kernels")) and "optional" not in i.text
+    ]
+    assert hidden == [], (
+        "imports inside functions (only optional dependencies, with a comment saying so):\n" + "\n".join(hidden)
+    )
 
 
 def _source_files(folder: Path) -> list[Path]:

@@ -18,6 +18,7 @@ A user theme with a built-in's name replaces it.
 from __future__ import annotations
 
 import re
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -27,8 +28,19 @@ from pathlib import Path
 
 from kimitui.paths import user_themes_dir
 
-COLOR_SLOTS = ("primary", "secondary", "accent", "warning", "error", "success", "foreground",
-               "background", "surface", "panel", "boost")
+COLOR_SLOTS = (
+    "primary",
+    "secondary",
+    "accent",
+    "warning",
+    "error",
+    "success",
+    "foreground",
+    "background",
+    "surface",
+    "panel",
+    "boost",
+)
 _COLOR = re.compile(r"^#(?:[0-9a-fA-F]{3}|[0-9a-fA-F]{6}|[0-9a-fA-F]{8})$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
@@ -74,13 +86,12 @@ def parse_theme(text: str, source: str = "<string>") -> ThemeSpec:
         raise ThemeError(f"{source}: [colors] must be a table")
     unknown = sorted(set(colors) - set(COLOR_SLOTS))
     if unknown:
-        raise ThemeError(f"{source}: unknown color slot(s) {', '.join(unknown)}; "
-                         f"known: {', '.join(COLOR_SLOTS)}")
+        raise ThemeError(f"{source}: unknown color slot(s) {', '.join(unknown)}; known: {', '.join(COLOR_SLOTS)}")
     if "primary" not in colors:
         raise ThemeError(f"{source}: [colors] needs at least 'primary'")
     for slot, value in colors.items():
         if not isinstance(value, str) or not _COLOR.match(value):
-            raise ThemeError(f"{source}: colors.{slot} must be a hex color like \"#4EA3FF\", got {value!r}")
+            raise ThemeError(f'{source}: colors.{slot} must be a hex color like "#4EA3FF", got {value!r}')
     variables = raw.get("variables", {})
     if not isinstance(variables, dict) or not all(isinstance(v, str) for v in variables.values()):
         raise ThemeError(f"{source}: [variables] must map names to strings")

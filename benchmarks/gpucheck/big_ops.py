@@ -47,8 +47,8 @@ def _check(mode, name, fn, reference, nbytes=None, note="") -> Row:
 def _int4(mode, *shape):
     """Random INT4 words [..., N, K/8] and bf16 group scales [..., N, K/32] (weights ~ 1/sqrt(K))."""
     n, k = shape[-2], shape[-1]
-    packed = torch.randint(-2**31, 2**31 - 1, (*shape[:-1], k // 8), dtype=torch.int32, device=mode.device)
-    scale = (torch.rand(*shape[:-1], k // 32, device=mode.device) + 0.5) / (4.6 * k ** 0.5)
+    packed = torch.randint(-(2**31), 2**31 - 1, (*shape[:-1], k // 8), dtype=torch.int32, device=mode.device)
+    scale = (torch.rand(*shape[:-1], k // 32, device=mode.device) + 0.5) / (4.6 * k**0.5)
     return packed, scale.to(torch.bfloat16)
 
 
@@ -65,8 +65,8 @@ def _chunked(mode, shape, dtype, scale: float = 1.0):
     K2 experts would be a 45 GB temporary."""
     out = torch.empty(shape, dtype=dtype, device=mode.device)
     for i in range(0, shape[0], 16):
-        part = torch.randn(out[i: i + 16].shape, device=mode.device).mul_(scale)
-        out[i: i + 16] = part.clamp_(-4, 4) if dtype == torch.float8_e4m3fn else part
+        part = torch.randn(out[i : i + 16].shape, device=mode.device).mul_(scale)
+        out[i : i + 16] = part.clamp_(-4, 4) if dtype == torch.float8_e4m3fn else part
     return out
 
 
@@ -74,7 +74,7 @@ def _fp8(mode, *shape, block=(128, 128)):
     n, k = shape[-2], shape[-1]
     w = _chunked(mode, shape, torch.float8_e4m3fn)
     nb, kb = -(-n // block[0]), -(-k // block[1])
-    scale_inv = (torch.rand(*shape[:-2], nb, kb, device=mode.device) + 0.5) / (2 * k ** 0.5)
+    scale_inv = (torch.rand(*shape[:-2], nb, kb, device=mode.device) + 0.5) / (2 * k**0.5)
     return w, scale_inv
 
 
@@ -111,8 +111,13 @@ def moe_rows(mode) -> Iterator[Row]:
         x = torch.randn(t, d, device=mode.device, dtype=mode.dtype)
         ids, tw = _routing(mode, t, e, k)
         args = (x, ids, tw, w13, s13, w2, s2)
-        yield _check(mode, f"fused MoE INT4 {shape} T={t}", lambda: fm.fused_moe_w4a16(*args),
-                     lambda: ref.moe_experts_reference_w4a16(*args), _touched(ids, e) * per_expert)
+        yield _check(
+            mode,
+            f"fused MoE INT4 {shape} T={t}",
+            lambda: fm.fused_moe_w4a16(*args),
+            lambda: ref.moe_experts_reference_w4a16(*args),
+            _touched(ids, e) * per_expert,
+        )
     del w13, s13, w2, s2
     # block FP8 (K2-Instruct), a pair held elsewhere in each batch (id == E)
     block = mode.pick((128, 128), (16, 16))  # the toy expert width is below one 128-row block
@@ -124,19 +129,29 @@ def moe_rows(mode) -> Iterator[Row]:
         ids, tw = _routing(mode, t, e, k)
         ids[0, -1] = e
         args = (x, ids, tw, w13, s13, w2, s2, block)
-        yield _check(mode, f"fused MoE FP8 {shape} T={t}", lambda: fm.fused_moe_fp8(*args),
-                     lambda: ref.moe_experts_reference_fp8(*args), _touched(ids, e) * per_expert,
-                     "one pair held elsewhere")
+        yield _check(
+            mode,
+            f"fused MoE FP8 {shape} T={t}",
+            lambda: fm.fused_moe_fp8(*args),
+            lambda: ref.moe_experts_reference_fp8(*args),
+            _touched(ids, e) * per_expert,
+            "one pair held elsewhere",
+        )
     del w13, s13, w2, s2
     # bf16 experts (K2 bf16)
-    w13 = _chunked(mode, (e, 2 * inter, d), mode.dtype, d ** -0.5)
-    w2 = _chunked(mode, (e, d, inter), mode.dtype, inter ** -0.5)
+    w13 = _chunked(mode, (e, 2 * inter, d), mode.dtype, d**-0.5)
+    w2 = _chunked(mode, (e, d, inter), mode.dtype, inter**-0.5)
     for t in mode.pick((1, 64), (5,)):
         x = torch.randn(t, d, device=mode.device, dtype=mode.dtype)
         ids, tw = _routing(mode, t, e, k)
         args = (x, ids, tw, w13, w2)
-        yield _check(mode, f"fused MoE {str(mode.dtype)[6:]} {shape} T={t}", lambda: fm.fused_moe(*args),
-                     lambda: ref.moe_experts_reference(*args), _touched(ids, e) * (w13[0].nbytes + w2[0].nbytes))
+        yield _check(
+            mode,
+            f"fused MoE {str(mode.dtype)[6:]} {shape} T={t}",
+            lambda: fm.fused_moe(*args),
+            lambda: ref.moe_experts_reference(*args),
+            _touched(ids, e) * (w13[0].nbytes + w2[0].nbytes),
+        )
 
 
 def moe_mxfp4_rows(mode) -> Iterator[Row]:
@@ -151,8 +166,13 @@ def moe_mxfp4_rows(mode) -> Iterator[Row]:
         x = torch.randn(t, d, device=mode.device, dtype=mode.dtype)
         ids, tw = _routing(mode, t, e, k)
         args = (x, ids, tw, w13, s13, w2, s2)
-        yield _check(mode, f"fused MoE MXFP4 E={e} D={d} I={inter} top-{k} T={t}", lambda: fm.fused_moe_mxfp4(*args),
-                     lambda: ref.moe_experts_reference_mxfp4(*args), _touched(ids, e) * per_expert)
+        yield _check(
+            mode,
+            f"fused MoE MXFP4 E={e} D={d} I={inter} top-{k} T={t}",
+            lambda: fm.fused_moe_mxfp4(*args),
+            lambda: ref.moe_experts_reference_mxfp4(*args),
+            _touched(ids, e) * per_expert,
+        )
 
 
 def gemm_rows(mode) -> Iterator[Row]:
@@ -165,22 +185,37 @@ def gemm_rows(mode) -> Iterator[Row]:
     w, s = _fp8(mode, n, kk)
     for m in mode.pick((1, 64, 2048), (3,)):
         x = torch.randn(m, kk, device=mode.device, dtype=mode.dtype)
-        yield _check(mode, f"FP8 block GEMM M={m} N={n} K={kk}", lambda: fp8_block_gemm(x, w, s),
-                     lambda: ref.linear_fp8_block(x, w, s), w.nbytes + s.nbytes)
+        yield _check(
+            mode,
+            f"FP8 block GEMM M={m} N={n} K={kk}",
+            lambda: fp8_block_gemm(x, w, s),
+            lambda: ref.linear_fp8_block(x, w, s),
+            w.nbytes + s.nbytes,
+        )
     # INT4 w4a16: an expert's gate+up [2 x 2048, 7168]
     n, kk = mode.pick((4096, 7168), (48, 64))
     p, s = _int4(mode, n, kk)
     for m in mode.pick((1, 64), (3,)):
         x = torch.randn(m, kk, device=mode.device, dtype=mode.dtype)
-        yield _check(mode, f"w4a16 GEMM M={m} N={n} K={kk}", lambda: w4a16_gemm(x, p, s),
-                     lambda: ref.linear_w4a16(x, p, s, kk), p.nbytes + s.nbytes)
+        yield _check(
+            mode,
+            f"w4a16 GEMM M={m} N={n} K={kk}",
+            lambda: w4a16_gemm(x, p, s),
+            lambda: ref.linear_w4a16(x, p, s, kk),
+            p.nbytes + s.nbytes,
+        )
     # MXFP4: a K3 latent expert's gate+up [2 x 3072, 3584]
     n, kk = mode.pick((6144, 3584), (48, 64))
     p, s = _mxfp4(mode, n, kk)
     for m in mode.pick((1, 64), (3,)):
         x = torch.randn(m, kk, device=mode.device, dtype=mode.dtype)
-        yield _check(mode, f"MXFP4 GEMM M={m} N={n} K={kk}", lambda: mxfp4_gemm(x, p, s),
-                     lambda: ref.linear_mxfp4(x, p, s), p.nbytes + s.nbytes)
+        yield _check(
+            mode,
+            f"MXFP4 GEMM M={m} N={n} K={kk}",
+            lambda: mxfp4_gemm(x, p, s),
+            lambda: ref.linear_mxfp4(x, p, s),
+            p.nbytes + s.nbytes,
+        )
 
 
 @contextmanager
@@ -202,31 +237,61 @@ def gemv_split_rows(mode) -> Iterator[Row]:
     [1536, 7168] in block FP8, K3's MXFP4 expert w2 [3584, 3072], an INT4 [576, 7168]."""
     from kimitui.kernels.triton.gemm.fp8_block import fp8_block_gemm
     from kimitui.kernels.triton.gemm.mxfp4 import mxfp4_gemm
-    from kimitui.kernels.triton.split_k import plan_gemm
     from kimitui.kernels.triton.gemm.w4a16 import w4a16_gemm
+    from kimitui.kernels.triton.split_k import plan_gemm
 
     cases = []
     for n, kk in mode.pick(((576, 7168), (1536, 7168)), ((40, 256),)):
         w, s = _fp8(mode, n, kk)
-        cases.append((f"FP8 GEMV N={n} K={kk}", n, kk, lambda x, w=w, s=s: fp8_block_gemm(x, w, s),
-                      lambda x, w=w, s=s: ref.linear_fp8_block(x, w, s), w.nbytes + s.nbytes))
+        cases.append(
+            (
+                f"FP8 GEMV N={n} K={kk}",
+                n,
+                kk,
+                lambda x, w=w, s=s: fp8_block_gemm(x, w, s),
+                lambda x, w=w, s=s: ref.linear_fp8_block(x, w, s),
+                w.nbytes + s.nbytes,
+            )
+        )
     n, kk = mode.pick((576, 7168), (40, 256))
     p4, s4 = _int4(mode, n, kk)
-    cases.append((f"w4a16 GEMV N={n} K={kk}", n, kk, lambda x: w4a16_gemm(x, p4, s4),
-                  lambda x: ref.linear_w4a16(x, p4, s4, kk), p4.nbytes + s4.nbytes))
+    cases.append(
+        (
+            f"w4a16 GEMV N={n} K={kk}",
+            n,
+            kk,
+            lambda x: w4a16_gemm(x, p4, s4),
+            lambda x: ref.linear_w4a16(x, p4, s4, kk),
+            p4.nbytes + s4.nbytes,
+        )
+    )
     n, kk = mode.pick((3584, 3072), (40, 256))
     pm, sm = _mxfp4(mode, n, kk)
-    cases.append((f"MXFP4 GEMV N={n} K={kk}", n, kk, lambda x: mxfp4_gemm(x, pm, sm),
-                  lambda x: ref.linear_mxfp4(x, pm, sm), pm.nbytes + sm.nbytes))
+    cases.append(
+        (
+            f"MXFP4 GEMV N={n} K={kk}",
+            n,
+            kk,
+            lambda x: mxfp4_gemm(x, pm, sm),
+            lambda x: ref.linear_mxfp4(x, pm, sm),
+            pm.nbytes + sm.nbytes,
+        )
+    )
     for name, n, kk, fn, reference, nbytes in cases:
         for m in mode.pick((1, 16), (3,)):
             x = torch.randn(m, kk, device=mode.device, dtype=mode.dtype)
             plan = plan_gemm(m, n, kk)
             with _one_split():
-                before = _check(mode, f"{name} M={m} one K range ({plan.grid[1]} programs)", lambda: fn(x),
-                                lambda: reference(x), nbytes)
-            after = _check(mode, f"{name} M={m} split-K ({plan.programs} programs)", lambda: fn(x),
-                           lambda: reference(x), nbytes)
+                before = _check(
+                    mode,
+                    f"{name} M={m} one K range ({plan.grid[1]} programs)",
+                    lambda: fn(x),
+                    lambda: reference(x),
+                    nbytes,
+                )
+            after = _check(
+                mode, f"{name} M={m} split-K ({plan.programs} programs)", lambda: fn(x), lambda: reference(x), nbytes
+            )
             if before.ms and after.ms:
                 after = replace(after, note=f"{before.ms / after.ms:.2f}x the speed of one K range")
             yield before
@@ -241,8 +306,12 @@ def kda_rows(mode) -> Iterator[Row]:
         yield Row(S, "KDA fla-core vs kernels/kda.py", SKIP, note="fla-core's kernels need a CUDA/ROCm device")
         return
     if not kda_fla.available():
-        yield Row(S, "KDA fla-core vs kernels/kda.py", FAIL,
-                  note=f"{kda_fla.unavailable_reason()}: K3 cannot run on this GPU (see the env rows)")
+        yield Row(
+            S,
+            "KDA fla-core vs kernels/kda.py",
+            FAIL,
+            note=f"{kda_fla.unavailable_reason()}: K3 cannot run on this GPU (see the env rows)",
+        )
         return
     dev, dt = mode.device, mode.dtype
     h, dk = 96, 128  # K3's KDA heads
@@ -253,11 +322,14 @@ def kda_rows(mode) -> Iterator[Row]:
     g = -5.0 * torch.sigmoid(torch.randn(t, h, dk, device=dev))  # K3's bounded log-decay, fp32
     beta = torch.rand(t, h, device=dev)
     h0 = torch.randn(len(lens), h, dk, dk, device=dev) * 0.1
-    scale = dk ** -0.5
+    scale = dk**-0.5
     # the reference gets the same (bf16-valued) inputs in fp32: what differs is the kernels' arithmetic
-    yield _check(mode, f"KDA chunk prefill fla vs torch T={t} ({len(lens)} seqs) H={h}",
-                 lambda: kda_fla.chunk_kda(q, k, v, g, beta, h0, cu, scale),
-                 lambda: kda.chunk_kda(q.float(), k.float(), v.float(), g, beta, h0, cu, scale))
+    yield _check(
+        mode,
+        f"KDA chunk prefill fla vs torch T={t} ({len(lens)} seqs) H={h}",
+        lambda: kda_fla.chunk_kda(q, k, v, g, beta, h0, cu, scale),
+        lambda: kda.chunk_kda(q.float(), k.float(), v.float(), g, beta, h0, cu, scale),
+    )
     n = 64
     pool = torch.randn(2 * n, h, dk, dk, device=dev) * 0.1
     slots = torch.randperm(2 * n, device=dev)[:n]
@@ -267,15 +339,24 @@ def kda_rows(mode) -> Iterator[Row]:
         state = pool.clone()  # both update the pool in place: each call starts from the same one
         return fn(*inputs, state, slots, scale), state
 
-    yield _check(mode, f"KDA recurrent decode fla vs torch N={n} H={h}", lambda: run(kda_fla.recurrent_kda, args),
-                 lambda: run(kda.recurrent_kda, [a.float() for a in args]),
-                 note="times include a copy of the state pool")
+    yield _check(
+        mode,
+        f"KDA recurrent decode fla vs torch N={n} H={h}",
+        lambda: run(kda_fla.recurrent_kda, args),
+        lambda: run(kda.recurrent_kda, [a.float() for a in args]),
+        note="times include a copy of the state pool",
+    )
     c = h * dk
     x = torch.randn(t, c, device=dev).to(dt)
     w = torch.randn(c, 4, device=dev) * 0.5
     hist = torch.randn(len(lens), c, 3, device=dev).to(dt)
-    yield _check(mode, f"KDA short conv fla vs torch T={t} C={c}", lambda: kda_fla.causal_conv1d(x, w, hist, cu),
-                 lambda: kda.causal_conv1d(x, w, hist, cu), 2 * x.nbytes)
+    yield _check(
+        mode,
+        f"KDA short conv fla vs torch T={t} C={c}",
+        lambda: kda_fla.causal_conv1d(x, w, hist, cu),
+        lambda: kda.causal_conv1d(x, w, hist, cu),
+        2 * x.nbytes,
+    )
 
 
 CHECKS = [

@@ -46,20 +46,39 @@ def fla_row(env: dict[str, str], emulate: bool, folder: Path = WHEELS) -> Row:
     names = [w.name for w in carried_wheels(folder)]
     others = sorted(w.name for w in folder.glob("fla_core-*.whl") if w.name not in names)
     where = (f"carried: {', '.join(names)}" if names else "no wheels carried") + (
-        f"; ignored (not {FLA_VERSION}): {', '.join(others)}" if others else "")
+        f"; ignored (not {FLA_VERSION}): {', '.join(others)}" if others else ""
+    )
     try:
-        proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _PROBE], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-W", "ignore", "-c", _PROBE],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FLA-PROBE ")), None)
-        info = json.loads(line.split(" ", 1)[1]) if line else {
-            "reason": f"the import check failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1][:200]}"}
+        info = (
+            json.loads(line.split(" ", 1)[1])
+            if line
+            else {"reason": f"the import check failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1][:200]}"}
+        )
     except subprocess.TimeoutExpired:
         info = {"reason": "the import check did not finish in 120 s"}
     if info["reason"] is not None:
         # Without a GPU nothing runs fla-core; on one, K3's KDA layers are refused without it.
-        return Row("env", "fla-core", SKIP if emulate else FAIL,
-                   note=f"does not import: {info['reason']} ({where}); K3 on a GPU needs it: {FETCH}")
+        return Row(
+            "env",
+            "fla-core",
+            SKIP if emulate else FAIL,
+            note=f"does not import: {info['reason']} ({where}); K3 on a GPU needs it: {FETCH}",
+        )
     if info["version"] != FLA_VERSION:
-        return Row("env", "fla-core", FAIL, note=f"fla-core {info['version']} imports ({info['file']}), but "
-                                                  f"kimitui is written against {FLA_VERSION}: {FETCH}")
+        return Row(
+            "env",
+            "fla-core",
+            FAIL,
+            note=f"fla-core {info['version']} imports ({info['file']}), but "
+            f"kimitui is written against {FLA_VERSION}: {FETCH}",
+        )
     return Row("env", "fla-core", PASS, note=f"fla-core {info['version']} imports from {info['file']} ({where})")

@@ -119,14 +119,22 @@ def _one_line(e: BaseException) -> str:
 
 def format_row(r: Row) -> str:
     status, err, ms, ref_ms, gbps, tok_s, note = cells(r)
-    return (f"[{r.section}] {r.check}: {status}  err {err}  time {ms}  ref {ref_ms}  GB/s {gbps}  tok/s {tok_s}"
-            f"  {note}").rstrip()
+    return (
+        f"[{r.section}] {r.check}: {status}  err {err}  time {ms}  ref {ref_ms}  GB/s {gbps}  tok/s {tok_s}  {note}"
+    ).rstrip()
 
 
 def cells(r: Row) -> list[str]:
     """The table cells of a row after its check name: status, err, time, ref, GB/s, tok/s, note."""
-    return [r.status, fmt(r.err, ".1e"), fmt_ms(r.ms), fmt_ms(r.ref_ms), fmt(r.gbps, ".0f"), fmt(r.tok_s, ".1f"),
-            r.note]
+    return [
+        r.status,
+        fmt(r.err, ".1e"),
+        fmt_ms(r.ms),
+        fmt_ms(r.ref_ms),
+        fmt(r.gbps, ".0f"),
+        fmt(r.tok_s, ".1f"),
+        r.note,
+    ]
 
 
 def fmt(v, spec: str) -> str:

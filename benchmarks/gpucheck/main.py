@@ -42,7 +42,9 @@ BUILD_LIMIT = (240, 300)
 
 def child_env(emulate: bool) -> dict[str, str]:
     env = dict(os.environ)
-    paths = [str(REPO)] + [str(w) for w in carried_wheels()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = (
+        [str(REPO)] + [str(w) for w in carried_wheels()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("KIMITUI_KERNELS", None)  # the Triton backend is what is being checked
@@ -59,12 +61,24 @@ def env_rows(emulate: bool) -> list[Row]:
 
     rows = []
     if emulate:
-        rows.append(Row("env", "device", SKIP, note="CPU self-test: KIMITUI_EMULATE_DEVICE=1 TRITON_INTERPRET=1, toy "
-                                                    "shapes, fp16; no GPU numbers"))
+        rows.append(
+            Row(
+                "env",
+                "device",
+                SKIP,
+                note="CPU self-test: KIMITUI_EMULATE_DEVICE=1 TRITON_INTERPRET=1, toy shapes, fp16; no GPU numbers",
+            )
+        )
     else:
         props = torch.cuda.get_device_properties(0)
-        rows.append(Row("env", "device", PASS, note=f"{props.name}, {props.total_memory / 2**30:.0f} GiB, "
-                                                    f"{torch.cuda.device_count()} visible"))
+        rows.append(
+            Row(
+                "env",
+                "device",
+                PASS,
+                note=f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} visible",
+            )
+        )
     backend = f"hip {torch.version.hip}" if torch.version.hip else f"cuda {torch.version.cuda}"
     try:
         import triton
@@ -72,8 +86,14 @@ def env_rows(emulate: bool) -> list[Row]:
         triton_version = triton.__version__
     except Exception as e:  # reported, and the kernel rows will fail naming it
         triton_version = f"not importable ({type(e).__name__}: {e})"
-    rows.append(Row("env", "versions", PASS, note=f"python {sys.version.split()[0]}, torch {torch.__version__} "
-                                                  f"({backend}), triton {triton_version}"))
+    rows.append(
+        Row(
+            "env",
+            "versions",
+            PASS,
+            note=f"python {sys.version.split()[0]}, torch {torch.__version__} ({backend}), triton {triton_version}",
+        )
+    )
     rows.append(fla_row(child_env(emulate), emulate))
     return rows
 
@@ -114,8 +134,14 @@ def test_rows(emulate: bool, seconds: float, log) -> list[Row]:
         status = PASS
     else:
         status = SKIP
-    rows = [Row("tests", f"pytest -m gpu ({len(files)} files)", status, note=summary + (
-        " (no GPU: every gpu test skips)" if emulate else ""))]
+    rows = [
+        Row(
+            "tests",
+            f"pytest -m gpu ({len(files)} files)",
+            status,
+            note=summary + (" (no GPU: every gpu test skips)" if emulate else ""),
+        )
+    ]
     for line in proc.stdout.splitlines():
         if line.startswith(("FAILED ", "ERROR ")):
             rows.append(Row("tests", line.split(" ", 1)[1].split(" - ")[0], FAIL, note=line.split(" - ", 1)[-1][:200]))
@@ -150,11 +176,15 @@ def run_section(name: str, emulate: bool, seconds: float, workdir: Path, log, ex
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="The GPU one-shot check of kimitui (see benchmarks/README.md).")
-    ap.add_argument("--emulate", action="store_true", help="run on the CPU with the device path emulated (auto "
-                                                            "without a GPU): checks the script, measures nothing")
+    ap.add_argument(
+        "--emulate",
+        action="store_true",
+        help="run on the CPU with the device path emulated (auto without a GPU): checks the script, measures nothing",
+    )
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
-    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.md / .json / .log "
-                                                                 "(default: $OUT when set)")
+    ap.add_argument(
+        "--out", default=os.environ.get("OUT"), help="folder for gpu_check.md / .json / .log (default: $OUT when set)"
+    )
     args = ap.parse_args(argv)
     import torch
 
@@ -171,15 +201,20 @@ def main(argv: list[str] | None = None) -> int:
         log_path = Path(args.out or tmp) / "gpu_check.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "w") as log:
-            build = (Prebuild(child_env(emulate), BUILD_LIMIT[1 if emulate else 0], Path(tmp) / "build.log")
-                     if "offload" in wanted else None)
+            build = (
+                Prebuild(child_env(emulate), BUILD_LIMIT[1 if emulate else 0], Path(tmp) / "build.log")
+                if "offload" in wanted
+                else None
+            )
             for name in wanted:
                 seconds = LIMITS[name][1 if emulate else 0]
                 extra_env = {}
                 if name == "offload":
                     print("--- waiting for the C++ CPU kernels' build", flush=True)
                     build_row, extra_env = build.finish()
-                    log.write(f"===== build =====\n{build.log_path.read_text(errors='replace') if build.proc else ''}\n")
+                    log.write(
+                        f"===== build =====\n{build.log_path.read_text(errors='replace') if build.proc else ''}\n"
+                    )
                     rows.append(build_row)
                 print(f"--- {name} (limit {seconds} s)", flush=True)
                 start = time.monotonic()
@@ -188,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     section = run_section(name, emulate, seconds, Path(tmp), log, extra_env)
                 rows += section
-                rows.append(Row(name, "section time", SKIP if not section else PASS, ms=(time.monotonic() - start) * 1e3))
+                rows.append(
+                    Row(name, "section time", SKIP if not section else PASS, ms=(time.monotonic() - start) * 1e3)
+                )
     total = time.monotonic() - t0
     table = markdown(rows, emulate, total)
     print("\n" + table, flush=True)

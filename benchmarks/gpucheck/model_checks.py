@@ -32,11 +32,20 @@ def _bench(mode, name: str, layers: int, emulated_seqs: int = 4) -> Bench:
 
 def _capture_row(mode, g) -> Row:
     if mode.device.type != "cuda":
-        return Row("graphs", "capture", SKIP, note="no capture on a CPU: the same static buffers, buckets and padding "
-                                                  "ran with direct calls")
+        return Row(
+            "graphs",
+            "capture",
+            SKIP,
+            note="no capture on a CPU: the same static buffers, buckets and padding ran with direct calls",
+        )
     if g.failed:
-        return Row("graphs", "capture", FAIL, note=f"capture failed for buckets {sorted(g.failed)}, which ran eagerly: "
-                                                   f"{next(iter(g.failed.values()))[:200]}")
+        return Row(
+            "graphs",
+            "capture",
+            FAIL,
+            note=f"capture failed for buckets {sorted(g.failed)}, which ran eagerly: "
+            f"{next(iter(g.failed.values()))[:200]}",
+        )
     return Row("graphs", "capture", PASS, note=f"buckets captured: {sorted(g._graphs)}")
 
 
@@ -87,11 +96,23 @@ def k3_graph_rows(mode, bench: Bench) -> list[Row]:
         err = rel_err(got, want)
         cache_err = max(float((a.float() - b.float()).abs().max()) for a, b in zip(tensors, want_caches))
         padding = bucket_for(n, graphed.graphs.buckets) - n
-        rows.append(Row(s, f"K3 decode step B={n} ({padding} padding rows): graph vs eager logits",
-                        status_for(err, mode.tolerance), err))
-        rows.append(Row(s, f"K3 decode step B={n}: caches (KDA states, latents) graph vs eager",
-                        PASS if cache_err <= 1e-3 else FAIL, cache_err,
-                        note="padding rows must write no KDA slot and no cache slot"))
+        rows.append(
+            Row(
+                s,
+                f"K3 decode step B={n} ({padding} padding rows): graph vs eager logits",
+                status_for(err, mode.tolerance),
+                err,
+            )
+        )
+        rows.append(
+            Row(
+                s,
+                f"K3 decode step B={n}: caches (KDA states, latents) graph vs eager",
+                PASS if cache_err <= 1e-3 else FAIL,
+                cache_err,
+                note="padding rows must write no KDA slot and no cache slot",
+            )
+        )
         for t, b in zip(tensors, before):
             t.copy_(b)
     rows.append(_capture_row(mode, graphed.graphs))
@@ -123,8 +144,16 @@ def decode_rows(mode, bench: Bench, label: str, graphs: tuple[bool, ...]) -> lis
                 note = f"{eager_ms / ms:.2f}x eager"
             if not g:
                 eager_ms = ms
-            rows.append(Row(s, f"{label} B={n} {'graphs' if g else 'eager'}", PASS if ok else FAIL, ms=ms,
-                            tok_s=n / ms * 1e3, note=note or f"context {context}, {steps} steps"))
+            rows.append(
+                Row(
+                    s,
+                    f"{label} B={n} {'graphs' if g else 'eager'}",
+                    PASS if ok else FAIL,
+                    ms=ms,
+                    tok_s=n / ms * 1e3,
+                    note=note or f"context {context}, {steps} steps",
+                )
+            )
     return rows
 
 

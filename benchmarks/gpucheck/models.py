@@ -24,12 +24,37 @@ from kimitui.engine.runner.model_runner import ModelRunner, StepInputs
 CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "configs"
 
 # toy widths for the CPU self-test (the structure, quantisation and routing stay Kimi's)
-TINY_K2 = dict(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
-               num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16,
-               v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2)
-TINY_K3 = dict(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=64, num_attention_heads=2,
-               num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16,
-               v_head_dim=16, num_experts=8, num_experts_per_token=2, routed_expert_hidden_size=32)
+TINY_K2 = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+)
+TINY_K3 = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    num_experts=8,
+    num_experts_per_token=2,
+    routed_expert_hidden_size=32,
+)
 
 
 def kimi_config(name: str, layers: int, tiny: bool) -> ModelConfig:
@@ -57,7 +82,7 @@ def fill_random(model: torch.nn.Module) -> None:
         d = p.data
         last = d.shape[-1] if d.dim() else 1
         if d.dtype == torch.int32:  # INT4 words: 8 uniform nibbles
-            d.random_(-2**31, 2**31 - 1)
+            d.random_(-(2**31), 2**31 - 1)
         elif d.dtype == torch.uint8 and name.endswith("weight_scale"):  # E8M0 near 2^-8
             d.random_(118, 121)
         elif d.dtype == torch.uint8:  # E2M1 codes
@@ -79,7 +104,7 @@ def fill_random(model: torch.nn.Module) -> None:
         elif name.endswith("conv1d.weight") or name.endswith("dt_bias"):
             d.normal_(0, 0.5)
         elif d.dim() >= 2:
-            d.normal_(0, last ** -0.5)
+            d.normal_(0, last**-0.5)
         else:
             d.normal_(0, 0.02)
 
@@ -98,8 +123,9 @@ class Bench:
         self.model, self.mode = model, mode
         self.block_size, self.max_num_seqs, self.max_model_len = block_size, max_num_seqs, max_model_len
         self.blocks_per_seq = -(-max_model_len // block_size)
-        pool = KVCachePool(model.cache_specs(mode.dtype), max_num_seqs * self.blocks_per_seq, block_size, max_num_seqs,
-                           mode.device)
+        pool = KVCachePool(
+            model.cache_specs(mode.dtype), max_num_seqs * self.blocks_per_seq, block_size, max_num_seqs, mode.device
+        )
         self.hybrid = pool.is_hybrid
         for cache in pool.caches:  # a latent cache of random rows, so attention is not over zeros
             if isinstance(cache, torch.Tensor) and cache.is_floating_point():
@@ -109,17 +135,31 @@ class Bench:
     def runner(self, graphs: bool) -> ModelRunner:
         """Eager, or decode steps through DecodeGraphRunner (captured on a GPU, the same static
         buffers with direct calls on a CPU)."""
-        return ModelRunner(self.model, self.caches, self.block_size, self.mode.device, None, self.max_num_seqs,
-                           self.max_model_len, decode_graphs=True if graphs else False)
+        return ModelRunner(
+            self.model,
+            self.caches,
+            self.block_size,
+            self.mode.device,
+            None,
+            self.max_num_seqs,
+            self.max_model_len,
+            decode_graphs=True if graphs else False,
+        )
 
     def decode_inputs(self, n: int, context: int, token0: int = 11) -> StepInputs:
         """A decode step of ``n`` sequences at ``context`` tokens, each on its own blocks."""
         need = -(-context // self.block_size)
         tables = [list(range(i * self.blocks_per_seq, i * self.blocks_per_seq + need)) for i in range(n)]
         vocab = self.model.config.vocab_size
-        return StepInputs(ids=[(token0 + 7 * i) % vocab for i in range(n)], num_decodes=n, decode_tables=tables,
-                          decode_lens=[context - (i % 3) for i in range(n)], prefills=[], sample_rows=list(range(n)),
-                          state_slots=list(range(n)) if self.hybrid else [])
+        return StepInputs(
+            ids=[(token0 + 7 * i) % vocab for i in range(n)],
+            num_decodes=n,
+            decode_tables=tables,
+            decode_lens=[context - (i % 3) for i in range(n)],
+            prefills=[],
+            sample_rows=list(range(n)),
+            state_slots=list(range(n)) if self.hybrid else [],
+        )
 
 
 def decode_step(runner: ModelRunner, inp: StepInputs) -> list[int]:

@@ -59,8 +59,14 @@ def _k3_offloaded(mode) -> Iterator[Row]:
         tokens = logits.argmax(-1).tolist()
         ms = (time.perf_counter() - t) * 1e3
         ok = bool(torch.isfinite(logits).all()) and len(tokens) == n and all(0 <= x < config.vocab_size for x in tokens)
-        yield Row(S, f"K3 shape, {host}/{experts} experts on the host, decode B={n}", PASS if ok else FAIL, ms=ms,
-                  tok_s=n / ms * 1e3, note="finite logits, valid tokens" if ok else "non-finite logits or bad tokens")
+        yield Row(
+            S,
+            f"K3 shape, {host}/{experts} experts on the host, decode B={n}",
+            PASS if ok else FAIL,
+            ms=ms,
+            tok_s=n / ms * 1e3,
+            note="finite logits, valid tokens" if ok else "non-finite logits or bad tokens",
+        )
     yield from _k3_piecewise(model, mode, host, experts, max_model_len)
 
 
@@ -75,8 +81,17 @@ def _k3_piecewise(model, mode, host: int, experts: int, max_model_len: int) -> I
     eager = bench.runner(False)
     # a GPU captures CUDA/HIP graph segments; the CPU self-test records them (EmulatedGraph). Bucket 8
     # is captured by the first step that needs it (the warm-up below), the other buckets never.
-    graphed = ModelRunner(model, bench.caches, bench.block_size, mode.device, None, bench.max_num_seqs,
-                          bench.max_model_len, decode_graphs=True, emulate_graphs=mode.device.type == "cpu")
+    graphed = ModelRunner(
+        model,
+        bench.caches,
+        bench.block_size,
+        mode.device,
+        None,
+        bench.max_num_seqs,
+        bench.max_model_len,
+        decode_graphs=True,
+        emulate_graphs=mode.device.type == "cpu",
+    )
     graphs = graphed.graphs
     layers = len(graphs.host_experts)
     inp = bench.decode_inputs(5, mode.pick(1024, 20))  # bucket 8: three padding rows
@@ -99,14 +114,27 @@ def _k3_piecewise(model, mode, host: int, experts: int, max_model_len: int) -> I
     got, tokens, got_caches, g, g_ms = step(graphed)
     diff = float((got.float() - want.float()).abs().max())
     cache_diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got_caches, want_caches))
-    ok = (segments == 2 * layers + 1 and sum(g.graphs.values()) == segments and not graphs.failed
-          and diff < mode.pick(5e-2, 1e-3) and cache_diff < mode.pick(5e-2, 1e-3))
-    note = (f"{segments} segments ({layers} host joins); launches per step eager {e.launches}, "
-            f"graphed {g.launches} ({sum(g.graphs.values())} graph launches + {g.kernels} kernels); "
-            f"max |logits diff| {diff:.2e}, caches {cache_diff:.2e}; tokens equal: {tokens == want_tokens}"
-            + (f"; failed buckets {graphs.failed}" if graphs.failed else ""))
-    yield Row(S, f"K3 shape, {host}/{experts} host experts, piecewise graphs B=5 in bucket 8",
-              PASS if ok else FAIL, ms=g_ms, tok_s=5 / g_ms * 1e3, note=note + f"; eager {e_ms:.2f} ms")
+    ok = (
+        segments == 2 * layers + 1
+        and sum(g.graphs.values()) == segments
+        and not graphs.failed
+        and diff < mode.pick(5e-2, 1e-3)
+        and cache_diff < mode.pick(5e-2, 1e-3)
+    )
+    note = (
+        f"{segments} segments ({layers} host joins); launches per step eager {e.launches}, "
+        f"graphed {g.launches} ({sum(g.graphs.values())} graph launches + {g.kernels} kernels); "
+        f"max |logits diff| {diff:.2e}, caches {cache_diff:.2e}; tokens equal: {tokens == want_tokens}"
+        + (f"; failed buckets {graphs.failed}" if graphs.failed else "")
+    )
+    yield Row(
+        S,
+        f"K3 shape, {host}/{experts} host experts, piecewise graphs B=5 in bucket 8",
+        PASS if ok else FAIL,
+        ms=g_ms,
+        tok_s=5 / g_ms * 1e3,
+        note=note + f"; eager {e_ms:.2f} ms",
+    )
 
 
 def _measure(mode) -> Iterator[Row]:
@@ -129,6 +157,10 @@ def _measure(mode) -> Iterator[Row]:
         hidden = total.get("hidden_fraction")
         calls = max(1, total["calls"])
         note = "hidden fraction " + (f"{hidden:.2f}" if hidden is not None else "unknown: no host time recorded")
-        yield Row(S, f"K2.6 shape, {host}/{experts} experts on the host, B={n}", PASS if hidden is not None else FAIL,
-                  note=f"{note}; per layer call: host {total['host_s'] * 1e3 / calls:.2f} ms, "
-                       f"waited {total['wait_s'] * 1e3 / calls:.2f} ms, device experts {total['device_s'] * 1e3 / calls:.2f} ms")
+        yield Row(
+            S,
+            f"K2.6 shape, {host}/{experts} experts on the host, B={n}",
+            PASS if hidden is not None else FAIL,
+            note=f"{note}; per layer call: host {total['host_s'] * 1e3 / calls:.2f} ms, "
+            f"waited {total['wait_s'] * 1e3 / calls:.2f} ms, device experts {total['device_s'] * 1e3 / calls:.2f} ms",
+        )

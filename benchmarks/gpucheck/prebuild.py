@@ -35,7 +35,9 @@ def kernels_disabled(env: dict[str, str]) -> bool:
 class Prebuild:
     """Builds (or finds cached) both C++ CPU extensions in a child process started now."""
 
-    def __init__(self, env: dict[str, str], limit_s: float, log_path: Path, section: str = "offload", code: str = _CODE):
+    def __init__(
+        self, env: dict[str, str], limit_s: float, log_path: Path, section: str = "offload", code: str = _CODE
+    ):
         self.section, self.limit_s, self.log_path = section, limit_s, log_path
         self.started, self.wall_started = time.monotonic(), time.time()
         self.proc = None
@@ -43,8 +45,14 @@ class Prebuild:
             return
         with open(log_path, "w") as log:
             # a session of its own: an overrun kills the compiler processes too, not only python
-            self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", code],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def finish(self) -> tuple[Row, dict[str, str]]:
         """Wait for the build (at most what is left of its limit) -> its row, and the environment
@@ -58,10 +66,15 @@ class Prebuild:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
             removed = remove_stale_locks(self.wall_started)
-            return Row(self.section, CHECK, ERROR, ms=(time.monotonic() - self.started) * 1e3,
-                       note=f"not finished within its {self.limit_s:.0f} s limit (killed"
-                            f"{', its build lock removed' if removed else ''}): the section runs the "
-                            "PyTorch path (KIMITUI_CPU_KERNELS=0)"), {"KIMITUI_CPU_KERNELS": "0"}
+            return Row(
+                self.section,
+                CHECK,
+                ERROR,
+                ms=(time.monotonic() - self.started) * 1e3,
+                note=f"not finished within its {self.limit_s:.0f} s limit (killed"
+                f"{', its build lock removed' if removed else ''}): the section runs the "
+                "PyTorch path (KIMITUI_CPU_KERNELS=0)",
+            ), {"KIMITUI_CPU_KERNELS": "0"}
         ms = (time.monotonic() - self.started) * 1e3
         output = self.log_path.read_text(errors="replace")
         built = next((ln.split()[1:] for ln in output.splitlines() if ln.startswith("BUILT ")), None)
@@ -69,9 +82,16 @@ class Prebuild:
             return Row(self.section, CHECK, PASS, ms=ms, note="built or found in the cache"), {}
         last = [ln for ln in output.splitlines() if ln.strip() and not ln.startswith("BUILT ")][-1:] or [""]
         what = f"exit code {rc}" if rc else f"built (few-rows, quantised MoE): {built}"
-        return (Row(self.section, CHECK, FAIL, ms=ms, note=f"{what}; {last[0][:200]} - the section runs the "
-                                                           "PyTorch path (KIMITUI_CPU_KERNELS=0)"),
-                {"KIMITUI_CPU_KERNELS": "0"})
+        return (
+            Row(
+                self.section,
+                CHECK,
+                FAIL,
+                ms=ms,
+                note=f"{what}; {last[0][:200]} - the section runs the PyTorch path (KIMITUI_CPU_KERNELS=0)",
+            ),
+            {"KIMITUI_CPU_KERNELS": "0"},
+        )
 
 
 def remove_stale_locks(since: float) -> int:

@@ -13,9 +13,11 @@ HEADER = ["section", "check", "status", "max rel err", "time", "reference", "GB/
 
 def markdown(rows, emulate: bool, seconds: float) -> str:
     bad = sum(r.status in (FAIL, ERROR) for r in rows)
-    title = (f"kimitui gpu_check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-             f"{'CPU self-test (emulated device, toy shapes)' if emulate else 'GPU'}, {seconds:.0f} s, "
-             f"{bad} failed of {len(rows)} rows")
+    title = (
+        f"kimitui gpu_check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"{'CPU self-test (emulated device, toy shapes)' if emulate else 'GPU'}, {seconds:.0f} s, "
+        f"{bad} failed of {len(rows)} rows"
+    )
     lines = [title, "", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for r in rows:
         lines.append("| " + " | ".join([r.section, r.check, *cells(r)]).replace("\n", " ") + " |")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.gpucheck.common import PASS, FAIL, Row, best_ms, rel_err, status_for
+from benchmarks.gpucheck.common import FAIL, PASS, Row, best_ms, rel_err, status_for
 from kimitui.kernels import reference as ref
 
 S = "kernels"
@@ -55,8 +55,9 @@ def add_rms_norm_rows(mode) -> list[Row]:
         y, s = fused_add_rms_norm(x, r, w, 1e-6)
         want_y, want_s = ref.fused_add_rms_norm(x, r, w, 1e-6)
         err = max(rel_err(y, want_y), rel_err(s, want_s))
-        times = _timed(mode, lambda: fused_add_rms_norm(x, r, w, 1e-6), lambda: ref.fused_add_rms_norm(x, r, w, 1e-6),
-                       4 * x.nbytes)
+        times = _timed(
+            mode, lambda: fused_add_rms_norm(x, r, w, 1e-6), lambda: ref.fused_add_rms_norm(x, r, w, 1e-6), 4 * x.nbytes
+        )
         rows.append(_row(mode, f"add+rms_norm T={t} H={h}", err, times))
     return rows
 
@@ -81,8 +82,9 @@ def rope_rows(mode) -> list[Row]:
         want_q, want_k = ref.rope_mla(q_pe, k_pe, cos, sin, pos)
         err = max(rel_err(got_q, want_q), rel_err(got_k, want_k))
         nbytes = 2 * (q_pe.numel() + k_pe.numel()) * q.element_size()
-        times = _timed(mode, lambda: rope_mla(q_pe, k_pe, cos, sin, pos), lambda: ref.rope_mla(q_pe, k_pe, cos, sin, pos),
-                       nbytes)
+        times = _timed(
+            mode, lambda: rope_mla(q_pe, k_pe, cos, sin, pos), lambda: ref.rope_mla(q_pe, k_pe, cos, sin, pos), nbytes
+        )
         rows.append(_row(mode, f"mla query+key rope T={t} heads={heads}", err, times))
     return rows
 
@@ -104,8 +106,12 @@ def cache_write_rows(mode) -> list[Row]:
         mla_cache_write(kv, w, 1e-6, cos, sin, pos, slots, got)
         ref.mla_cache_write(kv, w, 1e-6, cos, sin, pos, slots, want)
         err = rel_err(got, want)
-        times = _timed(mode, lambda: mla_cache_write(kv, w, 1e-6, cos, sin, pos, slots, got),
-                       lambda: ref.mla_cache_write(kv, w, 1e-6, cos, sin, pos, slots, want), 2 * t * (r + rope) * 2)
+        times = _timed(
+            mode,
+            lambda: mla_cache_write(kv, w, 1e-6, cos, sin, pos, slots, got),
+            lambda: ref.mla_cache_write(kv, w, 1e-6, cos, sin, pos, slots, want),
+            2 * t * (r + rope) * 2,
+        )
         rows.append(_row(mode, f"mla cache write T={t}", err, times))
     return rows
 
@@ -126,8 +132,13 @@ def router_rows(mode) -> list[Row]:
             same = torch.equal(ids.long(), want_ids)
             err = rel_err(w, want_w)
             times = _timed(mode, lambda: moe_route_logits(*args), lambda: ref.moe_route_logits(*args))
-            row = _row(mode, f"router E={e} top-{k} groups {keep}/{groups} T={t}", err, times,
-                       "" if same else "expert ids differ from the reference")
+            row = _row(
+                mode,
+                f"router E={e} top-{k} groups {keep}/{groups} T={t}",
+                err,
+                times,
+                "" if same else "expert ids differ from the reference",
+            )
             row.status = row.status if same else FAIL
             rows.append(row)
     return rows
@@ -143,12 +154,28 @@ def align_rows(mode) -> list[Row]:
         got = moe_align_block_size(ids, block, e)
         want = ref.moe_align_block_size(ids, block, e)
         used = int(want[2].item())
-        same = (torch.equal(got[2], want[2]) and torch.equal(got[0][:used], want[0][:used])
-                and torch.equal(got[1][: used // block], want[1][: used // block]))
-        times = _timed(mode, lambda: moe_align_block_size(ids, block, e), lambda: ref.moe_align_block_size(ids, block, e),
-                       repeats=mode.pick(20, 1))
-        rows.append(Row(S, f"moe_align E={e} top-{k} T={t} block {block}", PASS if same else FAIL, 0.0 if same else None,
-                        times[0], times[1], note="" if same else "sorted ids / expert ids differ"))
+        same = (
+            torch.equal(got[2], want[2])
+            and torch.equal(got[0][:used], want[0][:used])
+            and torch.equal(got[1][: used // block], want[1][: used // block])
+        )
+        times = _timed(
+            mode,
+            lambda: moe_align_block_size(ids, block, e),
+            lambda: ref.moe_align_block_size(ids, block, e),
+            repeats=mode.pick(20, 1),
+        )
+        rows.append(
+            Row(
+                S,
+                f"moe_align E={e} top-{k} T={t} block {block}",
+                PASS if same else FAIL,
+                0.0 if same else None,
+                times[0],
+                times[1],
+                note="" if same else "sorted ids / expert ids differ",
+            )
+        )
     return rows
 
 
@@ -164,7 +191,7 @@ def mla_decode_rows(mode) -> list[Row]:
         q = torch.randn(batch, heads, r + rope, device=mode.device, dtype=mode.dtype)
         lens = torch.randint(max(1, ctx // 2), ctx + 1, (batch,), device=mode.device, dtype=torch.int32)
         lens[0] = ctx
-        args = (q, cache, table, lens, ctx, block, r, (192 ** -0.5))
+        args = (q, cache, table, lens, ctx, block, r, (192**-0.5))
         err = rel_err(mla_decode(*args), ref.mla_decode_reference(*args))
         read = int(lens.sum().item()) * (r + rope) * cache.element_size()
         times = _timed(mode, lambda: mla_decode(*args), lambda: ref.mla_decode_reference(*args), read)

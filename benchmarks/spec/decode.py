@@ -32,6 +32,7 @@ baseline runs it with the proposer removed, which is the plain decode path.
 ``--backoff off`` drafts the full length every step (``speculative_config`` ``"backoff": false``);
 on (the default) each request's draft length follows its recent acceptance (engine/spec_decode/backoff.py).
 """
+# ruff: noqa: I001 (import order matters here: the engine sets OpenMP's wait policy before torch loads)
 
 from __future__ import annotations
 
@@ -56,13 +57,30 @@ def hf_config(args, moe: bool):
     from transformers import DeepseekV3Config
 
     return DeepseekV3Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.inter,
-        moe_intermediate_size=args.hidden // 4 if moe else 256, num_hidden_layers=args.layers,
-        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64,
-        qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=64 if moe else 8, num_experts_per_tok=8 if moe else 2,
-        n_shared_experts=1, first_k_dense_replace=0 if moe else args.layers - 1, n_group=1, topk_group=1,
-        norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=4096, rope_theta=10000.0,
-        tie_word_embeddings=False)
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.inter,
+        moe_intermediate_size=args.hidden // 4 if moe else 256,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        q_lora_rank=512,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        n_routed_experts=64 if moe else 8,
+        num_experts_per_tok=8 if moe else 2,
+        n_shared_experts=1,
+        first_k_dense_replace=0 if moe else args.layers - 1,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
 
 
 def successor(vocab: int, cycle: int, seed: int = 0) -> list[int]:
@@ -71,7 +89,7 @@ def successor(vocab: int, cycle: int, seed: int = 0) -> list[int]:
     random.Random(seed).shuffle(ids)
     succ = list(range(vocab))
     for c in range(0, len(ids) - cycle + 1, cycle):
-        ring = ids[c: c + cycle]
+        ring = ids[c : c + cycle]
         for a, b in zip(ring, ring[1:] + ring[:1]):
             succ[a] = b
     return succ
@@ -178,16 +196,32 @@ def run_point(llm, proposer, batch_prompts, tokens: int, backoff=None):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for flag, default in (("--hidden", 1024), ("--inter", 4096), ("--layers", 8), ("--vocab", 4096),
-                          ("--tokens", 64), ("--repeats", 2), ("--threads", 2), ("--k", 4), ("--cycle", 48)):
+    for flag, default in (
+        ("--hidden", 1024),
+        ("--inter", 4096),
+        ("--layers", 8),
+        ("--vocab", 4096),
+        ("--tokens", 64),
+        ("--repeats", 2),
+        ("--threads", 2),
+        ("--k", 4),
+        ("--cycle", 48),
+    ):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--models", default="successor,random,moe")
     ap.add_argument("--workloads", default="repeat,random")
     ap.add_argument("--batches", default="1,4,16")
-    ap.add_argument("--proposers", default="ngram,suffix,wrong",
-                    help="ngram, suffix, and wrong (random drafts: the cost of verification that always fails)")
-    ap.add_argument("--backoff", choices=("on", "off"), default="on",
-                    help="the engine's per-request draft-length back-off (default on, as the engine)")
+    ap.add_argument(
+        "--proposers",
+        default="ngram,suffix,wrong",
+        help="ngram, suffix, and wrong (random drafts: the cost of verification that always fails)",
+    )
+    ap.add_argument(
+        "--backoff",
+        choices=("on", "off"),
+        default="on",
+        help="the engine's per-request draft-length back-off (default on, as the engine)",
+    )
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--keep", help="write (or reuse) the checkpoints under this directory")
     args = ap.parse_args()
@@ -206,13 +240,21 @@ def main() -> int:
                 path.mkdir(parents=True, exist_ok=True)
                 succ = write_checkpoint(path, args, kind)
             size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-            spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
-                    "prompt_lookup_max": 5, "backoff": args.backoff == "on"}
+            spec = {
+                "method": "ngram",
+                "num_speculative_tokens": args.k,
+                "prompt_lookup_min": 2,
+                "prompt_lookup_max": 5,
+                "backoff": args.backoff == "on",
+            }
             llm = LLM(str(path), dtype="float32", max_model_len=512, max_num_seqs=16, speculative_config=spec)
-            print(f"\n## model {kind}: {size / 1e9:.2f} GB bf16 on disk, {2 * size / 1e9:.2f} GB of float32 weights "
-                  f"(a dense model's decode step reads them all; an MoE step its routed experts' share), k={args.k}")
-            print(f"{'workload':8} {'batch':>5} {'proposer':8} {'tok/s':>8} {'speedup':>8} {'accept':>7} "
-                  f"{'mean len':>8}")
+            print(
+                f"\n## model {kind}: {size / 1e9:.2f} GB bf16 on disk, {2 * size / 1e9:.2f} GB of float32 weights "
+                f"(a dense model's decode step reads them all; an MoE step its routed experts' share), k={args.k}"
+            )
+            print(
+                f"{'workload':8} {'batch':>5} {'proposer':8} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'mean len':>8}"
+            )
             for workload in args.workloads.split(","):
                 for batch in (int(b) for b in args.batches.split(",")):
                     ps = prompts(workload, succ, batch, args.cycle, seed=batch)
@@ -230,10 +272,17 @@ def main() -> int:
                             elif name == "wrong":
                                 proposer = WrongDrafts(args.vocab)
                             else:
-                                proposer = make_proposer(SpeculativeConfig.parse(
-                                    {**spec, "method": name} if name != "suffix" else
-                                    {"method": "suffix", "num_speculative_tokens": args.k,
-                                     "backoff": args.backoff == "on"}))
+                                proposer = make_proposer(
+                                    SpeculativeConfig.parse(
+                                        {**spec, "method": name}
+                                        if name != "suffix"
+                                        else {
+                                            "method": "suffix",
+                                            "num_speculative_tokens": args.k,
+                                            "backoff": args.backoff == "on",
+                                        }
+                                    )
+                                )
                             rate, st, toks = run_point(llm, proposer, ps, args.tokens, backoffs[name])
                             rates[name].append(rate)
                             stats[name], tokens[name] = st, toks
@@ -242,14 +291,23 @@ def main() -> int:
                         same = tokens[name] == tokens["none"]
                         st = stats[name]
                         rate = st.acceptance_rate
-                        row = {"model": kind, "workload": workload, "batch": batch, "proposer": name,
-                               "decode_tok_s": best[name], "speedup": best[name] / best["none"],
-                               "same_tokens": same, **(st.as_json() if name != "none" else {})}
+                        row = {
+                            "model": kind,
+                            "workload": workload,
+                            "batch": batch,
+                            "proposer": name,
+                            "decode_tok_s": best[name],
+                            "speedup": best[name] / best["none"],
+                            "same_tokens": same,
+                            **(st.as_json() if name != "none" else {}),
+                        }
                         rows.append(row)
-                        print(f"{workload:8} {batch:5d} {name:8} {best[name]:8.1f} {row['speedup']:7.2f}x "
-                              f"{'' if rate is None else f'{100 * rate:6.1f}%':>7} "
-                              f"{'' if st.acceptance_length is None else f'{st.acceptance_length:8.2f}':>8}"
-                              f"{'' if same else '  TOKENS DIFFER'}")
+                        print(
+                            f"{workload:8} {batch:5d} {name:8} {best[name]:8.1f} {row['speedup']:7.2f}x "
+                            f"{'' if rate is None else f'{100 * rate:6.1f}%':>7} "
+                            f"{'' if st.acceptance_length is None else f'{st.acceptance_length:8.2f}':>8}"
+                            f"{'' if same else '  TOKENS DIFFER'}"
+                        )
             llm.engine.shutdown()
             del llm
     if args.json:

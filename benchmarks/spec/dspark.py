@@ -26,11 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kimitui.engine import LLM, SamplingParams  # noqa: E402
-
 import torch  # noqa: E402
 
 from benchmarks.spec.train_dspark import EVAL_PROMPTS, MAX_TOKENS, prompts  # noqa: E402
+from kimitui.engine import LLM, SamplingParams  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "dspark_tiny"
 
@@ -58,9 +57,17 @@ def main(argv=None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     base = prompts(*EVAL_PROMPTS)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    engines = {name: LLM(str(FIXTURE / "target"), dtype="float32", max_model_len=128, max_num_seqs=max(batches),
-                         enable_prefix_caching=False, **({"speculative_config": spec} if spec else {}))
-               for name, spec in configs(args.k).items()}
+    engines = {
+        name: LLM(
+            str(FIXTURE / "target"),
+            dtype="float32",
+            max_model_len=128,
+            max_num_seqs=max(batches),
+            enable_prefix_caching=False,
+            **({"speculative_config": spec} if spec else {}),
+        )
+        for name, spec in configs(args.k).items()
+    }
     results = []
     try:
         for batch in batches:
@@ -83,14 +90,20 @@ def main(argv=None) -> None:
                 if s is not None and b is not None:
                     drafts, drafted = s.num_drafts - b.num_drafts, s.num_draft_tokens - b.num_draft_tokens
                     acc = s.num_accepted_tokens - b.num_accepted_tokens
-                    row |= {"acceptance": acc / drafted if drafted else 0.0,
-                            "acceptance_length": 1 + acc / drafts if drafts else 1.0,
-                            "draft_tokens_per_step": drafted / drafts if drafts else 0.0}
+                    row |= {
+                        "acceptance": acc / drafted if drafted else 0.0,
+                        "acceptance_length": 1 + acc / drafts if drafts else 1.0,
+                        "draft_tokens_per_step": drafted / drafts if drafts else 0.0,
+                    }
                 results.append(row)
-                extra = (f"  acceptance {row['acceptance']:.3f}  length {row['acceptance_length']:.2f}"
-                         if "acceptance" in row else "")
-                print(f"batch {batch:2d}  {name:18s} {row['tok_s']:8.1f} tok/s  x{row['speedup']:.2f}{extra}",
-                      flush=True)
+                extra = (
+                    f"  acceptance {row['acceptance']:.3f}  length {row['acceptance_length']:.2f}"
+                    if "acceptance" in row
+                    else ""
+                )
+                print(
+                    f"batch {batch:2d}  {name:18s} {row['tok_s']:8.1f} tok/s  x{row['speedup']:.2f}{extra}", flush=True
+                )
     finally:
         for llm in engines.values():
             llm.shutdown()

@@ -45,8 +45,12 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--proposers", default="ngram,suffix,eagle3-mla,eagle3.1-mla")
-    ap.add_argument("--workload", choices=("train", "fresh"), default="train",
-                    help="train: the first training prompts (the continuations the drafters learnt); fresh: new random ones")
+    ap.add_argument(
+        "--workload",
+        choices=("train", "fresh"),
+        default="train",
+        help="train: the first training prompts (the continuations the drafters learnt); fresh: new random ones",
+    )
     ap.add_argument("--json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -58,10 +62,16 @@ def main() -> int:
         if name in ("ngram", "suffix"):
             specs[name] = {"method": name, "num_speculative_tokens": a.k}
         else:
-            specs[name] = {"method": "eagle3", "model": str(pair / name), "num_speculative_tokens": a.k,
-                           "eagle_aux_hidden_state_layer_convention": "input"}
-    llms = {n: LLM(target, dtype="float32", max_model_len=128, max_num_seqs=16, speculative_config=s)
-            for n, s in specs.items()}
+            specs[name] = {
+                "method": "eagle3",
+                "model": str(pair / name),
+                "num_speculative_tokens": a.k,
+                "eagle_aux_hidden_state_layer_convention": "input",
+            }
+    llms = {
+        n: LLM(target, dtype="float32", max_model_len=128, max_num_seqs=16, speculative_config=s)
+        for n, s in specs.items()
+    }
     params = SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True)
     rows = []
     print(f"| batch | proposer | decode tok/s | speedup | acceptance | tokens per step |")
@@ -98,11 +108,22 @@ def main() -> int:
                 acc = accepted / dt if dt else None
             per_step = 1 + accepted / drafts if drafts else None
             same = tokens[name] == tokens["none"]
-            rows.append({"batch": batch, "proposer": name, "decode_tok_s": med, "speedup": med / base,
-                         "acceptance": acc, "tokens_per_step": per_step, "same_tokens": same})
-            print(f"| {batch} | {name} | {med:.1f} | {med / base:.2f}x | "
-                  f"{'-' if acc is None else f'{100 * acc:.1f}%'} | {'-' if per_step is None else f'{per_step:.2f}'} |"
-                  f"{'' if same else ' TOKENS DIFFER'}")
+            rows.append(
+                {
+                    "batch": batch,
+                    "proposer": name,
+                    "decode_tok_s": med,
+                    "speedup": med / base,
+                    "acceptance": acc,
+                    "tokens_per_step": per_step,
+                    "same_tokens": same,
+                }
+            )
+            print(
+                f"| {batch} | {name} | {med:.1f} | {med / base:.2f}x | "
+                f"{'-' if acc is None else f'{100 * acc:.1f}%'} | {'-' if per_step is None else f'{per_step:.2f}'} |"
+                f"{'' if same else ' TOKENS DIFFER'}"
+            )
     for llm in llms.values():
         llm.engine.shutdown()
     if a.json:

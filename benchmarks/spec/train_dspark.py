@@ -35,13 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from tests.helpers.spec.dspark_checkpoint import dspark_config, write_dspark_checkpoint  # noqa: E402
-from tests.helpers.spec.dspark_reference import RefDSpark, target_taps  # noqa: E402
 from tests.helpers.k3_checkpoint import write_k3_checkpoint  # noqa: E402
 from tests.helpers.k3_reference import K3Reference  # noqa: E402
+from tests.helpers.spec.dspark_checkpoint import dspark_config, write_dspark_checkpoint  # noqa: E402
+from tests.helpers.spec.dspark_reference import RefDSpark, target_taps  # noqa: E402
 
-TARGET_KW = dict(num_layers=5, kda_layers=(1, 2, 4), full_attn_layers=(3, 5), quantized=False,
-                 attn_res_block_size=2)
+TARGET_KW = dict(num_layers=5, kda_layers=(1, 2, 4), full_attn_layers=(3, 5), quantized=False, attn_res_block_size=2)
 TAPS = [0, 2, 3]  # layer outputs, DSpark's convention (the real drafters tap 5 of 93)
 EVAL_PROMPTS = (6, 99)  # prompts(n, seed) the trained-pair tests decode
 MAX_TOKENS = 24  # tokens the tests generate per prompt
@@ -62,8 +61,9 @@ def greedy_continue(target_dir: Path, prompts: list[list[int]], n: int) -> list[
     from kimitui.engine import LLM, SamplingParams
 
     with LLM(str(target_dir), dtype="float32", max_model_len=128, max_num_seqs=16) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        )
     return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
 
 
@@ -115,8 +115,10 @@ def main(argv=None) -> None:
     # the continuation runs k tokens past what the tests generate, so every anchor they draft from has labels
     seqs = greedy_continue(args.out / "target", prompts(*EVAL_PROMPTS), MAX_TOKENS + args.k + 1)
     data = examples(ref, seqs, TAPS, cfg["aux_hidden_stream"])
-    print(f"data: {len(data)} sequences of {min(map(len, seqs))}-{max(map(len, seqs))} tokens "
-          f"in {time.perf_counter() - t0:.1f} s")
+    print(
+        f"data: {len(data)} sequences of {min(map(len, seqs))}-{max(map(len, seqs))} tokens "
+        f"in {time.perf_counter() - t0:.1f} s"
+    )
     embed, head = ref.w("model.embed_tokens.weight").float(), ref.w("lm_head.weight").float()
     model = RefDSpark(cfg, embed, head, own_embedding=True)
     model.embed_tokens.weight.requires_grad_(False)  # frozen, as the target's (the exporter copies it)
@@ -134,8 +136,10 @@ def main(argv=None) -> None:
             print(f"step {step:4d} loss {loss.item():.3f} slot accuracy " + " ".join(f"{a:.2f}" for a in acc.tolist()))
     tensors = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
     write_dspark_checkpoint(args.out / "drafter", cfg, tensors)
-    print(f"wrote {args.out / 'drafter'} ({sum(v.numel() for v in tensors.values())} parameters) "
-          f"in {time.perf_counter() - t0:.1f} s")
+    print(
+        f"wrote {args.out / 'drafter'} ({sum(v.numel() for v in tensors.values())} parameters) "
+        f"in {time.perf_counter() - t0:.1f} s"
+    )
 
 
 if __name__ == "__main__":

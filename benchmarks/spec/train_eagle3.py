@@ -43,8 +43,19 @@ def drafter_config(target: dict, v31: bool, taps=TAPS) -> dict:
 
     # the drafter's rope as the target's (transformers 5 writes it as rope_parameters)
     target = {**target, "rope_theta": BASE["rope_theta"], "rope_scaling": BASE["rope_scaling"]}
-    c = mla_config(target, aux_layer_ids=tuple(taps), v31=v31, heads=4, q_lora_rank=32, kv_lora_rank=32,
-                   nope=16, rope=8, v_head_dim=16, intermediate_size=128, torch_dtype="float32")
+    c = mla_config(
+        target,
+        aux_layer_ids=tuple(taps),
+        v31=v31,
+        heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        nope=16,
+        rope=8,
+        v_head_dim=16,
+        intermediate_size=128,
+        torch_dtype="float32",
+    )
     return c
 
 
@@ -59,8 +70,7 @@ def make_target(out: Path):
             if name.endswith(("q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight")):
                 p.mul_(3.0)
     hf.to(torch.bfloat16).save_pretrained(str(out))
-    return DeepseekV3ForCausalLM.from_pretrained(str(out), dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    return DeepseekV3ForCausalLM.from_pretrained(str(out), dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
@@ -75,9 +85,8 @@ def greedy(hf, ps: list[list[int]], n: int) -> list[list[int]]:
     for length in sorted({len(p) for p in ps}):
         idx = [i for i, p in enumerate(ps) if len(p) == length]
         for a in range(0, len(idx), 64):
-            part = idx[a:a + 64]
-            g = hf.generate(torch.tensor([ps[i] for i in part]), max_new_tokens=n, min_new_tokens=n,
-                            do_sample=False)
+            part = idx[a : a + 64]
+            g = hf.generate(torch.tensor([ps[i] for i in part]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
             for i, row in zip(part, g[:, length:].tolist()):
                 out[i] = row
     return out
@@ -92,8 +101,10 @@ def dataset(hf, ps, conts):
     for length in sorted({len(q) for q in seqs}):  # one batched pass per length
         group = torch.tensor([q for q in seqs if len(q) == length])
         outs = []
-        hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
-                 for layer in hf.model.layers]
+        hooks = [
+            layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
+            for layer in hf.model.layers
+        ]
         try:
             with torch.no_grad():
                 first = hf.model.embed_tokens(group)
@@ -111,7 +122,7 @@ def batches(data, taps, size, rng):
     idx = list(range(len(data)))
     rng.shuffle(idx)
     for a in range(0, len(idx), size):
-        group = [data[i] for i in idx[a:a + size]]
+        group = [data[i] for i in idx[a : a + size]]
         S = min(len(g[1]) for g in group)  # crop to the shortest (sequences differ by prompt length)
         aux = torch.stack([torch.cat([g[0][k, :S] for k in taps], -1) for g in group])
         yield aux, torch.stack([g[1][:S] for g in group]), torch.stack([g[2][:S] for g in group])
@@ -139,8 +150,10 @@ def train(c: dict, embed: torch.Tensor, data, taps, steps: int, ttt: int, lr: fl
             sched.step()
             step += 1
             if step % 100 == 0 or step == steps:
-                log(f"  step {step}: loss {loss.item():.3f}, teacher-forced accuracy per step "
-                    f"{' '.join(f'{a:.2f}' for a in acc)} ({time.monotonic() - t0:.0f} s)")
+                log(
+                    f"  step {step}: loss {loss.item():.3f}, teacher-forced accuracy per step "
+                    f"{' '.join(f'{a:.2f}' for a in acc)} ({time.monotonic() - t0:.0f} s)"
+                )
             if step >= steps:
                 break
     return d.eval()
@@ -172,8 +185,9 @@ def main(argv=None):
     if (out / "target" / "config.json").exists():  # keep the target (and the data made from it)
         from transformers import DeepseekV3ForCausalLM
 
-        hf = DeepseekV3ForCausalLM.from_pretrained(str(out / "target"), dtype=torch.float32,
-                                                   attn_implementation="eager").eval()
+        hf = DeepseekV3ForCausalLM.from_pretrained(
+            str(out / "target"), dtype=torch.float32, attn_implementation="eager"
+        ).eval()
     else:
         hf = make_target(out / "target")
     target = json.loads((out / "target" / "config.json").read_text())
@@ -200,9 +214,12 @@ def main(argv=None):
         d = MLADrafter.load(out / name, embed)
         for taps in (TAPS, [t + 1 for t in TAPS]):
             drafted, acc, per = greedy_acceptance(
-                d, lambda ids: torch.cat([hf_all_states(hf, ids)[k] for k in taps], -1), eval_p, eval_c, 3)
-            print(f"  taps {taps}: acceptance {acc / drafted:.3f} ({acc}/{drafted}), per position "
-                  f"{[round(x / (drafted / 3), 2) for x in per]}")
+                d, lambda ids: torch.cat([hf_all_states(hf, ids)[k] for k in taps], -1), eval_p, eval_c, 3
+            )
+            print(
+                f"  taps {taps}: acceptance {acc / drafted:.3f} ({acc}/{drafted}), per position "
+                f"{[round(x / (drafted / 3), 2) for x in per]}"
+            )
     print(f"done in {time.monotonic() - t0:.0f} s")
 
 

@@ -13,8 +13,9 @@ import json
 import os
 from pathlib import Path
 
-from kimitui.engine.text.tokenizer import KIMI_PAT_STR_ONIG, NUM_RESERVED_SPECIAL_TOKENS, bytes_to_unicode
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+
+from kimitui.engine.text.tokenizer import KIMI_PAT_STR_ONIG, NUM_RESERVED_SPECIAL_TOKENS, bytes_to_unicode
 
 # Kimi K2's named special tokens as offsets from num_base_tokens (tokenization_kimi.py and
 # tokenizer_config.json of moonshotai/Kimi-K2-Instruct); every other
@@ -48,8 +49,16 @@ KIMI_SPECIAL_TOKEN_OFFSETS: dict[int, str] = {
 _DATA = Path(__file__).with_name("data")  # shipped beside this module (package data)
 
 # Real Kimi lists these as `additional_special_tokens` in tokenizer_config.json.
-_ADDITIONAL_SPECIAL = ["<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>",
-                       "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>"]
+_ADDITIONAL_SPECIAL = [
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "[EOT]",
+    "<|im_system|>",
+    "<|im_middle|>",
+]
 
 
 def demo_corpus() -> str:
@@ -98,9 +107,7 @@ def train_ranks(text: str, num_base_tokens: int = 4096) -> dict[bytes, int]:
         if len(ranks) == num_base_tokens:
             break
     if len(ranks) < num_base_tokens:
-        raise ValueError(
-            f"training text too small: learned {len(ranks)} tokens, wanted {num_base_tokens}"
-        )
+        raise ValueError(f"training text too small: learned {len(ranks)} tokens, wanted {num_base_tokens}")
     return ranks
 
 
@@ -141,8 +148,14 @@ def write_kimi_tokenizer_files(
     specials = kimi_special_tokens_for(num_base)
     config = {
         "added_tokens_decoder": {
-            str(i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
-                     "single_word": False, "special": True}
+            str(i): {
+                "content": c,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
             for i, c in specials.items()
         },
         "additional_special_tokens": _ADDITIONAL_SPECIAL,

@@ -43,8 +43,14 @@ def mla_low_rank_shapes(c: dict) -> list[tuple[str, tuple[int, ...]]]:
     d, h = c["hidden_size"], c["num_attention_heads"]
     nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
     q, kv = c["q_lora_rank"], c["kv_lora_rank"]
-    return [("q_a_proj", (q, d)), ("q_a_layernorm", (q,)), ("q_b_proj", (h * (nope + rope), q)),
-            ("kv_a_proj_with_mqa", (kv + rope, d)), ("kv_a_layernorm", (kv,)), ("kv_b_proj", (h * (nope + v), kv))]
+    return [
+        ("q_a_proj", (q, d)),
+        ("q_a_layernorm", (q,)),
+        ("q_b_proj", (h * (nope + rope), q)),
+        ("kv_a_proj_with_mqa", (kv + rope, d)),
+        ("kv_a_layernorm", (kv,)),
+        ("kv_b_proj", (h * (nope + v), kv)),
+    ]
 
 
 def swiglu_shapes(inter: int, d: int) -> list[tuple[str, tuple[int, int]]]:
@@ -58,7 +64,7 @@ def write_shards(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     weight_map = {}
     for i in range(SHARDS):
         fname = f"model-{i + 1}-of-{SHARDS}.safetensors"
-        part = names[i * per:(i + 1) * per]
+        part = names[i * per : (i + 1) * per]
         save_file({n: tensors[n] for n in part}, str(path / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in part})
     total = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -15,7 +15,14 @@ from pathlib import Path
 import torch
 
 from kimitui.engine.demo.bpe_train import demo_corpus, train_ranks, write_kimi_tokenizer_files
-from kimitui.engine.demo.common import NUM_BASE_TOKENS, SEED, ensure_checkpoint, mla_low_rank_shapes, swiglu_shapes, write_shards
+from kimitui.engine.demo.common import (
+    NUM_BASE_TOKENS,
+    SEED,
+    ensure_checkpoint,
+    mla_low_rank_shapes,
+    swiglu_shapes,
+    write_shards,
+)
 from kimitui.engine.paths import cache_root
 
 DEMO_VERSION = 1
@@ -52,8 +59,15 @@ DEMO_CONFIG = {
     "seq_aux": True,
     "aux_loss_alpha": 0.001,
     "rope_theta": 50000.0,
-    "rope_scaling": {"type": "yarn", "factor": 8.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
-                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 8.0,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+    },
     "max_position_embeddings": 32768,
     "rms_norm_eps": 1e-06,
     "vocab_size": NUM_BASE_TOKENS + 256,
@@ -86,11 +100,20 @@ def write_demo_checkpoint(path: str | Path) -> None:
     tensors = _random_weights(DEMO_CONFIG)
     write_shards(path, tensors)
     (path / "config.json").write_text(json.dumps(DEMO_CONFIG, indent=2) + "\n")
-    (path / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": NUM_BASE_TOKENS, "eos_token_id": [NUM_BASE_TOKENS + 1, NUM_BASE_TOKENS + 2],
-         "max_length": DEMO_CONFIG["max_position_embeddings"]}, indent=2) + "\n")
-    write_kimi_tokenizer_files(path, train_ranks(demo_corpus(), NUM_BASE_TOKENS),
-                               model_max_length=DEMO_CONFIG["max_position_embeddings"])
+    (path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token_id": NUM_BASE_TOKENS,
+                "eos_token_id": [NUM_BASE_TOKENS + 1, NUM_BASE_TOKENS + 2],
+                "max_length": DEMO_CONFIG["max_position_embeddings"],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    write_kimi_tokenizer_files(
+        path, train_ranks(demo_corpus(), NUM_BASE_TOKENS), model_max_length=DEMO_CONFIG["max_position_embeddings"]
+    )
 
 
 def _random_weights(c: dict) -> dict[str, torch.Tensor]:

@@ -18,7 +18,14 @@ from pathlib import Path
 import torch
 
 from kimitui.engine.demo.bpe_train import demo_corpus, train_ranks, write_kimi_tokenizer_files
-from kimitui.engine.demo.common import NUM_BASE_TOKENS, SEED, ensure_checkpoint, mla_low_rank_shapes, swiglu_shapes, write_shards
+from kimitui.engine.demo.common import (
+    NUM_BASE_TOKENS,
+    SEED,
+    ensure_checkpoint,
+    mla_low_rank_shapes,
+    swiglu_shapes,
+    write_shards,
+)
 from kimitui.engine.paths import cache_root
 
 DEMO_K3_VERSION = 1
@@ -27,10 +34,22 @@ VOCAB_SIZE = 163840  # covers the special block, as the real K3's does
 # K3's named special tokens (reference: the K3 tokenizer_config.json). The four media token names
 # are K2's (K3 only documents their ids 163602-163605); every other id is <|reserved_token_N|>.
 K3_SPECIAL_TOKENS: dict[int, str] = {
-    163584: "[BOS]", 163585: "[EOS]", 163586: "<|end_of_msg|>", 163587: "<|open|>", 163588: "<|close|>",
-    163589: "<|sep|>", 163590: "[start_header_id]", 163591: "[end_header_id]", 163593: "[EOT]",
-    163602: "<|media_begin|>", 163603: "<|media_content|>", 163604: "<|media_end|>", 163605: "<|media_pad|>",
-    163649: "<osagent_mode>", 163838: "[UNK]", 163839: "[PAD]",
+    163584: "[BOS]",
+    163585: "[EOS]",
+    163586: "<|end_of_msg|>",
+    163587: "<|open|>",
+    163588: "<|close|>",
+    163589: "<|sep|>",
+    163590: "[start_header_id]",
+    163591: "[end_header_id]",
+    163593: "[EOT]",
+    163602: "<|media_begin|>",
+    163603: "<|media_content|>",
+    163604: "<|media_end|>",
+    163605: "<|media_pad|>",
+    163649: "<osagent_mode>",
+    163838: "[UNK]",
+    163839: "[PAD]",
 }
 # XTML's brackets are ordinary (non-special) added tokens in K3: they decode as text.
 K3_TEXT_TOKENS = ("<|open|>", "<|close|>", "<|sep|>")
@@ -39,42 +58,107 @@ K3_TEXT_TOKENS = ("<|open|>", "<|close|>", "<|sep|>")
 # Layers 1-3 (1-indexed) are KDA, layer 4 is MLA; layer 0 is dense, the others latent MoE.
 TEXT_CONFIG = {
     "model_type": "kimi_linear",
-    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": VOCAB_SIZE,
-    "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
-    "rms_norm_eps": 1e-05, "q_lora_rank": 64, "kv_lora_rank": 64,
-    "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
-    "mla_use_nope": True, "mla_use_output_gate": True, "attn_res_block_size": 2,
-    "routed_expert_hidden_size": 64, "latent_moe_use_norm": True,
-    "max_position_embeddings": 32768, "num_nextn_predict_layers": 0,
-    "num_experts": 16, "num_experts_per_token": 4, "num_shared_experts": 1, "moe_intermediate_size": 64,
-    "first_k_dense_replace": 1, "moe_layer_freq": 1, "num_expert_group": 1, "topk_group": 1,
-    "moe_renormalize": True, "routed_scaling_factor": 1.0, "moe_router_activation_func": "sigmoid",
-    "use_grouped_topk": True, "topk_method": "noaux_tc", "tie_word_embeddings": False,
-    "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
-    "linear_attn_config": {"num_heads": 4, "head_dim": 32, "short_conv_kernel_size": 4,
-                           "gate_lower_bound": -5.0, "use_full_rank_gate": True,
-                           "kda_layers": [1, 2, 3], "full_attn_layers": [4]},
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": VOCAB_SIZE,
+    "hidden_act": "situ",
+    "activation_situ_beta": 4.0,
+    "activation_situ_linear_beta": 25.0,
+    "rms_norm_eps": 1e-05,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "mla_use_nope": True,
+    "mla_use_output_gate": True,
+    "attn_res_block_size": 2,
+    "routed_expert_hidden_size": 64,
+    "latent_moe_use_norm": True,
+    "max_position_embeddings": 32768,
+    "num_nextn_predict_layers": 0,
+    "num_experts": 16,
+    "num_experts_per_token": 4,
+    "num_shared_experts": 1,
+    "moe_intermediate_size": 64,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "num_expert_group": 1,
+    "topk_group": 1,
+    "moe_renormalize": True,
+    "routed_scaling_factor": 1.0,
+    "moe_router_activation_func": "sigmoid",
+    "use_grouped_topk": True,
+    "topk_method": "noaux_tc",
+    "tie_word_embeddings": False,
+    "bos_token_id": 163584,
+    "eos_token_id": 163586,
+    "pad_token_id": 163839,
+    "linear_attn_config": {
+        "num_heads": 4,
+        "head_dim": 32,
+        "short_conv_kernel_size": 4,
+        "gate_lower_bound": -5.0,
+        "use_full_rank_gate": True,
+        "kda_layers": [1, 2, 3],
+        "full_attn_layers": [4],
+    },
     "quantization_config": {
-        "config_groups": {"group_0": {
-            "format": "mxfp4-pack-quantized", "input_activations": None, "output_activations": None,
-            "targets": ["Linear"],
-            "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32,
-                        "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "scale_dtype": "torch.uint8",
-                        "strategy": "group", "symmetric": True, "type": "float", "zp_dtype": None}}},
-        "format": "mxfp4-pack-quantized", "global_compression_ratio": None,
-        "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
-                   "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
-        "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed"},
+        "config_groups": {
+            "group_0": {
+                "format": "mxfp4-pack-quantized",
+                "input_activations": None,
+                "output_activations": None,
+                "targets": ["Linear"],
+                "weights": {
+                    "actorder": None,
+                    "block_structure": None,
+                    "dynamic": False,
+                    "group_size": 32,
+                    "num_bits": 4,
+                    "observer": "minmax",
+                    "observer_kwargs": {},
+                    "scale_dtype": "torch.uint8",
+                    "strategy": "group",
+                    "symmetric": True,
+                    "type": "float",
+                    "zp_dtype": None,
+                },
+            }
+        },
+        "format": "mxfp4-pack-quantized",
+        "global_compression_ratio": None,
+        "ignore": [
+            "re:.*self_attn.*",
+            "re:.*shared_experts.*",
+            "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+            "re:.*lm_head.*",
+            "re:.*vision_tower.*",
+            "re:.*mm_projector.*",
+        ],
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+    },
     "kimitui_demo": True,
 }
 DEMO_K3_CONFIG = {
-    "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
-    "_name_or_path": "kimitui-demo-k3", "kimitui_demo": True,
+    "architectures": ["KimiK3ForConditionalGeneration"],
+    "model_type": "kimi_k3",
+    "_name_or_path": "kimitui-demo-k3",
+    "kimitui_demo": True,
     "kimitui_demo_note": "random weights: output is noise. Built into kimitui to show every K3 part working.",
-    "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839, "media_placeholder_token_id": 163605,
-    "tie_word_embeddings": False, "dtype": "bfloat16",
-    "text_config": TEXT_CONFIG, "vision_config": {"model_type": "kimi_k3_vision"},
+    "bos_token_id": 163584,
+    "eos_token_id": 163586,
+    "pad_token_id": 163839,
+    "media_placeholder_token_id": 163605,
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+    "text_config": TEXT_CONFIG,
+    "vision_config": {"model_type": "kimi_k3_vision"},
 }
 MXFP4_GROUP = 32
 # E8M0 scale byte of the demo's experts: 2^(120-127) = 1/128, so |w| <= 6/128 like a 0.02-std init.
@@ -95,8 +179,9 @@ def write_demo_k3_checkpoint(path: str | Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     write_shards(path, _random_weights(TEXT_CONFIG))
     (path / "config.json").write_text(json.dumps(DEMO_K3_CONFIG, indent=2) + "\n")
-    (path / "generation_config.json").write_text(json.dumps(
-        {"max_length": TEXT_CONFIG["max_position_embeddings"], "eos_token_id": 163586}, indent=2) + "\n")
+    (path / "generation_config.json").write_text(
+        json.dumps({"max_length": TEXT_CONFIG["max_position_embeddings"], "eos_token_id": 163586}, indent=2) + "\n"
+    )
     write_k3_tokenizer_files(path, k3_ranks(train_ranks(demo_corpus(), NUM_BASE_TOKENS)))
 
 
@@ -108,8 +193,11 @@ def k3_ranks(trained: dict[bytes, int]) -> dict[bytes, int]:
     split pattern always cuts before the "·", and BPE only builds a token by merging two tokens,
     which no split of a filler is (checked below).
     """
-    words = [t for t in sorted(trained, key=trained.get) if t.decode("utf-8", "ignore").isalpha()
-             and len(t.decode("utf-8", "ignore").encode()) == len(t)]
+    words = [
+        t
+        for t in sorted(trained, key=trained.get)
+        if t.decode("utf-8", "ignore").isalpha() and len(t.decode("utf-8", "ignore").encode()) == len(t)
+    ]
     ranks = dict(trained)
     n = len(words)
     for k in range(n * n):
@@ -131,18 +219,27 @@ def write_k3_tokenizer_files(directory: str | Path, ranks: dict[bytes, int], mod
     d = Path(directory)
     write_kimi_tokenizer_files(d, ranks, model_max_length=model_max_length)  # tiktoken.model (+ K2 config)
     decoder = {
-        str(i): {"content": K3_SPECIAL_TOKENS.get(i, f"<|reserved_token_{i}|>"), "lstrip": False,
-                 "normalized": False, "rstrip": False, "single_word": False,
-                 "special": K3_SPECIAL_TOKENS.get(i) not in K3_TEXT_TOKENS}
+        str(i): {
+            "content": K3_SPECIAL_TOKENS.get(i, f"<|reserved_token_{i}|>"),
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": K3_SPECIAL_TOKENS.get(i) not in K3_TEXT_TOKENS,
+        }
         for i in range(K3_SPECIAL_BASE, VOCAB_SIZE)
     }
     config = {
-        "added_tokens_decoder": decoder, "bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]",
-        "unk_token": "[UNK]", "clean_up_tokenization_spaces": False, "model_max_length": model_max_length,
+        "added_tokens_decoder": decoder,
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
         "tokenizer_class": "TikTokenTokenizer",
     }
-    (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
-                                             encoding="utf-8")
+    (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _random_weights(c: dict) -> dict[str, torch.Tensor]:
@@ -163,10 +260,12 @@ def _random_weights(c: dict) -> dict[str, torch.Tensor]:
 
     def mxfp4(name: str, rows: int, cols: int) -> None:
         # [rows, cols/2] bytes, even column in the low nibble; [rows, cols/32] E8M0 scales.
-        out[f"language_model.{name}.weight_packed"] = torch.randint(0, 256, (rows, cols // 2), generator=gen,
-                                                                    dtype=torch.uint8)
-        out[f"language_model.{name}.weight_scale"] = torch.full((rows, cols // MXFP4_GROUP), _SCALE_BYTE,
-                                                                dtype=torch.uint8)
+        out[f"language_model.{name}.weight_packed"] = torch.randint(
+            0, 256, (rows, cols // 2), generator=gen, dtype=torch.uint8
+        )
+        out[f"language_model.{name}.weight_scale"] = torch.full(
+            (rows, cols // MXFP4_GROUP), _SCALE_BYTE, dtype=torch.uint8
+        )
 
     normal("model.embed_tokens.weight", c["vocab_size"], d, scale=1.0)
     for i in range(c["num_hidden_layers"]):

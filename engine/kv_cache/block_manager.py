@@ -57,8 +57,13 @@ class Block:
 class BlockManager:
     """Hands out KV cache blocks to sequences and finds cached prefixes."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 state_slots: StateSlots | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        state_slots: StateSlots | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least 1 block, got num_blocks={num_blocks}")
         if block_size < 1:
@@ -173,8 +178,10 @@ class BlockManager:
         bs = self.block_size
         num_full, partial = divmod(num_tokens, bs)
         if len(parent.block_table) < num_full + (1 if partial else 0):
-            raise RuntimeError(f"{parent.seq_id!r} holds {len(parent.block_table)} blocks, fewer than its "
-                               f"{num_tokens} tokens to fork need")
+            raise RuntimeError(
+                f"{parent.seq_id!r} holds {len(parent.block_table)} blocks, fewer than its "
+                f"{num_tokens} tokens to fork need"
+            )
         if partial and not self._free:
             raise RuntimeError(f"no free block to fork {child.seq_id!r} from {parent.seq_id!r}")
         shared = parent.block_table[:num_full]
@@ -223,8 +230,11 @@ class BlockManager:
             block.content_id = self._next_content_id
             self._next_content_id += 1
             other = self.blocks[self._cached.get(block.hash, block.block_id)]
-            if other is not block and other.token_ids == block.token_ids \
-                    and other.parent_content_id == block.parent_content_id:
+            if (
+                other is not block
+                and other.token_ids == block.token_ids
+                and other.parent_content_id == block.parent_content_id
+            ):
                 # A duplicate of the cached block (two sequences computed the same prefix side by
                 # side): same content, same id, so the blocks this sequence registers after it
                 # chain to the cached prefix and stay findable.

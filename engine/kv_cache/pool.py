@@ -29,10 +29,7 @@ class CacheSpec(abc.ABC):
         return 0
 
     @abc.abstractmethod
-    def allocate(
-        self, num_blocks: int, block_size: int, max_num_seqs: int, device: torch.device
-    ) -> torch.Tensor:
-        ...
+    def allocate(self, num_blocks: int, block_size: int, max_num_seqs: int, device: torch.device) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -52,9 +49,7 @@ class MLACacheSpec(CacheSpec):
     def bytes_per_block(self, block_size: int) -> int:
         return block_size * self.dim * self.dtype.itemsize
 
-    def allocate(
-        self, num_blocks: int, block_size: int, max_num_seqs: int, device: torch.device
-    ) -> torch.Tensor:
+    def allocate(self, num_blocks: int, block_size: int, max_num_seqs: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(num_blocks, block_size, self.dim, dtype=self.dtype, device=device)
 
 
@@ -79,9 +74,7 @@ class StateCacheSpec(CacheSpec):
             n *= d
         return n * self.dtype.itemsize
 
-    def allocate(
-        self, num_blocks: int, block_size: int, max_num_seqs: int, device: torch.device
-    ) -> torch.Tensor:
+    def allocate(self, num_blocks: int, block_size: int, max_num_seqs: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(max_num_seqs, *self.shape, dtype=self.dtype, device=device)
 
 

@@ -57,12 +57,12 @@ class KDAStateSpec(CacheSpec):
 
     def bytes_per_seq(self) -> int:
         size = self.dtype.itemsize
-        return size * (self.num_heads * self.head_k_dim * self.head_v_dim
-                       + self.conv_channels * (self.conv_kernel - 1))
+        return size * (self.num_heads * self.head_k_dim * self.head_v_dim + self.conv_channels * (self.conv_kernel - 1))
 
     def allocate(self, num_blocks: int, block_size: int, max_num_seqs: int, device: torch.device) -> KDAState:
         return KDAState(
-            torch.zeros(max_num_seqs, self.num_heads, self.head_k_dim, self.head_v_dim, dtype=self.dtype,
-                        device=device),
+            torch.zeros(
+                max_num_seqs, self.num_heads, self.head_k_dim, self.head_v_dim, dtype=self.dtype, device=device
+            ),
             torch.zeros(max_num_seqs, self.conv_channels, self.conv_kernel - 1, dtype=self.dtype, device=device),
         )

@@ -58,9 +58,11 @@ class StateSlots:
 
     def allocate(self, seq_id: str) -> int:
         if not self._free_seq:
-            raise RuntimeError(f"no free state slot for {seq_id!r}: all {self.max_num_seqs} are held "
-                               f"by {sorted(self._owner.values())[:4]}...; more running sequences than "
-                               f"max_num_seqs")
+            raise RuntimeError(
+                f"no free state slot for {seq_id!r}: all {self.max_num_seqs} are held "
+                f"by {sorted(self._owner.values())[:4]}...; more running sequences than "
+                f"max_num_seqs"
+            )
         slot = self._free_seq.pop()
         self._owner[slot] = seq_id
         return slot
@@ -123,12 +125,15 @@ class StateSlots:
         """Raise if a slot is lost or counted twice (tests and debugging)."""
         seq = sorted(self._free_seq + list(self._owner))
         if seq != list(range(self.max_num_seqs)):
-            raise AssertionError(f"sequence state slots inconsistent: free {sorted(self._free_seq)}, "
-                                 f"held {sorted(self._owner)}")
+            raise AssertionError(
+                f"sequence state slots inconsistent: free {sorted(self._free_seq)}, held {sorted(self._owner)}"
+            )
         snap = sorted(self._free_snap + list(self._snapshots.values()) + list(self._pending))
         if snap != list(range(self.max_num_seqs, self.num_slots)):
-            raise AssertionError(f"snapshot slots inconsistent: free {sorted(self._free_snap)}, keyed "
-                                 f"{sorted(self._snapshots.values())}, pending {sorted(self._pending)}")
+            raise AssertionError(
+                f"snapshot slots inconsistent: free {sorted(self._free_snap)}, keyed "
+                f"{sorted(self._snapshots.values())}, pending {sorted(self._pending)}"
+            )
 
     def held_by(self) -> dict[int, str]:
         """slot -> seq_id for every sequence slot in use (leak reports)."""

@@ -63,12 +63,16 @@ class AttentionMetadata:
             d, cu, continues = self.num_decode_tokens, [0], []
             for chunk in self.prefills:
                 if chunk.start != d + cu[-1]:
-                    raise ValueError(f"prefill chunk rows [{chunk.start}, {chunk.end}) do not follow row "
-                                     f"{d + cu[-1]} (chunks must be contiguous, after the decodes)")
+                    raise ValueError(
+                        f"prefill chunk rows [{chunk.start}, {chunk.end}) do not follow row "
+                        f"{d + cu[-1]} (chunks must be contiguous, after the decodes)"
+                    )
                 cu.append(chunk.end - d)
                 continues.append(chunk.context_len != chunk.end - chunk.start)
-            cached[device] = (torch.tensor(cu, dtype=torch.int64, device=device),
-                              torch.tensor(continues, dtype=torch.bool, device=device))
+            cached[device] = (
+                torch.tensor(cu, dtype=torch.int64, device=device),
+                torch.tensor(continues, dtype=torch.bool, device=device),
+            )
         return cached[device]
 
 

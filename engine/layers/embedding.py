@@ -14,8 +14,9 @@ from kimitui.engine.parallel.state import SINGLE, ParallelState, split_sizes
 class VocabEmbedding(nn.Module):
     param_class = "embedding"  # for the planner, see engine.registry
 
-    def __init__(self, vocab_size: int, hidden_size: int, par: ParallelState = SINGLE,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, vocab_size: int, hidden_size: int, par: ParallelState = SINGLE, dtype: torch.dtype = torch.float32
+    ):
         super().__init__()
         self.par = par
         self.start, self.end = par.range(vocab_size)
@@ -38,8 +39,14 @@ class LMHead(Linear):
 
     param_class = "lm_head"
 
-    def __init__(self, vocab_size: int, hidden_size: int, quant: QuantConfig | None, par: ParallelState = SINGLE,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        quant: QuantConfig | None,
+        par: ParallelState = SINGLE,
+        dtype: torch.dtype = torch.float32,
+    ):
         shard = (0, *par.range(vocab_size)) if par.is_parallel else None
         super().__init__(hidden_size, vocab_size, quant, "lm_head", shard, dtype)
         self.par = par

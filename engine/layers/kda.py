@@ -49,30 +49,39 @@ class KDAConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"linear_attn_config: {name} must be positive, got {getattr(self, name)}")
         if self.gate_lower_bound is not None and self.gate_lower_bound >= 0:
-            raise ValueError(f"linear_attn_config: gate_lower_bound must be negative (a log-decay), "
-                             f"got {self.gate_lower_bound}")
+            raise ValueError(
+                f"linear_attn_config: gate_lower_bound must be negative (a log-decay), got {self.gate_lower_bound}"
+            )
 
     @property
     def proj_size(self) -> int:
         return self.num_heads * self.head_dim
 
     @classmethod
-    def from_linear_attn_config(cls, hidden_size: int, linear_attn_config: dict, rms_norm_eps: float,
-                                quantization: QuantConfig | None = None) -> KDAConfig:
+    def from_linear_attn_config(
+        cls, hidden_size: int, linear_attn_config: dict, rms_norm_eps: float, quantization: QuantConfig | None = None
+    ) -> KDAConfig:
         c = linear_attn_config
         missing = [key for key in ("num_heads", "head_dim") if key not in c]
         if missing:
             raise ValueError(f"linear_attn_config: missing {', '.join(missing)}")
-        return cls(hidden_size=hidden_size, num_heads=int(c["num_heads"]), head_dim=int(c["head_dim"]),
-                   conv_kernel=int(c.get("short_conv_kernel_size", 4)), gate_lower_bound=c.get("gate_lower_bound"),
-                   use_full_rank_gate=bool(c.get("use_full_rank_gate", False)), rms_norm_eps=rms_norm_eps,
-                   quantization=quantization)
+        return cls(
+            hidden_size=hidden_size,
+            num_heads=int(c["num_heads"]),
+            head_dim=int(c["head_dim"]),
+            conv_kernel=int(c.get("short_conv_kernel_size", 4)),
+            gate_lower_bound=c.get("gate_lower_bound"),
+            use_full_rank_gate=bool(c.get("use_full_rank_gate", False)),
+            rms_norm_eps=rms_norm_eps,
+            quantization=quantization,
+        )
 
     def state_spec(self, par: ParallelState = SINGLE) -> KDAStateSpec:
         """What one layer keeps per sequence on this rank (its share of the heads)."""
         h0, h1 = par.range(self.num_heads)
-        return KDAStateSpec(num_heads=h1 - h0, head_k_dim=self.head_dim, head_v_dim=self.head_dim,
-                            conv_kernel=self.conv_kernel)
+        return KDAStateSpec(
+            num_heads=h1 - h0, head_k_dim=self.head_dim, head_v_dim=self.head_dim, conv_kernel=self.conv_kernel
+        )
 
 
 class _ConvWeight(nn.Module):
@@ -89,8 +98,7 @@ class KimiDeltaAttention(nn.Module):
     ops: Backend = REFERENCE  # the model's backend, set when it is loaded
     needs_fla = True  # on a GPU the Triton backend runs KDA through fla-core (checked by attach_backends)
 
-    def __init__(self, config: KDAConfig, prefix: str, par: ParallelState = SINGLE,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(self, config: KDAConfig, prefix: str, par: ParallelState = SINGLE, dtype: torch.dtype = torch.float32):
         """``dtype``: of the projections; A_log, dt_bias, the conv weights and o_norm stay fp32."""
         super().__init__()
         c = config
@@ -132,7 +140,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(hd, dtype=torch.float32), requires_grad=False)
         self.o_proj = Linear(P, d, q, f"{prefix}.o_proj", heads(hd, axis=1), dtype=dtype)
-        self.scale = hd ** -0.5
+        self.scale = hd**-0.5
         # Set by post_load: the input projections as one weight, the three convs as one [3P', W].
         self.register_buffer("in_proj", None, persistent=False)
         self.register_buffer("conv_weight", None, persistent=False)
@@ -147,7 +155,7 @@ class KimiDeltaAttention(nn.Module):
             flat = tensor[:H]  # K3 pads per-head A_log to [head_dim]: the first H entries are the heads
         if flat is None:
             raise ValueError(f"A_log: shape {list(tensor.shape)}, expected [1, 1, {H}, 1] or [n >= {H}]")
-        self.A_log.data.copy_(flat[self.h0: self.h0 + self.num_heads].float())
+        self.A_log.data.copy_(flat[self.h0 : self.h0 + self.num_heads].float())
 
     def _A_log_loader(self, param: torch.Tensor, tensor: torch.Tensor) -> None:
         self.load_A_log(tensor)
@@ -160,7 +168,7 @@ class KimiDeltaAttention(nn.Module):
         fused = torch.cat([w.data for w in convs])  # [3P', 1, W]
         start = 0
         for w in convs:
-            w.data = fused[start: start + w.shape[0]]
+            w.data = fused[start : start + w.shape[0]]
             start += w.shape[0]
         self.conv_weight = fused[:, 0]
 
@@ -180,17 +188,35 @@ class KimiDeltaAttention(nn.Module):
         slots = meta.state_slots
         n_seq = d + len(meta.prefills)
         if slots is None or slots.shape != (n_seq,):
-            raise ValueError(f"KDA: meta.state_slots must hold one slot per sequence ({n_seq}), got "
-                             f"{None if slots is None else tuple(slots.shape)}")
-        conv_w = self.conv_weight if self.conv_weight is not None else torch.cat(
-            [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]
+            raise ValueError(
+                f"KDA: meta.state_slots must hold one slot per sequence ({n_seq}), got "
+                f"{None if slots is None else tuple(slots.shape)}"
+            )
+        conv_w = (
+            self.conv_weight
+            if self.conv_weight is not None
+            else torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]
+        )
         if d == T and not meta.prefills and meta.kda_spec is None:
             # a plain decode step: gate, beta, conv, delta rule and the gated norm in one backend call
             # (one launch on a device); speculative verification and prefills run the ops below
-            gate = (g_in if self.config.use_full_rank_gate else self.g_b_proj(g_in))
-            out = self.ops.kda_decode(qkv, self.f_b_proj(f_a), b, gate, conv_w, self.A_log, self.dt_bias,
-                                      self.config.gate_lower_bound, self.o_norm.weight, self.config.rms_norm_eps,
-                                      state.conv, state.recurrent, slots, self.scale)
+            gate = g_in if self.config.use_full_rank_gate else self.g_b_proj(g_in)
+            out = self.ops.kda_decode(
+                qkv,
+                self.f_b_proj(f_a),
+                b,
+                gate,
+                conv_w,
+                self.A_log,
+                self.dt_bias,
+                self.config.gate_lower_bound,
+                self.o_norm.weight,
+                self.config.rms_norm_eps,
+                state.conv,
+                state.recurrent,
+                slots,
+                self.scale,
+            )
             return self.par.all_reduce(self.o_proj(out))
 
         a = (self.f_b_proj(f_a).float() + self.dt_bias).view(T, H, hd)
@@ -232,8 +258,9 @@ class KimiDeltaAttention(nn.Module):
                 state.conv.index_copy_(0, step.save_dst, state.conv.index_select(0, step.save_src))
         d, H, hd = qkv.shape[0], self.num_heads, self.head_dim
         q, k, v = (t.view(d, H, hd) for t in y.split(H * hd, dim=-1))
-        o[:d] = self.ops.kda_recurrent_spec(q, k, v, g, beta, state.recurrent, layout.indices, layout.lengths,
-                                           self.scale)
+        o[:d] = self.ops.kda_recurrent_spec(
+            q, k, v, g, beta, state.recurrent, layout.indices, layout.lengths, self.scale
+        )
 
     def _prefill(self, qkv, g, beta, conv_w, meta: AttentionMetadata, slots, state: KDAState) -> torch.Tensor:
         # The prefill chunks, one packed varlen call each for the conv and the chunked recurrence.
@@ -264,4 +291,3 @@ class KimiDeltaAttention(nn.Module):
             qkv = y[:, :width]  # a view: the conv reads it strided
             outs = [None] * 3 + list(y[:, width:].split(sizes[3:], dim=-1))
         return qkv, outs[3], outs[4], outs[5]
-

@@ -36,8 +36,14 @@ class KimiMoE(nn.Module):
     # and the routed experts declare their own class)
     param_class = "shared_experts"
 
-    def __init__(self, config: ModelConfig, prefix: str, par: ParallelState = SINGLE,
-                 placement_row: list[int] | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: str,
+        par: ParallelState = SINGLE,
+        placement_row: list[int] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         c = config
         self.par = par
@@ -46,22 +52,32 @@ class KimiMoE(nn.Module):
         latent = c.routed_expert_hidden_size
         self.latent = latent
         if latent is not None:
-            self.routed_expert_down_proj = Linear(c.hidden_size, latent, None, f"{prefix}.routed_expert_down_proj",
-                                                  dtype=dtype)
+            self.routed_expert_down_proj = Linear(
+                c.hidden_size, latent, None, f"{prefix}.routed_expert_down_proj", dtype=dtype
+            )
             # Row parallel over the latent dim: every rank holds the whole reduced, normed y and
             # multiplies its slice, so the caller's all-reduce sums the ranks' parts once.
             self.l0, self.l1 = par.range(latent) if par.is_parallel else (0, latent)
             shard = (1, self.l0, self.l1) if par.is_parallel else None
-            self.routed_expert_up_proj = Linear(latent, c.hidden_size, None, f"{prefix}.routed_expert_up_proj", shard,
-                                                dtype)
+            self.routed_expert_up_proj = Linear(
+                latent, c.hidden_size, None, f"{prefix}.routed_expert_up_proj", shard, dtype
+            )
             self.routed_expert_norm = RMSNorm(latent, c.rms_norm_eps, dtype) if c.latent_moe_use_norm else None
         # The experts see width L: the same stacks as DeepSeek-V3's, built for hidden_size = L.
         expert_cfg = c if latent is None else dataclasses.replace(c, hidden_size=latent)
         self.experts = RoutedExperts(expert_cfg, f"{prefix}.experts", par, placement_row, dtype)
         self.shared_experts = None
         if c.n_shared_experts:
-            self.shared_experts = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, c.quantization,
-                                      f"{prefix}.shared_experts", par, dtype, "shared_experts", self.act)
+            self.shared_experts = MLP(
+                c.hidden_size,
+                c.moe_intermediate_size * c.n_shared_experts,
+                c.quantization,
+                f"{prefix}.shared_experts",
+                par,
+                dtype,
+                "shared_experts",
+                self.act,
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum [T, D]; the caller reduces over ranks."""
@@ -79,8 +95,7 @@ class KimiMoE(nn.Module):
             y = self.par.all_reduce(y)
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)
-            y = self.routed_expert_up_proj(y[:, self.l0:self.l1] if self.par.is_parallel else y)
+            y = self.routed_expert_up_proj(y[:, self.l0 : self.l1] if self.par.is_parallel else y)
         if shared:
             y = y + shared[0]
         return y
-

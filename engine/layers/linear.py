@@ -38,8 +38,14 @@ def values_per_element(fmt: str, name: str) -> int:
     return v if v is not None else (8 if fmt == "int4" else 2)
 
 
-def quantized_params(fmt: str, out_features: int, in_features: int, quant: QuantConfig | None,
-                     lead: tuple[int, ...] = (), dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def quantized_params(
+    fmt: str,
+    out_features: int,
+    in_features: int,
+    quant: QuantConfig | None,
+    lead: tuple[int, ...] = (),
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
     """Empty storage for one (or ``lead``-stacked) weight in format ``fmt``, checkpoint names as keys.
 
     Every dtype is explicit: a dense weight is ``dtype`` (the model's), FP8 scales are fp32 whatever
@@ -105,9 +111,15 @@ def local_fp8_block(quant: QuantConfig, shard: tuple[int, int, int] | None) -> t
     return block[0], block[1]
 
 
-def sharded_params(fmt: str, out_features: int, in_features: int, quant: QuantConfig | None,
-                   shard: tuple[int, int, int] | None, what: str,
-                   dtype: torch.dtype = torch.float32) -> dict[str, nn.Parameter]:
+def sharded_params(
+    fmt: str,
+    out_features: int,
+    in_features: int,
+    quant: QuantConfig | None,
+    shard: tuple[int, int, int] | None,
+    what: str,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, nn.Parameter]:
     """Parameters for this rank's slice of a weight.
 
     ``shard`` = (axis, start, end) in logical units: axis 0 splits output rows (column parallel),
@@ -135,8 +147,10 @@ def sharded_params(fmt: str, out_features: int, in_features: int, quant: QuantCo
                 index = torch.arange(start, end, b, device="cpu") // unit - lo
                 shape[axis] = len(index)
             elif start % unit or (end % unit and end != logical and name != "weight_scale_inv"):
-                raise ValueError(f"{what}.{name}: rows/columns [{start}, {end}) of dim {axis} cut a {fmt} "
-                                 f"storage unit of {unit}; this split is impossible")
+                raise ValueError(
+                    f"{what}.{name}: rows/columns [{start}, {end}) of dim {axis} cut a {fmt} "
+                    f"storage unit of {unit}; this split is impossible"
+                )
             else:
                 shape[axis] = hi - lo
             spec = (axis, lo, hi)
@@ -154,9 +168,15 @@ class Linear(nn.Module):
 
     ops: Backend = REFERENCE  # the model's backend, set when it is loaded
 
-    def __init__(self, in_features: int, out_features: int, quant: QuantConfig | None = None,
-                 module_name: str = "", shard: tuple[int, int, int] | None = None,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        quant: QuantConfig | None = None,
+        module_name: str = "",
+        shard: tuple[int, int, int] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         self.fmt = linear_format(quant, module_name)
         self.quant = quant
@@ -180,8 +200,9 @@ class Linear(nn.Module):
         if self.fmt == "fp8":
             return self.ops.linear_fp8_block(x, self.weight, self.weight_scale_inv, self.block)
         if self.fmt == "int4":
-            return self.ops.linear_w4a16(x, self.weight_packed, self.weight_scale, self.in_features,
-                                         self.quant.group_size)
+            return self.ops.linear_w4a16(
+                x, self.weight_packed, self.weight_scale, self.in_features, self.quant.group_size
+            )
         return self.ops.linear_mxfp4(x, self.weight_packed, self.weight_scale)
 
     def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -191,8 +212,9 @@ class Linear(nn.Module):
         if self.fmt == "fp8":
             return reference.dequant_fp8_block(self.weight, self.weight_scale_inv, self.block, dtype)
         if self.fmt == "int4":
-            return reference.dequant_int4(self.weight_packed, self.weight_scale, self.in_features,
-                                          self.quant.group_size, dtype)
+            return reference.dequant_int4(
+                self.weight_packed, self.weight_scale, self.in_features, self.quant.group_size, dtype
+            )
         return reference.dequant_mxfp4(self.weight_packed, self.weight_scale, dtype)
 
     def load_weight(self, name: str, shard_id, src: TensorSource) -> list[tuple[str, object]] | None:
@@ -225,6 +247,6 @@ def fuse_dense_rows(*linears: Linear) -> torch.Tensor | None:
     fused = torch.cat([w.data for w in weights])
     start = 0
     for w in weights:
-        w.data = fused[start: start + w.shape[0]]
+        w.data = fused[start : start + w.shape[0]]
         start += w.shape[0]
     return fused

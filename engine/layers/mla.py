@@ -34,8 +34,14 @@ class MLAttention(nn.Module):
     param_class = "attention"  # for the planner, see engine.registry
     prefill_slice = PREFILL_SLICE  # an instance may set its own (tests use small slices)
 
-    def __init__(self, config: ModelConfig, prefix: str, rope: YarnRotaryEmbedding | None,
-                 par: ParallelState = SINGLE, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: str,
+        rope: YarnRotaryEmbedding | None,
+        par: ParallelState = SINGLE,
+        dtype: torch.dtype = torch.float32,
+    ):
         """``rope`` None: NoPE (Kimi Linear / K3), the rope dims are plain unrotated content dims."""
         super().__init__()
         c = config
@@ -64,14 +70,19 @@ class MLAttention(nn.Module):
             self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, q, f"{prefix}.q_a_proj", dtype=dtype)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, norm_eps, dtype)
             self.q_b_proj = Linear(c.q_lora_rank, h * self.qk_dim, q, f"{prefix}.q_b_proj", heads(self.qk_dim), dtype)
-        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + self.rope_dim, q,
-                                         f"{prefix}.kv_a_proj_with_mqa", dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(
+            c.hidden_size, c.kv_lora_rank + self.rope_dim, q, f"{prefix}.kv_a_proj_with_mqa", dtype=dtype
+        )
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, norm_eps, dtype)
-        self.kv_b_proj = Linear(c.kv_lora_rank, h * (self.nope + self.v_dim), q, f"{prefix}.kv_b_proj",
-                                heads(self.nope + self.v_dim), dtype)
+        self.kv_b_proj = Linear(
+            c.kv_lora_rank, h * (self.nope + self.v_dim), q, f"{prefix}.kv_b_proj", heads(self.nope + self.v_dim), dtype
+        )
         # Kimi K3: y = o_proj(sigmoid(g_proj(x)) * attn), a per-channel output gate [T, H * v]
-        self.g_proj = (Linear(c.hidden_size, h * self.v_dim, q, f"{prefix}.g_proj", heads(self.v_dim), dtype)
-                       if c.mla_use_output_gate else None)
+        self.g_proj = (
+            Linear(c.hidden_size, h * self.v_dim, q, f"{prefix}.g_proj", heads(self.v_dim), dtype)
+            if c.mla_use_output_gate
+            else None
+        )
         self.o_proj = Linear(h * self.v_dim, c.hidden_size, q, f"{prefix}.o_proj", heads(self.v_dim, axis=1), dtype)
         self.w_uk: torch.Tensor | None = None  # [H, nope, r], set by post_load
         self.w_uv: torch.Tensor | None = None  # [H, v, r]
@@ -83,18 +94,23 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.dense_weight(self._compute_dtype())
         w = w.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         self.w_uk = w[:, : self.nope].contiguous()
-        self.w_uv = w[:, self.nope:].contiguous()
+        self.w_uv = w[:, self.nope :].contiguous()
         self.in_proj = fuse_dense_rows(self._q_in_proj(), self.kv_a_proj_with_mqa)
 
     def _compute_dtype(self) -> torch.dtype:
         return self.kv_a_layernorm.weight.dtype
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor,
-                last: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor, last: bool = False
+    ) -> torch.Tensor:
         # x: [T, D]; cache: [num_blocks, block_size, r + rope]. Every row's latent goes to the
         # cache; in the last layer (``last``) only meta.out_rows, when set, need an output.
-        if (meta.decodes_only(x.shape[0]) and self.rope is not None and self.g_proj is None
-                and self.ops.mla_decode_fusable(x, cache, self.w_uk, self.w_uv)):
+        if (
+            meta.decodes_only(x.shape[0])
+            and self.rope is not None
+            and self.g_proj is None
+            and self.ops.mla_decode_fusable(x, cache, self.w_uk, self.w_uv)
+        ):
             return self._decode_fused(x, meta, cache)
         qmeta = meta
         if last and meta.out_rows is not None:  # queries for the output rows only
@@ -110,16 +126,26 @@ class MLAttention(nn.Module):
         kv_norm = self.kv_a_layernorm
         if hasattr(self, "q_a_proj") and q_in.shape[0] == kv.shape[0]:
             # the query LoRA's norm rides along with the latent's (one launch on a device)
-            q_a = self.ops.mla_cache_write_q_norm(q_in, self.q_a_layernorm.weight, self.q_a_layernorm.eps, kv,
-                                                  kv_norm.weight, kv_norm.eps, self.rope, meta.positions,
-                                                  meta.slot_mapping, flat)
+            q_a = self.ops.mla_cache_write_q_norm(
+                q_in,
+                self.q_a_layernorm.weight,
+                self.q_a_layernorm.eps,
+                kv,
+                kv_norm.weight,
+                kv_norm.eps,
+                self.rope,
+                meta.positions,
+                meta.slot_mapping,
+                flat,
+            )
             q = self.q_b_proj(q_a)
         else:
             q = self._query(q_in)
-            self.ops.mla_cache_write(kv, kv_norm.weight, kv_norm.eps, self.rope, meta.positions, meta.slot_mapping,
-                                     flat)
+            self.ops.mla_cache_write(
+                kv, kv_norm.weight, kv_norm.eps, self.rope, meta.positions, meta.slot_mapping, flat
+            )
         q = q.view(t, self.num_heads, self.qk_dim)
-        q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
         d = qmeta.num_decode_tokens
         q_abs = None
         if d and d == t:
@@ -135,8 +161,9 @@ class MLAttention(nn.Module):
         for chunk in qmeta.prefills:
             s, e = chunk.start, chunk.end
             if e > s:
-                out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], chunk.context_len, chunk.block_table,
-                                         meta.block_size, flat)
+                out[s:e] = self._prefill(
+                    q_nope[s:e], q_pe[s:e], chunk.context_len, chunk.block_table, meta.block_size, flat
+                )
         out = out.view(t, -1)
         if self.g_proj is not None:
             out = self.ops.sigmoid_gate(out, self.g_proj(x))  # x: the query rows' normed input
@@ -165,9 +192,22 @@ class MLAttention(nn.Module):
         q_in, kv = self._project(x)
         q = self._query(q_in).view(t, self.num_heads, self.qk_dim)
         out = self.ops.mla_decode_absorbed(
-            q, kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.rope.cos,
-            self.rope.sin, meta.positions, meta.slot_mapping, self.w_uk, self.w_uv, cache.view(-1, cache.shape[-1]),
-            meta.decode_block_tables, meta.decode_context_lens, meta.block_size, self.scale)
+            q,
+            kv,
+            self.kv_a_layernorm.weight,
+            self.kv_a_layernorm.eps,
+            self.rope.cos,
+            self.rope.sin,
+            meta.positions,
+            meta.slot_mapping,
+            self.w_uk,
+            self.w_uv,
+            cache.view(-1, cache.shape[-1]),
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            meta.block_size,
+            self.scale,
+        )
         return self.par.all_reduce(self.o_proj(out.view(t, -1)))
 
     def _prefill(self, q_nope, q_pe, context_len, block_table, block_size, flat):
@@ -178,8 +218,8 @@ class MLAttention(nn.Module):
         # index_select copies whole rows: several times faster than advanced indexing on CPU
         lat = flat.index_select(0, gather_slots(block_table, context_len, block_size)).to(q_nope.dtype)  # [L, r+rope]
         kv = self.kv_b_proj(lat[:, : self.kv_lora_rank]).view(context_len, self.num_heads, -1)
-        k_nope, v = kv[..., : self.nope], kv[..., self.nope:]
-        k_pe = lat[:, None, self.kv_lora_rank:].expand(-1, self.num_heads, -1)
+        k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
+        k_pe = lat[:, None, self.kv_lora_rank :].expand(-1, self.num_heads, -1)
         # One head size for q, k and v (the narrower side padded with zeros, which adds nothing to a
         # dot product) and 4-d inputs: SDPA then takes its flash kernel (on a CPU 1.9x faster at 256
         # tokens than the unfused product it falls back to for a 64-wide v), and with no cached
@@ -233,9 +273,9 @@ class MLAttention(nn.Module):
         slots = block_table[pos // block_size].long() * block_size + pos % block_size
         lat = flat.index_select(0, slots).to(dtype)  # [S, r + rope]
         kv = self.kv_b_proj(lat[:, : self.kv_lora_rank]).view(b - a, self.num_heads, -1).float()
-        k_pe = lat[:, None, self.kv_lora_rank:].float().expand(-1, self.num_heads, -1)
+        k_pe = lat[:, None, self.kv_lora_rank :].float().expand(-1, self.num_heads, -1)
         k = torch.cat([kv[..., : self.nope], k_pe], dim=-1).transpose(0, 1)  # [H, S, qk]
-        return torch.bmm(q, k.transpose(1, 2)).mul_(self.scale), kv[..., self.nope:].transpose(0, 1)
+        return torch.bmm(q, k.transpose(1, 2)).mul_(self.scale), kv[..., self.nope :].transpose(0, 1)
 
     def _decode(self, q_nope, q_pe, meta: AttentionMetadata, flat, out, q=None):
         """Absorbed path, one query per sequence, batched over sequences: writes ``out [B, H, v]``.
@@ -249,8 +289,16 @@ class MLAttention(nn.Module):
             # W_UK folded into the query, head-major bmm [H, B, nope] @ [H, nope, r] -> [H, B, r], written
             # into the head of q through a transposed view (cuBLAS/hipBLAS take its row stride as is)
             self.ops.bmm(q_nope.transpose(0, 1), self.w_uk.to(dtype), out=q[..., :r].transpose(0, 1))
-        o_lat = self.ops.mla_decode(q, flat, meta.decode_block_tables, meta.decode_context_lens,
-                                    meta.decode_max_context_len, meta.block_size, r, self.scale)
+        o_lat = self.ops.mla_decode(
+            q,
+            flat,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            meta.decode_max_context_len,
+            meta.block_size,
+            r,
+            self.scale,
+        )
         # W_UV per head, [H, B, r] @ [H, r, v] -> [H, B, v], straight into the caller's [B, H, v] rows
         self.ops.bmm(o_lat.transpose(0, 1), self.w_uv.to(dtype).transpose(1, 2), out=out.transpose(0, 1))
 

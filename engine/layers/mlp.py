@@ -16,9 +16,17 @@ from kimitui.kernels.backend import REFERENCE, Backend
 class MLP(nn.Module):
     ops: Backend = REFERENCE  # the model's backend, set when it is loaded
 
-    def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantConfig | None, prefix: str,
-                 par: ParallelState = SINGLE, dtype: torch.dtype = torch.float32, param_class: str = "dense_mlp",
-                 act: GatedActivation | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        quant: QuantConfig | None,
+        prefix: str,
+        par: ParallelState = SINGLE,
+        dtype: torch.dtype = torch.float32,
+        param_class: str = "dense_mlp",
+        act: GatedActivation | None = None,
+    ):
         super().__init__()
         self.param_class = param_class  # "dense_mlp" or "shared_experts", for the planner
         self.parallel = par.is_parallel

@@ -18,9 +18,9 @@ from kimitui.engine.layers.activation import GatedActivation
 from kimitui.engine.layers.linear import linear_format, quantized_params, values_per_element
 from kimitui.engine.layers.mlp import MLP
 from kimitui.engine.loader.source import TensorSource
+from kimitui.engine.offload.cpu_experts import CpuExpertExecutor
 from kimitui.engine.parallel.state import SINGLE, ParallelState, split_sizes
 from kimitui.kernels.backend import REFERENCE, Backend, count_routing
-from kimitui.engine.offload.cpu_experts import CpuExpertExecutor
 
 
 class Router(nn.Module):
@@ -41,19 +41,44 @@ class Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(c.n_routed_experts, dtype=f32), requires_grad=False)
         self.e_score_correction_bias.optional = True  # old checkpoints leave the zero bias out
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor | None = None,
-                weights_dtype: torch.dtype | None = None,
-                count_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor | None = None,
+        weights_dtype: torch.dtype | None = None,
+        count_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``counts``: None, or the [E] routing statistics each chosen expert adds one to (in the
         router's launch), skipping the rows where ``count_rows`` (None: none) is 0; the weights come
         in fp32, or rounded to ``weights_dtype``."""
         if count_rows is None:  # the call every eager step makes (backends without the argument too)
-            return self.ops.moe_route(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group,
-                                      self.topk_group, self.scoring_func, self.norm_topk_prob, self.scaling,
-                                      counts=counts, weights_dtype=weights_dtype)
-        return self.ops.moe_route(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group,
-                                  self.topk_group, self.scoring_func, self.norm_topk_prob, self.scaling, counts=counts,
-                                  weights_dtype=weights_dtype, count_rows=count_rows)
+            return self.ops.moe_route(
+                x,
+                self.weight,
+                self.e_score_correction_bias,
+                self.top_k,
+                self.n_group,
+                self.topk_group,
+                self.scoring_func,
+                self.norm_topk_prob,
+                self.scaling,
+                counts=counts,
+                weights_dtype=weights_dtype,
+            )
+        return self.ops.moe_route(
+            x,
+            self.weight,
+            self.e_score_correction_bias,
+            self.top_k,
+            self.n_group,
+            self.topk_group,
+            self.scoring_func,
+            self.norm_topk_prob,
+            self.scaling,
+            counts=counts,
+            weights_dtype=weights_dtype,
+            count_rows=count_rows,
+        )
 
 
 class ExpertStack(nn.Module):
@@ -61,8 +86,14 @@ class ExpertStack(nn.Module):
 
     ops: Backend = REFERENCE  # the backend of the device the stack lives on, set when the model is loaded
 
-    def __init__(self, config: ModelConfig, fmt: str, num: int, device: torch.device | None = None,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        config: ModelConfig,
+        fmt: str,
+        num: int,
+        device: torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         self.fmt, self.quant, self.num = fmt, config.quantization, num
         act = GatedActivation.from_config(config)
@@ -71,8 +102,10 @@ class ExpertStack(nn.Module):
         d, i = config.hidden_size, config.moe_intermediate_size
         if fmt == "fp8" and i % self.quant.weight_block_size[0]:
             # gate and up are stacked into w13; their scale blocks only line up on block boundaries
-            raise ValueError(f"FP8 experts need moe_intermediate_size ({i}) divisible by the weight block "
-                             f"({self.quant.weight_block_size[0]})")
+            raise ValueError(
+                f"FP8 experts need moe_intermediate_size ({i}) divisible by the weight block "
+                f"({self.quant.weight_block_size[0]})"
+            )
         with torch.device(device) if device is not None else contextlib.nullcontext():
             for proj, (n, k) in (("w13", (2 * i, d)), ("w2", (d, i))):
                 for name, t in quantized_params(fmt, n, k, self.quant, (num,), dtype).items():
@@ -102,8 +135,14 @@ class ExpertStack(nn.Module):
         if self.fmt not in ("int4", "mxfp4") or self.num == 0:
             return False
         # the backend's own layout (Backend.prepare_quant_experts) replaces the checkpoint's
-        tiles = self.ops.prepare_quant_experts(self.fmt, self.w13_weight_packed, self.w13_weight_scale,
-                                               self.w2_weight_packed, self.w2_weight_scale, self.quant.group_size)
+        tiles = self.ops.prepare_quant_experts(
+            self.fmt,
+            self.w13_weight_packed,
+            self.w13_weight_scale,
+            self.w2_weight_packed,
+            self.w2_weight_scale,
+            self.quant.group_size,
+        )
         if tiles is not None:
             self.tiled_fmt, self.inter = self.fmt, self.w13_weight_packed.shape[1] // 2
             self.register_buffer("w13_tiles", tiles[0], persistent=False)
@@ -112,8 +151,14 @@ class ExpertStack(nn.Module):
             return True
         if self.fmt != "int4":
             return False
-        packed = self.ops.prepack_int4_experts(self.w13_weight_packed, self.w13_weight_scale, self.w2_weight_packed,
-                                               self.w2_weight_scale, self.quant.group_size, dtype)
+        packed = self.ops.prepack_int4_experts(
+            self.w13_weight_packed,
+            self.w13_weight_scale,
+            self.w2_weight_packed,
+            self.w2_weight_scale,
+            self.quant.group_size,
+            dtype,
+        )
         if packed is None:
             return False
         for name, t in zip(("w13_int4pack", "w13_scales_zeros", "w2_int4pack", "w2_scales_zeros"), packed):
@@ -136,25 +181,59 @@ class ExpertStack(nn.Module):
         if self.fmt == "dense":
             return self.ops.moe_experts(x, ids, weights, self.w13_weight, self.w2_weight, activation=act)
         if self.fmt == "tiles":
-            return self.ops.moe_experts_tiled(x, ids, weights, self.tiled_fmt, self.w13_tiles, self.w2_tiles,
-                                              self.inter, activation=act)
+            return self.ops.moe_experts_tiled(
+                x, ids, weights, self.tiled_fmt, self.w13_tiles, self.w2_tiles, self.inter, activation=act
+            )
         if self.fmt == "int4pack":
-            return self.ops.moe_experts_int4pack_cpu(x, ids, weights, self.w13_int4pack, self.w13_scales_zeros,
-                                                     self.w2_int4pack, self.w2_scales_zeros, self.quant.group_size,
-                                                     activation=act)
+            return self.ops.moe_experts_int4pack_cpu(
+                x,
+                ids,
+                weights,
+                self.w13_int4pack,
+                self.w13_scales_zeros,
+                self.w2_int4pack,
+                self.w2_scales_zeros,
+                self.quant.group_size,
+                activation=act,
+            )
         if self.fmt == "int4":
-            return self.ops.moe_experts_w4a16(x, ids, weights, self.w13_weight_packed, self.w13_weight_scale,
-                                              self.w2_weight_packed, self.w2_weight_scale, self.quant.group_size,
-                                              activation=act)
+            return self.ops.moe_experts_w4a16(
+                x,
+                ids,
+                weights,
+                self.w13_weight_packed,
+                self.w13_weight_scale,
+                self.w2_weight_packed,
+                self.w2_weight_scale,
+                self.quant.group_size,
+                activation=act,
+            )
         if self.fmt == "mxfp4":
-            return self.ops.moe_experts_mxfp4(x, ids, weights, self.w13_weight_packed, self.w13_weight_scale,
-                                              self.w2_weight_packed, self.w2_weight_scale, activation=act)
-        return self.ops.moe_experts_fp8(x, ids, weights, self.w13_weight, self.w13_weight_scale_inv,
-                                        self.w2_weight, self.w2_weight_scale_inv, self.quant.weight_block_size,
-                                        activation=act)
+            return self.ops.moe_experts_mxfp4(
+                x,
+                ids,
+                weights,
+                self.w13_weight_packed,
+                self.w13_weight_scale,
+                self.w2_weight_packed,
+                self.w2_weight_scale,
+                activation=act,
+            )
+        return self.ops.moe_experts_fp8(
+            x,
+            ids,
+            weights,
+            self.w13_weight,
+            self.w13_weight_scale_inv,
+            self.w2_weight,
+            self.w2_weight_scale_inv,
+            self.quant.weight_block_size,
+            activation=act,
+        )
 
-    def run_subset(self, expert_map: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
-                   weights: torch.Tensor) -> torch.Tensor:
+    def run_subset(
+        self, expert_map: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         """The contribution of this stack's experts only; ``expert_map`` [E] gives each global
         expert's slot in the stack or -1. -> [T, D]
 
@@ -170,8 +249,9 @@ class ExpertStack(nn.Module):
         kind = "silu" if self.activation is None else self.activation.kind
         if kind not in self.ops.expert_activations:
             supported = ", ".join(self.ops.expert_activations)
-            raise ValueError(f"the {self.ops.name} backend's MoE kernels compute {supported}, not the experts' "
-                             f"activation {kind!r}")
+            raise ValueError(
+                f"the {self.ops.name} backend's MoE kernels compute {supported}, not the experts' activation {kind!r}"
+            )
 
 
 class RoutedExperts(nn.Module):
@@ -186,17 +266,25 @@ class RoutedExperts(nn.Module):
 
     param_class = "routed_experts"  # for the planner, see engine.registry
 
-    def __init__(self, config: ModelConfig, prefix: str, par: ParallelState = SINGLE,
-                 placement_row: list[int] | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: str,
+        par: ParallelState = SINGLE,
+        placement_row: list[int] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         n = config.n_routed_experts
         self.num_experts = n
         self.prefix = prefix
         self.top_k, self.act_dtype = config.num_experts_per_tok, dtype
         self.fmt = linear_format(config.quantization, f"{prefix}.0.gate_proj")
-        self.shapes = {"gate_proj": [config.moe_intermediate_size, config.hidden_size],
-                       "up_proj": [config.moe_intermediate_size, config.hidden_size],
-                       "down_proj": [config.hidden_size, config.moe_intermediate_size]}
+        self.shapes = {
+            "gate_proj": [config.moe_intermediate_size, config.hidden_size],
+            "up_proj": [config.moe_intermediate_size, config.hidden_size],
+            "down_proj": [config.hidden_size, config.moe_intermediate_size],
+        }
         ep_owner = [r for r, size in enumerate(split_sizes(n, par.world_size)) for _ in range(size)]
         row = placement_row if placement_row is not None else ep_owner
         on_device = [e for e in range(n) if row[e] == par.rank]
@@ -306,8 +394,14 @@ class RoutedExperts(nn.Module):
     def _param_name(self, stack: ExpertStack, proj: str, suffix: str) -> str:
         return f"{'local' if stack is self.local else 'host'}.{'w2' if proj == 'down_proj' else 'w13'}_{suffix}"
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                counted: bool = False, before_join=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        counted: bool = False,
+        before_join=None,
+    ) -> torch.Tensor:
         """``counted``: the router already added this routing to ``routing_counts`` (in its launch).
         ``before_join``: called once, with no argument, after the device's own experts are enqueued and
         before waiting for the host experts' result: the caller's work that does not need it (the
@@ -344,14 +438,12 @@ class RoutedExperts(nn.Module):
             return pending.add_to(y)
         return y if y is not None else torch.zeros_like(x)
 
-
     def reserve_graph_staging(self, staging, rows: int, device: torch.device) -> None:
         """Size the piecewise graphs' pinned staging for ``rows`` tokens of this layer's layout, before
         any capture (allocating page-locked memory is not allowed inside one)."""
         staging.reserve(rows, device, self.act_dtype, self.shapes["down_proj"][0], self.top_k)
 
-    def _forward_segmented(self, x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor,
-                           before_join) -> torch.Tensor:
+    def _forward_segmented(self, x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, before_join) -> torch.Tensor:
         """The host join inside a piecewise decode graph's capture (engine/runner/piecewise.py): the
         rows staged into the graphs' pinned block, cut A (the worker starts), the device's own
         experts and ``before_join`` (shared experts), cut B (the worker's result is in), the pinned
@@ -383,22 +475,36 @@ def _expert_map(n: int, experts: list[int], device: torch.device | None = None) 
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig, prefix: str, par: ParallelState = SINGLE,
-                 placement_row: list[int] | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: str,
+        par: ParallelState = SINGLE,
+        placement_row: list[int] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         self.parallel = par.is_parallel
         self.gate = Router(config)
         self.experts = RoutedExperts(config, f"{prefix}.experts", par, placement_row, dtype)
         self.shared_experts = None
         if config.n_shared_experts:
-            self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
-                                      config.quantization, f"{prefix}.shared_experts", par, dtype, "shared_experts")
+            self.shared_experts = MLP(
+                config.hidden_size,
+                config.moe_intermediate_size * config.n_shared_experts,
+                config.quantization,
+                f"{prefix}.shared_experts",
+                par,
+                dtype,
+                "shared_experts",
+            )
 
     def forward(self, x: torch.Tensor, x32: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's partial sum (its experts + its shard of the shared experts); the caller reduces.
         ``x32``: None, or ``x.float()`` already made (the router computes in fp32)."""
-        topk_ids, topk_weights = self.gate(x if x32 is None else x32, self.experts.routing_counts, x.dtype,
-                                           self.experts.count_rows)
+        topk_ids, topk_weights = self.gate(
+            x if x32 is None else x32, self.experts.routing_counts, x.dtype, self.experts.count_rows
+        )
         shared = []  # the shared experts, enqueued before the host experts' join
         hook = (lambda: shared.append(self.shared_experts(x))) if self.shared_experts is not None else None
         y = self.experts(x, topk_ids, topk_weights, counted=True, before_join=hook)

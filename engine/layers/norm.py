@@ -24,8 +24,9 @@ class RMSNorm(nn.Module):
         must be a fresh tensor the caller gives up: it may hold the sum."""
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
-    def add_forward_fp32(self, x: torch.Tensor, residual: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def add_forward_fp32(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``add_forward`` and the normalised output's fp32 copy (exact) from the same call: the input
         of a MoE router, which computes in fp32."""
         return self.ops.add_rms_norm_fp32(x, residual, self.weight, self.eps)

@@ -55,16 +55,21 @@ class CheckpointReader:
             weight_map = data["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                       for k, v in weight_map.items()):
-            raise CheckpointError(f"{index}: field 'weight_map' must be an object of tensor name -> shard file, "
-                                  f"got a {type(weight_map).__name__}")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CheckpointError(
+                f"{index}: field 'weight_map' must be an object of tensor name -> shard file, "
+                f"got a {type(weight_map).__name__}"
+            )
         self._weight_map: dict[str, str] = dict(weight_map)
         files = sorted(set(self._weight_map.values()))
         for f in files:
             if not (self.dir / f).is_file():
                 example = next(n for n, s in self._weight_map.items() if s == f)
-                raise CheckpointError(f"{self.dir / f}: missing shard (listed in {INDEX_FILE}, e.g. for tensor {example})")
+                raise CheckpointError(
+                    f"{self.dir / f}: missing shard (listed in {INDEX_FILE}, e.g. for tensor {example})"
+                )
         return files
 
     def _scan(self, file: str) -> None:
@@ -74,7 +79,9 @@ class CheckpointReader:
             handle = safe_open(str(path), framework="pt", device="cpu")
             names = list(handle.keys())
         except Exception as e:  # safetensors raises SafetensorError / OSError on truncation and corruption
-            raise CheckpointError(f"{path}: cannot read safetensors header ({_short(e)}); truncated or corrupt?") from None
+            raise CheckpointError(
+                f"{path}: cannot read safetensors header ({_short(e)}); truncated or corrupt?"
+            ) from None
         # The header parses even when the data section was cut short: check the byte extent too.
         end = 0
         for name in names:
@@ -93,7 +100,9 @@ class CheckpointReader:
         for name, file in self._weight_map.items():
             info = self.tensors.get(name)
             if info is None or info.file != file:
-                raise CheckpointError(f"{self.dir / file}: tensor {name} is listed in {INDEX_FILE} but not in this shard")
+                raise CheckpointError(
+                    f"{self.dir / file}: tensor {name} is listed in {INDEX_FILE} but not in this shard"
+                )
 
     @property
     def total_bytes(self) -> int:
@@ -117,8 +126,24 @@ class CheckpointReader:
             raise CheckpointError(f"{self.dir / info.file}: tensor {name}: cannot read data ({_short(e)})") from None
 
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E8M0": 1}
+_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "F8_E8M0": 1,
+}
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:

@@ -55,6 +55,7 @@ class TensorSource:
 
 def check_dtype(src: torch.dtype, dst: torch.dtype, where: str) -> None:
     """Packed/fp8 storage must match exactly; floating tensors convert, fp8 never silently."""
+
     def name(d: torch.dtype) -> str:
         return str(d).removeprefix("torch.")
 
@@ -64,8 +65,9 @@ def check_dtype(src: torch.dtype, dst: torch.dtype, where: str) -> None:
     if not exact and not src.is_floating_point:
         raise CheckpointError(f"{where}: dtype {name(src)}, expected a floating-point tensor")
     if not exact and src in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise CheckpointError(f"{where}: dtype {name(src)}, expected {name(dst)} "
-                              "(fp8 weight without a quantization_config?)")
+        raise CheckpointError(
+            f"{where}: dtype {name(src)}, expected {name(dst)} (fp8 weight without a quantization_config?)"
+        )
 
 
 def copy_into(param: torch.Tensor, src: TensorSource) -> None:

@@ -33,8 +33,9 @@ class LoadReport:
     skipped_examples: tuple[str, ...]
 
 
-def load_weights(model: nn.Module, reader: CheckpointReader, prefix: str = "",
-                 progress: Callable[[LoadProgress], None] | None = None) -> LoadReport:
+def load_weights(
+    model: nn.Module, reader: CheckpointReader, prefix: str = "", progress: Callable[[LoadProgress], None] | None = None
+) -> LoadReport:
     """Fill every parameter of ``model`` from ``reader``; raise CheckpointError on any mismatch.
 
     ``prefix``: the family's prefix on text-model tensors (``language_model.``); tensors without it
@@ -49,7 +50,7 @@ def load_weights(model: nn.Module, reader: CheckpointReader, prefix: str = "",
         if prefix and not info.name.startswith(prefix):
             target: WeightTarget | str = "outside the text model"
         else:
-            target = model.checkpoint_target(info.name[len(prefix):])
+            target = model.checkpoint_target(info.name[len(prefix) :])
         if isinstance(target, WeightTarget):
             got = _load_one(modules.get(target.module), target, TensorSource(reader, info))
             if got is None:
@@ -96,5 +97,6 @@ def _check_complete(model: nn.Module, filled: dict[str, set], reader: Checkpoint
         missing = [prefix + ckpt for shard_id, ckpt in sources.items() if shard_id not in have]
         if missing:
             more = f" and {len(missing) - 1} more for {name}" if len(missing) > 1 else ""
-            raise CheckpointError(f"{reader.dir}: tensor {missing[0]} missing (expected for parameter "
-                                  f"{name} {list(p.shape)}){more}")
+            raise CheckpointError(
+                f"{reader.dir}: tensor {missing[0]} missing (expected for parameter {name} {list(p.shape)}){more}"
+            )

@@ -42,5 +42,6 @@ def prepare_experts(layers: nn.ModuleList, dtype: torch.dtype) -> None:
 
 def routing_stats(layers: nn.ModuleList) -> dict[int, list[int]]:
     """Tokens routed to each expert so far, per MoE layer (for hottest-first placement)."""
-    return {i: layer.mlp.experts.routing_counts.tolist() for i, layer in enumerate(layers)
-            if hasattr(layer.mlp, "experts")}
+    return {
+        i: layer.mlp.experts.routing_counts.tolist() for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")
+    }

@@ -20,17 +20,24 @@ from kimitui.engine.layers.mlp import MLP
 from kimitui.engine.layers.moe import MoE
 from kimitui.engine.layers.norm import RMSNorm
 from kimitui.engine.layers.rope import YarnRotaryEmbedding
-from kimitui.engine.registry import WeightTarget
-from kimitui.engine.parallel.state import SINGLE, ParallelState
 from kimitui.engine.models.common import derive_weights, prepare_experts, routing_stats, skip_reason
+from kimitui.engine.parallel.state import SINGLE, ParallelState
+from kimitui.engine.registry import WeightTarget
 from kimitui.kernels.backend import Backend
 
 
 class DecoderLayer(nn.Module):
     param_class = "attention"  # the two norms; self_attn and mlp declare their own
 
-    def __init__(self, config: ModelConfig, layer_idx: int, rope: YarnRotaryEmbedding, par: ParallelState,
-                 placement_row: list[int] | None, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        rope: YarnRotaryEmbedding,
+        par: ParallelState,
+        placement_row: list[int] | None,
+        dtype: torch.dtype,
+    ):
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
         self.par = par
@@ -40,14 +47,21 @@ class DecoderLayer(nn.Module):
         if config.is_moe_layer(layer_idx):
             self.mlp = MoE(config, f"{prefix}.mlp", par, placement_row, dtype)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.quantization, f"{prefix}.mlp", par,
-                           dtype)
+            self.mlp = MLP(
+                config.hidden_size, config.intermediate_size, config.quantization, f"{prefix}.mlp", par, dtype
+            )
         # Each residual half in one call where the backend offers it (``Backend.fuse_decoder_layer``,
         # asked once after loading); None: every step runs op by op.
         self.fused = None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata, cache: torch.Tensor,
-                last: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        cache: torch.Tensor,
+        last: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """vLLM's residual form: the hidden state is ``x + residual`` (``x`` alone when ``residual`` is
         None, as after the embedding) and the layer returns ``(out, residual')`` whose sum is its
         output, leaving the last addition to the next norm (each norm adds the residual in its own
@@ -92,14 +106,21 @@ class DecoderLayer(nn.Module):
 class DeepseekV3Model(nn.Module):
     param_class = "final_norm"  # the final norm; embedding and layers declare their own
 
-    def __init__(self, config: ModelConfig, max_position: int, par: ParallelState,
-                 expert_placement: list[list[int]] | None, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_position: int,
+        par: ParallelState,
+        expert_placement: list[list[int]] | None,
+        dtype: torch.dtype,
+    ):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, par, dtype)
         rope = YarnRotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling, max_position)
         rows = expert_placement or [None] * config.num_hidden_layers
-        self.layers = nn.ModuleList(DecoderLayer(config, i, rope, par, rows[i] or None, dtype)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, rope, par, rows[i] or None, dtype) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # EAGLE-3 drafters read the hidden states of a few layers (see set_aux_hidden_layers); None
         # keeps the plain loop below, so a model without a drafter pays nothing.
@@ -124,7 +145,7 @@ class DeepseekV3Model(nn.Module):
         layer computes every row and the rows to keep (``meta.out_rows``) are taken after it."""
         ids, n_layers, d = self.aux_layers, len(self.layers), x.shape[-1]
         aux = x.new_empty(x.shape[0], len(ids) * d)
-        cols = {k: aux[:, j * d:(j + 1) * d] for j, k in enumerate(ids)}
+        cols = {k: aux[:, j * d : (j + 1) * d] for j, k in enumerate(ids)}
         residual = None
         take_after = n_layers in cols and meta.out_rows is not None
 
@@ -150,16 +171,23 @@ class DeepseekV3Model(nn.Module):
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_position: int | None = None,
-                 par: ParallelState = SINGLE, expert_placement: list[list[int]] | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        max_position: int | None = None,
+        par: ParallelState = SINGLE,
+        expert_placement: list[list[int]] | None = None,
+    ):
         """``dtype``: of the dense weights (see engine.registry for the others).
         ``expert_placement[layer][expert]``: the rank that computes the expert on its device, or -1
         for host RAM (computed by the CPU); None spreads experts evenly over the ranks."""
         super().__init__()
         self.config = config
         self.par = par
-        self.model = DeepseekV3Model(config, max_position or config.max_position_embeddings, par, expert_placement,
-                                     dtype)
+        self.model = DeepseekV3Model(
+            config, max_position or config.max_position_embeddings, par, expert_placement, dtype
+        )
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, config.quantization, par, dtype)
         if config.tie_word_embeddings:  # one parameter, so neither the loader nor the planner sees two
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -183,8 +211,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         n = self.config.num_hidden_layers
         ids = sorted(int(k) for k in layer_ids)
         if len(set(ids)) != len(ids) or not all(0 <= k <= n for k in ids):
-            raise ValueError(f"aux hidden layer ids must be distinct and in 0..{n} (the target has {n} layers), "
-                             f"got {list(layer_ids)}")
+            raise ValueError(
+                f"aux hidden layer ids must be distinct and in 0..{n} (the target has {n} layers), "
+                f"got {list(layer_ids)}"
+            )
         self.model.aux_layers = tuple(ids)
         self.model.aux_hidden = None
 

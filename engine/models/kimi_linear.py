@@ -22,21 +22,20 @@ from torch import nn
 
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.kv_cache.pool import CacheSpec, MLACacheSpec
+from kimitui.engine.kv_cache.state import KDAStateSpec
 from kimitui.engine.layers.activation import GatedActivation
 from kimitui.engine.layers.attn_metadata import AttentionMetadata
 from kimitui.engine.layers.attn_res import AttnResProj, DepthBlocks
 from kimitui.engine.layers.embedding import LMHead, VocabEmbedding
+from kimitui.engine.layers.kda import KDAConfig, KimiDeltaAttention
 from kimitui.engine.layers.latent_moe import KimiMoE
 from kimitui.engine.layers.mla import MLAttention
 from kimitui.engine.layers.mlp import MLP
 from kimitui.engine.layers.norm import RMSNorm
-from kimitui.engine.registry import WeightTarget
-from kimitui.engine.parallel.state import SINGLE, ParallelState
-from kimitui.kernels.backend import REFERENCE, Backend
 from kimitui.engine.models.common import derive_weights, prepare_experts, routing_stats, skip_reason
-from kimitui.engine.layers.kda import KDAConfig
-from kimitui.engine.kv_cache.state import KDAStateSpec
-from kimitui.engine.layers.kda import KimiDeltaAttention
+from kimitui.engine.parallel.state import SINGLE, ParallelState
+from kimitui.engine.registry import WeightTarget
+from kimitui.kernels.backend import REFERENCE, Backend
 from kimitui.kernels.reference import attn_res_mix
 
 # checkpoint MoE spellings -> module names: K3 and transformers' save_pretrained write the MoE (and
@@ -48,16 +47,21 @@ _W_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 def _kda_config(config: ModelConfig):
     la = config.linear_attn
-    return KDAConfig.from_linear_attn_config(config.hidden_size, dict(la.raw), config.rms_norm_eps,
-                                             config.quantization)
+    return KDAConfig.from_linear_attn_config(config.hidden_size, dict(la.raw), config.rms_norm_eps, config.quantization)
 
 
 class KimiDecoderLayer(nn.Module):
     param_class = "attention"  # the norms and AttnRes mixes; self_attn and mlp declare their own
     ops: Backend = REFERENCE  # the model's backend (the AttnRes mixes), set when it is loaded
 
-    def __init__(self, config: ModelConfig, layer_idx: int, par: ParallelState, placement_row: list[int] | None,
-                 dtype: torch.dtype):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        par: ParallelState,
+        placement_row: list[int] | None,
+        dtype: torch.dtype,
+    ):
         super().__init__()
         c = config
         prefix = f"model.layers.{layer_idx}"
@@ -72,8 +76,15 @@ class KimiDecoderLayer(nn.Module):
         if c.is_moe_layer(layer_idx):
             self.mlp = KimiMoE(c, f"{prefix}.mlp", par, placement_row, dtype)
         else:
-            self.mlp = MLP(c.hidden_size, c.intermediate_size, c.quantization, f"{prefix}.mlp", par, dtype,
-                           act=GatedActivation.from_config(c))
+            self.mlp = MLP(
+                c.hidden_size,
+                c.intermediate_size,
+                c.quantization,
+                f"{prefix}.mlp",
+                par,
+                dtype,
+                act=GatedActivation.from_config(c),
+            )
         self.block_size = c.attn_res_block_size
         if self.block_size:
             self.self_attention_res_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
@@ -106,8 +117,9 @@ class KimiDecoderLayer(nn.Module):
         h = h + a
         return h + self._mlp(h)
 
-    def forward_attn_res(self, prefix: torch.Tensor, blocks: DepthBlocks, meta: AttentionMetadata, cache,
-                         last: bool = False) -> tuple[torch.Tensor, DepthBlocks]:
+    def forward_attn_res(
+        self, prefix: torch.Tensor, blocks: DepthBlocks, meta: AttentionMetadata, cache, last: bool = False
+    ) -> tuple[torch.Tensor, DepthBlocks]:
         """The AttnRes form (see ``engine.layers.attn_res``): ``prefix`` [T, D] is the running sum of
         the current block, ``blocks`` the per-token snapshots. -> (new prefix, new blocks).
 
@@ -115,9 +127,17 @@ class KimiDecoderLayer(nn.Module):
         snapshot that begins a block written by the first, the running sum's add by the second."""
         ln, post = self.input_layernorm, self.post_attention_layernorm
         snapshot = self.layer_idx % self.block_size == 0
-        x, _ = self.ops.attn_res_mix_norm(prefix, blocks.buf, blocks.n, self.self_attention_res_norm.weight,
-                                          self.self_attention_res_norm.eps, self.self_attention_res_proj.weight,
-                                          ln.weight, ln.eps, save=snapshot)
+        x, _ = self.ops.attn_res_mix_norm(
+            prefix,
+            blocks.buf,
+            blocks.n,
+            self.self_attention_res_norm.weight,
+            self.self_attention_res_norm.eps,
+            self.self_attention_res_proj.weight,
+            ln.weight,
+            ln.eps,
+            save=snapshot,
+        )
         n = blocks.n + 1 if snapshot else blocks.n
         blocks = DepthBlocks(blocks.buf, n)
         a = self._attn_normed(x, meta, cache, last)
@@ -136,14 +156,16 @@ class KimiLinearModel(nn.Module):
     param_class = "final_norm"  # the final norm and mix; embedding and layers declare their own
     ops: Backend = REFERENCE  # the model's backend (the output mix), set when it is loaded
 
-    def __init__(self, config: ModelConfig, par: ParallelState, expert_placement: list[list[int]] | None,
-                 dtype: torch.dtype):
+    def __init__(
+        self, config: ModelConfig, par: ParallelState, expert_placement: list[list[int]] | None, dtype: torch.dtype
+    ):
         super().__init__()
         c = config
         self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size, par, dtype)
         rows = expert_placement or [None] * c.num_hidden_layers
-        self.layers = nn.ModuleList(KimiDecoderLayer(c, i, par, rows[i] or None, dtype)
-                                    for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            KimiDecoderLayer(c, i, par, rows[i] or None, dtype) for i in range(c.num_hidden_layers)
+        )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.attn_res = bool(c.attn_res_block_size)
         if self.attn_res:
@@ -167,11 +189,17 @@ class KimiLinearModel(nn.Module):
         blocks = DepthBlocks.for_model(len(self.layers), self.layers[0].block_size, h)
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             h, blocks = layer.forward_attn_res(h, blocks, meta, cache, last=i == last)
-        out, _ = self.ops.attn_res_mix_norm(h, blocks.buf, blocks.n, self.output_attn_res_norm.weight,
-                                            self.output_attn_res_norm.eps, self.output_attn_res_proj.weight,
-                                            self.norm.weight, self.norm.eps)
+        out, _ = self.ops.attn_res_mix_norm(
+            h,
+            blocks.buf,
+            blocks.n,
+            self.output_attn_res_norm.weight,
+            self.output_attn_res_norm.eps,
+            self.output_attn_res_proj.weight,
+            self.norm.weight,
+            self.norm.eps,
+        )
         return out
-
 
     def _forward_capturing(self, h: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:
         """``forward`` that also leaves ``aux_hidden`` [T, len(aux_layers) * D]: for each capture id k
@@ -182,7 +210,7 @@ class KimiLinearModel(nn.Module):
         the last layer computes every row and the rows to keep are taken after it."""
         ids, n_layers, d = self.aux_layers, len(self.layers), h.shape[-1]
         aux = h.new_empty(h.shape[0], len(ids) * d)
-        cols = {k: aux[:, j * d:(j + 1) * d] for j, k in enumerate(ids)}
+        cols = {k: aux[:, j * d : (j + 1) * d] for j, k in enumerate(ids)}
         take_after = n_layers in cols and meta.out_rows is not None
         blocks = DepthBlocks.for_model(n_layers, self.layers[0].block_size, h) if self.attn_res else None
 
@@ -212,9 +240,16 @@ class KimiLinearModel(nn.Module):
         self.aux_hidden = aux
         if blocks is None:
             return self.norm(h)
-        out, _ = self.ops.attn_res_mix_norm(h, blocks.buf, blocks.n, self.output_attn_res_norm.weight,
-                                            self.output_attn_res_norm.eps, self.output_attn_res_proj.weight,
-                                            self.norm.weight, self.norm.eps)
+        out, _ = self.ops.attn_res_mix_norm(
+            h,
+            blocks.buf,
+            blocks.n,
+            self.output_attn_res_norm.weight,
+            self.output_attn_res_norm.eps,
+            self.output_attn_res_proj.weight,
+            self.norm.weight,
+            self.norm.eps,
+        )
         return out
 
 
@@ -222,8 +257,14 @@ class KimiLinearForCausalLM(nn.Module):
     """Kimi Linear and Kimi K3 text model. ``forward(input_ids, meta, caches)``: ``caches[i]`` is
     layer i's paged MLA latent cache tensor or its ``KDAState`` (see ``cache_specs``)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_position: int | None = None,
-                 par: ParallelState = SINGLE, expert_placement: list[list[int]] | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        max_position: int | None = None,
+        par: ParallelState = SINGLE,
+        expert_placement: list[list[int]] | None = None,
+    ):
         """``dtype``: of the dense weights (KDA's A_log, dt_bias, conv weights and the router stay fp32).
         ``max_position`` is unused: NoPE layers have no position tables."""
         super().__init__()
@@ -252,8 +293,10 @@ class KimiLinearForCausalLM(nn.Module):
         n = self.config.num_hidden_layers
         ids = sorted(int(k) for k in layer_ids)
         if len(set(ids)) != len(ids) or not all(0 <= k <= n for k in ids):
-            raise ValueError(f"aux hidden layer ids must be distinct and in 0..{n} (the target has {n} layers), "
-                             f"got {list(layer_ids)}")
+            raise ValueError(
+                f"aux hidden layer ids must be distinct and in 0..{n} (the target has {n} layers), "
+                f"got {list(layer_ids)}"
+            )
         if stream not in ("prefix", "attn_res"):
             raise ValueError(f"aux hidden stream {stream!r}: supported prefix, attn_res")
         if stream == "attn_res" and not self.model.attn_res:
@@ -292,8 +335,14 @@ class KimiLinearForCausalLM(nn.Module):
             if layer.is_kda:
                 la = self.config.linear_attn
                 h0, h1 = self.par.range(la.num_heads)
-                specs.append(KDAStateSpec(num_heads=h1 - h0, head_k_dim=la.head_dim, head_v_dim=la.head_dim,
-                                          conv_kernel=la.short_conv_kernel_size))
+                specs.append(
+                    KDAStateSpec(
+                        num_heads=h1 - h0,
+                        head_k_dim=la.head_dim,
+                        head_v_dim=la.head_dim,
+                        conv_kernel=la.short_conv_kernel_size,
+                    )
+                )
             else:
                 specs.append(MLACacheSpec(dim=self.config.kv_cache_dim, dtype=dtype))
         return specs

@@ -33,8 +33,12 @@ class NodeWorkers:
 
     def pool(self, cpus: tuple[int, ...]) -> ThreadPoolExecutor:
         if cpus not in self._pools:
-            self._pools[cpus] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kimitui-numa-node",
-                                                   initializer=numa.pin_current_thread, initargs=(cpus,))
+            self._pools[cpus] = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="kimitui-numa-node",
+                initializer=numa.pin_current_thread,
+                initargs=(cpus,),
+            )
         return self._pools[cpus]
 
     def shutdown(self) -> None:
@@ -96,11 +100,11 @@ class CpuExpertExecutor:
         if self.nodes:
             raise RuntimeError("CpuExpertExecutor.split_across: already split")
         self._workers = workers
-        ranges = numa.assign_experts([_stack_bytes(self.stack, s) for s in range(self.stack.num)],
-                                     len(topology.nodes))
+        ranges = numa.assign_experts([_stack_bytes(self.stack, s) for s in range(self.stack.num)], len(topology.nodes))
         used = [(node, r) for node, r in zip(topology.nodes, ranges) if r[1] > r[0]]
-        subs = numa.run_pinned([node.cpus for node, _ in used],
-                               [functools.partial(_substack, self.stack, *r) for _, r in used])
+        subs = numa.run_pinned(
+            [node.cpus for node, _ in used], [functools.partial(_substack, self.stack, *r) for _, r in used]
+        )
         for (node, (start, end)), sub in zip(used, subs):
             slot = self.expert_map
             node_map = torch.where((slot >= start) & (slot < end), slot - start, torch.full_like(slot, -1))
@@ -135,8 +139,10 @@ class CpuExpertExecutor:
         if not self.nodes:
             out = self.stack.run_subset(self.expert_map, x, ids, w)
         else:
-            parts = [self._workers.pool(cpus).submit(sub.run_subset, node_map, x, ids, w)
-                     for cpus, sub, node_map in self.nodes]
+            parts = [
+                self._workers.pool(cpus).submit(sub.run_subset, node_map, x, ids, w)
+                for cpus, sub, node_map in self.nodes
+            ]
             out = _sum_parts(parts, x.dtype)
         if staging is not None:
             out = staging.output(x.shape[0]).copy_(out)
@@ -144,8 +150,9 @@ class CpuExpertExecutor:
             timing.add_host(t1 - t0, time.perf_counter() - t1)
         return out
 
-    def graph_job(self, x: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor,
-                  staging: HostStaging) -> GraphHostJob:
+    def graph_job(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor, staging: HostStaging
+    ) -> GraphHostJob:
         """Inside a piecewise decode graph's capture (engine/runner/piecewise.py): stage this layer's rows
         into ``staging`` (frozen, shared by the graphs' layers) with the copies captured and no event;
         -> the job whose ``start`` / ``finish`` the graph runs at its two cuts on every replay."""
@@ -169,8 +176,7 @@ def _sum_parts(parts: list[Future], dtype: torch.dtype) -> torch.Tensor:
 class PendingHostExperts:
     """A layer's host experts in flight (``CpuExpertExecutor.submit``)."""
 
-    def __init__(self, future: Future, device: torch.device, staging: HostStaging | None,
-                 timing: LayerTiming | None):
+    def __init__(self, future: Future, device: torch.device, staging: HostStaging | None, timing: LayerTiming | None):
         self._future, self.device, self._staging, self._timing = future, device, staging, timing
 
     def result(self) -> torch.Tensor:

@@ -63,8 +63,10 @@ class HostStaging:
             # the int32 ids follow the hidden states in one byte block: their offset must be 4-aligned
             raise ValueError(f"host staging: hidden size {hidden} x {dtype} is not a multiple of 4 bytes")
         if self.frozen:
-            raise ValueError(f"host staging is captured by decode graphs for {self.capacity} tokens of "
-                             f"{self._key}; {tokens} tokens of {key} would move it")
+            raise ValueError(
+                f"host staging is captured by decode graphs for {self.capacity} tokens of "
+                f"{self._key}; {tokens} tokens of {key} would move it"
+            )
         cap = max(tokens, self.capacity if key == self._key else 0)
         cap = 1 << (cap - 1).bit_length()  # powers of two: a growing prefill reallocates a few times at most
         pin = key[0].type != "cpu"
@@ -85,16 +87,23 @@ class HostStaging:
         t, d = x.shape
         k = topk_ids.shape[1]
         self.reserve(t, x.device, x.dtype, d, k)
-        block = torch.cat([x.reshape(-1).view(torch.uint8),
-                           topk_ids.to(torch.int32).reshape(-1).view(torch.uint8),
-                           weights.to(x.dtype).reshape(-1).view(torch.uint8)])
-        host = self._in[:block.numel()]
+        block = torch.cat(
+            [
+                x.reshape(-1).view(torch.uint8),
+                topk_ids.to(torch.int32).reshape(-1).view(torch.uint8),
+                weights.to(x.dtype).reshape(-1).view(torch.uint8),
+            ]
+        )
+        host = self._in[: block.numel()]
         host.copy_(block, non_blocking=True)
         if self._in_ready is not None and record:
             self._in_ready.record()
         a, b = t * d * x.dtype.itemsize, t * k * 4
-        return (host[:a].view(x.dtype).view(t, d), host[a:a + b].view(torch.int32).view(t, k),
-                host[a + b:].view(x.dtype).view(t, k))
+        return (
+            host[:a].view(x.dtype).view(t, d),
+            host[a : a + b].view(torch.int32).view(t, k),
+            host[a + b :].view(x.dtype).view(t, k),
+        )
 
     def wait_inputs(self) -> None:
         """Block the calling (worker) thread until the staged inputs have arrived."""
@@ -107,7 +116,7 @@ class HostStaging:
         only, as a graph capture takes it)."""
         if self._out_free is not None and wait:
             self._out_free.synchronize()
-        return self._out[:tokens * self._key[2]].view(tokens, self._key[2])
+        return self._out[: tokens * self._key[2]].view(tokens, self._key[2])
 
     def to_device(self, host_out: torch.Tensor, device: torch.device, record: bool = True) -> torch.Tensor:
         """The one host -> device copy of the result, ordered on the current stream, no host sync.

@@ -60,8 +60,10 @@ class NumaTopology:
         return len(self.nodes) > 1
 
     def summary_lines(self) -> list[str]:
-        return [f"node {n.node}    cpus {format_cpulist(n.cpus)} ({len(n.cpus)}), {n.mem_bytes / 2**30:.1f} GiB"
-                for n in self.nodes]
+        return [
+            f"node {n.node}    cpus {format_cpulist(n.cpus)} ({len(n.cpus)}), {n.mem_bytes / 2**30:.1f} GiB"
+            for n in self.nodes
+        ]
 
 
 @dataclass(frozen=True)
@@ -120,8 +122,11 @@ def read_topology(root: str | os.PathLike = SYSFS_NODES) -> NumaTopology:
             continue
         nodes.append(NumaNode(int(d.name[4:]), cpus, _mem_total(d / "meminfo")))
     if not nodes:
-        cpus = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else tuple(
-            range(os.cpu_count() or 1))
+        cpus = (
+            tuple(sorted(os.sched_getaffinity(0)))
+            if hasattr(os, "sched_getaffinity")
+            else tuple(range(os.cpu_count() or 1))
+        )
         nodes.append(NumaNode(0, cpus, 0))
     return NumaTopology(tuple(nodes))
 
@@ -163,6 +168,7 @@ def pin_current_thread(cpus: tuple[int, ...]) -> None:
 
 def run_pinned(cpus_per_node: list[tuple[int, ...]], fns: list) -> list:
     """Run fns[i]() on a fresh thread pinned to cpus_per_node[i], all at once; -> their results."""
+
     def call(cpus, fn):
         pin_current_thread(cpus)
         return fn()

@@ -113,5 +113,11 @@ def report(model) -> dict:
 
 def _row(t: LayerTiming) -> dict:
     hidden = None if t.host_s <= 0 else max(0.0, 1.0 - t.wait_s / t.host_s)
-    return {"calls": t.calls, "host_s": t.host_s, "input_wait_s": t.input_wait_s, "device_s": t.device_s,
-            "wait_s": t.wait_s, "hidden_fraction": hidden}
+    return {
+        "calls": t.calls,
+        "host_s": t.host_s,
+        "input_wait_s": t.input_wait_s,
+        "device_s": t.device_s,
+        "wait_s": t.wait_s,
+        "hidden_fraction": hidden,
+    }

@@ -36,8 +36,9 @@ class WatchdogConfig:
 
     def __post_init__(self):
         if not 0 < self.interval_s < self.stale_after_s:
-            raise ValueError(f"WatchdogConfig: need 0 < interval_s ({self.interval_s}) < stale_after_s "
-                             f"({self.stale_after_s})")
+            raise ValueError(
+                f"WatchdogConfig: need 0 < interval_s ({self.interval_s}) < stale_after_s ({self.stale_after_s})"
+            )
 
 
 def stop_workers(procs) -> None:
@@ -80,8 +81,9 @@ class Heartbeat:
 class Watchdog:
     """Rank 0 side: watches ``workers`` ({rank: (process, heartbeat connection or None)})."""
 
-    def __init__(self, workers: dict, on_failure: Callable[[str], None] | None = None,
-                 config: WatchdogConfig = WatchdogConfig()):
+    def __init__(
+        self, workers: dict, on_failure: Callable[[str], None] | None = None, config: WatchdogConfig = WatchdogConfig()
+    ):
         self._workers = dict(workers)
         self._on_failure = on_failure
         self._config = config
@@ -149,5 +151,9 @@ class Watchdog:
             quiet = 0.0 if last is None else now - last
             if quiet > self._config.stale_after_s and rank not in self._warned:
                 self._warned.add(rank)
-                log.warning("tensor-parallel worker %d (pid %s) sent no heartbeat for %.0f s: it may be hung",
-                            rank, proc.pid, quiet)
+                log.warning(
+                    "tensor-parallel worker %d (pid %s) sent no heartbeat for %.0f s: it may be hung",
+                    rank,
+                    proc.pid,
+                    quiet,
+                )

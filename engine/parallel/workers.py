@@ -104,10 +104,16 @@ def init_rank(spec: WorkerSpec, rank: int) -> ParallelState:
     their own pace); the group's collectives get ``spec.dist_timeout_s``."""
     backend = "nccl" if spec.device_type == "cuda" else "gloo"
     timeout = spec.dist_timeout_s or dist_timeout_s()
-    store = dist.TCPStore("127.0.0.1", spec.port, spec.world_size, is_master=rank == 0,
-                          timeout=timedelta(seconds=max(timeout, _STARTUP_TIMEOUT_S)))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=spec.world_size,
-                            timeout=timedelta(seconds=timeout))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        spec.port,
+        spec.world_size,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=max(timeout, _STARTUP_TIMEOUT_S)),
+    )
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=spec.world_size, timeout=timedelta(seconds=timeout)
+    )
     return ParallelState(rank=rank, world_size=spec.world_size, group=dist.group.WORLD)
 
 
@@ -128,17 +134,20 @@ class WorkerGroup:
         ctx = mp.get_context("spawn")
         pipes = [ctx.Pipe(duplex=False) for _ in range(1, spec.world_size)]  # heartbeats: (rank 0's end, the worker's)
         work = [ctx.Pipe(duplex=False) for _ in range(1, spec.world_size)]  # step inputs: (the worker's end, rank 0's)
-        self.procs = [ctx.Process(target=target, args=(r, spec, send, recv), name=f"kimitui-rank{r}",
-                                  daemon=True)
-                      for r, (_, send), (recv, _) in zip(range(1, spec.world_size), pipes, work)]
+        self.procs = [
+            ctx.Process(target=target, args=(r, spec, send, recv), name=f"kimitui-rank{r}", daemon=True)
+            for r, (_, send), (recv, _) in zip(range(1, spec.world_size), pipes, work)
+        ]
         for p, (_, send), (recv, _) in zip(self.procs, pipes, work):
             p.start()
             send.close()  # the worker holds its end; rank 0 then reads EOF when it dies
             recv.close()  # and the worker alone reads its inputs
         self._work = [send for _, send in work]
         self._closed = False
-        self.watchdog = Watchdog({r: (p, recv) for r, (p, (recv, _)) in enumerate(zip(self.procs, pipes), start=1)},
-                                 on_failure=lambda _: stop_workers(self.procs))  # unblocks rank 0
+        self.watchdog = Watchdog(
+            {r: (p, recv) for r, (p, (recv, _)) in enumerate(zip(self.procs, pipes), start=1)},
+            on_failure=lambda _: stop_workers(self.procs),
+        )  # unblocks rank 0
 
     def join_as_rank0(self) -> ParallelState:
         """Join the process group as rank 0, failing fast if a worker dies before it connects."""
@@ -189,8 +198,10 @@ class WorkerGroup:
                 return WorkerError(f"{self.watchdog.failure} during start-up (see its traceback above)")
             for rank, p in enumerate(self.procs, start=1):
                 if p.exitcode is not None:
-                    return WorkerError(f"tensor-parallel worker rank {rank} exited with code {p.exitcode} "
-                                       "during start-up (see its traceback above)")
+                    return WorkerError(
+                        f"tensor-parallel worker rank {rank} exited with code {p.exitcode} "
+                        "during start-up (see its traceback above)"
+                    )
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.layers.linear import linear_format, split_unit
 from kimitui.engine.layers.mla import PREFILL_SLICE
-from kimitui.engine.plan.param_count import compute_dtype
 from kimitui.engine.parallel.state import split_sizes
+from kimitui.engine.plan.param_count import compute_dtype
 from kimitui.engine.units import GiB, cdiv
 
 WORKSPACE_BYTES = 512 << 20
@@ -63,8 +63,8 @@ class StepPeak:
     """Peak bytes of one step and the parts live at the peak of its forward pass."""
 
     shape: StepShape
-    forward: int                   # peak of the decoder stack
-    logits: int                    # peak of lm_head + sampler (the forward's transients are gone)
+    forward: int  # peak of the decoder stack
+    logits: int  # peak of lm_head + sampler (the forward's transients are gone)
     parts: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -77,28 +77,40 @@ class ActivationReserve:
     """What the planner keeps back per GPU, and what it is made of."""
 
     total: int
-    step: StepPeak            # the worst step (prefill shapes and the decode step without graphs)
-    graph_pool: int           # decode step kept by the CUDA/HIP graph pool (0 when graphs are off)
+    step: StepPeak  # the worst step (prefill shapes and the decode step without graphs)
+    graph_pool: int  # decode step kept by the CUDA/HIP graph pool (0 when graphs are off)
     margin: int
     max_num_batched_tokens: int
     max_num_seqs: int
 
     def to_dict(self) -> dict:
-        return {"bytes": self.total, "given": False, "worst_step": self.step.shape.name, "step_bytes": self.step.total,
-                "step_parts": dict(self.step.parts), "decode_graph_pool_bytes": self.graph_pool,
-                "margin_bytes": self.margin, "max_num_batched_tokens": self.max_num_batched_tokens,
-                "max_num_seqs": self.max_num_seqs}
+        return {
+            "bytes": self.total,
+            "given": False,
+            "worst_step": self.step.shape.name,
+            "step_bytes": self.step.total,
+            "step_parts": dict(self.step.parts),
+            "decode_graph_pool_bytes": self.graph_pool,
+            "margin_bytes": self.margin,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs,
+        }
 
     def line(self) -> str:
         """One line: the reserve and what it is made of."""
+
         def g(b: int) -> str:
             return f"{b / GiB:.2f}"
-        parts = ", ".join(f"{k} {g(v)}" for k, v in sorted(self.step.parts.items(), key=lambda kv: -kv[1])
-                          if v >= GiB // 100)
+
+        parts = ", ".join(
+            f"{k} {g(v)}" for k, v in sorted(self.step.parts.items(), key=lambda kv: -kv[1]) if v >= GiB // 100
+        )
         pool = f" + decode graphs {g(self.graph_pool)} ({self.max_num_seqs} seqs)" if self.graph_pool else ""
-        return (f"reserve per GPU {g(self.total)} GiB = {self.step.shape.name} {g(self.step.total)} ({parts})"
-                f"{pool} + margin {g(self.margin)} (10% + 0.5 GiB workspace); "
-                f"max_num_batched_tokens {self.max_num_batched_tokens:,}, max_num_seqs {self.max_num_seqs}")
+        return (
+            f"reserve per GPU {g(self.total)} GiB = {self.step.shape.name} {g(self.step.total)} ({parts})"
+            f"{pool} + margin {g(self.margin)} (10% + 0.5 GiB workspace); "
+            f"max_num_batched_tokens {self.max_num_batched_tokens:,}, max_num_seqs {self.max_num_seqs}"
+        )
 
 
 class _Dims:
@@ -114,7 +126,7 @@ class _Dims:
         self.ql = c.q_lora_rank or 0
         self.gate = c.mla_use_output_gate
         self.k, self.E, self.I = c.num_experts_per_tok, c.n_routed_experts, c.moe_intermediate_size
-        self.De = c.routed_expert_hidden_size or c.hidden_size   # width the routed experts see
+        self.De = c.routed_expert_hidden_size or c.hidden_size  # width the routed experts see
         self.Is = self._mlp_split(c, "model.layers.1.mlp.shared_experts", c.moe_intermediate_size * c.n_shared_experts)
         self.Id = self._mlp_split(c, "model.layers.0.mlp", c.intermediate_size)
         self.silu = c.hidden_act == "silu"
@@ -122,7 +134,9 @@ class _Dims:
         self.Hk, self.hd = (top(la.num_heads), la.head_dim) if la else (0, 0)
         self.full_gate = bool(la and la.use_full_rank_gate)
         n = c.num_hidden_layers
-        self.kinds = {("kda" if c.is_kda_layer(i) else "mla", "moe" if c.is_moe_layer(i) else "dense") for i in range(n)}
+        self.kinds = {
+            ("kda" if c.is_kda_layer(i) else "mla", "moe" if c.is_moe_layer(i) else "dense") for i in range(n)
+        }
         bs = c.attn_res_block_size
         self.blocks = cdiv(n, bs) if bs else 0  # snapshots taken at layers 0, bs, 2 bs, ...
 
@@ -162,7 +176,7 @@ def _experts(d: _Dims, t: int) -> int:
 
 def _moe(d: _Dims, t: int) -> int:
     latent = t * d.De * d.b * 2 if d.De != d.D else 0  # down_proj's z, the normed sum
-    subset = 2 * t * d.De * d.b if d.tp > 1 else 0       # partial sums when experts are split over ranks
+    subset = 2 * t * d.De * d.b if d.tp > 1 else 0  # partial sums when experts are split over ranks
     routed = max(_router(d, t), _experts(d, t)) + subset
     shared = _mlp(d, t, d.Is) if d.Is else 0
     return latent + t * d.k * (I64 + F32) + t * d.De * d.b + max(routed, shared)
@@ -173,31 +187,38 @@ def _mla_prefill(d: _Dims, n: int, ctx: int) -> int:
     width = max(d.qk, d.v)
     if ctx <= PREFILL_SLICE:
         # gathered latent, kv_b_proj's [L, H, nope + v], padded q/k/v and the kernel's output
-        return (ctx * (d.r + d.rope) * d.b + ctx * d.H * (d.nope + d.v) * d.b + 2 * n * d.H * width * d.b
-                + 2 * ctx * d.H * width * d.b)
+        return (
+            ctx * (d.r + d.rope) * d.b
+            + ctx * d.H * (d.nope + d.v) * d.b
+            + 2 * n * d.H * width * d.b
+            + 2 * ctx * d.H * width * d.b
+        )
     s = PREFILL_SLICE
     # Per slice: its fp32 scores [H, n, S] and fp32 keys/values; the loop frees a slice before the
     # next one is made, so one slice is live at a time.
     kept = s * (d.H * n * F32 + d.H * (d.nope + d.v) * F32)
     made = s * (d.r + d.rope) * d.b + s * d.H * (d.nope + d.v) * d.b + s * d.H * d.qk * F32 + n * s
-    return (n * d.H * d.qk * (F32 + d.b)                       # fp32 queries (and the cat they come from)
-            + kept + made
-            + 3 * d.H * n * d.v * F32 + 2 * d.H * n * F32)     # pv, acc (old and new), running max / sum
+    return (
+        n * d.H * d.qk * (F32 + d.b)  # fp32 queries (and the cat they come from)
+        + kept
+        + made
+        + 3 * d.H * n * d.v * F32
+        + 2 * d.H * n * F32
+    )  # pv, acc (old and new), running max / sum
 
 
 def _mla(d: _Dims, shape: StepShape) -> int:
     t = shape.tokens
     base = t * (d.ql + d.r + d.rope) * d.b + t * d.H * d.qk * d.b  # the input projections, q
-    base += t * d.H * d.rope * d.b + t * (d.r + d.rope) * d.b      # roped q_pe, the normed latent written
-    base += t * d.H * d.v * d.b                                    # the output rows
+    base += t * d.H * d.rope * d.b + t * (d.r + d.rope) * d.b  # roped q_pe, the normed latent written
+    base += t * d.H * d.v * d.b  # the output rows
     attn = 0
     if shape.decodes:
         bsz = shape.decodes
         # kernels/triton/mla_decode.py sizes its split-K partial sums [B, splits, H, r] fp32 so that
         # B * splits * ceil(H / 16) programs are about 256: at most (256 + B * ceil(H/16)) x 16 heads
         programs = 256 + bsz * cdiv(d.H, 16)
-        attn = (3 * bsz * d.H * (d.r + d.rope) * d.b + programs * 16 * (d.r + 2) * F32
-                + 2 * bsz * d.H * d.v * d.b)
+        attn = 3 * bsz * d.H * (d.r + d.rope) * d.b + programs * 16 * (d.r + 2) * F32 + 2 * bsz * d.H * d.v * d.b
     if shape.prefill_seqs:
         n = cdiv(t - shape.decodes, shape.prefill_seqs)
         attn = max(attn, _mla_prefill(d, n, max(shape.context, n)))
@@ -255,24 +276,35 @@ def step_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: i
     max(max_num_batched_tokens, max_num_seqs) rows and max_num_seqs sequences)."""
     t = max(max_num_batched_tokens, max_num_seqs)
     long = max(t, min(max_model_len, max(2 * PREFILL_SLICE, t + PREFILL_SLICE)))
-    shapes = [StepShape(t, 0, 1, t, 1, f"{t:,}-token prefill chunk"),
-              StepShape(t, 0, max_num_seqs, cdiv(t, max_num_seqs), max_num_seqs, f"{max_num_seqs} prefills")]
+    shapes = [
+        StepShape(t, 0, 1, t, 1, f"{t:,}-token prefill chunk"),
+        StepShape(t, 0, max_num_seqs, cdiv(t, max_num_seqs), max_num_seqs, f"{max_num_seqs} prefills"),
+    ]
     if long > t:
         shapes.append(StepShape(t, 0, 1, long, 1, f"{t:,}-token chunk at {long:,} context"))
     return shapes
 
 
-def activation_reserve(config: ModelConfig, tp: int, max_num_batched_tokens: int, max_num_seqs: int,
-                       max_model_len: int | None = None, graphs: bool = True) -> ActivationReserve:
+def activation_reserve(
+    config: ModelConfig,
+    tp: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int | None = None,
+    graphs: bool = True,
+) -> ActivationReserve:
     """Per-GPU reserve for ``tp`` ranks: the worst step, the decode graphs' pool, the margin."""
     for name, v in (("tp", tp), ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     model_len = max_model_len or config.max_position_embeddings
-    decode = step_peak(config, tp, StepShape(max_num_seqs, max_num_seqs, 0, 0, max_num_seqs,
-                                             f"decode of {max_num_seqs}"))
-    worst = max([step_peak(config, tp, s) for s in step_shapes(max_num_batched_tokens, max_num_seqs, model_len)]
-                + [decode], key=lambda p: p.total)
+    decode = step_peak(
+        config, tp, StepShape(max_num_seqs, max_num_seqs, 0, 0, max_num_seqs, f"decode of {max_num_seqs}")
+    )
+    worst = max(
+        [step_peak(config, tp, s) for s in step_shapes(max_num_batched_tokens, max_num_seqs, model_len)] + [decode],
+        key=lambda p: p.total,
+    )
     pool = decode.forward if graphs else 0
     margin = int(FRAGMENTATION * (worst.total + pool)) + WORKSPACE_BYTES
     return ActivationReserve(worst.total + pool + margin, worst, pool, margin, max_num_batched_tokens, max_num_seqs)

@@ -19,12 +19,17 @@ from torch import nn
 
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.layers.linear import linear_format
-from kimitui.engine.registry import PARAM_CLASSES, parameter_classes
-from kimitui.engine.parallel.state import ParallelState, split_sizes
 from kimitui.engine.loader import build_model
+from kimitui.engine.parallel.state import ParallelState, split_sizes
+from kimitui.engine.registry import PARAM_CLASSES, parameter_classes
 
-_TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
-                "float32": torch.float32, "float": torch.float32}
+_TORCH_DTYPE = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
 
 
 def compute_dtype(config: ModelConfig) -> torch.dtype:
@@ -69,7 +74,7 @@ class ModelSize:
     """Sizes of every part of the text model; ``parts`` sums over all layers."""
 
     parts: dict[str, PartSize]
-    routed_expert: PartSize        # one expert (gate + up + down) of one MoE layer
+    routed_expert: PartSize  # one expert (gate + up + down) of one MoE layer
     num_moe_layers: int
     n_routed_experts: int
     storage: dict[str, int] = field(default_factory=dict)  # bytes by stored format (storage_format)
@@ -93,8 +98,14 @@ def _size(p: torch.Tensor) -> PartSize:
 
 # (dtype, logical values per element) -> the format's name; packed formats declare how many values
 # one stored element holds (engine.layers.linear), quantisation scales declare 0.
-_FORMATS = {(torch.uint8, 2): "mxfp4", (torch.int32, 8): "int4", (torch.float8_e4m3fn, 1): "fp8",
-            (torch.bfloat16, 1): "bf16", (torch.float16, 1): "fp16", (torch.float32, 1): "f32"}
+_FORMATS = {
+    (torch.uint8, 2): "mxfp4",
+    (torch.int32, 8): "int4",
+    (torch.float8_e4m3fn, 1): "fp8",
+    (torch.bfloat16, 1): "bf16",
+    (torch.float16, 1): "fp16",
+    (torch.float32, 1): "f32",
+}
 
 
 def storage_format(p: torch.Tensor) -> str:
@@ -140,8 +151,9 @@ def count_params(config: ModelConfig, model: nn.Module | None = None) -> ModelSi
     n = config.n_routed_experts
     routed = parts["routed_experts"]
     one = PartSize(routed.params // (len(layers) * n), routed.nbytes // (len(layers) * n)) if layers else PartSize()
-    return ModelSize(parts=parts, routed_expert=one, num_moe_layers=len(layers), n_routed_experts=n,
-                     storage=storage_bytes(model))
+    return ModelSize(
+        parts=parts, routed_expert=one, num_moe_layers=len(layers), n_routed_experts=n, storage=storage_bytes(model)
+    )
 
 
 def kv_bytes_per_token(config: ModelConfig, model: nn.Module | None = None) -> int:
@@ -161,8 +173,8 @@ def state_bytes_per_seq(config: ModelConfig, model: nn.Module | None = None) -> 
 class CacheLayout:
     """What one sequence costs the cache, over all layers of one rank's build."""
 
-    num_state_layers: int     # layers with a fixed per-sequence state (KDA)
-    num_paged_layers: int     # layers with a paged per-token cache (MLA latent)
+    num_state_layers: int  # layers with a fixed per-sequence state (KDA)
+    num_paged_layers: int  # layers with a paged per-token cache (MLA latent)
     state_bytes_per_seq: int
     kv_bytes_per_token: int
 
@@ -171,8 +183,12 @@ def cache_layout(config: ModelConfig, model: nn.Module | None = None) -> CacheLa
     """Layer counts and per-sequence / per-token cache bytes from the model's own cache specs."""
     model = model if model is not None else meta_model(config)
     specs = model.cache_specs(compute_dtype(config))
-    return CacheLayout(sum(1 for s in specs if s.bytes_per_seq() > 0), sum(1 for s in specs if s.bytes_per_block(1) > 0),
-                       sum(s.bytes_per_seq() for s in specs), sum(s.bytes_per_block(1) for s in specs))
+    return CacheLayout(
+        sum(1 for s in specs if s.bytes_per_seq() > 0),
+        sum(1 for s in specs if s.bytes_per_block(1) > 0),
+        sum(s.bytes_per_seq() for s in specs),
+        sum(s.bytes_per_block(1) for s in specs),
+    )
 
 
 @dataclass(frozen=True)
@@ -187,8 +203,8 @@ class Footprint:
     kv_bytes_per_token: int
     state_bytes_per_seq_per_device: tuple[int, ...] = ()
     state_bytes_per_seq: int = 0  # whole model (one rank's build)
-    num_state_layers: int = 0     # KDA layers
-    num_paged_layers: int = 0     # MLA layers
+    num_state_layers: int = 0  # KDA layers
+    num_paged_layers: int = 0  # MLA layers
 
 
 def _alignment(config: ModelConfig) -> int:
@@ -198,12 +214,19 @@ def _alignment(config: ModelConfig) -> int:
     q = config.quantization
     if q is None:
         return 1
-    names = ["lm_head", *(f"model.layers.{config.num_hidden_layers - 1}.self_attn.{p}"
-                          for p in ("q_proj", "q_b_proj", "kv_b_proj", "o_proj", "g_proj", "k_proj", "v_proj"))]
+    names = [
+        "lm_head",
+        *(
+            f"model.layers.{config.num_hidden_layers - 1}.self_attn.{p}"
+            for p in ("q_proj", "q_b_proj", "kv_b_proj", "o_proj", "g_proj", "k_proj", "v_proj")
+        ),
+    ]
     if config.layer_types:
         kda = next((i for i in range(config.num_hidden_layers) if config.is_kda_layer(i)), 0)
-        names += [f"model.layers.{kda}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj",
-                                                                "g_proj", "g_b_proj", "o_proj")]
+        names += [
+            f"model.layers.{kda}.self_attn.{p}"
+            for p in ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj", "g_proj", "g_b_proj", "o_proj")
+        ]
     if all(linear_format(q, n) == "dense" for n in names):
         return 1
     return math.lcm(*q.weight_block_size, q.group_size, 32)
@@ -244,10 +267,19 @@ def footprint(config: ModelConfig, num_devices: int, exact: bool = False) -> Foo
         else:
             model = None
         if model is not None:
-            built[keys[rank]] = (sum(v.nbytes for k, v in parts.items() if k != "routed_experts"),
-                                 state_bytes_per_seq(config, model))
+            built[keys[rank]] = (
+                sum(v.nbytes for k, v in parts.items() if k != "routed_experts"),
+                state_bytes_per_seq(config, model),
+            )
         per_device.append(built[keys[rank]][0])
         state.append(built[keys[rank]][1])
     cache = cache_layout(config, whole)
-    return Footprint(size, tuple(per_device), cache.kv_bytes_per_token, tuple(state), cache.state_bytes_per_seq,
-                     cache.num_state_layers, cache.num_paged_layers)
+    return Footprint(
+        size,
+        tuple(per_device),
+        cache.kv_bytes_per_token,
+        tuple(state),
+        cache.state_bytes_per_seq,
+        cache.num_state_layers,
+        cache.num_paged_layers,
+    )

@@ -15,21 +15,37 @@ from kimitui.engine.units import GiB
 log = logging.getLogger(__name__)
 
 
-def device_reserve_bytes(config: ModelConfig, device: torch.device, world_size: int, max_num_batched_tokens: int,
-                         max_num_seqs: int, max_model_len: int, decode_graphs: bool) -> int:
+def device_reserve_bytes(
+    config: ModelConfig,
+    device: torch.device,
+    world_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    decode_graphs: bool,
+) -> int:
     """Memory each device keeps back for activations and workspace: the planner's estimate for the
     engine's step sizes (engine.offload.activation_reserve), the one number both the expert placement
     and the KV cache budget subtract. None when the device is the host: activations then come out of
     host RAM like everything else, and a ``gpu_memory_gb`` budget on the CPU is a test of the split."""
     if device.type == "cpu":
         return 0
-    return activation_reserve(config, world_size, max_num_batched_tokens, max_num_seqs, max_model_len,
-                              decode_graphs).total
+    return activation_reserve(
+        config, world_size, max_num_batched_tokens, max_num_seqs, max_model_len, decode_graphs
+    ).total
 
 
-def expert_placement_for(config: ModelConfig, cpu_offload: str | int, device: torch.device, world_size: int,
-                         max_model_len: int, max_num_seqs: int, gpu_memory_gb: float | None = None,
-                         routing_stats_path: str | None = None, reserve_bytes: int = 0):
+def expert_placement_for(
+    config: ModelConfig,
+    cpu_offload: str | int,
+    device: torch.device,
+    world_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    gpu_memory_gb: float | None = None,
+    routing_stats_path: str | None = None,
+    reserve_bytes: int = 0,
+):
     """``expert_placement[layer][expert]`` (rank, or -1 for host RAM), or None for an even spread.
 
     On a GPU (or whenever ``gpu_memory_gb`` sets a device budget), "auto" asks the planner what fits
@@ -58,8 +74,16 @@ def expert_placement_for(config: ModelConfig, cpu_offload: str | int, device: to
         memory = torch.cuda.get_device_properties(device).total_memory
     else:
         return None  # on the CPU the host is the device: nothing to offload
-    plan = plan_placement(config, world_size, memory, max_model_len, max_num_seqs, cpu_offload,
-                          reserve_bytes_per_device=reserve_bytes, routing_stats=stats)
+    plan = plan_placement(
+        config,
+        world_size,
+        memory,
+        max_model_len,
+        max_num_seqs,
+        cpu_offload,
+        reserve_bytes_per_device=reserve_bytes,
+        routing_stats=stats,
+    )
     if not plan.fits and cpu_offload != "none":
         raise PlacementError("; ".join(plan.problems) or "the model does not fit")
     rows = [list(r) for r in plan.expert_device]

@@ -17,13 +17,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kimitui.engine.config import ModelConfig
+from kimitui.engine.parallel.state import split_sizes
 from kimitui.engine.plan.activation_reserve import ActivationReserve, activation_reserve
 from kimitui.engine.plan.param_count import ModelSize, footprint, moe_layers
-from kimitui.engine.parallel.state import split_sizes
-from kimitui.engine.units import GiB
 from kimitui.engine.spec_decode.footprint import drafter_footprint
+from kimitui.engine.units import GiB
 
-DEFAULT_BLOCK_SIZE = 64   # FlashMLA / vLLM MLA page size
+DEFAULT_BLOCK_SIZE = 64  # FlashMLA / vLLM MLA page size
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # the engine's default (engine.args.EngineArgs)
 
 
@@ -96,9 +96,9 @@ class Placement:
     max_model_len_with_placement: int
     max_position_embeddings: int
     model_size: ModelSize
-    state_bytes_per_seq: int = 0      # KDA state of one sequence, all layers, all ranks together
-    num_state_layers: int = 0         # KDA layers
-    num_paged_layers: int = 0         # MLA layers
+    state_bytes_per_seq: int = 0  # KDA state of one sequence, all layers, all ranks together
+    num_state_layers: int = 0  # KDA layers
+    num_paged_layers: int = 0  # MLA layers
     max_num_seqs_with_placement: int = 0  # sequences of max_model_len that fit beside these weights
     activation: ActivationReserve | None = None  # what the reserve is made of (None: given explicitly)
 
@@ -135,17 +135,33 @@ class Placement:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (bytes as integers)."""
         return {
-            "model": self.model, "num_devices": self.num_devices, "max_model_len": self.max_model_len,
-            "max_num_seqs": self.max_num_seqs, "block_size": self.block_size, "cpu_offload": self.cpu_offload,
-            "fits": self.fits, "fits_on_gpus": self.fits_on_gpus, "problems": list(self.problems), "notes": list(self.notes),
-            "devices": [asdict(d) | {"weight_bytes": d.weight_bytes, "total_bytes": d.total_bytes,
-                                     "free_bytes": d.free_bytes} for d in self.devices],
-            "host": {"num_experts": self.num_cpu_experts, "bytes": self.host_bytes,
-                     "capacity_bytes": self.host_capacity_bytes},
-            "shortfall_bytes": self.shortfall_bytes, "host_shortfall_bytes": self.host_shortfall_bytes,
-            "expert_bytes": self.expert_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
-            "state_bytes_per_seq": self.state_bytes_per_seq, "num_kda_layers": self.num_state_layers,
-            "num_mla_layers": self.num_paged_layers, "max_num_seqs_with_placement": self.max_num_seqs_with_placement,
+            "model": self.model,
+            "num_devices": self.num_devices,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "block_size": self.block_size,
+            "cpu_offload": self.cpu_offload,
+            "fits": self.fits,
+            "fits_on_gpus": self.fits_on_gpus,
+            "problems": list(self.problems),
+            "notes": list(self.notes),
+            "devices": [
+                asdict(d) | {"weight_bytes": d.weight_bytes, "total_bytes": d.total_bytes, "free_bytes": d.free_bytes}
+                for d in self.devices
+            ],
+            "host": {
+                "num_experts": self.num_cpu_experts,
+                "bytes": self.host_bytes,
+                "capacity_bytes": self.host_capacity_bytes,
+            },
+            "shortfall_bytes": self.shortfall_bytes,
+            "host_shortfall_bytes": self.host_shortfall_bytes,
+            "expert_bytes": self.expert_bytes,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "state_bytes_per_seq": self.state_bytes_per_seq,
+            "num_kda_layers": self.num_state_layers,
+            "num_mla_layers": self.num_paged_layers,
+            "max_num_seqs_with_placement": self.max_num_seqs_with_placement,
             "max_model_len_by_memory": self.max_model_len_by_memory,
             "max_model_len_that_fits": self.max_model_len_that_fits,
             "max_model_len_with_placement": self.max_model_len_with_placement,
@@ -154,8 +170,9 @@ class Placement:
             "expert_device": [list(r) for r in self.expert_device],
             "model_size": {k: {"params": v.params, "bytes": v.nbytes} for k, v in self.model_size.parts.items()},
             "storage_bytes": dict(self.model_size.storage),
-            "reserve": self.activation.to_dict() if self.activation is not None else
-                       {"bytes": self.devices[0].reserve_bytes, "given": True},
+            "reserve": self.activation.to_dict()
+            if self.activation is not None
+            else {"bytes": self.devices[0].reserve_bytes, "given": True},
         }
 
 
@@ -171,8 +188,10 @@ def _normalize_stats(stats: dict | list, config: ModelConfig) -> dict[int, tuple
         elif len(stats) == len(layers):
             items = dict(zip(layers, stats))
         else:
-            raise ValueError(f"routing statistics have {len(stats)} layers; expected {config.num_hidden_layers} "
-                             f"(all layers) or {len(layers)} (MoE layers)")
+            raise ValueError(
+                f"routing statistics have {len(stats)} layers; expected {config.num_hidden_layers} "
+                f"(all layers) or {len(layers)} (MoE layers)"
+            )
     else:
         raise ValueError("routing statistics must be a dict of layer -> counts or a nested list")
     out = {}
@@ -182,13 +201,15 @@ def _normalize_stats(stats: dict | list, config: ModelConfig) -> dict[int, tuple
                 raise ValueError(f"routing statistics given for layer {layer}, which is not a MoE layer")
             continue
         if len(counts) != config.n_routed_experts or any(not isinstance(x, (int, float)) or x < 0 for x in counts):
-            raise ValueError(f"routing statistics for layer {layer} must be {config.n_routed_experts} "
-                             "non-negative counts")
+            raise ValueError(
+                f"routing statistics for layer {layer} must be {config.n_routed_experts} non-negative counts"
+            )
         out[layer] = tuple(float(x) for x in counts)
     return out
 
 
 # -- planning ---------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class _Budget:
@@ -215,8 +236,10 @@ class _Budget:
     def fixed(self, kv: int) -> list[int]:
         """Per device: everything but the routed experts."""
         drafter_kv = kv * self.drafter_kv_per_token // self.kv_per_token if self.kv_per_token else 0
-        return [ne + kv + self.state(d) + self.reserve + (drafter_kv if d == 0 else 0)
-                for d, ne in enumerate(self.non_expert)]
+        return [
+            ne + kv + self.state(d) + self.reserve + (drafter_kv if d == 0 else 0)
+            for d, ne in enumerate(self.non_expert)
+        ]
 
     def kv_bytes(self, model_len: int) -> int:
         # Each sequence holds whole blocks. With tensor-parallel MLA the latent is not split by head,
@@ -314,12 +337,21 @@ def _deal(targets: list[int]):
         yield best
 
 
-def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_bytes: int, max_model_len: int,
-                   max_num_seqs: int, cpu_offload: str | int = "auto",
-                   reserve_bytes_per_device: int | None = None, routing_stats: dict | list | None = None,
-                   host_memory_bytes: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                   max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                   decode_graphs: bool | None = None, speculative=None) -> Placement:
+def plan_placement(
+    config: ModelConfig,
+    num_devices: int,
+    memory_per_device_bytes: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    cpu_offload: str | int = "auto",
+    reserve_bytes_per_device: int | None = None,
+    routing_stats: dict | list | None = None,
+    host_memory_bytes: int | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    decode_graphs: bool | None = None,
+    speculative=None,
+) -> Placement:
     """Decide where every weight lives on ``num_devices`` GPUs plus host RAM.
 
     ``cpu_offload``: "auto" puts in host RAM only the routed experts that do not fit; an int N puts
@@ -334,9 +366,13 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
     drafter's weights and KV (first GPU) are counted (engine.spec_decode.footprint).
     Other plans that do not fit come back with ``fits=False`` and the reasons in ``problems``.
     """
-    for name, v in (("num_devices", num_devices), ("max_model_len", max_model_len),
-                    ("max_num_seqs", max_num_seqs), ("block_size", block_size),
-                    ("max_num_batched_tokens", max_num_batched_tokens)):
+    for name, v in (
+        ("num_devices", num_devices),
+        ("max_model_len", max_model_len),
+        ("max_num_seqs", max_num_seqs),
+        ("block_size", block_size),
+        ("max_num_batched_tokens", max_num_batched_tokens),
+    ):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if memory_per_device_bytes <= 0 or (reserve_bytes_per_device is not None and reserve_bytes_per_device < 0):
@@ -345,8 +381,14 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
     k = speculative.num_speculative_tokens if speculative is not None else 0
     if reserve_bytes_per_device is None:
         graphs = num_devices == 1 if decode_graphs is None else decode_graphs
-        activation = activation_reserve(config, num_devices, max(max_num_batched_tokens, max_num_seqs * (1 + k)),
-                                        max_num_seqs * (1 + k), max_model_len, graphs)
+        activation = activation_reserve(
+            config,
+            num_devices,
+            max(max_num_batched_tokens, max_num_seqs * (1 + k)),
+            max_num_seqs * (1 + k),
+            max_model_len,
+            graphs,
+        )
         reserve_bytes_per_device = activation.total
     n_exp = config.n_routed_experts
     policy = _parse_policy(cpu_offload, n_exp)
@@ -361,10 +403,22 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
         drafter = drafter_footprint(speculative.model, config.hidden_size, config.vocab_size)
         non_expert[0] += drafter.weight_bytes
         drafter_kv = drafter.kv_bytes_per_token
-    budget = _Budget(int(memory_per_device_bytes), tuple(non_expert), int(reserve_bytes_per_device),
-                     fp.kv_bytes_per_token, max_num_seqs, block_size, e, len(layers), n_exp, policy,
-                     None if host_memory_bytes is None else int(host_memory_bytes), fp.state_bytes_per_seq_per_device,
-                     1 + k, drafter_kv)
+    budget = _Budget(
+        int(memory_per_device_bytes),
+        tuple(non_expert),
+        int(reserve_bytes_per_device),
+        fp.kv_bytes_per_token,
+        max_num_seqs,
+        block_size,
+        e,
+        len(layers),
+        n_exp,
+        policy,
+        None if host_memory_bytes is None else int(host_memory_bytes),
+        fp.state_bytes_per_seq_per_device,
+        1 + k,
+        drafter_kv,
+    )
 
     kv = budget.kv_bytes(max_model_len)
     slots = budget.slots(kv)
@@ -393,35 +447,71 @@ def plan_placement(config: ModelConfig, num_devices: int, memory_per_device_byte
 
     heads, vocab = split_sizes(config.num_attention_heads, num_devices), split_sizes(config.vocab_size, num_devices)
     dkv = kv * budget.drafter_kv_per_token // budget.kv_per_token if budget.kv_per_token else 0
-    devices = tuple(DevicePlan(d, heads[d], vocab[d], budget.non_expert[d], per_device[d], per_device[d] * e,
-                               kv + (dkv if d == 0 else 0),
-                               budget.reserve, budget.capacity, budget.state(d)) for d in range(num_devices))
+    devices = tuple(
+        DevicePlan(
+            d,
+            heads[d],
+            vocab[d],
+            budget.non_expert[d],
+            per_device[d],
+            per_device[d] * e,
+            kv + (dkv if d == 0 else 0),
+            budget.reserve,
+            budget.capacity,
+            budget.state(d),
+        )
+        for d in range(num_devices)
+    )
     host_bytes = (total - sum(counts)) * e
-    problems = [f"GPU {d.index} needs {d.total_bytes / GiB:.2f} GiB but has {d.capacity_bytes / GiB:.2f} GiB "
-                f"(short by {-d.free_bytes / GiB:.2f} GiB)" for d in devices if d.free_bytes < 0]
+    problems = [
+        f"GPU {d.index} needs {d.total_bytes / GiB:.2f} GiB but has {d.capacity_bytes / GiB:.2f} GiB "
+        f"(short by {-d.free_bytes / GiB:.2f} GiB)"
+        for d in devices
+        if d.free_bytes < 0
+    ]
     if policy == "auto" and g_total > sum(slots) and budget.host_capacity is not None:
-        problems.append(f"host RAM: {budget.host_capacity / GiB:.2f} GiB holds only {total - g_total} of the "
-                        f"{total - sum(slots)} experts that do not fit on the GPUs")
+        problems.append(
+            f"host RAM: {budget.host_capacity / GiB:.2f} GiB holds only {total - g_total} of the "
+            f"{total - sum(slots)} experts that do not fit on the GPUs"
+        )
     if host_memory_bytes is not None and host_bytes > host_memory_bytes:
-        problems.append(f"host RAM: CPU experts need {host_bytes / GiB:.2f} GiB but {host_memory_bytes / GiB:.2f} "
-                        "GiB were given")
+        problems.append(
+            f"host RAM: CPU experts need {host_bytes / GiB:.2f} GiB but {host_memory_bytes / GiB:.2f} GiB were given"
+        )
     notes = []
     if max_model_len > config.max_position_embeddings:
-        notes.append(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                     f"({config.max_position_embeddings})")
+        notes.append(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+            f"({config.max_position_embeddings})"
+        )
     by_memory = budget.max_len_by_memory()
     placement = Placement(
-        model=config.name or config.model_type, num_devices=num_devices, max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs, block_size=block_size, cpu_offload=policy, devices=devices,
-        host_bytes=host_bytes, host_capacity_bytes=budget.host_capacity, expert_bytes=e,
-        kv_bytes_per_token=budget.kv_per_token, expert_device=tuple(rows), fits=not problems,
-        problems=tuple(problems), notes=tuple(notes), max_model_len_by_memory=by_memory,
+        model=config.name or config.model_type,
+        num_devices=num_devices,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        block_size=block_size,
+        cpu_offload=policy,
+        devices=devices,
+        host_bytes=host_bytes,
+        host_capacity_bytes=budget.host_capacity,
+        expert_bytes=e,
+        kv_bytes_per_token=budget.kv_per_token,
+        expert_device=tuple(rows),
+        fits=not problems,
+        problems=tuple(problems),
+        notes=tuple(notes),
+        max_model_len_by_memory=by_memory,
         max_model_len_that_fits=min(by_memory, config.max_position_embeddings),
         max_model_len_with_placement=_len_with_placement(devices, budget),
-        max_position_embeddings=config.max_position_embeddings, model_size=fp.size,
-        state_bytes_per_seq=sum(fp.state_bytes_per_seq_per_device), num_state_layers=fp.num_state_layers,
+        max_position_embeddings=config.max_position_embeddings,
+        model_size=fp.size,
+        state_bytes_per_seq=sum(fp.state_bytes_per_seq_per_device),
+        num_state_layers=fp.num_state_layers,
         num_paged_layers=fp.num_paged_layers,
-        max_num_seqs_with_placement=_seqs_with_placement(devices, budget, max_model_len), activation=activation)
+        max_num_seqs_with_placement=_seqs_with_placement(devices, budget, max_model_len),
+        activation=activation,
+    )
     if policy == "none" and not placement.fits:
         raise PlacementError(_none_message(placement, budget, slots), placement)
     return placement
@@ -447,12 +537,14 @@ def _seqs_with_placement(devices: tuple[DevicePlan, ...], budget: _Budget, model
 
 def _none_message(p: Placement, budget: _Budget, slots: list[int]) -> str:
     short = p.shortfall_bytes
-    msg = (f"{p.model} does not fit on {p.num_devices} x {budget.capacity / GiB:.1f} GiB without CPU offload: "
-           f"short by {short / GiB:.1f} GiB ({short / 1e9:.1f} GB) of GPU memory at max_model_len "
-           f"{p.max_model_len} x {p.max_num_seqs} seq(s)")
+    msg = (
+        f"{p.model} does not fit on {p.num_devices} x {budget.capacity / GiB:.1f} GiB without CPU offload: "
+        f"short by {short / GiB:.1f} GiB ({short / 1e9:.1f} GB) of GPU memory at max_model_len "
+        f"{p.max_model_len} x {p.max_num_seqs} seq(s)"
+    )
     missing = budget.num_moe_layers * budget.n_experts - sum(slots)
-    if budget.num_moe_layers and missing > 0 and all(f <= budget.capacity
-                                                     for f in budget.fixed(p.devices[0].kv_bytes)):
-        msg += (f"; use cpu_offload='auto' or at least {math.ceil(missing / budget.num_moe_layers)} "
-                "CPU experts per layer")
+    if budget.num_moe_layers and missing > 0 and all(f <= budget.capacity for f in budget.fixed(p.devices[0].kv_bytes)):
+        msg += (
+            f"; use cpu_offload='auto' or at least {math.ceil(missing / budget.num_moe_layers)} CPU experts per layer"
+        )
     return msg

@@ -70,8 +70,11 @@ class TableRows:
         if not self._free:
             # every row held: reclaim the one idle longest (a sequence not in this step; released
             # sequences give theirs back, so this only covers ones that left without a release)
-            seq_id, held = min(((s, h) for s, h in self._held.items() if h[3] < self._step), key=lambda e: e[1][3],
-                               default=(None, None))
+            seq_id, held = min(
+                ((s, h) for s, h in self._held.items() if h[3] < self._step),
+                key=lambda e: e[1][3],
+                default=(None, None),
+            )
             if seq_id is None:
                 raise ValueError(f"more than {self.num_rows} decoding sequences in one step")
             del self._held[seq_id]

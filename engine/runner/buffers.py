@@ -52,8 +52,9 @@ class StepBuffers:
             table[i, : len(r)] = r
         return self._put(name, torch.from_numpy(table))
 
-    def put_table(self, name: str, rows: list[list[int]], shape: tuple[int, int],
-                  dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    def put_table(
+        self, name: str, rows: list[list[int]], shape: tuple[int, int], dtype: torch.dtype = torch.int32
+    ) -> torch.Tensor:
         """Rows of different lengths, zero-padded to the full width ``shape[1]``, as a
         [len(rows), shape[1]] view of a buffer allocated once at ``shape`` (max_num_seqs,
         max_blocks_per_seq): the same memory and row stride every step.

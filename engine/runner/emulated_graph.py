@@ -54,8 +54,7 @@ def _tensors(out) -> list[torch.Tensor]:
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-            and a.dtype == b.dtype)
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 class _AtenRecorder(TorchDispatchMode):
@@ -70,11 +69,11 @@ class _AtenRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         name = func.overloadpacket.__name__
         if func.namespace in _COLLECTIVES:
-            raise GraphCaptureError(f"emulated graph capture: collective {func} inside a captured segment "
-                                    "(the emulation is for one rank)")
+            raise GraphCaptureError(
+                f"emulated graph capture: collective {func} inside a captured segment (the emulation is for one rank)"
+            )
         if name in _HOST_SYNC:
-            raise GraphCaptureError(f"emulated graph capture: {func} needs the host (a sync) inside a captured "
-                                    "segment")
+            raise GraphCaptureError(f"emulated graph capture: {func} needs the host (a sync) inside a captured segment")
         out = func(*args, **kwargs)
         if func.namespace == "aten" and name not in _NO_KERNEL and _tensors(out):
             if func.is_view and not launch_count.copied(out, args):
@@ -113,6 +112,7 @@ class EmulatedGraph:
                     return original(fn, *args, **kwargs)
                 finally:
                     graph.triton_depth -= 1
+
             return run
 
         for cls in launch_count.launcher_classes():

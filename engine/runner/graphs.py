@@ -58,15 +58,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kimitui.engine.runner.graph_padding import PAD_SLOT, RoutingRows
 from kimitui.engine.kv_cache.state import KDAState
 from kimitui.engine.layers.attn_metadata import AttentionMetadata
+from kimitui.engine.layers.moe import RoutedExperts
 from kimitui.engine.offload.host_staging import HostStaging
+from kimitui.engine.runner.emulated_graph import EmulatedGraph
+from kimitui.engine.runner.graph_padding import PAD_SLOT, RoutingRows
 from kimitui.engine.runner.piecewise import SegmentedGraph, segmented_capture
 from kimitui.kernels import launch_count
 from kimitui.kernels.settings import KernelSettings
-from kimitui.engine.layers.moe import RoutedExperts
-from kimitui.engine.runner.emulated_graph import EmulatedGraph
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,10 @@ class GraphConfig:
         if self.capture and self.emulate:
             raise ValueError("GraphConfig: capture (CUDA/HIP graphs) and emulate (CPU recordings) exclude each other")
         if self.max_num_seqs < 1 or self.max_blocks_per_seq < 1 or self.block_size < 1:
-            raise ValueError(f"GraphConfig: max_num_seqs ({self.max_num_seqs}), max_blocks_per_seq "
-                             f"({self.max_blocks_per_seq}) and block_size ({self.block_size}) must be >= 1")
+            raise ValueError(
+                f"GraphConfig: max_num_seqs ({self.max_num_seqs}), max_blocks_per_seq "
+                f"({self.max_blocks_per_seq}) and block_size ({self.block_size}) must be >= 1"
+            )
 
     @property
     def max_context_len(self) -> int:
@@ -129,8 +131,10 @@ class DecodeGraphRunner:
         if cfg.emulate and (device.type != "cpu" or not KernelSettings.from_env().emulate_device):
             # the C++ CPU kernels are pybind calls a recording does not see: only the emulated device
             # path (Triton kernels and ATen ops, all recorded) can be replayed faithfully
-            raise ValueError(f"emulated graph capture needs the emulated device path (KIMITUI_EMULATE_DEVICE=1) "
-                             f"on the CPU, got {device}")
+            raise ValueError(
+                f"emulated graph capture needs the emulated device path (KIMITUI_EMULATE_DEVICE=1) "
+                f"on the CPU, got {device}"
+            )
         self.buckets = batch_buckets(cfg.max_num_seqs)
         s, w = cfg.max_num_seqs, cfg.max_blocks_per_seq
         # Static inputs, written in place each step (addresses captured by the graphs).
@@ -139,14 +143,16 @@ class DecodeGraphRunner:
         self.lens = torch.ones(s, dtype=torch.int32, device=device)  # [S], >= 1 for every row
         # Hybrid models: each row's KDA state slot; rows past the step's carry PAD_SLOT (no state).
         self.states = [c for c in kv_caches if isinstance(c, KDAState)]
-        self.slots = (torch.full((s,), PAD_SLOT, dtype=torch.int64, device=device)
-                      if self.states else None)  # [S]
+        self.slots = torch.full((s,), PAD_SLOT, dtype=torch.int64, device=device) if self.states else None  # [S]
         # the step's real rows (1) and padding rows (0): which rows count routing and write a cache slot
         self.routing = RoutingRows(model, s, device)
         # MoE layers with host experts: the step is captured piecewise, cut at their joins, and their
         # copies use one pinned staging pair of the graphs' own (never reallocated once captured)
-        self.host_experts = [m for m in (model.modules() if model is not None else [])
-                             if isinstance(m, RoutedExperts) and m.executor is not None]
+        self.host_experts = [
+            m
+            for m in (model.modules() if model is not None else [])
+            if isinstance(m, RoutedExperts) and m.executor is not None
+        ]
         self.staging = HostStaging() if self.host_experts else None
         for m in self.host_experts:
             m.graph_staging = self.staging
@@ -161,8 +167,12 @@ class DecodeGraphRunner:
     def accepts(self, num_decodes: int, num_rows: int, has_prefills: bool, stateful: bool) -> bool:
         """Whether a step can run here: decodes only, within capacity, every row kept, KDA slots only
         where the cache has KDA states."""
-        return (not has_prefills and (not stateful or self.slots is not None) and 0 < num_decodes == num_rows
-                and num_decodes <= self.cfg.max_num_seqs)
+        return (
+            not has_prefills
+            and (not stateful or self.slots is not None)
+            and 0 < num_decodes == num_rows
+            and num_decodes <= self.cfg.max_num_seqs
+        )
 
     def _metadata(self, b: int) -> AttentionMetadata:
         """Decode metadata for the first ``b`` static rows, computed on the device (capturable)."""
@@ -172,24 +182,33 @@ class DecodeGraphRunner:
         rows = torch.arange(b, device=self.device)
         slots = tables[rows, pos // bs].long() * bs + pos % bs  # [b]
         slots = torch.where(self.routing.rows[:b] > 0, slots, PAD_SLOT)  # padding rows write no cache slot
-        return AttentionMetadata(positions=pos, slot_mapping=slots, block_size=bs, num_decode_tokens=b,
-                                 decode_block_tables=tables, decode_context_lens=lens,
-                                 decode_max_context_len=self.cfg.max_context_len,
-                                 state_slots=None if self.slots is None else self.slots[:b])
+        return AttentionMetadata(
+            positions=pos,
+            slot_mapping=slots,
+            block_size=bs,
+            num_decode_tokens=b,
+            decode_block_tables=tables,
+            decode_context_lens=lens,
+            decode_max_context_len=self.cfg.max_context_len,
+            state_slots=None if self.slots is None else self.slots[:b],
+        )
 
     def _forward(self, b: int) -> torch.Tensor:
         with self.routing.installed():
             return self.model(self.ids[:b], self._metadata(b), self.kv_caches)
 
-    def _fill(self, ids: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, state_slots: torch.Tensor | None,
-              b: int) -> None:
+    def _fill(
+        self, ids: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, state_slots: torch.Tensor | None, b: int
+    ) -> None:
         """Copy the step's device tensors ids [n], tables [n, W'] (W' <= W), lens [n] and state_slots [n]
         (hybrid models) into the static buffers; pad rows n..b-1 with row 0's inputs and PAD_SLOT for
         their state, and mark rows 0..n-1 as the step's (routing counts, cache writes)."""
         n = ids.shape[0]
         if (state_slots is None) != (self.slots is None):
-            raise ValueError("a decode graph step of a hybrid model needs its state slots, and only such a step "
-                             f"has them (got {'none' if state_slots is None else 'slots'})")
+            raise ValueError(
+                "a decode graph step of a hybrid model needs its state slots, and only such a step "
+                f"has them (got {'none' if state_slots is None else 'slots'})"
+            )
         if self.slots is not None:
             self.slots[:n].copy_(state_slots)
             if b > n:
@@ -197,8 +216,9 @@ class DecodeGraphRunner:
         self.routing.set(n)
         w = tables.shape[1]
         if w > self.cfg.max_blocks_per_seq:
-            raise ValueError(f"decode block tables are {w} blocks wide, above the graph capacity "
-                             f"{self.cfg.max_blocks_per_seq}")
+            raise ValueError(
+                f"decode block tables are {w} blocks wide, above the graph capacity {self.cfg.max_blocks_per_seq}"
+            )
         self.ids[:n].copy_(ids)
         self.tables[:n, :w].copy_(tables)
         self.lens[:n].copy_(lens)
@@ -208,8 +228,9 @@ class DecodeGraphRunner:
             self.lens[n:b].copy_(self.lens[:1].expand(b - n))
 
     @torch.inference_mode()
-    def run(self, ids: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-            state_slots: torch.Tensor | None = None) -> torch.Tensor:
+    def run(
+        self, ids: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, state_slots: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Hidden states [n, D] of a decode-only step of n rows (inputs already on the device;
         ``state_slots`` [n]: each row's KDA slot, hybrid models only)."""
         n = ids.shape[0]
@@ -261,8 +282,11 @@ class DecodeGraphRunner:
         for b in sorted(self.buckets, reverse=True):
             if b not in self._graphs and b not in self.failed:
                 self._try_capture(0, b)
-        log.info("decode graphs captured for batch buckets %s%s", sorted(self._graphs),
-                 f"; direct calls for {sorted(self.failed)}" if self.failed else "")
+        log.info(
+            "decode graphs captured for batch buckets %s%s",
+            sorted(self._graphs),
+            f"; direct calls for {sorted(self.failed)}" if self.failed else "",
+        )
 
     def _fill_padding(self) -> None:
         """Static inputs of a step with no sequence: every row a padding row reading block 0."""
@@ -331,8 +355,13 @@ class DecodeGraphRunner:
         if self.cfg.emulate:
             for _ in range(2):  # as on a GPU: lazy initialisations run before the capture
                 self._forward(b)
-            graph, out = segmented_capture(EmulatedGraph, lambda: self._forward(b), self.host_experts,
-                                           kind="emulated", max_rows=self.cfg.max_num_seqs)
+            graph, out = segmented_capture(
+                EmulatedGraph,
+                lambda: self._forward(b),
+                self.host_experts,
+                kind="emulated",
+                max_rows=self.cfg.max_num_seqs,
+            )
         else:
             current = torch.cuda.current_stream(self.device)
             stream = torch.cuda.Stream(self.device)
@@ -344,8 +373,14 @@ class DecodeGraphRunner:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             with torch.cuda.stream(stream):
-                graph, out = segmented_capture(torch.cuda.CUDAGraph, lambda: self._forward(b), self.host_experts,
-                                               pool=self._pool, kind="cuda", max_rows=self.cfg.max_num_seqs)
+                graph, out = segmented_capture(
+                    torch.cuda.CUDAGraph,
+                    lambda: self._forward(b),
+                    self.host_experts,
+                    pool=self._pool,
+                    kind="cuda",
+                    max_rows=self.cfg.max_num_seqs,
+                )
             current.wait_stream(stream)
         self._graphs[b] = (graph, out)
         log.debug("captured the decode graph of batch bucket %d in %d segment(s)", b, graph.num_segments)

@@ -29,19 +29,19 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kimitui.engine.runner.block_tables import DeviceTables, TableRows
-from kimitui.engine.runner.graphs import DecodeGraphRunner, GraphConfig, default_decode_graphs
 from kimitui.engine.kv_cache.pool import copy_blocks
 from kimitui.engine.kv_cache.state import KDAState
 from kimitui.engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
-from kimitui.engine.sampling.penalties import has_penalties
-from kimitui.engine.sampling.sampler import SamplingBatch, logprob_dicts, prompt_logprob_dicts, sample
 from kimitui.engine.outputs import LogprobRows
+from kimitui.engine.runner.block_tables import DeviceTables, TableRows
+from kimitui.engine.runner.buffers import StepBuffers
+from kimitui.engine.runner.graphs import DecodeGraphRunner, GraphConfig, default_decode_graphs
+from kimitui.engine.sampling.penalties import has_penalties
 from kimitui.engine.sampling.rows import forced_rows, fork_rows, penalty_rows
+from kimitui.engine.sampling.sampler import SamplingBatch, logprob_dicts, prompt_logprob_dicts, sample
 from kimitui.engine.scheduler.output import ScheduledSeq, SchedulerOutput
 from kimitui.engine.spec_decode.proposer import StepHidden
 from kimitui.engine.spec_decode.verify import KDASpecStep, kda_spec_layout, kda_spec_steps, verify_and_logprobs
-from kimitui.engine.runner.buffers import StepBuffers
 
 
 @dataclass
@@ -106,10 +106,21 @@ class ModelRunner:
     group alike), or on an emulated one; True on a CPU runs the same static-buffer path with direct
     calls."""
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
-                 workers=None, max_num_seqs: int | None = None, max_model_len: int | None = None,
-                 decode_graphs: bool | None = None, num_spec_tokens: int = 0, spec_scratch_base: int = 0,
-                 keep_hidden: bool = False, emulate_graphs: bool = False):
+    def __init__(
+        self,
+        model,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        device: torch.device,
+        workers=None,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
+        decode_graphs: bool | None = None,
+        num_spec_tokens: int = 0,
+        spec_scratch_base: int = 0,
+        keep_hidden: bool = False,
+        emulate_graphs: bool = False,
+    ):
         """``num_spec_tokens``: the most drafts a decode verifies (0: no speculation); KDA scratch
         slot ``spec_scratch_base + slot * num_spec_tokens + j`` holds sequence slot ``slot``'s state
         after its verified position ``j``. ``keep_hidden``: return the target's aux hidden states
@@ -142,8 +153,12 @@ class ModelRunner:
         if decode_graphs:
             if self.table_shape is None:
                 raise ValueError("decode graphs need max_num_seqs and max_model_len (the static buffers' capacity)")
-            cfg = GraphConfig(*self.table_shape, block_size, capture=device.type == "cuda",
-                              emulate=emulate_graphs and device.type == "cpu")
+            cfg = GraphConfig(
+                *self.table_shape,
+                block_size,
+                capture=device.type == "cuda",
+                emulate=emulate_graphs and device.type == "cpu",
+            )
             self.graphs = DecodeGraphRunner(model, kv_caches, cfg, device)
 
     def release(self, seq_id: str) -> None:
@@ -162,8 +177,11 @@ class ModelRunner:
         inputs.block_copies = out.block_copies
         # KDA state rollbacks of last step's verified decodes, for the sequences that run on (a
         # preempted or finished one restarts from a zero state or a snapshot instead).
-        rollbacks = [self._rollbacks[s.seq.seq_id] for s in order
-                     if not s.is_prefill and s.start > 0 and s.seq.seq_id in self._rollbacks]
+        rollbacks = [
+            self._rollbacks[s.seq.seq_id]
+            for s in order
+            if not s.is_prefill and s.start > 0 and s.seq.seq_id in self._rollbacks
+        ]
         self._rollbacks.clear()
         inputs.state_restores = rollbacks + out.state_restores
         inputs.state_saves = out.state_saves + out.state_forks  # (from, to) after the forward pass alike
@@ -206,8 +224,17 @@ class ModelRunner:
                 last = min(s.end, seq.num_prompt_tokens - 1)
                 if (k is not None or full) and last > s.start:
                     # Row i (position start+i) predicts the token at start+i+1; only prompt tokens count.
-                    inp.prompt_spans.append(PromptLogprobSpan(seq.seq_id, row, last - s.start, s.start + 1,
-                                                              seq.tokens_in_range(s.start + 1, last + 1), k, full))
+                    inp.prompt_spans.append(
+                        PromptLogprobSpan(
+                            seq.seq_id,
+                            row,
+                            last - s.start,
+                            s.start + 1,
+                            seq.tokens_in_range(s.start + 1, last + 1),
+                            k,
+                            full,
+                        )
+                    )
             else:
                 inp.num_decodes += 1
                 if rows is not None:
@@ -237,18 +264,22 @@ class ModelRunner:
         tables = buf.put("prefill_tables", flat, torch.int32) if flat else None
         chunks, at = [], 0
         for a, b, n, t in inp.prefills:
-            chunks.append(PrefillChunk(a, b, n, tables[at: at + len(t)]))
+            chunks.append(PrefillChunk(a, b, n, tables[at : at + len(t)]))
             at += len(t)
         positions, slots = [], []  # built on the device from block tables: no per-token Python
-        meta = AttentionMetadata(positions=None, slot_mapping=None, block_size=bs,
-                                 num_decode_tokens=inp.num_decodes, prefills=chunks)
+        meta = AttentionMetadata(
+            positions=None, slot_mapping=None, block_size=bs, num_decode_tokens=inp.num_decodes, prefills=chunks
+        )
         # a hybrid model's verifying decodes share a slot over several rows: stepped position by
         # position (KDA layers), which the graphs' one-row-per-slot replay does not do
         kda_verify = bool(inp.state_slots) and any(n > 1 for n in inp.spec_lens)
         # (a decode-only step computes every row anyway: a model drafter's aux states come out of the
         # graph's static memory, and a verification step is decode rows, so both replay graphs)
-        graphed = self.graphs is not None and not kda_verify and self.graphs.accepts(
-            inp.num_decodes, len(inp.ids), bool(inp.prefills), bool(inp.state_slots))
+        graphed = (
+            self.graphs is not None
+            and not kda_verify
+            and self.graphs.accepts(inp.num_decodes, len(inp.ids), bool(inp.prefills), bool(inp.state_slots))
+        )
         if inp.num_decodes:
             self._decode_inputs(inp, meta)
         if graphed:
@@ -281,21 +312,25 @@ class ModelRunner:
         buf.end_step()
         if keep is not None:
             meta.out_meta = replace(
-                meta, positions=meta.positions[meta.out_rows], slot_mapping=None,
-                prefills=[PrefillChunk(a, b, c.context_len, c.block_table) for c, (a, b) in zip(chunks, bounds)])
+                meta,
+                positions=meta.positions[meta.out_rows],
+                slot_mapping=None,
+                prefills=[PrefillChunk(a, b, c.context_len, c.block_table) for c, (a, b) in zip(chunks, bounds)],
+            )
         hidden = self.model(ids, meta, self.kv_caches)
         spans = [(row[sp.row] if row is not None else sp.row, sp.num_rows) for sp in inp.prompt_spans]
         return self._after_forward(hidden, saves, copies, sample_rows, spans)
 
-    def _after_forward(self, hidden: torch.Tensor, saves, copies, sample_rows: torch.Tensor | None,
-                       spans: list[tuple[int, int]]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    def _after_forward(
+        self, hidden: torch.Tensor, saves, copies, sample_rows: torch.Tensor | None, spans: list[tuple[int, int]]
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """What every forward (graphed or eager) ends with: the step's KDA state saves and block
         copies, then fp32 logits of the rows to sample and of each prompt-logprob span of ``hidden``."""
         if saves is not None:
             _copy_state_slots(self.states, *saves)
         if copies is not None:
             copy_blocks(self.kv_caches, copies[:, 0], copies[:, 1])
-        prompt_logits = [self.model.compute_logits(hidden[r: r + n]) for r, n in spans]
+        prompt_logits = [self.model.compute_logits(hidden[r : r + n]) for r, n in spans]
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows is not None else None
         return logits, prompt_logits
 
@@ -313,19 +348,22 @@ class ModelRunner:
         if inp.decode_rows:  # the persistent tables, brought up to date by this step's appended blocks
             self.device_tables.apply(buf, inp.table_writes)
             # on the CPU only the columns the longest context needs (the work follows the bound there)
-            width = (self.table_shape[1] if on_device
-                     else min(self.table_shape[1], -(-max(inp.decode_lens) // self.block_size)))
+            width = (
+                self.table_shape[1]
+                if on_device
+                else min(self.table_shape[1], -(-max(inp.decode_lens) // self.block_size))
+            )
             meta.decode_block_tables = self.device_tables.gather(buf, inp.decode_rows, width)
-            meta.decode_context_lens = buf.put("decode_lens", inp.decode_lens, torch.int32,
-                                               capacity=self.table_shape[0])
-            meta.decode_max_context_len = (self.table_shape[1] * self.block_size if on_device
-                                           else max(inp.decode_lens))
+            meta.decode_context_lens = buf.put(
+                "decode_lens", inp.decode_lens, torch.int32, capacity=self.table_shape[0]
+            )
+            meta.decode_max_context_len = self.table_shape[1] * self.block_size if on_device else max(inp.decode_lens)
         elif self.table_shape is not None:
             meta.decode_block_tables = buf.put_table("decode_tables", inp.decode_tables, self.table_shape)
-            meta.decode_context_lens = buf.put("decode_lens", inp.decode_lens, torch.int32,
-                                               capacity=self.table_shape[0])
-            meta.decode_max_context_len = (self.table_shape[1] * self.block_size if on_device
-                                           else max(inp.decode_lens))
+            meta.decode_context_lens = buf.put(
+                "decode_lens", inp.decode_lens, torch.int32, capacity=self.table_shape[0]
+            )
+            meta.decode_max_context_len = self.table_shape[1] * self.block_size if on_device else max(inp.decode_lens)
         else:
             meta.decode_block_tables = buf.put_rows("decode_tables", inp.decode_tables, torch.int32)
             meta.decode_context_lens = buf.put("decode_lens", inp.decode_lens, torch.int32)
@@ -341,10 +379,12 @@ class ModelRunner:
         buf = self.buffers
         meta.state_slots = buf.put("state_slots", inp.state_slots, torch.int64)
         if inp.spec_lens and any(n > 1 for n in inp.spec_lens):
-            meta.kda_spec = kda_spec_steps(inp.spec_lens, inp.state_slots, self.spec_scratch_base,
-                                           self.num_spec_tokens, self.device)
-            meta.kda_spec_layout = kda_spec_layout(inp.spec_lens, inp.state_slots, self.spec_scratch_base,
-                                                   self.num_spec_tokens, self.device)
+            meta.kda_spec = kda_spec_steps(
+                inp.spec_lens, inp.state_slots, self.spec_scratch_base, self.num_spec_tokens, self.device
+            )
+            meta.kda_spec_layout = kda_spec_layout(
+                inp.spec_lens, inp.state_slots, self.spec_scratch_base, self.num_spec_tokens, self.device
+            )
         if inp.state_resets:
             resets = buf.put("state_resets", inp.state_resets, torch.int64)
             for state in self.states:
@@ -384,8 +424,13 @@ class ModelRunner:
             if any(has_penalties(p) for p in params):
                 batch.penalties = penalty_rows(sample_seqs, drafts, logits.shape[-1], self.device)
             if drafts is not None:  # some decode verifies drafts: one row per position, the rule decides
-                outs, lp_lists = verify_and_logprobs(logits, drafts, batch, params,  # the one host sync
-                                                     _draft_probs(sample_seqs, drafts, logits.shape[-1]))
+                outs, lp_lists = verify_and_logprobs(
+                    logits,
+                    drafts,
+                    batch,
+                    params,  # the one host sync
+                    _draft_probs(sample_seqs, drafts, logits.shape[-1]),
+                )
                 for j, s in enumerate(sample_seqs):
                     spec = bool(s.spec_token_ids)
                     result.sampled[pos[id(s)]] = outs[j] if spec else outs[j][0]
@@ -410,8 +455,9 @@ class ModelRunner:
         return result
 
     @staticmethod
-    def _sample_rows(result: StepResult, sample_seqs: list[ScheduledSeq], logits: torch.Tensor,
-                     kept: list[int]) -> None:
+    def _sample_rows(
+        result: StepResult, sample_seqs: list[ScheduledSeq], logits: torch.Tensor, kept: list[int]
+    ) -> None:
         """Full-vocabulary rows of the sampled positions of sequences that ask for them: ``kept[j]``
         rows of sequence j (its verified token and accepted drafts), out of ``len(drafts) + 1``."""
         idx, spans, row = [], [], 0
@@ -426,7 +472,7 @@ class ModelRunner:
         for s, at, n in spans:
             # a decode's first row predicts the token after the sequence's last one; a prefill's too
             path = "prefill" if s.is_prefill else "decode"
-            result.rows.setdefault(s.seq.seq_id, []).append(LogprobRows(s.seq.num_tokens, rows[at: at + n], path))
+            result.rows.setdefault(s.seq.seq_id, []).append(LogprobRows(s.seq.num_tokens, rows[at : at + n], path))
 
     def _note_rollback(self, s: ScheduledSeq, accepted: int) -> None:
         """KDA state: after ``accepted`` of its drafts, the sequence continues from the state after
@@ -483,7 +529,7 @@ def _draft_probs(sample_seqs, drafts: list[list[int]], vocab: int) -> torch.Tens
             continue
         q = getattr(s.seq, "spec_draft_probs", None)
         if q is not None and q.shape[0] >= len(d) and q.shape[-1] == vocab:
-            rows.append(q[:len(d)].float())
+            rows.append(q[: len(d)].float())
         else:
             ids = torch.tensor(d, dtype=torch.int64)
             rows.append(torch.nn.functional.one_hot(ids, vocab).float())

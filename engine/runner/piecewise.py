@@ -111,8 +111,14 @@ class SegmentedGraph:
         return len(self.segments)
 
 
-def segmented_capture(new_graph: Callable[[], object], forward: Callable[[], torch.Tensor], experts: list,
-                      pool=None, kind: str = "cuda", max_rows: int = 0) -> tuple[SegmentedGraph, torch.Tensor]:
+def segmented_capture(
+    new_graph: Callable[[], object],
+    forward: Callable[[], torch.Tensor],
+    experts: list,
+    pool=None,
+    kind: str = "cuda",
+    max_rows: int = 0,
+) -> tuple[SegmentedGraph, torch.Tensor]:
     """Capture ``forward()`` as segments cut at the host joins of ``experts`` (the ``RoutedExperts``
     with host experts; none: one segment). -> (the graph, the output tensor its replays write)."""
     seg = SegmentedGraph(new_graph, pool, kind, max_rows)

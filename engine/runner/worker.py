@@ -65,22 +65,46 @@ class Rank:
     runner: ModelRunner
 
 
-def build_rank(spec: RankSpec, par: ParallelState, cache_shape: Callable[[nn.Module], CacheShape | None],
-               ready: Callable[[], None], workers=None, progress=None) -> Rank | None:
+def build_rank(
+    spec: RankSpec,
+    par: ParallelState,
+    cache_shape: Callable[[nn.Module], CacheShape | None],
+    ready: Callable[[], None],
+    workers=None,
+    progress=None,
+) -> Rank | None:
     """Build one rank; ``cache_shape(model)`` decides (rank 0) or receives (a worker) the cache's shape,
     None when there is nothing to build (rank 0 gave up); ``ready()`` returns once every rank is built."""
-    model, report = load_model(spec.config, spec.model_dir, spec.device, spec.dtype, spec.max_model_len, progress,
-                               par, spec.expert_placement)
+    model, report = load_model(
+        spec.config, spec.model_dir, spec.device, spec.dtype, spec.max_model_len, progress, par, spec.expert_placement
+    )
     shape = cache_shape(model)
     if shape is None:
         return None
-    pool = KVCachePool(model.cache_specs(spec.dtype), shape.num_blocks, spec.block_size, shape.max_num_seqs,
-                       spec.device, shape.num_snapshots, shape.num_spec_slots)
+    pool = KVCachePool(
+        model.cache_specs(spec.dtype),
+        shape.num_blocks,
+        spec.block_size,
+        shape.max_num_seqs,
+        spec.device,
+        shape.num_snapshots,
+        shape.num_spec_slots,
+    )
     # fixed-capacity decode tables and the same decode graph choice on every rank: graphed steps pad to
     # the same bucket everywhere, so the collectives inside match
-    runner = ModelRunner(model, pool.caches, spec.block_size, spec.device, workers, shape.max_num_seqs,
-                         spec.max_model_len, spec.decode_graphs, num_spec_tokens=shape.num_spec_tokens,
-                         spec_scratch_base=pool.spec_scratch_base, keep_hidden=shape.keep_hidden)
+    runner = ModelRunner(
+        model,
+        pool.caches,
+        spec.block_size,
+        spec.device,
+        workers,
+        shape.max_num_seqs,
+        spec.max_model_len,
+        spec.decode_graphs,
+        num_spec_tokens=shape.num_spec_tokens,
+        spec_scratch_base=pool.spec_scratch_base,
+        keep_hidden=shape.keep_hidden,
+    )
     ready()
     if runner.graphs is not None and spec.capture_graphs:
         runner.graphs.capture_all()  # every rank at the same point, after ready: same order
@@ -98,10 +122,21 @@ def worker_main(rank: int, spec: WorkerSpec, heartbeat, work) -> None:
             torch.cuda.set_device(device)
         par = init_rank(spec, rank)
         built = build_rank(
-            RankSpec(ModelConfig.from_pretrained(spec.model_dir), spec.model_dir, device, getattr(torch, spec.dtype),
-                     spec.max_model_len, spec.block_size, spec.expert_placement, spec.decode_graphs,
-                     spec.capture_graphs),
-            par, lambda _model: _receive_shape(work), ready=lambda: par.all_reduce(torch.zeros(1, device=device)))
+            RankSpec(
+                ModelConfig.from_pretrained(spec.model_dir),
+                spec.model_dir,
+                device,
+                getattr(torch, spec.dtype),
+                spec.max_model_len,
+                spec.block_size,
+                spec.expert_placement,
+                spec.decode_graphs,
+                spec.capture_graphs,
+            ),
+            par,
+            lambda _model: _receive_shape(work),
+            ready=lambda: par.all_reduce(torch.zeros(1, device=device)),
+        )
         if built is None:
             return
         while True:

@@ -45,9 +45,14 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     logprobs = params.logprobs
     if best_of > params.n and logprobs is None:
         logprobs = 0  # the sampled token's log-prob, for the cumulative ranking
-    return replace(params, n=1, best_of=None, logprobs=logprobs,
-                   seed=None if params.seed is None else params.seed + index,
-                   prompt_logprobs=params.prompt_logprobs if index == 0 else None)
+    return replace(
+        params,
+        n=1,
+        best_of=None,
+        logprobs=logprobs,
+        seed=None if params.seed is None else params.seed + index,
+        prompt_logprobs=params.prompt_logprobs if index == 0 else None,
+    )
 
 
 @dataclass
@@ -78,9 +83,15 @@ class ParentRequest:
             if self.params.logprobs is None:
                 comps = [replace(c, logprobs=None) for c in comps]
         first = self.latest.get(0) or out
-        return RequestOutput(request_id=self.request_id, prompt=first.prompt,
-                             prompt_token_ids=first.prompt_token_ids, prompt_logprobs=first.prompt_logprobs,
-                             outputs=comps, finished=finished, metrics=self._metrics())
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs,
+            outputs=comps,
+            finished=finished,
+            metrics=self._metrics(),
+        )
 
     def _completion(self, i: int) -> CompletionOutput:
         out = self.latest.get(i)
@@ -98,8 +109,12 @@ class ParentRequest:
         m = lead.metrics
         done = all(x.finished_time is not None for x in ms) and len(ms) == self.num_children
         firsts = [x.first_token_time for x in ms if x.first_token_time is not None]
-        return replace(m, token_times=list(m.token_times), first_token_time=min(firsts) if firsts else None,
-                       finished_time=max(x.finished_time for x in ms) if done else None)
+        return replace(
+            m,
+            token_times=list(m.token_times),
+            first_token_time=min(firsts) if firsts else None,
+            finished_time=max(x.finished_time for x in ms) if done else None,
+        )
 
 
 class FanOut:

@@ -23,8 +23,11 @@ import torch
 
 
 def has_penalties(params) -> bool:
-    return (getattr(params, "presence_penalty", 0.0) != 0.0 or getattr(params, "frequency_penalty", 0.0) != 0.0
-            or getattr(params, "repetition_penalty", 1.0) != 1.0)
+    return (
+        getattr(params, "presence_penalty", 0.0) != 0.0
+        or getattr(params, "frequency_penalty", 0.0) != 0.0
+        or getattr(params, "repetition_penalty", 1.0) != 1.0
+    )
 
 
 @dataclass
@@ -41,8 +44,15 @@ class PenaltyBatch:
     repetition: torch.Tensor
 
     @classmethod
-    def build(cls, rows: list[int], params: list, prompts: list[list[int]], outputs: list[list[int]],
-              vocab_size: int, device: torch.device) -> "PenaltyBatch | None":
+    def build(
+        cls,
+        rows: list[int],
+        params: list,
+        prompts: list[list[int]],
+        outputs: list[list[int]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> "PenaltyBatch | None":
         """``rows[r]`` is penalised with ``params[r]``'s penalties, given its prompt and output
         tokens so far. None when no row has a penalty. Token ids outside the vocabulary are
         ignored (a padded LM head may be wider than the tokenizer, never narrower)."""
@@ -53,10 +63,18 @@ class PenaltyBatch:
         counts = _counts([outputs[r] for r in keep], vocab_size, device)
         seen = _counts([prompts[r] for r in keep], vocab_size, device) > 0
         seen |= counts > 0
-        vals = torch.tensor([[params[r].presence_penalty, params[r].frequency_penalty, params[r].repetition_penalty]
-                             for r in keep], dtype=torch.float32).to(device, non_blocking=True)
-        return cls(rows=torch.tensor([rows[r] for r in keep], dtype=torch.int64).to(device, non_blocking=True),
-                   seen=seen, counts=counts, presence=vals[:, 0], frequency=vals[:, 1], repetition=vals[:, 2])
+        vals = torch.tensor(
+            [[params[r].presence_penalty, params[r].frequency_penalty, params[r].repetition_penalty] for r in keep],
+            dtype=torch.float32,
+        ).to(device, non_blocking=True)
+        return cls(
+            rows=torch.tensor([rows[r] for r in keep], dtype=torch.int64).to(device, non_blocking=True),
+            seen=seen,
+            counts=counts,
+            presence=vals[:, 0],
+            frequency=vals[:, 1],
+            repetition=vals[:, 2],
+        )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """A penalised copy of ``logits`` [R, V] (the input is left as it was, for raw log-probs)."""

@@ -35,14 +35,20 @@ def fork_rows(logits: torch.Tensor, sample_seqs: list[ScheduledSeq], forks: list
     return torch.cat([logits, logits.index_select(0, idx)])
 
 
-def penalty_rows(sample_seqs: list[ScheduledSeq], drafts: list[list[int]] | None, vocab_size: int,
-                 device: torch.device) -> PenaltyBatch | None:
+def penalty_rows(
+    sample_seqs: list[ScheduledSeq], drafts: list[list[int]] | None, vocab_size: int, device: torch.device
+) -> PenaltyBatch | None:
     """The penalties of every row: row ``j`` of a verifying decode counts the output plus the first
     ``j`` drafts as its history (what vLLM's rejection sampler does)."""
     rows = list(_rows(sample_seqs, drafts))
-    return PenaltyBatch.build(list(range(len(rows))), [s.seq.sampling_params for s, _ in rows],
-                              [s.seq.prompt_token_ids for s, _ in rows],
-                              [s.seq.output_token_ids + ds for s, ds in rows], vocab_size, device)
+    return PenaltyBatch.build(
+        list(range(len(rows))),
+        [s.seq.sampling_params for s, _ in rows],
+        [s.seq.prompt_token_ids for s, _ in rows],
+        [s.seq.output_token_ids + ds for s, ds in rows],
+        vocab_size,
+        device,
+    )
 
 
 def forced_rows(sample_seqs: list[ScheduledSeq]) -> list[int] | None:

@@ -32,8 +32,14 @@ class SamplingBatch:
     forced: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, params: list, generators: list[torch.Generator | None], device: torch.device,
-              buffers=None, forced: list[int] | None = None) -> "SamplingBatch":
+    def build(
+        cls,
+        params: list,
+        generators: list[torch.Generator | None],
+        device: torch.device,
+        buffers=None,
+        forced: list[int] | None = None,
+    ) -> "SamplingBatch":
         """``buffers``: a ``StepBuffers`` whose persistent (pinned on an accelerator) buffers carry
         the per-row values to the device without a blocking copy; None allocates fresh tensors.
         ``forced``: one entry per logits row (``SamplingParams.forced_token_ids``), -1 where free."""
@@ -58,8 +64,11 @@ class SamplingBatch:
             use_top_k=any(k > 0 for k in top_ks),
             use_top_p=any(p < 1.0 for p in top_ps),
             max_logprobs=max(lps) if lps else -1,
-            forced=(torch.tensor(forced, dtype=torch.int64).to(device, non_blocking=True)
-                    if forced is not None and any(t >= 0 for t in forced) else None),
+            forced=(
+                torch.tensor(forced, dtype=torch.int64).to(device, non_blocking=True)
+                if forced is not None and any(t >= 0 for t in forced)
+                else None
+            ),
         )
 
 
@@ -88,7 +97,7 @@ class SamplerOutput:
         chosen = [r[1] for r in rows]
         if not k:
             return tokens, chosen, None, None
-        return tokens, chosen, [[int(v) for v in r[2: 2 + k]] for r in rows], [r[2 + k:] for r in rows]
+        return tokens, chosen, [[int(v) for v in r[2 : 2 + k]] for r in rows], [r[2 + k :] for r in rows]
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -120,8 +129,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
         scaled = logits / temp[:, None]
         if batch.use_top_k or batch.use_top_p:
-            scaled = apply_top_k_top_p(scaled, batch.top_k if batch.use_top_k else None,
-                                       batch.top_p if batch.use_top_p else None)
+            scaled = apply_top_k_top_p(
+                scaled, batch.top_k if batch.use_top_k else None, batch.top_p if batch.use_top_p else None
+            )
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_()
         for row, gen in enumerate(batch.generators):
@@ -176,4 +186,4 @@ def prompt_logprob_dicts(logits: torch.Tensor, next_ids: list[int], k: int) -> l
     actual, top_ids, top_vals = prompt_logprobs(logits, nxt, k)
     cols = [actual[:, None].double()] + ([top_ids.double(), top_vals.double()] if top_ids is not None else [])
     rows = torch.cat(cols, dim=1).tolist()
-    return [{**{int(i): v for i, v in zip(r[1: 1 + k], r[1 + k:])}, next_ids[n]: r[0]} for n, r in enumerate(rows)]
+    return [{**{int(i): v for i, v in zip(r[1 : 1 + k], r[1 + k :])}, next_ids[n]: r[0]} for n, r in enumerate(rows)]

@@ -80,8 +80,9 @@ def can_fork(leader: Sequence, child: Sequence, bm: BlockManager, slots: StateSl
     return bm.can_fork(leader.num_tokens)
 
 
-def fork_child(leader: Sequence, child: Sequence, bm: BlockManager, slots: StateSlots | None
-               ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+def fork_child(
+    leader: Sequence, child: Sequence, bm: BlockManager, slots: StateSlots | None
+) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
     """Give ``child`` the leader's prompt (module doc); returns the (source, destination) block copy
     and state slot copy the runner must make after the step's forward pass (None where none)."""
     n = leader.num_tokens

@@ -32,9 +32,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kimitui.engine.scheduler.forks import ParkedForks, can_fork, fork_child
 from kimitui.engine.kv_cache.block_manager import BlockManager
 from kimitui.engine.kv_cache.state_slots import StateSlots
+from kimitui.engine.scheduler.forks import ParkedForks, can_fork, fork_child
 from kimitui.engine.scheduler.output import ScheduledSeq, SchedulerOutput  # noqa: F401 - re-exported: the step plan's types
 from kimitui.engine.sequence import FINISH_STATUS, Sequence, SequenceStatus
 
@@ -57,8 +57,7 @@ class SchedulerConfig:
     num_lookahead_slots: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                     "snapshot_every_blocks"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "snapshot_every_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_lookahead_slots < 0:
@@ -81,8 +80,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         if block_manager.block_size != config.block_size:
             raise ValueError(
-                f"block_size mismatch: scheduler {config.block_size}, "
-                f"block manager {block_manager.block_size}"
+                f"block_size mismatch: scheduler {config.block_size}, block manager {block_manager.block_size}"
             )
         capacity = block_manager.num_blocks * block_manager.block_size
         if capacity < config.max_model_len:
@@ -96,8 +94,10 @@ class Scheduler:
         self.block_manager = block_manager
         self.state_slots: StateSlots | None = block_manager.state_slots
         if self.state_slots is not None and self.state_slots.max_num_seqs < config.max_num_seqs:
-            raise ValueError(f"{self.state_slots.max_num_seqs} state slots for max_num_seqs={config.max_num_seqs}: "
-                             f"every running sequence of a hybrid model needs one")
+            raise ValueError(
+                f"{self.state_slots.max_num_seqs} state slots for max_num_seqs={config.max_num_seqs}: "
+                f"every running sequence of a hybrid model needs one"
+            )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the tail is preempted first
         self._seqs: dict[str, Sequence] = {}
@@ -146,8 +146,7 @@ class Scheduler:
         limit = self.config.max_model_len
         if seq.num_tokens > limit:
             raise ValueError(
-                f"request {seq.seq_id!r}: prompt has {seq.num_tokens} tokens, longer than "
-                f"max_model_len={limit}"
+                f"request {seq.seq_id!r}: prompt has {seq.num_tokens} tokens, longer than max_model_len={limit}"
             )
         bm = self.block_manager
         if -(-seq.num_tokens // bm.block_size) > bm.num_blocks:
@@ -252,8 +251,12 @@ class Scheduler:
         out.scheduled += [i for i in admitted if i.is_prefill]
         if self.forks:
             for item in list(out.scheduled):
-                if self.forks.leads(item.seq.seq_id) and item.do_sample and not item.spec_token_ids \
-                        and item.seq.num_output_tokens == 0:
+                if (
+                    self.forks.leads(item.seq.seq_id)
+                    and item.do_sample
+                    and not item.spec_token_ids
+                    and item.seq.num_output_tokens == 0
+                ):
                     self._fork(item.seq, out)
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
@@ -266,9 +269,7 @@ class Scheduler:
         did not reach the end of its sequence.
         """
         if len(sampled_token_ids) != len(output.scheduled):
-            raise ValueError(
-                f"{len(sampled_token_ids)} sampled tokens for {len(output.scheduled)} scheduled sequences"
-            )
+            raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(output.scheduled)} scheduled sequences")
         finished = []
         for item, token_id in zip(output.scheduled, sampled_token_ids):
             seq = item.seq
@@ -398,8 +399,12 @@ class Scheduler:
     def _tail_due(self, seq: Sequence) -> bool:
         """Whether this decode's token completes a block that has no snapshot yet (module doc)."""
         slots, bm = self.state_slots, self.block_manager
-        if (slots is None or slots.num_snapshots == 0 or not bm.enable_prefix_caching
-                or not self.config.snapshot_request_end):
+        if (
+            slots is None
+            or slots.num_snapshots == 0
+            or not bm.enable_prefix_caching
+            or not self.config.snapshot_request_end
+        ):
             return False
         end = seq.num_computed_tokens + 1
         return end % bm.block_size == 0 and not slots.has_snapshot(bm.block_hash(seq, end // bm.block_size - 1))

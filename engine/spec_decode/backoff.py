@@ -44,8 +44,13 @@ class _State:
 
 
 class DraftBackoff:
-    def __init__(self, num_speculative_tokens: int, enabled: bool = True, disable_by_batch_size: int | None = None,
-                 max_model_len: int | None = None):
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        enabled: bool = True,
+        disable_by_batch_size: int | None = None,
+        max_model_len: int | None = None,
+    ):
         self.k = num_speculative_tokens
         self.enabled = enabled
         self.disable_by_batch_size = disable_by_batch_size

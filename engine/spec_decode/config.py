@@ -41,9 +41,10 @@ REJECTION_SAMPLE_METHODS = ("standard", "block")
 AUX_CONVENTIONS = ("input", "output")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 # vLLM's other methods and values, named so the error says they are known but not built here
-_KNOWN_ELSEWHERE = {"method": ("dflash", "eagle", "medusa", "mlp_speculator", "draft_model", "mtp",
-                               "ngram_gpu", "custom_class"),
-                    "rejection_sample_method": ("synthetic",)}
+_KNOWN_ELSEWHERE = {
+    "method": ("dflash", "eagle", "medusa", "mlp_speculator", "draft_model", "mtp", "ngram_gpu", "custom_class"),
+    "rejection_sample_method": ("synthetic",),
+}
 
 
 def _choice(key: str, value, supported: tuple[str, ...]) -> None:
@@ -87,37 +88,51 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is None:
             raise ValueError(f"speculative_config: method {self.method!r} needs num_speculative_tokens")
         if not _is_int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= 64:
-            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in 1..64, "
-                             f"got {self.num_speculative_tokens!r}")
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens must be an integer in 1..64, "
+                f"got {self.num_speculative_tokens!r}"
+            )
         if self.method == "ngram":
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-            lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+            lo, hi = (
+                (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+            )
             if not (_is_int(lo) and _is_int(hi) and 1 <= lo <= hi):
                 raise ValueError(f"speculative_config: need 1 <= prompt_lookup_min ({lo}) <= prompt_lookup_max ({hi})")
             set_("prompt_lookup_min", lo)
             set_("prompt_lookup_max", hi)
         if self.method in ("eagle3", "dspark") and not self.model:
-            raise ValueError(f"speculative_config: method {self.method!r} needs model (the drafter checkpoint directory)")
+            raise ValueError(
+                f"speculative_config: method {self.method!r} needs model (the drafter checkpoint directory)"
+            )
         if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
-            raise ValueError("speculative_config: suffix_decoding_max_tree_depth must be >= 1 and "
-                             "suffix_decoding_max_cached_requests >= 0")
+            raise ValueError(
+                "speculative_config: suffix_decoding_max_tree_depth must be >= 1 and "
+                "suffix_decoding_max_cached_requests >= 0"
+            )
         _choice("draft_sample_method", self.draft_sample_method, DRAFT_SAMPLE_METHODS)
         if self.draft_sample_method == "probabilistic" and self.method not in ("eagle3", "dspark"):
-            raise ValueError(f"speculative_config: draft_sample_method 'probabilistic' needs a model drafter "
-                             f"(eagle3 or dspark), not method {self.method!r} (supported for it: greedy)")
+            raise ValueError(
+                f"speculative_config: draft_sample_method 'probabilistic' needs a model drafter "
+                f"(eagle3 or dspark), not method {self.method!r} (supported for it: greedy)"
+            )
         _choice("rejection_sample_method", self.rejection_sample_method, REJECTION_SAMPLE_METHODS)
-        if self.disable_by_batch_size is not None and (not _is_int(self.disable_by_batch_size)
-                                                       or self.disable_by_batch_size < 1):
-            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1, "
-                             f"got {self.disable_by_batch_size!r}")
+        if self.disable_by_batch_size is not None and (
+            not _is_int(self.disable_by_batch_size) or self.disable_by_batch_size < 1
+        ):
+            raise ValueError(
+                f"speculative_config: disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}"
+            )
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
             raise ValueError(f"speculative_config: max_model_len must be an integer >= 1, got {self.max_model_len!r}")
         self._check_aux_keys(set_)
         if self.draft_kv_cache_dtype is not None:
             _choice("draft_kv_cache_dtype", self.draft_kv_cache_dtype, KV_CACHE_DTYPES)
             if self.kv_cache_dtype not in ("auto", self.draft_kv_cache_dtype):
-                raise ValueError(f"speculative_config: kv_cache_dtype {self.kv_cache_dtype!r} and "
-                                 f"draft_kv_cache_dtype {self.draft_kv_cache_dtype!r} disagree")
+                raise ValueError(
+                    f"speculative_config: kv_cache_dtype {self.kv_cache_dtype!r} and "
+                    f"draft_kv_cache_dtype {self.draft_kv_cache_dtype!r} disagree"
+                )
             set_("kv_cache_dtype", self.draft_kv_cache_dtype)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         for key in ("enforce_eager", "disable_padded_drafter_batch", "backoff"):
@@ -126,8 +141,10 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: {key} must be true or false, got {v!r}")
         for key in ("quantization", "revision", "code_revision"):
             if getattr(self, key) is not None:
-                raise ValueError(f"speculative_config: {key} {getattr(self, key)!r}: supported null only "
-                                 f"(the drafter is read as stored in its directory)")
+                raise ValueError(
+                    f"speculative_config: {key} {getattr(self, key)!r}: supported null only "
+                    f"(the drafter is read as stored in its directory)"
+                )
 
     def _check_aux_keys(self, set_) -> None:
         ids, conv = self.eagle_aux_hidden_state_layer_ids, self.eagle_aux_hidden_state_layer_convention
@@ -136,10 +153,14 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: {key} applies to method eagle3 only, not {self.method!r}")
         if ids is not None:
             if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(k) and k >= 0 for k in ids):
-                raise ValueError(f"speculative_config: eagle_aux_hidden_state_layer_ids must be a non-empty "
-                                 f"list of layer ids >= 0, got {ids!r}")
+                raise ValueError(
+                    f"speculative_config: eagle_aux_hidden_state_layer_ids must be a non-empty "
+                    f"list of layer ids >= 0, got {ids!r}"
+                )
             if len(set(ids)) != len(ids):
-                raise ValueError(f"speculative_config: eagle_aux_hidden_state_layer_ids must be distinct, got {list(ids)}")
+                raise ValueError(
+                    f"speculative_config: eagle_aux_hidden_state_layer_ids must be distinct, got {list(ids)}"
+                )
             set_("eagle_aux_hidden_state_layer_ids", tuple(ids))
         if conv is not None:
             _choice("eagle_aux_hidden_state_layer_convention", conv, AUX_CONVENTIONS)

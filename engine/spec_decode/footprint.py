@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from kimitui.engine.spec_decode.eagle3.model import drafter_architecture
+
 from kimitui.engine.spec_decode.eagle3.mla import MLAShape
+from kimitui.engine.spec_decode.eagle3.model import drafter_architecture
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -27,8 +28,9 @@ class DrafterFootprint:
     kv_bytes_per_token: int
 
 
-def drafter_footprint(model_dir: str | Path, target_hidden_size: int, target_vocab_size: int,
-                      dtype_bytes: int | None = None) -> DrafterFootprint:
+def drafter_footprint(
+    model_dir: str | Path, target_hidden_size: int, target_vocab_size: int, dtype_bytes: int | None = None
+) -> DrafterFootprint:
     """Bytes of an EAGLE-3 drafter checkpoint's weights and KV per token, from its config.json."""
     path = Path(model_dir) / "config.json"
     try:
@@ -48,8 +50,11 @@ def drafter_footprint(model_dir: str | Path, target_hidden_size: int, target_voc
     vocab = int(c.get("draft_vocab_size") or target_vocab_size)
     t_hidden = int(c.get("target_hidden_size") or target_hidden_size)
     size = dtype_bytes or _DTYPE_BYTES.get(str(c.get("torch_dtype", "bfloat16")), 2)
-    n_aux = len((c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-                or c.get("eagle_aux_hidden_state_layer_ids") or (0, 0, 0))
+    n_aux = len(
+        (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        or c.get("eagle_aux_hidden_state_layer_ids")
+        or (0, 0, 0)
+    )
     params = n_aux * t_hidden * (h + (1 if c.get("fc_norm") else 0))  # fc (and EAGLE-3.1's fc_norm)
     if drafter_architecture(c) == "mla":  # q/kv LoRA attention over cat(embeds, hidden); a latent KV cache
         mla = MLAShape.from_dict(c)

@@ -37,7 +37,7 @@ class TokenHistory:
             grown = np.full(1 << end.bit_length(), SENTINEL, dtype=np.int32)
             grown[: self.num_tokens] = self.buf[: self.num_tokens]
             self.buf = grown
-        self.buf[self.num_tokens: end] = new
+        self.buf[self.num_tokens : end] = new
         self.buf[end] = SENTINEL
         self.num_tokens = end
 
@@ -60,9 +60,15 @@ class HistoryTable:
         length or a different last token: a reused id), it is rebuilt from scratch."""
         h = self._by_id.get(seq.seq_id)
         n = seq.num_tokens
-        if h is not None and h.num_tokens and (
-                h.num_tokens > n or h.num_prompt_tokens != seq.num_prompt_tokens
-                or seq.token_id(h.num_tokens - 1) != h.buf[h.num_tokens - 1]):
+        if (
+            h is not None
+            and h.num_tokens
+            and (
+                h.num_tokens > n
+                or h.num_prompt_tokens != seq.num_prompt_tokens
+                or seq.token_id(h.num_tokens - 1) != h.buf[h.num_tokens - 1]
+            )
+        ):
             h = None
         if h is None:
             h = self._by_id[seq.seq_id] = TokenHistory(seq.num_prompt_tokens)

@@ -45,7 +45,7 @@ def find_ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.n
     if best.size == 0 or best_n < min_n:
         return tokens[:0]
     start = int(best[0]) + 1  # flatnonzero is ascending: best[0] is the earliest occurrence
-    return tokens[start: min(start + k, t)]
+    return tokens[start : min(start + k, t)]
 
 
 class NgramProposer:
@@ -55,14 +55,15 @@ class NgramProposer:
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
-            raise ValueError(f"NgramProposer: need 1 <= prompt_lookup_min ({prompt_lookup_min}) "
-                             f"<= prompt_lookup_max ({prompt_lookup_max})")
+            raise ValueError(
+                f"NgramProposer: need 1 <= prompt_lookup_min ({prompt_lookup_min}) "
+                f"<= prompt_lookup_max ({prompt_lookup_max})"
+            )
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
         self._history = HistoryTable()
 
-    def propose(self, seqs: list[Sequence], max_drafts: list[int],
-                hidden: StepHidden | None = None) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], max_drafts: list[int], hidden: StepHidden | None = None) -> list[list[int]]:
         if len(seqs) != len(max_drafts):
             raise ValueError(f"NgramProposer.propose: {len(seqs)} sequences but {len(max_drafts)} max_drafts")
         out = []

@@ -55,8 +55,7 @@ class StepHidden:
 class Proposer(Protocol):
     needs_hidden: bool  # True: ``propose`` gets the step's StepHidden (the target then keeps aux rows)
 
-    def propose(self, seqs: list[Sequence], max_drafts: list[int],
-                hidden: StepHidden | None = None) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], max_drafts: list[int], hidden: StepHidden | None = None) -> list[list[int]]:
         """Draft tokens for each of ``seqs`` (at most ``max_drafts[i]``, possibly none)."""
 
     def finish(self, seq_id: str) -> None:

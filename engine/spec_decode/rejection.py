@@ -53,36 +53,52 @@ def _target_probs(logits: torch.Tensor, batch: SamplingBatch, seq_of_row: torch.
     temp = batch.temperature[seq_of_row]
     scaled = logits / torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
     if batch.use_top_k or batch.use_top_p:
-        scaled = apply_top_k_top_p(scaled, batch.top_k[seq_of_row] if batch.use_top_k else None,
-                                   batch.top_p[seq_of_row] if batch.use_top_p else None)
+        scaled = apply_top_k_top_p(
+            scaled,
+            batch.top_k[seq_of_row] if batch.use_top_k else None,
+            batch.top_p[seq_of_row] if batch.use_top_p else None,
+        )
     return scaled.softmax(dim=-1)
 
 
 def _check(logits, num_drafts, draft_token_ids, batch, draft_probs) -> None:
     n = len(num_drafts)
     if logits.dim() != 2 or not logits.is_floating_point():
-        raise ValueError(f"rejection_sample: logits must be a float [R, V] tensor, got {tuple(logits.shape)} {logits.dtype}")
+        raise ValueError(
+            f"rejection_sample: logits must be a float [R, V] tensor, got {tuple(logits.shape)} {logits.dtype}"
+        )
     if any(k < 0 for k in num_drafts):
         raise ValueError(f"rejection_sample: negative draft count in num_drafts {num_drafts}")
     if len(draft_token_ids) != n or any(len(d) != k for d, k in zip(draft_token_ids, num_drafts)):
-        raise ValueError(f"rejection_sample: draft_token_ids lengths {[len(d) for d in draft_token_ids]} "
-                         f"do not match num_drafts {num_drafts}")
+        raise ValueError(
+            f"rejection_sample: draft_token_ids lengths {[len(d) for d in draft_token_ids]} "
+            f"do not match num_drafts {num_drafts}"
+        )
     rows = sum(num_drafts) + n
     if logits.shape[0] != rows:
         raise ValueError(f"rejection_sample: logits has {logits.shape[0]} rows, expected sum(k_i + 1) = {rows}")
     if batch.temperature.shape[0] != n or len(batch.generators) != n:
-        raise ValueError(f"rejection_sample: the SamplingBatch has {batch.temperature.shape[0]} rows and "
-                         f"{len(batch.generators)} generators, expected one per sequence ({n})")
+        raise ValueError(
+            f"rejection_sample: the SamplingBatch has {batch.temperature.shape[0]} rows and "
+            f"{len(batch.generators)} generators, expected one per sequence ({n})"
+        )
     vocab = logits.shape[1]
     if any(not 0 <= t < vocab for d in draft_token_ids for t in d):
         raise ValueError(f"rejection_sample: a draft token id is outside the vocabulary [0, {vocab})")
     if draft_probs is not None and tuple(draft_probs.shape) != (sum(num_drafts), vocab):
-        raise ValueError(f"rejection_sample: draft_probs must be [sum k_i, V] = [{sum(num_drafts)}, {vocab}], "
-                         f"got {tuple(draft_probs.shape)}")
+        raise ValueError(
+            f"rejection_sample: draft_probs must be [sum k_i, V] = [{sum(num_drafts)}, {vocab}], "
+            f"got {tuple(draft_probs.shape)}"
+        )
 
 
-def rejection_sample(logits: torch.Tensor, num_drafts: list[int], draft_token_ids: list[list[int]],
-                     batch: SamplingBatch, draft_probs: torch.Tensor | None = None) -> torch.Tensor:
+def rejection_sample(
+    logits: torch.Tensor,
+    num_drafts: list[int],
+    draft_token_ids: list[list[int]],
+    batch: SamplingBatch,
+    draft_probs: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Verify every sequence's drafts. logits: [sum(k_i + 1), V] (fp32; other float types are
     upcast); batch: one entry per sequence; draft_probs: [sum k_i, V] or None (one-hot drafts).
     Returns [N, max_k + 1] int64 on the logits' device: row i is sequence i's accepted drafts, then
@@ -103,8 +119,9 @@ def rejection_sample(logits: torch.Tensor, num_drafts: list[int], draft_token_id
         draft_probs = None  # nothing was drafted: nothing to read from it
     if draft_probs is not None:
         draft_probs = draft_probs.float()
-    packed = torch.tensor(list(num_drafts) + list(itertools.chain.from_iterable(draft_token_ids)) + [0],
-                          dtype=torch.int64).to(device, non_blocking=True)
+    packed = torch.tensor(
+        list(num_drafts) + list(itertools.chain.from_iterable(draft_token_ids)) + [0], dtype=torch.int64
+    ).to(device, non_blocking=True)
     k_t, flat_drafts = packed[:n], packed[n:]  # flat_drafts: [total + 1], a 0 pad so it is never empty
     positions = torch.arange(max_k + 1, device=device)
     q_start = torch.cumsum(k_t, 0) - k_t  # [N]
@@ -146,7 +163,9 @@ def rejection_sample(logits: torch.Tensor, num_drafts: list[int], draft_token_id
     if probs is not None:
         p_final = probs[final_row]  # [N, V]
         rejected = num_accepted < k_t
-        rejected_draft = drafts_t.gather(1, num_accepted.clamp(max=max(max_k - 1, 0))[:, None])[:, 0] if max_k else final
+        rejected_draft = (
+            drafts_t.gather(1, num_accepted.clamp(max=max(max_k - 1, 0))[:, None])[:, 0] if max_k else final
+        )
         q_final = None if draft_probs is None else draft_probs[q_of_t.gather(1, num_accepted[:, None])[:, 0]]
         residual = torch.where(rejected[:, None], _residual(p_final, q_final, rejected_draft), p_final)
         # p == q on the support leaves nothing to draw from; rejection then had probability 0 (up

@@ -17,10 +17,12 @@ def make_proposer(config, target=None, model_dir=None) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "suffix":
-        return SuffixProposer(max_tree_depth=config.suffix_decoding_max_tree_depth,
-                              max_cached_requests=config.suffix_decoding_max_cached_requests,
-                              max_spec_factor=config.suffix_decoding_max_spec_factor,
-                              min_token_prob=config.suffix_decoding_min_token_prob)
+        return SuffixProposer(
+            max_tree_depth=config.suffix_decoding_max_tree_depth,
+            max_cached_requests=config.suffix_decoding_max_cached_requests,
+            max_spec_factor=config.suffix_decoding_max_spec_factor,
+            min_token_prob=config.suffix_decoding_min_token_prob,
+        )
     if config.method == "eagle3":
         return Eagle3Proposer(config, target, model_dir=model_dir)
     if config.method == "dspark":

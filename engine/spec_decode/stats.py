@@ -48,8 +48,9 @@ class SpecDecodeStats:
         return [a / self.num_drafts for a in self.accepted_per_pos] if self.num_drafts else []
 
     def copy(self) -> SpecDecodeStats:
-        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                               list(self.accepted_per_pos))
+        return SpecDecodeStats(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_pos)
+        )
 
     def as_json(self) -> dict:
         """vLLM bench's keys (``spec_decode_acceptance_rate`` as a percentage, as vLLM prints it)."""
@@ -65,7 +66,13 @@ class SpecDecodeStats:
 
     def since(self, before: SpecDecodeStats) -> SpecDecodeStats:
         """The counts between ``before`` and now (a benchmark's window)."""
-        per = [a - (before.accepted_per_pos[j] if j < len(before.accepted_per_pos) else 0)
-               for j, a in enumerate(self.accepted_per_pos)]
-        return SpecDecodeStats(self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
-                               self.num_accepted_tokens - before.num_accepted_tokens, per)
+        per = [
+            a - (before.accepted_per_pos[j] if j < len(before.accepted_per_pos) else 0)
+            for j, a in enumerate(self.accepted_per_pos)
+        ]
+        return SpecDecodeStats(
+            self.num_drafts - before.num_drafts,
+            self.num_draft_tokens - before.num_draft_tokens,
+            self.num_accepted_tokens - before.num_accepted_tokens,
+            per,
+        )

@@ -110,13 +110,23 @@ def _match_lengths(buf: np.ndarray, mask: int, lo: int, ends: np.ndarray, patter
         m += 1
     if m < p - 1 and idx.size:
         back = ends[idx][:, None] - np.arange(m, p - 1)  # [n, p - 1 - m]
-        same = (buf[back & mask] == pattern[p - 1 - m:: -1][: p - 1 - m]) & (back >= lo)
+        same = (buf[back & mask] == pattern[p - 1 - m :: -1][: p - 1 - m]) & (back >= lo)
         mlen[idx] += np.cumprod(same, axis=1).sum(axis=1)
     return mlen
 
 
-def best_draft(buf: np.ndarray, mask: int, lo: int, ends: np.ndarray, pattern: np.ndarray, depth: int,
-               max_spec: int, spec_factor: float, min_prob: float, to_beat: float = 0.0) -> tuple[list[int], float]:
+def best_draft(
+    buf: np.ndarray,
+    mask: int,
+    lo: int,
+    ends: np.ndarray,
+    pattern: np.ndarray,
+    depth: int,
+    max_spec: int,
+    spec_factor: float,
+    min_prob: float,
+    to_beat: float = 0.0,
+) -> tuple[list[int], float]:
     """The best-scoring draft over every match length of ``pattern`` (the context's last tokens)
     in the corpus ``buf[pos & mask]`` with live positions from ``lo``; ``ends``: the positions of
     ``pattern[-1]``. Only a draft scoring strictly more than ``to_beat`` is returned."""
@@ -133,8 +143,9 @@ def best_draft(buf: np.ndarray, mask: int, lo: int, ends: np.ndarray, pattern: n
     # Try the match lengths with the largest possible score first (the longer on equal bounds): the
     # winner is the highest (score, m) and a score never exceeds its token budget, so once a draft
     # scores its whole budget every length with a smaller (budget, m) is skipped without a walk.
-    budgets = sorted(((min(max_spec, int(m * spec_factor + 1e-6), depth - m), m) for m in range(1, longest + 1)),
-                     reverse=True)
+    budgets = sorted(
+        ((min(max_spec, int(m * spec_factor + 1e-6), depth - m), m) for m in range(1, longest + 1)), reverse=True
+    )
     best, best_key = [], (to_beat, longest + 1)  # to_beat must be beaten strictly
     for max_tokens, m in budgets:
         if (max_tokens, m) <= best_key:
@@ -152,20 +163,26 @@ class SuffixProposer:
 
     needs_hidden = False
 
-    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000,
-                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> None:
+    def __init__(
+        self,
+        max_tree_depth: int = 24,
+        max_cached_requests: int = 10000,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
+    ) -> None:
         if max_tree_depth < 1 or max_cached_requests < 0 or max_spec_factor < 0 or not 0 <= min_token_prob <= 1:
-            raise ValueError(f"SuffixProposer: need max_tree_depth >= 1 ({max_tree_depth}), max_cached_requests "
-                             f">= 0 ({max_cached_requests}), max_spec_factor >= 0 ({max_spec_factor}) and "
-                             f"0 <= min_token_prob <= 1 ({min_token_prob})")
+            raise ValueError(
+                f"SuffixProposer: need max_tree_depth >= 1 ({max_tree_depth}), max_cached_requests "
+                f">= 0 ({max_cached_requests}), max_spec_factor >= 0 ({max_spec_factor}) and "
+                f"0 <= min_token_prob <= 1 ({min_token_prob})"
+            )
         self.depth = max_tree_depth
         self.spec_factor = max_spec_factor
         self.min_prob = min_token_prob
         self._history = HistoryTable()
         self.global_cache = GlobalSuffixCache(max_cached_requests)
 
-    def propose(self, seqs: list[Sequence], max_drafts: list[int],
-                hidden: StepHidden | None = None) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], max_drafts: list[int], hidden: StepHidden | None = None) -> list[list[int]]:
         if len(seqs) != len(max_drafts):
             raise ValueError(f"SuffixProposer.propose: {len(seqs)} sequences but {len(max_drafts)} max_drafts")
         out = []
@@ -175,15 +192,25 @@ class SuffixProposer:
         return out
 
     def _propose_one(self, buf: np.ndarray, t: int, k: int) -> list[int]:
-        pattern = buf[max(0, t - self.depth): t]
+        pattern = buf[max(0, t - self.depth) : t]
         last = int(pattern[-1])
         mask = buf.size - 1
         own_ends = np.flatnonzero(buf[:t] == last)
         draft, score = best_draft(buf, mask, 0, own_ends, pattern, self.depth, k, self.spec_factor, self.min_prob)
         g = self.global_cache
         if g.num_requests:
-            g_draft, g_score = best_draft(g.buf, g.mask, g.lo, g.candidates(last), pattern, self.depth, k,
-                                          self.spec_factor, self.min_prob, to_beat=score)
+            g_draft, g_score = best_draft(
+                g.buf,
+                g.mask,
+                g.lo,
+                g.candidates(last),
+                pattern,
+                self.depth,
+                k,
+                self.spec_factor,
+                self.min_prob,
+                to_beat=score,
+            )
             if g_score > score:
                 draft = g_draft
         return draft
@@ -192,4 +219,4 @@ class SuffixProposer:
         """The request's output (as of the last ``propose``) joins the global cache."""
         h = self._history.pop(seq_id)
         if h is not None:
-            self.global_cache.add(h.tokens[h.num_prompt_tokens:])
+            self.global_cache.add(h.tokens[h.num_prompt_tokens :])

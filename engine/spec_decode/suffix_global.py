@@ -27,11 +27,11 @@ from kimitui.engine.spec_decode.history import SENTINEL
 
 
 class GlobalSuffixCache:
-    def __init__(self, max_cached_requests: int, max_cached_tokens: int = 1 << 24,
-                 max_candidates: int = 4096) -> None:
+    def __init__(self, max_cached_requests: int, max_cached_tokens: int = 1 << 24, max_candidates: int = 4096) -> None:
         if max_cached_requests < 0 or max_cached_tokens < 1 or max_candidates < 1:
-            raise ValueError("GlobalSuffixCache: need max_cached_requests >= 0, max_cached_tokens >= 1 "
-                             "and max_candidates >= 1")
+            raise ValueError(
+                "GlobalSuffixCache: need max_cached_requests >= 0, max_cached_tokens >= 1 and max_candidates >= 1"
+            )
         self.max_cached_requests = max_cached_requests
         self.max_cached_tokens = max_cached_tokens
         self.max_candidates = max_candidates
@@ -62,7 +62,7 @@ class GlobalSuffixCache:
         if self.max_cached_requests == 0 or n == 0:
             return
         if n + 1 > self.max_cached_tokens:  # keep the most recent part of an output too long to hold
-            tokens, n = tokens[n + 1 - self.max_cached_tokens:], self.max_cached_tokens - 1
+            tokens, n = tokens[n + 1 - self.max_cached_tokens :], self.max_cached_tokens - 1
         self._spans[self._serial] = (self.head, self.head + n + 1)
         self._serial += 1
         while len(self._spans) > self.max_cached_requests or self.head + n + 1 - self.lo > self.max_cached_tokens:

@@ -23,8 +23,9 @@ class KDASpecStep:
     save_dst: torch.Tensor | None
 
 
-def kda_spec_steps(spec_lens: list[int], state_slots: list[int], scratch_base: int, num_spec_tokens: int,
-                   device: torch.device) -> list[KDASpecStep]:
+def kda_spec_steps(
+    spec_lens: list[int], state_slots: list[int], scratch_base: int, num_spec_tokens: int, device: torch.device
+) -> list[KDASpecStep]:
     """Position-major layout of the decode rows: ``spec_lens[i]`` rows for decoding sequence ``i``
     (laid out one sequence after another); ``state_slots`` holds a slot per decode row."""
     firsts, row = [], 0
@@ -39,8 +40,7 @@ def kda_spec_steps(spec_lens: list[int], state_slots: list[int], scratch_base: i
         src = torch.tensor(keep, dtype=torch.int64, device=device) if keep else None
         dst = None
         if keep:
-            dst = torch.tensor([scratch_base + s * num_spec_tokens + j for s in keep], dtype=torch.int64,
-                               device=device)
+            dst = torch.tensor([scratch_base + s * num_spec_tokens + j for s in keep], dtype=torch.int64, device=device)
         steps.append(KDASpecStep(torch.tensor(rows, dtype=torch.int64, device=device), src, dst))
     return steps
 
@@ -55,8 +55,9 @@ class KDASpecLayout:
     lengths: list[int]
 
 
-def kda_spec_layout(spec_lens: list[int], state_slots: list[int], scratch_base: int, num_spec_tokens: int,
-                    device: torch.device) -> KDASpecLayout:
+def kda_spec_layout(
+    spec_lens: list[int], state_slots: list[int], scratch_base: int, num_spec_tokens: int, device: torch.device
+) -> KDASpecLayout:
     """Row n of ``indices``: where the state after each of sequence n's positions goes, the scratch
     slots ``kda_spec_steps`` keeps them in and, for the last position, the sequence's slot (from
     which it also starts: the runner restored the last accepted state there before the step)."""
@@ -69,8 +70,9 @@ def kda_spec_layout(spec_lens: list[int], state_slots: list[int], scratch_base: 
     return KDASpecLayout(torch.tensor(rows, dtype=torch.int64, device=device), list(spec_lens))
 
 
-def verify_and_logprobs(logits: torch.Tensor, drafts: list[list[int]], batch, params: list,
-                        draft_probs: torch.Tensor | None = None):
+def verify_and_logprobs(
+    logits: torch.Tensor, drafts: list[list[int]], batch, params: list, draft_probs: torch.Tensor | None = None
+):
     """Accept drafts and sample one more token per sequence; ``logits`` [R, V] fp32 hold
     ``len(drafts[i]) + 1`` rows for sequence ``i``, in order; ``draft_probs`` [sum k_i, V]: the
     distributions sampled drafts were drawn from (None: every draft a deterministic guess). Returns
@@ -95,14 +97,14 @@ def verify_and_logprobs(logits: torch.Tensor, drafts: list[list[int]], batch, pa
             top = logp.topk(k, dim=-1)
             cols += [top.indices.reshape(-1).double(), top.values.reshape(-1).double()]
     flat = torch.cat(cols).tolist()  # the one sync
-    tokens = [[int(t) for t in flat[i * width: (i + 1) * width] if t >= 0] for i in range(n)]
+    tokens = [[int(t) for t in flat[i * width : (i + 1) * width] if t >= 0] for i in range(n)]
     if batch.max_logprobs < 0:
         return tokens, [None] * n
     R = logits.shape[0]
     at = n * width
-    chosen = flat[at: at + R]
-    ids = flat[at + R: at + R + R * k]
-    vals = flat[at + R + R * k:]
+    chosen = flat[at : at + R]
+    ids = flat[at + R : at + R + R * k]
+    vals = flat[at + R + R * k :]
     # each sequence's output rows (its verified token and accepted drafts) as rows of the sampler's
     # log-prob dicts, built by the sampler's own helper
     lps, row = [], 0
@@ -112,7 +114,7 @@ def verify_and_logprobs(logits: torch.Tensor, drafts: list[list[int]], batch, pa
         if p.logprobs is None:
             lps.append(None)
             continue
-        top_ids = [[int(t) for t in ids[r * k: (r + 1) * k]] for r in rows] if k else None
-        top_vals = [vals[r * k: (r + 1) * k] for r in rows] if k else None
+        top_ids = [[int(t) for t in ids[r * k : (r + 1) * k]] for r in rows] if k else None
+        top_vals = [vals[r * k : (r + 1) * k] for r in rows] if k else None
         lps.append(logprob_dicts([p] * len(rows), tokens[i], [chosen[r] for r in rows], top_ids, top_vals))
     return tokens, lps

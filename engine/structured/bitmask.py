@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """[N, W] int32 -> [N, vocab] bool (True: allowed; ids past 32 * W are not)."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)

@@ -41,8 +41,10 @@ class GrammarError(ValueError):
 
 def require_llguidance():
     if llguidance is None:
-        raise GrammarError("structured outputs (response_format, tool_choice 'required') need the llguidance "
-                           "package: pip install 'kimitui[structured]'")
+        raise GrammarError(
+            "structured outputs (response_format, tool_choice 'required') need the llguidance "
+            "package: pip install 'kimitui[structured]'"
+        )
     return llguidance
 
 
@@ -85,8 +87,11 @@ class GrammarCompiler:
         self.vocab_size = max(vocab_size, len(tokenizer))
         eos = list(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.eos_id = eos[0] if eos else self.vocab_size - 1
-        self.lltokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_Wrapper(tokenizer, self.vocab_size, self.eos_id)),
-                                           n_vocab=self.vocab_size, eos_token=self.eos_id)
+        self.lltokenizer = llg.LLTokenizer(
+            llg.TokenizerWrapper(_Wrapper(tokenizer, self.vocab_size, self.eos_id)),
+            n_vocab=self.vocab_size,
+            eos_token=self.eos_id,
+        )
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()
 

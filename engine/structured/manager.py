@@ -22,7 +22,6 @@ from kimitui.engine.structured.matcher import RequestGrammar
 from kimitui.engine.structured.params import StructuredOutputs
 from kimitui.engine.structured.reasoning import ReasoningGate
 
-
 _PARALLEL_ROWS = 8  # plain rows from which the masks are filled by llguidance's thread pool
 
 
@@ -71,15 +70,16 @@ class StructuredOutputManager:
         at = 0
         for row, g, d in plan:
             if d:
-                filled = g.fill_drafts(words[at: at + len(d) + 1], d)
+                filled = g.fill_drafts(words[at : at + len(d) + 1], d)
                 masked += [(at + j, row + j) for j, f in enumerate(filled) if f]
             else:
                 parallel.append((g, at))
                 masked.append((at, row))
             at += len(d) + 1
         if len(parallel) >= _PARALLEL_ROWS and self._cores > 4:
-            self._executor.unsafe_compute_mask_ptr([(g.matcher, b) for g, b in parallel], bits.ctypes.data,
-                                                   self.width * 4, n)
+            self._executor.unsafe_compute_mask_ptr(
+                [(g.matcher, b) for g, b in parallel], bits.ctypes.data, self.width * 4, n
+            )
             for g, b in parallel:
                 g.fixup(words[b])
         else:  # a thread pool costs more than it saves on a few rows or cores (a JSON mask is ~10 us)
@@ -93,5 +93,6 @@ class StructuredOutputManager:
         rows = torch.tensor([r for _, r in masked], dtype=torch.int64)
         if self.device.type == "cuda":  # pinned: the copies do not block the host
             sel, rows = sel.pin_memory(), rows.pin_memory()
-        return apply_bitmask(logits, rows.to(logits.device, non_blocking=True),
-                             sel.to(logits.device, non_blocking=True))
+        return apply_bitmask(
+            logits, rows.to(logits.device, non_blocking=True), sel.to(logits.device, non_blocking=True)
+        )

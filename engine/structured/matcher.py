@@ -55,13 +55,17 @@ class RequestGrammar:
 
     def advance(self, output_ids: list[int]) -> None:
         """Consume the output tokens not seen yet."""
-        for t in output_ids[self.num_seen:]:
+        for t in output_ids[self.num_seen :]:
             if self.gate is not None and not self.gate.open:
                 self.gate.feed(t)
             elif not self.failed and not self.matcher.consume_token(self._as_grammar_token(t)):
                 self.failed = True
-                log.warning("request %s: token %d does not match its grammar (%s); the rest is unconstrained",
-                            self.request_id, t, self.matcher.get_error())
+                log.warning(
+                    "request %s: token %d does not match its grammar (%s); the rest is unconstrained",
+                    self.request_id,
+                    t,
+                    self.matcher.get_error(),
+                )
         self.num_seen = len(output_ids)
 
     def _as_grammar_token(self, t: int) -> int:
@@ -110,8 +114,12 @@ class RequestGrammar:
                     break  # the request ends there; (llguidance cannot roll back its end token)
                 if not self.matcher.consume_token(self._as_grammar_token(d)):
                     self.failed = True  # allowed by its own mask yet refused: the matcher is broken
-                    log.warning("request %s: draft %d allowed by the mask but refused (%s)", self.request_id, d,
-                                self.matcher.get_error())
+                    log.warning(
+                        "request %s: draft %d allowed by the mask but refused (%s)",
+                        self.request_id,
+                        d,
+                        self.matcher.get_error(),
+                    )
                     break
                 consumed += 1
         finally:

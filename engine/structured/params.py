@@ -36,14 +36,21 @@ class StructuredOutputs:
     def __post_init__(self) -> None:
         if self.json is not None and not isinstance(self.json, str):
             if not isinstance(self.json, dict):
-                raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(self.json).__name__}")
+                raise ValueError(
+                    f"structured_outputs.json must be a JSON schema object, got {type(self.json).__name__}"
+                )
             # as text (the cache key); keys keep their order, which is the order the output writes them in
             object.__setattr__(self, "json", json.dumps(self.json, ensure_ascii=False))
-        kinds = [k for k, v in (("json", self.json), ("json_object", self.json_object or None),
-                                ("grammar", self.grammar)) if v is not None]
+        kinds = [
+            k
+            for k, v in (("json", self.json), ("json_object", self.json_object or None), ("grammar", self.grammar))
+            if v is not None
+        ]
         if len(kinds) != 1:
-            raise ValueError("structured_outputs needs exactly one of json, json_object or grammar, "
-                             f"got {', '.join(kinds) or 'none'}")
+            raise ValueError(
+                "structured_outputs needs exactly one of json, json_object or grammar, "
+                f"got {', '.join(kinds) or 'none'}"
+            )
         if self.grammar is not None and not self.grammar.strip():
             raise ValueError("structured_outputs.grammar is empty")
         if self.reasoning_end is not None and not self.reasoning_end:

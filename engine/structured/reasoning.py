@@ -30,7 +30,7 @@ class ReasoningGate:
             self.open = True
             self._tail = b""
             return True
-        self._tail = buf[-(len(self.marker) - 1):] if len(self.marker) > 1 else b""
+        self._tail = buf[-(len(self.marker) - 1) :] if len(self.marker) > 1 else b""
         return False
 
     def copy(self) -> "ReasoningGate":

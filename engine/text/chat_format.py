@@ -11,8 +11,8 @@ import logging
 from dataclasses import dataclass
 
 from kimitui.engine.text.k2 import ReplyStreamParser, chat_reply_special_ids, chat_stop_token_ids, encode_chat
-from kimitui.engine.text.xtml.render import MARKERS, END_OF_MSG, build_segments, encode_segments
 from kimitui.engine.text.xtml.options import resolve_effort, response_format_type, tool_choice_name
+from kimitui.engine.text.xtml.render import END_OF_MSG, MARKERS, build_segments, encode_segments
 from kimitui.engine.text.xtml.reply import XtmlReplyParser
 
 log = logging.getLogger(__name__)
@@ -36,10 +36,18 @@ class ChatFormat:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def encode(self, messages: list[dict], *, thinking: bool | None = None, tools: list[dict] | None = None,
-               thinking_effort: str | None = None, preserve_thinking: bool | None = None,
-               tool_choice: str | dict | None = None, response_format: dict | None = None,
-               reasoning_effort: str | None = None) -> ChatPrompt:
+    def encode(
+        self,
+        messages: list[dict],
+        *,
+        thinking: bool | None = None,
+        tools: list[dict] | None = None,
+        thinking_effort: str | None = None,
+        preserve_thinking: bool | None = None,
+        tool_choice: str | dict | None = None,
+        response_format: dict | None = None,
+        reasoning_effort: str | None = None,
+    ) -> ChatPrompt:
         """Prompt ids. ``tool_choice`` / ``response_format`` / ``reasoning_effort`` are OpenAI's
         request fields; a format renders what its model was trained with and ignores the rest
         (``ChatPrompt.note`` says so). Bad values raise ``engine.xtml_options.OptionError``."""
@@ -62,26 +70,42 @@ class K2ChatFormat(ChatFormat):
 
     name = "kimi-k2"
 
-    def encode(self, messages, *, thinking=None, tools=None, thinking_effort=None, preserve_thinking=None,
-               tool_choice=None, response_format=None, reasoning_effort=None):
+    def encode(
+        self,
+        messages,
+        *,
+        thinking=None,
+        tools=None,
+        thinking_effort=None,
+        preserve_thinking=None,
+        tool_choice=None,
+        response_format=None,
+        reasoning_effort=None,
+    ):
         # K2's chat template (tokenizer_config.json of moonshotai/Kimi-K2-*) has no thinking effort,
         # tool choice or response format: none of them changes the prompt. tool_choice "none"
         # leaves the tools out, as this server always did for K2; "required" or a named function
         # declares them as "auto" does (constrained decoding enforces the choice).
         tool_choice_name(tool_choice)  # validates, as for K3
         kind = response_format_type(response_format)
-        options = (("thinking_effort", thinking_effort), ("reasoning_effort", reasoning_effort),
-                   ("response_format", None if kind == "text" else kind))
+        options = (
+            ("thinking_effort", thinking_effort),
+            ("reasoning_effort", reasoning_effort),
+            ("response_format", None if kind == "text" else kind),
+        )
         ignored = [f"{k}={v!r}" for k, v in options if v is not None]
         note = None
         if ignored:
-            note = (f"{', '.join(ignored)} not rendered: this checkpoint uses Kimi K2's chat format, "
-                    "which has no such option")
+            note = (
+                f"{', '.join(ignored)} not rendered: this checkpoint uses Kimi K2's chat format, "
+                "which has no such option"
+            )
             log.info(note)
         if tool_choice == "none":
             tools = None
-        ids = encode_chat(messages, self.tokenizer, thinking=thinking, tools=tools,
-                          preserve_reasoning=bool(preserve_thinking))
+        ids = encode_chat(
+            messages, self.tokenizer, thinking=thinking, tools=tools, preserve_reasoning=bool(preserve_thinking)
+        )
         think_id = self.tokenizer.token_to_id("<think>")
         return ChatPrompt(ids, bool(ids) and think_id is not None and ids[-1] == think_id, note)
 
@@ -102,12 +126,28 @@ class XtmlChatFormat(ChatFormat):
     name = "xtml"
     supports_thinking_effort = True
 
-    def encode(self, messages, *, thinking=None, tools=None, thinking_effort=None, preserve_thinking=None,
-               tool_choice=None, response_format=None, reasoning_effort=None):
+    def encode(
+        self,
+        messages,
+        *,
+        thinking=None,
+        tools=None,
+        thinking_effort=None,
+        preserve_thinking=None,
+        tool_choice=None,
+        response_format=None,
+        reasoning_effort=None,
+    ):
         thinking, effort = resolve_effort(thinking, thinking_effort, reasoning_effort)
-        segments = build_segments(messages, tools=tools, thinking=thinking, thinking_effort=effort,
-                                  preserve_thinking=True if preserve_thinking is None else preserve_thinking,
-                                  tool_choice=tool_choice, response_format=response_format)
+        segments = build_segments(
+            messages,
+            tools=tools,
+            thinking=thinking,
+            thinking_effort=effort,
+            preserve_thinking=True if preserve_thinking is None else preserve_thinking,
+            tool_choice=tool_choice,
+            response_format=response_format,
+        )
         return ChatPrompt(encode_segments(segments, self.tokenizer), thinking)
 
     def reply_parser(self, started_in_thinking):

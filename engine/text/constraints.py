@@ -27,16 +27,30 @@ from __future__ import annotations
 import json
 import re
 
-from kimitui.engine.text.k2 import THINK_CLOSE, TOOL_CALL_ARG, TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CALLS_BEGIN, TOOL_CALLS_END
 from kimitui.engine.structured.grammar import json_schema_text
 from kimitui.engine.structured.params import StructuredOutputs
+from kimitui.engine.text.k2 import (
+    THINK_CLOSE,
+    TOOL_CALL_ARG,
+    TOOL_CALL_BEGIN,
+    TOOL_CALL_END,
+    TOOL_CALLS_BEGIN,
+    TOOL_CALLS_END,
+)
 from kimitui.engine.text.xtml.render import CLOSE, OPEN, SEP, escape_attr
 from kimitui.engine.text.xtml.reply import THINK_END
 
 ANY_OBJECT = {"type": "object"}
 _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
-_XTML_TYPES = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean",
-               "null": "null", "object": "object", "array": "array"}
+_XTML_TYPES = {
+    "string": "string",
+    "integer": "number",
+    "number": "number",
+    "boolean": "boolean",
+    "null": "null",
+    "object": "object",
+    "array": "array",
+}
 
 
 def _is_xtml(fmt) -> bool:
@@ -55,8 +69,9 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def response_format_constraint(fmt, tokenizer, schema: dict | None, started_in_thinking: bool,
-                               any_whitespace: bool = False) -> StructuredOutputs:
+def response_format_constraint(
+    fmt, tokenizer, schema: dict | None, started_in_thinking: bool, any_whitespace: bool = False
+) -> StructuredOutputs:
     """``schema`` None: any JSON object (``json_object``). ``fmt``: the ChatFormat of the prompt."""
     if not _is_xtml(fmt):
         end = THINK_CLOSE if started_in_thinking else None
@@ -65,14 +80,18 @@ def response_format_constraint(fmt, tokenizer, schema: dict | None, started_in_t
         return StructuredOutputs(json=schema, any_whitespace=any_whitespace, reasoning_end=end)
     o, c, s = (_token(tokenizer, m) for m in (OPEN, CLOSE, SEP))
     head = f'{o} "response" {s} ' if started_in_thinking else ""
-    lark = (f'start: {head}body {c} "response" {s} {c} "message" {s}\n'
-            f"body: %json {json_schema_text(schema or ANY_OBJECT, any_whitespace)}\n")
-    return StructuredOutputs(grammar=lark, any_whitespace=any_whitespace,
-                             reasoning_end=THINK_END if started_in_thinking else None)
+    lark = (
+        f'start: {head}body {c} "response" {s} {c} "message" {s}\n'
+        f"body: %json {json_schema_text(schema or ANY_OBJECT, any_whitespace)}\n"
+    )
+    return StructuredOutputs(
+        grammar=lark, any_whitespace=any_whitespace, reasoning_end=THINK_END if started_in_thinking else None
+    )
 
 
-def tool_call_constraint(fmt, tokenizer, tools: list[dict], name: str | None, started_in_thinking: bool,
-                         any_whitespace: bool = False) -> StructuredOutputs:
+def tool_call_constraint(
+    fmt, tokenizer, tools: list[dict], name: str | None, started_in_thinking: bool, any_whitespace: bool = False
+) -> StructuredOutputs:
     """One or more calls of any of ``tools`` (``tool_choice: "required"``), or exactly one call of
     the tool ``name`` (a named ``tool_choice``). ``tools``: OpenAI tool dicts."""
     functions = [_function(t) for t in tools]
@@ -83,8 +102,13 @@ def tool_call_constraint(fmt, tokenizer, tools: list[dict], name: str | None, st
         if not functions:
             raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools")
     build = _xtml_tools if _is_xtml(fmt) else _k2_tools
-    lark = build(tokenizer, functions, single=name is not None, started_in_thinking=started_in_thinking,
-                 any_whitespace=any_whitespace)
+    lark = build(
+        tokenizer,
+        functions,
+        single=name is not None,
+        started_in_thinking=started_in_thinking,
+        any_whitespace=any_whitespace,
+    )
     end = (THINK_END if _is_xtml(fmt) else THINK_CLOSE) if started_in_thinking else None
     return StructuredOutputs(grammar=lark, any_whitespace=any_whitespace, reasoning_end=end)
 
@@ -100,12 +124,13 @@ def _function(tool: dict) -> dict:
 
 
 def _k2_tools(tokenizer, functions, *, single: bool, started_in_thinking: bool, any_whitespace: bool) -> str:
-    sb, se, cb, ca, ce = (_token(tokenizer, t) for t in (TOOL_CALLS_BEGIN, TOOL_CALLS_END, TOOL_CALL_BEGIN,
-                                                          TOOL_CALL_ARG, TOOL_CALL_END))
+    sb, se, cb, ca, ce = (
+        _token(tokenizer, t) for t in (TOOL_CALLS_BEGIN, TOOL_CALLS_END, TOOL_CALL_BEGIN, TOOL_CALL_ARG, TOOL_CALL_END)
+    )
     calls = " | ".join(f"call_{i}" for i in range(len(functions)))
     lines = [f"start: {sb} {'call' if single else 'call+'} {se}", f"call: {calls}", "IDX: /[0-9]{1,3}/"]
     for i, f in enumerate(functions):
-        lines.append(f'call_{i}: {cb} {_lit("functions." + f["name"] + ":")} IDX {ca} args_{i} {ce}')
+        lines.append(f"call_{i}: {cb} {_lit('functions.' + f['name'] + ':')} IDX {ca} args_{i} {ce}")
         lines.append(f"args_{i}: %json {json_schema_text(f['parameters'], any_whitespace)}")
     return "\n".join(lines) + "\n"
 
@@ -120,10 +145,16 @@ def _xtml_tools(tokenizer, functions, *, single: bool, started_in_thinking: bool
     # has already opened it.
     head = f'{o} "response" {s} ' if started_in_thinking else ""
     calls = " | ".join(f"call_{i}" for i in range(len(functions)))
-    lines = [f'start: {head}{close("response")} {o} "tools" {s} {"call" if single else "call+"} '
-             f'{close("tools")} {close("message")}', f"call: {calls}", "IDX: /[1-9][0-9]{0,2}/"]
+    lines = [
+        f'start: {head}{close("response")} {o} "tools" {s} {"call" if single else "call+"} '
+        f"{close('tools')} {close('message')}",
+        f"call: {calls}",
+        "IDX: /[1-9][0-9]{0,2}/",
+    ]
     for i, f in enumerate(functions):
-        opener = f'{o} {_lit("call tool=" + chr(34) + escape_attr(f["name"]) + chr(34) + " index=" + chr(34))} IDX "\\"" {s}'
+        opener = (
+            f'{o} {_lit("call tool=" + chr(34) + escape_attr(f["name"]) + chr(34) + " index=" + chr(34))} IDX "\\"" {s}'
+        )
         args = _xtml_arguments(f["parameters"], i, o, s, close, any_whitespace)
         lines.append(f"call_{i}: {opener} {args[0]} {close('call')}")
         lines += args[1:]
@@ -134,8 +165,11 @@ def _xtml_arguments(schema: dict, i: int, o: str, s: str, close, any_whitespace:
     """[the arguments' expression, its rules...]: one element per property, in schema order
     (required ones mandatory), or one JSON block when the schema has no simple shape."""
     props = schema.get("properties")
-    simple = (schema.get("type") in (None, "object") and isinstance(props, dict)
-              and all(isinstance(p, dict) and _xtml_type(p) is not None for p in props.values()))
+    simple = (
+        schema.get("type") in (None, "object")
+        and isinstance(props, dict)
+        and all(isinstance(p, dict) and _xtml_type(p) is not None for p in props.values())
+    )
     if not simple:
         block = f'{o} "json type=\\"object\\"" {s} args_{i} {close("json")}'
         return [block, f"args_{i}: %json {json_schema_text(schema, any_whitespace)}"]
@@ -143,7 +177,7 @@ def _xtml_arguments(schema: dict, i: int, o: str, s: str, close, any_whitespace:
     parts, rules = [], []
     for j, (key, prop) in enumerate(props.items()):
         kind = _xtml_type(prop)
-        head = f'{o} {_lit("argument key=" + chr(34) + escape_attr(key) + chr(34) + " type=" + chr(34) + kind + chr(34))} {s}'
+        head = f"{o} {_lit('argument key=' + chr(34) + escape_attr(key) + chr(34) + ' type=' + chr(34) + kind + chr(34))} {s}"
         rules.append(f"arg_{i}_{j}: {head} value_{i}_{j} {close('argument')}")
         rules.append(f"value_{i}_{j}: {_xtml_value(prop, kind, any_whitespace)}")
         parts.append(f"arg_{i}_{j}" if key in required else f"arg_{i}_{j}?")

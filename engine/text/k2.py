@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
+
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -21,7 +22,10 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 IM_END = "<|im_end|>"
 TOOL_CALLS_BEGIN, TOOL_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 TOOL_CALL_BEGIN, TOOL_CALL_ARG, TOOL_CALL_END = (
-    "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+)
 _HEADERS = {
     "system": "<|im_system|>system<|im_middle|>",
     "user": "<|im_user|>user<|im_middle|>",
@@ -85,12 +89,12 @@ def render_messages(
     if template is None and use_checkpoint_template and tokenizer is not None:
         template = getattr(tokenizer, "chat_template", None)
     if template is not None:
-        kwargs: dict[str, Any] = {"default_system": default_system,
-                                  "preserve_reasoning": preserve_reasoning}
+        kwargs: dict[str, Any] = {"default_system": default_system, "preserve_reasoning": preserve_reasoning}
         if thinking is not None:
             kwargs["thinking"] = thinking
-        return render_with_template(template, messages, tools=tools,
-                                    add_generation_prompt=add_generation_prompt, **kwargs)
+        return render_with_template(
+            template, messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs
+        )
 
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
     out: list[str] = []
@@ -125,11 +129,18 @@ def render_messages(
     return "".join(out)
 
 
-def render_with_template(template_str: str, messages: list[dict], *, tools: list[dict] | None = None,
-                         add_generation_prompt: bool = True, **kwargs: Any) -> str:
+def render_with_template(
+    template_str: str,
+    messages: list[dict],
+    *,
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+    **kwargs: Any,
+) -> str:
     """Render a checkpoint's Jinja ``chat_template`` in a sandbox (transformers-compatible)."""
-    return _compile(template_str).render(messages=messages, tools=tools,
-                                         add_generation_prompt=add_generation_prompt, **kwargs)
+    return _compile(template_str).render(
+        messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs
+    )
 
 
 def encode_chat(messages: list[dict], tokenizer, **render_kwargs: Any) -> list[int]:
@@ -145,7 +156,7 @@ def encode_chat(messages: list[dict], tokenizer, **render_kwargs: Any) -> list[i
     pos = 0
     for match in pattern.finditer(text) if pattern else ():
         if match.start() > pos:
-            ids += tokenizer.encode(text[pos:match.start()].replace(_MARK, ""))
+            ids += tokenizer.encode(text[pos : match.start()].replace(_MARK, ""))
         ids.append(specials[match.group()])
         pos = match.end()
     if pos < len(text):
@@ -189,11 +200,15 @@ def content_text(content: Any, where: str | None = None, error: type[ValueError]
     return "".join(parts)
 
 
-def _tojson(obj: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    obj: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # Same defaults as transformers' chat-template `tojson` (jinja2's own escapes <, >, &, ').
-    return json.dumps(obj, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(obj, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def deep_sort(obj: Any) -> Any:
@@ -211,8 +226,7 @@ def _compile(template_str: str):
     def raise_exception(message: str):
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = raise_exception
     return env.from_string(template_str)
@@ -242,8 +256,13 @@ def _defang(obj: Any, pattern: re.Pattern | None) -> Any:
 # Parsing replies
 
 _TOOL_CALL_RE = re.compile(
-    re.escape(TOOL_CALL_BEGIN) + r"\s*(?P<id>.*?)\s*" + re.escape(TOOL_CALL_ARG)
-    + r"(?P<args>.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
+    re.escape(TOOL_CALL_BEGIN)
+    + r"\s*(?P<id>.*?)\s*"
+    + re.escape(TOOL_CALL_ARG)
+    + r"(?P<args>.*?)"
+    + re.escape(TOOL_CALL_END),
+    re.DOTALL,
+)
 # Some K2 builds emit the singular section tag; vLLM's kimi_k2 parser accepts both.
 _SECTION_BEGINS = (TOOL_CALLS_BEGIN, "<|tool_call_section_begin|>")
 _SECTION_ENDS = (TOOL_CALLS_END, "<|tool_call_section_end|>")
@@ -263,7 +282,7 @@ def parse_reply(text: str, *, started_in_thinking: bool = False) -> ParsedReply:
 
 def _tool_call(raw_id: str, args: str) -> ToolCall:
     # "functions.get_weather:0" -> name "get_weather"
-    name = raw_id[len("functions."):] if raw_id.startswith("functions.") else raw_id
+    name = raw_id[len("functions.") :] if raw_id.startswith("functions.") else raw_id
     name = name.rsplit(":", 1)[0] if ":" in name else name
     return ToolCall(id=raw_id, name=name, arguments_json=args.strip())
 
@@ -324,7 +343,7 @@ class ReplyStreamParser(StreamParserBase):
             if state == "start":
                 stripped = buf.lstrip()
                 if stripped.startswith(THINK_OPEN):
-                    self._buf, self._state = stripped[len(THINK_OPEN):], "reasoning"
+                    self._buf, self._state = stripped[len(THINK_OPEN) :], "reasoning"
                 elif THINK_OPEN.startswith(stripped) and not final:
                     break
                 else:
@@ -333,11 +352,11 @@ class ReplyStreamParser(StreamParserBase):
                 idx = buf.find(THINK_CLOSE)
                 if idx >= 0:
                     reasoning.append(buf[:idx])
-                    self._buf, self._state = buf[idx + len(THINK_CLOSE):], "content"
+                    self._buf, self._state = buf[idx + len(THINK_CLOSE) :], "content"
                     continue
                 keep = 0 if final else _held_suffix(buf, (THINK_CLOSE,))
-                reasoning.append(buf[:len(buf) - keep])
-                self._buf = buf[len(buf) - keep:]
+                reasoning.append(buf[: len(buf) - keep])
+                self._buf = buf[len(buf) - keep :]
                 break
             elif state == "content":
                 hits = [(buf.find(m), m) for m in (*_SECTION_BEGINS, IM_END)]
@@ -345,24 +364,24 @@ class ReplyStreamParser(StreamParserBase):
                 if hits:
                     idx, marker = min(hits)
                     content.append(buf[:idx])
-                    self._buf = buf[idx + len(marker):]
+                    self._buf = buf[idx + len(marker) :]
                     self._state = "done" if marker == IM_END else "tools"
                     continue
                 keep = 0 if final else _held_suffix(buf, (*_SECTION_BEGINS, IM_END))
-                content.append(buf[:len(buf) - keep])
-                self._buf = buf[len(buf) - keep:]
+                content.append(buf[: len(buf) - keep])
+                self._buf = buf[len(buf) - keep :]
                 break
             elif state == "tools":
                 ends = [i for i in (buf.find(m) for m in _SECTION_ENDS) if i >= 0]
-                section = buf[:min(ends)] if ends else buf
+                section = buf[: min(ends)] if ends else buf
                 found = list(_TOOL_CALL_RE.finditer(section))
-                for m in found[self._calls_seen:]:
+                for m in found[self._calls_seen :]:
                     calls.append(_tool_call(m.group("id"), m.group("args")))
                 self._calls_seen = len(found)
                 if ends:
                     end = min(ends)
                     marker = next(m for m in _SECTION_ENDS if buf.startswith(m, end))
-                    self._buf, self._state, self._calls_seen = buf[end + len(marker):], "content", 0
+                    self._buf, self._state, self._calls_seen = buf[end + len(marker) :], "content", 0
                     continue
                 if final:
                     self._buf = ""

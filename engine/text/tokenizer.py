@@ -17,11 +17,11 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from tokenizers import Tokenizer as HFTokenizer
-from kimitui.engine.paths import cache_root
 from tokenizers import Regex, decoders, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
-from tokenizers import decoders
+
+from kimitui.engine.paths import cache_root
 
 # Kimi's split pattern exactly as in Moonshot's tokenization_kimi.py (same in K2, K2.5, K2.6, K3
 # on huggingface.co/moonshotai). It relies on
@@ -45,9 +45,9 @@ KIMI_PAT_STR = "|".join(
 # Equivalence with KIMI_PAT_STR is proven by tests/engine/text/test_tokenizer.py against tiktoken.
 _UPPERISH = r"(?:(?!\p{Han})[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}])"
 _LOWERISH = r"(?:(?!\p{Han})[\p{Ll}\p{Lm}\p{Lo}\p{M}])"
-KIMI_PAT_STR_ONIG = KIMI_PAT_STR.replace(
-    r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]", _UPPERISH
-).replace(r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]", _LOWERISH)
+KIMI_PAT_STR_ONIG = KIMI_PAT_STR.replace(r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]", _UPPERISH).replace(
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]", _LOWERISH
+)
 
 NUM_RESERVED_SPECIAL_TOKENS = 256
 # Bump when the conversion below changes so stale cache files are not reused.
@@ -142,8 +142,15 @@ def tiktoken_to_hf_json(ranks: dict[bytes, int], pattern: str, specials: dict[in
     # Written directly (not via add_special_tokens) so every special keeps its exact id even when
     # its text happens to equal a byte-level vocab entry.
     data["added_tokens"] = [
-        {"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": True}
+        {
+            "id": i,
+            "content": c,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
         for i, c in sorted(specials.items())
     ]
     return json.dumps(data, ensure_ascii=False)
@@ -190,8 +197,13 @@ def _token_content(v) -> str | None:
 class Tokenizer:
     """Encode/decode text for a checkpoint; wraps a Rust ``tokenizers.Tokenizer``."""
 
-    def __init__(self, tokenizer_json: str, tokenizer_config: dict | None = None,
-                 chat_template: str | None = None, name_or_path: str = ""):
+    def __init__(
+        self,
+        tokenizer_json: str,
+        tokenizer_config: dict | None = None,
+        chat_template: str | None = None,
+        name_or_path: str = "",
+    ):
         """Build from the text of a tokenizer.json; use ``from_pretrained`` for a checkpoint."""
         self.name_or_path = name_or_path
         self._hf = hf = HFTokenizer.from_str(tokenizer_json)
@@ -205,12 +217,14 @@ class Tokenizer:
         # Every added token of a converted tiktoken model is special to the Rust tokenizer, so plain
         # text never matches one. Those the checkpoint marks `"special": false` (K3's <|open|>,
         # <|close|>, <|sep|>) still decode as text when special tokens are skipped, as in HF.
-        text_ids = {int(i) for i, v in cfg.get("added_tokens_decoder", {}).items()
-                    if isinstance(v, dict) and v.get("special") is False}
+        text_ids = {
+            int(i)
+            for i, v in cfg.get("added_tokens_decoder", {}).items()
+            if isinstance(v, dict) and v.get("special") is False
+        }
         self.special_tokens: dict[str, int] = {t.content: i for i, t in added.items() if t.special}
         self.special_ids: frozenset[int] = frozenset(self.special_tokens.values()) - text_ids
-        self.vocab_size: int = max(hf.get_vocab_size(with_added_tokens=True),
-                                   max(added, default=-1) + 1)
+        self.vocab_size: int = max(hf.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)
         self.bos_token_id = self._config_token_id(cfg, "bos_token")
         eos = self._config_token_id(cfg, "eos_token")
         self.eos_token_ids: tuple[int, ...] = () if eos is None else (eos,)
@@ -250,8 +264,7 @@ class Tokenizer:
                 return cls(text, cfg, template, str(d))
         else:
             raise TokenizerError(
-                f"{d}: no tokenizer found (expected tokenizer.json, or tiktoken.model + "
-                "tokenizer_config.json)"
+                f"{d}: no tokenizer found (expected tokenizer.json, or tiktoken.model + tokenizer_config.json)"
             )
         try:
             return cls(text, cfg, template, str(d))
@@ -324,8 +337,13 @@ class IncrementalDetokenizer:
     byte-level (their decoders look at the previous tokens, e.g. for leading spaces).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None,
-                 skip_special_tokens: bool = False, keep_special_ids: Iterable[int] = ()):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] | None = None,
+        skip_special_tokens: bool = False,
+        keep_special_ids: Iterable[int] = (),
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.text = ""
@@ -366,9 +384,9 @@ class IncrementalDetokenizer:
 
     def _window_delta(self, final: bool) -> str:
         dec = self.tokenizer.decode
-        prefix = dec(self._ids[self._prefix_offset:self._read_offset], self.skip_special_tokens)
-        full = dec(self._ids[self._prefix_offset:], self.skip_special_tokens)
+        prefix = dec(self._ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
+        full = dec(self._ids[self._prefix_offset :], self.skip_special_tokens)
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return full[len(prefix):]
+        return full[len(prefix) :]

@@ -20,12 +20,22 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from kimitui.kernels.cpu import few_rows as cpu_few_rows, linear as cpu_linear, moe as cpu_moe, quant_moe as cpu_quant_moe
-
 from kimitui.kernels import reference
 from kimitui.kernels.backend import Backend, count_routing, written_rows
-from kimitui.kernels.settings import KernelSettings
+from kimitui.kernels.cpu import (
+    few_rows as cpu_few_rows,
+)
+from kimitui.kernels.cpu import (
+    linear as cpu_linear,
+)
+from kimitui.kernels.cpu import (
+    moe as cpu_moe,
+)
+from kimitui.kernels.cpu import (
+    quant_moe as cpu_quant_moe,
+)
 from kimitui.kernels.cpu.decode_block import fuse_decoder_layer
+from kimitui.kernels.settings import KernelSettings
 
 _F32 = torch.float32
 _BF16 = torch.bfloat16
@@ -97,8 +107,13 @@ class CpuBackend(Backend):
         rows = x.numel() // max(x.shape[-1], 1)
         if self.cxx and 0 < rows <= cpu_few_rows.MAX_ROWS and _cxx_dtypes(x, w):
             return cpu_few_rows.linear(x, w)
-        if (self.cxx and 0 < rows < _BF16_LOOP_ROWS and w.dtype is _BF16 and _cxx_dtypes(x, w)
-                and not cpu_linear.onednn_bf16_native()):
+        if (
+            self.cxx
+            and 0 < rows < _BF16_LOOP_ROWS
+            and w.dtype is _BF16
+            and _cxx_dtypes(x, w)
+            and not cpu_linear.onednn_bf16_native()
+        ):
             return cpu_few_rows.linear(x, w)
         return cpu_linear.linear_cpu(x, w)
 
@@ -129,14 +144,29 @@ class CpuBackend(Backend):
             return F.rms_norm(x.float(), weight.shape, None, eps).to(_BF16).mul_(weight)
         return reference.rms_norm(x, weight, eps)
 
-    def moe_route(self, x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid",
-                  norm_topk_prob=True, scaling=1.0, counts=None, weights_dtype=None, count_rows=None):
+    def moe_route(
+        self,
+        x,
+        weight,
+        bias,
+        top_k,
+        n_group=1,
+        topk_group=1,
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        scaling=1.0,
+        counts=None,
+        weights_dtype=None,
+        count_rows=None,
+    ):
         if self.cxx and 0 < x.shape[0] <= cpu_few_rows.MAX_MOE_TOKENS and _f32(x, weight, bias):
-            ids, weights = cpu_few_rows.moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func,
-                                                  norm_topk_prob, scaling)
+            ids, weights = cpu_few_rows.moe_route(
+                x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling
+            )
         else:
-            ids, weights = reference.moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func,
-                                               norm_topk_prob, scaling)
+            ids, weights = reference.moe_route(
+                x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling
+            )
         count_routing(counts, ids, count_rows)
         return ids, weights if weights_dtype is None else weights.to(weights_dtype)
 
@@ -157,26 +187,49 @@ class CpuBackend(Backend):
         # Built on first use (a model without packed experts never compiles it).
         return self.settings.cpu_kernels and cpu_quant_moe.available()
 
-    def moe_experts_w4a16(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                          group_size=32, activation=None):
+    def moe_experts_w4a16(
+        self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, activation=None
+    ):
         if self.quant_experts_native("int4", x.shape[-1], w13_packed.shape[1] // 2, group_size):
-            return cpu_quant_moe.moe(x, topk_ids, topk_weights, "int4", w13_packed, w13_scale, w2_packed, w2_scale,
-                                     group_size, **_act_kwargs(activation))
-        return cpu_moe.moe_experts_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                                         group_size, activation)
+            return cpu_quant_moe.moe(
+                x,
+                topk_ids,
+                topk_weights,
+                "int4",
+                w13_packed,
+                w13_scale,
+                w2_packed,
+                w2_scale,
+                group_size,
+                **_act_kwargs(activation),
+            )
+        return cpu_moe.moe_experts_w4a16(
+            x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, activation
+        )
 
-    def moe_experts_mxfp4(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                          activation=None):
+    def moe_experts_mxfp4(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, activation=None):
         if self.quant_experts_native("mxfp4", x.shape[-1], w13_packed.shape[1] // 2):
-            return cpu_quant_moe.moe(x, topk_ids, topk_weights, "mxfp4", w13_packed, w13_scale, w2_packed, w2_scale,
-                                     **_act_kwargs(activation))
-        return cpu_moe.moe_experts_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                                         activation)
+            return cpu_quant_moe.moe(
+                x,
+                topk_ids,
+                topk_weights,
+                "mxfp4",
+                w13_packed,
+                w13_scale,
+                w2_packed,
+                w2_scale,
+                **_act_kwargs(activation),
+            )
+        return cpu_moe.moe_experts_mxfp4(
+            x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, activation
+        )
 
-    def moe_experts_fp8(self, x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128),
-                        activation=None):
-        return cpu_moe.moe_experts_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block,
-                                       activation)
+    def moe_experts_fp8(
+        self, x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128), activation=None
+    ):
+        return cpu_moe.moe_experts_fp8(
+            x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block, activation
+        )
 
     def prepack_int4_experts(self, w13_packed, w13_scale, w2_packed, w2_scale, group_size, dtype):
         # Only for bf16 activations: torch vectorises that kernel (about 10x faster than dequantising
@@ -188,29 +241,37 @@ class CpuBackend(Backend):
             return None  # prepare_quant_experts' tiles (the same bytes) are faster
         (_, n13, w13_words), (_, d, w2_words) = w13_packed.shape, w2_packed.shape
         k13, k2 = w13_words * 8, w2_words * 8
-        if k13 != d or k2 != n13 // 2 or not (cpu_moe.int4pack_cpu_supported(n13, k13, group_size)
-                                              and cpu_moe.int4pack_cpu_supported(d, k2, group_size)):
+        if (
+            k13 != d
+            or k2 != n13 // 2
+            or not (
+                cpu_moe.int4pack_cpu_supported(n13, k13, group_size)
+                and cpu_moe.int4pack_cpu_supported(d, k2, group_size)
+            )
+        ):
             return None
-        return (*cpu_moe.prepack_int4_stack(w13_packed, w13_scale, k13, group_size, dtype),
-                *cpu_moe.prepack_int4_stack(w2_packed, w2_scale, k2, group_size, dtype))
+        return (
+            *cpu_moe.prepack_int4_stack(w13_packed, w13_scale, k13, group_size, dtype),
+            *cpu_moe.prepack_int4_stack(w2_packed, w2_scale, k2, group_size, dtype),
+        )
 
     def prepare_quant_experts(self, fmt, w13_packed, w13_scale, w2_packed, w2_scale, group_size):
         # Host experts stream best as kernels.cpu_quant_moe's tiles (the same bytes, reordered).
-        if w13_packed.device.type != "cpu" or not self.quant_experts_native(fmt, w2_packed.shape[1],
-                                                                             w13_packed.shape[1] // 2, group_size):
+        if w13_packed.device.type != "cpu" or not self.quant_experts_native(
+            fmt, w2_packed.shape[1], w13_packed.shape[1] // 2, group_size
+        ):
             return None
         tiled = cpu_quant_moe.prepare(fmt, w13_packed, w13_scale, w2_packed, w2_scale, group_size)
         return tiled.w13, tiled.w2
 
     def moe_experts_tiled(self, x, topk_ids, topk_weights, fmt, w13_tiles, w2_tiles, inter, activation=None):
         experts = cpu_quant_moe.TiledExperts(fmt, x.shape[-1], inter, w13_tiles, w2_tiles)
-        return cpu_quant_moe.moe(x, topk_ids, topk_weights, fmt, experts, None, None, None,
-                                 **_act_kwargs(activation))
+        return cpu_quant_moe.moe(x, topk_ids, topk_weights, fmt, experts, None, None, None, **_act_kwargs(activation))
 
-    def moe_experts_int4pack_cpu(self, x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size,
-                                 activation=None):
-        return cpu_moe.moe_experts_int4pack_cpu(x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size,
-                                                activation)
+    def moe_experts_int4pack_cpu(self, x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size, activation=None):
+        return cpu_moe.moe_experts_int4pack_cpu(
+            x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size, activation
+        )
 
     # -- MLA decode
 
@@ -218,8 +279,16 @@ class CpuBackend(Backend):
         if self.cxx and 0 < q.shape[0] <= cpu_few_rows.MAX_MLA_SEQS and _f32(q, cache):
             return cpu_few_rows.mla_decode(q, cache, block_tables, context_lens, block_size, kv_lora_rank, scale)
         widen = q.dtype is _BF16 and not cpu_linear.onednn_bf16_native()  # see bmm
-        o = reference.mla_decode_reference(q.float() if widen else q, cache, block_tables, context_lens,
-                                           max_context_len, block_size, kv_lora_rank, scale)
+        o = reference.mla_decode_reference(
+            q.float() if widen else q,
+            cache,
+            block_tables,
+            context_lens,
+            max_context_len,
+            block_size,
+            kv_lora_rank,
+            scale,
+        )
         return o.to(_BF16) if widen else o
 
     def bmm(self, a, b, out=None):
@@ -234,18 +303,63 @@ class CpuBackend(Backend):
     def mla_decode_fusable(self, x, cache, w_uk, w_uv) -> bool:
         return self.cxx and 0 < x.shape[0] <= cpu_few_rows.MAX_MLA_SEQS and _f32(x, cache, w_uk, w_uv)
 
-    def mla_decode_absorbed(self, q, kv, kv_norm_weight, eps, cos, sin, positions, slots, w_uk, w_uv, cache,
-                            block_tables, context_lens, block_size, scale):
+    def mla_decode_absorbed(
+        self,
+        q,
+        kv,
+        kv_norm_weight,
+        eps,
+        cos,
+        sin,
+        positions,
+        slots,
+        w_uk,
+        w_uv,
+        cache,
+        block_tables,
+        context_lens,
+        block_size,
+        scale,
+    ):
         rows = written_rows(slots)
         if rows is not None:  # a decode graph's padding rows (slot -1): zeros, no cache slot written
             out = q.new_zeros(q.shape[0], w_uv.shape[0], w_uv.shape[1])
             if rows.numel():
-                out[rows] = self.mla_decode_absorbed(q[rows], kv[rows], kv_norm_weight, eps, cos, sin, positions[rows],
-                                                     slots[rows], w_uk, w_uv, cache, block_tables[rows],
-                                                     context_lens[rows], block_size, scale)
+                out[rows] = self.mla_decode_absorbed(
+                    q[rows],
+                    kv[rows],
+                    kv_norm_weight,
+                    eps,
+                    cos,
+                    sin,
+                    positions[rows],
+                    slots[rows],
+                    w_uk,
+                    w_uv,
+                    cache,
+                    block_tables[rows],
+                    context_lens[rows],
+                    block_size,
+                    scale,
+                )
             return out
-        return cpu_few_rows.mla_decode_absorbed(q, kv, kv_norm_weight, eps, cos, sin, positions, slots, w_uk, w_uv,
-                                                cache, block_tables, context_lens, block_size, scale)
+        return cpu_few_rows.mla_decode_absorbed(
+            q,
+            kv,
+            kv_norm_weight,
+            eps,
+            cos,
+            sin,
+            positions,
+            slots,
+            w_uk,
+            w_uv,
+            cache,
+            block_tables,
+            context_lens,
+            block_size,
+            scale,
+        )
 
     # -- whole decoder halves
 

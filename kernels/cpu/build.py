@@ -72,9 +72,13 @@ FEW_ROWS = Extension(
     cflags=_FLAGS,
     # AVX-512 machines (Zen 4/5 EPYC, Xeon): v4 ran bf16 4-row products 1.5-1.9x faster than v3 on Zen 4
     # (benchmarks/cpu_variants.py), near -march=native
-    variants=(("x86_64_v4", ("-march=x86-64-v4", "-mtune=generic")), ("x86_64_v3", ("-march=x86-64-v3", "-mtune=generic")),
-              ("x86_64", ("-march=x86-64",)))
-    if platform.machine() in ("x86_64", "AMD64") else _PORTABLE,
+    variants=(
+        ("x86_64_v4", ("-march=x86-64-v4", "-mtune=generic")),
+        ("x86_64_v3", ("-march=x86-64-v3", "-mtune=generic")),
+        ("x86_64", ("-march=x86-64",)),
+    )
+    if platform.machine() in ("x86_64", "AMD64")
+    else _PORTABLE,
     needs=(("x86_64_v4", _X86_64_V4), ("x86_64_v3", _X86_64_V3)),
     minutes=1.5,
 )
@@ -119,8 +123,9 @@ def variant_flags(ext: Extension, variant: str) -> list[str]:
 def build_key(ext: Extension, variant: str, torch_version: str, folder: Path = CSRC) -> str:
     """What one build depends on: every source and header byte, the flags, torch's version."""
     python = f"{sys.implementation.cache_tag} {platform.machine()}"  # a build is for one interpreter ABI
-    h = hashlib.sha256(f"{ext.name} {variant} {' '.join(variant_flags(ext, variant))} torch {torch_version} {python}"
-                       .encode())
+    h = hashlib.sha256(
+        f"{ext.name} {variant} {' '.join(variant_flags(ext, variant))} torch {torch_version} {python}".encode()
+    )
     for name in (*ext.sources, *ext.headers):
         h.update(name.encode() + b"\0" + (folder / name).read_bytes())
     return h.hexdigest()[:16]
@@ -134,6 +139,7 @@ def write_key(module_file: Path, ext: Extension, variant: str, torch_version: st
 
 
 # -- run time ----------------------------------------------------------------------------------------
+
 
 def _search_path() -> list[Path]:
     package = importlib.import_module(PACKAGE)
@@ -157,7 +163,9 @@ def extensions_root() -> Path:
     """Where torch builds extensions: ``TORCH_EXTENSIONS_DIR``, else its default root (which follows
     ``XDG_CACHE_HOME``) and the python / accelerator folder under it, as ``torch.utils.cpp_extension``."""
     import torch  # optional here: setup.py loads this module before torch may be installed
-    from torch.utils.cpp_extension import get_default_build_root  # optional here: setup.py loads this module before torch may be installed
+    from torch.utils.cpp_extension import (
+        get_default_build_root,
+    )  # optional here: setup.py loads this module before torch may be installed
 
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return Path(os.environ["TORCH_EXTENSIONS_DIR"])
@@ -208,8 +216,13 @@ def describe() -> str:
         parts = []
         for ext in EXTENSIONS:
             variant, key, name = _locate(ext, torch.__version__)
-            where = ("built at install" if name else
-                     "compiled earlier on first use" if _jit_built(ext, variant, key) else "compiles on first use")
+            where = (
+                "built at install"
+                if name
+                else "compiled earlier on first use"
+                if _jit_built(ext, variant, key)
+                else "compiles on first use"
+            )
             parts.append(f"{ext.name} {variant} ({where})")
         return "; ".join(parts)
     except Exception as e:  # sources missing, an odd platform: say so rather than fail `kimitui info`
@@ -272,24 +285,38 @@ def load_extension(ext: Extension, log: logging.Logger, what: str) -> ModuleType
 
 
 def _compile(ext: Extension, variant: str, key: str, log: logging.Logger, what: str) -> ModuleType:
-    from torch.utils.cpp_extension import load  # optional here: setup.py loads this module before torch may be installed
+    from torch.utils.cpp_extension import (
+        load,
+    )  # optional here: setup.py loads this module before torch may be installed
 
     folder = _jit_dir(ext, variant, key)
     name = f"kimitui_{ext.name}_{variant}_{key}"
     with BuildLock(folder, log, what):
         clear_stale_torch_lock(folder, log)
         if not (folder / f"{name}.so").is_file():
-            log.warning("%s: not built for this checkout and torch %s; compiling the %s variant now (about %g min "
-                        "on 2 cores, once, into %s). `pip install --no-build-isolation -e .` builds it ahead of time.",
-                        what, _torch_version(), variant, ext.minutes, folder)
+            log.warning(
+                "%s: not built for this checkout and torch %s; compiling the %s variant now (about %g min "
+                "on 2 cores, once, into %s). `pip install --no-build-isolation -e .` builds it ahead of time.",
+                what,
+                _torch_version(),
+                variant,
+                ext.minutes,
+                folder,
+            )
         if shutil.which("ninja") is None:  # the ninja wheel's binary, when its venv is not on PATH
             import ninja  # optional here: setup.py loads this module before torch may be installed
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         folder.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
-        module = load(name=name, sources=[str(CSRC / s) for s in ext.sources], extra_cflags=variant_flags(ext, variant),
-                      extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+        module = load(
+            name=name,
+            sources=[str(CSRC / s) for s in ext.sources],
+            extra_cflags=variant_flags(ext, variant),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            verbose=False,
+        )
         if time.monotonic() - started > 5:
             log.warning("%s: compiled in %.0f s", what, time.monotonic() - started)
         return module

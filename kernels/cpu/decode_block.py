@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.backend import written_rows
+from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.cpu.packed_ffn_block import PackedFfnBlock
 
 _ABSENT = torch.empty(0)  # an absent weight, for the C++ side (never written)
@@ -35,8 +35,11 @@ DTYPES = (torch.float32, torch.bfloat16)  # the dtypes of the matrices (and acti
 
 def _dense(*tensors: torch.Tensor) -> bool:
     # contiguous CPU tensors of one dtype the kernels read (float32 or bf16)
-    return (len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in DTYPES
-            and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors))
+    return (
+        len({t.dtype for t in tensors}) == 1
+        and tensors[0].dtype in DTYPES
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    )
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -109,8 +112,14 @@ def attention_weights(norm, attn) -> AttentionBlockWeights | None:
     q_in = attn.q_proj if q_b is None else attn.q_a_proj
     # The kernel computes rotary MLA without an output gate (DeepSeek-V3, Kimi K2), not NoPE or gated
     # MLA (Kimi Linear / K3).
-    if (attn.in_proj is None or attn.par.is_parallel or attn.o_proj.fmt != "dense" or attn.rope is None
-            or getattr(attn, "g_proj", None) is not None or (q_b is not None and q_b.fmt != "dense")):
+    if (
+        attn.in_proj is None
+        or attn.par.is_parallel
+        or attn.o_proj.fmt != "dense"
+        or attn.rope is None
+        or getattr(attn, "g_proj", None) is not None
+        or (q_b is not None and q_b.fmt != "dense")
+    ):
         return None
     matrices = [attn.in_proj, attn.w_uk, attn.w_uv, attn.o_proj.weight] + ([q_b.weight] if q_b is not None else [])
     vectors = [norm.weight, attn.kv_a_layernorm.weight, attn.rope.cos, attn.rope.sin]
@@ -119,18 +128,31 @@ def attention_weights(norm, attn) -> AttentionBlockWeights | None:
     if not (_dense(*matrices) and all(t.device.type == "cpu" and t.dtype in DTYPES for t in vectors)):
         return None
     return AttentionBlockWeights(
-        norm=_f32(norm.weight), norm_eps=float(norm.eps), in_proj=attn.in_proj, q_width=int(q_in.out_features),
-        q_norm=_ABSENT if q_b is None else _f32(q_norm.weight), q_norm_eps=0.0 if q_b is None else float(q_norm.eps),
-        q_b=_ABSENT if q_b is None else q_b.weight, heads=int(attn.num_heads),
-        kv_norm=_f32(attn.kv_a_layernorm.weight), kv_norm_eps=float(attn.kv_a_layernorm.eps), cos=_f32(attn.rope.cos),
-        sin=_f32(attn.rope.sin), w_uk=attn.w_uk, w_uv=attn.w_uv, scale=float(attn.scale), o_proj=attn.o_proj.weight)
+        norm=_f32(norm.weight),
+        norm_eps=float(norm.eps),
+        in_proj=attn.in_proj,
+        q_width=int(q_in.out_features),
+        q_norm=_ABSENT if q_b is None else _f32(q_norm.weight),
+        q_norm_eps=0.0 if q_b is None else float(q_norm.eps),
+        q_b=_ABSENT if q_b is None else q_b.weight,
+        heads=int(attn.num_heads),
+        kv_norm=_f32(attn.kv_a_layernorm.weight),
+        kv_norm_eps=float(attn.kv_a_layernorm.eps),
+        cos=_f32(attn.rope.cos),
+        sin=_f32(attn.rope.sin),
+        w_uk=attn.w_uk,
+        w_uv=attn.w_uv,
+        scale=float(attn.scale),
+        o_proj=attn.o_proj.weight,
+    )
 
 
 def _mlp_fusable(mlp) -> bool:
     # dense gate_up and down on one rank; the kernel computes SiLU only
     act = getattr(mlp, "act", None)
-    return (mlp.gate_up is not None and mlp.down_proj.fmt == "dense" and not mlp.parallel
-            and (act is None or act.is_silu))
+    return (
+        mlp.gate_up is not None and mlp.down_proj.fmt == "dense" and not mlp.parallel and (act is None or act.is_silu)
+    )
 
 
 def ffn_weights(norm, ffn) -> FfnBlockWeights | None:
@@ -142,13 +164,30 @@ def ffn_weights(norm, ffn) -> FfnBlockWeights | None:
     if gate is None:  # a dense MLP
         if not (_mlp_fusable(ffn) and _dense(ffn.gate_up, ffn.down_proj.weight) and norm.weight.dtype in DTYPES):
             return None
-        return FfnBlockWeights(norm=_f32(norm.weight), norm_eps=float(norm.eps), gate_up=ffn.gate_up,
-                               down=ffn.down_proj.weight, router=_ABSENT, bias=_ABSENT, top_k=0, n_group=1,
-                               topk_group=1, sigmoid=True, norm_topk_prob=True, scaling=1.0, w13=_ABSENT, w2=_ABSENT)
+        return FfnBlockWeights(
+            norm=_f32(norm.weight),
+            norm_eps=float(norm.eps),
+            gate_up=ffn.gate_up,
+            down=ffn.down_proj.weight,
+            router=_ABSENT,
+            bias=_ABSENT,
+            top_k=0,
+            n_group=1,
+            topk_group=1,
+            sigmoid=True,
+            norm_topk_prob=True,
+            scaling=1.0,
+            w13=_ABSENT,
+            w2=_ABSENT,
+        )
     experts, shared = ffn.experts, ffn.shared_experts
     # the kernel's MoE runs SiLU experts only (its C++ moe() takes SiTU, ffn_block does not pass it)
-    if (ffn.parallel or not experts.whole_layer_local or experts.local.fmt != "dense"
-            or getattr(experts.local, "activation", None) is not None):
+    if (
+        ffn.parallel
+        or not experts.whole_layer_local
+        or experts.local.fmt != "dense"
+        or getattr(experts.local, "activation", None) is not None
+    ):
         return None
     if shared is not None and not _mlp_fusable(shared):
         return None
@@ -160,19 +199,35 @@ def ffn_weights(norm, ffn) -> FfnBlockWeights | None:
     if not (_dense(*matrices) and all(t.device.type == "cpu" and t.dtype in DTYPES for t in vectors)):
         return None
     return FfnBlockWeights(
-        norm=_f32(norm.weight), norm_eps=float(norm.eps), gate_up=_ABSENT if shared is None else shared.gate_up,
-        down=_ABSENT if shared is None else shared.down_proj.weight, router=_f32(gate.weight),
-        bias=_f32(gate.e_score_correction_bias), top_k=int(gate.top_k), n_group=int(gate.n_group),
-        topk_group=int(gate.topk_group), sigmoid=gate.scoring_func == "sigmoid",
-        norm_topk_prob=bool(gate.norm_topk_prob), scaling=float(gate.scaling), w13=stack.w13_weight,
-        w2=stack.w2_weight)
+        norm=_f32(norm.weight),
+        norm_eps=float(norm.eps),
+        gate_up=_ABSENT if shared is None else shared.gate_up,
+        down=_ABSENT if shared is None else shared.down_proj.weight,
+        router=_f32(gate.weight),
+        bias=_f32(gate.e_score_correction_bias),
+        top_k=int(gate.top_k),
+        n_group=int(gate.n_group),
+        topk_group=int(gate.topk_group),
+        sigmoid=gate.scoring_func == "sigmoid",
+        norm_topk_prob=bool(gate.norm_topk_prob),
+        scaling=float(gate.scaling),
+        w13=stack.w13_weight,
+        w2=stack.w2_weight,
+    )
 
 
 class FusedDecoderLayer:
     """The fused halves of one decoder layer; either may be None (that half runs op by op)."""
 
-    def __init__(self, attention: AttentionBlockWeights | None, ffn: FfnBlockWeights | None,
-                 routing_counts: torch.Tensor, backend, experts=None, packed_ffn=None):
+    def __init__(
+        self,
+        attention: AttentionBlockWeights | None,
+        ffn: FfnBlockWeights | None,
+        routing_counts: torch.Tensor,
+        backend,
+        experts=None,
+        packed_ffn=None,
+    ):
         self.attention_weights = attention
         self.ffn_weights = ffn
         # the FFN half over packed (INT4 / MXFP4) experts without Python between the kernels
@@ -185,8 +240,12 @@ class FusedDecoderLayer:
     def attention_fusable(self, x: torch.Tensor, meta) -> bool:
         """Whether this step's ``x [T, D]`` goes through ``attention``: decodes only, every output
         wanted, up to ``MAX_ROWS`` float32 or bf16 rows, a latent cache of the matrices' dtype."""
-        return (self.attention_weights is not None and 0 < x.shape[0] <= cpu_few_rows.MAX_ROWS
-                and x.dtype in DTYPES and meta.decodes_only(x.shape[0]))
+        return (
+            self.attention_weights is not None
+            and 0 < x.shape[0] <= cpu_few_rows.MAX_ROWS
+            and x.dtype in DTYPES
+            and meta.decodes_only(x.shape[0])
+        )
 
     def attention(self, x: torch.Tensor, meta, cache: torch.Tensor) -> torch.Tensor:
         """``x + o_proj(MLA(norm(x)))``; cache [num_blocks, block_size, r + rope]. A decode graph's
@@ -196,19 +255,36 @@ class FusedDecoderLayer:
             out = x.clone()
             if rows.numel():
                 out[rows] = cpu_few_rows.attention_block(
-                    x[rows], meta.positions[rows], meta.slot_mapping[rows], cache.view(-1, cache.shape[-1]),
-                    meta.decode_block_tables[rows], meta.decode_context_lens[rows], meta.block_size,
-                    self.attention_weights)
+                    x[rows],
+                    meta.positions[rows],
+                    meta.slot_mapping[rows],
+                    cache.view(-1, cache.shape[-1]),
+                    meta.decode_block_tables[rows],
+                    meta.decode_context_lens[rows],
+                    meta.block_size,
+                    self.attention_weights,
+                )
             return out
-        return cpu_few_rows.attention_block(x, meta.positions, meta.slot_mapping, cache.view(-1, cache.shape[-1]),
-                                            meta.decode_block_tables, meta.decode_context_lens, meta.block_size,
-                                            self.attention_weights)
+        return cpu_few_rows.attention_block(
+            x,
+            meta.positions,
+            meta.slot_mapping,
+            cache.view(-1, cache.shape[-1]),
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            meta.block_size,
+            self.attention_weights,
+        )
 
     def ffn_fusable(self, x: torch.Tensor) -> bool:
         """Whether this step's ``x [T, D]`` goes through ``ffn``: up to ``MAX_ROWS`` float32 or bf16 rows, every
         row's routing counted (the C++ block counts them all; a decode graph's padding rows must not)."""
-        return (self.ffn_weights is not None and 0 < x.shape[0] <= cpu_few_rows.MAX_ROWS and x.dtype in DTYPES
-                and getattr(self.experts, "count_rows", None) is None)
+        return (
+            self.ffn_weights is not None
+            and 0 < x.shape[0] <= cpu_few_rows.MAX_ROWS
+            and x.dtype in DTYPES
+            and getattr(self.experts, "count_rows", None) is None
+        )
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         """``x + ffn(norm(x))``, counting a MoE's routing into ``routing_counts``."""

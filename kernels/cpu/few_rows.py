@@ -65,53 +65,117 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], n)
 
 
-def moe(x, topk_ids, topk_weights, w13, w2, scratch: torch.Tensor | None = None, act: str = "silu",
-        beta: float = 1.0, linear_beta: float | None = None) -> torch.Tensor:
+def moe(
+    x,
+    topk_ids,
+    topk_weights,
+    w13,
+    w2,
+    scratch: torch.Tensor | None = None,
+    act: str = "silu",
+    beta: float = 1.0,
+    linear_beta: float | None = None,
+) -> torch.Tensor:
     """Gated MoE over dense float32 or bf16 experts, as ``reference.moe_experts_reference``: x [T, D],
     topk [T, k], w13 [E, 2I, D], w2 [E, D, I] -> [T, D]. ``scratch``: a float32 CPU tensor the
     caller owns and lends to one call at a time; the kernel grows it (up to 64 MB) to keep the
     per-pair expert outputs between calls (None: a buffer for this call only). ``act`` "silu" or
     "situ" with ``beta`` / ``linear_beta`` (None: up unbounded), as ``kernels.activation``."""
     if act not in ("silu", "situ") or (linear_beta is not None and linear_beta <= 0):
-        raise ValueError(f"cpu_few_rows.moe: activation {act!r} (linear_beta={linear_beta}) is not silu or situ "
-                         "with positive betas")
+        raise ValueError(
+            f"cpu_few_rows.moe: activation {act!r} (linear_beta={linear_beta}) is not silu or situ with positive betas"
+        )
     scratch = torch.empty(0) if scratch is None else scratch
-    return _module().moe(x.contiguous(), topk_ids.long().contiguous(), topk_weights.float().contiguous(), w13, w2,
-                         scratch, int(act == "situ"), float(beta), 0.0 if linear_beta is None else float(linear_beta))
+    return _module().moe(
+        x.contiguous(),
+        topk_ids.long().contiguous(),
+        topk_weights.float().contiguous(),
+        w13,
+        w2,
+        scratch,
+        int(act == "situ"),
+        float(beta),
+        0.0 if linear_beta is None else float(linear_beta),
+    )
 
 
 def moe_route(x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling):
     """The MoE router, as ``reference.moe_route``: float32 x [T, D], weight [E, D], bias [E] ->
     (topk_ids [T, k] int64, topk_weights [T, k] float32)."""
-    return _module().moe_route(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, top_k, n_group, topk_group,
-                               scoring_func == "sigmoid", norm_topk_prob, float(scaling))
+    return _module().moe_route(
+        x.reshape(-1, x.shape[-1]).contiguous(),
+        weight,
+        bias,
+        top_k,
+        n_group,
+        topk_group,
+        scoring_func == "sigmoid",
+        norm_topk_prob,
+        float(scaling),
+    )
 
 
 def mla_decode(q, cache, block_tables, context_lens, block_size, kv_lora_rank, scale) -> torch.Tensor:
     """Absorbed MLA decode over the paged latent cache, as ``reference.mla_decode_reference``:
     q [B, H, r + rope], cache [slots, r + rope], block_tables [B, max_blocks], context_lens [B] -> [B, H, r]."""
-    return _module().mla_decode(q.contiguous(), cache, block_tables.int().contiguous(),
-                                context_lens.int().contiguous(), block_size, kv_lora_rank, float(scale))
+    return _module().mla_decode(
+        q.contiguous(),
+        cache,
+        block_tables.int().contiguous(),
+        context_lens.int().contiguous(),
+        block_size,
+        kv_lora_rank,
+        float(scale),
+    )
 
 
-def mla_decode_absorbed(q, kv, kv_norm_weight, eps, cos, sin, positions, slots, w_uk, w_uv, cache, block_tables,
-                        context_lens, block_size, scale) -> torch.Tensor:
+def mla_decode_absorbed(
+    q,
+    kv,
+    kv_norm_weight,
+    eps,
+    cos,
+    sin,
+    positions,
+    slots,
+    w_uk,
+    w_uv,
+    cache,
+    block_tables,
+    context_lens,
+    block_size,
+    scale,
+) -> torch.Tensor:
     """One MLA layer's absorbed decode step after its projections, decodes only: q [B, H, nope + rope]
     (q_b_proj), kv [B, r + rope] (kv_a_proj_with_mqa, before its norm), the rotary cos/sin tables
     [P, rope / 2], positions and cache slots [B], W_UK [H, nope, r], W_UV [H, v, r], cache
     [slots, r + rope]. Writes each sequence's newest latent to its slot -> [B, H, v]."""
     return _module().mla_decode_absorbed(
-        q.contiguous(), kv.contiguous(), kv_norm_weight, float(eps), cos, sin, positions.long().contiguous(),
-        slots.long().contiguous(), w_uk, w_uv, cache, block_tables.int().contiguous(), context_lens.int().contiguous(),
-        block_size, float(scale))
+        q.contiguous(),
+        kv.contiguous(),
+        kv_norm_weight,
+        float(eps),
+        cos,
+        sin,
+        positions.long().contiguous(),
+        slots.long().contiguous(),
+        w_uk,
+        w_uv,
+        cache,
+        block_tables.int().contiguous(),
+        context_lens.int().contiguous(),
+        block_size,
+        float(scale),
+    )
 
 
 def attention_block(x, positions, slots, cache, block_tables, context_lens, block_size, weights) -> torch.Tensor:
     """``x + o_proj(MLA(norm(x)))`` for x [B, D], decodes only (``mla_decode_absorbed``'s positions,
     slots, cache and tables; int64 positions and slots, int32 tables), writing each sequence's newest
     latent; ``weights``: a ``kernels.cpu_decode_block.AttentionBlockWeights``."""
-    return _module().attention_block(x, positions, slots, cache, block_tables, context_lens, block_size,
-                                     *weights.kernel_args)
+    return _module().attention_block(
+        x, positions, slots, cache, block_tables, context_lens, block_size, *weights.kernel_args
+    )
 
 
 def ffn_block(x, counts, weights, scratch: torch.Tensor) -> torch.Tensor:

@@ -55,12 +55,16 @@ def linear_cpu(x, w):
     """
     n, k = w.shape
     m = x.numel() // k if k else 0
-    if (w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and m >= _CPU_WIDEN_ROWS
-            and not onednn_bf16_native()):
+    if w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and m >= _CPU_WIDEN_ROWS and not onednn_bf16_native():
         return F.linear(x.float(), w.float()).to(torch.bfloat16)
     c = _row_blocks(n, torch.get_num_threads())
-    if (not 0 < m <= _CPU_BLOCKED_ROWS or c == 1 or w.dtype != torch.float32 or x.dtype != w.dtype
-            or not w.is_contiguous()):
+    if (
+        not 0 < m <= _CPU_BLOCKED_ROWS
+        or c == 1
+        or w.dtype != torch.float32
+        or x.dtype != w.dtype
+        or not w.is_contiguous()
+    ):
         return F.linear(x, w)
     rows = x.reshape(m, k)
     if rows.stride(-1) != 1:
@@ -74,4 +78,3 @@ def linear_cpu(x, w):
     else:
         y = torch.bmm(rows.expand(c, m, k), blocks.transpose(1, 2)).transpose(0, 1).reshape(m, n)  # [M, N]
     return y.view(*x.shape[:-1], n)
-

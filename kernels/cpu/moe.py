@@ -92,18 +92,26 @@ def moe_grouped(x, topk_ids, topk_weights, num_experts, expert):
 def moe_experts(x, topk_ids, topk_weights, w13, w2, activation=None):
     """Gated MoE over dense stacked experts: x [T, D], w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I].
     ``activation`` (here and below): a ``kernels.activation.GatedActivation``, None for SiLU."""
-    return moe_grouped(x, topk_ids, topk_weights, w13.shape[0],
-                       _dense_experts(lambda e: (w13[e].to(x.dtype), w2[e].to(x.dtype)), activation))
+    return moe_grouped(
+        x,
+        topk_ids,
+        topk_weights,
+        w13.shape[0],
+        _dense_experts(lambda e: (w13[e].to(x.dtype), w2[e].to(x.dtype)), activation),
+    )
 
 
-def moe_experts_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32,
-                      activation=None):
+def moe_experts_w4a16(
+    x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, activation=None
+):
     """INT4 experts: w13_packed [E, 2I, ceil(D/8)], w13_scale [E, 2I, ceil(D/g)]; w2 likewise."""
     d, i = x.shape[-1], w13_packed.shape[1] // 2  # w13 holds 2I rows
 
     def weights(e):
-        return (dequant_int4(w13_packed[e], w13_scale[e], d, group_size, x.dtype),
-                dequant_int4(w2_packed[e], w2_scale[e], i, group_size, x.dtype))
+        return (
+            dequant_int4(w13_packed[e], w13_scale[e], d, group_size, x.dtype),
+            dequant_int4(w2_packed[e], w2_scale[e], i, group_size, x.dtype),
+        )
 
     return moe_grouped(x, topk_ids, topk_weights, w13_packed.shape[0], _dense_experts(weights, activation))
 
@@ -117,13 +125,14 @@ def moe_experts_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packe
     return moe_grouped(x, topk_ids, topk_weights, w13_packed.shape[0], _dense_experts(weights, activation))
 
 
-def moe_experts_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128),
-                    activation=None):
+def moe_experts_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128), activation=None):
     """Block-FP8 experts: w13 [E, 2I, D] + scale_inv [E, 2I/bn, D/bk], w2 [E, D, I] + scale_inv."""
 
     def weights(e):
-        return (dequant_fp8_block(w13[e], w13_scale_inv[e], block, x.dtype),
-                dequant_fp8_block(w2[e], w2_scale_inv[e], block, x.dtype))
+        return (
+            dequant_fp8_block(w13[e], w13_scale_inv[e], block, x.dtype),
+            dequant_fp8_block(w2[e], w2_scale_inv[e], block, x.dtype),
+        )
 
     return moe_grouped(x, topk_ids, topk_weights, w13.shape[0], _dense_experts(weights, activation))
 
@@ -139,8 +148,13 @@ def moe_experts_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_
 def int4pack_cpu_supported(n: int, k: int, group_size: int) -> bool:
     """Whether torch's CPU int4 GEMM takes an [n, k] weight in groups of ``group_size``."""
     ops = torch.ops.aten
-    return (hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
-            and n % 16 == 0 and k % group_size == 0 and group_size in (32, 64, 128, 256))
+    return (
+        hasattr(ops, "_weight_int4pack_mm_for_cpu")
+        and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
+        and n % 16 == 0
+        and k % group_size == 0
+        and group_size in (32, 64, 128, 256)
+    )
 
 
 def prepack_int4_cpu(packed, scale, k, group_size, dtype):
@@ -161,8 +175,10 @@ def prepack_int4_stack(packed, scale, k, group_size, dtype):
     for i in range(packed.shape[0]):
         weight, scales_zeros = prepack_int4_cpu(packed[i], scale[i], k, group_size, dtype)
         if stack is None:
-            stack = weight.new_empty(packed.shape[0], *weight.shape), scales_zeros.new_empty(packed.shape[0],
-                                                                                             *scales_zeros.shape)
+            stack = (
+                weight.new_empty(packed.shape[0], *weight.shape),
+                scales_zeros.new_empty(packed.shape[0], *scales_zeros.shape),
+            )
         stack[0][i], stack[1][i] = weight, scales_zeros
     return stack
 
@@ -179,8 +195,11 @@ def moe_experts_int4pack_cpu(x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, 
     w2 [E, D, I/2] + w2_sz [E, I/g, D, 2] (``prepack_int4_cpu`` per expert)."""
 
     def expert(e, rows):
-        return _swiglu(rows, lambda h: linear_int4pack_cpu(h, w13[e], w13_sz[e], group_size),
-                       lambda h: linear_int4pack_cpu(h, w2[e], w2_sz[e], group_size), activation)
+        return _swiglu(
+            rows,
+            lambda h: linear_int4pack_cpu(h, w13[e], w13_sz[e], group_size),
+            lambda h: linear_int4pack_cpu(h, w2[e], w2_sz[e], group_size),
+            activation,
+        )
 
     return moe_grouped(x, topk_ids, topk_weights, w13.shape[0], expert)
-

@@ -33,8 +33,16 @@ class PackedFfnBlock:
         self.backend = backend
         self.norm_weight, self.norm_eps = norm.weight, norm.eps
         self.gate = gate
-        self.route_args = (gate.weight, gate.e_score_correction_bias, gate.top_k, gate.n_group, gate.topk_group,
-                           gate.scoring_func, gate.norm_topk_prob, gate.scaling)
+        self.route_args = (
+            gate.weight,
+            gate.e_score_correction_bias,
+            gate.top_k,
+            gate.n_group,
+            gate.topk_group,
+            gate.scoring_func,
+            gate.norm_topk_prob,
+            gate.scaling,
+        )
         self.counts = experts.routing_counts
         self.experts = experts
         self.stack = stack
@@ -62,8 +70,7 @@ class PackedFfnBlock:
         return PackedFfnBlock(norm, moe, backend)
 
     def fusable(self, x: torch.Tensor) -> bool:
-        return (0 < x.shape[0] <= cpu_few_rows.MAX_ROWS and x.dtype in DTYPES
-                and self.experts.count_rows is None)
+        return 0 < x.shape[0] <= cpu_few_rows.MAX_ROWS and x.dtype in DTYPES and self.experts.count_rows is None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ops = self.backend
@@ -79,4 +86,3 @@ class PackedFfnBlock:
             s = ops.linear(ops.gated_act(ops.linear(h, self.shared_gate_up), self.shared_act), self.shared_down)
             y = y.add_(s)
         return y, x
-

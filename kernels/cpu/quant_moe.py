@@ -30,15 +30,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.cpu import quant_moe_layout as layout
 from kimitui.kernels.cpu.build import QUANT_MOE, load_extension
-from kimitui.kernels.cpu import few_rows as cpu_few_rows
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +89,29 @@ def planned_isa() -> str:
     the extension (for ``kimitui info``). On an AMX CPU whose kernel refuses the tile permission the
     extension falls back to avx512bf16 where this still says amx_bf16."""
     try:
-        flags = set(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                          if line.startswith("flags")), []))
+        flags = set(
+            next(
+                (
+                    line.split(":", 1)[1].split()
+                    for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("flags")
+                ),
+                [],
+            )
+        )
     except OSError:
         flags = set()
-    best = (4 if {"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"} <= flags
-            else 3 if {"avx512f", "avx512bw", "avx512_bf16"} <= flags else 2 if "avx512f" in flags
-            else 1 if {"avx2", "fma"} <= flags else 0)
+    best = (
+        4
+        if {"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"} <= flags
+        else 3
+        if {"avx512f", "avx512bw", "avx512_bf16"} <= flags
+        else 2
+        if "avx512f" in flags
+        else 1
+        if {"avx2", "fma"} <= flags
+        else 0
+    )
     wanted = ISA_CODES.get(os.environ.get(ENV_ISA, "").strip().lower(), best)
     return ISA_NAMES[min(best, wanted)]
 
@@ -133,22 +148,30 @@ def _check_checkpoint(fmt, d, w13, w13_scale, w2, w2_scale, group_size) -> int:
     if fmt == "int4":
         if group_size % 32:
             raise ValueError(f"cpu_quant_moe: INT4 group size {group_size} is not a multiple of 32")
-        want = {"w13": (torch.int32, [e, n13, -(-d // 8)]),
-                "w13_scale": (torch.bfloat16, [e, n13, -(-d // group_size)]),
-                "w2": (torch.int32, [e, d, -(-inter // 8)]),
-                "w2_scale": (torch.bfloat16, [e, d, -(-inter // group_size)])}
+        want = {
+            "w13": (torch.int32, [e, n13, -(-d // 8)]),
+            "w13_scale": (torch.bfloat16, [e, n13, -(-d // group_size)]),
+            "w2": (torch.int32, [e, d, -(-inter // 8)]),
+            "w2_scale": (torch.bfloat16, [e, d, -(-inter // group_size)]),
+        }
     elif fmt == "mxfp4":
         if d % 32 or inter % 32:
             raise ValueError(f"cpu_quant_moe: MXFP4 needs hidden ({d}) and expert width ({inter}) multiples of 32")
-        want = {"w13": (torch.uint8, [e, n13, d // 2]), "w13_scale": (torch.uint8, [e, n13, d // 32]),
-                "w2": (torch.uint8, [e, d, inter // 2]), "w2_scale": (torch.uint8, [e, d, inter // 32])}
+        want = {
+            "w13": (torch.uint8, [e, n13, d // 2]),
+            "w13_scale": (torch.uint8, [e, n13, d // 32]),
+            "w2": (torch.uint8, [e, d, inter // 2]),
+            "w2_scale": (torch.uint8, [e, d, inter // 32]),
+        }
     else:
         raise ValueError(f"cpu_quant_moe: unknown expert format {fmt!r} (int4 or mxfp4)")
     for name, t in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
         dtype, shape = want[name]
         if t.dtype != dtype or list(t.shape) != shape or t.device.type != "cpu":
-            raise ValueError(f"cpu_quant_moe: {fmt} {name} is {t.dtype} {list(t.shape)} on {t.device}, expected "
-                             f"{dtype} {shape} on the CPU")
+            raise ValueError(
+                f"cpu_quant_moe: {fmt} {name} is {t.dtype} {list(t.shape)} on {t.device}, expected "
+                f"{dtype} {shape} on the CPU"
+            )
     return inter
 
 
@@ -183,8 +206,21 @@ def unprepare(experts: TiledExperts) -> tuple[torch.Tensor, torch.Tensor, torch.
     return torch.cat((gate[0], up[0]), dim=1), torch.cat((gate[1], up[1]), dim=1), w2, s2
 
 
-def moe(x, topk_ids, topk_weights, fmt, w13, w13_scale, w2, w2_scale, group_size=32, isa_name=None, act="silu",
-        beta=1.0, linear_beta=None):
+def moe(
+    x,
+    topk_ids,
+    topk_weights,
+    fmt,
+    w13,
+    w13_scale,
+    w2,
+    w2_scale,
+    group_size=32,
+    isa_name=None,
+    act="silu",
+    beta=1.0,
+    linear_beta=None,
+):
     """Gated MoE over packed experts, as ``reference.moe_experts_reference_w4a16`` / ``_mxfp4``:
     x [T, D] (float32 or bf16), topk_ids [T, k] (ids outside [0, E) add nothing), topk_weights [T, k].
     w13 a ``TiledExperts`` (w13_scale, w2, w2_scale None), or the checkpoint layout, converted on
@@ -195,30 +231,48 @@ def moe(x, topk_ids, topk_weights, fmt, w13, w13_scale, w2, w2_scale, group_size
     ``act`` "silu" or "situ" with its ``beta`` / ``linear_beta`` (None: up unbounded), as
     ``kernels.activation.GatedActivation``; computed in float32."""
     if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"cpu_quant_moe: x {list(x.shape)}, topk_ids {list(topk_ids.shape)} and topk_weights "
-                         f"{list(topk_weights.shape)} must be [T, D], [T, k], [T, k]")
+        raise ValueError(
+            f"cpu_quant_moe: x {list(x.shape)}, topk_ids {list(topk_ids.shape)} and topk_weights "
+            f"{list(topk_weights.shape)} must be [T, D], [T, k], [T, k]"
+        )
     experts = w13 if isinstance(w13, TiledExperts) else prepare(fmt, w13, w13_scale, w2, w2_scale, group_size)
     if experts.fmt != fmt or experts.hidden != x.shape[1]:
-        raise ValueError(f"cpu_quant_moe: {experts.fmt} experts of hidden size {experts.hidden} called as {fmt} "
-                         f"with x {list(x.shape)}")
+        raise ValueError(
+            f"cpu_quant_moe: {experts.fmt} experts of hidden size {experts.hidden} called as {fmt} "
+            f"with x {list(x.shape)}"
+        )
     f, d, i = fmt, experts.hidden, experts.inter
     want13, want2 = 2 * layout.matrix_bytes(f, i, d), layout.matrix_bytes(f, d, i)
     for name, t, n in (("w13", experts.w13, want13), ("w2", experts.w2, want2)):
         if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != n or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"cpu_quant_moe: tiled {name} is {t.dtype} {list(t.shape)} on {t.device}, expected "
-                             f"contiguous uint8 [E, {n}] on the CPU")
+            raise ValueError(
+                f"cpu_quant_moe: tiled {name} is {t.dtype} {list(t.shape)} on {t.device}, expected "
+                f"contiguous uint8 [E, {n}] on the CPU"
+            )
     if experts.w2.shape[0] != experts.w13.shape[0]:
         raise ValueError(f"cpu_quant_moe: w13 has {experts.w13.shape[0]} experts, w2 {experts.w2.shape[0]}")
     if act not in ("silu", "situ") or (act == "situ" and (beta <= 0 or (linear_beta is not None and linear_beta <= 0))):
-        raise ValueError(f"cpu_quant_moe: activation {act!r} (beta={beta}, linear_beta={linear_beta}) is not silu or "
-                         "situ with positive betas")
+        raise ValueError(
+            f"cpu_quant_moe: activation {act!r} (beta={beta}, linear_beta={linear_beta}) is not silu or "
+            "situ with positive betas"
+        )
     code = _isa_code() if isa_name is None else ISA_CODES.get(isa_name, -1)
     if not 0 <= code <= _module().best_isa():
         raise ValueError(f"cpu_quant_moe: instruction set {isa_name!r} is not one this CPU runs ({supported_isas()})")
     xin = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
-    out = _module().moe(xin.contiguous(), topk_ids.long().contiguous(), topk_weights.float().contiguous(),
-                        experts.w13, experts.w2, i, fmt == "mxfp4", code, int(act == "situ"), float(beta),
-                        0.0 if linear_beta is None else float(linear_beta))
+    out = _module().moe(
+        xin.contiguous(),
+        topk_ids.long().contiguous(),
+        topk_weights.float().contiguous(),
+        experts.w13,
+        experts.w2,
+        i,
+        fmt == "mxfp4",
+        code,
+        int(act == "situ"),
+        float(beta),
+        0.0 if linear_beta is None else float(linear_beta),
+    )
     return out.to(x.dtype)
 
 

@@ -82,7 +82,7 @@ def repack(fmt: str, packed: torch.Tensor, scale: torch.Tensor, k: int, group_si
     sc[:, :n] = _scales32(fmt, scale, k, group_size)
     sc = sc.view(e, t, TILE_ROWS, g, sb).permute(0, 1, 3, 2, 4).reshape(e, t, g * TILE_ROWS * sb)
     head = torch.zeros((e, t, _scale_block(fmt, g)), dtype=torch.uint8)
-    head[..., :sc.shape[-1]] = sc
+    head[..., : sc.shape[-1]] = sc
     return torch.cat((head, body), dim=-1).reshape(e, -1)
 
 
@@ -93,7 +93,7 @@ def unpack(fmt: str, tiles: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor,
     g, t = -(-k // GROUP), -(-n // TILE_ROWS)
     sb, head = scale_bytes(fmt), _scale_block(fmt, g)
     per = tiles.view(e, t, head + g * _BLOCK_BYTES)
-    sc = per[..., :g * TILE_ROWS * sb].reshape(e, t, g, TILE_ROWS, sb).permute(0, 1, 3, 2, 4)
+    sc = per[..., : g * TILE_ROWS * sb].reshape(e, t, g, TILE_ROWS, sb).permute(0, 1, 3, 2, 4)
     sc = sc.reshape(e, t * TILE_ROWS, g * sb)[:, :n].contiguous()
     scale = sc.view(torch.bfloat16) if fmt == "int4" else sc
     words = per[..., head:].reshape(e, t, g, 4, TILE_ROWS, 2, 2)

@@ -192,6 +192,7 @@ def quantize_mxfp4(w):
 # ---------------------------------------------------------------------------------------------
 # Linear layers: x [..., K] -> [..., N], in x.dtype (matmul accumulates in fp32)
 
+
 def linear(x, w):
     """``x [..., K] @ w [N, K].T -> [..., N]`` for a dense weight."""
     return F.linear(x, w)
@@ -237,8 +238,9 @@ def _router_choice(scores, bias):
     return choice.masked_fill(choice.isnan(), float("-inf"))
 
 
-def moe_route(x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid", norm_topk_prob=True,
-              scaling=1.0):
+def moe_route(
+    x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid", norm_topk_prob=True, scaling=1.0
+):
     """x [T, D], weight [E, D], bias [E] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32); ids in
     descending order of score + bias. Computed in fp32 whatever x's dtype. NaN-safe (``_router_scores``)."""
     logits = F.linear(x.float(), weight.float())  # [T, E]
@@ -286,8 +288,7 @@ def _moe(x, topk_ids, topk_weights, num_experts, expert_weights, activation=None
 
 def moe_experts_reference(x, topk_ids, topk_weights, w13, w2, activation=None):
     """SwiGLU MoE over dense stacked experts: x [T, D], w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I]."""
-    return _moe(x, topk_ids, topk_weights, w13.shape[0], lambda e: (w13[e].to(x.dtype), w2[e].to(x.dtype)),
-                activation)
+    return _moe(x, topk_ids, topk_weights, w13.shape[0], lambda e: (w13[e].to(x.dtype), w2[e].to(x.dtype)), activation)
 
 
 def moe_experts_reference_w4a16(
@@ -309,8 +310,7 @@ def moe_experts_reference_w4a16(
     return _moe(x, topk_ids, topk_weights, w13_packed.shape[0], weights, activation)
 
 
-def moe_experts_reference_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                                activation=None):
+def moe_experts_reference_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, activation=None):
     """MoE with MXFP4 experts.
 
     w13_packed [E, 2I, D/2], w13_scale [E, 2I, D/32], w2_packed [E, D, I/2], w2_scale [E, D, I/32].
@@ -325,8 +325,9 @@ def moe_experts_reference_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale
     return _moe(x, topk_ids, topk_weights, w13_packed.shape[0], weights, activation)
 
 
-def moe_experts_reference_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128),
-                              activation=None):
+def moe_experts_reference_fp8(
+    x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128), activation=None
+):
     """MoE with block-FP8 experts: w13 [E, 2I, D] + scale_inv [E, 2I/bn, D/bk], w2 [E, D, I] + scale_inv."""
 
     def weights(e):
@@ -410,8 +411,9 @@ def _first_topk(v, k):
     return torch.sort(v, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
-def moe_route_logits(logits, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid",
-                     norm_topk_prob=True, scaling=1.0):
+def moe_route_logits(
+    logits, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid", norm_topk_prob=True, scaling=1.0
+):
     """``moe_route`` after the gate GEMM: logits [T, E] -> (ids [T, k] int64, weights fp32).
 
     Ties (equal biased scores, equal group scores) pick the lower id, as the kernel does. NaN-safe
@@ -450,9 +452,9 @@ def moe_align_block_size(topk_ids, block_size, num_experts):
         pairs = [i for i, x in enumerate(flat) if x == e]
         if not pairs:
             continue
-        sorted_ids[slot: slot + len(pairs)] = pairs
+        sorted_ids[slot : slot + len(pairs)] = pairs
         tiles = -(-len(pairs) // block_size)
-        expert_ids[slot // block_size: slot // block_size + tiles] = [e] * tiles
+        expert_ids[slot // block_size : slot // block_size + tiles] = [e] * tiles
         slot += tiles * block_size
     # tiles past the last used one keep E - 1 (the PyTorch version's clamp); the GEMM skips them
     as_int32 = dict(dtype=torch.int32, device=topk_ids.device)

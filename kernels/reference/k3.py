@@ -5,7 +5,6 @@ them beside the other kernels' oracles."""
 import torch
 import torch.nn.functional as F
 
-
 # ---------------------------------------------------------------------------------------------
 # Kimi Delta Attention (KDA): the per-token oracles of kernels/kda.py
 
@@ -47,11 +46,11 @@ def causal_conv1d_reference(x, weight, history, cu_seqlens):
     W = weight.shape[-1]
     ys, hists = [], []
     for n in range(len(cu) - 1):
-        seq = torch.cat([history[n].to(weight.dtype), x[cu[n]: cu[n + 1]].t().to(weight.dtype)], dim=1)  # [C, W-1+L]
+        seq = torch.cat([history[n].to(weight.dtype), x[cu[n] : cu[n + 1]].t().to(weight.dtype)], dim=1)  # [C, W-1+L]
         if seq.shape[1] >= W:  # an empty sequence has no output
             y = F.conv1d(seq[None], weight[:, None, :], groups=weight.shape[0])[0]  # [C, L]
             ys.append(F.silu(y).t())
-        hists.append(seq[:, seq.shape[1] - (W - 1):])
+        hists.append(seq[:, seq.shape[1] - (W - 1) :])
     return torch.cat(ys + [x[:0]]).to(x.dtype), torch.stack(hists).to(history.dtype)
 
 
@@ -59,8 +58,9 @@ def causal_conv1d_reference(x, weight, history, cu_seqlens):
 # Kimi K3 attention residuals (engine/layers/attn_res.py)
 
 
-def attn_res_mix(x: torch.Tensor, blocks: list[torch.Tensor], norm_weight: torch.Tensor, eps: float,
-                 proj_weight: torch.Tensor) -> torch.Tensor:
+def attn_res_mix(
+    x: torch.Tensor, blocks: list[torch.Tensor], norm_weight: torch.Tensor, eps: float, proj_weight: torch.Tensor
+) -> torch.Tensor:
     """Softmax mix over the candidates ``blocks + [x]`` (each [T, D]) -> [T, D] in x.dtype.
 
     score_i = sum_d rmsnorm(V_i)[d] * norm_weight[d] * proj_weight[0, d]; the mix weights the

@@ -17,9 +17,9 @@ The online softmax sums in another order than ``torch.softmax``: equal within fp
 """
 
 import torch
+
 import triton
 import triton.language as tl
-
 from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device
 
 _MAX_BLOCK = 65536  # one row in one block: 7168 (K3's hidden size) pads to 8192
@@ -33,9 +33,27 @@ def _score(v, q, D, eps):
 
 @triton.jit
 def _attn_res_mix_norm_kernel(
-    x_ptr, delta_ptr, blocks_ptr, rw_ptr, pw_ptr, nw_ptr, out_ptr, s_ptr,
-    N, D, stride_x, stride_delta, stride_bn, stride_bt, stride_out, stride_s, res_eps, norm_eps,
-    BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, SAVE: tl.constexpr,
+    x_ptr,
+    delta_ptr,
+    blocks_ptr,
+    rw_ptr,
+    pw_ptr,
+    nw_ptr,
+    out_ptr,
+    s_ptr,
+    N,
+    D,
+    stride_x,
+    stride_delta,
+    stride_bn,
+    stride_bt,
+    stride_out,
+    stride_s,
+    res_eps,
+    norm_eps,
+    BLOCK: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    SAVE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -49,7 +67,9 @@ def _attn_res_mix_norm_kernel(
     if SAVE:  # the incoming sum becomes block N (the caller's buffer has room for it)
         n64 = N + tl.zeros((1,), dtype=tl.int64)  # block N's offset in int64: N * T * D passes 2**31 for long steps
         tl.store(blocks_ptr + n64 * stride_bn + t * stride_bt + offs, s.to(blocks_ptr.dtype.element_ty), mask=m)
-    q = tl.load(rw_ptr + offs, mask=m, other=0.0).to(tl.float32) * tl.load(pw_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    q = tl.load(rw_ptr + offs, mask=m, other=0.0).to(tl.float32) * tl.load(pw_ptr + offs, mask=m, other=0.0).to(
+        tl.float32
+    )
     # online softmax over blocks[0..N) and s; s first (any order gives the same softmax)
     run_max = _score(s, q, D, res_eps)
     run_sum = run_max * 0.0 + 1.0
@@ -74,13 +94,23 @@ def _attn_res_mix_norm_kernel(
 
 def _vector(name: str, t: torch.Tensor, d: int) -> None:
     if t.reshape(-1).shape != (d,) or t.dtype not in FLOAT_DTYPES or not t.is_contiguous():
-        raise ValueError(f"attn_res_mix_norm: {name} must be contiguous float with {d} entries, "
-                         f"got {t.dtype} {tuple(t.shape)}")
+        raise ValueError(
+            f"attn_res_mix_norm: {name} must be contiguous float with {d} entries, got {t.dtype} {tuple(t.shape)}"
+        )
 
 
-def attn_res_mix_norm(x: torch.Tensor, blocks: torch.Tensor, n: int, res_norm_weight: torch.Tensor, res_eps: float,
-                      proj_weight: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
-                      delta: torch.Tensor | None = None, save: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def attn_res_mix_norm(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    n: int,
+    res_norm_weight: torch.Tensor,
+    res_eps: float,
+    proj_weight: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    delta: torch.Tensor | None = None,
+    save: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(mix(s, blocks[:n])) * norm_weight, s)`` with ``s = x + delta`` (rounded to x.dtype;
     ``s = x`` when delta is None), ``mix`` the AttnRes softmax mix of ``blocks[:n] + [s]``
     (``reference.attn_res_mix``; just ``s`` when n is 0). ``save``: also write ``s`` to ``blocks[n]``.
@@ -90,19 +120,31 @@ def attn_res_mix_norm(x: torch.Tensor, blocks: torch.Tensor, n: int, res_norm_we
     ``[D]``) and ``norm_weight``: D entries each.
     """
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(-1) != 1:
-        raise ValueError(f"attn_res_mix_norm: x must be fp16/bf16/fp32 [T, D] with a contiguous last dim, "
-                         f"got {x.dtype} {tuple(x.shape)}")
+        raise ValueError(
+            f"attn_res_mix_norm: x must be fp16/bf16/fp32 [T, D] with a contiguous last dim, "
+            f"got {x.dtype} {tuple(x.shape)}"
+        )
     t, d = x.shape
     if triton.next_power_of_2(d) > _MAX_BLOCK:
         raise ValueError(f"attn_res_mix_norm: hidden size {d} is larger than one block ({_MAX_BLOCK})")
     if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype or delta.stride(-1) != 1):
-        raise ValueError(f"attn_res_mix_norm: delta must be {x.dtype} {tuple(x.shape)} with a contiguous last dim, "
-                         f"got {delta.dtype} {tuple(delta.shape)}")
+        raise ValueError(
+            f"attn_res_mix_norm: delta must be {x.dtype} {tuple(x.shape)} with a contiguous last dim, "
+            f"got {delta.dtype} {tuple(delta.shape)}"
+        )
     need = n + 1 if save else n
-    if (blocks.dim() != 3 or blocks.shape[1:] != (t, d) or blocks.shape[0] < need or blocks.dtype != x.dtype
-            or blocks.stride(-1) != 1 or n < 0):
-        raise ValueError(f"attn_res_mix_norm: blocks must be {x.dtype} [>= {need}, T={t}, D={d}] with a contiguous "
-                         f"last dim (n = {n}), got {blocks.dtype} {tuple(blocks.shape)}")
+    if (
+        blocks.dim() != 3
+        or blocks.shape[1:] != (t, d)
+        or blocks.shape[0] < need
+        or blocks.dtype != x.dtype
+        or blocks.stride(-1) != 1
+        or n < 0
+    ):
+        raise ValueError(
+            f"attn_res_mix_norm: blocks must be {x.dtype} [>= {need}, T={t}, D={d}] with a contiguous "
+            f"last dim (n = {n}), got {blocks.dtype} {tuple(blocks.shape)}"
+        )
     for name, w in (("res_norm_weight", res_norm_weight), ("proj_weight", proj_weight), ("norm_weight", norm_weight)):
         _vector(name, w, d)
     out = torch.empty((t, d), dtype=torch.promote_types(norm_weight.dtype, x.dtype), device=x.device)
@@ -111,10 +153,27 @@ def attn_res_mix_norm(x: torch.Tensor, blocks: torch.Tensor, n: int, res_norm_we
     if t:
         dl = x if delta is None else delta  # a dummy pointer when there is no delta, never read
         _attn_res_mix_norm_kernel[(t,)](
-            x, dl, blocks, res_norm_weight, proj_weight, norm_weight, out, s,
-            n, d, x.stride(0), dl.stride(0), blocks.stride(0), blocks.stride(1), out.stride(0), s.stride(0),
-            res_eps, norm_eps,
-            BLOCK=triton.next_power_of_2(d), HAS_DELTA=delta is not None, SAVE=save,
+            x,
+            dl,
+            blocks,
+            res_norm_weight,
+            proj_weight,
+            norm_weight,
+            out,
+            s,
+            n,
+            d,
+            x.stride(0),
+            dl.stride(0),
+            blocks.stride(0),
+            blocks.stride(1),
+            out.stride(0),
+            s.stride(0),
+            res_eps,
+            norm_eps,
+            BLOCK=triton.next_power_of_2(d),
+            HAS_DELTA=delta is not None,
+            SAVE=save,
             num_warps=8 if d >= 4096 else 4,
         )
     return out, s

@@ -82,22 +82,43 @@ class TritonBackend(Backend):
             out, s = self.add_rms_norm(x, residual, weight, eps)
             return out, s, out
         out32 = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        out, s = fused_add_rms_norm.fused_add_rms_norm(x, residual, weight, eps, residual_out=x,
-                                                                     out32=out32)
+        out, s = fused_add_rms_norm.fused_add_rms_norm(x, residual, weight, eps, residual_out=x, out32=out32)
         return out, s, out32
 
-    def moe_route(self, x, weight, bias, top_k, n_group=1, topk_group=1, scoring_func="sigmoid",
-                  norm_topk_prob=True, scaling=1.0, counts=None, weights_dtype=None, count_rows=None):
+    def moe_route(
+        self,
+        x,
+        weight,
+        bias,
+        top_k,
+        n_group=1,
+        topk_group=1,
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        scaling=1.0,
+        counts=None,
+        weights_dtype=None,
+        count_rows=None,
+    ):
         # The gate GEMM in fp32 as the reference computes it (routing is sensitive to rounding), then
         # sigmoid, bias, group limit, top-k, renormalisation, the weights' rounding (to the dtype the
         # experts take them in) and the routing statistics in one launch: 2 launches when x comes in fp32
         # (the norm's fp32 copy), else 3 with the cast; no host sync (the op-by-op group mask needs
         # repeat_interleave, which sizes its output on the host).
         logits = F.linear(x.float(), weight.float())  # [T, E]
-        return moe_router.moe_route_logits(logits, bias, top_k, n_group, topk_group, scoring_func,
-                                                        norm_topk_prob, scaling, counts=counts,
-                                                        weights_dtype=weights_dtype or torch.float32,
-                                                        count_rows=count_rows)
+        return moe_router.moe_route_logits(
+            logits,
+            bias,
+            top_k,
+            n_group,
+            topk_group,
+            scoring_func,
+            norm_topk_prob,
+            scaling,
+            counts=counts,
+            weights_dtype=weights_dtype or torch.float32,
+            count_rows=count_rows,
+        )
 
     def mla_rope_query(self, q_pe, rope, positions, out=None):
         # The kernel rotates q heads and one key row together; the key is written by mla_cache_write,
@@ -105,8 +126,7 @@ class TritonBackend(Backend):
         # of the absorbed query buffer) is written through its strides.
         t, _, r = q_pe.shape
         scratch = torch.empty((t, r), dtype=q_pe.dtype, device=q_pe.device)
-        q, _ = rope_fused.rope_mla(q_pe, q_pe[:, 0], rope.cos, rope.sin, positions, q_out=out,
-                                                 k_out=scratch)
+        q, _ = rope_fused.rope_mla(q_pe, q_pe[:, 0], rope.cos, rope.sin, positions, q_out=out, k_out=scratch)
         return q
 
     def mla_absorb_query(self, q, w_uk, rope, positions):
@@ -120,34 +140,41 @@ class TritonBackend(Backend):
         cos, sin = (None, None) if rope is None else (rope.cos, rope.sin)
         mla_cache_write.mla_cache_write(kv, norm_weight, eps, cos, sin, positions, slot_mapping, cache)
 
-    def mla_cache_write_q_norm(self, q, q_norm_weight, q_eps, kv, norm_weight, eps, rope, positions, slot_mapping,
-                               cache):
+    def mla_cache_write_q_norm(
+        self, q, q_norm_weight, q_eps, kv, norm_weight, eps, rope, positions, slot_mapping, cache
+    ):
         # both norms of the layer input's projection and the key rope (or NoPE copy) in one launch
         cos, sin = (None, None) if rope is None else (rope.cos, rope.sin)
-        return mla_cache_write.mla_cache_write(kv, norm_weight, eps, cos, sin, positions,
-                                                            slot_mapping, cache, q, q_norm_weight, q_eps)
+        return mla_cache_write.mla_cache_write(
+            kv, norm_weight, eps, cos, sin, positions, slot_mapping, cache, q, q_norm_weight, q_eps
+        )
 
     def moe_experts(self, x, topk_ids, topk_weights, w13, w2, activation=None):
         return fused_moe.fused_moe(x, topk_ids, topk_weights, w13, w2, activation=activation)
 
-    def moe_experts_w4a16(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                          group_size=32, activation=None):
-        return fused_moe.fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
-                                                       w2_scale, group_size, activation=activation)
+    def moe_experts_w4a16(
+        self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, activation=None
+    ):
+        return fused_moe.fused_moe_w4a16(
+            x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, activation=activation
+        )
 
-    def moe_experts_mxfp4(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                          activation=None):
-        return fused_moe.fused_moe_mxfp4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
-                                                       w2_scale, activation=activation)
+    def moe_experts_mxfp4(self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, activation=None):
+        return fused_moe.fused_moe_mxfp4(
+            x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, activation=activation
+        )
 
-    def moe_experts_fp8(self, x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128),
-                        activation=None):
-        return fused_moe.fused_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale_inv, w2,
-                                                     w2_scale_inv, tuple(block), activation=activation)
+    def moe_experts_fp8(
+        self, x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128), activation=None
+    ):
+        return fused_moe.fused_moe_fp8(
+            x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, tuple(block), activation=activation
+        )
 
     def mla_decode(self, q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale):
-        return mla_decode.mla_decode(q, cache, block_tables, context_lens, max_context_len, block_size,
-                                                   kv_lora_rank, scale)
+        return mla_decode.mla_decode(
+            q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale
+        )
 
     def kda_chunk(self, q, k, v, g, beta, initial_state, cu_seqlens, scale):
         if _fla(q):
@@ -169,20 +196,51 @@ class TritonBackend(Backend):
             return kda_fla.causal_conv1d(x, weight, history, cu_seqlens)
         return super().causal_conv1d(x, weight, history, cu_seqlens)
 
-    def kda_decode(self, qkv, f_b, b, gate, conv_weight, A_log, dt_bias, lower_bound, norm_weight, eps, conv_state,
-                   rec_state, slots, scale):
+    def kda_decode(
+        self,
+        qkv,
+        f_b,
+        b,
+        gate,
+        conv_weight,
+        A_log,
+        dt_bias,
+        lower_bound,
+        norm_weight,
+        eps,
+        conv_state,
+        rec_state,
+        slots,
+        scale,
+    ):
         # conv, gate, beta, l2 norms, the delta-rule step on the slots' state and the gated output norm
         # in one launch (op by op: 56 on the PyTorch path; fla-core's conv and recurrent kernels and the ops
         # around them on a GPU)
-        return kda_decode.kda_decode(qkv, f_b, b, gate, conv_weight, A_log, dt_bias, lower_bound,
-                                                   norm_weight, eps, conv_state, rec_state, slots, scale)
+        return kda_decode.kda_decode(
+            qkv,
+            f_b,
+            b,
+            gate,
+            conv_weight,
+            A_log,
+            dt_bias,
+            lower_bound,
+            norm_weight,
+            eps,
+            conv_state,
+            rec_state,
+            slots,
+            scale,
+        )
 
-    def attn_res_mix_norm(self, x, blocks, n, res_norm_weight, res_eps, proj_weight, norm_weight, norm_eps,
-                          delta=None, save=False):
+    def attn_res_mix_norm(
+        self, x, blocks, n, res_norm_weight, res_eps, proj_weight, norm_weight, norm_eps, delta=None, save=False
+    ):
         # the residual add, the snapshot, the softmax mix over the blocks and the norm after it in one
         # launch (op by op: about eighteen)
-        return attn_res_mix.attn_res_mix_norm(x, blocks, n, res_norm_weight, res_eps, proj_weight,
-                                                           norm_weight, norm_eps, delta, save)
+        return attn_res_mix.attn_res_mix_norm(
+            x, blocks, n, res_norm_weight, res_eps, proj_weight, norm_weight, norm_eps, delta, save
+        )
 
     def sigmoid_gate(self, x, gate):
         return sigmoid_gate.sigmoid_gate(x, gate)  # one launch (op by op: two)

@@ -13,9 +13,9 @@ the weight. Same structure as AITER's ``_fused_add_rmsnorm_kernel`` (ROCm/aiter,
 """
 
 import torch
+
 import triton
 import triton.language as tl
-
 from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device
 
 _MAX_BLOCK = 65536  # one row in one block: 7168 (Kimi K2) pads to 8192
@@ -23,9 +23,21 @@ _MAX_BLOCK = 65536  # one row in one block: 7168 (Kimi K2) pads to 8192
 
 @triton.jit
 def _fused_add_rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, o32_ptr, H,
-    stride_x, stride_r, stride_o, stride_ro, stride_o32, eps,
-    BLOCK: tl.constexpr, HAS_OUT32: tl.constexpr,
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    rout_ptr,
+    o32_ptr,
+    H,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    stride_o32,
+    eps,
+    BLOCK: tl.constexpr,
+    HAS_OUT32: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -73,8 +85,10 @@ def fused_add_rms_norm(
         if t.dtype not in FLOAT_DTYPES:
             raise ValueError(f"fused_add_rms_norm: {name} must be fp16/bf16/fp32, got {t.dtype}")
     if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(f"fused_add_rms_norm: residual must be {x.dtype} {tuple(x.shape)}, "
-                         f"got {residual.dtype} {tuple(residual.shape)}")
+        raise ValueError(
+            f"fused_add_rms_norm: residual must be {x.dtype} {tuple(x.shape)}, "
+            f"got {residual.dtype} {tuple(residual.shape)}"
+        )
     h = x.shape[-1]
     if weight.dim() != 1 or weight.shape[0] != h or not weight.is_contiguous():
         raise ValueError(f"fused_add_rms_norm: weight must be contiguous [H={h}], got {tuple(weight.shape)}")
@@ -87,10 +101,13 @@ def fused_add_rms_norm(
         residual_out = torch.empty_like(x)
     for name, t, dtype in (("out", out, out_dtype), ("residual_out", residual_out, x.dtype)):
         if t.shape != x.shape or t.dtype != dtype:
-            raise ValueError(f"fused_add_rms_norm: {name} must be {dtype} {tuple(x.shape)}, got {t.dtype} {tuple(t.shape)}")
+            raise ValueError(
+                f"fused_add_rms_norm: {name} must be {dtype} {tuple(x.shape)}, got {t.dtype} {tuple(t.shape)}"
+            )
     if out32 is not None and (out32.shape != x.shape or out32.dtype != torch.float32):
-        raise ValueError(f"fused_add_rms_norm: out32 must be torch.float32 {tuple(x.shape)}, got {out32.dtype} "
-                         f"{tuple(out32.shape)}")
+        raise ValueError(
+            f"fused_add_rms_norm: out32 must be torch.float32 {tuple(x.shape)}, got {out32.dtype} {tuple(out32.shape)}"
+        )
     check_device(x, residual, weight, out, residual_out, *([] if out32 is None else [out32]))
 
     xr, rr = _rows(x, "x", h), _rows(residual, "residual", h)  # [R, H]
@@ -102,9 +119,22 @@ def fused_add_rms_norm(
     block = triton.next_power_of_2(h)
     if xr.shape[0]:
         _fused_add_rms_norm_kernel[(xr.shape[0],)](
-            xr, rr, weight, orows, rorows, o32rows, h,
-            xr.stride(0), rr.stride(0), orows.stride(0), rorows.stride(0), o32rows.stride(0), eps,
-            BLOCK=block, HAS_OUT32=out32 is not None, num_warps=8 if block >= 4096 else 4,
+            xr,
+            rr,
+            weight,
+            orows,
+            rorows,
+            o32rows,
+            h,
+            xr.stride(0),
+            rr.stride(0),
+            orows.stride(0),
+            rorows.stride(0),
+            o32rows.stride(0),
+            eps,
+            BLOCK=block,
+            HAS_OUT32=out32 is not None,
+            num_warps=8 if block >= 4096 else 4,
         )
     return out, residual_out
 

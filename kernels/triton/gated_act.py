@@ -13,9 +13,9 @@ libdevice), so SiTU's tanh is ``1 - 2 / (exp(2x) + 1)``, within fp32 rounding of
 """
 
 import torch
+
 import triton
 import triton.language as tl
-
 from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device
 
 SILU, SITU = 0, 1
@@ -29,8 +29,16 @@ def _tanh(x):
 
 @triton.jit
 def _gated_act_kernel(
-    gu_ptr, out_ptr, I, stride_g, stride_o, beta, linear_beta,
-    ACT: tl.constexpr, BOUND_UP: tl.constexpr, BLOCK: tl.constexpr,
+    gu_ptr,
+    out_ptr,
+    I,
+    stride_g,
+    stride_o,
+    beta,
+    linear_beta,
+    ACT: tl.constexpr,
+    BOUND_UP: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -48,8 +56,9 @@ def _gated_act_kernel(
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def gated_act(gu: torch.Tensor, kind: str = "silu", beta: float = 1.0, linear_beta: float | None = None
-              ) -> torch.Tensor:
+def gated_act(
+    gu: torch.Tensor, kind: str = "silu", beta: float = 1.0, linear_beta: float | None = None
+) -> torch.Tensor:
     """``act(gu[..., :I]) * gu[..., I:]`` for ``gu [..., 2I]`` (rows may be strided, the last dim
     contiguous) -> ``[..., I]`` in gu.dtype. ``kind``: "silu" or "situ" (with ``beta``, ``linear_beta``)."""
     if gu.dim() < 1 or gu.dtype not in FLOAT_DTYPES or gu.shape[-1] % 2:
@@ -68,8 +77,15 @@ def gated_act(gu: torch.Tensor, kind: str = "silu", beta: float = 1.0, linear_be
     if rows.shape[0] and inter:
         block = min(1024, triton.next_power_of_2(inter))
         _gated_act_kernel[(rows.shape[0], triton.cdiv(inter, block))](
-            rows, orows, inter, rows.stride(0), orows.stride(0), float(beta),
+            rows,
+            orows,
+            inter,
+            rows.stride(0),
+            orows.stride(0),
+            float(beta),
             float(linear_beta if linear_beta is not None else 1.0),
-            ACT=SILU if kind == "silu" else SITU, BOUND_UP=linear_beta is not None, BLOCK=block,
+            ACT=SILU if kind == "silu" else SITU,
+            BOUND_UP=linear_beta is not None,
+            BLOCK=block,
         )
     return out

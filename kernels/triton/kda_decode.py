@@ -22,9 +22,9 @@ A slot outside the pool (a padding row) writes zeros to its output and touches n
 """
 
 import torch
+
 import triton
 import triton.language as tl
-
 from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device
 
 
@@ -50,13 +50,40 @@ def _conv_silu(qkv_row, conv_row, convw_ptr, ch, m, stride_cc, stride_cw, W: tl.
 
 @triton.jit
 def _kda_decode_kernel(
-    qkv_ptr, fb_ptr, b_ptr, gate_ptr, convw_ptr, alog_ptr, dtb_ptr, normw_ptr,
-    conv_ptr, rec_ptr, slot_ptr, out_ptr,
-    H, D, P, NUM_SLOTS,
-    stride_qkv, stride_fb, stride_b, stride_gate, stride_cw,
-    stride_cs, stride_cc, stride_rs, stride_rh, stride_rk, stride_out,
-    scale, eps, lower_bound,
-    W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
+    qkv_ptr,
+    fb_ptr,
+    b_ptr,
+    gate_ptr,
+    convw_ptr,
+    alog_ptr,
+    dtb_ptr,
+    normw_ptr,
+    conv_ptr,
+    rec_ptr,
+    slot_ptr,
+    out_ptr,
+    H,
+    D,
+    P,
+    NUM_SLOTS,
+    stride_qkv,
+    stride_fb,
+    stride_b,
+    stride_gate,
+    stride_cw,
+    stride_cs,
+    stride_cc,
+    stride_rs,
+    stride_rh,
+    stride_rk,
+    stride_out,
+    scale,
+    eps,
+    lower_bound,
+    W: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_W: tl.constexpr,
     SAFE_GATE: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
@@ -122,14 +149,28 @@ def _kda_decode_kernel(
 
 def _rows(name: str, t: torch.Tensor, n: int, width: int) -> None:
     if t.dim() != 2 or t.shape != (n, width) or t.dtype not in FLOAT_DTYPES or t.stride(-1) != 1:
-        raise ValueError(f"kda_decode: {name} must be fp16/bf16/fp32 [N={n}, {width}] with a contiguous last dim, "
-                         f"got {t.dtype} {tuple(t.shape)}")
+        raise ValueError(
+            f"kda_decode: {name} must be fp16/bf16/fp32 [N={n}, {width}] with a contiguous last dim, "
+            f"got {t.dtype} {tuple(t.shape)}"
+        )
 
 
-def kda_decode(qkv: torch.Tensor, f_b: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, conv_weight: torch.Tensor,
-               A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None, norm_weight: torch.Tensor,
-               eps: float, conv_state: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
-               scale: float) -> torch.Tensor:
+def kda_decode(
+    qkv: torch.Tensor,
+    f_b: torch.Tensor,
+    b: torch.Tensor,
+    gate: torch.Tensor,
+    conv_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    conv_state: torch.Tensor,
+    rec_state: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One decode token for each of N sequences -> the gated, normed output [N, H*D] in qkv.dtype
     (o_proj's input); the slots' conv history and delta-rule state are updated in place.
 
@@ -153,21 +194,43 @@ def kda_decode(qkv: torch.Tensor, f_b: torch.Tensor, b: torch.Tensor, gate: torc
     _rows("f_b", f_b, n, p)
     _rows("b", b, n, h)
     _rows("gate", gate, n, p)
-    if (conv_weight.dim() != 2 or conv_weight.shape[0] != 3 * p or conv_weight.shape[1] < 2
-            or conv_weight.dtype != torch.float32 or conv_weight.stride(-1) != 1):
-        raise ValueError(f"kda_decode: conv_weight must be fp32 [3P={3 * p}, W >= 2] with a contiguous last dim, "
-                         f"got {conv_weight.dtype} {tuple(conv_weight.shape)}")
+    if (
+        conv_weight.dim() != 2
+        or conv_weight.shape[0] != 3 * p
+        or conv_weight.shape[1] < 2
+        or conv_weight.dtype != torch.float32
+        or conv_weight.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"kda_decode: conv_weight must be fp32 [3P={3 * p}, W >= 2] with a contiguous last dim, "
+            f"got {conv_weight.dtype} {tuple(conv_weight.shape)}"
+        )
     w = conv_weight.shape[1]
     if dt_bias.shape != (p,) or dt_bias.dtype != torch.float32 or not dt_bias.is_contiguous():
-        raise ValueError(f"kda_decode: dt_bias must be contiguous fp32 [P={p}], got {dt_bias.dtype} {tuple(dt_bias.shape)}")
-    if (conv_state.dim() != 3 or conv_state.shape[1:] != (3 * p, w - 1) or conv_state.dtype not in FLOAT_DTYPES
-            or conv_state.stride(-1) != 1):
-        raise ValueError(f"kda_decode: conv_state must be float [slots, 3P={3 * p}, W-1={w - 1}] with a contiguous last "
-                         f"dim, got {conv_state.dtype} {tuple(conv_state.shape)}")
-    if rec_state.dim() != 4 or rec_state.shape[1:] != (h, d, d) or rec_state.dtype != torch.float32 \
-            or rec_state.stride(-1) != 1 or rec_state.shape[0] != conv_state.shape[0]:
-        raise ValueError(f"kda_decode: rec_state must be fp32 [slots={conv_state.shape[0]}, H={h}, D={d}, D={d}] with a "
-                         f"contiguous last dim, got {rec_state.dtype} {tuple(rec_state.shape)}")
+        raise ValueError(
+            f"kda_decode: dt_bias must be contiguous fp32 [P={p}], got {dt_bias.dtype} {tuple(dt_bias.shape)}"
+        )
+    if (
+        conv_state.dim() != 3
+        or conv_state.shape[1:] != (3 * p, w - 1)
+        or conv_state.dtype not in FLOAT_DTYPES
+        or conv_state.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"kda_decode: conv_state must be float [slots, 3P={3 * p}, W-1={w - 1}] with a contiguous last "
+            f"dim, got {conv_state.dtype} {tuple(conv_state.shape)}"
+        )
+    if (
+        rec_state.dim() != 4
+        or rec_state.shape[1:] != (h, d, d)
+        or rec_state.dtype != torch.float32
+        or rec_state.stride(-1) != 1
+        or rec_state.shape[0] != conv_state.shape[0]
+    ):
+        raise ValueError(
+            f"kda_decode: rec_state must be fp32 [slots={conv_state.shape[0]}, H={h}, D={d}, D={d}] with a "
+            f"contiguous last dim, got {rec_state.dtype} {tuple(rec_state.shape)}"
+        )
     if slots.shape != (n,) or slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"kda_decode: slots must be int32/int64 [N={n}], got {slots.dtype} {tuple(slots.shape)}")
     if lower_bound is not None and lower_bound >= 0:
@@ -177,12 +240,41 @@ def kda_decode(qkv: torch.Tensor, f_b: torch.Tensor, b: torch.Tensor, gate: torc
     if n and h:
         block_d = triton.next_power_of_2(d)
         _kda_decode_kernel[(n, h)](
-            qkv, f_b, b, gate, conv_weight, A_log, dt_bias, norm_weight, conv_state, rec_state, slots, out,
-            h, d, p, rec_state.shape[0],
-            qkv.stride(0), f_b.stride(0), b.stride(0), gate.stride(0), conv_weight.stride(0),
-            conv_state.stride(0), conv_state.stride(1), rec_state.stride(0), rec_state.stride(1), rec_state.stride(2),
-            out.stride(0), scale, eps, 0.0 if lower_bound is None else float(lower_bound),
-            W=w, BLOCK_D=block_d, BLOCK_V=min(block_d, 32), BLOCK_W=triton.next_power_of_2(w),
-            SAFE_GATE=lower_bound is not None, num_warps=4,
+            qkv,
+            f_b,
+            b,
+            gate,
+            conv_weight,
+            A_log,
+            dt_bias,
+            norm_weight,
+            conv_state,
+            rec_state,
+            slots,
+            out,
+            h,
+            d,
+            p,
+            rec_state.shape[0],
+            qkv.stride(0),
+            f_b.stride(0),
+            b.stride(0),
+            gate.stride(0),
+            conv_weight.stride(0),
+            conv_state.stride(0),
+            conv_state.stride(1),
+            rec_state.stride(0),
+            rec_state.stride(1),
+            rec_state.stride(2),
+            out.stride(0),
+            scale,
+            eps,
+            0.0 if lower_bound is None else float(lower_bound),
+            W=w,
+            BLOCK_D=block_d,
+            BLOCK_V=min(block_d, 32),
+            BLOCK_W=triton.next_power_of_2(w),
+            SAFE_GATE=lower_bound is not None,
+            num_warps=4,
         )
     return out

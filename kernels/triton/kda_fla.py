@@ -46,8 +46,10 @@ def require() -> None:
     the PyTorch forms of kernels/kda.py are the CPU path and an oracle, far too slow to serve from."""
     reason = unavailable_reason()
     if reason is not None:
-        raise RuntimeError(f"Kimi Delta Attention on a GPU needs fla-core>=0.6 ({reason}): "
-                           "pip install fla-core, or set KIMITUI_KERNELS=reference to run the PyTorch reference path")
+        raise RuntimeError(
+            f"Kimi Delta Attention on a GPU needs fla-core>=0.6 ({reason}): "
+            "pip install fla-core, or set KIMITUI_KERNELS=reference to run the PyTorch reference path"
+        )
 
 
 def chunk_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale):
@@ -56,9 +58,17 @@ def chunk_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale):
     from fla.ops.kda import chunk_kda as fla_chunk_kda  # optional dependency: fla-core
 
     o, final = fla_chunk_kda(
-        q[None], k[None], v[None], g[None], beta[None], scale=scale,
-        initial_state=initial_state.float().contiguous(), output_final_state=True,
-        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long())
+        q[None],
+        k[None],
+        v[None],
+        g[None],
+        beta[None],
+        scale=scale,
+        initial_state=initial_state.float().contiguous(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens.long(),
+    )
     return o[0], final.float()
 
 
@@ -71,9 +81,17 @@ def recurrent_kda(q, k, v, g, beta, state, slots, scale):
         raise ValueError("recurrent_kda: the state pool must be contiguous (fla writes it in place by slot)")
     # [N, 1, ...]: N sequences of one token each.
     o, _ = fused_recurrent_kda_fwd(
-        q[:, None].contiguous(), k[:, None].contiguous(), v[:, None].contiguous(), g[:, None].contiguous(),
-        beta[:, None].contiguous(), initial_state=state, scale=scale, inplace_final_state=True,
-        ssm_state_indices=slots.to(torch.int32), use_qk_l2norm_in_kernel=True)
+        q[:, None].contiguous(),
+        k[:, None].contiguous(),
+        v[:, None].contiguous(),
+        g[:, None].contiguous(),
+        beta[:, None].contiguous(),
+        initial_state=state,
+        scale=scale,
+        inplace_final_state=True,
+        ssm_state_indices=slots.to(torch.int32),
+        use_qk_l2norm_in_kernel=True,
+    )
     return o[:, 0]
 
 
@@ -89,22 +107,42 @@ def recurrent_kda_spec(q, k, v, g, beta, state, indices, lengths, scale):
     lens = torch.tensor(lengths, dtype=torch.int32).to(q.device, non_blocking=True)
     cu = F.pad(lens.cumsum(0), (1, 0)).long()
     o, _ = fused_recurrent_kda_fwd(
-        q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), g[None].contiguous(),
-        beta[None].contiguous(), initial_state=state, scale=scale, inplace_final_state=True, cu_seqlens=cu,
-        ssm_state_indices=indices.to(torch.int32).contiguous(), num_accepted_tokens=lens,
-        use_qk_l2norm_in_kernel=True)
+        q[None].contiguous(),
+        k[None].contiguous(),
+        v[None].contiguous(),
+        g[None].contiguous(),
+        beta[None].contiguous(),
+        initial_state=state,
+        scale=scale,
+        inplace_final_state=True,
+        cu_seqlens=cu,
+        ssm_state_indices=indices.to(torch.int32).contiguous(),
+        num_accepted_tokens=lens,
+        use_qk_l2norm_in_kernel=True,
+    )
     return o[0]
 
 
 def causal_conv1d(x, weight, history, cu_seqlens=None):
     """x [T, C]; weight [C, W]; history [N, C, W-1]; cu_seqlens [N+1] or None for one row per
     sequence. -> (y [T, C] in x.dtype, new history [N, C, W-1] in history.dtype)"""
-    from fla.modules.causal_conv1d import causal_conv1d as fla_conv, causal_conv1d_update  # optional dependency: fla-core
+    from fla.modules.causal_conv1d import (
+        causal_conv1d as fla_conv,
+    )  # optional dependency: fla-core
+    from fla.modules.causal_conv1d import (
+        causal_conv1d_update,
+    )
 
     cache = F.pad(history, (1, 0)).contiguous()  # [N, C, W]
     if cu_seqlens is None:
         y, cache = causal_conv1d_update(x.contiguous(), cache, weight=weight, activation="silu")
         return y, cache[..., 1:].to(history.dtype)
-    y, final = fla_conv(x[None].contiguous(), weight=weight, initial_state=cache, output_final_state=True,
-                        activation="silu", cu_seqlens=cu_seqlens.long())
+    y, final = fla_conv(
+        x[None].contiguous(),
+        weight=weight,
+        initial_state=cache,
+        output_final_state=True,
+        activation="silu",
+        cu_seqlens=cu_seqlens.long(),
+    )
     return y[0], final[..., 1:].to(history.dtype)

@@ -17,9 +17,9 @@ and K3's MLA) the key is copied unrotated.
 """
 
 import torch
+
 import triton
 import triton.language as tl
-
 from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -27,10 +27,34 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 
 @triton.jit
 def _mla_cache_write_kernel(
-    kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, cache_ptr, q_ptr, qw_ptr, qo_ptr,
-    R_LAT, HALF, P, NUM_SLOTS, stride_kv, stride_cp, stride_cache, eps, Q_DIM, stride_q, stride_qo, q_eps,
-    NORM_DTYPE: tl.constexpr, BLOCK_LAT: tl.constexpr, BLOCK_P: tl.constexpr,
-    HAS_Q: tl.constexpr, BLOCK_Q: tl.constexpr, ROPE: tl.constexpr = True,
+    kv_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    cache_ptr,
+    q_ptr,
+    qw_ptr,
+    qo_ptr,
+    R_LAT,
+    HALF,
+    P,
+    NUM_SLOTS,
+    stride_kv,
+    stride_cp,
+    stride_cache,
+    eps,
+    Q_DIM,
+    stride_q,
+    stride_qo,
+    q_eps,
+    NORM_DTYPE: tl.constexpr,
+    BLOCK_LAT: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    ROPE: tl.constexpr = True,
 ):
     t = tl.program_id(0).to(tl.int64)
     if HAS_Q:  # the query LoRA's RMSNorm, for every row (padding rows included: they are the caller's)
@@ -98,13 +122,17 @@ def mla_cache_write(
     ``cos`` and ``sin`` both None: NoPE (Kimi Linear / K3), the key is written unrotated.
     """
     if kv.dim() != 2 or kv.dtype not in FLOAT_DTYPES or kv.stride(-1) != 1:
-        raise ValueError(f"mla_cache_write: kv must be fp16/bf16/fp32 [T, r + R] with a contiguous last dim, "
-                         f"got {kv.dtype} {tuple(kv.shape)}")
+        raise ValueError(
+            f"mla_cache_write: kv must be fp16/bf16/fp32 [T, r + R] with a contiguous last dim, "
+            f"got {kv.dtype} {tuple(kv.shape)}"
+        )
     t, width = kv.shape
     r = norm_weight.shape[0] if norm_weight.dim() == 1 else -1
     if r <= 0 or r >= width or norm_weight.dtype not in FLOAT_DTYPES or not norm_weight.is_contiguous():
-        raise ValueError(f"mla_cache_write: norm_weight must be contiguous float [r] with r < {width}, "
-                         f"got {norm_weight.dtype} {tuple(norm_weight.shape)}")
+        raise ValueError(
+            f"mla_cache_write: norm_weight must be contiguous float [r] with r < {width}, "
+            f"got {norm_weight.dtype} {tuple(norm_weight.shape)}"
+        )
     rope = width - r
     nope = cos is None and sin is None
     if nope:  # no rotary embedding: dummy tables, never read (positions are not read either)
@@ -113,36 +141,70 @@ def mla_cache_write(
         raise ValueError("mla_cache_write: cos and sin are both tensors (rope) or both None (NoPE)")
     bad_width = not nope and (rope % 2 or cos.shape[-1] != rope // 2)
     if bad_width or cos.dim() != 2 or cos.dtype != torch.float32 or not cos.is_contiguous():
-        raise ValueError(f"mla_cache_write: cos must be contiguous fp32 [P, R/2={rope // 2}] (R = {rope} rope "
-                         f"channels), got {cos.dtype} {tuple(cos.shape)}")
+        raise ValueError(
+            f"mla_cache_write: cos must be contiguous fp32 [P, R/2={rope // 2}] (R = {rope} rope "
+            f"channels), got {cos.dtype} {tuple(cos.shape)}"
+        )
     if sin.shape != cos.shape or sin.dtype != torch.float32 or not sin.is_contiguous():
-        raise ValueError(f"mla_cache_write: sin must be contiguous fp32 {tuple(cos.shape)}, got {sin.dtype} {tuple(sin.shape)}")
+        raise ValueError(
+            f"mla_cache_write: sin must be contiguous fp32 {tuple(cos.shape)}, got {sin.dtype} {tuple(sin.shape)}"
+        )
     for name, idx in (("positions", positions), ("slot_mapping", slot_mapping)):
         if idx.shape != (t,) or idx.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"mla_cache_write: {name} must be int32/int64 [T={t}], got {idx.dtype} {tuple(idx.shape)}")
     if cache.shape[-1] != width or cache.dtype not in FLOAT_DTYPES or not cache.is_contiguous():
-        raise ValueError(f"mla_cache_write: cache must be contiguous fp16/bf16/fp32 [..., {width}], "
-                         f"got {cache.dtype} {tuple(cache.shape)}")
+        raise ValueError(
+            f"mla_cache_write: cache must be contiguous fp16/bf16/fp32 [..., {width}], "
+            f"got {cache.dtype} {tuple(cache.shape)}"
+        )
     q_out = None
     if q is not None:
         if q.dim() != 2 or q.shape[0] != t or q.dtype not in FLOAT_DTYPES or q.stride(-1) != 1:
-            raise ValueError(f"mla_cache_write: q must be fp16/bf16/fp32 [T={t}, Q] with a contiguous last dim, "
-                             f"got {q.dtype} {tuple(q.shape)}")
-        if (q_norm_weight is None or q_norm_weight.shape != (q.shape[1],) or q_norm_weight.dtype not in FLOAT_DTYPES
-                or not q_norm_weight.is_contiguous()):
-            raise ValueError(f"mla_cache_write: q_norm_weight must be contiguous float [Q={q.shape[1]}], got "
-                             f"{None if q_norm_weight is None else tuple(q_norm_weight.shape)}")
+            raise ValueError(
+                f"mla_cache_write: q must be fp16/bf16/fp32 [T={t}, Q] with a contiguous last dim, "
+                f"got {q.dtype} {tuple(q.shape)}"
+            )
+        if (
+            q_norm_weight is None
+            or q_norm_weight.shape != (q.shape[1],)
+            or q_norm_weight.dtype not in FLOAT_DTYPES
+            or not q_norm_weight.is_contiguous()
+        ):
+            raise ValueError(
+                f"mla_cache_write: q_norm_weight must be contiguous float [Q={q.shape[1]}], got "
+                f"{None if q_norm_weight is None else tuple(q_norm_weight.shape)}"
+            )
         q_out = torch.empty(q.shape, dtype=torch.promote_types(q_norm_weight.dtype, q.dtype), device=q.device)
     flat = cache.view(-1, width)  # [slots, r + R]
     check_device(kv, norm_weight, cos, sin, positions, slot_mapping, flat, *([] if q is None else [q, q_norm_weight]))
     if t:
         qa = (q, q_norm_weight, q_out) if q is not None else (kv, norm_weight, kv)  # dummies, never read
         _mla_cache_write_kernel[(t,)](
-            kv, norm_weight, cos, sin, positions, slot_mapping, flat, *qa,
-            r, rope if nope else rope // 2, cos.shape[0], flat.shape[0], kv.stride(0), cos.stride(0), flat.stride(0), eps,
-            qa[0].shape[1], qa[0].stride(0), qa[2].stride(0), q_eps,
+            kv,
+            norm_weight,
+            cos,
+            sin,
+            positions,
+            slot_mapping,
+            flat,
+            *qa,
+            r,
+            rope if nope else rope // 2,
+            cos.shape[0],
+            flat.shape[0],
+            kv.stride(0),
+            cos.stride(0),
+            flat.stride(0),
+            eps,
+            qa[0].shape[1],
+            qa[0].stride(0),
+            qa[2].stride(0),
+            q_eps,
             NORM_DTYPE=_TL_DTYPES[torch.promote_types(norm_weight.dtype, kv.dtype)],
-            BLOCK_LAT=triton.next_power_of_2(r), BLOCK_P=triton.next_power_of_2(rope if nope else rope // 2),
-            HAS_Q=q is not None, BLOCK_Q=triton.next_power_of_2(qa[0].shape[1]), ROPE=not nope,
+            BLOCK_LAT=triton.next_power_of_2(r),
+            BLOCK_P=triton.next_power_of_2(rope if nope else rope // 2),
+            HAS_Q=q is not None,
+            BLOCK_Q=triton.next_power_of_2(qa[0].shape[1]),
+            ROPE=not nope,
         )
     return q_out

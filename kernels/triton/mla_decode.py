@@ -22,20 +22,41 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
 import triton
 import triton.language as tl
-
 from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device, interpreting
 
 
 @triton.jit
 def _mla_decode_kernel(
-    q_ptr, cache_ptr, table_ptr, lens_ptr, acc_ptr, ml_ptr,
-    H, num_splits, block_size, scale,
-    stride_qb, stride_qh, stride_cs, stride_tb,
-    stride_ab, stride_as, stride_ah, stride_mb, stride_ms, stride_mh,
-    R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
+    q_ptr,
+    cache_ptr,
+    table_ptr,
+    lens_ptr,
+    acc_ptr,
+    ml_ptr,
+    H,
+    num_splits,
+    block_size,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_cs,
+    stride_tb,
+    stride_ab,
+    stride_as,
+    stride_ah,
+    stride_mb,
+    stride_ms,
+    stride_mh,
+    R: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_TILES: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -82,8 +103,11 @@ def _mla_decode_kernel(
         m = m_new
 
     split64 = split.to(tl.int64)
-    tl.store(acc_ptr + b * stride_ab + split64 * stride_as + heads[:, None] * stride_ah + offs_r[None, :], acc,
-             mask=mask_h[:, None] & mask_r[None, :])
+    tl.store(
+        acc_ptr + b * stride_ab + split64 * stride_as + heads[:, None] * stride_ah + offs_r[None, :],
+        acc,
+        mask=mask_h[:, None] & mask_r[None, :],
+    )
     ml = ml_ptr + b * stride_mb + split64 * stride_ms + heads * stride_mh
     tl.store(ml, m, mask=mask_h)
     tl.store(ml + 1, l, mask=mask_h)
@@ -91,9 +115,22 @@ def _mla_decode_kernel(
 
 @triton.jit
 def _mla_merge_kernel(
-    acc_ptr, ml_ptr, out_ptr, H, S,
-    stride_ab, stride_as, stride_ah, stride_mb, stride_ms, stride_mh, stride_ob, stride_oh,
-    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    acc_ptr,
+    ml_ptr,
+    out_ptr,
+    H,
+    S,
+    stride_ab,
+    stride_as,
+    stride_ah,
+    stride_mb,
+    stride_ms,
+    stride_mh,
+    stride_ob,
+    stride_oh,
+    R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     # out[b, h] = sum_s acc[b, s, h] * w_s / sum_s l[b, s, h] * w_s with w_s = exp(m_s - max_s m_s);
     # a split past its sequence's end kept m = -inf and l = 0 (and acc = 0), so weighs nothing.
@@ -121,8 +158,11 @@ def _mla_merge_kernel(
         ml_s += stride_ms
         acc_s += stride_as
     out = num / tl.where(mask_h, den, 1.0)[:, None]
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_r[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_r[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 _MIN_TILES = 4  # the shortest split, in tiles of BLOCK_N tokens
@@ -243,13 +283,15 @@ def _estimate(limits: GpuLimits, block_h, block_n, warps, stages, block_r, block
         shared = (block_n + 2 * block_h) * width * nbytes
     else:
         regs = acc_q + 3 * block_n * width * nbytes / 4 / limits.warp_size + 20
-        shared = max(stages * block_n * width * nbytes + block_h * block_n * nbytes,
-                     max(block_h, block_n) * block_r * nbytes)
+        shared = max(
+            stages * block_n * width * nbytes + block_h * block_n * nbytes, max(block_h, block_n) * block_r * nbytes
+        )
     return int(shared), int(regs + 0.999)
 
 
-def mla_decode_launch_params(arch_or_props, num_heads: int, kv_lora_rank: int, rope_dim: int,
-                             dtype: torch.dtype) -> MLALaunchParams:
+def mla_decode_launch_params(
+    arch_or_props, num_heads: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype
+) -> MLALaunchParams:
     """The decode tile for a GPU (name or ``torch.cuda.get_device_properties`` object, see ``gpu_limits``).
 
     Heads per program: all of them (rounded up to a power of two) when the tile fits the program's
@@ -262,8 +304,10 @@ def mla_decode_launch_params(arch_or_props, num_heads: int, kv_lora_rank: int, r
     twice, not four times); MI300X and MI355X 64 heads x 16 tokens, 4 waves (read once).
     """
     if num_heads < 1 or kv_lora_rank < 1 or rope_dim < 0:
-        raise ValueError(f"num_heads ({num_heads}) and kv_lora_rank ({kv_lora_rank}) must be positive, "
-                         f"rope_dim ({rope_dim}) not negative")
+        raise ValueError(
+            f"num_heads ({num_heads}) and kv_lora_rank ({kv_lora_rank}) must be positive, "
+            f"rope_dim ({rope_dim}) not negative"
+        )
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"dtype must be fp16/bf16/fp32, got {dtype}")
     limits = gpu_limits(arch_or_props)
@@ -308,9 +352,17 @@ def _num_splits(batch: int, head_blocks: int, max_context_len: int, block_n: int
     return max(1, min(want, triton.cdiv(max_context_len, _MIN_TILES * block_n)))
 
 
-def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-               max_context_len: int, block_size: int, kv_lora_rank: int, scale: float,
-               params: MLALaunchParams | None = None) -> torch.Tensor:
+def mla_decode(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_context_len: int,
+    block_size: int,
+    kv_lora_rank: int,
+    scale: float,
+    params: MLALaunchParams | None = None,
+) -> torch.Tensor:
     """Absorbed MLA decode: q [B, H, r + rope], cache [slots, r + rope] (latent then rope key),
     block_tables [B, max_blocks] int32, context_lens [B] int32 (>= 1, <= max_context_len) -> [B, H, r]
     in q.dtype. ``params`` overrides the tile chosen for the device (tests run each architecture's
@@ -324,8 +376,9 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
     if cache.dim() != 2 or cache.shape[1] != width or cache.dtype not in FLOAT_DTYPES:
         raise ValueError(f"cache must be fp16/bf16/fp32 [slots, {width}], got {tuple(cache.shape)} {cache.dtype}")
     if block_tables.dim() != 2 or block_tables.shape[0] != b or block_tables.dtype != torch.int32:
-        raise ValueError(f"block_tables must be int32 [B={b}, max_blocks], got {tuple(block_tables.shape)} "
-                         f"{block_tables.dtype}")
+        raise ValueError(
+            f"block_tables must be int32 [B={b}, max_blocks], got {tuple(block_tables.shape)} {block_tables.dtype}"
+        )
     if tuple(context_lens.shape) != (b,) or context_lens.dtype != torch.int32:
         raise ValueError(f"context_lens must be int32 [B={b}], got {tuple(context_lens.shape)} {context_lens.dtype}")
     if block_size <= 0 or max_context_len <= 0:
@@ -335,8 +388,9 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
     check_device(q, cache, block_tables, context_lens)
     if params is None:
         if q.device.type == "cuda":
-            params = _device_params(q.device.index if q.device.index is not None else torch.cuda.current_device(),
-                                    h, r, width - r, q.dtype)
+            params = _device_params(
+                q.device.index if q.device.index is not None else torch.cuda.current_device(), h, r, width - r, q.dtype
+            )
         else:
             params = _interpreter_params(h)
     head_blocks = params.head_blocks(h)
@@ -344,19 +398,53 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
     acc = torch.empty((b, splits, h, r), dtype=torch.float32, device=q.device)
     ml = torch.empty((b, splits, h, 2), dtype=torch.float32, device=q.device)  # running max, sum
     _mla_decode_kernel[(b, head_blocks, splits)](
-        q, cache, block_tables, context_lens, acc, ml,
-        h, splits, block_size, scale,
-        q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0),
-        acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
-        R=r, P=width - r, BLOCK_R=triton.next_power_of_2(r), BLOCK_P=max(16, triton.next_power_of_2(width - r)),
-        BLOCK_H=params.block_h, BLOCK_N=params.block_n, MIN_TILES=_MIN_TILES,
-        num_warps=params.num_warps, num_stages=params.num_stages,
+        q,
+        cache,
+        block_tables,
+        context_lens,
+        acc,
+        ml,
+        h,
+        splits,
+        block_size,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        cache.stride(0),
+        block_tables.stride(0),
+        acc.stride(0),
+        acc.stride(1),
+        acc.stride(2),
+        ml.stride(0),
+        ml.stride(1),
+        ml.stride(2),
+        R=r,
+        P=width - r,
+        BLOCK_R=triton.next_power_of_2(r),
+        BLOCK_P=max(16, triton.next_power_of_2(width - r)),
+        BLOCK_H=params.block_h,
+        BLOCK_N=params.block_n,
+        MIN_TILES=_MIN_TILES,
+        num_warps=params.num_warps,
+        num_stages=params.num_stages,
     )
     out = torch.empty((b, h, r), dtype=q.dtype, device=q.device)
     _mla_merge_kernel[(b, triton.cdiv(h, _MERGE_BLOCK_H))](
-        acc, ml, out, h, splits,
-        acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
-        out.stride(0), out.stride(1),
-        R=r, BLOCK_R=triton.next_power_of_2(r), BLOCK_H=_MERGE_BLOCK_H,
+        acc,
+        ml,
+        out,
+        h,
+        splits,
+        acc.stride(0),
+        acc.stride(1),
+        acc.stride(2),
+        ml.stride(0),
+        ml.stride(1),
+        ml.stride(2),
+        out.stride(0),
+        out.stride(1),
+        R=r,
+        BLOCK_R=triton.next_power_of_2(r),
+        BLOCK_H=_MERGE_BLOCK_H,
     )
     return out

@@ -15,18 +15,36 @@ the tail is q_pe copied.
 """
 
 import torch
+
 import triton
 import triton.language as tl
-
 from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device
 
 
 @triton.jit
 def _mla_q_absorb_kernel(
-    q_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr,
-    B, NOPE, R, HALF, P,
-    stride_qb, stride_qh, stride_wh, stride_wn, stride_ob, stride_oh, stride_cp,
-    BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    q_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    out_ptr,
+    B,
+    NOPE,
+    R,
+    HALF,
+    P,
+    stride_qb,
+    stride_qh,
+    stride_wh,
+    stride_wn,
+    stride_ob,
+    stride_oh,
+    stride_cp,
+    BLOCK_B: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     ROPE: tl.constexpr = True,
 ):
     h = tl.program_id(0).to(tl.int64)
@@ -42,8 +60,11 @@ def _mla_q_absorb_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < NOPE
         a = tl.load(q_rows + offs_k[None, :], mask=mask_b[:, None] & mask_k[None, :], other=0.0)  # [BB, BK]
-        w = tl.load(w_ptr + h * stride_wh + offs_k.to(tl.int64)[:, None] * stride_wn + offs_r[None, :],
-                    mask=mask_k[:, None] & mask_r[None, :], other=0.0)  # [BK, BR]
+        w = tl.load(
+            w_ptr + h * stride_wh + offs_k.to(tl.int64)[:, None] * stride_wn + offs_r[None, :],
+            mask=mask_k[:, None] & mask_r[None, :],
+            other=0.0,
+        )  # [BK, BR]
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision="ieee")
     tl.store(out_rows + offs_r[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask_b[:, None] & mask_r[None, :])
     if not ROPE:  # NoPE: the tail is q_pe unrotated (HALF: its width), once per batch row
@@ -68,19 +89,23 @@ def _mla_q_absorb_kernel(
         tl.store(dst + 1, (x0 * s + x1 * c).to(out_ptr.dtype.element_ty), mask=mask_i)
 
 
-def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                 positions: torch.Tensor) -> torch.Tensor:
+def mla_q_absorb(
+    q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, positions: torch.Tensor
+) -> torch.Tensor:
     """``q [B, H, nope + R]`` (q_b_proj's output per head, rows may be strided, last dim contiguous),
     ``w_uk [H, nope, r]``, ``cos``/``sin`` fp32 ``[P, R/2]``, ``positions [B]`` ->
     ``[B, H, r + R]`` in q.dtype: ``[q_nope @ W_UK[h], rope(q_pe)]`` per head. ``cos`` and ``sin``
     both None: NoPE (Kimi Linear / K3), ``[q_nope @ W_UK[h], q_pe]``."""
     if q.dim() != 3 or q.dtype not in FLOAT_DTYPES or q.stride(-1) != 1:
-        raise ValueError(f"mla_q_absorb: q must be fp16/bf16/fp32 [B, H, nope + R] with a contiguous last dim, "
-                         f"got {q.dtype} {tuple(q.shape)}")
+        raise ValueError(
+            f"mla_q_absorb: q must be fp16/bf16/fp32 [B, H, nope + R] with a contiguous last dim, "
+            f"got {q.dtype} {tuple(q.shape)}"
+        )
     b, h, width = q.shape
     if w_uk.dim() != 3 or w_uk.shape[0] != h or not 0 < w_uk.shape[1] < width or w_uk.stride(-1) != 1:
-        raise ValueError(f"mla_q_absorb: w_uk must be [H={h}, nope < {width}, r] with a contiguous last dim, "
-                         f"got {tuple(w_uk.shape)}")
+        raise ValueError(
+            f"mla_q_absorb: w_uk must be [H={h}, nope < {width}, r] with a contiguous last dim, got {tuple(w_uk.shape)}"
+        )
     nope, r = w_uk.shape[1], w_uk.shape[2]
     rope = width - nope
     if w_uk.dtype not in FLOAT_DTYPES:
@@ -92,14 +117,17 @@ def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor | None, 
         raise ValueError("mla_q_absorb: cos and sin are both tensors (rope) or both None (NoPE)")
     bad_width = not no_rope and (rope % 2 or cos.shape[1] != rope // 2)
     if bad_width or cos.dim() != 2 or cos.dtype != torch.float32 or not cos.is_contiguous():
-        raise ValueError(f"mla_q_absorb: cos must be contiguous fp32 [P, R/2={rope // 2}], got {cos.dtype} "
-                         f"{tuple(cos.shape)}")
+        raise ValueError(
+            f"mla_q_absorb: cos must be contiguous fp32 [P, R/2={rope // 2}], got {cos.dtype} {tuple(cos.shape)}"
+        )
     if sin.shape != cos.shape or sin.dtype != torch.float32 or not sin.is_contiguous():
-        raise ValueError(f"mla_q_absorb: sin must be contiguous fp32 {tuple(cos.shape)}, got {sin.dtype} "
-                         f"{tuple(sin.shape)}")
+        raise ValueError(
+            f"mla_q_absorb: sin must be contiguous fp32 {tuple(cos.shape)}, got {sin.dtype} {tuple(sin.shape)}"
+        )
     if positions.shape != (b,) or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"mla_q_absorb: positions must be int32/int64 [B={b}], got {positions.dtype} "
-                         f"{tuple(positions.shape)}")
+        raise ValueError(
+            f"mla_q_absorb: positions must be int32/int64 [B={b}], got {positions.dtype} {tuple(positions.shape)}"
+        )
     out = torch.empty((b, h, r + rope), dtype=q.dtype, device=q.device)
     check_device(q, w_uk, cos, sin, positions, out)
     if b and h:
@@ -107,10 +135,28 @@ def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor | None, 
         block_r = min(64, max(16, triton.next_power_of_2(r)))
         block_k = min(64, max(16, triton.next_power_of_2(nope)))
         _mla_q_absorb_kernel[(h, triton.cdiv(r, block_r), triton.cdiv(b, block_b))](
-            q, w_uk, cos, sin, positions, out,
-            b, nope, r, rope if no_rope else rope // 2, cos.shape[0],
-            q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(1), out.stride(0), out.stride(1), cos.stride(0),
-            BLOCK_B=block_b, BLOCK_R=block_r, BLOCK_K=block_k,
-            BLOCK_P=max(2, triton.next_power_of_2(rope if no_rope else rope // 2)), ROPE=not no_rope,
+            q,
+            w_uk,
+            cos,
+            sin,
+            positions,
+            out,
+            b,
+            nope,
+            r,
+            rope if no_rope else rope // 2,
+            cos.shape[0],
+            q.stride(0),
+            q.stride(1),
+            w_uk.stride(0),
+            w_uk.stride(1),
+            out.stride(0),
+            out.stride(1),
+            cos.stride(0),
+            BLOCK_B=block_b,
+            BLOCK_R=block_r,
+            BLOCK_K=block_k,
+            BLOCK_P=max(2, triton.next_power_of_2(rope if no_rope else rope // 2)),
+            ROPE=not no_rope,
         )
     return out

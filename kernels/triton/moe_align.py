@@ -28,11 +28,11 @@ redundant histograms keep it to one launch here (a decode step is launch-bound).
 from dataclasses import dataclass
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kimitui.kernels.triton.common import check_device
 from kimitui.kernels.triton.check import _version
+from kimitui.kernels.triton.common import check_device
 
 _ID_CHUNK = (128, 1024)  # pair ids histogrammed per loop step: all of a decode step's in one, 4 at 4096
 _PAIRS = 32  # pairs placed per program: a [32, 32] compare for the order inside the chunk
@@ -52,6 +52,7 @@ def native_ops() -> bool:
 # The native ops are named only where this Triton has them: Triton 3.0's JIT resolves every
 # ``tl.<name>`` in a kernel's source (untaken constexpr branches included) when it hashes the kernel.
 if native_ops():
+
     @triton.jit
     def _native_gather(src, idx):
         return tl.gather(src, idx, 0)
@@ -60,6 +61,7 @@ if native_ops():
     def _native_histogram(ids, mask, N: tl.constexpr):
         return tl.histogram(ids, N, mask=mask)
 else:
+
     @triton.jit
     def _native_gather(src, idx):  # never called: PORTABLE is set below 3.4
         return src
@@ -91,10 +93,21 @@ def _histogram(ids, mask, N: tl.constexpr, PORTABLE: tl.constexpr):
 
 @triton.jit
 def _moe_align_kernel(
-    ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-    numel, E, num_blocks,
-    BLOCK_SIZE: tl.constexpr, BLOCK_SIZE_P2: tl.constexpr, BLOCK_E: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    ID_CHUNK: tl.constexpr, PAIRS: tl.constexpr, TILES: tl.constexpr, PORTABLE: tl.constexpr = False,
+    ids_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    num_post_ptr,
+    numel,
+    E,
+    num_blocks,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE_P2: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    ID_CHUNK: tl.constexpr,
+    PAIRS: tl.constexpr,
+    TILES: tl.constexpr,
+    PORTABLE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pair_start = pid * PAIRS
@@ -181,12 +194,23 @@ class AlignLaunch:
         6 per entry of the [PAIRS, PAIRS] compare and 8 per pair, 7 per tile per search step and 8 per
         slot of the pad tile. (The interpreter also materialises splats, casts and broadcasts, about
         five times this: tests/kernels/triton/test_moe_align.py measures that figure.)"""
-        return (self.serial_steps * self.id_chunk * 12 + self.block_e * 12 + self.pairs * (6 * self.pairs + 8)
-                + self.tiles * (7 * self.search_steps + 8 * self.block_size_p2))
+        return (
+            self.serial_steps * self.id_chunk * 12
+            + self.block_e * 12
+            + self.pairs * (6 * self.pairs + 8)
+            + self.tiles * (7 * self.search_steps + 8 * self.block_size_p2)
+        )
 
     def kernel_args(self) -> dict:
-        return dict(BLOCK_SIZE=self.block_size, BLOCK_SIZE_P2=self.block_size_p2, BLOCK_E=self.block_e,
-                    SEARCH_STEPS=self.search_steps, ID_CHUNK=self.id_chunk, PAIRS=self.pairs, TILES=self.tiles)
+        return dict(
+            BLOCK_SIZE=self.block_size,
+            BLOCK_SIZE_P2=self.block_size_p2,
+            BLOCK_E=self.block_e,
+            SEARCH_STEPS=self.search_steps,
+            ID_CHUNK=self.id_chunk,
+            PAIRS=self.pairs,
+            TILES=self.tiles,
+        )
 
 
 def align_launch(numel: int, block_size: int, num_experts: int) -> AlignLaunch:
@@ -197,11 +221,19 @@ def align_launch(numel: int, block_size: int, num_experts: int) -> AlignLaunch:
     block_e = max(16, triton.next_power_of_2(num_experts))
     tiles = max(1, _TILE_SLOTS // block_size_p2)
     programs = max(triton.cdiv(numel, _PAIRS), triton.cdiv(num_blocks, tiles), 1)
-    return AlignLaunch(numel=numel, num_experts=num_experts, num_blocks=num_blocks, programs=programs,
-                       block_size=block_size, block_size_p2=block_size_p2, block_e=block_e,
-                       search_steps=block_e.bit_length(),  # steps BLOCK_E, BLOCK_E/2, ..., 1
-                       id_chunk=min(max(triton.next_power_of_2(numel), _ID_CHUNK[0]), _ID_CHUNK[1]),
-                       pairs=_PAIRS, tiles=tiles)
+    return AlignLaunch(
+        numel=numel,
+        num_experts=num_experts,
+        num_blocks=num_blocks,
+        programs=programs,
+        block_size=block_size,
+        block_size_p2=block_size_p2,
+        block_e=block_e,
+        search_steps=block_e.bit_length(),  # steps BLOCK_E, BLOCK_E/2, ..., 1
+        id_chunk=min(max(triton.next_power_of_2(numel), _ID_CHUNK[0]), _ID_CHUNK[1]),
+        pairs=_PAIRS,
+        tiles=tiles,
+    )
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int, portable: bool | None = None):
@@ -216,8 +248,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     ``num_tokens_post_padded`` int32 [1]; the sizes depend only on the shapes (static for a graph).
     """
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"moe_align_block_size: topk_ids must be int32/int64 [T, k], got {topk_ids.dtype} "
-                         f"{tuple(topk_ids.shape)}")
+        raise ValueError(
+            f"moe_align_block_size: topk_ids must be int32/int64 [T, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}"
+        )
     if block_size < 1:
         raise ValueError(f"moe_align_block_size: block_size must be positive, got {block_size}")
     if num_experts < 1:
@@ -235,7 +268,15 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     if numel == 0:
         return sorted_ids, expert_ids, num_post.zero_()
     _moe_align_kernel[(launch.programs,)](
-        flat, sorted_ids, expert_ids, num_post, numel, num_experts, launch.num_blocks,
-        **launch.kernel_args(), PORTABLE=(not native_ops()) if portable is None else bool(portable), num_warps=4,
+        flat,
+        sorted_ids,
+        expert_ids,
+        num_post,
+        numel,
+        num_experts,
+        launch.num_blocks,
+        **launch.kernel_args(),
+        PORTABLE=(not native_ops()) if portable is None else bool(portable),
+        num_warps=4,
     )
     return sorted_ids, expert_ids, num_post

@@ -12,9 +12,9 @@ the lower expert (or group) id, the same on every backend and every run.
 """
 
 import torch
+
 import triton
 import triton.language as tl
-
 from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device
 
 _MAX_EXPERTS = 4096  # one row of logits in one block
@@ -32,12 +32,28 @@ def _first_argmax(v, idx, avail, BIG: tl.constexpr):
 
 @triton.jit
 def _moe_router_kernel(
-    logits_ptr, bias_ptr, ids_ptr, weights_ptr, counts_ptr, count_rows_ptr,
-    E, stride_l, stride_i, stride_w, scaling,
-    TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr, COUNT: tl.constexpr,
+    logits_ptr,
+    bias_ptr,
+    ids_ptr,
+    weights_ptr,
+    counts_ptr,
+    count_rows_ptr,
+    E,
+    stride_l,
+    stride_i,
+    stride_w,
+    scaling,
+    TOP_K: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    COUNT: tl.constexpr,
     ROW_MASK: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
@@ -125,47 +141,84 @@ def moe_route_logits(
     of a decode graph and its capture warm-ups). One launch, no host sync.
     """
     if logits.dim() != 2 or logits.dtype not in FLOAT_DTYPES or logits.stride(-1) != 1:
-        raise ValueError(f"moe_route_logits: logits must be fp16/bf16/fp32 [T, E] with a contiguous last dim, "
-                         f"got {logits.dtype} {tuple(logits.shape)}")
+        raise ValueError(
+            f"moe_route_logits: logits must be fp16/bf16/fp32 [T, E] with a contiguous last dim, "
+            f"got {logits.dtype} {tuple(logits.shape)}"
+        )
     t, e = logits.shape
     if bias is not None and (bias.shape != (e,) or not bias.dtype.is_floating_point or not bias.is_contiguous()):
-        raise ValueError(f"moe_route_logits: bias must be a contiguous float [E={e}], got {bias.dtype} {tuple(bias.shape)}")
+        raise ValueError(
+            f"moe_route_logits: bias must be a contiguous float [E={e}], got {bias.dtype} {tuple(bias.shape)}"
+        )
     if scoring_func not in ("sigmoid", "softmax"):
         raise ValueError(f"moe_route_logits: scoring_func must be sigmoid or softmax, got {scoring_func!r}")
     if triton.next_power_of_2(e) > _MAX_EXPERTS:
         raise ValueError(f"moe_route_logits: {e} experts do not fit one block ({_MAX_EXPERTS})")
     if n_group < 1 or e % n_group or not 1 <= topk_group <= n_group:
-        raise ValueError(f"moe_route_logits: n_group={n_group} must divide E={e}, topk_group={topk_group} in [1, n_group]")
+        raise ValueError(
+            f"moe_route_logits: n_group={n_group} must divide E={e}, topk_group={topk_group} in [1, n_group]"
+        )
     if n_group > 1 and e // n_group < 2:
         raise ValueError(f"moe_route_logits: groups score their two best experts; E/n_group={e // n_group} < 2")
     if not 1 <= top_k <= topk_group * (e // n_group):
-        raise ValueError(f"moe_route_logits: top_k={top_k} must be in [1, {topk_group * (e // n_group)}] "
-                         f"(experts in the {topk_group} kept groups)")
+        raise ValueError(
+            f"moe_route_logits: top_k={top_k} must be in [1, {topk_group * (e // n_group)}] "
+            f"(experts in the {topk_group} kept groups)"
+        )
     if ids_dtype not in (torch.int32, torch.int64):
         raise ValueError(f"moe_route_logits: ids_dtype must be int32 or int64, got {ids_dtype}")
     if weights_dtype not in FLOAT_DTYPES:
         raise ValueError(f"moe_route_logits: weights_dtype must be fp16/bf16/fp32, got {weights_dtype}")
-    if counts is not None and (counts.shape != (e,) or counts.dtype not in (torch.int32, torch.int64)
-                               or not counts.is_contiguous()):
-        raise ValueError(f"moe_route_logits: counts must be a contiguous int32/int64 [E={e}], got {counts.dtype} "
-                         f"{tuple(counts.shape)}")
-    if count_rows is not None and (count_rows.dim() != 1 or count_rows.shape[0] < t or count_rows.dtype.is_floating_point
-                                   or not count_rows.is_contiguous()):
-        raise ValueError(f"moe_route_logits: count_rows must be a contiguous integer [>= T={t}], got "
-                         f"{count_rows.dtype} {tuple(count_rows.shape)}")
+    if counts is not None and (
+        counts.shape != (e,) or counts.dtype not in (torch.int32, torch.int64) or not counts.is_contiguous()
+    ):
+        raise ValueError(
+            f"moe_route_logits: counts must be a contiguous int32/int64 [E={e}], got {counts.dtype} "
+            f"{tuple(counts.shape)}"
+        )
+    if count_rows is not None and (
+        count_rows.dim() != 1
+        or count_rows.shape[0] < t
+        or count_rows.dtype.is_floating_point
+        or not count_rows.is_contiguous()
+    ):
+        raise ValueError(
+            f"moe_route_logits: count_rows must be a contiguous integer [>= T={t}], got "
+            f"{count_rows.dtype} {tuple(count_rows.shape)}"
+        )
     ids = torch.empty((t, top_k), dtype=ids_dtype, device=logits.device)
     weights = torch.empty((t, top_k), dtype=weights_dtype, device=logits.device)
-    check_device(logits, ids, *([] if bias is None else [bias]), *([] if counts is None else [counts]),
-                 *([] if count_rows is None else [count_rows]))
+    check_device(
+        logits,
+        ids,
+        *([] if bias is None else [bias]),
+        *([] if counts is None else [counts]),
+        *([] if count_rows is None else [count_rows]),
+    )
     row_mask = counts is not None and count_rows is not None
     if t:
         _moe_router_kernel[(t,)](
-            logits, logits if bias is None else bias, ids, weights, ids if counts is None else counts,
-            count_rows if row_mask else ids, e, logits.stride(0), ids.stride(0), weights.stride(0), float(scaling),
-            TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
-            SOFTMAX=scoring_func == "softmax", RENORMALIZE=bool(norm_topk_prob), HAS_BIAS=bias is not None,
-            COUNT=counts is not None, ROW_MASK=row_mask,
-            BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
+            logits,
+            logits if bias is None else bias,
+            ids,
+            weights,
+            ids if counts is None else counts,
+            count_rows if row_mask else ids,
+            e,
+            logits.stride(0),
+            ids.stride(0),
+            weights.stride(0),
+            float(scaling),
+            TOP_K=top_k,
+            N_GROUP=n_group,
+            TOPK_GROUP=topk_group,
+            SOFTMAX=scoring_func == "softmax",
+            RENORMALIZE=bool(norm_topk_prob),
+            HAS_BIAS=bias is not None,
+            COUNT=counts is not None,
+            ROW_MASK=row_mask,
+            BLOCK_E=triton.next_power_of_2(e),
+            BLOCK_K=triton.next_power_of_2(top_k),
             BLOCK_G=triton.next_power_of_2(n_group),
         )
     return ids, weights

@@ -5,9 +5,9 @@ before the weight multiply is what HF ``DeepseekV3RMSNorm`` does, and it changes
 """
 
 import torch
+
 import triton
 import triton.language as tl
-
 from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device, interpreting
 
 
@@ -21,7 +21,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, stride_x, stride_o, eps, BLOCK: t
     h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
-
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -50,7 +49,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, out, h, rows.stride(0), out.stride(0), eps,
-            BLOCK=block, num_warps=8 if block >= 4096 else 4,
+            rows,
+            weight,
+            out,
+            h,
+            rows.stride(0),
+            out.stride(0),
+            eps,
+            BLOCK=block,
+            num_warps=8 if block >= 4096 else 4,
         )
     return out.view(x.shape)

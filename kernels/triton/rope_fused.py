@@ -14,9 +14,9 @@ rounds once to the input dtype, as the PyTorch path does.
 """
 
 import torch
+
 import triton
 import triton.language as tl
-
 from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device
 
 
@@ -37,10 +37,25 @@ def _rotate(src_ptr, dst_ptr, rows, stride_src, stride_dst, c, s, mask, i):
 
 @triton.jit
 def _rope_mla_kernel(
-    q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr,
-    H, HALF, P,
-    stride_qt, stride_qh, stride_kt, stride_qot, stride_qoh, stride_kot, stride_cp,
-    BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    qo_ptr,
+    ko_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    H,
+    HALF,
+    P,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_cp,
+    BLOCK_H: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -95,9 +110,13 @@ def rope_mla(
     if cos.dim() != 2 or cos.shape[1] != r // 2 or cos.dtype != torch.float32 or not cos.is_contiguous():
         raise ValueError(f"rope_mla: cos must be contiguous fp32 [P, R/2={r // 2}], got {cos.dtype} {tuple(cos.shape)}")
     if sin.shape != cos.shape or sin.dtype != torch.float32 or not sin.is_contiguous():
-        raise ValueError(f"rope_mla: sin must be contiguous fp32 {tuple(cos.shape)}, got {sin.dtype} {tuple(sin.shape)}")
+        raise ValueError(
+            f"rope_mla: sin must be contiguous fp32 {tuple(cos.shape)}, got {sin.dtype} {tuple(sin.shape)}"
+        )
     if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"rope_mla: positions must be int32/int64 [T={t}], got {positions.dtype} {tuple(positions.shape)}")
+        raise ValueError(
+            f"rope_mla: positions must be int32/int64 [T={t}], got {positions.dtype} {tuple(positions.shape)}"
+        )
     q_out = torch.empty_like(q_pe) if q_out is None else q_out
     k_out = torch.empty_like(k_pe) if k_out is None else k_out
     if tuple(k_out.shape) != k_shape:
@@ -108,10 +127,24 @@ def rope_mla(
     check_device(q_pe, k2, cos, sin, positions, q_out, ko2)
     if t:
         _rope_mla_kernel[(t,)](
-            q_pe, k2, q_out, ko2, cos, sin, positions,
-            h, r // 2, cos.shape[0],
-            q_pe.stride(0), q_pe.stride(1), k2.stride(0), q_out.stride(0), q_out.stride(1), ko2.stride(0),
+            q_pe,
+            k2,
+            q_out,
+            ko2,
+            cos,
+            sin,
+            positions,
+            h,
+            r // 2,
+            cos.shape[0],
+            q_pe.stride(0),
+            q_pe.stride(1),
+            k2.stride(0),
+            q_out.stride(0),
+            q_out.stride(1),
+            ko2.stride(0),
             cos.stride(0),
-            BLOCK_H=triton.next_power_of_2(h), BLOCK_P=triton.next_power_of_2(r // 2),
+            BLOCK_H=triton.next_power_of_2(h),
+            BLOCK_P=triton.next_power_of_2(r // 2),
         )
     return q_out, k_out

@@ -7,9 +7,9 @@ ops: the sigmoid rounds to the activation dtype before the multiply.
 """
 
 import torch
+
 import triton
 import triton.language as tl
-
 from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device
 
 
@@ -28,16 +28,20 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """``x * sigmoid(gate)`` for ``x, gate [T, N]`` of one dtype (rows may be strided, the last dim
     contiguous) -> [T, N] in x.dtype."""
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(-1) != 1:
-        raise ValueError(f"sigmoid_gate: x must be fp16/bf16/fp32 [T, N] with a contiguous last dim, "
-                         f"got {x.dtype} {tuple(x.shape)}")
+        raise ValueError(
+            f"sigmoid_gate: x must be fp16/bf16/fp32 [T, N] with a contiguous last dim, got {x.dtype} {tuple(x.shape)}"
+        )
     if gate.shape != x.shape or gate.dtype != x.dtype or gate.stride(-1) != 1:
-        raise ValueError(f"sigmoid_gate: gate must be {x.dtype} {tuple(x.shape)} with a contiguous last dim, "
-                         f"got {gate.dtype} {tuple(gate.shape)}")
+        raise ValueError(
+            f"sigmoid_gate: gate must be {x.dtype} {tuple(x.shape)} with a contiguous last dim, "
+            f"got {gate.dtype} {tuple(gate.shape)}"
+        )
     t, n = x.shape
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     check_device(x, gate, out)
     if t and n:
         block = min(1024, triton.next_power_of_2(n))
-        _sigmoid_gate_kernel[(t, triton.cdiv(n, block))](x, gate, out, n, x.stride(0), gate.stride(0), out.stride(0),
-                                                          BLOCK=block)
+        _sigmoid_gate_kernel[(t, triton.cdiv(n, block))](
+            x, gate, out, n, x.stride(0), gate.stride(0), out.stride(0), BLOCK=block
+        )
     return out

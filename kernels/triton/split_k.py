@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 import triton
 import triton.language as tl
 
@@ -77,8 +78,16 @@ def plan_gemm(m: int, n: int, k: int, block_n: int = 64, block_k: int = 64) -> G
         # the largest steps per split that still gives TARGET_PROGRAMS programs (at least one step)
         steps = max(1, tiles * k_steps // TARGET_PROGRAMS)
     split = triton.cdiv(k_steps, steps)
-    return GemmPlan(m=m, n=n, k=k, block_m=block_m, block_n=block_n, block_k=block_k, split=split,
-                    steps_per_split=triton.cdiv(k_steps, split))
+    return GemmPlan(
+        m=m,
+        n=n,
+        k=k,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        split=split,
+        steps_per_split=triton.cdiv(k_steps, split),
+    )
 
 
 @triton.jit

@@ -54,9 +54,7 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: 
 
 
 def _cancelled_output(request: SampleRequest, start_time: float) -> RequestFuncOutput:
-    return RequestFuncOutput(
-        success=False, prompt_len=request.prompt_len, start_time=start_time, error="cancelled"
-    )
+    return RequestFuncOutput(success=False, prompt_len=request.prompt_len, start_time=start_time, error="cancelled")
 
 
 async def dispatch(

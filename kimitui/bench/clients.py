@@ -50,8 +50,15 @@ class InProcessClient:
     backend = "kimitui"
     needs_text = False
 
-    def __init__(self, engine: Any, model: str = "kimitui", temperature: float | None = None,
-                 ignore_eos: bool = True, sampling_params_cls: Any = None, text_prompts: bool = False):
+    def __init__(
+        self,
+        engine: Any,
+        model: str = "kimitui",
+        temperature: float | None = None,
+        ignore_eos: bool = True,
+        sampling_params_cls: Any = None,
+        text_prompts: bool = False,
+    ):
         self.needs_text = text_prompts
         self.engine = engine
         self.model = model
@@ -95,14 +102,26 @@ class InProcessClient:
             raise
         except Exception as e:  # noqa: BLE001 - a benchmark records failures, it does not stop
             await self._abort(request_id)
-            return RequestFuncOutput(False, text, request.prompt_len, n_tokens, ttft, itl,
-                                     last - st, st, f"{type(e).__name__}: {e}")
+            return RequestFuncOutput(
+                False, text, request.prompt_len, n_tokens, ttft, itl, last - st, st, f"{type(e).__name__}: {e}"
+            )
         if n_tokens == 0:
-            return RequestFuncOutput(False, "", request.prompt_len, 0, 0.0, [], 0.0, st,
-                                     "the engine finished without producing a token")
+            return RequestFuncOutput(
+                False, "", request.prompt_len, 0, 0.0, [], 0.0, st, "the engine finished without producing a token"
+            )
         cached = out.metrics.num_cached_tokens if out.metrics is not None else None
-        return RequestFuncOutput(True, text, request.prompt_len, n_tokens, ttft, itl, last - st, st,
-                                 output_token_ids=tuple(out.outputs[0].token_ids), cached_tokens=cached)
+        return RequestFuncOutput(
+            True,
+            text,
+            request.prompt_len,
+            n_tokens,
+            ttft,
+            itl,
+            last - st,
+            st,
+            output_token_ids=tuple(out.outputs[0].token_ids),
+            cached_tokens=cached,
+        )
 
     async def _abort(self, request_id: str) -> None:
         try:
@@ -120,8 +139,14 @@ class OpenAICompletionsClient:
     backend = "openai"
     needs_text = True
 
-    def __init__(self, base_url: str, model: str, api_key: str | None = None,
-                 temperature: float | None = None, ignore_eos: bool = True):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        temperature: float | None = None,
+        ignore_eos: bool = True,
+    ):
         import httpx
 
         self.base_url = server_root(base_url)
@@ -165,18 +190,28 @@ class OpenAICompletionsClient:
         st = time.perf_counter()
         last = st
         try:
-            async with self._http.stream("POST", url, json=self.payload(request),
-                                         headers=request_headers(self.api_key, request_id)) as resp:
+            async with self._http.stream(
+                "POST", url, json=self.payload(request), headers=request_headers(self.api_key, request_id)
+            ) as resp:
                 if resp.status_code != 200:
                     body = (await resp.aread()).decode("utf-8", "replace")[:500]
-                    return RequestFuncOutput(False, "", prompt_len, 0, 0.0, [], 0.0, st,
-                                             f"HTTP {resp.status_code} {resp.reason_phrase}: {body}")
+                    return RequestFuncOutput(
+                        False,
+                        "",
+                        prompt_len,
+                        0,
+                        0.0,
+                        [],
+                        0.0,
+                        st,
+                        f"HTTP {resp.status_code} {resp.reason_phrase}: {body}",
+                    )
                 async for line in resp.aiter_lines():
                     line = line.strip()
                     # Blank lines separate SSE events; ':' lines are keep-alive comments.
                     if not line or line.startswith(":") or not line.startswith("data:"):
                         continue
-                    data = line[len("data:"):].strip()
+                    data = line[len("data:") :].strip()
                     if data == "[DONE]":
                         break
                     msg = json.loads(data)
@@ -198,15 +233,27 @@ class OpenAICompletionsClient:
         except asyncio.CancelledError:
             raise  # leaving the stream context closes the connection: the server aborts
         except Exception as e:  # noqa: BLE001 - a benchmark records failures, it does not stop
-            return RequestFuncOutput(False, text, prompt_len, chunks, ttft, itl, last - st, st,
-                                     f"{type(e).__name__}: {e}")
+            return RequestFuncOutput(
+                False, text, prompt_len, chunks, ttft, itl, last - st, st, f"{type(e).__name__}: {e}"
+            )
         if chunks == 0:
-            return RequestFuncOutput(False, "", prompt_len, 0, 0.0, [], 0.0, st,
-                                     "Never received a valid chunk to calculate TTFT.")
+            return RequestFuncOutput(
+                False, "", prompt_len, 0, 0.0, [], 0.0, st, "Never received a valid chunk to calculate TTFT."
+            )
         # Without usage, count chunks (one token per chunk for servers that stream each).
         output_tokens = usage_tokens if usage_tokens else chunks
-        return RequestFuncOutput(True, text, prompt_len, output_tokens, ttft, itl, last - st, st,
-                                 output_token_ids=tuple(ids), cached_tokens=cached)
+        return RequestFuncOutput(
+            True,
+            text,
+            prompt_len,
+            output_tokens,
+            ttft,
+            itl,
+            last - st,
+            st,
+            output_token_ids=tuple(ids),
+            cached_tokens=cached,
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()

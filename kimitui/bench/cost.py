@@ -11,10 +11,11 @@ process_result.py `tput_per_gpu` and the published pages' "tokens/s per GPU" are
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
+
+import tomllib
 
 from kimitui.paths import settings_file
 
@@ -30,8 +31,7 @@ class PricingTier:
         if not self.name:
             raise ValueError("a pricing tier needs a name")
         if not (self.usd_per_gpu_hour >= 0 and math.isfinite(self.usd_per_gpu_hour)):
-            raise ValueError(f"pricing tier {self.name!r}: $/GPU/hour must be >= 0, "
-                             f"got {self.usd_per_gpu_hour!r}")
+            raise ValueError(f"pricing tier {self.name!r}: $/GPU/hour must be >= 0, got {self.usd_per_gpu_hour!r}")
 
 
 # SemiAnalysis AI Cloud TCO tiers for MI355X as published on InferenceX's Kimi K2.6 page
@@ -82,7 +82,7 @@ def load_cost_settings(path: str | Path | None = None) -> CostSettings:
         for i, t in enumerate(cost["tiers"]):
             where = f"{p}: cost.tiers[{i}]"
             if not isinstance(t, dict) or "name" not in t or "usd_per_gpu_hour" not in t:
-                raise ValueError(f"{where} needs name = \"...\" and usd_per_gpu_hour = <number>")
+                raise ValueError(f'{where} needs name = "..." and usd_per_gpu_hour = <number>')
             tiers.append(PricingTier(str(t["name"]), _number(t["usd_per_gpu_hour"], where)))
         settings = replace(settings, tiers=tuple(tiers))
     return settings
@@ -102,18 +102,17 @@ def parse_pricing_tier(text: str) -> PricingTier:
             raise ValueError
         return PricingTier(name.strip(), float(usd))
     except ValueError as e:
-        raise ValueError(f"--pricing-tier expects NAME=USD_PER_GPU_HOUR (e.g. retail=2.10), "
-                         f"got {text!r}") from e
+        raise ValueError(f"--pricing-tier expects NAME=USD_PER_GPU_HOUR (e.g. retail=2.10), got {text!r}") from e
 
 
-def with_overrides(settings: CostSettings, tiers: Sequence[PricingTier] = (),
-                   usd_per_kwh: float | None = None) -> CostSettings:
+def with_overrides(
+    settings: CostSettings, tiers: Sequence[PricingTier] = (), usd_per_kwh: float | None = None
+) -> CostSettings:
     """CLI flags win: a tier with an existing name replaces it, a new name is appended."""
     merged = {t.name: t for t in settings.tiers}
     for t in tiers:
         merged[t.name] = t
-    return CostSettings(tuple(merged.values()),
-                        settings.usd_per_kwh if usd_per_kwh is None else usd_per_kwh)
+    return CostSettings(tuple(merged.values()), settings.usd_per_kwh if usd_per_kwh is None else usd_per_kwh)
 
 
 def usd_per_mtok(usd_per_gpu_hour: float, tok_s_per_gpu: float) -> float | None:
@@ -123,8 +122,7 @@ def usd_per_mtok(usd_per_gpu_hour: float, tok_s_per_gpu: float) -> float | None:
     return usd_per_gpu_hour / (tok_s_per_gpu * 3600 / 1e6)
 
 
-def electricity_usd_per_mtok(power_kw: float | None, usd_per_kwh: float | None,
-                             tok_s: float) -> float | None:
+def electricity_usd_per_mtok(power_kw: float | None, usd_per_kwh: float | None, tok_s: float) -> float | None:
     """Electricity $ per 1M tokens at `power_kw` of measured draw; None if unmeasured."""
     if power_kw is None or usd_per_kwh is None or not tok_s > 0:
         return None
@@ -149,9 +147,17 @@ def _measured_energy(energy: Any) -> _Energy:
     return _Energy(sum(j for _, j in parts), "+".join(n for n, _ in parts), per_gpu)
 
 
-def efficiency_keys(*, total_token_throughput: float, total_output_tokens: int, total_tokens: int,
-                    duration_s: float, num_gpus: int, energy: Any,
-                    pricing_tiers: Sequence[PricingTier], usd_per_kwh: float | None) -> dict[str, Any]:
+def efficiency_keys(
+    *,
+    total_token_throughput: float,
+    total_output_tokens: int,
+    total_tokens: int,
+    duration_s: float,
+    num_gpus: int,
+    energy: Any,
+    pricing_tiers: Sequence[PricingTier],
+    usd_per_kwh: float | None,
+) -> dict[str, Any]:
     """kimitui's result keys beyond vLLM's. `energy` is a telemetry EnergyWindow over the
     benchmark window (or None). energy_j counts GPU plus CPU package energy where each is
     measured (`energy_scope` says which); InferenceX counts GPU board power only, which
@@ -172,9 +178,11 @@ def efficiency_keys(*, total_token_throughput: float, total_output_tokens: int, 
         "energy_scope": e.scope,
         "tokens_per_kwh": (total_tokens / (e.joules / 3.6e6)) if e.joules else None,
         "joules_per_output_token": (e.joules / total_output_tokens)
-        if e.joules is not None and total_output_tokens else None,
-        "cost_per_mtok": {t.name: usd_per_mtok(t.usd_per_gpu_hour, tput_per_gpu) if num_gpus else None
-                          for t in pricing_tiers},
+        if e.joules is not None and total_output_tokens
+        else None,
+        "cost_per_mtok": {
+            t.name: usd_per_mtok(t.usd_per_gpu_hour, tput_per_gpu) if num_gpus else None for t in pricing_tiers
+        },
         "pricing_tiers": {t.name: t.usd_per_gpu_hour for t in pricing_tiers},
         "usd_per_kwh": usd_per_kwh,
         "electricity_cost_per_mtok": electricity_usd_per_mtok(power_kw, usd_per_kwh, total_token_throughput),

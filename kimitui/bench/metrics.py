@@ -54,7 +54,9 @@ class BenchmarkMetrics:
 def _stats(values: list[float], percentiles: Sequence[float]) -> LatencyStats:
     v = values or 0  # vLLM's `np.mean(x or 0)`: an empty list reads as 0, not NaN
     return LatencyStats(
-        float(np.mean(v)) * 1000, float(np.median(v)) * 1000, float(np.std(v)) * 1000,
+        float(np.mean(v)) * 1000,
+        float(np.median(v)) * 1000,
+        float(np.std(v)) * 1000,
         tuple((float(p), float(np.percentile(v, p)) * 1000) for p in percentiles),
     )
 
@@ -197,16 +199,18 @@ def result_json(
         result[f"std_{name}_ms"] = s.std_ms
         for p, v in s.percentiles_ms:
             result[f"p{percentile_key(p)}_{name}_ms"] = v
-    result.update(efficiency_keys(
-        total_token_throughput=metrics.total_token_throughput,
-        total_output_tokens=metrics.total_output,
-        total_tokens=metrics.total_input + metrics.total_output,
-        duration_s=duration_s,
-        num_gpus=num_gpus,
-        energy=energy,
-        pricing_tiers=pricing_tiers,
-        usd_per_kwh=usd_per_kwh,
-    ))
+    result.update(
+        efficiency_keys(
+            total_token_throughput=metrics.total_token_throughput,
+            total_output_tokens=metrics.total_output,
+            total_tokens=metrics.total_input + metrics.total_output,
+            duration_s=duration_s,
+            num_gpus=num_gpus,
+            energy=energy,
+            pricing_tiers=pricing_tiers,
+            usd_per_kwh=usd_per_kwh,
+        )
+    )
     result["telemetry_backends"] = list(telemetry_backends)
     return result
 
@@ -245,7 +249,7 @@ def format_result_block(result: dict[str, Any]) -> str:
         lines.append(_row(f"Median {short} (ms):", float(result[f"median_{name}_ms"])))
         suffix = f"_{name}_ms"
         for key, value in result.items():
-            if key.startswith("p") and key.endswith(suffix) and key[1:-len(suffix)].replace(".", "").isdigit():
-                lines.append(_row(f"P{key[1:-len(suffix)]} {short} (ms):", float(value)))
+            if key.startswith("p") and key.endswith(suffix) and key[1 : -len(suffix)].replace(".", "").isdigit():
+                lines.append(_row(f"P{key[1 : -len(suffix)]} {short} (ms):", float(value)))
     lines.append("=" * 50)
     return "\n".join(lines)

@@ -35,14 +35,30 @@ from kimitui.bench.clients import RequestFuncOutput
 from kimitui.bench.workload import SampleRequest, allowed_token_ids, length_bounds
 
 _TOOLS = [
-    {"type": "function", "function": {"name": "read_file", "description": "Read a file of the repository.",
-                                      "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
-                                                     "required": ["path"]}}},
-    {"type": "function", "function": {"name": "run_tests", "description": "Run the test suite, return failures.",
-                                      "parameters": {"type": "object", "properties": {"filter": {"type": "string"}}}}},
-    {"type": "function", "function": {"name": "apply_patch", "description": "Apply a unified diff.",
-                                      "parameters": {"type": "object", "properties": {"diff": {"type": "string"}},
-                                                     "required": ["diff"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file of the repository.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "description": "Run the test suite, return failures.",
+            "parameters": {"type": "object", "properties": {"filter": {"type": "string"}}},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "apply_patch",
+            "description": "Apply a unified diff.",
+            "parameters": {"type": "object", "properties": {"diff": {"type": "string"}}, "required": ["diff"]},
+        },
+    },
 ]
 
 
@@ -55,8 +71,16 @@ class Session:
     output_lens: list[int]
 
 
-def sample_sessions(tokenizer: Any, num_sessions: int, turns: int, system_len: int, user_len: int,
-                    output_len: int, range_ratio: float = 0.0, seed: int = 0) -> list[Session]:
+def sample_sessions(
+    tokenizer: Any,
+    num_sessions: int,
+    turns: int,
+    system_len: int,
+    user_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    seed: int = 0,
+) -> list[Session]:
     """Sessions with a shared tools + system prefix of exactly `system_len` tokens (the tools' JSON
     and a system line, cut or padded with random tokens) and random user messages and reply lengths
     (vLLM's `random` length ranges)."""
@@ -74,8 +98,10 @@ def sample_sessions(tokenizer: Any, num_sessions: int, turns: int, system_len: i
     o_low, o_high = length_bounds(output_len, range_ratio, low_min=1)
     sessions = []
     for _ in range(num_sessions):
-        users = [allowed[rng.integers(0, len(allowed), size=int(rng.integers(u_low, u_high + 1)))].tolist()
-                 for _ in range(turns)]
+        users = [
+            allowed[rng.integers(0, len(allowed), size=int(rng.integers(u_low, u_high + 1)))].tolist()
+            for _ in range(turns)
+        ]
         outs = [int(x) for x in rng.integers(o_low, o_high + 1, size=turns)]
         sessions.append(Session(prefix, users, outs))
     return sessions
@@ -125,8 +151,14 @@ class TurnResult:
     output: RequestFuncOutput
 
 
-async def run_sessions(sessions: list[Session], client: Any, max_concurrency: int | None, think_time_s: float,
-                       cancel: asyncio.Event, on_done=None) -> list[TurnResult]:
+async def run_sessions(
+    sessions: list[Session],
+    client: Any,
+    max_concurrency: int | None,
+    think_time_s: float,
+    cancel: asyncio.Event,
+    on_done=None,
+) -> list[TurnResult]:
     """Every session's turns in order (a failed turn ends its session), sessions concurrently."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     results: list[TurnResult] = []
@@ -156,8 +188,9 @@ async def run_sessions(sessions: list[Session], client: Any, max_concurrency: in
     return results
 
 
-def multi_turn_keys(results: list[TurnResult], turns: int, counters_before, counters_after,
-                    percentiles: tuple[float, ...]) -> dict[str, Any]:
+def multi_turn_keys(
+    results: list[TurnResult], turns: int, counters_before, counters_after, percentiles: tuple[float, ...]
+) -> dict[str, Any]:
     """Per-turn TTFT and the two prefix-cache hit rates (module doc)."""
     ok = [r for r in results if r.output.success]
     per_turn = []
@@ -165,10 +198,14 @@ def multi_turn_keys(results: list[TurnResult], turns: int, counters_before, coun
         ttfts = [r.output.ttft for r in ok if r.turn == k]
         prompt = sum(r.output.prompt_len for r in ok if r.turn == k)
         cached = sum(r.output.cached_tokens or 0 for r in ok if r.turn == k)
-        row = {"turn": k + 1, "completed": len(ttfts), "mean_prompt_len": prompt / len(ttfts) if ttfts else 0.0,
-               "mean_ttft_ms": float(np.mean(ttfts)) * 1000 if ttfts else 0.0,
-               "median_ttft_ms": float(np.median(ttfts)) * 1000 if ttfts else 0.0,
-               "prefix_cache_hit_rate": cached / prompt if prompt else 0.0}
+        row = {
+            "turn": k + 1,
+            "completed": len(ttfts),
+            "mean_prompt_len": prompt / len(ttfts) if ttfts else 0.0,
+            "mean_ttft_ms": float(np.mean(ttfts)) * 1000 if ttfts else 0.0,
+            "median_ttft_ms": float(np.median(ttfts)) * 1000 if ttfts else 0.0,
+            "prefix_cache_hit_rate": cached / prompt if prompt else 0.0,
+        }
         for p in percentiles:
             row[f"p{p:g}_ttft_ms"] = float(np.percentile(ttfts, p)) * 1000 if ttfts else 0.0
         per_turn.append(row)
@@ -197,12 +234,19 @@ def format_multi_turn_block(result: dict[str, Any]) -> str:
         return "n/a" if v is None else f"{100 * v:.1f}%"
 
     lines.append("{:<40} {:<10}".format("Prefix cache hit rate (requests):", rate(result.get("prefix_cache_hit_rate"))))
-    lines.append("{:<40} {:<10}".format("Prefix cache hit rate (engine):",
-                                        rate(result.get("engine_prefix_cache_hit_rate"))))
+    lines.append(
+        "{:<40} {:<10}".format("Prefix cache hit rate (engine):", rate(result.get("engine_prefix_cache_hit_rate")))
+    )
     lines.append("{:<6} {:>10} {:>12} {:>12} {:>8}".format("turn", "prompt", "mean TTFT", "median TTFT", "hit"))
     for row in result.get("per_turn", []):
-        lines.append("{:<6} {:>10.0f} {:>10.2f}ms {:>10.2f}ms {:>8}".format(
-            row["turn"], row["mean_prompt_len"], row["mean_ttft_ms"], row["median_ttft_ms"],
-            rate(row["prefix_cache_hit_rate"])))
+        lines.append(
+            "{:<6} {:>10.0f} {:>10.2f}ms {:>10.2f}ms {:>8}".format(
+                row["turn"],
+                row["mean_prompt_len"],
+                row["mean_ttft_ms"],
+                row["median_ttft_ms"],
+                rate(row["prefix_cache_hit_rate"]),
+            )
+        )
     lines.append("=" * 50)
     return "\n".join(lines)

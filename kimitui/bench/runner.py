@@ -19,8 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from kimitui.bench.arrivals import dispatch, run_warmups
-from kimitui.bench.cost import (DEFAULT_TIERS, DEFAULT_USD_PER_KWH, PricingTier, load_cost_settings,
-                                parse_pricing_tier, usd_per_mtok, with_overrides)
+from kimitui.bench.cost import (
+    DEFAULT_TIERS,
+    DEFAULT_USD_PER_KWH,
+    PricingTier,
+    load_cost_settings,
+    parse_pricing_tier,
+    usd_per_mtok,
+    with_overrides,
+)
 from kimitui.bench.metrics import METRICS, calculate_metrics, result_json
 from kimitui.bench.spec_counters import read_spec_counters
 from kimitui.bench.sweep import frontier, ladder, parse_concurrency_list, point_from_result
@@ -71,32 +78,36 @@ class BenchmarkConfig:
 
         need(self.random_input_len >= 1, f"--random-input-len must be >= 1, got {self.random_input_len}")
         need(self.random_output_len >= 1, f"--random-output-len must be >= 1, got {self.random_output_len}")
-        need(0.0 <= self.random_range_ratio < 1.0,
-             f"--random-range-ratio must be in [0, 1), got {self.random_range_ratio}")
+        need(
+            0.0 <= self.random_range_ratio < 1.0,
+            f"--random-range-ratio must be in [0, 1), got {self.random_range_ratio}",
+        )
         need(self.random_prefix_len >= 0, f"--random-prefix-len must be >= 0, got {self.random_prefix_len}")
         need(self.num_prompts >= 1, f"--num-prompts must be >= 1, got {self.num_prompts}")
-        need(self.max_concurrency is None or self.max_concurrency >= 1,
-             f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        need(
+            self.max_concurrency is None or self.max_concurrency >= 1,
+            f"--max-concurrency must be >= 1, got {self.max_concurrency}",
+        )
         need(self.request_rate > 0, f"--request-rate must be > 0 (or inf), got {self.request_rate}")
         need(self.burstiness > 0, f"--burstiness must be > 0, got {self.burstiness}")
-        need(self.temperature is None or self.temperature >= 0,
-             f"--temperature must be >= 0, got {self.temperature}")
+        need(self.temperature is None or self.temperature >= 0, f"--temperature must be >= 0, got {self.temperature}")
         need(self.num_warmups >= 0, f"--num-warmups must be >= 0, got {self.num_warmups}")
         unknown = set(self.percentile_metrics) - set(METRICS)
         need(not unknown, f"--percentile-metrics: unknown {sorted(unknown)}; choose from {', '.join(METRICS)}")
-        need(all(0 < p <= 100 for p in self.metric_percentiles),
-             f"--metric-percentiles must lie in (0, 100], got {list(self.metric_percentiles)}")
+        need(
+            all(0 < p <= 100 for p in self.metric_percentiles),
+            f"--metric-percentiles must lie in (0, 100], got {list(self.metric_percentiles)}",
+        )
         need(all(c >= 1 for c in self.sweep_concurrency), "--sweep-concurrency levels must be >= 1")
         need(self.num_gpus >= 0, f"--num-gpus must be >= 0, got {self.num_gpus}")
-        need(self.usd_per_kwh is None or self.usd_per_kwh >= 0,
-             f"--usd-per-kwh must be >= 0, got {self.usd_per_kwh}")
-        need(self.dataset_name in ("random", "multi-turn"),
-             f"--dataset-name must be random or multi-turn, got {self.dataset_name!r}")
+        need(self.usd_per_kwh is None or self.usd_per_kwh >= 0, f"--usd-per-kwh must be >= 0, got {self.usd_per_kwh}")
+        need(
+            self.dataset_name in ("random", "multi-turn"),
+            f"--dataset-name must be random or multi-turn, got {self.dataset_name!r}",
+        )
         need(self.multi_turn_turns >= 1, f"--multi-turn-turns must be >= 1, got {self.multi_turn_turns}")
-        need(self.multi_turn_think_time >= 0,
-             f"--multi-turn-think-time must be >= 0, got {self.multi_turn_think_time}")
-        need(self.multi_turn_system_len >= 0,
-             f"--multi-turn-system-len must be >= 0, got {self.multi_turn_system_len}")
+        need(self.multi_turn_think_time >= 0, f"--multi-turn-think-time must be >= 0, got {self.multi_turn_think_time}")
+        need(self.multi_turn_system_len >= 0, f"--multi-turn-system-len must be >= 0, got {self.multi_turn_system_len}")
 
 
 async def _bracket_sample(sampler: Any) -> None:
@@ -126,15 +137,19 @@ def _backend_status(sampler: Any) -> list[dict[str, Any]]:
     if sampler is None:
         return []
     try:
-        return [{"name": s.name, "available": s.available, "detail": s.detail}
-                for s in sampler.backend_status()]
+        return [{"name": s.name, "available": s.available, "detail": s.detail} for s in sampler.backend_status()]
     except Exception as e:  # noqa: BLE001
         return [{"name": "telemetry", "available": False, "detail": f"{type(e).__name__}: {e}"}]
 
 
-async def run_benchmark(config: BenchmarkConfig, client: Any, tokenizer: Any, sampler: Any = None,
-                        progress: ProgressFn | None = None,
-                        cancel_event: asyncio.Event | None = None) -> dict[str, Any]:
+async def run_benchmark(
+    config: BenchmarkConfig,
+    client: Any,
+    tokenizer: Any,
+    sampler: Any = None,
+    progress: ProgressFn | None = None,
+    cancel_event: asyncio.Event | None = None,
+) -> dict[str, Any]:
     """Run one benchmark point and return its result dict (vLLM's --save-result keys plus
     kimitui's). `client` is an InProcessClient or OpenAICompletionsClient; `sampler` a
     running TelemetrySampler (or None: power keys are then null); `progress(done, total,
@@ -143,9 +158,15 @@ async def run_benchmark(config: BenchmarkConfig, client: Any, tokenizer: Any, sa
     if config.dataset_name == "multi-turn":
         return await run_multi_turn(config, client, tokenizer, sampler, progress, cancel_event)
     workload = sample_random(
-        tokenizer, config.num_prompts, config.random_input_len, config.random_output_len,
-        config.random_range_ratio, config.random_prefix_len, config.seed,
-        max_model_len=config.max_model_len, text=getattr(client, "needs_text", True),
+        tokenizer,
+        config.num_prompts,
+        config.random_input_len,
+        config.random_output_len,
+        config.random_range_ratio,
+        config.random_prefix_len,
+        config.seed,
+        max_model_len=config.max_model_len,
+        text=getattr(client, "needs_text", True),
     )
     requests = workload.requests
     cancel = cancel_event or asyncio.Event()
@@ -161,8 +182,14 @@ async def run_benchmark(config: BenchmarkConfig, client: Any, tokenizer: Any, sa
     if progress is not None:
         progress(0, len(requests), 0.0)
     outputs = await dispatch(
-        requests, client, max_concurrency=config.max_concurrency, request_rate=config.request_rate,
-        burstiness=config.burstiness, seed=config.seed, cancel_event=cancel, on_done=on_done,
+        requests,
+        client,
+        max_concurrency=config.max_concurrency,
+        request_rate=config.request_rate,
+        burstiness=config.burstiness,
+        seed=config.seed,
+        cancel_event=cancel,
+        on_done=on_done,
     )
     duration = time.perf_counter() - bench_start
     energy = await _measure_energy(sampler, t0, time.monotonic())
@@ -188,22 +215,42 @@ def _progress_counter(progress: ProgressFn | None, total: int, start: float) -> 
     return on_done
 
 
-def _result(config: BenchmarkConfig, client: Any, sampler: Any, requests: list, outputs: list,
-            duration: float, energy: Any, request_rate: float) -> dict[str, Any]:
+def _result(
+    config: BenchmarkConfig,
+    client: Any,
+    sampler: Any,
+    requests: list,
+    outputs: list,
+    duration: float,
+    energy: Any,
+    request_rate: float,
+) -> dict[str, Any]:
     """vLLM's --save-result keys for the requests of one run."""
     metrics = calculate_metrics(requests, outputs, duration, config.percentile_metrics, config.metric_percentiles)
     model = getattr(client, "model", None) or config.model or "unknown"
     return result_json(
-        metrics, duration_s=duration, selected_percentile_metrics=config.percentile_metrics,
-        backend=getattr(client, "backend", "openai"), model_id=model, tokenizer_id=model,
-        num_prompts=config.num_prompts, request_rate=request_rate, burstiness=config.burstiness,
-        max_concurrency=config.max_concurrency, label=config.label, num_gpus=config.num_gpus, energy=energy,
-        pricing_tiers=config.pricing_tiers, usd_per_kwh=config.usd_per_kwh, telemetry_backends=_backend_status(sampler),
+        metrics,
+        duration_s=duration,
+        selected_percentile_metrics=config.percentile_metrics,
+        backend=getattr(client, "backend", "openai"),
+        model_id=model,
+        tokenizer_id=model,
+        num_prompts=config.num_prompts,
+        request_rate=request_rate,
+        burstiness=config.burstiness,
+        max_concurrency=config.max_concurrency,
+        label=config.label,
+        num_gpus=config.num_gpus,
+        energy=energy,
+        pricing_tiers=config.pricing_tiers,
+        usd_per_kwh=config.usd_per_kwh,
+        telemetry_backends=_backend_status(sampler),
     )
 
 
-def _finish(result: dict[str, Any], config: BenchmarkConfig, outputs: list, cancel: asyncio.Event,
-            notes: Any) -> dict[str, Any]:
+def _finish(
+    result: dict[str, Any], config: BenchmarkConfig, outputs: list, cancel: asyncio.Event, notes: Any
+) -> dict[str, Any]:
     """The keys every run ends with, and the saved file when asked."""
     result["random_input_len"] = config.random_input_len
     result["random_output_len"] = config.random_output_len
@@ -215,21 +262,35 @@ def _finish(result: dict[str, Any], config: BenchmarkConfig, outputs: list, canc
     return result
 
 
-async def run_multi_turn(config: BenchmarkConfig, client: Any, tokenizer: Any, sampler: Any = None,
-                         progress: ProgressFn | None = None,
-                         cancel_event: asyncio.Event | None = None) -> dict[str, Any]:
+async def run_multi_turn(
+    config: BenchmarkConfig,
+    client: Any,
+    tokenizer: Any,
+    sampler: Any = None,
+    progress: ProgressFn | None = None,
+    cancel_event: asyncio.Event | None = None,
+) -> dict[str, Any]:
     """`--dataset-name multi-turn`: `num_prompts` sessions of `multi_turn_turns` turns
     (kimitui/bench/multi_turn.py); the usual metrics over every turn, plus per-turn TTFT and the
     prefix-cache hit rate from the requests and from the engine's counters."""
     from kimitui.bench.multi_turn import multi_turn_keys, read_prefix_counters, run_sessions, sample_sessions
 
-    sessions = sample_sessions(tokenizer, config.num_prompts, config.multi_turn_turns, config.multi_turn_system_len,
-                               config.random_input_len, config.random_output_len, config.random_range_ratio,
-                               config.seed)
+    sessions = sample_sessions(
+        tokenizer,
+        config.num_prompts,
+        config.multi_turn_turns,
+        config.multi_turn_system_len,
+        config.random_input_len,
+        config.random_output_len,
+        config.random_range_ratio,
+        config.seed,
+    )
     longest = max(len(s.prefix_ids) + sum(map(len, s.user_ids)) + sum(s.output_lens) for s in sessions)
     if config.max_model_len is not None and longest > config.max_model_len:
-        raise ValueError(f"a multi-turn session reaches {longest} tokens, more than max_model_len "
-                         f"{config.max_model_len}; lower --multi-turn-turns, --random-input-len or --random-output-len")
+        raise ValueError(
+            f"a multi-turn session reaches {longest} tokens, more than max_model_len "
+            f"{config.max_model_len}; lower --multi-turn-turns, --random-input-len or --random-output-len"
+        )
     if hasattr(client, "return_token_ids"):
         client.return_token_ids = True
     cancel = cancel_event or asyncio.Event()
@@ -253,9 +314,14 @@ async def run_multi_turn(config: BenchmarkConfig, client: Any, tokenizer: Any, s
     return _finish(result, config, outputs, cancel, None)
 
 
-async def run_sweep(config: BenchmarkConfig, client: Any, tokenizer: Any, sampler: Any = None,
-                    progress: ProgressFn | None = None,
-                    cancel_event: asyncio.Event | None = None) -> dict[str, Any]:
+async def run_sweep(
+    config: BenchmarkConfig,
+    client: Any,
+    tokenizer: Any,
+    sampler: Any = None,
+    progress: ProgressFn | None = None,
+    cancel_event: asyncio.Event | None = None,
+) -> dict[str, Any]:
     """One `run_benchmark` per `config.sweep_concurrency` level, then the frontier and the
     ladder (tok/s per GPU at 30..200 tok/s per user, None where not reached)."""
     cancel = cancel_event or asyncio.Event()
@@ -283,8 +349,9 @@ def sweep_summary(points: list[dict[str, Any]], config: BenchmarkConfig, cancell
         "frontier": [asdict(p) for p in front],
         "ladder": values,
         "ladder_cost_per_mtok": {
-            target: None if tput is None else
-            {t.name: usd_per_mtok(t.usd_per_gpu_hour, tput) for t in config.pricing_tiers}
+            target: None
+            if tput is None
+            else {t.name: usd_per_mtok(t.usd_per_gpu_hour, tput) for t in config.pricing_tiers}
             for target, tput in values.items()
         },
         "cancelled": cancelled,
@@ -327,68 +394,116 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `kimitui bench`'s flags, named as `vllm bench serve` names them. Engine
     flags (--model, --gpus, --max-model-len) are registered by the CLI and read if present."""
     a = parser.add_argument
-    a("--dataset-name", choices=["random", "multi-turn"], default="random",
-      help="random: vLLM's random prompts; multi-turn: --num-prompts agentic sessions (the user message "
-           "is --random-input-len tokens, the reply --random-output-len)")
+    a(
+        "--dataset-name",
+        choices=["random", "multi-turn"],
+        default="random",
+        help="random: vLLM's random prompts; multi-turn: --num-prompts agentic sessions (the user message "
+        "is --random-input-len tokens, the reply --random-output-len)",
+    )
     a("--multi-turn-turns", type=int, default=4, help="multi-turn: turns per session")
-    a("--multi-turn-think-time", type=float, default=0.0, metavar="S",
-      help="multi-turn: seconds between a reply and the session's next user message")
-    a("--multi-turn-system-len", type=int, default=512, metavar="N",
-      help="multi-turn: tokens of the shared tool definitions + system prompt")
+    a(
+        "--multi-turn-think-time",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="multi-turn: seconds between a reply and the session's next user message",
+    )
+    a(
+        "--multi-turn-system-len",
+        type=int,
+        default=512,
+        metavar="N",
+        help="multi-turn: tokens of the shared tool definitions + system prompt",
+    )
     a("--random-input-len", type=int, default=1024, help="mean prompt tokens (vLLM random dataset)")
     a("--random-output-len", type=int, default=128, help="mean output tokens")
-    a("--random-range-ratio", type=float, default=0.0,
-      help="lengths uniform in [L(1-r), L(1+r)], r in [0, 1) (vLLM semantics, not InferenceX's [rL, L])")
+    a(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [L(1-r), L(1+r)], r in [0, 1) (vLLM semantics, not InferenceX's [rL, L])",
+    )
     a("--random-prefix-len", type=int, default=0, help="random prefix shared by all prompts")
     a("--num-prompts", type=int, default=1000, help="number of requests")
     a("--max-concurrency", type=int, default=None, help="cap on requests in flight (closed loop)")
     a("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once); else Poisson")
     a("--burstiness", type=float, default=1.0, help="Gamma shape of arrival gaps: 1 Poisson, <1 burstier")
-    a("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-      help="generate exactly the sampled output length (vLLM forces this for the random dataset)")
+    a(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate exactly the sampled output length (vLLM forces this for the random dataset)",
+    )
     a("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
     a("--seed", type=int, default=0, help="seed for lengths, prompts and arrivals")
     a("--num-warmups", type=int, default=0, help="warm-up requests before the timed run")
     a("--percentile-metrics", type=str, default="ttft,tpot,itl", help="of ttft,tpot,itl,e2el")
     a("--metric-percentiles", type=str, default="99", help="e.g. 50,90,99")
     a("--save-result", action="store_true", help="write the result JSON")
-    a("--result-filename", type=str, default=None,
-      help="result file name (default like vLLM's); with --sweep-concurrency it holds the sweep summary")
+    a(
+        "--result-filename",
+        type=str,
+        default=None,
+        help="result file name (default like vLLM's); with --sweep-concurrency it holds the sweep summary",
+    )
     a("--result-dir", type=str, default=None, help="directory for the result file")
     a("--label", type=str, default=None, help="result label (default: the backend name)")
     a("--base-url", type=str, default=None, help="benchmark an OpenAI-compatible server instead of in-process")
     a("--sweep-concurrency", type=str, default=None, help="e.g. 1,2,4,8: one run per level, then the frontier")
-    a("--num-gpus", type=int, default=None, help="GPUs behind the --base-url server, for per-GPU numbers "
-      "(default: --gpus, else 1; 0 for a CPU-only server). In-process runs count the engine's own")
+    a(
+        "--num-gpus",
+        type=int,
+        default=None,
+        help="GPUs behind the --base-url server, for per-GPU numbers "
+        "(default: --gpus, else 1; 0 for a CPU-only server). In-process runs count the engine's own",
+    )
     a("--usd-per-kwh", type=float, default=None, help="electricity price (default from settings.toml, else 0.10)")
-    a("--pricing-tier", action="append", default=[], metavar="NAME=USD",
-      help="$/GPU/hour tier, repeatable; replaces a tier of the same name")
+    a(
+        "--pricing-tier",
+        action="append",
+        default=[],
+        metavar="NAME=USD",
+        help="$/GPU/hour tier, repeatable; replaces a tier of the same name",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
     """Build a BenchmarkConfig from parsed flags; cost defaults come from settings.toml."""
+
     def floats(text: str, flag: str) -> tuple[float, ...]:
         try:
             return tuple(float(x) for x in text.split(",") if x.strip())
         except ValueError as e:
             raise ValueError(f"{flag} expects comma-separated numbers, got {text!r}") from e
 
-    cost = with_overrides(load_cost_settings(), [parse_pricing_tier(t) for t in args.pricing_tier],
-                          args.usd_per_kwh)
+    cost = with_overrides(load_cost_settings(), [parse_pricing_tier(t) for t in args.pricing_tier], args.usd_per_kwh)
     num_gpus = args.num_gpus if args.num_gpus is not None else getattr(args, "gpus", None) or 1
     return BenchmarkConfig(
-        random_input_len=args.random_input_len, random_output_len=args.random_output_len,
-        random_range_ratio=args.random_range_ratio, random_prefix_len=args.random_prefix_len,
-        num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
-        request_rate=args.request_rate, burstiness=args.burstiness, ignore_eos=args.ignore_eos,
-        temperature=args.temperature, seed=args.seed, num_warmups=args.num_warmups,
+        random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio,
+        random_prefix_len=args.random_prefix_len,
+        num_prompts=args.num_prompts,
+        max_concurrency=args.max_concurrency,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        seed=args.seed,
+        num_warmups=args.num_warmups,
         percentile_metrics=tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip()),
         metric_percentiles=floats(args.metric_percentiles, "--metric-percentiles"),
-        save_result=args.save_result, result_filename=args.result_filename,
+        save_result=args.save_result,
+        result_filename=args.result_filename,
         result_dir=args.result_dir,
         sweep_concurrency=parse_concurrency_list(args.sweep_concurrency) if args.sweep_concurrency else (),
-        base_url=args.base_url, model=getattr(args, "model", None), num_gpus=int(num_gpus),
-        pricing_tiers=cost.tiers, usd_per_kwh=cost.usd_per_kwh, label=args.label,
+        base_url=args.base_url,
+        model=getattr(args, "model", None),
+        num_gpus=int(num_gpus),
+        pricing_tiers=cost.tiers,
+        usd_per_kwh=cost.usd_per_kwh,
+        label=args.label,
         max_model_len=getattr(args, "max_model_len", None),
         dataset_name=getattr(args, "dataset_name", "random"),
         multi_turn_turns=getattr(args, "multi_turn_turns", 4),

@@ -29,7 +29,9 @@ async def read_spec_counters(client: Any) -> SpecDecodeStats | None:
     try:
         from kimitui.client.http import request_headers
 
-        resp = await http.get(base_url.removesuffix("/v1") + "/metrics", headers=request_headers(getattr(client, "api_key", None)))
+        resp = await http.get(
+            base_url.removesuffix("/v1") + "/metrics", headers=request_headers(getattr(client, "api_key", None))
+        )
         if resp.status_code != 200:
             return None
         return parse_spec_counters(resp.text)
@@ -50,7 +52,7 @@ def parse_spec_counters(text: str) -> SpecDecodeStats | None:
         for prefix in ("vllm:spec_decode_", "kimitui:spec_decode_"):
             if not family.name.startswith(prefix):
                 continue
-            key = family.name[len(prefix):]
+            key = family.name[len(prefix) :]
             if key not in _NAMES:
                 continue
             for sample in family.samples:
@@ -63,6 +65,9 @@ def parse_spec_counters(text: str) -> SpecDecodeStats | None:
                     found[key] = found.get(key, 0) + sample.value
     if "num_drafts" not in found:
         return None
-    return SpecDecodeStats(int(found.get("num_drafts", 0)), int(found.get("num_draft_tokens", 0)),
-                           int(found.get("num_accepted_tokens", 0)),
-                           [int(per_pos[j]) for j in sorted(per_pos)])
+    return SpecDecodeStats(
+        int(found.get("num_drafts", 0)),
+        int(found.get("num_draft_tokens", 0)),
+        int(found.get("num_accepted_tokens", 0)),
+        [int(per_pos[j]) for j in sorted(per_pos)],
+    )

@@ -21,7 +21,7 @@ class SweepPoint:
 
     concurrency: int | None
     interactivity: float  # tok/s per user
-    tput_per_gpu: float   # total tok/s per GPU
+    tput_per_gpu: float  # total tok/s per GPU
 
 
 def parse_concurrency_list(text: str) -> tuple[int, ...]:
@@ -82,8 +82,7 @@ def format_ladder(values: dict[float, float | None], cost_per_mtok: Any = None, 
     for target, tput in values.items():
         cells = "-" if tput is None else f"{tput:,.1f}"
         if cost_per_mtok is not None and tput is not None:
-            cells += "  " + "  ".join(f"{k} ${v:.3f}/M" for k, v in cost_per_mtok(tput).items()
-                                     if v is not None)
+            cells += "  " + "  ".join(f"{k} ${v:.3f}/M" for k, v in cost_per_mtok(tput).items() if v is not None)
         lines.append("{:<40} {:<10}".format(f"tok/s/{per} at {target:g} tok/s/user:", cells))
     lines.append("=" * 50)
     return "\n".join(lines)

@@ -43,8 +43,13 @@ class InProcessTarget:
     async def open(self, config: Any) -> InProcessClient:
         # Text round trip like vLLM: the same seed then gives this run and a --base-url run
         # against the same checkpoint identical prompts, token for token.
-        return InProcessClient(self.llm, model=self.model_name, temperature=config.temperature,
-                               ignore_eos=config.ignore_eos, text_prompts=True)
+        return InProcessClient(
+            self.llm,
+            model=self.model_name,
+            temperature=config.temperature,
+            ignore_eos=config.ignore_eos,
+            text_prompts=True,
+        )
 
     def close(self) -> None:
         self.llm.shutdown()
@@ -53,8 +58,9 @@ class InProcessTarget:
 class HttpTarget:
     """A server at `base_url`; `model` is the served model name (None: ask /v1/models)."""
 
-    def __init__(self, base_url: str, model: str | None = None, tokenizer_dir: str | None = None,
-                 api_key: str | None = None):
+    def __init__(
+        self, base_url: str, model: str | None = None, tokenizer_dir: str | None = None, api_key: str | None = None
+    ):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"--base-url must start with http:// or https://, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
@@ -77,8 +83,13 @@ class HttpTarget:
         if self.tokenizer is None:
             self.tokenizer = self._default_tokenizer(self.model)
         self.describe = f"{self.base_url} (model {self.model})"
-        return OpenAICompletionsClient(self.base_url, self.model, api_key=self.api_key,
-                                       temperature=config.temperature, ignore_eos=config.ignore_eos)
+        return OpenAICompletionsClient(
+            self.base_url,
+            self.model,
+            api_key=self.api_key,
+            temperature=config.temperature,
+            ignore_eos=config.ignore_eos,
+        )
 
     @staticmethod
     def _default_tokenizer(model: str) -> Any:
@@ -89,8 +100,11 @@ class HttpTarget:
         from kimitui.engine.demo import demo_checkpoint
 
         if "demo" not in model:
-            print(f"kimitui bench: building prompts with the demo tokenizer; pass --tokenizer DIR with "
-                  f"{model}'s checkpoint for prompts of exactly the requested length", file=sys.stderr)
+            print(
+                f"kimitui bench: building prompts with the demo tokenizer; pass --tokenizer DIR with "
+                f"{model}'s checkpoint for prompts of exactly the requested length",
+                file=sys.stderr,
+            )
         return load_tokenizer(str(demo_checkpoint("demo-k3" if model == "demo-k3" else "demo")))
 
     def close(self) -> None:

@@ -56,8 +56,9 @@ def connection_error_line(url: str, exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-async def stream_chat(http: Any, url: str, body: dict, headers: dict, state: Any,
-                      on_tokens: Callable[[float, int], None] | None = None) -> StreamResult:
+async def stream_chat(
+    http: Any, url: str, body: dict, headers: dict, state: Any, on_tokens: Callable[[float, int], None] | None = None
+) -> StreamResult:
     """Stream into ``state`` (a ReplyState: ``reasoning``, ``content``, ``num_tokens``); raises
     RuntimeError with a one-line reason on an HTTP error, httpx errors on a broken connection."""
     splitter = ThinkSplitter()
@@ -73,13 +74,15 @@ async def stream_chat(http: Any, url: str, body: dict, headers: dict, state: Any
             line = line.strip()
             if not line.startswith("data:"):
                 continue  # blank separators, ": keep-alive" comments, "event:" lines
-            data = line[len("data:"):].strip()
+            data = line[len("data:") :].strip()
             if data == "[DONE]":
                 break
             msg = json.loads(data)
             if isinstance(msg, dict) and "error" in msg:  # an error raised after the stream began
                 err = msg["error"]
-                raise RuntimeError(f"server error mid-reply: {err.get('message', err) if isinstance(err, dict) else err}")
+                raise RuntimeError(
+                    f"server error mid-reply: {err.get('message', err) if isinstance(err, dict) else err}"
+                )
             if usage := msg.get("usage"):
                 usage_tokens = usage.get("completion_tokens", usage_tokens)
             for choice in msg.get("choices") or ():

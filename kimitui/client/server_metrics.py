@@ -35,8 +35,11 @@ _NAMES: dict[str, dict[str, tuple[str, ...]]] = {
         "prefix_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
         "prefix_hit_rate": ("vllm:gpu_prefix_cache_hit_rate",),
         "ttft": ("vllm:time_to_first_token_seconds",),
-        "tpot": ("vllm:request_time_per_output_token_seconds", "vllm:time_per_output_token_seconds",
-                 "vllm:inter_token_latency_seconds"),
+        "tpot": (
+            "vllm:request_time_per_output_token_seconds",
+            "vllm:time_per_output_token_seconds",
+            "vllm:inter_token_latency_seconds",
+        ),
     },
     "sglang": {
         "prompt_tokens": ("sglang:prompt_tokens_total",),
@@ -78,8 +81,12 @@ class Histogram:
         or when the server restarted and its counters went back)."""
         if before is None or before.bounds != self.bounds or before.count > self.count:
             return self
-        return Histogram(self.bounds, tuple(a - b for a, b in zip(self.counts, before.counts)),
-                         self.sum - before.sum, self.count - before.count)
+        return Histogram(
+            self.bounds,
+            tuple(a - b for a, b in zip(self.counts, before.counts)),
+            self.sum - before.sum,
+            self.count - before.count,
+        )
 
     @property
     def mean(self) -> float | None:
@@ -204,9 +211,18 @@ def parse_server_metrics(text: str) -> ServerSnapshot:
     from kimitui.bench.spec_counters import parse_spec_counters
 
     return ServerSnapshot(
-        flavour, prompt_tokens=values.get("prompt_tokens"), generation_tokens=values.get("generation_tokens"),
-        running=values.get("running"), waiting=values.get("waiting"), kv_usage=values.get("kv_usage"),
-        kv_capacity_tokens=capacity, prefix_hits=values.get("prefix_hits"),
-        prefix_queries=values.get("prefix_queries"), prefix_hit_rate=values.get("prefix_hit_rate"),
-        ttft=_histogram(samples, table["ttft"]), tpot=_histogram(samples, table["tpot"]),
-        spec_decode=parse_spec_counters(text), names=names)
+        flavour,
+        prompt_tokens=values.get("prompt_tokens"),
+        generation_tokens=values.get("generation_tokens"),
+        running=values.get("running"),
+        waiting=values.get("waiting"),
+        kv_usage=values.get("kv_usage"),
+        kv_capacity_tokens=capacity,
+        prefix_hits=values.get("prefix_hits"),
+        prefix_queries=values.get("prefix_queries"),
+        prefix_hit_rate=values.get("prefix_hit_rate"),
+        ttft=_histogram(samples, table["ttft"]),
+        tpot=_histogram(samples, table["tpot"]),
+        spec_decode=parse_spec_counters(text),
+        names=names,
+    )

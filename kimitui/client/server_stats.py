@@ -83,25 +83,43 @@ class ServerStatsTracker:
         window = t - first_t
         ttft = snap.ttft.since(first.ttft if first is not snap else None) if snap.ttft else None
         tpot = snap.tpot.since(first.tpot if first is not snap else None) if snap.tpot else None
-        missing = [name for name, v in (("token counters", snap.generation_tokens), ("queue", snap.running),
-                                        ("KV use", snap.kv_usage), ("TTFT/TPOT", snap.ttft))
-                   if v is None]
+        missing = [
+            name
+            for name, v in (
+                ("token counters", snap.generation_tokens),
+                ("queue", snap.running),
+                ("KV use", snap.kv_usage),
+                ("TTFT/TPOT", snap.ttft),
+            )
+            if v is None
+        ]
         note = f"{snap.flavour} /metrics" + (f"; not exposed: {', '.join(missing)}" if missing else "")
         return RemoteStats(
-            num_running=_int(snap.running), num_waiting=_int(snap.waiting), kv_cache_usage=snap.kv_usage,
-            prefix_cache_hit_rate=snap.cumulative_prefix_hit_rate, prefill_tokens_per_s=prefill,
-            decode_tokens_per_s=decode, kv_cache_capacity_tokens=_int(snap.kv_capacity_tokens),
-            total_prompt_tokens=_int(snap.prompt_tokens), total_generation_tokens=_int(snap.generation_tokens),
-            spec_decode=snap.spec_decode, flavour=snap.flavour,
-            ttft_p50=ttft.quantile(0.5) if ttft else None, ttft_p90=ttft.quantile(0.9) if ttft else None,
-            tpot_p50=tpot.quantile(0.5) if tpot else None, tpot_p90=tpot.quantile(0.9) if tpot else None,
-            latency_window_s=window if first is not snap else None, note=note)
+            num_running=_int(snap.running),
+            num_waiting=_int(snap.waiting),
+            kv_cache_usage=snap.kv_usage,
+            prefix_cache_hit_rate=snap.cumulative_prefix_hit_rate,
+            prefill_tokens_per_s=prefill,
+            decode_tokens_per_s=decode,
+            kv_cache_capacity_tokens=_int(snap.kv_capacity_tokens),
+            total_prompt_tokens=_int(snap.prompt_tokens),
+            total_generation_tokens=_int(snap.generation_tokens),
+            spec_decode=snap.spec_decode,
+            flavour=snap.flavour,
+            ttft_p50=ttft.quantile(0.5) if ttft else None,
+            ttft_p90=ttft.quantile(0.9) if ttft else None,
+            tpot_p50=tpot.quantile(0.5) if tpot else None,
+            tpot_p90=tpot.quantile(0.9) if tpot else None,
+            latency_window_s=window if first is not snap else None,
+            note=note,
+        )
 
 
 def _went_back(before: ServerSnapshot, now: ServerSnapshot) -> bool:
-    return any(a is not None and b is not None and b < a
-               for a, b in ((before.generation_tokens, now.generation_tokens),
-                            (before.prompt_tokens, now.prompt_tokens)))
+    return any(
+        a is not None and b is not None and b < a
+        for a, b in ((before.generation_tokens, now.generation_tokens), (before.prompt_tokens, now.prompt_tokens))
+    )
 
 
 class ClientTokenRate:
@@ -123,5 +141,8 @@ class ClientTokenRate:
         return sum(n for _, n in self._events) / self.window_s
 
     def stats(self, now: float, why: str) -> RemoteStats:
-        return RemoteStats(decode_tokens_per_s=self.rate(now), total_generation_tokens=self.total,
-                           note=f"{why}: server counters n/a; tok/s and TTFT/TPOT measured by this client")
+        return RemoteStats(
+            decode_tokens_per_s=self.rate(now),
+            total_generation_tokens=self.total,
+            note=f"{why}: server counters n/a; tok/s and TTFT/TPOT measured by this client",
+        )

@@ -31,16 +31,16 @@ class ThinkSplitter:
                 if j != -1 and (i == -1 or j < i):  # the block was opened by the prompt
                     self.reasoning += self.content + buf[:j]
                     self.content = ""
-                    buf = buf[j + len(CLOSE):]
+                    buf = buf[j + len(CLOSE) :]
                     self._seen_tag = True
                     continue
             if i == -1:
                 keep = _partial_tag_len(buf, (tag, CLOSE) if not self._seen_tag else (tag,))
-                self._emit(buf[:len(buf) - keep])
-                self._pending = buf[len(buf) - keep:]
+                self._emit(buf[: len(buf) - keep])
+                self._pending = buf[len(buf) - keep :]
                 return
             self._emit(buf[:i])
-            buf = buf[i + len(tag):]
+            buf = buf[i + len(tag) :]
             self._thinking = not self._thinking
             self._seen_tag = True
 

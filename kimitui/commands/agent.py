@@ -13,12 +13,17 @@ _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("agent", help="serve this node's telemetry as Prometheus metrics",
-                              description=__doc__.splitlines()[0])
+    p = subparsers.add_parser(
+        "agent", help="serve this node's telemetry as Prometheus metrics", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine only)")
     p.add_argument("--port", type=int, default=9410, help="TCP port (default %(default)s; 0 picks a free one)")
-    p.add_argument("--token", default=os.environ.get("KIMITUI_AGENT_TOKEN"), metavar="T",
-                   help="require 'Authorization: Bearer T' (default: $KIMITUI_AGENT_TOKEN)")
+    p.add_argument(
+        "--token",
+        default=os.environ.get("KIMITUI_AGENT_TOKEN"),
+        metavar="T",
+        help="require 'Authorization: Bearer T' (default: $KIMITUI_AGENT_TOKEN)",
+    )
     p.add_argument("--interval", type=float, default=1.0, metavar="S", help="sampling period in seconds")
     return p
 
@@ -37,8 +42,10 @@ def run(args: argparse.Namespace) -> int:
         sampler.start()
         server.start()
         found = [f"{b.name}: {b.detail}" for b in sampler.backends if b.available and b.detail]
-        print(f"kimitui agent: node {server.node} at {server.url}/metrics"
-              f"{' (token required)' if args.token else ''}", flush=True)
+        print(
+            f"kimitui agent: node {server.node} at {server.url}/metrics{' (token required)' if args.token else ''}",
+            flush=True,
+        )
         print(f"kimitui agent: reading {'; '.join(found) or 'host only (no GPU telemetry found)'}", flush=True)
         if args.host not in _LOOPBACK and not args.token:
             print(f"kimitui agent: warning: listening on {args.host} without --token", file=sys.stderr, flush=True)

@@ -15,20 +15,28 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kimitui.bench.cost import format_efficiency_block
+from kimitui.bench.cost import format_efficiency_block, usd_per_mtok
 from kimitui.bench.metrics import format_result_block
-from kimitui.bench.runner import (BenchmarkConfig, add_bench_arguments, config_from_args, run_benchmark,
-                                  run_sweep, save_result, sweep_result_filename)
-from kimitui.bench.cost import usd_per_mtok
+from kimitui.bench.runner import (
+    BenchmarkConfig,
+    add_bench_arguments,
+    config_from_args,
+    run_benchmark,
+    run_sweep,
+    save_result,
+    sweep_result_filename,
+)
 from kimitui.bench.sweep import format_frontier, format_ladder
 from kimitui.bench.targets import HttpTarget, InProcessTarget
 from kimitui.commands.engine_flags import add_engine_arguments, engine_args_from
 
 DEFAULT_TELEMETRY_INTERVAL_S = 0.5
 
-_MODEL_HELP = ("in-process: checkpoint directory (default: the built-in demo). With --base-url: the "
-               "served model name sent in requests, as in `vllm bench serve` (default: the first id "
-               "of GET /v1/models)")
+_MODEL_HELP = (
+    "in-process: checkpoint directory (default: the built-in demo). With --base-url: the "
+    "served model name sent in requests, as in `vllm bench serve` (default: the first id "
+    "of GET /v1/models)"
+)
 _EPILOG = """\
 --model means what it means for the target: a checkpoint directory when the engine runs
 in-process, the served model name with --base-url (engine flags are then ignored). Prompts are
@@ -40,18 +48,31 @@ An API key for --base-url is read from OPENAI_API_KEY, as vLLM does.
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the ``bench`` subcommand on an ``argparse`` subparsers object."""
-    p = subparsers.add_parser("bench", help="headless benchmark (vllm bench serve flags and metrics)",
-                              description=__doc__.splitlines()[0], epilog=_EPILOG,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "bench",
+        help="headless benchmark (vllm bench serve flags and metrics)",
+        description=__doc__.splitlines()[0],
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_engine_arguments(p, subcommand=True)
     for action in p._actions:  # argparse has no public way to reword a flag
         if action.dest == "model":
             action.help, action.metavar = _MODEL_HELP, "DIR|NAME"
     g = p.add_argument_group("benchmark target")
-    g.add_argument("--tokenizer", metavar="DIR", default=None,
-                   help="with --base-url: checkpoint directory whose tokenizer builds the prompts")
-    g.add_argument("--telemetry-interval", type=float, default=DEFAULT_TELEMETRY_INTERVAL_S, metavar="S",
-                   help="power/utilisation sampling period during the run (default %(default)s)")
+    g.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        default=None,
+        help="with --base-url: checkpoint directory whose tokenizer builds the prompts",
+    )
+    g.add_argument(
+        "--telemetry-interval",
+        type=float,
+        default=DEFAULT_TELEMETRY_INTERVAL_S,
+        metavar="S",
+        help="power/utilisation sampling period during the run (default %(default)s)",
+    )
     add_bench_arguments(p.add_argument_group("benchmark (vllm bench serve flags)"))
     p.set_defaults(func=run)
     return p
@@ -126,8 +147,12 @@ async def _bench(config: BenchmarkConfig, target: InProcessTarget | HttpTarget, 
     try:
         client = await target.open(config)
         try:
-            print(f"kimitui bench: {config.num_prompts} prompts against {target.describe}, "
-                  f"telemetry: {_telemetry_names(sampler)}", file=sys.stderr, flush=True)
+            print(
+                f"kimitui bench: {config.num_prompts} prompts against {target.describe}, "
+                f"telemetry: {_telemetry_names(sampler)}",
+                file=sys.stderr,
+                flush=True,
+            )
             if config.sweep_concurrency:
                 sweep = await run_sweep(config, client, target.tokenizer, sampler, _progress(), cancel)
                 for point in sweep["points"]:
@@ -146,8 +171,7 @@ async def _bench(config: BenchmarkConfig, target: InProcessTarget | HttpTarget, 
         if installed:
             loop.remove_signal_handler(signal.SIGINT)
     if cancel.is_set():
-        print("kimitui bench: cancelled; the numbers above cover the requests that finished",
-              file=sys.stderr)
+        print("kimitui bench: cancelled; the numbers above cover the requests that finished", file=sys.stderr)
         return 130
     if completed == 0:
         return _fail(f"no request succeeded ({errors[0] if errors else 'no error reported'})", 1)
@@ -202,9 +226,15 @@ def _print_sweep(sweep: dict[str, Any], config: BenchmarkConfig) -> None:
     per = "GPU" if config.num_gpus else "host"  # CPU only: throughput of the whole machine, no GPU-hour cost
     print(format_frontier(sweep["frontier"], per))
     tiers = config.pricing_tiers
-    print(format_ladder(sweep["ladder"], per=per, cost_per_mtok=(
-        lambda tput: {t.name: usd_per_mtok(t.usd_per_gpu_hour, tput) for t in tiers}) if config.num_gpus else None))
+    print(
+        format_ladder(
+            sweep["ladder"],
+            per=per,
+            cost_per_mtok=(lambda tput: {t.name: usd_per_mtok(t.usd_per_gpu_hour, tput) for t in tiers})
+            if config.num_gpus
+            else None,
+        )
+    )
     if config.save_result and sweep["points"]:
         path = save_result(sweep, config.result_dir, sweep_result_filename(sweep, config.result_filename))
         print(f"kimitui bench: saved {path}", file=sys.stderr)
-

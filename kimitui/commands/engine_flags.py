@@ -37,38 +37,83 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = Fals
     """``subcommand``: the flags are also accepted before the subcommand (``kimitui --model X serve``);
     their defaults are suppressed here so argparse does not overwrite values given up front."""
     g = p.add_argument_group("engine")
-    g.add_argument("--model", metavar="DIR", default=None, required=model_required,
-                   help="checkpoint directory (Kimi K2.x / DeepSeek-V3 / Kimi K3 safetensors), or demo / demo-k3 "
-                        "for a built-in random-weight model; default: demo")
-    g.add_argument("--gpus", "--tensor-parallel-size", dest="gpus", type=int, default=1, metavar="N",
-                   help="tensor-parallel size (number of devices; gloo processes on a CPU)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="compute dtype; auto = checkpoint dtype on GPU, float32 on CPU")
+    g.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        required=model_required,
+        help="checkpoint directory (Kimi K2.x / DeepSeek-V3 / Kimi K3 safetensors), or demo / demo-k3 "
+        "for a built-in random-weight model; default: demo",
+    )
+    g.add_argument(
+        "--gpus",
+        "--tensor-parallel-size",
+        dest="gpus",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel size (number of devices; gloo processes on a CPU)",
+    )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="compute dtype; auto = checkpoint dtype on GPU, float32 on CPU",
+    )
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (ROCm GPUs are cuda too)")
     g.add_argument("--max-model-len", type=int, default=None, metavar="L", help="context limit (prompt + output)")
     g.add_argument("--max-num-seqs", type=int, default=64, metavar="S", help="concurrent sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="T", help="token budget per step")
     g.add_argument("--gpu-memory-gb", type=float, default=None, metavar="G", help="memory per GPU to use")
-    g.add_argument("--cpu-offload", type=cpu_offload_arg, default="auto", metavar="auto|none|N",
-                   help="routed experts kept in host RAM: planner decides, none, or N per MoE layer")
-    g.add_argument("--numa", default="auto", choices=["auto", "off"],
-                   help="host-RAM experts on a multi-socket CPU: auto = split per NUMA node, computed there; off")
+    g.add_argument(
+        "--cpu-offload",
+        type=cpu_offload_arg,
+        default="auto",
+        metavar="auto|none|N",
+        help="routed experts kept in host RAM: planner decides, none, or N per MoE layer",
+    )
+    g.add_argument(
+        "--numa",
+        default="auto",
+        choices=["auto", "off"],
+        help="host-RAM experts on a multi-socket CPU: auto = split per NUMA node, computed there; off",
+    )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA/HIP graph capture of decode steps (run every step eagerly)")
-    g.add_argument("--lazy-graph-capture", action="store_true",
-                   help="capture each decode graph batch bucket on its first step instead of at start-up")
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA/HIP graph capture of decode steps (run every step eagerly)",
+    )
+    g.add_argument(
+        "--lazy-graph-capture",
+        action="store_true",
+        help="capture each decode graph batch bucket on its first step instead of at start-up",
+    )
     g.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N", help="cap the KV cache at N tokens")
-    g.add_argument("--routing-stats", default=None, metavar="FILE",
-                   help="tokens per expert per layer from an earlier run (JSON): hottest experts stay on the GPUs")
-    g.add_argument("--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
-                   help='speculative decoding, vLLM\'s dict (a recipe\'s JSON pastes unchanged): {"method": '
-                        '"ngram"|"suffix"|"eagle3", "num_speculative_tokens": K, "model": DIR, "prompt_lookup_min": '
-                        'N, "prompt_lookup_max": M, "disable_by_batch_size": B, "eagle_aux_hidden_state_layer_ids": '
-                        '[...], "backoff": false, ...}')
-    g.add_argument("--state-snapshot-interval", type=int, default=512, metavar="TOKENS",
-                   help="hybrid (K3) models: keep a KDA state snapshot every TOKENS prompt tokens for prefix "
-                        "reuse (a multiple of the block size), besides the prompt's and reply's last full block")
+    g.add_argument(
+        "--routing-stats",
+        default=None,
+        metavar="FILE",
+        help="tokens per expert per layer from an earlier run (JSON): hottest experts stay on the GPUs",
+    )
+    g.add_argument(
+        "--speculative-config",
+        type=speculative_config_arg,
+        default=None,
+        metavar="JSON",
+        help="speculative decoding, vLLM's dict (a recipe's JSON pastes unchanged): {\"method\": "
+        '"ngram"|"suffix"|"eagle3", "num_speculative_tokens": K, "model": DIR, "prompt_lookup_min": '
+        'N, "prompt_lookup_max": M, "disable_by_batch_size": B, "eagle_aux_hidden_state_layer_ids": '
+        '[...], "backoff": false, ...}',
+    )
+    g.add_argument(
+        "--state-snapshot-interval",
+        type=int,
+        default=512,
+        metavar="TOKENS",
+        help="hybrid (K3) models: keep a KDA state snapshot every TOKENS prompt tokens for prefix "
+        "reuse (a multiple of the block size), besides the prompt's and reply's last full block",
+    )
     if subcommand:
         for action in g._group_actions:  # argparse has no public way to re-default a group
             action.default = argparse.SUPPRESS

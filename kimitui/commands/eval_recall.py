@@ -27,29 +27,63 @@ prompt tokens is reported. Random-weight demo models score about 0: the harness 
 
 def add_parser(eval_subparsers) -> argparse.ArgumentParser:
     """Register ``recall`` on the ``eval`` command's subparsers object."""
-    p = eval_subparsers.add_parser("recall", help="long-context recall with planted codes (per depth and length)",
-                                   description=__doc__.splitlines()[0], epilog=_EPILOG,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = eval_subparsers.add_parser(
+        "recall",
+        help="long-context recall with planted codes (per depth and length)",
+        description=__doc__.splitlines()[0],
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_engine_arguments(p, subcommand=True)
     g = p.add_argument_group("recall")
-    g.add_argument("--context-lengths", required=True, metavar="L1,L2",
-                   help="prompt lengths in tokens, comma-separated (32k = 32768)")
-    g.add_argument("--depths", default="0,0.25,0.5,0.75,1", metavar="D1,D2",
-                   help="where codes are planted, as fractions of the document (default %(default)s)")
-    g.add_argument("--codes-per-depth", type=int, default=2, metavar="N",
-                   help="codes planted at each depth, one question each (default %(default)s)")
+    g.add_argument(
+        "--context-lengths",
+        required=True,
+        metavar="L1,L2",
+        help="prompt lengths in tokens, comma-separated (32k = 32768)",
+    )
+    g.add_argument(
+        "--depths",
+        default="0,0.25,0.5,0.75,1",
+        metavar="D1,D2",
+        help="where codes are planted, as fractions of the document (default %(default)s)",
+    )
+    g.add_argument(
+        "--codes-per-depth",
+        type=int,
+        default=2,
+        metavar="N",
+        help="codes planted at each depth, one question each (default %(default)s)",
+    )
     g.add_argument("--max-tokens", type=int, default=24, metavar="N", help="reply tokens (default %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="haystack and codes seed (default %(default)s)")
     g.add_argument("--json", default=None, metavar="FILE", help="write the full result (every reply) as JSON")
     r = p.add_argument_group("remote server")
-    r.add_argument("--base-url", default=argparse.SUPPRESS, metavar="URL",
-                   help="an OpenAI-compatible server (kimitui serve, vLLM, SGLang) instead of loading a model")
-    r.add_argument("--api-key", default=argparse.SUPPRESS, metavar="KEY",
-                   help="bearer token for --base-url (default: $OPENAI_API_KEY)")
-    r.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="with --base-url: checkpoint directory whose tokenizer sizes the haystack")
-    r.add_argument("--max-concurrency", type=int, default=8, metavar="N",
-                   help="with --base-url: questions in flight at once (default %(default)s)")
+    r.add_argument(
+        "--base-url",
+        default=argparse.SUPPRESS,
+        metavar="URL",
+        help="an OpenAI-compatible server (kimitui serve, vLLM, SGLang) instead of loading a model",
+    )
+    r.add_argument(
+        "--api-key",
+        default=argparse.SUPPRESS,
+        metavar="KEY",
+        help="bearer token for --base-url (default: $OPENAI_API_KEY)",
+    )
+    r.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="with --base-url: checkpoint directory whose tokenizer sizes the haystack",
+    )
+    r.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=8,
+        metavar="N",
+        help="with --base-url: questions in flight at once (default %(default)s)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -86,10 +120,21 @@ def run(args: argparse.Namespace) -> int:
         if args.json and not Path(args.json).expanduser().resolve().parent.is_dir():
             raise ValueError(f"--json: directory {Path(args.json).expanduser().parent} does not exist")
         target = _http_target(args, base_url) if base_url else _in_process_target(args)
-        print(f"kimitui eval recall: {len(depths) * args.codes_per_depth} codes at depths {args.depths}, "
-              f"lengths {', '.join(map(str, lengths))}, against {target.describe}", file=sys.stderr, flush=True)
-        result = run_recall(target, lengths, depths, args.codes_per_depth, args.seed, args.max_tokens,
-                            progress=lambda m: print(f"kimitui eval recall: {m}", file=sys.stderr, flush=True))
+        print(
+            f"kimitui eval recall: {len(depths) * args.codes_per_depth} codes at depths {args.depths}, "
+            f"lengths {', '.join(map(str, lengths))}, against {target.describe}",
+            file=sys.stderr,
+            flush=True,
+        )
+        result = run_recall(
+            target,
+            lengths,
+            depths,
+            args.codes_per_depth,
+            args.seed,
+            args.max_tokens,
+            progress=lambda m: print(f"kimitui eval recall: {m}", file=sys.stderr, flush=True),
+        )
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
         return _fail(str(e))
     except ConnectionError as e:
@@ -129,5 +174,10 @@ def _http_target(args: argparse.Namespace, base_url: str):
     # (its checkpoint directory when the server serves a path, else a demo's), as `bench` does.
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     api_key = getattr(args, "api_key", None) or os.environ.get("OPENAI_API_KEY")
-    return http_target(base_url, args.model, lambda name: tokenizer or HttpTarget._default_tokenizer(name),
-                       api_key=api_key, max_concurrency=args.max_concurrency)
+    return http_target(
+        base_url,
+        args.model,
+        lambda name: tokenizer or HttpTarget._default_tokenizer(name),
+        api_key=api_key,
+        max_concurrency=args.max_concurrency,
+    )

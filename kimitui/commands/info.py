@@ -16,10 +16,15 @@ from kimitui.commands.engine_flags import cpu_offload_arg
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the ``info`` subcommand on an ``argparse`` subparsers object."""
-    p = subparsers.add_parser("info", help="detected devices, telemetry backends, versions",
-                              description=__doc__.splitlines()[0])
-    p.add_argument("--model", metavar="DIR", default=argparse.SUPPRESS,
-                   help="also show where this checkpoint's experts would live (config.json only)")
+    p = subparsers.add_parser(
+        "info", help="detected devices, telemetry backends, versions", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        default=argparse.SUPPRESS,
+        help="also show where this checkpoint's experts would live (config.json only)",
+    )
     p.add_argument("--gpus", type=int, default=argparse.SUPPRESS, metavar="N", help="devices for the placement")
     p.add_argument("--cpu-offload", type=cpu_offload_arg, default=argparse.SUPPRESS, metavar="auto|none|N")
     p.add_argument("--gpu-memory-gb", type=float, default=argparse.SUPPRESS, metavar="G")
@@ -67,7 +72,12 @@ def device_lines() -> list[str]:
         lines.append(f"gpu       none visible to torch ({build})")
     physical = psutil.cpu_count(logical=False)
     lines.append(f"cpu       {cpu_model()}, {physical or '?'} cores / {os.cpu_count()} threads")
-    from kimitui.kernels.cpu import build as _build, quant_moe as cpu_quant_moe  # the instruction set the packed-expert CPU kernels use
+    from kimitui.kernels.cpu import (
+        build as _build,
+    )  # the instruction set the packed-expert CPU kernels use
+    from kimitui.kernels.cpu import (
+        quant_moe as cpu_quant_moe,
+    )
 
     lines.append(f"cpu isa   {cpu_quant_moe.planned_isa()} (INT4 / MXFP4 experts on the CPU)")
     lines.append(f"cpu build {_build.describe()}")
@@ -90,8 +100,11 @@ def demo_lines() -> list[str]:
 
     lines = []
     for name, path, seconds in (("demo", demo_dir(), 4), ("demo-k3", demo_k3_dir(), 10)):
-        state = ("present" if (path / "model.safetensors.index.json").is_file()
-                 else f"not written yet: created on first use, about {seconds} s")
+        state = (
+            "present"
+            if (path / "model.safetensors.index.json").is_file()
+            else f"not written yet: created on first use, about {seconds} s"
+        )
         lines.append(f"{name:<8} {path}  ({state})")
     return lines
 
@@ -105,8 +118,11 @@ def numa_lines(args: argparse.Namespace, root: str | None = None) -> list[str]:
     except (OSError, ValueError) as e:
         return [f"n/a: {e}"]
     policy = NumaPolicy(getattr(args, "numa", "auto"))
-    action = (f"host experts split over {len(topology.nodes)} nodes, computed by threads pinned per node"
-              if policy.split(topology) else "one host-expert stack, unpinned threads")
+    action = (
+        f"host experts split over {len(topology.nodes)} nodes, computed by threads pinned per node"
+        if policy.split(topology)
+        else "one host-expert stack, unpinned threads"
+    )
     return topology.summary_lines() + [f"policy    --numa {policy.mode}: {action}"]
 
 
@@ -153,9 +169,13 @@ def run(args: argparse.Namespace) -> int:
     """Print the report; always 0 (an unavailable backend is information, not an error)."""
     from kimitui.telemetry import describe_backends
 
-    sections = [("devices", device_lines() + dtype_lines(args)), ("telemetry backends", describe_backends()),
-                ("numa", numa_lines(args)), ("versions", version_lines()),
-                ("demo checkpoint", demo_lines())]
+    sections = [
+        ("devices", device_lines() + dtype_lines(args)),
+        ("telemetry backends", describe_backends()),
+        ("numa", numa_lines(args)),
+        ("versions", version_lines()),
+        ("demo checkpoint", demo_lines()),
+    ]
     if getattr(args, "model", None):
         sections.append(("expert placement", placement_lines(args)))
     for i, (title, lines) in enumerate(sections):

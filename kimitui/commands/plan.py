@@ -11,14 +11,19 @@ import json
 import sys
 from pathlib import Path
 
+from kimitui.commands.engine_flags import cpu_offload_arg, speculative_config_arg
 from kimitui.engine.config import ConfigError, ModelConfig
-from kimitui.engine.plan.planner import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, Placement, PlacementError,
-                                    plan_placement)
+from kimitui.engine.plan.planner import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    Placement,
+    PlacementError,
+    plan_placement,
+)
 from kimitui.engine.plan.report import render
 from kimitui.engine.plan.routing_stats import load_routing_stats
 from kimitui.engine.spec_decode.config import SpeculativeConfig
 from kimitui.engine.units import GiB
-from kimitui.commands.engine_flags import cpu_offload_arg, speculative_config_arg
 
 MI355X_MEMORY_GB = 288.0
 # One sequence by default: `plan` answers "does one request at full context fit". KV grows
@@ -28,32 +33,71 @@ DEFAULT_MAX_NUM_SEQS = 1
 
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", metavar="DIR",
-                     help="checkpoint directory (only config.json is read; default: the built-in demo)")
+    src.add_argument(
+        "--model", metavar="DIR", help="checkpoint directory (only config.json is read; default: the built-in demo)"
+    )
     src.add_argument("--config", metavar="FILE", help="a config.json file")
     p.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs (any N; splits are uneven)")
-    p.add_argument("--gpu-memory-gb", type=float, default=MI355X_MEMORY_GB, metavar="G",
-                   help="memory per GPU in GiB (2^30 bytes, as rocm-smi reports; default %(default)s, an MI355X)")
-    p.add_argument("--max-model-len", type=int, metavar="L",
-                   help="context length per sequence (default: the model's max_position_embeddings)")
-    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, metavar="S",
-                   help="concurrent sequences, each with a full-length KV cache (default %(default)s)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, metavar="T",
-                   help="tokens per engine step, the largest prefill chunk: sizes the activation reserve "
-                        "(default %(default)s, as kimitui serve)")
-    p.add_argument("--cpu-offload", type=cpu_offload_arg, default="auto", metavar="auto|none|N",
-                   help="auto: experts that do not fit go to host RAM; none: refuse if it does not fit; "
-                        "N: N routed experts of every MoE layer in host RAM (default auto)")
+    p.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=MI355X_MEMORY_GB,
+        metavar="G",
+        help="memory per GPU in GiB (2^30 bytes, as rocm-smi reports; default %(default)s, an MI355X)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        metavar="L",
+        help="context length per sequence (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=DEFAULT_MAX_NUM_SEQS,
+        metavar="S",
+        help="concurrent sequences, each with a full-length KV cache (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        metavar="T",
+        help="tokens per engine step, the largest prefill chunk: sizes the activation reserve "
+        "(default %(default)s, as kimitui serve)",
+    )
+    p.add_argument(
+        "--cpu-offload",
+        type=cpu_offload_arg,
+        default="auto",
+        metavar="auto|none|N",
+        help="auto: experts that do not fit go to host RAM; none: refuse if it does not fit; "
+        "N: N routed experts of every MoE layer in host RAM (default auto)",
+    )
     p.add_argument("--host-memory-gb", type=float, metavar="G", help="host RAM available for CPU experts, GiB")
     p.add_argument("--routing-stats", metavar="FILE", help="tokens per expert per layer (JSON); hottest stay on GPU")
-    p.add_argument("--reserve-gb", type=float, metavar="G",
-                   help="per-GPU reserve for activations and workspace, GiB (default: estimated for "
-                        "--max-num-batched-tokens and --max-num-seqs)")
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="T",
-                   help="KV cache block size in tokens (default %(default)s)")
-    p.add_argument("--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
-                   help="count speculative decoding's memory: verification rows, KDA scratch states, an "
-                        "eagle3 drafter's weights and KV (as the engine flag)")
+    p.add_argument(
+        "--reserve-gb",
+        type=float,
+        metavar="G",
+        help="per-GPU reserve for activations and workspace, GiB (default: estimated for "
+        "--max-num-batched-tokens and --max-num-seqs)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        metavar="T",
+        help="KV cache block size in tokens (default %(default)s)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        type=speculative_config_arg,
+        default=None,
+        metavar="JSON",
+        help="count speculative decoding's memory: verification rows, KDA scratch states, an "
+        "eagle3 drafter's weights and KV (as the engine flag)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
     return p
@@ -61,8 +105,11 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the ``plan`` subcommand on an ``argparse`` subparsers object."""
-    p = subparsers.add_parser("plan", help="show where every weight would live (GPU vs CPU) and what fits",
-                              description=__doc__.splitlines()[0])
+    p = subparsers.add_parser(
+        "plan",
+        help="show where every weight would live (GPU vs CPU) and what fits",
+        description=__doc__.splitlines()[0],
+    )
     return _configure(p)
 
 
@@ -97,8 +144,11 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(e))
     if args.gpus < 1:
         return _fail(f"--gpus must be at least 1, got {args.gpus}")
-    if args.gpu_memory_gb <= 0 or (args.reserve_gb is not None and args.reserve_gb < 0) or (
-            args.host_memory_gb is not None and args.host_memory_gb < 0):
+    if (
+        args.gpu_memory_gb <= 0
+        or (args.reserve_gb is not None and args.reserve_gb < 0)
+        or (args.host_memory_gb is not None and args.host_memory_gb < 0)
+    ):
         return _fail("--gpu-memory-gb must be positive; --reserve-gb and --host-memory-gb non-negative")
     if args.max_num_batched_tokens < 1 or args.max_num_seqs < 1:
         return _fail("--max-num-batched-tokens and --max-num-seqs must be at least 1")
@@ -109,11 +159,19 @@ def run(args: argparse.Namespace) -> int:
     host = None if args.host_memory_gb is None else int(args.host_memory_gb * GiB)
     try:
         placement = plan_placement(
-            config, args.gpus, int(args.gpu_memory_gb * GiB), args.max_model_len or config.max_position_embeddings,
-            args.max_num_seqs, cpu_offload=args.cpu_offload, routing_stats=stats, host_memory_bytes=host,
+            config,
+            args.gpus,
+            int(args.gpu_memory_gb * GiB),
+            args.max_model_len or config.max_position_embeddings,
+            args.max_num_seqs,
+            cpu_offload=args.cpu_offload,
+            routing_stats=stats,
+            host_memory_bytes=host,
             reserve_bytes_per_device=None if args.reserve_gb is None else int(args.reserve_gb * GiB),
-            block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-            speculative=SpeculativeConfig.parse(args.speculative_config))
+            block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            speculative=SpeculativeConfig.parse(args.speculative_config),
+        )
     except PlacementError as e:
         _emit(e.placement, args.json, str(e))
         print(f"kimitui plan: {e}", file=sys.stderr)

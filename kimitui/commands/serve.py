@@ -19,28 +19,57 @@ _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the ``serve`` subcommand on an ``argparse`` subparsers object."""
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
-                              description=__doc__.splitlines()[0])
+    p = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+        description=__doc__.splitlines()[0],
+    )
     add_engine_arguments(p, subcommand=True)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine only)")
     g.add_argument("--port", type=port_number, default=8000, help="TCP port (default %(default)s; 0 picks a free one)")
-    g.add_argument("--api-key", default=os.environ.get("KIMITUI_API_KEY"), metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KIMITUI_API_KEY)")
-    g.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="model name clients send and /v1/models lists (default: --model, or the checkpoint's name)")
-    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
-                   help="largest request body accepted, larger ones get 413 (default %(default)s)")
-    g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S",
-                   help="on SIGTERM / Ctrl-C, running requests get S seconds to finish; then streams end with an "
-                        "error event and [DONE], waiting requests get 503 (default %(default)s; a second "
-                        "Ctrl-C ends them at once)")
-    g.add_argument("--request-read-timeout", type=float, default=DEFAULT_REQUEST_READ_TIMEOUT_S, metavar="S",
-                   help="seconds a client has to send a request's headers, and again its body; a late one gets "
-                        "408 (default %(default)s; 0: no limit)")
-    g.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
-                   help="comma-separated Host header values served (e.g. localhost,127.0.0.1); others get 400. "
-                        "Default: any")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("KIMITUI_API_KEY"),
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KIMITUI_API_KEY)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="model name clients send and /v1/models lists (default: --model, or the checkpoint's name)",
+    )
+    g.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        metavar="N",
+        help="largest request body accepted, larger ones get 413 (default %(default)s)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        metavar="S",
+        help="on SIGTERM / Ctrl-C, running requests get S seconds to finish; then streams end with an "
+        "error event and [DONE], waiting requests get 503 (default %(default)s; a second "
+        "Ctrl-C ends them at once)",
+    )
+    g.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_READ_TIMEOUT_S,
+        metavar="S",
+        help="seconds a client has to send a request's headers, and again its body; a late one gets "
+        "408 (default %(default)s; 0: no limit)",
+    )
+    g.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="HOSTS",
+        help="comma-separated Host header values served (e.g. localhost,127.0.0.1); others get 400. Default: any",
+    )
     return p
 
 
@@ -59,8 +88,10 @@ def check_api_key(key: str | None) -> None:
     """A key a client can send: HTTP header values are bytes that servers read as Latin-1, so a
     non-ASCII key (sent as UTF-8 by clients) could never compare equal; spaces would be cut."""
     if key is not None and not (key.isascii() and key.isprintable() and key == key.strip() and " " not in key):
-        raise ValueError("--api-key (or $KIMITUI_API_KEY) must be printable ASCII without spaces: HTTP clients "
-                         "cannot send other characters in the Authorization header")
+        raise ValueError(
+            "--api-key (or $KIMITUI_API_KEY) must be printable ASCII without spaces: HTTP clients "
+            "cannot send other characters in the Authorization header"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,8 +109,9 @@ def run(args: argparse.Namespace) -> int:
     allowed_hosts = parse_allowed_hosts(args.allowed_hosts)
     engine_args = engine_args_from(args)  # validate flags before the slow load
     # Bind first: a busy port fails in a second, not after loading the model.
-    server = BackgroundServer(args.host, args.port, log_level=_uvicorn_level(args.log_level),
-                              shutdown_timeout=args.shutdown_timeout)
+    server = BackgroundServer(
+        args.host, args.port, log_level=_uvicorn_level(args.log_level), shutdown_timeout=args.shutdown_timeout
+    )
     stop = threading.Event()
     loading = True
     started: list = []  # every process this one had started when a signal came
@@ -106,15 +138,23 @@ def run(args: argparse.Namespace) -> int:
         llm = AsyncLLM(engine_args=engine_args)
         loading = False
         name = args.served_model_name or args.model or llm.config.name
-        server.start(create_app(llm, name, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
-                                request_read_timeout=args.request_read_timeout or None, allowed_hosts=allowed_hosts))
-        print(f"kimitui serve: model {name} at {server.url}/v1"
-              f"{' (API key required)' if args.api_key else ''}", flush=True)
+        server.start(
+            create_app(
+                llm,
+                name,
+                api_key=args.api_key,
+                max_body_bytes=args.max_request_bytes,
+                request_read_timeout=args.request_read_timeout or None,
+                allowed_hosts=allowed_hosts,
+            )
+        )
+        print(
+            f"kimitui serve: model {name} at {server.url}/v1{' (API key required)' if args.api_key else ''}", flush=True
+        )
         if llm.config.is_demo:
             print("kimitui serve: the demo model has random weights: its output is noise", flush=True)
         if args.host not in _LOOPBACK and not args.api_key:
-            print(f"kimitui serve: warning: listening on {args.host} without --api-key", file=sys.stderr,
-                  flush=True)
+            print(f"kimitui serve: warning: listening on {args.host} without --api-key", file=sys.stderr, flush=True)
         while not stop.is_set() and server.running:
             stop.wait(0.2)
         crashed = not stop.is_set()

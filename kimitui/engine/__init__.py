@@ -1,8 +1,8 @@
 """kimitui's inference engine: Kimi K2.x (DeepSeek-V3 architecture) on CPU, CUDA or ROCm.
 
-    from kimitui.engine import LLM, SamplingParams
-    llm = LLM()                      # the built-in demo checkpoint
-    out = llm.generate("Hello", SamplingParams(max_tokens=8))
+from kimitui.engine import LLM, SamplingParams
+llm = LLM()                      # the built-in demo checkpoint
+out = llm.generate("Hello", SamplingParams(max_tokens=8))
 """
 
 from kimitui._source_tree import with_folder
@@ -26,5 +26,14 @@ from kimitui.engine.outputs import CompletionOutput, LogprobRows, RequestMetrics
 from kimitui.engine.sampling_params import SamplingParams  # noqa: E402
 from kimitui.engine.text.tokenizer import Tokenizer  # noqa: E402
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
-           "EngineArgs", "LogprobRows", "Tokenizer"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestMetrics",
+    "EngineArgs",
+    "LogprobRows",
+    "Tokenizer",
+]

@@ -17,28 +17,138 @@ import random
 from dataclasses import dataclass
 
 CODE_ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"  # no 0/O, 1/I: a misread is a miss, not a near-miss
-_ADJECTIVES = ("amber", "silent", "crimson", "hollow", "northern", "golden", "quiet", "frozen", "scarlet", "gentle",
-               "ancient", "bright", "copper", "distant", "emerald", "fallen", "hidden", "iron", "jade", "lonely",
-               "marble", "narrow", "olive", "pale", "restless", "silver", "tidal", "velvet", "wild", "young")
-_NOUNS = ("falcon", "harbor", "lantern", "meadow", "orchard", "river", "tower", "violin", "willow", "compass",
-          "glacier", "heron", "island", "journal", "kettle", "lighthouse", "mirror", "needle", "otter", "pillar",
-          "quarry", "saddle", "thistle", "umbrella", "valley", "wagon", "anchor", "beacon", "canyon", "dragon")
-_SUBJECTS = ("the old farmer", "a tired traveller", "the village council", "the river", "a small bird",
-             "the northern wind", "the librarian", "a quiet student", "the market crowd", "the evening train",
-             "the weaver", "a patient teacher", "the harbor master", "the morning fog", "a wandering poet")
-_VERBS = ("watched", "remembered", "carried", "described", "followed", "painted", "ignored", "counted",
-          "repaired", "praised", "questioned", "measured", "gathered", "visited", "explained")
-_OBJECTS = ("the long shadows of the hills", "a basket of ripe apples", "the story of the flood",
-            "the colors of the autumn sky", "an old map of the coast", "the sound of distant bells",
-            "the path along the stone wall", "a letter from the capital", "the rules of the winter games",
-            "the roots of the great oak", "the price of grain at the fair", "a song about the sea",
-            "the cracks in the bridge", "the names of the stars", "the smell of bread in the square")
-_CODAS = ("before the rain began", "while the lamps were lit", "without saying a word", "as the season turned",
-          "for reasons nobody recalled", "in the middle of the afternoon", "after the festival ended",
-          "with great care", "once again", "long after midnight")
+_ADJECTIVES = (
+    "amber",
+    "silent",
+    "crimson",
+    "hollow",
+    "northern",
+    "golden",
+    "quiet",
+    "frozen",
+    "scarlet",
+    "gentle",
+    "ancient",
+    "bright",
+    "copper",
+    "distant",
+    "emerald",
+    "fallen",
+    "hidden",
+    "iron",
+    "jade",
+    "lonely",
+    "marble",
+    "narrow",
+    "olive",
+    "pale",
+    "restless",
+    "silver",
+    "tidal",
+    "velvet",
+    "wild",
+    "young",
+)
+_NOUNS = (
+    "falcon",
+    "harbor",
+    "lantern",
+    "meadow",
+    "orchard",
+    "river",
+    "tower",
+    "violin",
+    "willow",
+    "compass",
+    "glacier",
+    "heron",
+    "island",
+    "journal",
+    "kettle",
+    "lighthouse",
+    "mirror",
+    "needle",
+    "otter",
+    "pillar",
+    "quarry",
+    "saddle",
+    "thistle",
+    "umbrella",
+    "valley",
+    "wagon",
+    "anchor",
+    "beacon",
+    "canyon",
+    "dragon",
+)
+_SUBJECTS = (
+    "the old farmer",
+    "a tired traveller",
+    "the village council",
+    "the river",
+    "a small bird",
+    "the northern wind",
+    "the librarian",
+    "a quiet student",
+    "the market crowd",
+    "the evening train",
+    "the weaver",
+    "a patient teacher",
+    "the harbor master",
+    "the morning fog",
+    "a wandering poet",
+)
+_VERBS = (
+    "watched",
+    "remembered",
+    "carried",
+    "described",
+    "followed",
+    "painted",
+    "ignored",
+    "counted",
+    "repaired",
+    "praised",
+    "questioned",
+    "measured",
+    "gathered",
+    "visited",
+    "explained",
+)
+_OBJECTS = (
+    "the long shadows of the hills",
+    "a basket of ripe apples",
+    "the story of the flood",
+    "the colors of the autumn sky",
+    "an old map of the coast",
+    "the sound of distant bells",
+    "the path along the stone wall",
+    "a letter from the capital",
+    "the rules of the winter games",
+    "the roots of the great oak",
+    "the price of grain at the fair",
+    "a song about the sea",
+    "the cracks in the bridge",
+    "the names of the stars",
+    "the smell of bread in the square",
+)
+_CODAS = (
+    "before the rain began",
+    "while the lamps were lit",
+    "without saying a word",
+    "as the season turned",
+    "for reasons nobody recalled",
+    "in the middle of the afternoon",
+    "after the festival ended",
+    "with great care",
+    "once again",
+    "long after midnight",
+)
 
-INSTRUCTION = ("Below is a long document. Hidden in it are access codes, each one stated once. Read the "
-               "document, then answer the question after it.")
+INSTRUCTION = (
+    "Below is a long document. Hidden in it are access codes, each one stated once. Read the "
+    "document, then answer the question after it."
+)
 
 
 @dataclass(frozen=True)
@@ -68,8 +178,11 @@ def make_needles(depths: list[float], per_depth: int, seed: int) -> list[Needle]
     keys = [f"{a} {b}" for a, b in rng.sample(pairs, n)]
     codes: list[str] = []
     while len(codes) < n:
-        code = "".join(rng.choice(CODE_ALPHABET) for _ in range(4)) + "-" + \
+        code = (
             "".join(rng.choice(CODE_ALPHABET) for _ in range(4))
+            + "-"
+            + "".join(rng.choice(CODE_ALPHABET) for _ in range(4))
+        )
         if code not in codes:
             codes.append(code)
     return [Needle(keys[i], codes[i], depths[i // per_depth]) for i in range(n)]
@@ -121,8 +234,7 @@ class Haystack:
         return [{"role": "user", "content": user_message(self.doc, self.needles[i])}]
 
 
-def build_haystack(context_length: int, needles: list[Needle], encode_messages, count_tokens,
-                   seed: int) -> Haystack:
+def build_haystack(context_length: int, needles: list[Needle], encode_messages, count_tokens, seed: int) -> Haystack:
     """The largest document whose every question prompt fits ``context_length`` tokens.
 
     ``encode_messages(messages) -> list[int]`` renders the model's chat format; ``count_tokens(text)``
@@ -136,8 +248,10 @@ def build_haystack(context_length: int, needles: list[Needle], encode_messages, 
 
     floor = prompt_len(document([], [], needles))
     if floor > context_length:
-        raise ValueError(f"context length {context_length} is too short for {len(needles)} codes: the instruction, "
-                         f"codes and question alone take {floor} tokens")
+        raise ValueError(
+            f"context length {context_length} is too short for {len(needles)} codes: the instruction, "
+            f"codes and question alone take {floor} tokens"
+        )
     budget = context_length - floor
     filler, counts = [], []
     stream = filler_sentences(seed)

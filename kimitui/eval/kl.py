@@ -121,8 +121,15 @@ class PathStats:
     def summary(self) -> dict:
         """The numbers of this path (None where there are no positions)."""
         if not self.count:
-            return {"positions": 0, "mean_kl": None, "p99_kl": None, "max_kl": None, "top1_agreement": None,
-                    "same_top_p": None, "approximate": self.approximate}
+            return {
+                "positions": 0,
+                "mean_kl": None,
+                "p99_kl": None,
+                "max_kl": None,
+                "top1_agreement": None,
+                "same_top_p": None,
+                "approximate": self.approximate,
+            }
         kl = torch.cat(self.kl)
         dp = torch.cat(self.p_diff)
         n = self.count
@@ -181,10 +188,15 @@ class KLReport:
         (self.prefill if path == "prefill" else self.decode).add(p, q)
 
     def summary(self) -> dict:
-        both = PathStats(self.prefill.kl + self.decode.kl, self.prefill.p_diff + self.decode.p_diff,
-                         self.prefill.nll + self.decode.nll, self.prefill.nll_base + self.decode.nll_base,
-                         self.prefill.same_top + self.decode.same_top, self.prefill.count + self.decode.count,
-                         self.prefill.approximate or self.decode.approximate)
+        both = PathStats(
+            self.prefill.kl + self.decode.kl,
+            self.prefill.p_diff + self.decode.p_diff,
+            self.prefill.nll + self.decode.nll,
+            self.prefill.nll_base + self.decode.nll_base,
+            self.prefill.same_top + self.decode.same_top,
+            self.prefill.count + self.decode.count,
+            self.prefill.approximate or self.decode.approximate,
+        )
         out = both.summary()
         out["prefill"] = self.prefill.summary()
         out["decode"] = self.decode.summary()
@@ -195,15 +207,18 @@ def format_report(summary: dict, title: str) -> str:
     """The statistics as llama.cpp prints them, one block per path that has positions."""
     lines = [title]
     if summary.get("approximate"):
-        lines.append("note: top-k log-probs on one side: KL over the known tokens plus one bucket for the rest "
-                     "(an approximation, a lower bound of the full-vocabulary KL)")
+        lines.append(
+            "note: top-k log-probs on one side: KL over the known tokens plus one bucket for the rest "
+            "(an approximation, a lower bound of the full-vocabulary KL)"
+        )
     for name, s in (("prefill path", summary["prefill"]), ("decode path", summary["decode"]), ("all", summary)):
         if not s["positions"]:
             lines += ["", f"====== {name}: no positions ======"]
             continue
         pct = 100.0
         lines += [
-            "", f"====== KL divergence statistics: {name}, {s['positions']} positions ======",
+            "",
+            f"====== KL divergence statistics: {name}, {s['positions']} positions ======",
             f"Mean    KLD: {s['mean_kl']:10.6f} ± {s['mean_kl_uncertainty']:10.6f}",
             f"Maximum KLD: {s['max_kl']:10.6f}",
             f"99.9%   KLD: {s['p999_kl']:10.6f}",

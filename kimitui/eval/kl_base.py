@@ -59,8 +59,13 @@ class BaseWriter:
                 tensors[f"{i}.ids"] = r.dist.ids.to(torch.int32).contiguous()
             elif vocab is None:
                 vocab = r.dist.values.shape[1]
-        meta = {"format": FORMAT, "version": VERSION, "num_prompts": str(len(self.records)),
-                "top_k": str(self.top_k), "info": json.dumps(self.info)}
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "num_prompts": str(len(self.records)),
+            "top_k": str(self.top_k),
+            "info": json.dumps(self.info),
+        }
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path), metadata=meta)
 

@@ -18,8 +18,9 @@ from kimitui.eval.kl import Dist, KLReport
 from kimitui.eval.kl_base import BaseRecord, BaseWriter
 
 
-def generated_prompts(vocab_size: int, num: int, length: int, seed: int = 0,
-                      special_ids: frozenset[int] = frozenset()) -> list[list[int]]:
+def generated_prompts(
+    vocab_size: int, num: int, length: int, seed: int = 0, special_ids: frozenset[int] = frozenset()
+) -> list[list[int]]:
     """``num`` prompts of ``length`` token ids drawn uniformly (seeded) from the ordinary tokens."""
     if num < 1 or length < 2:
         raise ValueError(f"generated prompts need --num-prompts >= 1 and --prompt-len >= 2, got {num}, {length}")
@@ -60,7 +61,7 @@ def file_prompts(path: str | Path, tokenizer, num: int, length: int) -> list[lis
                 out.append(ids[:length] if length else ids)
     else:
         ids = encode(path.read_text(encoding="utf-8"))
-        out = [ids[i: i + length] for i in range(0, len(ids) - 1, length) if len(ids[i: i + length]) >= 2]
+        out = [ids[i : i + length] for i in range(0, len(ids) - 1, length) if len(ids[i : i + length]) >= 2]
     if not out:
         raise ValueError(f"{path} gives no prompt of at least 2 tokens")
     return out[:num]
@@ -121,8 +122,13 @@ def _aligned(ref: Iterator[tuple[str, int, Dist]], test: Iterator[tuple[str, int
                 buf.pop(0)
 
 
-def measure(prompts: list[list[int]], reference, test, decode_tokens: int = 16,
-            progress: Callable[[int, int], None] | None = None) -> KLReport:
+def measure(
+    prompts: list[list[int]],
+    reference,
+    test,
+    decode_tokens: int = 16,
+    progress: Callable[[int, int], None] | None = None,
+) -> KLReport:
     report = KLReport()
     for i, tokens in enumerate(prompts):
         d = decode_start(len(tokens), decode_tokens) if test.exact else None
@@ -133,15 +139,23 @@ def measure(prompts: list[list[int]], reference, test, decode_tokens: int = 16,
     return report
 
 
-def record_base(prompts: list[list[int]], source, writer: BaseWriter,
-                progress: Callable[[int, int], None] | None = None) -> None:
+def record_base(
+    prompts: list[list[int]], source, writer: BaseWriter, progress: Callable[[int, int], None] | None = None
+) -> None:
     """Score every prompt (all positions through prefill) and add it to ``writer``."""
     import torch
 
     for i, tokens in enumerate(prompts):
         pieces = [writer.reduce(p) for _path, _pos, p in source.score(tokens)]  # top-k as rows arrive
         ids = None if pieces[0].ids is None else torch.cat([p.ids for p in pieces])
-        writer.add(tokens, Dist(torch.cat([p.values for p in pieces]), ids,
-                                torch.cat([p.token_logprobs for p in pieces]), torch.cat([p.top1 for p in pieces])))
+        writer.add(
+            tokens,
+            Dist(
+                torch.cat([p.values for p in pieces]),
+                ids,
+                torch.cat([p.token_logprobs for p in pieces]),
+                torch.cat([p.top1 for p in pieces]),
+            ),
+        )
         if progress is not None:
             progress(i + 1, len(prompts))

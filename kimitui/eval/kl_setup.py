@@ -39,7 +39,9 @@ def describe_engine(a) -> str:
     if a.cpu_offload not in ("auto", "none"):
         parts.append(f"cpu-offload={a.cpu_offload}")
     if a.speculative_config:
-        parts.append(f"speculative={json.dumps(a.speculative_config) if isinstance(a.speculative_config, dict) else a.speculative_config}")
+        parts.append(
+            f"speculative={json.dumps(a.speculative_config) if isinstance(a.speculative_config, dict) else a.speculative_config}"
+        )
     if os.environ.get("KIMITUI_EMULATE_DEVICE", "").strip().lower() in ("1", "true", "on", "yes"):
         parts.append("emulated device path")
     if os.environ.get("KIMITUI_KERNELS", "").strip():

@@ -34,7 +34,7 @@ class LocalSource:
         nxt = torch.tensor(tokens, dtype=torch.int64)
         for rows in self.llm.score_logits(tokens, decode_from=decode_from, chunk=self.chunk):
             n = rows.num_rows
-            yield rows.path, rows.first_pos, Dist.dense(rows.values, nxt[rows.first_pos: rows.first_pos + n])
+            yield rows.path, rows.first_pos, Dist.dense(rows.values, nxt[rows.first_pos : rows.first_pos + n])
 
 
 class RemoteSource:
@@ -44,8 +44,14 @@ class RemoteSource:
 
     exact = False
 
-    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None, top_k: int = 20,
-                 timeout: float = 600.0):
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        api_key: str | None = None,
+        top_k: int = 20,
+        timeout: float = 600.0,
+    ):
         import httpx
 
         if not 1 <= top_k <= 20:
@@ -66,14 +72,21 @@ class RemoteSource:
         return data[0]["id"]
 
     def score(self, tokens: list[int], decode_from: int | None = None) -> Iterator[tuple[str, int, Dist]]:
-        body = {"model": self.model, "prompt": tokens, "max_tokens": 1, "temperature": 0, "echo": True,
-                "logprobs": self.top_k, "return_tokens_as_token_ids": True}
+        body = {
+            "model": self.model,
+            "prompt": tokens,
+            "max_tokens": 1,
+            "temperature": 0,
+            "echo": True,
+            "logprobs": self.top_k,
+            "return_tokens_as_token_ids": True,
+        }
         r = self.client.post(f"{self.url}/completions", json=body)
         if r.status_code != 200:
             raise ValueError(f"{self.url}/completions answered {r.status_code}: {r.text[:300]}")
         lp = r.json()["choices"][0]["logprobs"]
-        tops = lp["top_logprobs"][1: len(tokens)]  # position 0 has no context; the last entry is the sample
-        tok_lps = lp["token_logprobs"][1: len(tokens)]
+        tops = lp["top_logprobs"][1 : len(tokens)]  # position 0 has no context; the last entry is the sample
+        tok_lps = lp["token_logprobs"][1 : len(tokens)]
         if len(tops) != len(tokens) - 1 or any(t is None for t in tops):
             raise ValueError("the server did not return log-probs for every prompt position (echo + logprobs)")
         ids = torch.full((len(tops), self.top_k), 0, dtype=torch.int64)
@@ -81,8 +94,10 @@ class RemoteSource:
         for i, top in enumerate(tops):
             for j, (name, v) in enumerate(sorted(top.items(), key=lambda kv: -kv[1])[: self.top_k]):
                 if not name.startswith("token_id:"):
-                    raise ValueError("the server ignores return_tokens_as_token_ids: its top log-probs name token "
-                                     f"text ({name!r}), not ids")
+                    raise ValueError(
+                        "the server ignores return_tokens_as_token_ids: its top log-probs name token "
+                        f"text ({name!r}), not ids"
+                    )
                 ids[i, j] = int(name.removeprefix("token_id:"))
                 vals[i, j] = v
         top1 = ids.gather(1, vals.argmax(dim=1, keepdim=True))[:, 0]

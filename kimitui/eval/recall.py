@@ -89,13 +89,21 @@ def check_lengths(lengths: list[int], max_model_len: int | None, max_tokens: int
     limit = max_model_len - max_tokens
     for n in lengths:
         if n > limit:
-            raise ValueError(f"context length {n} is above this model's maximum: max_model_len is {max_model_len} "
-                             f"tokens, so prompts can have at most {limit} with {max_tokens} reply tokens")
+            raise ValueError(
+                f"context length {n} is above this model's maximum: max_model_len is {max_model_len} "
+                f"tokens, so prompts can have at most {limit} with {max_tokens} reply tokens"
+            )
 
 
-def run_recall(target: RecallTarget, lengths: list[int], depths: list[float] = DEFAULT_DEPTHS,
-               codes_per_depth: int = 1, seed: int = 0, max_tokens: int = DEFAULT_MAX_TOKENS,
-               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_recall(
+    target: RecallTarget,
+    lengths: list[int],
+    depths: list[float] = DEFAULT_DEPTHS,
+    codes_per_depth: int = 1,
+    seed: int = 0,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Run the recall test at every length; the JSON-able result (per length, per depth, per code)."""
     check_lengths(lengths, target.max_model_len, max_tokens)
     needles = make_needles(list(depths), codes_per_depth, seed)
@@ -111,46 +119,88 @@ def run_recall(target: RecallTarget, lengths: list[int], depths: list[float] = D
         replies = target.answer(hay, max_tokens)
         items = []
         for needle, local_ids, (reply, prompt_tokens) in zip(needles, hay.prompts, replies):
-            items.append({"depth": needle.depth, "key": needle.key, "code": needle.code, "reply": reply,
-                          "verdict": score_reply(reply, needle.code, planted),
-                          "prompt_tokens": prompt_tokens if prompt_tokens is not None else len(local_ids)})
+            items.append(
+                {
+                    "depth": needle.depth,
+                    "key": needle.key,
+                    "code": needle.code,
+                    "reply": reply,
+                    "verdict": score_reply(reply, needle.code, planted),
+                    "prompt_tokens": prompt_tokens if prompt_tokens is not None else len(local_ids),
+                }
+            )
         per_length.append(_summarise_length(length, items, time.monotonic() - t0))
     found = sum(r["found"] for r in per_length)
     total = sum(r["total"] for r in per_length)
-    return {"target": target.describe, "context_lengths": list(lengths), "depths": list(depths),
-            "codes_per_depth": codes_per_depth, "seed": seed, "max_tokens": max_tokens,
-            "max_model_len": target.max_model_len, "found": found, "total": total,
-            "recall": found / total if total else 0.0, "results": per_length}
+    return {
+        "target": target.describe,
+        "context_lengths": list(lengths),
+        "depths": list(depths),
+        "codes_per_depth": codes_per_depth,
+        "seed": seed,
+        "max_tokens": max_tokens,
+        "max_model_len": target.max_model_len,
+        "found": found,
+        "total": total,
+        "recall": found / total if total else 0.0,
+        "results": per_length,
+    }
 
 
 def _summarise_length(length: int, items: list[dict], seconds: float) -> dict[str, Any]:
     by_depth: dict[float, list[dict]] = {}
     for it in items:
         by_depth.setdefault(it["depth"], []).append(it)
-    depths = [{"depth": d, "found": sum(i["verdict"] == FOUND for i in its), "total": len(its),
-               "recall": sum(i["verdict"] == FOUND for i in its) / len(its)} for d, its in by_depth.items()]
+    depths = [
+        {
+            "depth": d,
+            "found": sum(i["verdict"] == FOUND for i in its),
+            "total": len(its),
+            "recall": sum(i["verdict"] == FOUND for i in its) / len(its),
+        }
+        for d, its in by_depth.items()
+    ]
     found = sum(i["verdict"] == FOUND for i in items)
     tokens = [i["prompt_tokens"] for i in items]
-    return {"context_length": length, "prompt_tokens_min": min(tokens), "prompt_tokens_max": max(tokens),
-            "found": found, "total": len(items), "recall": found / len(items), "seconds": round(seconds, 3),
-            "verdicts": {v: sum(i["verdict"] == v for i in items) for v in (FOUND, MISSING, WRONG, AMBIGUOUS)},
-            "depths": depths, "items": items}
+    return {
+        "context_length": length,
+        "prompt_tokens_min": min(tokens),
+        "prompt_tokens_max": max(tokens),
+        "found": found,
+        "total": len(items),
+        "recall": found / len(items),
+        "seconds": round(seconds, 3),
+        "verdicts": {v: sum(i["verdict"] == v for i in items) for v in (FOUND, MISSING, WRONG, AMBIGUOUS)},
+        "depths": depths,
+        "items": items,
+    }
 
 
 def format_table(result: dict[str, Any]) -> str:
     """Found/total per context length (rows) and depth (columns), with the row's recall."""
     depths = result["depths"]
-    head = f"{'context':>9} {'prompt':>8} " + " ".join(f"{'d=' + format(d, 'g'):>7}" for d in depths) + \
-        f" {'recall':>7}"
-    lines = ["=" * len(head), "Long-context recall (planted codes, exact match)".center(len(head)), "-" * len(head),
-             head]
+    head = (
+        f"{'context':>9} {'prompt':>8} " + " ".join(f"{'d=' + format(d, 'g'):>7}" for d in depths) + f" {'recall':>7}"
+    )
+    lines = [
+        "=" * len(head),
+        "Long-context recall (planted codes, exact match)".center(len(head)),
+        "-" * len(head),
+        head,
+    ]
     for r in result["results"]:
         cells = {d["depth"]: f"{d['found']}/{d['total']}" for d in r["depths"]}
-        lines.append(f"{r['context_length']:>9} {r['prompt_tokens_max']:>8} " +
-                     " ".join(f"{cells.get(d, '-'):>7}" for d in depths) + f" {r['recall']:>7.1%}")
+        lines.append(
+            f"{r['context_length']:>9} {r['prompt_tokens_max']:>8} "
+            + " ".join(f"{cells.get(d, '-'):>7}" for d in depths)
+            + f" {r['recall']:>7.1%}"
+        )
     lines.append("-" * len(head))
-    lines.append(f"{'total':>9} {'':>8} " + " ".join(f"{'':>7}" for _ in depths) +
-                 f" {result['recall']:>7.1%}  ({result['found']}/{result['total']} codes, {result['target']})")
+    lines.append(
+        f"{'total':>9} {'':>8} "
+        + " ".join(f"{'':>7}" for _ in depths)
+        + f" {result['recall']:>7.1%}  ({result['found']}/{result['total']} codes, {result['target']})"
+    )
     lines.append("=" * len(head))
     return "\n".join(lines)
 
@@ -161,8 +211,8 @@ def format_table(result: dict[str, Any]) -> str:
 
 def in_process_target(llm: Any, name: str) -> RecallTarget:
     """An ``engine.LLM`` in this process: prompts in its checkpoint's chat format, thinking off, greedy."""
-    from kimitui.engine.text.chat_format import chat_format_for
     from kimitui.engine.sampling_params import SamplingParams
+    from kimitui.engine.text.chat_format import chat_format_for
 
     tok = llm.get_tokenizer()
     if tok is None:
@@ -175,8 +225,12 @@ def in_process_target(llm: Any, name: str) -> RecallTarget:
     started_in_thinking = fmt.encode([{"role": "user", "content": "x"}], thinking=False).started_in_thinking
 
     def answer(hay: Haystack, max_tokens: int) -> list[tuple[str, int]]:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=fmt.stop_token_ids(),
-                                keep_special_token_ids=fmt.keep_special_ids())
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            stop_token_ids=fmt.stop_token_ids(),
+            keep_special_token_ids=fmt.keep_special_ids(),
+        )
         outs = llm.generate([{"prompt_token_ids": ids} for ids in hay.prompts], params)
         replies = []
         for ids, out in zip(hay.prompts, outs):
@@ -186,20 +240,32 @@ def in_process_target(llm: Any, name: str) -> RecallTarget:
             replies.append((parser.result().content, len(ids)))
         return replies
 
-    return RecallTarget(f"{name} in-process ({fmt.name} chat format)", encode, lambda s: len(tok.encode(s)),
-                        getattr(llm.engine, "max_model_len", None), answer, llm.shutdown)
+    return RecallTarget(
+        f"{name} in-process ({fmt.name} chat format)",
+        encode,
+        lambda s: len(tok.encode(s)),
+        getattr(llm.engine, "max_model_len", None),
+        answer,
+        llm.shutdown,
+    )
 
 
-def http_target(base_url: str, model: str | None, tokenizer_for: Callable[[str], Any], api_key: str | None = None,
-                max_concurrency: int = 8, timeout_s: float = 3600.0) -> RecallTarget:
+def http_target(
+    base_url: str,
+    model: str | None,
+    tokenizer_for: Callable[[str], Any],
+    api_key: str | None = None,
+    max_concurrency: int = 8,
+    timeout_s: float = 3600.0,
+) -> RecallTarget:
     """An OpenAI-compatible server: /v1/chat/completions with the server's chat template (thinking
     off through ``chat_template_kwargs``), greedy. ``tokenizer_for(served_model_name)`` returns a
     local copy of the served checkpoint's tokenizer, which sizes the haystack; the server's
     ``usage.prompt_tokens`` is what gets reported."""
     import httpx
 
-    from kimitui.engine.text.chat_format import chat_format_for
     from kimitui.client.http import server_root
+    from kimitui.engine.text.chat_format import chat_format_for
 
     root = server_root(base_url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -225,27 +291,37 @@ def http_target(base_url: str, model: str | None, tokenizer_for: Callable[[str],
     async def ask_all(hay: Haystack, max_tokens: int) -> list[tuple[str, int]]:
         gate = asyncio.Semaphore(max_concurrency)
         async with httpx.AsyncClient(timeout=timeout_s, headers=headers) as http:
+
             async def ask(i: int) -> tuple[str, int]:
-                body = {"model": model, "messages": hay.messages(i), "max_tokens": max_tokens, "temperature": 0,
-                        "chat_template_kwargs": {"thinking": False}}
+                body = {
+                    "model": model,
+                    "messages": hay.messages(i),
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "chat_template_kwargs": {"thinking": False},
+                }
                 async with gate:
                     try:
                         r = await http.post(f"{root}/v1/chat/completions", json=body)
                     except httpx.HTTPError as e:
                         raise ConnectionError(f"{root}/v1/chat/completions: {type(e).__name__}: {e}") from e
                 if r.status_code != 200:
-                    raise ValueError(f"{root} refused a {hay.context_length}-token recall prompt: HTTP "
-                                     f"{r.status_code} {_error_message(r)}")
+                    raise ValueError(
+                        f"{root} refused a {hay.context_length}-token recall prompt: HTTP "
+                        f"{r.status_code} {_error_message(r)}"
+                    )
                 data = r.json()
                 content = data["choices"][0]["message"].get("content") or ""
                 return content, data.get("usage", {}).get("prompt_tokens")
+
             return list(await asyncio.gather(*(ask(i) for i in range(len(hay.needles)))))
 
     def answer(hay: Haystack, max_tokens: int) -> list[tuple[str, int]]:
         return asyncio.run(ask_all(hay, max_tokens))
 
-    return RecallTarget(f"{root} (model {model})", encode, lambda s: len(tokenizer.encode(s)),
-                        card.get("max_model_len"), answer)
+    return RecallTarget(
+        f"{root} (model {model})", encode, lambda s: len(tokenizer.encode(s)), card.get("max_model_len"), answer
+    )
 
 
 def _error_message(resp: Any) -> str:
@@ -255,6 +331,19 @@ def _error_message(resp: Any) -> str:
         return resp.text[:200]
 
 
-__all__ = ["score_reply", "run_recall", "format_table", "in_process_target", "http_target", "RecallTarget",
-           "parse_context_lengths", "parse_depths", "check_lengths", "Needle", "FOUND", "MISSING", "WRONG",
-           "AMBIGUOUS"]
+__all__ = [
+    "score_reply",
+    "run_recall",
+    "format_table",
+    "in_process_target",
+    "http_target",
+    "RecallTarget",
+    "parse_context_lengths",
+    "parse_depths",
+    "check_lengths",
+    "Needle",
+    "FOUND",
+    "MISSING",
+    "WRONG",
+    "AMBIGUOUS",
+]

@@ -9,15 +9,19 @@ from kimitui.engine import AsyncLLM
 from kimitui.server import chat, completions, tokenization
 from kimitui.server.auth import check_api_key
 from kimitui.server.errors import install_error_handlers
-from kimitui.server.metrics import CONTENT_TYPE
 from kimitui.server.guard import RequestGuard
+from kimitui.server.metrics import CONTENT_TYPE
 from kimitui.server.state import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S, ServerState, server_state
 
 
-def create_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               request_read_timeout: float | None = DEFAULT_REQUEST_READ_TIMEOUT_S,
-               allowed_hosts: frozenset[str] | None = None) -> FastAPI:
+def create_app(
+    llm: AsyncLLM,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    request_read_timeout: float | None = DEFAULT_REQUEST_READ_TIMEOUT_S,
+    allowed_hosts: frozenset[str] | None = None,
+) -> FastAPI:
     """An OpenAI-compatible app over ``llm`` (which the caller owns and shuts down).
 
     ``api_key`` set: every route that does work (/v1, and the tokenizer routes, which can be
@@ -31,8 +35,9 @@ def create_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str
     if request_read_timeout is not None and request_read_timeout <= 0:
         raise ValueError(f"request_read_timeout must be > 0 seconds, got {request_read_timeout}")
     app = FastAPI(title="kimitui", docs_url=None, redoc_url=None, openapi_url=None)
-    state = ServerState(llm, served_model_name or llm.config.name, api_key or None, max_body_bytes,
-                        request_read_timeout, allowed_hosts)
+    state = ServerState(
+        llm, served_model_name or llm.config.name, api_key or None, max_body_bytes, request_read_timeout, allowed_hosts
+    )
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(RequestGuard, state=state)
@@ -49,10 +54,20 @@ def create_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str
 
 async def list_models(request: Request) -> dict:
     s = server_state(request)
-    return {"object": "list", "data": [{
-        "id": s.served_model_name, "object": "model", "created": s.created, "owned_by": "kimitui",
-        "root": str(s.llm.engine.model_dir), "parent": None, "max_model_len": s.max_model_len,
-    }]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": s.served_model_name,
+                "object": "model",
+                "created": s.created,
+                "owned_by": "kimitui",
+                "root": str(s.llm.engine.model_dir),
+                "parent": None,
+                "max_model_len": s.max_model_len,
+            }
+        ],
+    }
 
 
 async def health(request: Request) -> Response:

@@ -22,5 +22,9 @@ async def check_api_key(request: Request) -> None:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     # Constant-time compare so the key cannot be guessed byte by byte from response timings.
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
-        raise APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        raise APIError(
+            401,
+            "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )

@@ -51,8 +51,13 @@ class BackgroundServer:
     """Bind ``host:port`` at construction (so "port in use" fails early with OSError), serve ``app``
     on ``start(app)``, stop on ``stop()``. Port 0 picks a free port; ``port`` then holds the real one."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
-                 shutdown_timeout: float = GRACEFUL_SHUTDOWN_S):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        log_level: str = "warning",
+        shutdown_timeout: float = GRACEFUL_SHUTDOWN_S,
+    ):
         if shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -97,9 +102,14 @@ class BackgroundServer:
             app_state = None  # not our app (the telemetry agent's): plain uvicorn shutdown
         # uvicorn's h11 protocol, with the app's deadline for reading a request's head
         # (read_timeout.py); the app bounds the body itself (body.py).
-        config = uvicorn.Config(app, log_level=self.log_level, log_config=None, lifespan="off",
-                                http=protocol_with_read_timeout(getattr(app_state, "request_read_timeout", None)),
-                                timeout_graceful_shutdown=self.shutdown_timeout + _BACKSTOP_S)
+        config = uvicorn.Config(
+            app,
+            log_level=self.log_level,
+            log_config=None,
+            lifespan="off",
+            http=protocol_with_read_timeout(getattr(app_state, "request_read_timeout", None)),
+            timeout_graceful_shutdown=self.shutdown_timeout + _BACKSTOP_S,
+        )
         self.server = _Server(config, app_state, self.shutdown_timeout)
         self._thread.start()
         deadline = time.monotonic() + timeout

@@ -43,8 +43,12 @@ def check_media_type(request: Request) -> None:
     if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
         return
     shown = declared.encode("ascii", "replace").decode()[:80]
-    raise APIError(415, f"Content-Type must be application/json, got {shown!r}", param="Content-Type",
-                   code="unsupported_media_type")
+    raise APIError(
+        415,
+        f"Content-Type must be application/json, got {shown!r}",
+        param="Content-Type",
+        code="unsupported_media_type",
+    )
 
 
 def parse_json(raw: bytes) -> dict:
@@ -71,13 +75,20 @@ async def _read_limited(request: Request, limit: int) -> bytes:
             return await _read_body(request, limit)
     except TimeoutError:
         # A client that sends its body slowly (or stops halfway) holds a connection and a buffer.
-        raise APIError(408, f"request body not received within {timeout:g} s (kimitui serve --request-read-timeout)",
-                       code="request_timeout", headers={"Connection": "close"}) from None
+        raise APIError(
+            408,
+            f"request body not received within {timeout:g} s (kimitui serve --request-read-timeout)",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
-    too_big = APIError(413, f"request body is larger than the server's limit of {limit} bytes "
-                            "(kimitui serve --max-request-bytes)", code="request_too_large")
+    too_big = APIError(
+        413,
+        f"request body is larger than the server's limit of {limit} bytes (kimitui serve --max-request-bytes)",
+        code="request_too_large",
+    )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_big  # refuse before reading a byte

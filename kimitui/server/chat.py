@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse, Response
 
 from kimitui.engine import RequestOutput, SamplingParams
 from kimitui.engine.outputs import CompletionOutput
-from kimitui.engine.text.k2 import StreamDelta, ToolCall
 from kimitui.engine.text.chat_format import ChatFormat, chat_format_for
+from kimitui.engine.text.k2 import StreamDelta, ToolCall
 from kimitui.engine.text.xtml.options import THINKING_EFFORTS, OptionError, response_format_type, tool_choice_name
 from kimitui.server.body import read_body
 from kimitui.server.errors import bad_request, engine_error, error_body
@@ -24,9 +24,9 @@ from kimitui.server.logprobs import TokenText, chat_logprobs
 from kimitui.server.protocol import ChatCompletionRequest
 from kimitui.server.sampling import build_sampling_params, check_supported, resolve_max_tokens
 from kimitui.server.state import ServerState, server_state
+from kimitui.server.streaming import SSE_DONE, merged, sse, sse_response, unless_disconnected, until_shutdown
 from kimitui.server.structured import chat_constraint, compile_constraint
 from kimitui.server.tools import check_tools
-from kimitui.server.streaming import SSE_DONE, merged, sse, sse_response, unless_disconnected, until_shutdown
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -67,19 +67,26 @@ def _template_options(kwargs: dict | None) -> dict:
     this server's renderers do not take."""
     kwargs = kwargs or {}
     options: dict = {"thinking": None, "thinking_effort": None, "preserve_thinking": None}
-    for key, option in (("thinking", "thinking"), ("enable_thinking", "thinking"),
-                        ("preserve_thinking", "preserve_thinking")):
+    for key, option in (
+        ("thinking", "thinking"),
+        ("enable_thinking", "thinking"),
+        ("preserve_thinking", "preserve_thinking"),
+    ):
         value = kwargs.get(key)
         if value is not None and options[option] is None:
             if not isinstance(value, bool):
-                raise bad_request(f"chat_template_kwargs.{key} must be true or false, got {value!r}",
-                                  param=f"chat_template_kwargs.{key}")
+                raise bad_request(
+                    f"chat_template_kwargs.{key} must be true or false, got {value!r}",
+                    param=f"chat_template_kwargs.{key}",
+                )
             options[option] = value
     effort = kwargs.get("thinking_effort")
     if effort is not None:
         if effort not in THINKING_EFFORTS:
-            raise bad_request(f"chat_template_kwargs.thinking_effort must be one of {', '.join(THINKING_EFFORTS)}, "
-                              f"got {effort!r}", param="chat_template_kwargs.thinking_effort")
+            raise bad_request(
+                f"chat_template_kwargs.thinking_effort must be one of {', '.join(THINKING_EFFORTS)}, got {effort!r}",
+                param="chat_template_kwargs.thinking_effort",
+            )
         options["thinking_effort"] = effort
     return options
 
@@ -117,8 +124,10 @@ async def _prepare(state: ServerState, req: ChatCompletionRequest) -> _Chat:
         # image behind it: refuse rather than let the model answer about a picture it never saw.
         for part in m.content if isinstance(m.content, list) else ():
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"content part of type {part.get('type')!r} is not supported: this server "
-                                  "takes text only", param=f"messages.{i}.content")
+                raise bad_request(
+                    f"content part of type {part.get('type')!r} is not supported: this server takes text only",
+                    param=f"messages.{i}.content",
+                )
         d = m.model_dump(exclude_none=True)
         if d["role"] == "developer":  # OpenAI's newer name for the system role
             d["role"] = "system"
@@ -129,9 +138,19 @@ async def _prepare(state: ServerState, req: ChatCompletionRequest) -> _Chat:
     fmt = chat_format_for(tok)
     options = _template_options(req.chat_template_kwargs)
     try:
-        prompt = await state.run_blocking(size, partial(
-            fmt.encode, messages, tools=tools, tool_choice=req.tool_choice, response_format=req.response_format,
-            reasoning_effort=req.reasoning_effort, **options), param="messages")
+        prompt = await state.run_blocking(
+            size,
+            partial(
+                fmt.encode,
+                messages,
+                tools=tools,
+                tool_choice=req.tool_choice,
+                response_format=req.response_format,
+                reasoning_effort=req.reasoning_effort,
+                **options,
+            ),
+            param="messages",
+        )
     except OptionError as e:  # a request option the format does not take (reasoning_effort "medium" on K3)
         raise bad_request(str(e), param=e.param) from None
     except Exception as e:  # noqa: BLE001 - ChatError, template errors: the messages are at fault
@@ -140,8 +159,11 @@ async def _prepare(state: ServerState, req: ChatCompletionRequest) -> _Chat:
         log.info("chat request: %s", prompt.note)
     ids = prompt.ids
     state.check_token_ids(ids, param="messages")
-    requested, param = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
-                        else (req.max_tokens, "max_tokens"))
+    requested, param = (
+        (req.max_completion_tokens, "max_completion_tokens")
+        if req.max_completion_tokens is not None
+        else (req.max_tokens, "max_tokens")
+    )
     max_tokens = resolve_max_tokens(requested, len(ids), state.max_model_len, param)
     k = (req.top_logprobs or 0) if req.logprobs else None
     # response_format / tool_choice "required" or named: grammar-constrained decoding (engine/structured)
@@ -149,10 +171,16 @@ async def _prepare(state: ServerState, req: ChatCompletionRequest) -> _Chat:
     await compile_constraint(state, constraint, field)
     # The reply parser needs the format's tags (K2: <think> and tool-call tokens; K3's XTML
     # brackets are text anyway); other special tokens are dropped.
-    params = build_sampling_params(req, max_tokens=max_tokens, logprobs=k,
-                                   extra_stop_token_ids=fmt.stop_token_ids(), skip_special_tokens=True,
-                                   logprobs_param="top_logprobs", keep_special_token_ids=fmt.keep_special_ids(),
-                                   structured_outputs=constraint)
+    params = build_sampling_params(
+        req,
+        max_tokens=max_tokens,
+        logprobs=k,
+        extra_stop_token_ids=fmt.stop_token_ids(),
+        skip_special_tokens=True,
+        logprobs_param="top_logprobs",
+        keep_special_token_ids=fmt.keep_special_ids(),
+        structured_outputs=constraint,
+    )
     return _Chat(ids, params, fmt, prompt.started_in_thinking, report_tools, k)
 
 
@@ -172,7 +200,7 @@ def _reply_text(state: ServerState, c: CompletionOutput) -> str:
     if c.finish_reason == "stop" and isinstance(c.stop_reason, int):
         tail = state.tokenizer.decode([c.stop_reason], skip_special_tokens=False)
         if tail and c.text.endswith(tail):
-            return c.text[:-len(tail)]
+            return c.text[: -len(tail)]
     return c.text
 
 
@@ -184,8 +212,12 @@ def _tool_call(call: ToolCall, index: int | None = None) -> dict:
 def _usage(chat: _Chat, out: RequestOutput | None) -> dict:
     completion = sum(len(c.token_ids) for c in out.outputs) if out else 0
     cached = out.metrics.num_cached_tokens if out and out.metrics else 0
-    return {"prompt_tokens": len(chat.ids), "completion_tokens": completion,
-            "total_tokens": len(chat.ids) + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": len(chat.ids),
+        "completion_tokens": completion,
+        "total_tokens": len(chat.ids) + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _finish_reason(c: CompletionOutput, had_tool_calls: bool) -> str | None:
@@ -194,8 +226,14 @@ def _finish_reason(c: CompletionOutput, had_tool_calls: bool) -> str | None:
 
 def _response(state: ServerState, rid: str, chat: _Chat, out: RequestOutput) -> dict:
     state.metrics.observe_finished(out.metrics, out.outputs[0].finish_reason)
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.served_model_name,
-            "choices": [_choice(state, chat, c) for c in out.outputs], "usage": _usage(chat, out)}
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": state.served_model_name,
+        "choices": [_choice(state, chat, c) for c in out.outputs],
+        "usage": _usage(chat, out),
+    }
 
 
 def _choice(state: ServerState, chat: _Chat, c: CompletionOutput) -> dict:
@@ -204,15 +242,23 @@ def _choice(state: ServerState, chat: _Chat, c: CompletionOutput) -> dict:
     parser.feed(_reply_text(state, c))
     parser.finish()
     calls = parser.tool_calls if chat.report_tools else []
-    message = {"role": "assistant", "content": parser.content if parser.content or not calls else None,
-               "reasoning_content": parser.reasoning or None}
+    message = {
+        "role": "assistant",
+        "content": parser.content if parser.content or not calls else None,
+        "reasoning_content": parser.reasoning or None,
+    }
     if calls:
         message["tool_calls"] = [_tool_call(t) for t in calls]
     logprobs = None
     if chat.top_logprobs is not None:
         logprobs = chat_logprobs(TokenText(state.tokenizer), c.token_ids, c.logprobs or [], chat.top_logprobs)
-    return {"index": c.index, "message": message, "logprobs": logprobs,
-            "finish_reason": _finish_reason(c, bool(calls)), "stop_reason": c.stop_reason}
+    return {
+        "index": c.index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": _finish_reason(c, bool(calls)),
+        "stop_reason": c.stop_reason,
+    }
 
 
 class _StreamState:
@@ -230,8 +276,7 @@ class _StreamState:
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, chat: _Chat, stream):
     names = TokenText(state.tokenizer)
-    head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": state.served_model_name}
+    head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": state.served_model_name}
     sts = [_StreamState(chat) for _ in range(req.n)]  # one per choice index
     hold = max((len(s) for s in chat.params.stop_strings), default=1) - 1
     final = None
@@ -243,7 +288,9 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, chat
                     state.metrics.observe_finished(out.metrics, out.outputs[0].finish_reason)
                 for c in out.outputs:
                     st = sts[c.index]
-                    if req.n > 1 and (st.final is not None or (len(c.token_ids) == st.seen and c.finish_reason is None)):
+                    if req.n > 1 and (
+                        st.final is not None or (len(c.token_ids) == st.seen and c.finish_reason is None)
+                    ):
                         continue  # nothing new for this choice (or it has ended while its siblings run)
                     st.seen = len(c.token_ids)
                     choice = _chunk_choice(state, chat, names, st, c, hold)
@@ -260,15 +307,16 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, chat
     yield SSE_DONE
 
 
-def _chunk_choice(state: ServerState, chat: _Chat, names: TokenText, st: _StreamState, c: CompletionOutput,
-                  hold: int) -> dict | None:
+def _chunk_choice(
+    state: ServerState, chat: _Chat, names: TokenText, st: _StreamState, c: CompletionOutput, hold: int
+) -> dict | None:
     """The delta for choice ``c`` of one cumulative engine output, or None when it completed nothing
     to show."""
     done = c.finish_reason is not None  # this choice has ended (its siblings may still run)
     text = _reply_text(state, c)
     # Hold back text a stop string could still cut (see completions._chunk_choice).
     end = len(text) if done else max(st.chars, len(text) - hold)
-    d = st.parser.feed(text[st.chars:end])
+    d = st.parser.feed(text[st.chars : end])
     st.chars = end
     if done:
         tail = st.parser.finish()
@@ -289,7 +337,7 @@ def _chunk_choice(state: ServerState, chat: _Chat, names: TokenText, st: _Stream
         st.role_sent = True
     logprobs = None
     if chat.top_logprobs is not None:
-        logprobs = chat_logprobs(names, c.token_ids[st.tokens:], (c.logprobs or [])[st.tokens:], chat.top_logprobs)
+        logprobs = chat_logprobs(names, c.token_ids[st.tokens :], (c.logprobs or [])[st.tokens :], chat.top_logprobs)
         st.tokens = len(c.token_ids)
     finish = None
     if done:

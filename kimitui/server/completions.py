@@ -22,8 +22,8 @@ from kimitui.server.logprobs import TextOffsets, TokenIdText, TokenText, complet
 from kimitui.server.protocol import CompletionRequest
 from kimitui.server.sampling import build_sampling_params, check_supported, resolve_max_tokens
 from kimitui.server.state import ServerState, server_state
-from kimitui.server.structured import compile_constraint, completion_constraint
 from kimitui.server.streaming import SSE_DONE, merged, sse, sse_response, unless_disconnected, until_shutdown
+from kimitui.server.structured import compile_constraint, completion_constraint
 
 router = APIRouter()
 # max_tokens of a /v1/completions request that sends none: 16, as OpenAI's legacy completions API
@@ -63,6 +63,7 @@ def in_pieces(streams: list, limit: int) -> list:
 
 def normalize_prompts(prompt) -> list[str | list[int]]:
     """``prompt`` as a list of single prompts (str or token ids); 400 for any other shape."""
+
     def is_ids(x) -> bool:
         return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
@@ -70,8 +71,9 @@ def normalize_prompts(prompt) -> list[str | list[int]]:
         return [prompt]
     if isinstance(prompt, list) and prompt:
         if len(prompt) > MAX_PROMPTS and not is_ids(prompt):
-            raise bad_request(f"prompt is a list of {len(prompt)} prompts; the limit is {MAX_PROMPTS} per request",
-                              param="prompt")
+            raise bad_request(
+                f"prompt is a list of {len(prompt)} prompts; the limit is {MAX_PROMPTS} per request", param="prompt"
+            )
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
         if is_ids(prompt):
@@ -95,8 +97,10 @@ async def create_completion(request: Request) -> Response:
     await compile_constraint(state, constraint, "response_format")
     prompts = [await _prepare(state, req, p, constraint) for p in normalize_prompts(req.prompt)]
     rid = f"cmpl-{uuid.uuid4().hex}"
-    streams = [state.llm.generate({"prompt_token_ids": p.ids, "prompt": p.text}, p.params, f"{rid}-{i}")
-               for i, p in enumerate(prompts)]
+    streams = [
+        state.llm.generate({"prompt_token_ids": p.ids, "prompt": p.text}, p.params, f"{rid}-{i}")
+        for i, p in enumerate(prompts)
+    ]
     streams = in_pieces(streams, state.prompts_in_flight)
     if req.stream:
         return sse_response(_stream(state, req, rid, prompts, streams))
@@ -107,8 +111,7 @@ async def create_completion(request: Request) -> Response:
     return JSONResponse(_response(state, req, rid, prompts, finals))
 
 
-async def _prepare(state: ServerState, req: CompletionRequest, prompt: str | list[int],
-                   constraint=None) -> _Prompt:
+async def _prepare(state: ServerState, req: CompletionRequest, prompt: str | list[int], constraint=None) -> _Prompt:
     if isinstance(prompt, str):
         text, ids = prompt, await state.encode(prompt)
     else:
@@ -119,9 +122,14 @@ async def _prepare(state: ServerState, req: CompletionRequest, prompt: str | lis
         requested = max(1, min(DEFAULT_MAX_TOKENS, state.max_model_len - len(ids)))
     max_tokens = resolve_max_tokens(requested, len(ids), state.max_model_len, allow_zero=True)
     k = req.logprobs
-    params = build_sampling_params(req, max_tokens=max(1, max_tokens), logprobs=k,
-                                   prompt_logprobs=k if req.echo and k is not None else None,
-                                   skip_special_tokens=req.skip_special_tokens, structured_outputs=constraint)
+    params = build_sampling_params(
+        req,
+        max_tokens=max(1, max_tokens),
+        logprobs=k,
+        prompt_logprobs=k if req.echo and k is not None else None,
+        skip_special_tokens=req.skip_special_tokens,
+        structured_outputs=constraint,
+    )
     return _Prompt(text, ids, params, zero=max_tokens == 0)
 
 
@@ -159,13 +167,17 @@ def _usage(prompts: list[_Prompt], outs: list[RequestOutput]) -> dict:
     prompt_tokens = sum(len(p.ids) for p in prompts)
     completion_tokens = sum(0 if p.zero else len(c.token_ids) for p, o in zip(prompts, outs) if o for c in o.outputs)
     cached = sum((o.metrics.num_cached_tokens if o and o.metrics else 0) for o in outs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
-def _response(state: ServerState, req: CompletionRequest, rid: str, prompts: list[_Prompt],
-              finals: list[RequestOutput]) -> dict:
+def _response(
+    state: ServerState, req: CompletionRequest, rid: str, prompts: list[_Prompt], finals: list[RequestOutput]
+) -> dict:
     names = _names(state, req)
     choices = []
     for i, (p, out) in enumerate(zip(prompts, finals)):
@@ -179,12 +191,25 @@ def _response(state: ServerState, req: CompletionRequest, rid: str, prompts: lis
                     ids, entries = p.ids + ids, list(out.prompt_logprobs or [None] * len(p.ids)) + entries
                 offsets = TextOffsets(state.tokenizer, req.skip_special_tokens)
                 logprobs = completion_logprobs(names, ids, entries, req.logprobs, offsets)
-            choices.append({"index": i * req.n + c.index, "text": prefix + text, "logprobs": logprobs,
-                            "finish_reason": finish, "stop_reason": None if p.zero else c.stop_reason})
+            choices.append(
+                {
+                    "index": i * req.n + c.index,
+                    "text": prefix + text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                    "stop_reason": None if p.zero else c.stop_reason,
+                }
+            )
             if req.return_token_ids:
                 choices[-1]["token_ids"] = [] if p.zero else list(c.token_ids)
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.served_model_name,
-            "choices": choices, "usage": _usage(prompts, finals)}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": state.served_model_name,
+        "choices": choices,
+        "usage": _usage(prompts, finals),
+    }
 
 
 @dataclass
@@ -201,8 +226,9 @@ async def _stream(state: ServerState, req: CompletionRequest, rid: str, prompts:
     names = _names(state, req)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.served_model_name}
     n = req.n
-    progress = [_Progress(offsets=TextOffsets(state.tokenizer, req.skip_special_tokens))
-                for _ in range(len(prompts) * n)]
+    progress = [
+        _Progress(offsets=TextOffsets(state.tokenizer, req.skip_special_tokens)) for _ in range(len(prompts) * n)
+    ]
     finals: list[RequestOutput | None] = [None] * len(prompts)
     try:
         async with aclosing(until_shutdown(state.ended, merged(streams))) as events:
@@ -228,8 +254,9 @@ async def _stream(state: ServerState, req: CompletionRequest, rid: str, prompts:
     yield SSE_DONE
 
 
-def _chunk_choice(state: ServerState, req: CompletionRequest, names: TokenText, p: _Prompt, prog: _Progress,
-                  out: RequestOutput, c) -> dict:
+def _chunk_choice(
+    state: ServerState, req: CompletionRequest, names: TokenText, p: _Prompt, prog: _Progress, out: RequestOutput, c
+) -> dict:
     """The new part of choice ``c`` of one cumulative engine output, as a streamed choice."""
     done = c.finish_reason is not None  # this choice has ended (its siblings may still run)
     shown_text, shown_ids, shown_entries, finish = _shown(p, c)
@@ -237,9 +264,9 @@ def _chunk_choice(state: ServerState, req: CompletionRequest, names: TokenText, 
     # enough characters that nothing sent is ever taken back.
     hold = max((len(s) for s in p.params.stop_strings), default=1) - 1
     end = len(shown_text) if done else max(prog.chars, len(shown_text) - hold)
-    text = shown_text[prog.chars:end]
+    text = shown_text[prog.chars : end]
     prog.chars = end
-    ids, entries = shown_ids[prog.tokens:], shown_entries[prog.tokens:]
+    ids, entries = shown_ids[prog.tokens :], shown_entries[prog.tokens :]
     prog.tokens = len(shown_ids)
     if not prog.started:
         prog.started = True
@@ -252,9 +279,13 @@ def _chunk_choice(state: ServerState, req: CompletionRequest, names: TokenText, 
         logprobs = completion_logprobs(names, ids, entries, req.logprobs, prog.offsets)
     if done:
         prog.final = out
-    chunk = {"text": text, "logprobs": logprobs, "finish_reason": finish if done else None,
-             "stop_reason": c.stop_reason if done and not p.zero else None}
+    chunk = {
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish if done else None,
+        "stop_reason": c.stop_reason if done and not p.zero else None,
+    }
     if req.return_token_ids:
-        chunk["token_ids"] = [] if p.zero else list(c.token_ids[prog.ids:])
+        chunk["token_ids"] = [] if p.zero else list(c.token_ids[prog.ids :])
         prog.ids = len(c.token_ids)
     return chunk

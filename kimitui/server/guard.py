@@ -32,16 +32,32 @@ class RequestGuard:
             host = next((v for k, v in scope["headers"] if k == b"host"), b"").decode("latin-1").lower()
             if host not in allowed and host.rsplit(":", 1)[0].strip("[]") not in allowed:
                 shown = host.encode("ascii", "replace").decode()[:100]
-                return 400, error_body(400, f"Host {shown!r} is not served here (kimitui serve --allowed-hosts)",
-                                       param="Host", code="invalid_host"), "keep-alive"
+                return (
+                    400,
+                    error_body(
+                        400,
+                        f"Host {shown!r} is not served here (kimitui serve --allowed-hosts)",
+                        param="Host",
+                        code="invalid_host",
+                    ),
+                    "keep-alive",
+                )
         return None
 
 
 async def _respond(send, status: int, body: dict, connection: str) -> None:
     data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                            (b"connection", connection.encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+                (b"connection", connection.encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": data})
 
 

@@ -46,8 +46,7 @@ def body_problems(raw: bytes, data) -> None:
         if isinstance(value, str):
             if surrogates and not _encodable(value):
                 field = _field(path)
-                raise bad_request(f"'{field}' is not valid Unicode text (it contains a lone surrogate)",
-                                  param=field)
+                raise bad_request(f"'{field}' is not valid Unicode text (it contains a lone surrogate)", param=field)
             continue
         if isinstance(value, dict):
             items = value.items()
@@ -57,12 +56,14 @@ def body_problems(raw: bytes, data) -> None:
             continue
         if depth > MAX_JSON_DEPTH:
             field = _field(path)
-            raise bad_request(f"request body is nested more than {MAX_JSON_DEPTH} levels deep (at '{field}')",
-                              param=field)
+            raise bad_request(
+                f"request body is nested more than {MAX_JSON_DEPTH} levels deep (at '{field}')", param=field
+            )
         for key, item in items:
             if surrogates and isinstance(key, str) and not _encodable(key):
-                raise bad_request("a JSON key is not valid Unicode text (it contains a lone surrogate)",
-                                  param=_field(path))
+                raise bad_request(
+                    "a JSON key is not valid Unicode text (it contains a lone surrogate)", param=_field(path)
+                )
             if isinstance(item, (dict, list)) or (surrogates and isinstance(item, str)):
                 stack.append((item, depth + 1, (*path, key)))
 
@@ -96,26 +97,32 @@ def check_stop(stop, stop_token_ids) -> None:
         raise bad_request(f"stop has {len(strings)} strings; the limit is {MAX_STOP_STRINGS}", param="stop")
     total = sum(len(s) for s in strings)
     if total > MAX_STOP_CHARS:
-        raise bad_request(f"stop strings have {total} characters in all; the limit is {MAX_STOP_CHARS}",
-                          param="stop")
+        raise bad_request(f"stop strings have {total} characters in all; the limit is {MAX_STOP_CHARS}", param="stop")
     if len(stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
-        raise bad_request(f"stop_token_ids has {len(stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}",
-                          param="stop_token_ids")
+        raise bad_request(
+            f"stop_token_ids has {len(stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}", param="stop_token_ids"
+        )
 
 
 def check_prompt_chars(text: str, limit: int, param: str = "prompt") -> None:
     """400 before tokenizing a text that cannot fit the context whatever its tokens: ``limit`` is
     max_model_len times the longest token's length (ServerState.max_prompt_chars)."""
     if len(text) > limit:
-        raise bad_request(f"{param} has {len(text)} characters; more than {limit} cannot fit in the "
-                          "model's context, so it is refused before tokenizing", param=param)
+        raise bad_request(
+            f"{param} has {len(text)} characters; more than {limit} cannot fit in the "
+            "model's context, so it is refused before tokenizing",
+            param=param,
+        )
 
 
 def check_prompt_chars_of(state, chars: int, param: str) -> None:
     """check_prompt_chars for a chat: ``chars`` of message text rendered together."""
     if chars > state.max_prompt_chars:
-        raise bad_request(f"{param} have {chars} characters; more than {state.max_prompt_chars} cannot fit in "
-                          "the model's context, so they are refused before tokenizing", param=param)
+        raise bad_request(
+            f"{param} have {chars} characters; more than {state.max_prompt_chars} cannot fit in "
+            "the model's context, so they are refused before tokenizing",
+            param=param,
+        )
 
 
 def _encodable(s: str) -> bool:

@@ -67,8 +67,9 @@ class TextOffsets:
         return start
 
 
-def completion_logprobs(names: TokenText, token_ids: list[int], entries: list[dict[int, float] | None],
-                        k: int, offsets: TextOffsets) -> dict:
+def completion_logprobs(
+    names: TokenText, token_ids: list[int], entries: list[dict[int, float] | None], k: int, offsets: TextOffsets
+) -> dict:
     """``{tokens, token_logprobs, top_logprobs, text_offset}`` for OpenAI's completions API.
 
     ``entries[i]`` None (the first prompt token under ``echo``) gives null log-probs.
@@ -90,11 +91,15 @@ def chat_logprobs(names: TokenText, token_ids: list[int], entries: list[dict[int
     """``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
     content = []
     for tid, entry in zip(token_ids, entries):
-        content.append({
-            "token": names.text(tid),
-            "logprob": _safe(entry.get(tid, _FLOOR)),
-            "bytes": list(names.bytes(tid)),
-            "top_logprobs": [{"token": names.text(t), "logprob": _safe(lp), "bytes": list(names.bytes(t))}
-                             for t, lp in _top(entry, k)],
-        })
+        content.append(
+            {
+                "token": names.text(tid),
+                "logprob": _safe(entry.get(tid, _FLOOR)),
+                "bytes": list(names.bytes(tid)),
+                "top_logprobs": [
+                    {"token": names.text(t), "logprob": _safe(lp), "bytes": list(names.bytes(t))}
+                    for t, lp in _top(entry, k)
+                ],
+            }
+        )
     return {"content": content}

@@ -15,8 +15,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
 
-_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                     b"content-length: %d\r\n\r\n%s")
+_TIMEOUT_RESPONSE = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b"content-length: %d\r\n\r\n%s"
+)
 
 
 def protocol_with_read_timeout(timeout: float | None):
@@ -72,9 +74,10 @@ class _ReadTimeoutH11Protocol(H11Protocol):
         self._head_timer = None
         if self.transport.is_closing() or not self._reading_head():
             return
-        log.info("closing a connection from %s: no complete request head in %.0f s", self.client,
-                 self.read_timeout_s)
-        body = (b'{"error": {"message": "request head not received within %d s", "type": '
-                b'"invalid_request_error", "param": null, "code": "request_timeout"}}' % round(self.read_timeout_s))
+        log.info("closing a connection from %s: no complete request head in %.0f s", self.client, self.read_timeout_s)
+        body = (
+            b'{"error": {"message": "request head not received within %d s", "type": '
+            b'"invalid_request_error", "param": null, "code": "request_timeout"}}' % round(self.read_timeout_s)
+        )
         self.transport.write(_TIMEOUT_RESPONSE % (len(body), body))
         self.transport.close()

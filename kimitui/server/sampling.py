@@ -21,8 +21,11 @@ def check_supported(req: SamplingFields) -> None:
         raise bad_request("logit_bias is not supported by this server", param="logit_bias")
     # Values that would overflow the int64 tensors of a batched step: caught here, because a
     # failing step fails every request in the batch, not just this one.
-    for name, value, lo, hi in (("seed", req.seed, -2**63, 2**64 - 1), ("top_k", req.top_k, -1, 2**31),
-                                ("min_tokens", req.min_tokens, 0, 2**31)):
+    for name, value, lo, hi in (
+        ("seed", req.seed, -(2**63), 2**64 - 1),
+        ("top_k", req.top_k, -1, 2**31),
+        ("min_tokens", req.min_tokens, 0, 2**31),
+    ):
         if value is not None and not lo <= value <= hi:
             raise bad_request(f"{name} must be in {lo}..{hi}, got {value}", param=name)
     check_stop(req.stop, req.stop_token_ids)
@@ -30,29 +33,42 @@ def check_supported(req: SamplingFields) -> None:
         raise bad_request("stop_token_ids must be non-negative token ids", param="stop_token_ids")
 
 
-def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
-                       param: str = "max_tokens", allow_zero: bool = False) -> int:
+def resolve_max_tokens(
+    requested: int | None, prompt_len: int, max_model_len: int, param: str = "max_tokens", allow_zero: bool = False
+) -> int:
     """``requested`` checked against the context; None means all of the context that is left.
     ``allow_zero``: 0 is accepted (and returned; the caller decides what it means)."""
     lowest = 0 if allow_zero else 1
     if requested is not None and requested < lowest:
         raise bad_request(f"{param} must be >= {lowest}, got {requested}", param=param)
     if prompt_len >= max_model_len:
-        raise bad_request(f"prompt has {prompt_len} tokens, which leaves no room to generate within "
-                          f"max_model_len {max_model_len}", param="prompt")
+        raise bad_request(
+            f"prompt has {prompt_len} tokens, which leaves no room to generate within max_model_len {max_model_len}",
+            param="prompt",
+        )
     if requested is None:
         return max_model_len - prompt_len
     if prompt_len + requested > max_model_len:
-        raise bad_request(f"prompt has {prompt_len} tokens and {param} is {requested}: together "
-                          f"{prompt_len + requested} exceed max_model_len {max_model_len}", param=param)
+        raise bad_request(
+            f"prompt has {prompt_len} tokens and {param} is {requested}: together "
+            f"{prompt_len + requested} exceed max_model_len {max_model_len}",
+            param=param,
+        )
     return requested
 
 
-def build_sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                          prompt_logprobs: int | None = None, extra_stop_token_ids: list[int] = (),
-                          skip_special_tokens: bool = True, logprobs_param: str = "logprobs",
-                          keep_special_token_ids: list[int] | None = None,
-                          structured_outputs=None) -> SamplingParams:
+def build_sampling_params(
+    req: SamplingFields,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    extra_stop_token_ids: list[int] = (),
+    skip_special_tokens: bool = True,
+    logprobs_param: str = "logprobs",
+    keep_special_token_ids: list[int] | None = None,
+    structured_outputs=None,
+) -> SamplingParams:
     stop_ids = list(req.stop_token_ids or [])
     stop_ids += [t for t in extra_stop_token_ids if t not in stop_ids]
     try:

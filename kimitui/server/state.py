@@ -78,13 +78,19 @@ class ServerState:
     def check_model(self, requested: str | None) -> None:
         # Omitted `model` means the one we serve, as in vLLM.
         if requested is not None and requested != self.served_model_name:
-            raise APIError(404, f"The model `{requested}` does not exist. This server serves "
-                                f"`{self.served_model_name}`.", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{requested}` does not exist. This server serves `{self.served_model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
 
     def require_tokenizer(self, what: str):
         if self.tokenizer is None:
-            raise bad_request(f"this checkpoint has no tokenizer files, so {what} cannot be used; "
-                              "send token ids instead", param="prompt")
+            raise bad_request(
+                f"this checkpoint has no tokenizer files, so {what} cannot be used; send token ids instead",
+                param="prompt",
+            )
         return self.tokenizer
 
     @cached_property
@@ -102,16 +108,16 @@ class ServerState:
         try:
             return await self.run_blocking(len(text), tok.encode, text, allow_special=allow_special, param=param)
         except TypeError:  # the Rust tokenizer refuses strings holding lone surrogates ("\ud800")
-            raise bad_request(f"{param} is not valid Unicode text (it contains a lone surrogate)",
-                              param=param) from None
+            raise bad_request(
+                f"{param} is not valid Unicode text (it contains a lone surrogate)", param=param
+            ) from None
 
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> None:
         if not ids:
             raise bad_request("prompt is empty: at least one token is needed", param=param)
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary (vocab_size {self.vocab_size})",
-                              param=param)
+            raise bad_request(f"token id {bad} is outside the vocabulary (vocab_size {self.vocab_size})", param=param)
 
     async def run_blocking(self, size: int, fn, *args, param: str = "prompt", **kwargs):
         """``fn(*args)`` (tokenizer work) inline when ``size`` is small, else in a worker thread.

@@ -107,8 +107,12 @@ async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]
 
 
 def shutting_down() -> APIError:
-    return APIError(503, "the server is shutting down: the request was stopped at the end of its grace period "
-                         "(kimitui serve --shutdown-timeout)", code="server_shutting_down")
+    return APIError(
+        503,
+        "the server is shutting down: the request was stopped at the end of its grace period "
+        "(kimitui serve --shutdown-timeout)",
+        code="server_shutting_down",
+    )
 
 
 async def until_shutdown(ended: asyncio.Event, events: AsyncIterator[T]) -> AsyncIterator[T]:

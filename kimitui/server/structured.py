@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 
 from kimitui.engine.structured import StructuredOutputs
-from kimitui.engine.text.constraints import response_format_constraint, tool_call_constraint
 from kimitui.engine.structured.grammar import GrammarError, check
+from kimitui.engine.text.constraints import response_format_constraint, tool_call_constraint
 from kimitui.server.errors import bad_request
 from kimitui.server.limits import check_schema_depth
 
@@ -31,12 +31,14 @@ def response_schema(response_format: dict | None) -> tuple[bool, dict | None]:
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise bad_request("response_format.json_schema.schema must be a JSON schema object",
-                              param="response_format")
+            raise bad_request(
+                "response_format.json_schema.schema must be a JSON schema object", param="response_format"
+            )
         check_schema_depth(schema, "response_format.json_schema.schema")
         return True, schema
-    raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                      param="response_format")
+    raise bad_request(
+        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", param="response_format"
+    )
 
 
 def named_tool(tool_choice) -> str | None:
@@ -46,8 +48,10 @@ def named_tool(tool_choice) -> str | None:
     fn = tool_choice.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
     if tool_choice.get("type") != "function" or not isinstance(name, str) or not name:
-        raise bad_request("tool_choice must be 'auto', 'none', 'required' or "
-                          "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+        raise bad_request(
+            'tool_choice must be \'auto\', \'none\', \'required\' or {"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
     return name
 
 
@@ -56,17 +60,21 @@ def chat_constraint(req, fmt, tokenizer, started_in_thinking: bool) -> tuple[Str
     constrained, schema = response_schema(req.response_format)
     calls = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
     if constrained and calls:
-        raise bad_request("response_format and tool_choice 'required' / a named function cannot both constrain "
-                          "one reply", param="response_format")
+        raise bad_request(
+            "response_format and tool_choice 'required' / a named function cannot both constrain one reply",
+            param="response_format",
+        )
     try:
         if calls:
-            return tool_call_constraint(fmt, tokenizer, req.tools, named_tool(req.tool_choice),
-                                        started_in_thinking), "tool_choice"
+            return tool_call_constraint(
+                fmt, tokenizer, req.tools, named_tool(req.tool_choice), started_in_thinking
+            ), "tool_choice"
         if constrained:
             return response_format_constraint(fmt, tokenizer, schema, started_in_thinking), "response_format"
     except RecursionError:  # a schema whose $ref chain recurses without end
-        raise bad_request("the schema nests too deeply to compile", param="tool_choice" if calls
-                          else "response_format") from None
+        raise bad_request(
+            "the schema nests too deeply to compile", param="tool_choice" if calls else "response_format"
+        ) from None
     except ValueError as e:
         raise bad_request(str(e), param="tool_choice" if calls else "response_format") from None
     return None, ""

@@ -81,16 +81,19 @@ async def _chat_ids(state, req: TokenizeRequest) -> list[int]:
     if req.continue_final_message:
         raise bad_request("continue_final_message is not supported", param="continue_final_message")
     if not req.add_generation_prompt:
-        raise bad_request("add_generation_prompt false is not supported: the chat formats end with the "
-                          "assistant's turn opened", param="add_generation_prompt")
+        raise bad_request(
+            "add_generation_prompt false is not supported: the chat formats end with the assistant's turn opened",
+            param="add_generation_prompt",
+        )
     check_tools(req.tools)
     fmt = chat_format_for(state.tokenizer)
     options = _template_options(req.chat_template_kwargs)
     size = sum(len(str(m.get("content", ""))) for m in req.messages)
     check_prompt_chars_of(state, size, "messages")
     try:
-        prompt = await state.run_blocking(size, partial(fmt.encode, req.messages, tools=req.tools, **options),
-                                          param="messages")
+        prompt = await state.run_blocking(
+            size, partial(fmt.encode, req.messages, tools=req.tools, **options), param="messages"
+        )
     except Exception as e:  # noqa: BLE001 - the messages are at fault
         raise bad_request(f"cannot render the messages in the chat format: {e}", param="messages") from None
     return list(prompt.ids)
@@ -120,8 +123,12 @@ async def tokenizer_info(request: Request) -> dict:
         info.pop(key, None)
     info = {k: _plain(v) for k, v in info.items()}
     names = {i: t for t, i in tok.special_tokens.items()}
-    for key, tid in (("bos_token", tok.bos_token_id), ("eos_token", tok.eos_token_ids[0] if tok.eos_token_ids else None),
-                     ("pad_token", tok.pad_token_id), ("unk_token", tok.unk_token_id)):
+    for key, tid in (
+        ("bos_token", tok.bos_token_id),
+        ("eos_token", tok.eos_token_ids[0] if tok.eos_token_ids else None),
+        ("pad_token", tok.pad_token_id),
+        ("unk_token", tok.unk_token_id),
+    ):
         if info.get(key) is None:
             info[key] = names.get(tid) if tid is not None else None
     info["tokenizer_class"] = info.get("tokenizer_class") or type(tok).__name__

@@ -42,8 +42,9 @@ def _check_function(fn: dict, where: str) -> None:
     if not isinstance(name, str) or not name.strip():
         raise bad_request(f"{where}.name must be a non-empty string", param=f"{where}.name")
     if len(name) > MAX_NAME_CHARS or any(c.isspace() or not c.isprintable() for c in name):
-        raise bad_request(f"{where}.name must be at most {MAX_NAME_CHARS} printable characters without spaces",
-                          param=f"{where}.name")
+        raise bad_request(
+            f"{where}.name must be at most {MAX_NAME_CHARS} printable characters without spaces", param=f"{where}.name"
+        )
     description = fn.get("description")
     if description is not None and not isinstance(description, str):
         raise bad_request(f"{where}.description must be a string", param=f"{where}.description")

@@ -22,8 +22,14 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class AgentServer:
     """Bind at construction (a busy port fails at once, as OSError), serve on ``start()``."""
 
-    def __init__(self, latest: Callable, host: str = "127.0.0.1", port: int = 9410,
-                 token: str | None = None, node: str | None = None) -> None:
+    def __init__(
+        self,
+        latest: Callable,
+        host: str = "127.0.0.1",
+        port: int = 9410,
+        token: str | None = None,
+        node: str | None = None,
+    ) -> None:
         self.latest = latest
         self.token = token
         self.node = node or socket.gethostname()

@@ -65,8 +65,12 @@ class AmdSmiBackend(GpuBackend):
             self._unavailable(f"amdsmi_get_processor_handles failed: {exc}")
             return
         chosen = visible.first(self._engine_handles(handles), gpus, "HIP_VISIBLE_DEVICES")
-        self._adopt(chosen, "amdsmi found no AMD GPUs" if not handles else
-                    "none of amdsmi's GPUs is visible to the engine (ROCR/HIP_VISIBLE_DEVICES)")
+        self._adopt(
+            chosen,
+            "amdsmi found no AMD GPUs"
+            if not handles
+            else "none of amdsmi's GPUs is visible to the engine (ROCR/HIP_VISIBLE_DEVICES)",
+        )
 
     def _engine_handles(self, handles: list[Any]) -> list[Any]:
         """The GPUs HIP shows the engine, in HIP's order."""
@@ -75,28 +79,26 @@ class AmdSmiBackend(GpuBackend):
         if bus_ids:
             try:
                 # torch has already applied the visibility variables.
-                return [smi.amdsmi_get_processor_handle_from_bdf(f"{d:04x}:{b:02x}:{dev:02x}.0")
-                        for d, b, dev in bus_ids]
+                return [
+                    smi.amdsmi_get_processor_handle_from_bdf(f"{d:04x}:{b:02x}:{dev:02x}.0") for d, b, dev in bus_ids
+                ]
             except Exception as exc:
                 log.debug("amdsmi_get_processor_handle_from_bdf failed: %r", exc)
         # amdsmi's handle order is its own; HIP numbers GPUs by hip_id (its order with no
         # visibility variable set), which follows the PCI bus order (BDF) when unreported.
-        enumeration = {id(h): _as_dict(self._optional("amdsmi_get_gpu_enumeration_info", h))
-                       for h in handles}
+        enumeration = {id(h): _as_dict(self._optional("amdsmi_get_gpu_enumeration_info", h)) for h in handles}
         hip_ids = [number(enumeration[id(h)].get("hip_id")) for h in handles]
         if all(i is not None for i in hip_ids) and len(set(hip_ids)) == len(hip_ids):
             ordered = [h for _, h in sorted(zip(hip_ids, handles), key=lambda pair: pair[0])]
         else:
             bdfs = [self._optional("amdsmi_get_gpu_device_bdf", h) for h in handles]
-            ordered = handles if None in bdfs else [h for _, h in sorted(zip(bdfs, handles),
-                                                                         key=lambda pair: pair[0])]
+            ordered = handles if None in bdfs else [h for _, h in sorted(zip(bdfs, handles), key=lambda pair: pair[0])]
 
         def uuid_of(handle: Any) -> str | None:
             uuid = enumeration[id(handle)].get("hip_uuid")
             return uuid if isinstance(uuid, str) else None
 
-        rocr = visible.select(visible.visible_tokens("ROCR_VISIBLE_DEVICES"), ordered,
-                              "ROCR_VISIBLE_DEVICES", uuid_of)
+        rocr = visible.select(visible.visible_tokens("ROCR_VISIBLE_DEVICES"), ordered, "ROCR_VISIBLE_DEVICES", uuid_of)
         variable = "HIP_VISIBLE_DEVICES" if "HIP_VISIBLE_DEVICES" in os.environ else "CUDA_VISIBLE_DEVICES"
         return visible.select(visible.visible_tokens(variable), rocr, variable, uuid_of)
 
@@ -174,8 +176,9 @@ class AmdSmiBackend(GpuBackend):
             kind = getattr(kinds, sensor, None)
             if kind is None:
                 continue
-            raw = self._call(f"amdsmi_get_temp_metric({sensor})", smi.amdsmi_get_temp_metric,
-                             handle, kind, metrics.CURRENT)
+            raw = self._call(
+                f"amdsmi_get_temp_metric({sensor})", smi.amdsmi_get_temp_metric, handle, kind, metrics.CURRENT
+            )
             value = number(raw)
             if value is not None and value > 0:
                 # The Python docs say millidegrees while the CLI and mock backend say °C;

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from kimitui.telemetry.rapl import RaplBackend, _read_int, _Zone
 
 DEFAULT_HWMON_ROOT = "/sys/class/hwmon"

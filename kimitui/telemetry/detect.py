@@ -12,8 +12,9 @@ from kimitui.telemetry.nvidia import NvmlBackend
 from kimitui.telemetry.rapl import RaplBackend
 
 
-def detect_backends(powercap_root: str | None = None, hwmon_root: str | None = None,
-                    gpus: int | None = None) -> list[Backend]:
+def detect_backends(
+    powercap_root: str | None = None, hwmon_root: str | None = None, gpus: int | None = None
+) -> list[Backend]:
     """Every backend, constructed; unavailable ones carry ``error`` and are skipped when sampling.
 
     The GPU backends read the GPUs the engine sees (``*_VISIBLE_DEVICES``), only the first

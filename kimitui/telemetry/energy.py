@@ -8,7 +8,7 @@ from typing import Callable, Sequence, TypeVar
 from kimitui.telemetry.sample import Sample
 
 T = TypeVar("T")
-Point = tuple[float, float]          # (monotonic t, value)
+Point = tuple[float, float]  # (monotonic t, value)
 Reader = Callable[[Sample], float | None]
 
 
@@ -40,7 +40,7 @@ def _bracket(points: Sequence[tuple[float, T]], t0: float, t1: float) -> list[tu
             break
     if lo is None or hi is None:
         return None
-    return list(points[lo:hi + 1])
+    return list(points[lo : hi + 1])
 
 
 def _interp(a: Point, b: Point, t: float) -> float:
@@ -83,6 +83,7 @@ def _gpu_reader(key: tuple[str, int], field: str) -> Reader:
             if (gpu.vendor, gpu.index) == key:
                 return getattr(gpu, field)
         return None
+
     return read
 
 
@@ -120,10 +121,7 @@ def window_energy(samples: Sequence[Sample], t0: float, t1: float) -> EnergyWind
     ordered = sorted(samples, key=lambda s: s.t)
     duration = t1 - t0
     keys = _gpu_keys(_relevant(ordered, t0, t1))
-    per_gpu = [
-        _energy(ordered, t0, t1, _gpu_reader(key, "energy_j"), _gpu_reader(key, "power_w"))
-        for key in keys
-    ]
+    per_gpu = [_energy(ordered, t0, t1, _gpu_reader(key, "energy_j"), _gpu_reader(key, "power_w")) for key in keys]
     gpu_energy = sum(per_gpu) if keys and all(e is not None for e in per_gpu) else None
     cpu_energy = _energy(ordered, t0, t1, lambda s: s.cpu_energy_j, lambda s: s.cpu_power_w)
     return EnergyWindow(
@@ -137,8 +135,9 @@ def window_energy(samples: Sequence[Sample], t0: float, t1: float) -> EnergyWind
     )
 
 
-def energy_per_token(samples: Sequence[Sample], t0: float, t1: float, tokens: int,
-                     include_cpu: bool = True) -> float | None:
+def energy_per_token(
+    samples: Sequence[Sample], t0: float, t1: float, tokens: int, include_cpu: bool = True
+) -> float | None:
     """Joules per token over ``[t0, t1]``: GPU energy, plus CPU package energy when measured.
 
     The CPU counts only where the machine reports it at all (RAPL readable); if it is reported

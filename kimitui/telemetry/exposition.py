@@ -98,23 +98,28 @@ def parse(text: str, default_node: str) -> list[NodeReading]:
         return _parse_dcgm(samples, default_node)
     if any(_dme_name(n) in _DME for n in names):
         return _parse_dme(samples, default_node)
-    raise ValueError("no kimitui agent (kimitui_gpu_*), DCGM exporter (DCGM_FI_DEV_*) or AMD device-metrics-exporter "
-                     "(gpu_package_power, gpu_gfx_activity, ...) metrics in the text")
+    raise ValueError(
+        "no kimitui agent (kimitui_gpu_*), DCGM exporter (DCGM_FI_DEV_*) or AMD device-metrics-exporter "
+        "(gpu_package_power, gpu_gfx_activity, ...) metrics in the text"
+    )
 
 
 def _parse_agent(samples, default_node: str) -> list[NodeReading]:
-    gpu_by_name = {PREFIX + n + ("_total" if kind == "counter" else ""): attr
-                   for attr, (n, kind, _) in GPU_FIELDS.items()}
-    host_by_name = {PREFIX + n + ("_total" if kind == "counter" else ""): attr
-                    for attr, (n, kind, _) in HOST_FIELDS.items()}
+    gpu_by_name = {
+        PREFIX + n + ("_total" if kind == "counter" else ""): attr for attr, (n, kind, _) in GPU_FIELDS.items()
+    }
+    host_by_name = {
+        PREFIX + n + ("_total" if kind == "counter" else ""): attr for attr, (n, kind, _) in HOST_FIELDS.items()
+    }
     nodes: dict[str, dict] = {}
     for s in samples:
         node = s.labels.get("node", default_node)
         if s.name in gpu_by_name:
             entry = nodes.setdefault(node, {"gpus": {}, "host": {}})
             key = int(s.labels.get("gpu", 0))
-            gpu = entry["gpus"].setdefault(key, {"name": s.labels.get("name", "GPU"),
-                                                 "vendor": s.labels.get("vendor", "")})
+            gpu = entry["gpus"].setdefault(
+                key, {"name": s.labels.get("name", "GPU"), "vendor": s.labels.get("vendor", "")}
+            )
             gpu[gpu_by_name[s.name]] = s.value
         elif s.name in host_by_name:
             nodes.setdefault(node, {"gpus": {}, "host": {}})["host"][host_by_name[s.name]] = s.value
@@ -138,8 +143,16 @@ _DCGM = {
 }
 
 
-def _gpus_by_node(samples, default_node: str, field, host_label: str, gpu_label: str, model_label: str,
-                  default_model: str, vendor: str) -> dict[str, dict[int, dict]]:
+def _gpus_by_node(
+    samples,
+    default_node: str,
+    field,
+    host_label: str,
+    gpu_label: str,
+    model_label: str,
+    default_model: str,
+    vendor: str,
+) -> dict[str, dict[int, dict]]:
     """An exporter's samples grouped as {node: {gpu index: {attribute: value}}}; ``field(sample)`` gives
     (attribute, scale) for a sample the panel shows, None for any other."""
     nodes: dict[str, dict] = {}
@@ -149,15 +162,17 @@ def _gpus_by_node(samples, default_node: str, field, host_label: str, gpu_label:
             continue
         attr, scale = field_scale
         node = s.labels.get(host_label) or default_node
-        gpu = nodes.setdefault(node, {}).setdefault(int(s.labels.get(gpu_label, 0)), {
-            "name": s.labels.get(model_label) or default_model, "vendor": vendor})
+        gpu = nodes.setdefault(node, {}).setdefault(
+            int(s.labels.get(gpu_label, 0)), {"name": s.labels.get(model_label) or default_model, "vendor": vendor}
+        )
         gpu[attr] = s.value * scale
     return nodes
 
 
 def _parse_dcgm(samples, default_node: str) -> list[NodeReading]:
-    nodes = _gpus_by_node(samples, default_node, lambda s: _DCGM.get(s.name), "Hostname", "gpu", "modelName",
-                          "NVIDIA GPU", "nvidia")
+    nodes = _gpus_by_node(
+        samples, default_node, lambda s: _DCGM.get(s.name), "Hostname", "gpu", "modelName", "NVIDIA GPU", "nvidia"
+    )
     for gpus in nodes.values():
         for gpu in gpus.values():
             free, reserved = gpu.pop("_fb_free", None), gpu.pop("_fb_reserved", 0.0)
@@ -213,8 +228,12 @@ def _reading(node: str, gpus_by_index: dict, h: dict) -> NodeReading:
                 fields[key] = int(fields[key])
         gpus.append(GpuSample(index=index, **fields))
     ram = {k: int(h[k]) for k in ("ram_used_bytes", "ram_total_bytes") if k in h}
-    return NodeReading(node, gpus, CpuPower(h.get("cpu_power_w"), h.get("cpu_energy_j")),
-                       HostStats(cpu_util_pct=h.get("cpu_util_pct"), **ram))
+    return NodeReading(
+        node,
+        gpus,
+        CpuPower(h.get("cpu_power_w"), h.get("cpu_energy_j")),
+        HostStats(cpu_util_pct=h.get("cpu_util_pct"), **ram),
+    )
 
 
 def combine(readings: list[NodeReading], label_nodes: bool) -> tuple[tuple[GpuSample, ...], CpuPower, HostStats]:
@@ -225,8 +244,21 @@ def combine(readings: list[NodeReading], label_nodes: bool) -> tuple[tuple[GpuSa
     for r in readings:
         for g in r.gpus:
             name = f"{r.node}/{g.name}" if label_nodes else g.name
-            gpus.append(GpuSample(len(gpus), name, g.vendor, g.power_w, g.power_cap_w, g.energy_j, g.util_pct,
-                                  g.mem_util_pct, g.mem_used_bytes, g.mem_total_bytes, g.temp_c))
+            gpus.append(
+                GpuSample(
+                    len(gpus),
+                    name,
+                    g.vendor,
+                    g.power_w,
+                    g.power_cap_w,
+                    g.energy_j,
+                    g.util_pct,
+                    g.mem_util_pct,
+                    g.mem_used_bytes,
+                    g.mem_total_bytes,
+                    g.temp_c,
+                )
+            )
 
     def total(values):
         values = [v for v in values if v is not None]
@@ -234,8 +266,9 @@ def combine(readings: list[NodeReading], label_nodes: bool) -> tuple[tuple[GpuSa
 
     cpu = CpuPower(total(r.cpu.power_w for r in readings), total(r.cpu.energy_j for r in readings))
     utils = [r.host.cpu_util_pct for r in readings if r.host.cpu_util_pct is not None]
-    host = HostStats(cpu_util_pct=sum(utils) / len(utils) if utils else None,
-                     ram_used_bytes=total(r.host.ram_used_bytes for r in readings),
-                     ram_total_bytes=total(r.host.ram_total_bytes for r in readings))
+    host = HostStats(
+        cpu_util_pct=sum(utils) / len(utils) if utils else None,
+        ram_used_bytes=total(r.host.ram_used_bytes for r in readings),
+        ram_total_bytes=total(r.host.ram_total_bytes for r in readings),
+    )
     return tuple(gpus), cpu, host
-

@@ -54,9 +54,12 @@ class NvmlBackend(GpuBackend):
             self._unavailable(f"NVML device enumeration failed: {exc}")
             return
         chosen = self._engine_handles(handles)
-        self._adopt(visible.first(chosen, gpus, "CUDA_VISIBLE_DEVICES"),
-                    "NVML found no NVIDIA GPUs" if not handles else
-                    "none of NVML's GPUs is visible to the engine (CUDA_VISIBLE_DEVICES)")
+        self._adopt(
+            visible.first(chosen, gpus, "CUDA_VISIBLE_DEVICES"),
+            "NVML found no NVIDIA GPUs"
+            if not handles
+            else "none of NVML's GPUs is visible to the engine (CUDA_VISIBLE_DEVICES)",
+        )
 
     def _engine_handles(self, handles: list[Any]) -> list[Any]:
         """The GPUs CUDA shows the engine, in CUDA's order."""
@@ -65,8 +68,7 @@ class NvmlBackend(GpuBackend):
         if bus_ids:
             try:
                 # torch has already applied CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER.
-                return [nvml.nvmlDeviceGetHandleByPciBusId(f"{d:08X}:{b:02X}:{dev:02X}.0")
-                        for d, b, dev in bus_ids]
+                return [nvml.nvmlDeviceGetHandleByPciBusId(f"{d:08X}:{b:02X}:{dev:02X}.0") for d, b, dev in bus_ids]
             except Exception as exc:
                 log.debug("nvmlDeviceGetHandleByPciBusId failed: %r", exc)
         tokens = visible.visible_tokens("CUDA_VISIBLE_DEVICES")
@@ -126,14 +128,15 @@ class NvmlBackend(GpuBackend):
             vendor="nvidia",
             # Both in milli-units: mW, and mJ since the driver loaded.
             power_w=_milli(self._call("nvmlDeviceGetPowerUsage", nvml.nvmlDeviceGetPowerUsage, handle)),
-            power_cap_w=_milli(self._call("nvmlDeviceGetEnforcedPowerLimit",
-                                          nvml.nvmlDeviceGetEnforcedPowerLimit, handle)),
-            energy_j=_milli(self._call("nvmlDeviceGetTotalEnergyConsumption",
-                                       nvml.nvmlDeviceGetTotalEnergyConsumption, handle)),
+            power_cap_w=_milli(
+                self._call("nvmlDeviceGetEnforcedPowerLimit", nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+            ),
+            energy_j=_milli(
+                self._call("nvmlDeviceGetTotalEnergyConsumption", nvml.nvmlDeviceGetTotalEnergyConsumption, handle)
+            ),
             util_pct=number(getattr(util, "gpu", None)),
             mem_util_pct=number(getattr(util, "memory", None)),
             mem_used_bytes=None if used is None else int(used),
             mem_total_bytes=None if total is None else int(total),
-            temp_c=number(self._call("nvmlDeviceGetTemperature", nvml.nvmlDeviceGetTemperature,
-                                     handle, sensor)),
+            temp_c=number(self._call("nvmlDeviceGetTemperature", nvml.nvmlDeviceGetTemperature, handle, sensor)),
         )

@@ -20,7 +20,7 @@ _RAPL_PERMISSION_HINT = (
 
 @dataclass
 class _Zone:
-    counter: Path           # a file holding a cumulative µJ count
+    counter: Path  # a file holding a cumulative µJ count
     name: str
     max_range_uj: int | None
     last_uj: int
@@ -44,8 +44,7 @@ class RaplBackend(Backend):
 
     default_root = DEFAULT_POWERCAP_ROOT
 
-    def __init__(self, root: str | Path | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, root: str | Path | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self._root = Path(self.default_root if root is None else root)
         self._clock = clock

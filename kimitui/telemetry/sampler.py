@@ -59,6 +59,7 @@ def _compose(t: float, wall: float, readings: Sequence[Any]) -> Sample:
         process_rss_bytes=host.process_rss_bytes,
     )
 
+
 class TelemetrySampler:
     """Reads every available backend every ``interval_s`` on one daemon thread.
 
@@ -68,24 +69,28 @@ class TelemetrySampler:
     ``start()`` and ``stop()``; a stopped sampler has closed its backends and cannot restart.
     """
 
-    def __init__(self, interval_s: float = 1.0, backends: Sequence[Backend] | None = None,
-                 history_s: float = 600.0, gpus: int | None = None) -> None:
+    def __init__(
+        self,
+        interval_s: float = 1.0,
+        backends: Sequence[Backend] | None = None,
+        history_s: float = 600.0,
+        gpus: int | None = None,
+    ) -> None:
         if not interval_s > 0:
             raise ValueError(f"telemetry interval_s must be > 0 seconds, got {interval_s!r}")
         if not history_s >= 0:
             raise ValueError(f"telemetry history_s must be >= 0 seconds, got {history_s!r}")
         self._interval_s = float(interval_s)
         self._history_s = float(history_s)
-        self._backends: tuple[Backend, ...] = tuple(
-            detect_backends(gpus=gpus) if backends is None else backends)
+        self._backends: tuple[Backend, ...] = tuple(detect_backends(gpus=gpus) if backends is None else backends)
         # Time-based pruning keeps history_s; the cap only bounds memory if sample_now() is spammed.
         self._history: deque[Sample] = deque(maxlen=4 * math.ceil(history_s / interval_s) + 16)
-        self._lock = threading.Lock()        # history and subscribers
-        self._read_lock = threading.Lock()   # backend reads: the thread vs sample_now()
+        self._lock = threading.Lock()  # history and subscribers
+        self._read_lock = threading.Lock()  # backend reads: the thread vs sample_now()
         self._subscribers: list[Callback] = []
         self._bad_callbacks: set[int] = set()
-        self._errors: dict[int, str] = {}    # backend position -> current run-time failure
-        self._reported: set[int] = set()     # backend positions already warned about
+        self._errors: dict[int, str] = {}  # backend position -> current run-time failure
+        self._reported: set[int] = set()  # backend positions already warned about
         self._last_ok: dict[int, Any] = {}
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None

@@ -26,8 +26,12 @@ def visible_tokens(variable: str) -> list[str] | None:
     return [token.strip() for token in value.split(",") if token.strip()]
 
 
-def select(tokens: list[str] | None, devices: Sequence[Any], variable: str,
-           uuid_of: Callable[[Any], str | None] = lambda device: None) -> list[Any]:
+def select(
+    tokens: list[str] | None,
+    devices: Sequence[Any],
+    variable: str,
+    uuid_of: Callable[[Any], str | None] = lambda device: None,
+) -> list[Any]:
     """The entries of ``devices`` that ``tokens`` name, in the tokens' order.
 
     An entry is an index into ``devices`` or a UUID prefix (``GPU-...``, as CUDA and ROCr accept a
@@ -68,7 +72,7 @@ def first(devices: list[Any], gpus: int | None, what: str) -> list[Any]:
         return devices
     if gpus > len(devices):
         log.warning("telemetry asked for %d GPU(s) but %s shows %d", gpus, what, len(devices))
-    return devices[:max(gpus, 0)]
+    return devices[: max(gpus, 0)]
 
 
 def engine_pci_bus_ids() -> list[tuple[int, int, int]] | None:

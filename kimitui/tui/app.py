@@ -13,12 +13,12 @@ from textual.app import App
 from textual.binding import Binding
 
 from kimitui.engine import EngineArgs
-from kimitui.tui.bridges.local import EngineBridge, EngineFactory
 from kimitui.tui.bridges.base import Bridge
-from kimitui.tui.chat.session import ChatHistory
-from kimitui.tui.palette import KimiCommands
+from kimitui.tui.bridges.local import EngineBridge, EngineFactory
 from kimitui.tui.chat.generation import GenerationSettings
+from kimitui.tui.chat.session import ChatHistory
 from kimitui.tui.messages import EngineReady
+from kimitui.tui.palette import KimiCommands
 from kimitui.tui.screens.help import HelpScreen
 from kimitui.tui.screens.load import LoadScreen
 from kimitui.tui.screens.main import MainScreen
@@ -39,11 +39,20 @@ class KimiApp(App):
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
-    def __init__(self, engine_args: EngineArgs, *, theme: str | None = None, sampler=None,
-                 engine_factory: EngineFactory | None = None, stats_source: Callable | None = None,
-                 clock: Callable[[], float] = time.monotonic, settings_file: Path | None = None,
-                 user_themes: Path | None = None, generation: GenerationSettings | None = None,
-                 bridge_factory: Callable[[App], Bridge] | None = None) -> None:
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        *,
+        theme: str | None = None,
+        sampler=None,
+        engine_factory: EngineFactory | None = None,
+        stats_source: Callable | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        settings_file: Path | None = None,
+        user_themes: Path | None = None,
+        generation: GenerationSettings | None = None,
+        bridge_factory: Callable[[App], Bridge] | None = None,
+    ) -> None:
         super().__init__()
         self.engine_args = engine_args
         self.requested_theme = theme
@@ -51,8 +60,9 @@ class KimiApp(App):
         self.clock = clock
         self.settings_file = settings_file
         self.user_themes = user_themes
-        self.bridge: Bridge = (bridge_factory(self) if bridge_factory is not None
-                               else EngineBridge(self, engine_args, engine_factory))
+        self.bridge: Bridge = (
+            bridge_factory(self) if bridge_factory is not None else EngineBridge(self, engine_args, engine_factory)
+        )
         self.stats_source = stats_source or self.bridge.stats
         self.chats = ChatHistory()
         self.gen_settings = generation or GenerationSettings()

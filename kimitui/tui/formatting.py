@@ -75,5 +75,7 @@ def spark(values, floor: float = 0.0) -> str:
         return ""
     top = max(known)
     span = (top - floor) or 1.0
-    return "".join(" " if v is None else SPARK[min(len(SPARK) - 1, max(0, round((v - floor) / span * (len(SPARK) - 1))))]
-                   for v in values)
+    return "".join(
+        " " if v is None else SPARK[min(len(SPARK) - 1, max(0, round((v - floor) / span * (len(SPARK) - 1))))]
+        for v in values
+    )

@@ -30,8 +30,11 @@ class KimiCommands(Provider):
             elif hasattr(screen, f"action_{action}") and screen.check_action(action, ()) is not False:
                 yield title, help_text, partial(screen.run_action, action)
         for name in sorted(self.app.available_themes):
-            yield (f"Theme: {name}", "switch theme (saved in settings.toml)",
-                   partial(self.app.run_action, f"set_theme({name!r})"))
+            yield (
+                f"Theme: {name}",
+                "switch theme (saved in settings.toml)",
+                partial(self.app.run_action, f"set_theme({name!r})"),
+            )
 
     async def discover(self) -> Hits:
         for title, help_text, callback in self._commands():

@@ -50,8 +50,7 @@ def run_tui(args: argparse.Namespace) -> int:
         sampler = TelemetrySampler(interval_s=interval, backends=backends)
         if bridge_factory is not None and getattr(args, "num_gpus", None) is None and urls:
             bridge_factory = _remote_bridge_factory(args, lambda: _gpus_seen(sampler))
-        app = KimiApp(engine_args, theme=getattr(args, "theme", None), sampler=sampler,
-                      bridge_factory=bridge_factory)
+        app = KimiApp(engine_args, theme=getattr(args, "theme", None), sampler=sampler, bridge_factory=bridge_factory)
         app.run()
     # The screen is gone; what is left is the interpreter's teardown, whose final garbage
     # collection walks every object a long session made (chat history, telemetry rings, Textual's

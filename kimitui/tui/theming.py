@@ -40,8 +40,10 @@ def initial_theme(app: App, requested: str | None, settings_file: Path | None = 
     if requested:
         if requested in available:
             return requested, None
-        return (saved if saved in available else DEFAULT_THEME,
-                f"unknown theme {requested!r}; available: {', '.join(sorted(available))}")
+        return (
+            saved if saved in available else DEFAULT_THEME,
+            f"unknown theme {requested!r}; available: {', '.join(sorted(available))}",
+        )
     if isinstance(saved, str) and saved in available:
         return saved, None
     return DEFAULT_THEME, None

@@ -27,8 +27,10 @@ def test_step_bytes_count_one_scale_byte_per_32_columns_for_mxfp4_and_two_for_in
     assert int4["dense"] == mxfp4["dense"]
 
 
-@pytest.mark.parametrize("fmt, dtype, config_format", [("int4", torch.int32, "pack-quantized"),
-                                                        ("mxfp4", torch.uint8, "mxfp4-pack-quantized")])
+@pytest.mark.parametrize(
+    "fmt, dtype, config_format",
+    [("int4", torch.int32, "pack-quantized"), ("mxfp4", torch.uint8, "mxfp4-pack-quantized")],
+)
 def test_checkpoint_holds_the_format_asked_for(tmp_path, fmt, dtype, config_format):
     bench.write_checkpoint(tmp_path, _args(fmt))
     assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["format"] == config_format
@@ -38,7 +40,10 @@ def test_checkpoint_holds_the_format_asked_for(tmp_path, fmt, dtype, config_form
             for name in st.keys():
                 if name.endswith("experts.0.down_proj.weight_packed"):
                     t = st.get_tensor(name)
-                    assert t.dtype == dtype and t.shape == (TINY["hidden"], TINY["inter"] // (8 if fmt == "int4" else 2))
+                    assert t.dtype == dtype and t.shape == (
+                        TINY["hidden"],
+                        TINY["inter"] // (8 if fmt == "int4" else 2),
+                    )
                     seen += 1
                 if fmt == "mxfp4" and name.endswith("experts.0.down_proj.weight_scale"):
                     assert st.get_tensor(name).dtype == torch.uint8

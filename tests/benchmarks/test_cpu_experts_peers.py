@@ -28,17 +28,20 @@ def test_defaults_time_every_batch_from_1_to_256_at_both_shapes_and_formats():
     assert args.kt_backends == "best" and args.vllm_python is None and args.flush_mb >= 0
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--shapes", "k2,k9"], "--shapes: k9"),
-    (["--formats", "fp8"], "--formats: fp8"),
-    (["--batches", "1,x"], "--batches"),
-    (["--batches", "0,4"], "at least 1"),
-    (["--threads", "0"], "--threads must be at least 1"),
-    (["--top-k", "9", "--experts", "8"], "more than --experts"),
-    (["--vllm-bf16"], "--vllm-bf16 needs --vllm-python"),
-    (["--vllm-python", "/nonexistent/python"], "is not a file"),
-    (["--flush-mb", "-1"], "--flush-mb"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--shapes", "k2,k9"], "--shapes: k9"),
+        (["--formats", "fp8"], "--formats: fp8"),
+        (["--batches", "1,x"], "--batches"),
+        (["--batches", "0,4"], "at least 1"),
+        (["--threads", "0"], "--threads must be at least 1"),
+        (["--top-k", "9", "--experts", "8"], "more than --experts"),
+        (["--vllm-bf16"], "--vllm-bf16 needs --vllm-python"),
+        (["--vllm-python", "/nonexistent/python"], "is not a file"),
+        (["--flush-mb", "-1"], "--flush-mb"),
+    ],
+)
 def test_bad_arguments_get_one_line_naming_the_problem(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
@@ -86,7 +89,7 @@ def test_flush_reads_its_buffer_and_zero_is_a_no_op():
 
 def _int4(e, n, k, seed=0):
     g = torch.Generator().manual_seed(seed)
-    packed = torch.randint(-2**31, 2**31 - 1, (e, n, k // 8), dtype=torch.int32, generator=g)
+    packed = torch.randint(-(2**31), 2**31 - 1, (e, n, k // 8), dtype=torch.int32, generator=g)
     scale = (torch.rand(e, n, k // 32, generator=g) + 0.5).to(torch.bfloat16)
     return packed, scale
 
@@ -133,17 +136,24 @@ def test_write_job_holds_bf16_inputs_and_int32_ids(tmp_path):
     x, ids, tw = torch.randn(3, 64), torch.tensor([[0, 1], [1, 0], [0, 1]]), torch.rand(3, 2, dtype=torch.float64)
     vx.write_job(str(tmp_path / "job.pt"), "int4", w, [(x, ids, tw)], 2, 3, "wall", flush_bytes=1 << 20)
     job = torch.load(tmp_path / "job.pt")
-    (jx, jids, jtw), = job["batches"]
+    ((jx, jids, jtw),) = job["batches"]
     assert jx.dtype == torch.bfloat16 and jids.dtype == torch.int32 and jtw.dtype == torch.float32
     assert torch.equal(jx, x.bfloat16()) and torch.equal(jids, ids.int())
-    assert (job["fmt"], job["threads"], job["repeats"], job["clock"], job["flush_bytes"]) == ("int4", 2, 3, "wall", 1 << 20)
+    assert (job["fmt"], job["threads"], job["repeats"], job["clock"], job["flush_bytes"]) == (
+        "int4",
+        2,
+        3,
+        "wall",
+        1 << 20,
+    )
     with pytest.raises(ValueError, match="format"):
         vx.write_job(str(tmp_path / "bad.pt"), "fp8", w, [], 2, 3, "wall")
 
 
 def test_runner_says_how_it_is_called():
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "vllm_experts.py")], capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "vllm_experts.py")], capture_output=True, text=True
+    )
     assert proc.returncode == 2 and "usage" in proc.stderr
 
 
@@ -159,15 +169,27 @@ def test_vllm_op_agrees_with_the_reference(tmp_path, fmt, tol):
         s13, s2 = s13 * 0.02, s2 * 0.02
     else:
         g = torch.Generator().manual_seed(3)
-        w13, w2 = (torch.randint(0, 256, s, dtype=torch.uint8, generator=g) for s in ((e, 2 * i, d // 2), (e, d, i // 2)))
-        s13, s2 = (torch.randint(118, 124, s, dtype=torch.uint8, generator=g) for s in ((e, 2 * i, d // 32), (e, d, i // 32)))
+        w13, w2 = (
+            torch.randint(0, 256, s, dtype=torch.uint8, generator=g) for s in ((e, 2 * i, d // 2), (e, d, i // 2))
+        )
+        s13, s2 = (
+            torch.randint(118, 124, s, dtype=torch.uint8, generator=g) for s in ((e, 2 * i, d // 32), (e, d, i // 32))
+        )
     w = {"w13": w13, "w13_scale": s13, "w2": w2, "w2_scale": s2}
     x = torch.randn(5, d)
     ids = torch.stack([torch.randperm(e)[:2] for _ in range(5)])
     tw = torch.rand(5, 2)
     vx.write_job(str(tmp_path / "in.pt"), fmt, w, [(x, ids, tw)], 2, 1, "wall")
-    proc = subprocess.run([os.environ["KIMITUI_VLLM_PYTHON"], str(REPO / "benchmarks" / "vllm_experts.py"),
-                           str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            os.environ["KIMITUI_VLLM_PYTHON"],
+            str(REPO / "benchmarks" / "vllm_experts.py"),
+            str(tmp_path / "in.pt"),
+            str(tmp_path / "out.pt"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = torch.load(tmp_path / "out.pt")
     got = next(iter(out["outs"].values())).float()

@@ -17,12 +17,30 @@ REPO = Path(__file__).resolve().parents[2]
 
 # everything the one-shot imports on its way, its lazily imported kernels and engine parts included
 MODULES = [
-    "benchmarks.gpucheck.main", "benchmarks.gpucheck.section", "benchmarks.gpucheck.small_ops",
-    "benchmarks.gpucheck.big_ops", "benchmarks.gpucheck.model_checks", "benchmarks.gpucheck.offload_check",
-    "kimitui.kernels.triton.rms_norm", "kimitui.kernels.triton.fused_add_rms_norm", "kimitui.kernels.triton.rope_fused", "kimitui.kernels.triton.mla_cache_write",
-    "kimitui.kernels.triton.moe_router", "kimitui.kernels.triton.moe_align", "kimitui.kernels.triton.mla_decode", "kimitui.kernels.triton.fused_moe", "kimitui.kernels.triton.gemm.fp8_block",
-    "kimitui.kernels.triton.gemm.w4a16", "kimitui.kernels.triton.gemm.mxfp4", "kimitui.kernels.kda", "kimitui.kernels.triton.kda_fla", "kimitui.kernels.triton.backend",
-    "kimitui.engine.models.deepseek_v3", "kimitui.engine.models.kimi_linear", "kimitui.engine.runner.model_runner", "kimitui.engine.runner.graphs",
+    "benchmarks.gpucheck.main",
+    "benchmarks.gpucheck.section",
+    "benchmarks.gpucheck.small_ops",
+    "benchmarks.gpucheck.big_ops",
+    "benchmarks.gpucheck.model_checks",
+    "benchmarks.gpucheck.offload_check",
+    "kimitui.kernels.triton.rms_norm",
+    "kimitui.kernels.triton.fused_add_rms_norm",
+    "kimitui.kernels.triton.rope_fused",
+    "kimitui.kernels.triton.mla_cache_write",
+    "kimitui.kernels.triton.moe_router",
+    "kimitui.kernels.triton.moe_align",
+    "kimitui.kernels.triton.mla_decode",
+    "kimitui.kernels.triton.fused_moe",
+    "kimitui.kernels.triton.gemm.fp8_block",
+    "kimitui.kernels.triton.gemm.w4a16",
+    "kimitui.kernels.triton.gemm.mxfp4",
+    "kimitui.kernels.kda",
+    "kimitui.kernels.triton.kda_fla",
+    "kimitui.kernels.triton.backend",
+    "kimitui.engine.models.deepseek_v3",
+    "kimitui.engine.models.kimi_linear",
+    "kimitui.engine.runner.model_runner",
+    "kimitui.engine.runner.graphs",
     "kimitui.engine.offload.cpu_experts",
 ]
 
@@ -49,8 +67,9 @@ for name in {MODULES!r}:
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in {ABSENT!r})
 print("LOADED", loaded)
 """
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_bare_env(tmp_path), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=_bare_env(tmp_path), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "LOADED []" in proc.stdout
 
@@ -69,8 +88,14 @@ def test_a_crashing_section_is_an_error_row(tmp_path):
 @pytest.mark.slow  # about 1.5-2 minutes on a 2-core machine: every section with interpreted Triton kernels
 def test_emulated_self_test_runs_every_section(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--emulate", "--out", str(out)], cwd=REPO,
-                          env=_bare_env(tmp_path), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--emulate", "--out", str(out)],
+        cwd=REPO,
+        env=_bare_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     rows = json.loads((out / "gpu_check.json").read_text())["rows"]
     table = (out / "gpu_check.md").read_text()
@@ -82,8 +107,9 @@ def test_emulated_self_test_runs_every_section(tmp_path):
     # the gpu tests were collected on a machine without the app's packages, and skip without a GPU
     assert "skipped" in by_section["tests"][0]["note"] and "0 errors" in by_section["tests"][0]["note"]
     kernel_rows = [r for r in by_section["kernels"] if r["check"] != "section time"]
-    assert sum(r["status"] == "pass" for r in kernel_rows) >= 15 and all(r["err"] is not None for r in kernel_rows
-                                                                       if r["status"] == "pass")
+    assert sum(r["status"] == "pass" for r in kernel_rows) >= 15 and all(
+        r["err"] is not None for r in kernel_rows if r["status"] == "pass"
+    )
     assert {r["check"] for r in by_section["graphs"]} >= {"capture", "decode step B=1: graph vs eager logits"}
     decode = [r for r in by_section["decode"] if r["tok_s"]]
     assert len(decode) == 6  # K2 shape: batch 1 and 4, eager and graphs; K3 shape: batch 1 and 4, eager
@@ -102,7 +128,8 @@ import fla.ops.kda, fla.modules.causal_conv1d
 print("FILES", fla.__file__, einops.__file__)
 """
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([*map(str, wheels), str(REPO)]))
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"{wheels[0]}" in proc.stdout and f"{wheels[1]}" in proc.stdout  # imported from inside the zips

@@ -58,7 +58,9 @@ def test_a_generator_check_stops_at_the_deadline(tmp_path):
 
 
 def _prebuild(tmp_path, code, limit=30.0, **env):
-    return prebuild.Prebuild({**os.environ, "KIMITUI_CPU_KERNELS": "1", **env}, limit, tmp_path / "build.log", code=code)
+    return prebuild.Prebuild(
+        {**os.environ, "KIMITUI_CPU_KERNELS": "1", **env}, limit, tmp_path / "build.log", code=code
+    )
 
 
 def test_prebuild_rows(tmp_path):
@@ -79,9 +81,11 @@ def test_an_overrunning_build_is_killed_and_its_lock_removed(tmp_path, monkeypat
     old_lock.touch()
     os.utime(old_lock, (time.time() - 3600, time.time() - 3600))  # another build's, from before: kept
     # a "build" that takes its lock and a compiler child, then never ends
-    code = ("import os, subprocess, time; d = os.environ['TORCH_EXTENSIONS_DIR'] + '/kimitui_cpu_few_rows_new'; "
-            "os.makedirs(d); open(d + '/lock', 'w').close(); "
-            "p = subprocess.Popen(['sleep', '300']); open(d + '/child', 'w').write(str(p.pid)); time.sleep(300)")
+    code = (
+        "import os, subprocess, time; d = os.environ['TORCH_EXTENSIONS_DIR'] + '/kimitui_cpu_few_rows_new'; "
+        "os.makedirs(d); open(d + '/lock', 'w').close(); "
+        "p = subprocess.Popen(['sleep', '300']); open(d + '/child', 'w').write(str(p.pid)); time.sleep(300)"
+    )
     build = _prebuild(tmp_path, code, limit=3.0, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
     t = time.monotonic()
     row, extra = build.finish()
@@ -121,8 +125,12 @@ def test_offload_waits_for_the_build_outside_its_limit(tmp_path, monkeypatch):
     monkeypatch.setattr(main, "run_section", fake_section)
     monkeypatch.setattr(main, "env_rows", lambda emulate: [])
     main.main(["--emulate", "--sections", "kernels,offload", "--out", str(tmp_path)])
-    assert calls == [("build started", main.BUILD_LIMIT[1]), ("kernels", {}), ("build waited",),
-                     ("offload", {"KIMITUI_CPU_KERNELS": "0"})]
+    assert calls == [
+        ("build started", main.BUILD_LIMIT[1]),
+        ("kernels", {}),
+        ("build waited",),
+        ("offload", {"KIMITUI_CPU_KERNELS": "0"}),
+    ]
     checks = [r["check"] for r in json.loads((tmp_path / "gpu_check.json").read_text())["rows"]]
     assert checks.index(prebuild.CHECK) < checks.index("a row", checks.index("section time") + 1)
     calls.clear()
@@ -131,11 +139,17 @@ def test_offload_waits_for_the_build_outside_its_limit(tmp_path, monkeypatch):
 
 
 def test_carried_wheels_are_the_pinned_fla_core_and_einops(tmp_path):
-    for name in ("fla_core-0.5.0-py3-none-any.whl", "fla_core-0.6.0-py3-none-any.whl",
-                 "fla_core-0.7.1-py3-none-any.whl", "einops-0.8.1-py3-none-any.whl"):
+    for name in (
+        "fla_core-0.5.0-py3-none-any.whl",
+        "fla_core-0.6.0-py3-none-any.whl",
+        "fla_core-0.7.1-py3-none-any.whl",
+        "einops-0.8.1-py3-none-any.whl",
+    ):
         (tmp_path / name).touch()
-    assert [w.name for w in carried.carried_wheels(tmp_path)] == ["fla_core-0.6.0-py3-none-any.whl",
-                                                                  "einops-0.8.1-py3-none-any.whl"]
+    assert [w.name for w in carried.carried_wheels(tmp_path)] == [
+        "fla_core-0.6.0-py3-none-any.whl",
+        "einops-0.8.1-py3-none-any.whl",
+    ]
 
 
 def _env(*front: Path) -> dict[str, str]:
@@ -189,8 +203,13 @@ def test_fla_row_passes_only_when_fla_imports(tmp_path):
 
 def test_fla_row_fails_on_another_fla_version(tmp_path):
     fake = tmp_path / "fake"
-    for mod in ("fla/__init__.py", "fla/ops/__init__.py", "fla/ops/kda/__init__.py", "fla/modules/__init__.py",
-                "fla/modules/causal_conv1d.py"):
+    for mod in (
+        "fla/__init__.py",
+        "fla/ops/__init__.py",
+        "fla/ops/kda/__init__.py",
+        "fla/modules/__init__.py",
+        "fla/modules/causal_conv1d.py",
+    ):
         (fake / mod).parent.mkdir(parents=True, exist_ok=True)
         (fake / mod).write_text('__version__ = "0.7.0"\n' if mod == "fla/__init__.py" else "")
     row = carried.fla_row(_env(fake), emulate=False, folder=tmp_path)

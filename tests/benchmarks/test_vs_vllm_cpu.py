@@ -25,8 +25,13 @@ def test_prompts_are_the_same_in_every_call_and_inside_the_vocab():
 
 
 def test_tree_cpu_seconds_counts_a_busy_child():
-    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
-                              "while time.process_time() - t < 0.6: pass\ntime.sleep(30)"])
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\ntime.sleep(30)",
+        ]
+    )
     try:
         deadline = time.time() + 30
         while bench.tree_cpu_seconds(child.pid) < 0.5 and time.time() < deadline:
@@ -46,27 +51,45 @@ def test_agreement_counts_equal_requests_and_the_prefix_before_the_first_differe
 def test_checkpoint_loads_in_our_engine(tmp_path):
     from kimitui.engine import LLM, SamplingParams
 
-    config = dict(bench.MODEL_CONFIG, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                  moe_intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, vocab_size=256,
-                  q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    config = dict(
+        bench.MODEL_CONFIG,
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=256,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    )
     bench.write_checkpoint(tmp_path, config)
     bench.write_checkpoint(tmp_path, config)  # a second call reuses it
     with pytest.raises(SystemExit, match="another shape"):
         bench.write_checkpoint(tmp_path, dict(config, num_hidden_layers=3))
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=2)
-    out = llm.generate([{"prompt_token_ids": p} for p in bench.prompts(2, 8, 256)],
-                       SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    out = llm.generate(
+        [{"prompt_token_ids": p} for p in bench.prompts(2, 8, 256)],
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+    )
     assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
 
 
-@pytest.mark.parametrize("argv,message", [
-    ([], "--vllm-python is required"),
-    (["--no-vllm", "--concurrency", "1,x"], "comma-separated integers"),
-    (["--no-vllm", "--dtypes", "float16"], "--dtypes takes"),
-    (["--no-vllm", "--layers", "1"], "--layers must be >= 2"),
-    (["--vllm-python", "python", "--vllm-env", "NOEQUALS"], "KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        ([], "--vllm-python is required"),
+        (["--no-vllm", "--concurrency", "1,x"], "comma-separated integers"),
+        (["--no-vllm", "--dtypes", "float16"], "--dtypes takes"),
+        (["--no-vllm", "--layers", "1"], "--layers must be >= 2"),
+        (["--vllm-python", "python", "--vllm-env", "NOEQUALS"], "KEY=VALUE"),
+    ],
+)
 def test_bad_arguments_get_a_one_line_error(argv, message):
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "vs_vllm_cpu.py"), *argv],
-                         capture_output=True, text=True, cwd=REPO)
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "vs_vllm_cpu.py"), *argv], capture_output=True, text=True, cwd=REPO
+    )
     assert run.returncode == 2 and message in run.stderr

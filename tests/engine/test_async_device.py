@@ -78,6 +78,7 @@ def test_engine_thread_selects_the_engine_device(monkeypatch):
 
     llm = async_llm.AsyncLLM(engine_args=SimpleNamespace())
     try:
+
         async def one():
             return [out async for out in llm.generate([1], request_id="r")]
 

@@ -52,13 +52,22 @@ def _write(kind: str, path: Path) -> None:
 
 
 def _run_child(path: Path, dtype: str, emulate: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KIMITUI_EMULATE_DEVICE",
-                                                            "KIMITUI_KERNELS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TRITON_INTERPRET", "KIMITUI_EMULATE_DEVICE", "KIMITUI_KERNELS")
+    }
     if emulate:
         env.update(KIMITUI_EMULATE_DEVICE="1", TRITON_INTERPRET="1")
     env["HF_HUB_OFFLINE"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "tests.engine.test_emulated_device", str(path), dtype],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.engine.test_emulated_device", str(path), dtype],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         pytest.fail(f"child ({dtype}, emulate={emulate}) failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")

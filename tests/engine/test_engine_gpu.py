@@ -21,8 +21,9 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs
 
 def _generate(path, device, **kw):
     # the cache size given, not sized from free host RAM (psutil), which a bare GPU image may lack
-    llm = LLM(str(path), device=device, dtype="float32", max_model_len=256, max_num_seqs=4,
-              kv_cache_tokens=4 * 256 + 16, **kw)
+    llm = LLM(
+        str(path), device=device, dtype="float32", max_model_len=256, max_num_seqs=4, kv_cache_tokens=4 * 256 + 16, **kw
+    )
     try:
         return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)]
     finally:

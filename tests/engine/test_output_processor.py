@@ -32,9 +32,16 @@ class Harness:
     """Drives scheduler + processor the way LLMEngine.step does, with scripted tokens."""
 
     def __init__(self, chunk: int = 64):
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=chunk, max_model_len=256,
-                                                   block_size=4, enable_chunked_prefill=True),
-                                   BlockManager(64, 4, False))
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=4,
+                max_num_batched_tokens=chunk,
+                max_model_len=256,
+                block_size=4,
+                enable_chunked_prefill=True,
+            ),
+            BlockManager(64, 4, False),
+        )
         self.proc = OutputProcessor(tokenizer=None)
         self.script: dict[str, list[int]] = {}
         self.clock = 100.0

@@ -14,9 +14,24 @@ from pathlib import Path
 # in this project's venv but not on the lent machine (its package list: the device notes' KINDS.md). sniffio is
 # not on that list either, but this venv's anyio pytest plugin imports it when pytest starts: blocking it
 # would test this venv's anyio, not our code
-ABSENT = ("textual", "fastapi", "uvicorn", "starlette", "pydantic", "pydantic_core", "openai", "platformdirs",
-          "truststore", "linkify_it", "mdit_py_plugins", "opentelemetry", "jiter", "annotated_types",
-          "typing_inspection", "pytest_asyncio")
+ABSENT = (
+    "textual",
+    "fastapi",
+    "uvicorn",
+    "starlette",
+    "pydantic",
+    "pydantic_core",
+    "openai",
+    "platformdirs",
+    "truststore",
+    "linkify_it",
+    "mdit_py_plugins",
+    "opentelemetry",
+    "jiter",
+    "annotated_types",
+    "typing_inspection",
+    "pytest_asyncio",
+)
 
 _SITECUSTOMIZE = '''
 import sys

@@ -8,13 +8,37 @@ from pathlib import Path
 import torch
 
 BASE = dict(
-    vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-    qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-    first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
-    max_position_embeddings=512, rope_theta=10000.0,
-    rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
-                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    rope_scaling={
+        "type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
 )
 
 
@@ -59,13 +83,14 @@ def rewrite_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dic
     weight_map = {}
     per = -(-len(names) // shards)
     for i in range(shards):
-        part = names[i * per:(i + 1) * per]
+        part = names[i * per : (i + 1) * per]
         fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         save_file({n: tensors[n].contiguous() for n in part}, str(path / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in part})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                 "weight_map": weight_map}, indent=2))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
     (path / "config.json").write_text(json.dumps(config, indent=2))
 
 
@@ -77,4 +102,4 @@ def hf_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()

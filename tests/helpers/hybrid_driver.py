@@ -24,15 +24,23 @@ class Seq:
 
 
 class HybridDriver:
-    def __init__(self, path, max_seqs: int = 4, max_len: int = 512, block_size: int = 16, par=None,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        path,
+        max_seqs: int = 4,
+        max_len: int = 512,
+        block_size: int = 16,
+        par=None,
+        dtype: torch.dtype = torch.float32,
+    ):
         self.config = ModelConfig.from_pretrained(path)
         self.model, self.report = load_model(self.config, path, torch.device("cpu"), dtype, par=par)
         self.block_size = block_size
         self.blocks_per_seq = -(-max_len // block_size)
         specs = self.model.cache_specs(dtype)
-        self.caches = [s.allocate(max_seqs * self.blocks_per_seq, block_size, max_seqs, torch.device("cpu"))
-                       for s in specs]
+        self.caches = [
+            s.allocate(max_seqs * self.blocks_per_seq, block_size, max_seqs, torch.device("cpu")) for s in specs
+        ]
         self.max_seqs = max_seqs
         self.free = list(range(max_seqs))
 
@@ -69,17 +77,21 @@ class HybridDriver:
             seq.tokens += toks
             seq.num_computed += len(toks)
         meta = AttentionMetadata(
-            positions=torch.tensor(pos), slot_mapping=torch.tensor(slots), block_size=self.block_size,
+            positions=torch.tensor(pos),
+            slot_mapping=torch.tensor(slots),
+            block_size=self.block_size,
             num_decode_tokens=n_dec,
             decode_block_tables=torch.stack(dec_tables) if dec_tables else None,
             decode_context_lens=torch.tensor(dec_lens, dtype=torch.int32) if dec_lens else None,
-            decode_max_context_len=max(dec_lens, default=0), prefills=prefills,
-            state_slots=torch.tensor(state_slots))
+            decode_max_context_len=max(dec_lens, default=0),
+            prefills=prefills,
+            state_slots=torch.tensor(state_slots),
+        )
         hidden = self.model(torch.tensor(ids), meta, self.caches)
         logp = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
         out, row = [], 0
         for _, toks in items:
-            out.append(logp[row: row + len(toks)])
+            out.append(logp[row : row + len(toks)])
             row += len(toks)
         return out
 
@@ -93,7 +105,7 @@ class HybridDriver:
             for i, (s, p) in enumerate(zip(seqs, prompts)):
                 n = min(len(p) - s.num_computed, left)
                 if n > 0:
-                    items.append((i, s, p[s.num_computed: s.num_computed + n]))
+                    items.append((i, s, p[s.num_computed : s.num_computed + n]))
                     left -= n
             for (i, s, _), lp in zip(items, self.step([(s, t) for _, s, t in items])):
                 yield i, s, lp

@@ -49,7 +49,11 @@ def run_interpreted(module: str, *cases: str) -> dict[str, str]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "KIMITUI_KERNELS": ""}
     proc = subprocess.run(
         [sys.executable, "-m", module, *cases],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:

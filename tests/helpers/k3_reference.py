@@ -61,14 +61,16 @@ class K3Reference:
         def conv(name, y):  # depthwise causal conv, zero left padding, then SiLU; y [T, P]
             w = self.w(p + name)[:, 0, :]  # [P, K]
             pad = torch.cat([torch.zeros(kk - 1, y.shape[1], dtype=y.dtype), y])
-            return F.silu(torch.stack([(pad[i: i + kk].T * w).sum(-1) for i in range(t)]))
+            return F.silu(torch.stack([(pad[i : i + kk].T * w).sum(-1) for i in range(t)]))
 
         q = conv("q_conv1d.weight", x @ self.w(p + "q_proj.weight").T).view(t, h, dk)
         k = conv("k_conv1d.weight", x @ self.w(p + "k_proj.weight").T).view(t, h, dk)
         v = conv("v_conv1d.weight", x @ self.w(p + "v_proj.weight").T).view(t, h, dk)
-        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dk ** -0.5
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dk**-0.5
         k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-        a = (x @ self.w(p + "f_a_proj.weight").T @ self.w(p + "f_b_proj.weight").T + self.w(p + "dt_bias")).view(t, h, dk)
+        a = (x @ self.w(p + "f_a_proj.weight").T @ self.w(p + "f_b_proj.weight").T + self.w(p + "dt_bias")).view(
+            t, h, dk
+        )
         rate = torch.exp(self.w(p + "A_log").reshape(-1)[:h])[None, :, None]  # A_log[:H], one value per head
         if la.get("gate_lower_bound") is not None:
             g = la["gate_lower_bound"] * torch.sigmoid(rate * a)
@@ -95,7 +97,10 @@ class K3Reference:
         nope, rope, vd, r = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
         eps = c["rms_norm_eps"]
         if c.get("q_lora_rank"):
-            q = rms(x @ self.w(p + "q_a_proj.weight").T, self.w(p + "q_a_layernorm.weight"), eps) @ self.w(p + "q_b_proj.weight").T
+            q = (
+                rms(x @ self.w(p + "q_a_proj.weight").T, self.w(p + "q_a_layernorm.weight"), eps)
+                @ self.w(p + "q_b_proj.weight").T
+            )
         else:
             q = x @ self.w(p + "q_proj.weight").T
         q = q.view(t, h, nope + rope)
@@ -111,7 +116,10 @@ class K3Reference:
         return o @ self.w(p + "o_proj.weight").T
 
     def dense(self, p, x):
-        return self.act(x @ self.w(p + "gate_proj.weight").T, x @ self.w(p + "up_proj.weight").T) @ self.w(p + "down_proj.weight").T
+        return (
+            self.act(x @ self.w(p + "gate_proj.weight").T, x @ self.w(p + "up_proj.weight").T)
+            @ self.w(p + "down_proj.weight").T
+        )
 
     def moe(self, p, x):
         c = self.c
@@ -141,8 +149,9 @@ class K3Reference:
 
     def mix(self, x, blocks, name):
         cands = torch.stack([*blocks, x], 1)  # [T, n+1, D]
-        scores = (rms(cands, self.w(name + "_norm.weight"), self.c["rms_norm_eps"])
-                  * self.w(name + "_proj.weight")[0]).sum(-1)
+        scores = (
+            rms(cands, self.w(name + "_norm.weight"), self.c["rms_norm_eps"]) * self.w(name + "_proj.weight")[0]
+        ).sum(-1)
         return (scores.softmax(-1)[..., None] * cands).sum(1)
 
     @torch.no_grad()

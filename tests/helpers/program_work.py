@@ -63,6 +63,7 @@ def program_work():
             if getattr(self, "grid_idx", None) is not None:
                 work.elements[self.grid_idx] += _size(out)
             return out
+
         return counted
 
     for name in dir(cls):

@@ -48,10 +48,16 @@ def quantize_checkpoint(path: Path, method: str, hf_model, wrap_k25: bool = Fals
         out["vision_tower.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2, dtype=torch.bfloat16)
         out["mm_projector.proj.0.weight"] = torch.zeros(8, 8, dtype=torch.bfloat16)
         text = dict(config, model_type="kimi_k2")
-        config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-                  "text_config": text, "vision_config": {"patch_size": 14}, "quantization_config": text["quantization_config"],
-                  "bos_token_id": text.get("bos_token_id"), "eos_token_id": text.get("eos_token_id"),
-                  "tie_word_embeddings": False}
+        config = {
+            "architectures": ["KimiK25ForConditionalGeneration"],
+            "model_type": "kimi_k25",
+            "text_config": text,
+            "vision_config": {"patch_size": 14},
+            "quantization_config": text["quantization_config"],
+            "bos_token_id": text.get("bos_token_id"),
+            "eos_token_id": text.get("eos_token_id"),
+            "tie_word_embeddings": False,
+        }
     rewrite_checkpoint(path, out, config)
     _load_dequantised(hf_model, dequant)
 
@@ -60,12 +66,31 @@ def _quant_config(method: str) -> dict:
     if method == "fp8":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
     fmt = "pack-quantized" if method == "int4" else "mxfp4-pack-quantized"
-    weights = {"num_bits": 4, "type": "int" if method == "int4" else "float", "symmetric": True,
-               "strategy": "group", "group_size": 32, "dynamic": False, "observer": "minmax", "actorder": None}
-    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
-                                          "output_activations": None, "weights": weights}},
-            "ignore": K25_IGNORE, "kv_cache_scheme": None}
+    weights = {
+        "num_bits": 4,
+        "type": "int" if method == "int4" else "float",
+        "symmetric": True,
+        "strategy": "group",
+        "group_size": 32,
+        "dynamic": False,
+        "observer": "minmax",
+        "actorder": None,
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "input_activations": None,
+                "output_activations": None,
+                "weights": weights,
+            }
+        },
+        "ignore": K25_IGNORE,
+        "kv_cache_scheme": None,
+    }
 
 
 def _load_dequantised(hf_model, dequant: dict[str, torch.Tensor]) -> None:

@@ -35,8 +35,10 @@ class ToyHybrid(nn.Module):
 
     def cache_specs(self, dtype: torch.dtype) -> list:
         # recurrent [slots, 1, 1, dim]; conv [slots, dim + 2, 2] of which the first dim channels are used
-        return [MLACacheSpec(dim=self.dim, dtype=dtype),
-                KDAStateSpec(num_heads=1, head_k_dim=1, head_v_dim=self.dim, conv_kernel=3)]
+        return [
+            MLACacheSpec(dim=self.dim, dtype=dtype),
+            KDAStateSpec(num_heads=1, head_k_dim=1, head_v_dim=self.dim, conv_kernel=3),
+        ]
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:
         x = self.embed[input_ids]  # [T, D] float64
@@ -59,7 +61,7 @@ class ToyHybrid(nn.Module):
         for c in meta.prefills:
             ctx = flat[gather_slots(c.block_table, c.context_len, bs)].double()  # [context_len, D]
             means = ctx.cumsum(0) / torch.arange(1, c.context_len + 1, dtype=torch.float64)[:, None]
-            out[c.start: c.end] = means[c.context_len - (c.end - c.start):]
+            out[c.start : c.end] = means[c.context_len - (c.end - c.start) :]
         return out
 
     def _state(self, x: torch.Tensor, meta: AttentionMetadata, state: KDAState) -> torch.Tensor:

@@ -84,8 +84,10 @@ def test_recurrent_decode_matches_recurrence_and_updates_only_its_slots():
     before = pool.clone()
     q, k, v, g, beta = _inputs(N, H, K, V)
     # Two decode steps in a row: the second continues from what the first wrote.
-    outs = [kda.recurrent_kda(q, k, v, g, beta, pool, slots, scale=0.25),
-            kda.recurrent_kda(k, q, v, g, beta, pool, slots, scale=0.25)]
+    outs = [
+        kda.recurrent_kda(q, k, v, g, beta, pool, slots, scale=0.25),
+        kda.recurrent_kda(k, q, v, g, beta, pool, slots, scale=0.25),
+    ]
     cu = torch.arange(N + 1)
     o1, h1 = ref.kda_recurrence_reference(q, k, v, g, beta, before[slots], cu, 0.25)
     o2, h2 = ref.kda_recurrence_reference(k, q, v, g, beta, h1, cu, 0.25)
@@ -108,10 +110,10 @@ def test_conv_with_history_equals_full_conv():
         y, hist = kda.causal_conv1d(x[s:e], w, hist, _cu([e - s]))
         ys.append(y)
     for t in range(20, T):
-        y, hist = kda.causal_conv1d(x[t:t + 1], w, hist, None)
+        y, hist = kda.causal_conv1d(x[t : t + 1], w, hist, None)
         ys.append(y)
     torch.testing.assert_close(torch.cat(ys), full, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(hist[0], x[T - W + 1:].t())
+    torch.testing.assert_close(hist[0], x[T - W + 1 :].t())
 
 
 def test_conv_varlen_matches_reference_per_sequence():
@@ -171,15 +173,30 @@ def test_chunk_and_recurrent_match_transformers_torch_forms():
     T, H, K = 130, 2, 32
     q, k, v, g, beta = _inputs(T, H, K, K)
     h0 = torch.randn(1, H, K, K)
-    want, want_h = hf.chunk_kimi_delta_attention(q[None], k[None], v[None], g[None], beta[None], initial_state=h0,
-                                                 output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want, want_h = hf.chunk_kimi_delta_attention(
+        q[None],
+        k[None],
+        v[None],
+        g[None],
+        beta[None],
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
     o, hT = kda.chunk_kda(q, k, v, g, beta, h0, _cu([T]), scale=K**-0.5)
     torch.testing.assert_close(o, want[0], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(hT, want_h, atol=1e-5, rtol=1e-4)
     # decode: 3 sequences, one token each, transformers' batch = our slots
-    want, want_h = hf.recurrent_kimi_delta_attention(q[:3, None], k[:3, None], v[:3, None], g[:3, None],
-                                                     beta[:3, None], initial_state=h0.expand(3, -1, -1, -1),
-                                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want, want_h = hf.recurrent_kimi_delta_attention(
+        q[:3, None],
+        k[:3, None],
+        v[:3, None],
+        g[:3, None],
+        beta[:3, None],
+        initial_state=h0.expand(3, -1, -1, -1),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
     pool = h0.expand(3, -1, -1, -1).clone()
     o = kda.recurrent_kda(q[:3], k[:3], v[:3], g[:3], beta[:3], pool, torch.arange(3), scale=K**-0.5)
     torch.testing.assert_close(o, want[:, 0], atol=1e-5, rtol=1e-5)

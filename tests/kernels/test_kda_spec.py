@@ -24,8 +24,9 @@ def test_spec_recurrence_equals_position_by_position_decodes():
         for t in range(length):
             r = start + t
             s = torch.tensor([slots[n]])
-            want[r] = kda.recurrent_kda(q[r:r + 1], k[r:r + 1], v[r:r + 1], g[r:r + 1], beta[r:r + 1], want_pool, s,
-                                        0.25)[0]
+            want[r] = kda.recurrent_kda(
+                q[r : r + 1], k[r : r + 1], v[r : r + 1], g[r : r + 1], beta[r : r + 1], want_pool, s, 0.25
+            )[0]
             if t < length - 1:
                 want_pool[indices[n, t]] = want_pool[slots[n]]
         start += length

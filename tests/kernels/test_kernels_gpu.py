@@ -100,7 +100,7 @@ def test_mla_decode_bf16_k2_shapes(dev):
     table = torch.zeros(len(lens), max(blocks), dtype=torch.int32, device=dev)
     at = 0
     for i, n in enumerate(blocks):
-        table[i, :n] = perm[at: at + n]
+        table[i, :n] = perm[at : at + n]
         at += n
     cache = torch.randn(sum(blocks) * block, r + rope, device=dev, dtype=torch.bfloat16)
     q = torch.randn(len(lens), heads, r + rope, device=dev, dtype=torch.bfloat16)

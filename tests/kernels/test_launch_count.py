@@ -41,8 +41,9 @@ def test_nothing_is_counted_outside_the_block():
 
 @pytest.fixture
 def gloo_single_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, timeout=timedelta(seconds=30)
+    )
     try:
         yield
     finally:

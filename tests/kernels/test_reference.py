@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kimitui.kernels.cpu import moe as cpu_moe
 from kimitui.kernels import reference as ref
+from kimitui.kernels.cpu import moe as cpu_moe
 
 
 @pytest.fixture(autouse=True)
@@ -65,14 +65,14 @@ def test_int4_bit_layout_and_negative_words():
     assert ref.pack_int4(torch.full((1, 8), 7, dtype=torch.int8)).item() == -1
     top = torch.zeros(1, 8, dtype=torch.int8)
     assert ref.pack_int4(top).item() == 0x88888888 - 2**32
-    words = torch.tensor([[-1, 0x88888888 - 2**32, -2**31]], dtype=torch.int32)
+    words = torch.tensor([[-1, 0x88888888 - 2**32, -(2**31)]], dtype=torch.int32)
     q = ref.unpack_int4(words, 24)
     assert (q[0, :8] == 7).all() and (q[0, 8:16] == 0).all()
     assert q[0, 23] == 0 and (q[0, 16:23] == -8).all()  # 0x80000000: top nibble 8, rest 0
 
 
 def test_int4_nibbles_byte_path_equals_shift_path(monkeypatch):
-    words = torch.randint(-2**31, 2**31 - 1, (3, 2, 5), dtype=torch.int32)
+    words = torch.randint(-(2**31), 2**31 - 1, (3, 2, 5), dtype=torch.int32)
     fast = ref.int4_nibbles(words, 37)
     monkeypatch.setattr(ref.sys, "byteorder", "big")  # the word-shift path any byte order can use
     slow = ref.int4_nibbles(words, 37)
@@ -145,9 +145,7 @@ def test_linears_equal_dequant_then_matmul():
     x = torch.randn(2, 3, 64)  # [B, S, K]
     w = torch.randn(48, 64)
     q8, s8 = ref.quantize_fp8_block(w, block=(32, 32))
-    torch.testing.assert_close(
-        ref.linear_fp8_block(x, q8, s8, (32, 32)), x @ ref.dequant_fp8_block(q8, s8, (32, 32)).T
-    )
+    torch.testing.assert_close(ref.linear_fp8_block(x, q8, s8, (32, 32)), x @ ref.dequant_fp8_block(q8, s8, (32, 32)).T)
     p4, s4 = ref.quantize_int4(w)
     torch.testing.assert_close(ref.linear_w4a16(x, p4, s4, 64), x @ ref.dequant_int4(p4, s4, 64).T)
     pm, sm = ref.quantize_mxfp4(w)
@@ -301,10 +299,16 @@ def test_int4pack_cpu_experts_equal_dequantised_experts(dtype, tol):
     q2 = [ref.quantize_int4(w2[i]) for i in range(e)]
     packs13 = [cpu_moe.prepack_int4_cpu(p, s, d, 32, dtype) for p, s in q13]
     packs2 = [cpu_moe.prepack_int4_cpu(p, s, inter, 32, dtype) for p, s in q2]
-    got = cpu_moe.moe_experts_int4pack_cpu(x.to(dtype), topk_ids, topk_weights,
-                                           torch.stack([p for p, _ in packs13]), torch.stack([s for _, s in packs13]),
-                                           torch.stack([p for p, _ in packs2]), torch.stack([s for _, s in packs2]),
-                                           32)
+    got = cpu_moe.moe_experts_int4pack_cpu(
+        x.to(dtype),
+        topk_ids,
+        topk_weights,
+        torch.stack([p for p, _ in packs13]),
+        torch.stack([s for _, s in packs13]),
+        torch.stack([p for p, _ in packs2]),
+        torch.stack([s for _, s in packs2]),
+        32,
+    )
     assert got.dtype == dtype
     dq13 = torch.stack([ref.dequant_int4(p, s, d) for p, s in q13])
     dq2 = torch.stack([ref.dequant_int4(p, s, inter) for p, s in q2])

@@ -81,8 +81,11 @@ def triton_router_nan_grouped_and_softmax():
 
     logits = _nan_logits(e=64)
     bias = torch.randn(64) * 0.01
-    for args, kwargs in (((6, 8, 3), {}), ((4, 1, 1), dict(scoring_func="softmax")),
-                         ((5, 4, 2), dict(scoring_func="softmax", norm_topk_prob=False))):
+    for args, kwargs in (
+        ((6, 8, 3), {}),
+        ((4, 1, 1), dict(scoring_func="softmax")),
+        ((5, 4, 2), dict(scoring_func="softmax", norm_topk_prob=False)),
+    ):
         ids, weights = moe_route_logits(logits, bias, *args, **kwargs)
         _check_ids(ids, 64, args[0])
         assert bool(weights.isfinite().all()), (args, weights)
@@ -129,9 +132,8 @@ def test_reference_router_nan_row():
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_engine_router_nan_hidden_state(backend):
     """``Backend.moe_route`` from the hidden state (the CPU backend: the C++ router for few rows)."""
-    from kimitui.kernels.backend import REFERENCE
-
     from kimitui.kernels import reference as ref
+    from kimitui.kernels.backend import REFERENCE
 
     if backend == "cpu":
         from kimitui.kernels.cpu.backend import CpuBackend

@@ -31,8 +31,14 @@ def test_env_forces_reference():
 
 
 def test_settings_are_read_once_and_checked():
-    s = KernelSettings.from_env({"KIMITUI_KERNELS": "Reference", "KIMITUI_CPU_KERNELS": "off",
-                                 "KIMITUI_EMULATE_DEVICE": "1", "TRITON_INTERPRET": "1"})
+    s = KernelSettings.from_env(
+        {
+            "KIMITUI_KERNELS": "Reference",
+            "KIMITUI_CPU_KERNELS": "off",
+            "KIMITUI_EMULATE_DEVICE": "1",
+            "TRITON_INTERPRET": "1",
+        }
+    )
     assert s == KernelSettings(kernels="reference", cpu_kernels=False, emulate_device=True, triton_interpret=True)
     with pytest.raises(Exception):
         s.kernels = "auto"  # frozen
@@ -71,8 +77,10 @@ def test_cpu_backend_matches_reference():
     w13, w2 = torch.randn(3, 16, 64), torch.randn(3, 64, 8)
     # On a CPU the experts may run in kernels.cpu_few_rows, which sums the products in another order.
     torch.testing.assert_close(
-        ops.moe_experts(x[0, :2], ids, tw, w13, w2), ref.moe_experts_reference(x[0, :2], ids, tw, w13, w2),
-        rtol=1e-5, atol=1e-4,
+        ops.moe_experts(x[0, :2], ids, tw, w13, w2),
+        ref.moe_experts_reference(x[0, :2], ids, tw, w13, w2),
+        rtol=1e-5,
+        atol=1e-4,
     )
     with pytest.raises(ValueError, match="input features"):
         ops.linear_w4a16(x, p, s, 32)
@@ -80,8 +88,8 @@ def test_cpu_backend_matches_reference():
 
 @needs_triton
 def test_wrappers_reject_bad_inputs(monkeypatch):
-    from kimitui.kernels.triton.gemm.fp8_block import fp8_block_gemm
     from kimitui.kernels.triton.fused_moe import fused_moe
+    from kimitui.kernels.triton.gemm.fp8_block import fp8_block_gemm
     from kimitui.kernels.triton.gemm.mxfp4 import mxfp4_gemm
     from kimitui.kernels.triton.gemm.w4a16 import w4a16_gemm
 

@@ -24,16 +24,26 @@ def fake_openai_app(delay_s: float = 0.02, slow_after: int | None = None) -> Fas
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": "fake-model", "object": "model", "owned_by": "fake",
-                                            "max_model_len": 2048}]}
+        return {
+            "object": "list",
+            "data": [{"id": "fake-model", "object": "model", "owned_by": "fake", "max_model_len": 2048}],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await request.json()
         app.state.requests.append(body)
         if body.get("max_tokens", 0) > 4096:
-            return JSONResponse({"error": {"message": f"max_tokens {body['max_tokens']} > 4096",
-                                           "type": "BadRequestError", "code": 400}}, status_code=400)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"max_tokens {body['max_tokens']} > 4096",
+                        "type": "BadRequestError",
+                        "code": 400,
+                    }
+                },
+                status_code=400,
+            )
 
         async def events():
             for i, piece in enumerate(PIECES):

@@ -14,9 +14,9 @@ import json
 import openai
 import pytest
 
+from kimitui.cli import main
 from kimitui.engine import AsyncLLM, EngineArgs, SamplingParams
 from kimitui.engine.text.chat_format import chat_format_for
-from kimitui.cli import main
 from kimitui.server import BackgroundServer, create_app
 from kimitui.tui.app import KimiApp
 from kimitui.tui.chat.generation import GenerationSettings
@@ -46,6 +46,7 @@ def _chat(llm: AsyncLLM, messages: list[dict], **params):
         async for out in llm.generate(fmt.encode(messages).ids, params):
             pass
         return out.outputs[0]
+
     return asyncio.run(run())
 
 
@@ -60,8 +61,11 @@ def test_tui_reply_streams_into_a_thinking_block(llm, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
 
     async def scenario():
-        app = KimiApp(ARGS, engine_factory=lambda args, progress: SharedLLM(llm),
-                      generation=GenerationSettings(max_tokens=8, temperature=0.0))
+        app = KimiApp(
+            ARGS,
+            engine_factory=lambda args, progress: SharedLLM(llm),
+            generation=GenerationSettings(max_tokens=8, temperature=0.0),
+        )
         async with app.run_test(size=(180, 50)) as pilot:
             await wait_for(pilot, lambda: app.screen.id == "main")
             await pilot.pause(0.05)
@@ -91,25 +95,38 @@ def test_server_with_openai_client(llm):
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == [SERVED]
-        r = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=6, temperature=0)
+        r = client.chat.completions.create(
+            model=SERVED, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
+        )
         msg = r.choices[0].message
         # K3 thinks by default: an unclosed think section is reasoning_content, never raw XTML.
         assert msg.model_extra.get("reasoning_content") or msg.content
         assert "<|open|>" not in (msg.content or "") + (msg.model_extra.get("reasoning_content") or "")
         assert 1 <= r.usage.completion_tokens <= 6 and r.choices[0].finish_reason in ("stop", "length")
         off = client.chat.completions.create(
-            model=SERVED, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
-            extra_body={"chat_template_kwargs": {"thinking": False}})
+            model=SERVED,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            temperature=0,
+            extra_body={"chat_template_kwargs": {"thinking": False}},
+        )
         assert not off.choices[0].message.model_extra.get("reasoning_content")
-        chunks = list(client.chat.completions.create(
-            model=SERVED, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, stream=True,
-            stream_options={"include_usage": True}))
+        chunks = list(
+            client.chat.completions.create(
+                model=SERVED,
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=4,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         *deltas, usage = chunks
         assert deltas[0].choices[0].delta.role == "assistant"
         assert 1 <= usage.usage.completion_tokens <= 4
-        done = client.completions.create(model=SERVED, prompt="Hello", max_tokens=3, temperature=0, seed=1,
-                                         extra_body={"ignore_eos": True})
+        done = client.completions.create(
+            model=SERVED, prompt="Hello", max_tokens=3, temperature=0, seed=1, extra_body={"ignore_eos": True}
+        )
         assert done.usage.completion_tokens == 3
     finally:
         server.stop()
@@ -134,9 +151,13 @@ def test_reply_ends_at_end_of_msg(llm, end_of_msg_first):
     server = BackgroundServer(port=0).start(create_app(llm, SERVED))
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        r = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=6, temperature=0,
-                                           extra_body={"chat_template_kwargs": {"thinking": False}})
+        r = client.chat.completions.create(
+            model=SERVED,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=6,
+            temperature=0,
+            extra_body={"chat_template_kwargs": {"thinking": False}},
+        )
         assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
         assert not r.choices[0].message.content  # the stop token itself is never shown
     finally:
@@ -145,16 +166,44 @@ def test_reply_ends_at_end_of_msg(llm, end_of_msg_first):
 
 def test_bench_in_process(llm, tmp_path, capsys):
     # `llm` is requested only so the checkpoint is written once; bench loads its own engine.
-    rc = main(["bench", "--model", "demo-k3", "--random-input-len", "16", "--random-output-len", "4",
-               "--num-prompts", "2", "--max-concurrency", "2", "--ignore-eos", "--max-model-len", "256",
-               "--kv-cache-tokens", "1024", "--save-result", "--result-dir", str(tmp_path)])
+    rc = main(
+        [
+            "bench",
+            "--model",
+            "demo-k3",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "4",
+            "--num-prompts",
+            "2",
+            "--max-concurrency",
+            "2",
+            "--ignore-eos",
+            "--max-model-len",
+            "256",
+            "--kv-cache-tokens",
+            "1024",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "Successful requests:                     2" in out
     (saved,) = tmp_path.glob("*.json")
     result = json.loads(saved.read_text())
-    for key in ("model_id", "completed", "total_output_tokens", "mean_ttft_ms", "mean_tpot_ms",
-                "output_throughput", "tput_per_gpu", "telemetry_backends"):
+    for key in (
+        "model_id",
+        "completed",
+        "total_output_tokens",
+        "mean_ttft_ms",
+        "mean_tpot_ms",
+        "output_throughput",
+        "tput_per_gpu",
+        "telemetry_backends",
+    ):
         assert key in result, key
     assert result["model_id"] == "demo-k3" and result["completed"] == 2 and result["total_output_tokens"] == 8
     assert result["mean_ttft_ms"] > 0 and result["mean_tpot_ms"] > 0

@@ -35,7 +35,7 @@ def test_the_stores_and_settings_readers_use_it(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     settings = paths.settings_file()
     settings.parent.mkdir(parents=True)
-    settings.write_text("[cost]\nusd_per_kwh = 0.25\n[ui]\ntheme = \"x\"\n")
+    settings.write_text('[cost]\nusd_per_kwh = 0.25\n[ui]\ntheme = "x"\n')
     assert cost.load_cost_settings().usd_per_kwh == 0.25
     assert user_settings.read_settings()["ui"]["theme"] == "x"
     saved = eval_store.save_result({"kind": "recall", "date": "20260101-000000", "results": []})

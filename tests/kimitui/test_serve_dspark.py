@@ -26,14 +26,35 @@ def test_serve_with_vllm_dspark_recipe(tmp_path_factory, layout):
     from kimitui.engine.demo.k3 import ensure_demo_k3_checkpoint
 
     target = ensure_demo_k3_checkpoint()
-    drafter = write_tiny_dspark(tmp_path_factory.mktemp("drafter"), target, layout, seed=2,
-                                target_layer_ids=[0, 2, 3])
-    recipe = ('{"method": "dspark", "model": "%s", "num_speculative_tokens": 7, '
-              '"draft_sample_method": "probabilistic", "rejection_sample_method": "block"}' % drafter)
+    drafter = write_tiny_dspark(tmp_path_factory.mktemp("drafter"), target, layout, seed=2, target_layer_ids=[0, 2, 3])
+    recipe = (
+        '{"method": "dspark", "model": "%s", "num_speculative_tokens": 7, '
+        '"draft_sample_method": "probabilistic", "rejection_sample_method": "block"}' % drafter
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kimitui.cli", "serve", "--model", "demo-k3", "--port", "0", "--max-model-len", "256",
-         "--kv-cache-tokens", "2048", "--served-model-name", "demo", "--speculative-config", recipe],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "kimitui.cli",
+            "serve",
+            "--model",
+            "demo-k3",
+            "--port",
+            "0",
+            "--max-model-len",
+            "256",
+            "--kv-cache-tokens",
+            "2048",
+            "--served-model-name",
+            "demo",
+            "--speculative-config",
+            recipe,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         lines, url = [], None
         deadline = time.monotonic() + 300
@@ -46,9 +67,17 @@ def test_serve_with_vllm_dspark_recipe(tmp_path_factory, layout):
                 url = m.group(1)
         assert url, "".join(lines)
         for temperature in (0, 1.0):
-            r = httpx.post(url + "/v1/completions", json={"model": "demo", "prompt": "hello hello hello",
-                                                          "max_tokens": 12, "temperature": temperature,
-                                                          "ignore_eos": True}, timeout=120)
+            r = httpx.post(
+                url + "/v1/completions",
+                json={
+                    "model": "demo",
+                    "prompt": "hello hello hello",
+                    "max_tokens": 12,
+                    "temperature": temperature,
+                    "ignore_eos": True,
+                },
+                timeout=120,
+            )
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 12
         metrics = httpx.get(url + "/metrics", timeout=30).text

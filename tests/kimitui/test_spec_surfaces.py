@@ -9,24 +9,40 @@ import json
 
 import pytest
 
-from kimitui.engine.metrics import EngineStats
-from kimitui.engine.spec_decode.stats import SpecDecodeStats
 from kimitui.bench.spec_counters import parse_spec_counters
 from kimitui.cli import main
 from kimitui.commands.engine_flags import add_engine_arguments, engine_args_from
+from kimitui.engine.metrics import EngineStats
+from kimitui.engine.spec_decode.stats import SpecDecodeStats
 from kimitui.server.metrics import ServerMetrics
 from tests.kimitui.bench.test_e2e import WORKLOAD, _bench, _saved, demo_checkpoint  # noqa: F401
 from tests.kimitui.commands.test_plan import CONFIGS, run_plan
 
-SPEC_KEYS = ("spec_decode_acceptance_rate", "spec_decode_acceptance_length", "spec_decode_num_drafts",
-             "spec_decode_draft_tokens", "spec_decode_accepted_tokens", "spec_decode_per_position_acceptance_rates")
+SPEC_KEYS = (
+    "spec_decode_acceptance_rate",
+    "spec_decode_acceptance_length",
+    "spec_decode_num_drafts",
+    "spec_decode_draft_tokens",
+    "spec_decode_accepted_tokens",
+    "spec_decode_per_position_acceptance_rates",
+)
 
 
 def _stats(spec):
-    return EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, prefix_cache_hit_rate=0.0,
-                       prefill_tokens_per_s=0.0, decode_tokens_per_s=0.0, num_preemptions=0,
-                       kv_cache_capacity_tokens=16, total_prompt_tokens=0, total_generation_tokens=0,
-                       num_finished=0, spec_decode=spec)
+    return EngineStats(
+        num_running=0,
+        num_waiting=0,
+        kv_cache_usage=0.0,
+        prefix_cache_hit_rate=0.0,
+        prefill_tokens_per_s=0.0,
+        decode_tokens_per_s=0.0,
+        num_preemptions=0,
+        kv_cache_capacity_tokens=16,
+        total_prompt_tokens=0,
+        total_generation_tokens=0,
+        num_finished=0,
+        spec_decode=spec,
+    )
 
 
 def test_flag_parses_into_engine_args_and_bad_json_is_one_line(capsys):
@@ -35,10 +51,12 @@ def test_flag_parses_into_engine_args_and_bad_json_is_one_line(capsys):
     args = engine_args_from(p.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']))
     assert args.speculative.method == "ngram" and args.speculative.num_speculative_tokens == 3
     assert args.speculative.prompt_lookup_min == args.speculative.prompt_lookup_max == 5
-    for bad, needle in (('{"method": "medusa", "num_speculative_tokens": 3}', "method 'medusa'"),
-                        ('{"method": "ngram", "num_speculative_token": 3}', "unknown key 'num_speculative_token'"),
-                        ('{"method": "ngram"', "not valid JSON"),
-                        ('{"method": "eagle3", "num_speculative_tokens": 3}', "needs model")):
+    for bad, needle in (
+        ('{"method": "medusa", "num_speculative_tokens": 3}', "method 'medusa'"),
+        ('{"method": "ngram", "num_speculative_token": 3}', "unknown key 'num_speculative_token'"),
+        ('{"method": "ngram"', "not valid JSON"),
+        ('{"method": "eagle3", "num_speculative_tokens": 3}', "needs model"),
+    ):
         with pytest.raises(SystemExit) as e:
             p.parse_args(["--speculative-config", bad])
         assert e.value.code == 2
@@ -85,8 +103,9 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="kimi",
 
 def test_bench_json_has_spec_keys(demo_checkpoint, tmp_path, capsys):  # noqa: F811
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
-    rc, out, err = _bench([*WORKLOAD, "--speculative-config", spec, "--save-result", "--result-dir", str(tmp_path)],
-                          capsys)
+    rc, out, err = _bench(
+        [*WORKLOAD, "--speculative-config", spec, "--save-result", "--result-dir", str(tmp_path)], capsys
+    )
     assert rc == 0, err
     result = _saved(tmp_path)
     for key in SPEC_KEYS:
@@ -130,10 +149,20 @@ def test_plan_counts_scratch_states_and_the_drafter(tmp_path, capsys):
     assert s0 > 0 and s1 == 5 * s0  # a state per sequence, plus one per draft position
     drafter = tmp_path / "eagle3"
     drafter.mkdir()
-    (drafter / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 7168, "intermediate_size": 18432,
-        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "draft_vocab_size": 32000,
-        "torch_dtype": "bfloat16"}))
+    (drafter / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "hidden_size": 7168,
+                "intermediate_size": 18432,
+                "num_attention_heads": 64,
+                "num_key_value_heads": 8,
+                "head_dim": 128,
+                "draft_vocab_size": 32000,
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
     k26 = str(CONFIGS / "kimi_k26.json")
     assert run_plan(["--config", k26, "--gpus", "6", "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
@@ -144,6 +173,18 @@ def test_plan_counts_scratch_states_and_the_drafter(tmp_path, capsys):
     assert 1.5e9 < w0 < 3.5e9  # fc 3x7168^2 + one layer + a 32k lm_head, bf16: about 2.2 GB on GPU 0
     assert spec3["devices"][1]["weight_bytes"] == plain["devices"][1]["weight_bytes"]
     assert spec3["devices"][0]["kv_bytes"] > plain["devices"][0]["kv_bytes"]
-    assert main(["plan", "--config", k26, "--gpus", "6", "--speculative-config",
-                 '{"method": "eagle3", "model": "/nonexistent", "num_speculative_tokens": 3}']) == 2
+    assert (
+        main(
+            [
+                "plan",
+                "--config",
+                k26,
+                "--gpus",
+                "6",
+                "--speculative-config",
+                '{"method": "eagle3", "model": "/nonexistent", "num_speculative_tokens": 3}',
+            ]
+        )
+        == 2
+    )
     assert "does not exist" in capsys.readouterr().err

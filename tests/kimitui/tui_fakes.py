@@ -39,10 +39,19 @@ class Clock:
 
 
 def stats(decode: float = 0.0, generated: int = 0, **kw) -> EngineStats:
-    base = dict(num_running=1, num_waiting=0, kv_cache_usage=0.25, prefix_cache_hit_rate=0.5,
-                prefill_tokens_per_s=1234.5, decode_tokens_per_s=decode, num_preemptions=0,
-                kv_cache_capacity_tokens=4096, total_prompt_tokens=100, total_generation_tokens=generated,
-                num_finished=3)
+    base = dict(
+        num_running=1,
+        num_waiting=0,
+        kv_cache_usage=0.25,
+        prefix_cache_hit_rate=0.5,
+        prefill_tokens_per_s=1234.5,
+        decode_tokens_per_s=decode,
+        num_preemptions=0,
+        kv_cache_capacity_tokens=4096,
+        total_prompt_tokens=100,
+        total_generation_tokens=generated,
+        num_finished=3,
+    )
     return EngineStats(**{**base, **kw})
 
 
@@ -55,16 +64,33 @@ class FixedStats:
 
 
 def mi355x(index: int, power: float | None, energy: float | None) -> GpuSample:
-    return GpuSample(index, "AMD Instinct MI355X", "amd", power_w=power, power_cap_w=1400.0, energy_j=energy,
-                     util_pct=None if power is None else 87.0, mem_used_bytes=200 * 2**30,
-                     mem_total_bytes=288 * 2**30, temp_c=None if power is None else 71.0)
+    return GpuSample(
+        index,
+        "AMD Instinct MI355X",
+        "amd",
+        power_w=power,
+        power_cap_w=1400.0,
+        energy_j=energy,
+        util_pct=None if power is None else 87.0,
+        mem_used_bytes=200 * 2**30,
+        mem_total_bytes=288 * 2**30,
+        temp_c=None if power is None else 71.0,
+    )
 
 
 def sample(t: float, energy: float) -> Sample:
     """Four MI355X (GPU3 has an energy counter but no power reading) and a host without RAPL."""
     gpus = tuple(mi355x(i, 1100.0 + 10 * i, energy + i) for i in range(3)) + (mi355x(3, None, energy),)
-    return Sample(t=t, wall=1.7e9 + t, gpus=gpus, cpu_power_w=None, cpu_energy_j=None, cpu_util_pct=42.0,
-                  ram_used_bytes=512 * 2**30, ram_total_bytes=1536 * 2**30)
+    return Sample(
+        t=t,
+        wall=1.7e9 + t,
+        gpus=gpus,
+        cpu_power_w=None,
+        cpu_energy_j=None,
+        cpu_util_pct=42.0,
+        ram_used_bytes=512 * 2**30,
+        ram_total_bytes=1536 * 2**30,
+    )
 
 
 class FakeSampler:
@@ -113,8 +139,16 @@ async def wait_for(pilot, predicate, timeout: float = 20.0, step: float = 0.05) 
 def screen_text(app) -> str:
     """The screen as plain text: what a user reads, without colors (stable across themes)."""
     width, height = app.size
-    console = Console(width=width, height=height, file=io.StringIO(), force_terminal=True,
-                      color_system="truecolor", record=True, legacy_windows=False, safe_box=False)
+    console = Console(
+        width=width,
+        height=height,
+        file=io.StringIO(),
+        force_terminal=True,
+        color_system="truecolor",
+        record=True,
+        legacy_windows=False,
+        safe_box=False,
+    )
     console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
     return "\n".join(line.rstrip() for line in console.export_text(styles=False).splitlines()) + "\n"
 
@@ -143,8 +177,9 @@ def local_app(args, llm):
     from kimitui.tui.app import KimiApp
     from kimitui.tui.chat.generation import GenerationSettings
 
-    return KimiApp(args, engine_factory=lambda a, progress: llm,
-                   generation=GenerationSettings(max_tokens=8, temperature=0.0))
+    return KimiApp(
+        args, engine_factory=lambda a, progress: llm, generation=GenerationSettings(max_tokens=8, temperature=0.0)
+    )
 
 
 async def open_screen(app, pilot, key: str, screen_cls):

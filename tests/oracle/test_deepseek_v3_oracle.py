@@ -11,13 +11,33 @@ from tests.helpers.checkpoints import hf_greedy, hf_prompt_logprobs, write_hf_ch
 
 CASES = {
     # q-LoRA, group-limited routing (4 groups, keep 2), renormalised, biased, 2 dense layers, 2 shared experts
-    "qlora_groups": dict(q_lora_rank=32, n_group=4, topk_group=2, norm_topk_prob=True, first_k_dense_replace=2,
-                         n_shared_experts=2, num_hidden_layers=4),
+    "qlora_groups": dict(
+        q_lora_rank=32,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        first_k_dense_replace=2,
+        n_shared_experts=2,
+        num_hidden_layers=4,
+    ),
     # no q-LoRA (plain q_proj), no renormalisation, one group, one dense layer, Kimi-style beta 1/1
-    "no_qlora": dict(q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False, first_k_dense_replace=1,
-                     n_shared_experts=1, rope_scaling={"type": "yarn", "factor": 8.0,
-                                                       "original_max_position_embeddings": 64, "beta_fast": 1.0,
-                                                       "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    "no_qlora": dict(
+        q_lora_rank=None,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ),
 }
 
 

@@ -17,10 +17,24 @@ from tests.helpers.hybrid_driver import HybridDriver
 
 VOCAB = 256
 BASE = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
-    num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-    num_local_experts=8, num_experts_per_tok=2, routed_scaling_factor=2.5, pad_token_id=0, bos_token_id=1,
-    eos_token_id=2, first_k_dense_replace=1, model_max_length=1024,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    routed_scaling_factor=2.5,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    first_k_dense_replace=1,
+    model_max_length=1024,
 )
 
 
@@ -30,16 +44,34 @@ def _lac(kda: list[int], full: list[int]) -> dict:
 
 CASES = {
     # q-LoRA on, 2 expert groups keeping 1, 2 shared experts; KDA and MLA interleaved, listed out of order
-    "qlora_groups": dict(q_lora_rank=24, n_group=2, topk_group=1, n_shared_experts=2, num_hidden_layers=5,
-                         linear_attn_config=_lac([5, 1, 2, 4], [3])),
+    "qlora_groups": dict(
+        q_lora_rank=24,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=2,
+        num_hidden_layers=5,
+        linear_attn_config=_lac([5, 1, 2, 4], [3]),
+    ),
     # q-LoRA off, one group, last two layers MLA (as in K3)
-    "no_qlora": dict(q_lora_rank=None, n_group=1, topk_group=1, n_shared_experts=1, num_hidden_layers=4,
-                     linear_attn_config=_lac([1, 2], [3, 4])),
+    "no_qlora": dict(
+        q_lora_rank=None,
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=1,
+        num_hidden_layers=4,
+        linear_attn_config=_lac([1, 2], [3, 4]),
+    ),
 }
 # MLA-only variants run without the KDA layer (engine.layers.kda, another branch) present
 MLA_ONLY = {
-    "mla_only_qlora": dict(q_lora_rank=24, n_group=2, topk_group=1, n_shared_experts=2, num_hidden_layers=3,
-                           linear_attn_config=_lac([], [1, 2, 3])),
+    "mla_only_qlora": dict(
+        q_lora_rank=24,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=2,
+        num_hidden_layers=3,
+        linear_attn_config=_lac([], [1, 2, 3]),
+    ),
 }
 
 
@@ -73,7 +105,11 @@ def hf_kimi_linear(seed: int, **overrides):
 def _params():
     out = [pytest.param(k, id=k) for k in sorted(MLA_ONLY)]
     for k in sorted(CASES):
-        out.append(pytest.param(k, id=k, marks=pytest.mark.skipif(not _has_kda(), reason="kimitui.engine.layers.kda not merged")))
+        out.append(
+            pytest.param(
+                k, id=k, marks=pytest.mark.skipif(not _has_kda(), reason="kimitui.engine.layers.kda not merged")
+            )
+        )
     return out
 
 
@@ -112,7 +148,8 @@ def test_loads_transformers_checkpoint(oracle):
     assert drv.report.tensors_skipped == 0
     # the layer order is the config's 1-indexed lists, not a formula
     assert [("kda" if layer.is_kda else "mla") for layer in drv.model.model.layers] == [
-        "kda" if t == "linear_attention" else "mla" for t in hf.config.layer_types]
+        "kda" if t == "linear_attention" else "mla" for t in hf.config.layer_types
+    ]
 
 
 @pytest.mark.parametrize("budget", [None, 37])
@@ -140,7 +177,7 @@ def test_decode_equals_prefill_of_same_tokens(oracle):
     cont = drv.greedy([prompt], 12)[0]
     full = drv.prompt_logprobs([prompt + cont])[0]
     # prefill of prompt + continuation predicts the same greedy tokens
-    assert full[len(prompt) - 1:-1].argmax(-1).tolist() == cont
+    assert full[len(prompt) - 1 : -1].argmax(-1).tolist() == cont
 
 
 def test_llm_end_to_end_matches_transformers(oracle):

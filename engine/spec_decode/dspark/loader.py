@@ -17,13 +17,13 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from kimitui.engine.spec_decode.dspark.model import DSparkConfig, DSparkDrafter
-from safetensors import safe_open
 
 
 def checkpoint_name(name: str) -> str:
-    return name[len("model."):] if name.startswith("model.") else name
+    return name[len("model.") :] if name.startswith("model.") else name
 
 
 def read_config(path: str | Path, target_config) -> DSparkConfig:
@@ -37,9 +37,13 @@ def read_config(path: str | Path, target_config) -> DSparkConfig:
         raise ValueError(f"dspark drafter: {cfg_file} is not valid JSON ({e.msg})") from None
     if not isinstance(d, dict):
         raise ValueError(f"dspark drafter: {cfg_file} must hold a JSON object")
-    return DSparkConfig.from_dict(d, target_config.num_hidden_layers, target_config.hidden_size,
-                                  target_config.vocab_size,
-                                  target_has_attn_res=bool(getattr(target_config, "attn_res_block_size", None)))
+    return DSparkConfig.from_dict(
+        d,
+        target_config.num_hidden_layers,
+        target_config.hidden_size,
+        target_config.vocab_size,
+        target_has_attn_res=bool(getattr(target_config, "attn_res_block_size", None)),
+    )
 
 
 def load_dspark(path: str | Path, target_config, device: torch.device | str, dtype: torch.dtype) -> DSparkDrafter:
@@ -58,8 +62,10 @@ def load_dspark(path: str | Path, target_config, device: torch.device | str, dty
                     raise ValueError(f"dspark drafter: {key!r} in {f.name} duplicates {names[name][1]!r}")
                 names[name] = (f, key)
     if "lm_head.weight" in names:
-        raise ValueError(f"dspark drafter: {names['lm_head.weight'][0].name} holds lm_head.weight; a DSpark drafter "
-                         f"shares the target's LM head")
+        raise ValueError(
+            f"dspark drafter: {names['lm_head.weight'][0].name} holds lm_head.weight; a DSpark drafter "
+            f"shares the target's LM head"
+        )
     drafter = DSparkDrafter(cfg, dtype, own_embedding="embed_tokens.weight" in names)
     drafter.to_empty(device=torch.device(device))  # storage only: each tensor is filled below
     params = dict(drafter.named_parameters())

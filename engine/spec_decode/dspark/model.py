@@ -34,7 +34,9 @@ The attention expands the latent context with ``kv_b_proj`` per pass (plain PyTo
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -45,11 +47,9 @@ from kimitui.engine.layers.embedding import VocabEmbedding
 from kimitui.engine.layers.linear import Linear
 from kimitui.engine.layers.norm import RMSNorm
 from kimitui.engine.layers.rope import yarn_inv_freq
-from kimitui.engine.spec_decode.eagle3.mla import rope_interleaved
-import json
-from pathlib import Path
-from kimitui.engine.spec_decode.footprint import DrafterFootprint
 from kimitui.engine.sampling.sampler import apply_top_k_top_p
+from kimitui.engine.spec_decode.eagle3.mla import rope_interleaved
+from kimitui.engine.spec_decode.footprint import DrafterFootprint
 
 ARCHITECTURES = ("K3DSparkModel",)
 AUX_STREAMS = ("prefix", "attn_res")
@@ -67,10 +67,14 @@ def _rope_scaling(d: dict) -> tuple[float, RopeScaling | None]:
         raise ValueError(f"dspark drafter config: rope type {kind!r} is not supported (yarn, default)")
     if not rp.get("original_max_position_embeddings") or not rp.get("factor"):
         raise ValueError("dspark drafter config: yarn rope needs factor and original_max_position_embeddings")
-    return theta, RopeScaling(factor=float(rp["factor"]),
-                              original_max_position_embeddings=int(rp["original_max_position_embeddings"]),
-                              beta_fast=float(rp.get("beta_fast") or 32.0), beta_slow=float(rp.get("beta_slow") or 1.0),
-                              mscale=float(rp.get("mscale") or 1.0), mscale_all_dim=float(rp.get("mscale_all_dim") or 0.0))
+    return theta, RopeScaling(
+        factor=float(rp["factor"]),
+        original_max_position_embeddings=int(rp["original_max_position_embeddings"]),
+        beta_fast=float(rp.get("beta_fast") or 32.0),
+        beta_slow=float(rp.get("beta_slow") or 1.0),
+        mscale=float(rp.get("mscale") or 1.0),
+        mscale_all_dim=float(rp.get("mscale_all_dim") or 0.0),
+    )
 
 
 @dataclass(frozen=True)
@@ -111,9 +115,16 @@ class DSparkConfig:
         return tuple(k + 1 for k in self.target_layer_ids)
 
     @classmethod
-    def from_dict(cls, d: dict, target_layers: int, target_hidden_size: int, target_vocab_size: int,
-                  target_has_attn_res: bool = True) -> DSparkConfig:
+    def from_dict(
+        cls,
+        d: dict,
+        target_layers: int,
+        target_hidden_size: int,
+        target_vocab_size: int,
+        target_has_attn_res: bool = True,
+    ) -> DSparkConfig:
         """From a drafter's config.json, checked against the target; every problem is one line."""
+
         def need(key):
             if d.get(key) is None:
                 raise ValueError(f"dspark drafter config: missing {key!r}")
@@ -121,42 +132,61 @@ class DSparkConfig:
 
         archs = d.get("architectures") or []
         if not any(a in ARCHITECTURES for a in archs):
-            raise ValueError(f"dspark drafter config: architectures {archs} not supported (supported: "
-                             f"{', '.join(ARCHITECTURES)})")
+            raise ValueError(
+                f"dspark drafter config: architectures {archs} not supported (supported: {', '.join(ARCHITECTURES)})"
+            )
         if d.get("mla_use_output_gate"):
-            raise ValueError("dspark drafter config: mla_use_output_gate true is not supported (the published "
-                             "K3 DSpark drafters have none)")
+            raise ValueError(
+                "dspark drafter config: mla_use_output_gate true is not supported (the published "
+                "K3 DSpark drafters have none)"
+            )
         head_type = d.get("markov_head_type", "vanilla")
         if head_type != "vanilla":
             raise ValueError(f"dspark drafter config: markov_head_type {head_type!r} is not supported (vanilla)")
         vocab = int(d.get("vocab_size") or target_vocab_size)
         if vocab != target_vocab_size or int(d.get("draft_vocab_size") or vocab) != vocab:
-            raise ValueError(f"dspark drafter config: vocab_size {vocab} (draft_vocab_size "
-                             f"{d.get('draft_vocab_size')}) must equal the target's {target_vocab_size}")
+            raise ValueError(
+                f"dspark drafter config: vocab_size {vocab} (draft_vocab_size "
+                f"{d.get('draft_vocab_size')}) must equal the target's {target_vocab_size}"
+            )
         t_hidden = int(d.get("target_hidden_size") or target_hidden_size)
         if t_hidden != target_hidden_size:
-            raise ValueError(f"dspark drafter config: target_hidden_size {t_hidden} differs from the target's "
-                             f"hidden_size {target_hidden_size}")
+            raise ValueError(
+                f"dspark drafter config: target_hidden_size {t_hidden} differs from the target's "
+                f"hidden_size {target_hidden_size}"
+            )
         t_layers = d.get("target_num_hidden_layers")
         if t_layers is not None and int(t_layers) != target_layers:
-            raise ValueError(f"dspark drafter config: target_num_hidden_layers {t_layers} differs from the "
-                             f"target's num_hidden_layers {target_layers}")
+            raise ValueError(
+                f"dspark drafter config: target_num_hidden_layers {t_layers} differs from the "
+                f"target's num_hidden_layers {target_layers}"
+            )
         ids = need("target_layer_ids")
-        if (not isinstance(ids, list) or not ids or not all(isinstance(k, int) and 0 <= k < target_layers for k in ids)
-                or len(set(ids)) != len(ids)):
-            raise ValueError(f"dspark drafter config: target_layer_ids {ids} must be distinct layer ids in "
-                             f"0..{target_layers - 1} (layer outputs)")
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not all(isinstance(k, int) and 0 <= k < target_layers for k in ids)
+            or len(set(ids)) != len(ids)
+        ):
+            raise ValueError(
+                f"dspark drafter config: target_layer_ids {ids} must be distinct layer ids in "
+                f"0..{target_layers - 1} (layer outputs)"
+            )
         n_taps = d.get("num_target_layers")
         if n_taps is not None and int(n_taps) != len(ids):
-            raise ValueError(f"dspark drafter config: num_target_layers {n_taps} differs from "
-                             f"len(target_layer_ids) {len(ids)}")
+            raise ValueError(
+                f"dspark drafter config: num_target_layers {n_taps} differs from len(target_layer_ids) {len(ids)}"
+            )
         stream = d.get("aux_hidden_stream") or "prefix"
         if stream not in AUX_STREAMS:
-            raise ValueError(f"dspark drafter config: aux_hidden_stream {stream!r} not supported "
-                             f"({', '.join(AUX_STREAMS)})")
+            raise ValueError(
+                f"dspark drafter config: aux_hidden_stream {stream!r} not supported ({', '.join(AUX_STREAMS)})"
+            )
         if stream == "attn_res" and not target_has_attn_res:
-            raise ValueError("dspark drafter config: aux_hidden_stream 'attn_res' needs a target with attention "
-                             "residuals (attn_res_block_size)")
+            raise ValueError(
+                "dspark drafter config: aux_hidden_stream 'attn_res' needs a target with attention "
+                "residuals (attn_res_block_size)"
+            )
         rank = int(d.get("markov_rank", 0))
         if rank < 1:
             raise ValueError(f"dspark drafter config: markov_rank must be >= 1, got {rank}")
@@ -168,22 +198,38 @@ class DSparkConfig:
         heads = int(need("num_attention_heads"))
         kv_heads = int(d.get("num_key_value_heads") or heads)
         if kv_heads != heads:
-            raise ValueError(f"dspark drafter config: num_key_value_heads {kv_heads} must equal num_attention_heads "
-                             f"{heads} (MLA)")
-        return cls(hidden_size=int(need("hidden_size")), intermediate_size=int(need("intermediate_size")),
-                   num_hidden_layers=int(need("num_hidden_layers")), num_attention_heads=heads,
-                   q_lora_rank=int(d["q_lora_rank"]) if d.get("q_lora_rank") else None,
-                   kv_lora_rank=int(need("kv_lora_rank")), qk_nope_head_dim=int(need("qk_nope_head_dim")),
-                   qk_rope_head_dim=int(need("qk_rope_head_dim")), v_head_dim=int(need("v_head_dim")),
-                   use_rope=not bool(d.get("mla_use_nope", False)), rope_theta=theta, rope_scaling=scaling,
-                   rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)), vocab_size=vocab, target_hidden_size=t_hidden,
-                   target_layer_ids=tuple(int(k) for k in ids), aux_hidden_stream=stream,
-                   fc_norm=bool(d.get("fc_norm", False)), mask_token_id=int(need("mask_token_id")),
-                   markov_rank=rank, confidence_head=conf,
-                   confidence_head_with_markov=conf and bool(d.get("confidence_head_with_markov", True)),
-                   hidden_act=act, situ_beta=float(d.get("activation_situ_beta") or 1.0),
-                   situ_linear_beta=(float(d["activation_situ_linear_beta"])
-                                     if d.get("activation_situ_linear_beta") else None))
+            raise ValueError(
+                f"dspark drafter config: num_key_value_heads {kv_heads} must equal num_attention_heads {heads} (MLA)"
+            )
+        return cls(
+            hidden_size=int(need("hidden_size")),
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=heads,
+            q_lora_rank=int(d["q_lora_rank"]) if d.get("q_lora_rank") else None,
+            kv_lora_rank=int(need("kv_lora_rank")),
+            qk_nope_head_dim=int(need("qk_nope_head_dim")),
+            qk_rope_head_dim=int(need("qk_rope_head_dim")),
+            v_head_dim=int(need("v_head_dim")),
+            use_rope=not bool(d.get("mla_use_nope", False)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+            vocab_size=vocab,
+            target_hidden_size=t_hidden,
+            target_layer_ids=tuple(int(k) for k in ids),
+            aux_hidden_stream=stream,
+            fc_norm=bool(d.get("fc_norm", False)),
+            mask_token_id=int(need("mask_token_id")),
+            markov_rank=rank,
+            confidence_head=conf,
+            confidence_head_with_markov=conf and bool(d.get("confidence_head_with_markov", True)),
+            hidden_act=act,
+            situ_beta=float(d.get("activation_situ_beta") or 1.0),
+            situ_linear_beta=(
+                float(d["activation_situ_linear_beta"]) if d.get("activation_situ_linear_beta") else None
+            ),
+        )
 
 
 class DSparkAttention(nn.Module):
@@ -207,7 +253,7 @@ class DSparkAttention(nn.Module):
         inv, self.amplitude = yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.__dict__["_inv_freq"] = inv  # a plain attribute: loading (to_empty) must not blank it
         s = cfg.rope_scaling
-        self.scale = qk ** -0.5 * (yarn_get_mscale(s.factor, s.mscale_all_dim) ** 2 if s and s.mscale_all_dim else 1.0)
+        self.scale = qk**-0.5 * (yarn_get_mscale(s.factor, s.mscale_all_dim) ** 2 if s and s.mscale_all_dim else 1.0)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if not self.cfg.use_rope:
@@ -223,8 +269,9 @@ class DSparkAttention(nn.Module):
         kv = self.kv_a_proj_with_mqa(x)
         return torch.cat((self.kv_a_layernorm(kv[:, :r]), self._rope(kv[:, None, r:], positions)[:, 0]), dim=-1)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, context: torch.Tensor, valid: torch.Tensor,
-                block: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, context: torch.Tensor, valid: torch.Tensor, block: int
+    ) -> torch.Tensor:
         """``x`` [S * block, hidden] (normed), sequence after sequence; ``context`` [S, C, kv_lora + rope]:
         each sequence's cached latent context, padded to C rows (``valid`` [S, C] marks the real ones).
         Every row sees its whole context and its whole block: one padded attention call for all."""
@@ -240,8 +287,13 @@ class DSparkAttention(nn.Module):
         kvh = self.kv_b_proj(lat[..., :r].reshape(s_n * n, r)).view(s_n, n, heads, nope + vd)
         k = torch.cat((kvh[..., :nope], lat[:, :, None, r:].expand(s_n, n, heads, rope)), dim=-1)
         mask = torch.cat((valid, valid.new_ones(s_n, block)), dim=1)[:, None, None, :]  # [S, 1, 1, n]
-        o = F.scaled_dot_product_attention(q.view(s_n, block, heads, -1).transpose(1, 2), k.transpose(1, 2),
-                                           kvh[..., nope:].transpose(1, 2), attn_mask=mask, scale=self.scale)
+        o = F.scaled_dot_product_attention(
+            q.view(s_n, block, heads, -1).transpose(1, 2),
+            k.transpose(1, 2),
+            kvh[..., nope:].transpose(1, 2),
+            attn_mask=mask,
+            scale=self.scale,
+        )
         return self.o_proj(o.transpose(1, 2).reshape(t, heads * vd))
 
 
@@ -311,8 +363,11 @@ class DSparkDrafter(nn.Module):
         n_taps = len(cfg.target_layer_ids)
         self.context_proj = Linear(n_taps * cfg.target_hidden_size, cfg.hidden_size, dtype=dtype)
         self.context_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.fc_norm = (nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps, dtype) for _ in range(n_taps))
-                        if cfg.fc_norm else None)
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps, dtype) for _ in range(n_taps))
+            if cfg.fc_norm
+            else None
+        )
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if own_embedding else None
         self.layers = nn.ModuleList(DSparkLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -342,11 +397,14 @@ class DSparkDrafter(nn.Module):
             raise RuntimeError("dspark drafter: the target's LM head was not shared")
         return head(hidden).float()
 
-    def allocate_cache(self, num_blocks: int, block_size: int, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def allocate_cache(
+        self, num_blocks: int, block_size: int, device, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """Per token and drafter layer, the latent context KV: [blocks, block_size, layers, kv_lora + rope]."""
         c = self.config
-        return torch.zeros(num_blocks, block_size, c.num_hidden_layers, c.cache_width, dtype=dtype or self.dtype,
-                           device=device)
+        return torch.zeros(
+            num_blocks, block_size, c.num_hidden_layers, c.cache_width, dtype=dtype or self.dtype, device=device
+        )
 
     def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         return self.config.num_hidden_layers * self.config.cache_width * (dtype or self.dtype).itemsize
@@ -355,7 +413,7 @@ class DSparkDrafter(nn.Module):
     def context_features(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's taps [T, n_taps * target_hidden] (ascending layer order, as captured) -> [T, hidden]."""
         d = self.config.target_hidden_size
-        chunks = [aux[:, j * d:(j + 1) * d].to(self.dtype) for j in self.__dict__["_tap_order"]]
+        chunks = [aux[:, j * d : (j + 1) * d].to(self.dtype) for j in self.__dict__["_tap_order"]]
         if self.fc_norm is not None:
             chunks = [norm(x) for norm, x in zip(self.fc_norm, chunks)]
         return self.context_norm(self.context_proj(torch.cat(chunks, dim=-1)))
@@ -364,8 +422,14 @@ class DSparkDrafter(nn.Module):
         """[T, layers, kv_lora + rope]: what each layer caches for those context rows."""
         return torch.stack([layer.self_attn.latent(feats, positions) for layer in self.layers], dim=1)
 
-    def block_hidden(self, anchors: torch.Tensor, first_positions: torch.Tensor, context: torch.Tensor,
-                     valid: torch.Tensor, block: int) -> torch.Tensor:
+    def block_hidden(
+        self,
+        anchors: torch.Tensor,
+        first_positions: torch.Tensor,
+        context: torch.Tensor,
+        valid: torch.Tensor,
+        block: int,
+    ) -> torch.Tensor:
         """The block pass: ``anchors`` [S] (the token at ``first_positions[s]``), ``context`` [S, C, layers,
         width] (the latent context of positions 0 .. first_positions[s] - 1, padded to C rows; ``valid``
         [S, C] marks the real ones). -> final-normed hidden [S, K, H]."""
@@ -381,9 +445,15 @@ class DSparkDrafter(nn.Module):
     def markov_embed(self, prev: torch.Tensor) -> torch.Tensor:
         return self.markov_head.markov_w1(prev).to(self.dtype)
 
-    def draft(self, hidden: torch.Tensor, anchors: torch.Tensor, temperature: torch.Tensor | None = None,
-              top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
-              generators: list | None = None) -> DSparkBlock:
+    def draft(
+        self,
+        hidden: torch.Tensor,
+        anchors: torch.Tensor,
+        temperature: torch.Tensor | None = None,
+        top_k: torch.Tensor | None = None,
+        top_p: torch.Tensor | None = None,
+        generators: list | None = None,
+    ) -> DSparkBlock:
         """Drafts left to right through the Markov head. ``temperature`` [S] (None or 0: greedy rows)."""
         s_n, block, _ = hidden.shape
         base = self.logits(hidden.reshape(s_n * block, -1)).view(s_n, block, -1)
@@ -396,8 +466,12 @@ class DSparkDrafter(nn.Module):
             emb = self.markov_embed(prev)
             step = base[:, j] + self.markov_head.markov_w2(emb).float()
             if conf is not None:
-                feat = torch.cat((hidden[:, j], emb), dim=-1) if self.config.confidence_head_with_markov else hidden[:, j]
-                conf[:, j] = torch.sigmoid(self.confidence_head.proj(feat).float()[:, 0] + self.confidence_head.proj.bias.float())
+                feat = (
+                    torch.cat((hidden[:, j], emb), dim=-1) if self.config.confidence_head_with_markov else hidden[:, j]
+                )
+                conf[:, j] = torch.sigmoid(
+                    self.confidence_head.proj(feat).float()[:, 0] + self.confidence_head.proj.bias.float()
+                )
             nxt = step.argmax(dim=-1)
             if sampled:
                 temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
@@ -431,8 +505,9 @@ def param_count(cfg: DSparkConfig, own_embedding: bool) -> int:
     h, heads = cfg.hidden_size, cfg.num_attention_heads
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     q = h * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * heads * qk if cfg.q_lora_rank else h * heads * qk
-    attn = q + h * cfg.cache_width + cfg.kv_lora_rank + cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim
-                                                                                     + cfg.v_head_dim)
+    attn = (
+        q + h * cfg.cache_width + cfg.kv_lora_rank + cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    )
     attn += heads * cfg.v_head_dim * h
     layer = attn + 3 * h * cfg.intermediate_size + 2 * h
     n_taps = len(cfg.target_layer_ids)
@@ -444,26 +519,26 @@ def param_count(cfg: DSparkConfig, own_embedding: bool) -> int:
     return total
 
 
-
-
 def dspark_footprint(model_dir, target_config, dtype_bytes: int):
     """(weight bytes, context-cache bytes per token) of a DSpark drafter, from its config.json alone
     (``embed_tokens`` counted when the checkpoint holds it: its size is read from the safetensors
     header), for the memory plan."""
-
 
     path = Path(model_dir)
     try:
         d = json.loads((path / "config.json").read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"speculative_config.model: {path / 'config.json'} does not exist") from None
-    cfg = DSparkConfig.from_dict(d, target_config.num_hidden_layers, target_config.hidden_size,
-                                 target_config.vocab_size,
-                                 bool(getattr(target_config, "attn_res_block_size", None)))
+    cfg = DSparkConfig.from_dict(
+        d,
+        target_config.num_hidden_layers,
+        target_config.hidden_size,
+        target_config.vocab_size,
+        bool(getattr(target_config, "attn_res_block_size", None)),
+    )
     own = False
     for f in path.glob("*.safetensors"):
         with open(f, "rb") as fh:
             header = fh.read(int.from_bytes(fh.read(8), "little"))
         own = own or b'embed_tokens.weight"' in header
-    return DrafterFootprint(param_count(cfg, own) * dtype_bytes,
-                            cfg.num_hidden_layers * cfg.cache_width * dtype_bytes)
+    return DrafterFootprint(param_count(cfg, own) * dtype_bytes, cfg.num_hidden_layers * cfg.cache_width * dtype_bytes)

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from kimitui.engine.sequence import Sequence
-from kimitui.engine.spec_decode.dspark.model import DSparkDrafter, confident_length
 from kimitui.engine.spec_decode.dspark.loader import load_dspark
+from kimitui.engine.spec_decode.dspark.model import DSparkDrafter, confident_length
 from kimitui.engine.spec_decode.proposer import StepHidden
 
 
@@ -37,8 +37,9 @@ class DSparkProposer:
         """``config``: the SpeculativeConfig (``model`` = drafter directory); ``target``: the loaded Kimi
         K3 / Kimi Linear model, whose taps are switched on here; its embedding and LM head are shared."""
         if not hasattr(target, "set_aux_hidden_layers") or not hasattr(target.config, "attn_res_block_size"):
-            raise ValueError(f"speculative_config: dspark needs a Kimi K3 / Kimi Linear target, got "
-                             f"{type(target).__name__}")
+            raise ValueError(
+                f"speculative_config: dspark needs a Kimi K3 / Kimi Linear target, got {type(target).__name__}"
+            )
         par = getattr(target, "par", None)
         if par is not None and par.is_parallel:
             raise ValueError("speculative_config: method 'dspark' needs tensor_parallel_size 1 here")
@@ -84,8 +85,7 @@ class DSparkProposer:
         return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], max_drafts: list[int], hidden: StepHidden | None = None
-                ) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], max_drafts: list[int], hidden: StepHidden | None = None) -> list[list[int]]:
         if self.cache is None:
             raise RuntimeError("DSparkProposer: bind_cache was not called (the engine does it after the KV cache)")
         if hidden is not None and hidden.spans:
@@ -131,8 +131,8 @@ class DSparkProposer:
         tables = [seqs[i].block_table for i in live]
         blocks = torch.zeros(len(live), -(-width // bs), dtype=torch.int64)
         for r, table in enumerate(tables):
-            used = table[:-(-width // bs)]
-            blocks[r, :len(used)] = torch.tensor(used, dtype=torch.int64)
+            used = table[: -(-width // bs)]
+            blocks[r, : len(used)] = torch.tensor(used, dtype=torch.int64)
         pos = torch.arange(width)
         slots = (blocks[:, pos // bs] * bs + pos % bs).to(self.device)  # [S, C]
         firsts_t = torch.tensor(firsts, device=self.device)
@@ -146,8 +146,9 @@ class DSparkProposer:
             params = [seqs[i].sampling_params for i in live]
             temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
             if any(p.top_k > 0 for p in params):
-                top_k = torch.tensor([p.top_k if p.top_k > 0 else self.drafter.config.vocab_size for p in params],
-                                     device=self.device)
+                top_k = torch.tensor(
+                    [p.top_k if p.top_k > 0 else self.drafter.config.vocab_size for p in params], device=self.device
+                )
             if any(p.top_p < 1.0 for p in params):
                 top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
             gens = [self._generator(seqs[i].seq_id, p.seed) for i, p in zip(live, params)]
@@ -159,7 +160,7 @@ class DSparkProposer:
         n = len(live)
         self.draft_probs.clear()
         for a, i in enumerate(live):
-            out[i] = flat_out[n + a * self.block: n + a * self.block + flat_out[a]]
+            out[i] = flat_out[n + a * self.block : n + a * self.block + flat_out[a]]
             if blk.probs is not None and seqs[i].sampling_params.temperature > 0:
                 self.draft_probs[seqs[i].seq_id] = blk.probs[a]
         return out

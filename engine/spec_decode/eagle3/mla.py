@@ -58,15 +58,21 @@ class MLAShape:
         missing = [k for k in MLA_KEYS if not d.get(k)]
         if missing:
             raise ValueError(f"eagle3 drafter config: an MLA drafter needs {missing[0]!r}")
-        return cls(q_lora_rank=int(d["q_lora_rank"]) if d.get("q_lora_rank") else None,
-                   **{k: int(d[k]) for k in MLA_KEYS}, rope_theta=float(d.get("rope_theta", 10000.0)),
-                   rope_scaling=mla_rope_scaling(d.get("rope_scaling")))
+        return cls(
+            q_lora_rank=int(d["q_lora_rank"]) if d.get("q_lora_rank") else None,
+            **{k: int(d[k]) for k in MLA_KEYS},
+            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rope_scaling=mla_rope_scaling(d.get("rope_scaling")),
+        )
 
     def param_count(self, hidden: int, heads: int) -> int:
         """The attention's weights (for the memory plan)."""
         qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-        q = (2 * hidden * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * qk if self.q_lora_rank
-             else 2 * hidden * heads * qk)
+        q = (
+            2 * hidden * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * qk
+            if self.q_lora_rank
+            else 2 * hidden * heads * qk
+        )
         kv = 2 * hidden * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
         kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
         return q + kv + heads * self.v_head_dim * hidden
@@ -84,17 +90,24 @@ def mla_rope_scaling(d: dict | None) -> RopeScaling | None:
     if kind == "default":
         return None
     if kind not in ("yarn", "deepseek_yarn"):
-        raise ValueError(f"eagle3 drafter config: rope_scaling type {kind!r} is not supported by the MLA "
-                         f"drafter (yarn, default)")
+        raise ValueError(
+            f"eagle3 drafter config: rope_scaling type {kind!r} is not supported by the MLA drafter (yarn, default)"
+        )
     if not d.get("original_max_position_embeddings"):
         raise ValueError("eagle3 drafter config: yarn rope_scaling needs original_max_position_embeddings")
-    return RopeScaling(factor=float(d["factor"]), original_max_position_embeddings=int(d["original_max_position_embeddings"]),
-                       beta_fast=float(d.get("beta_fast") or 32.0), beta_slow=float(d.get("beta_slow") or 1.0),
-                       mscale=float(d.get("mscale") or 1.0), mscale_all_dim=float(d.get("mscale_all_dim") or 0.0))
+    return RopeScaling(
+        factor=float(d["factor"]),
+        original_max_position_embeddings=int(d["original_max_position_embeddings"]),
+        beta_fast=float(d.get("beta_fast") or 32.0),
+        beta_slow=float(d.get("beta_slow") or 1.0),
+        mscale=float(d.get("mscale") or 1.0),
+        mscale_all_dim=float(d.get("mscale_all_dim") or 0.0),
+    )
 
 
-def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, amplitude: float
-                     ) -> torch.Tensor:
+def rope_interleaved(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, amplitude: float
+) -> torch.Tensor:
     """Rotate x [T, heads, D] (fp32 math) on interleaved pairs at ``positions`` [T]."""
     freqs = positions.float()[:, None] * inv_freq[None]  # [T, D/2]
     cos, sin = (freqs.cos() * amplitude)[:, None], (freqs.sin() * amplitude)[:, None]
@@ -125,7 +138,7 @@ class Eagle3MLAAttention(nn.Module):
         inv, self.amplitude = yarn_inv_freq(m.qk_rope_head_dim, m.rope_theta, m.rope_scaling)
         self.__dict__["_inv_freq"] = inv  # a plain attribute: loading (to_empty) must not blank it
         s = m.rope_scaling
-        self.scale = qk ** -0.5 * (yarn_get_mscale(s.factor, s.mscale_all_dim) ** 2 if s and s.mscale_all_dim else 1.0)
+        self.scale = qk**-0.5 * (yarn_get_mscale(s.factor, s.mscale_all_dim) ** 2 if s and s.mscale_all_dim else 1.0)
 
     def _inv(self, device) -> torch.Tensor:
         inv = self.__dict__["_inv_freq"]
@@ -133,8 +146,14 @@ class Eagle3MLAAttention(nn.Module):
             inv = self.__dict__["_inv_freq"] = inv.to(device)
         return inv
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, chunks: list[PrefillChunk],
-                cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        chunks: list[PrefillChunk],
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
         m, t, heads = self.m, x.shape[0], self.heads
         nope, rope, vd, r = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if m.q_lora_rank else self.q_proj(x)
@@ -160,9 +179,14 @@ class Eagle3MLAAttention(nn.Module):
             kvh = self.kv_b_proj(lat[:, :r]).view(ctx, heads, nope + vd)
             k = torch.cat((kvh[..., :nope], lat[:, None, r:].expand(ctx, heads, rope)), dim=-1)
             mask = pos[None, :] <= torch.arange(ctx - n, ctx, device=x.device)[:, None]
-            o = F.scaled_dot_product_attention(q[c.start:c.end].transpose(0, 1), k.transpose(0, 1),
-                                               kvh[..., nope:].transpose(0, 1), attn_mask=mask, scale=self.scale)
-            out[c.start:c.end] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                q[c.start : c.end].transpose(0, 1),
+                k.transpose(0, 1),
+                kvh[..., nope:].transpose(0, 1),
+                attn_mask=mask,
+                scale=self.scale,
+            )
+            out[c.start : c.end] = o.transpose(0, 1)
         return self.o_proj(out.reshape(t, heads * vd))
 
     def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,12 +195,15 @@ class Eagle3MLAAttention(nn.Module):
         if w is None or w[0].device != self.kv_b_proj.weight.device:
             m = self.m
             kvb = self.kv_b_proj.weight.view(self.heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-            w = self.__dict__["_w_ukv"] = (kvb[:, :m.qk_nope_head_dim].contiguous(),
-                                           kvb[:, m.qk_nope_head_dim:].contiguous())
+            w = self.__dict__["_w_ukv"] = (
+                kvb[:, : m.qk_nope_head_dim].contiguous(),
+                kvb[:, m.qk_nope_head_dim :].contiguous(),
+            )
         return w
 
-    def _decode_rows(self, q: torch.Tensor, chunks: list[PrefillChunk], flat: torch.Tensor, bs: int,
-                     out: torch.Tensor) -> None:
+    def _decode_rows(
+        self, q: torch.Tensor, chunks: list[PrefillChunk], flat: torch.Tensor, bs: int, out: torch.Tensor
+    ) -> None:
         """Every row of ``chunks`` as one decode query (row i of a chunk sees positions up to its own),
         through the backend's paged ``mla_decode``: the cache is read in place."""
         m, dev = self.m, q.device

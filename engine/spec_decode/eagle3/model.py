@@ -68,8 +68,10 @@ def drafter_architecture(d: dict) -> str:
         return "mla" if d.get("kv_lora_rank") else "llama"
     known = [a for a in archs if a in LLAMA_ARCHS + MLA_ARCHS]
     if not known:
-        raise ValueError(f"eagle3 drafter config: architectures {archs} not supported "
-                         f"(supported: {', '.join(LLAMA_ARCHS + MLA_ARCHS)})")
+        raise ValueError(
+            f"eagle3 drafter config: architectures {archs} not supported "
+            f"(supported: {', '.join(LLAMA_ARCHS + MLA_ARCHS)})"
+        )
     return "mla" if known[0] in MLA_ARCHS else "llama"
 
 
@@ -79,21 +81,28 @@ def aux_layer_ids(d: dict, target_layers: int, override=None, convention: str | 
     nested = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     top = d.get("eagle_aux_hidden_state_layer_ids")
     if nested is not None and top is not None and list(nested) != list(top):
-        raise ValueError(f"eagle3 drafter config: eagle_config.eagle_aux_hidden_state_layer_ids {list(nested)} and "
-                         f"the top-level eagle_aux_hidden_state_layer_ids {list(top)} disagree")
+        raise ValueError(
+            f"eagle3 drafter config: eagle_config.eagle_aux_hidden_state_layer_ids {list(nested)} and "
+            f"the top-level eagle_aux_hidden_state_layer_ids {list(top)} disagree"
+        )
     given = override if override is not None else nested if nested is not None else top
     if given is None:  # the default is defined in vLLM's reading
         return default_aux_layer_ids(target_layers)
     ids = tuple(int(k) for k in given)
     if convention is None:
-        log.warning("eagle3 drafter: aux layer ids %s read as layer inputs (vLLM's convention: the hidden state "
-                    "entering layer k); for a drafter trained on layer outputs (SGLang, DSpark) set "
-                    "speculative_config eagle_aux_hidden_state_layer_convention 'output'", list(ids))
+        log.warning(
+            "eagle3 drafter: aux layer ids %s read as layer inputs (vLLM's convention: the hidden state "
+            "entering layer k); for a drafter trained on layer outputs (SGLang, DSpark) set "
+            "speculative_config eagle_aux_hidden_state_layer_convention 'output'",
+            list(ids),
+        )
     elif convention == "output":
         ids = tuple(k + 1 for k in ids)
     if len(set(ids)) != len(ids) or not all(0 <= k <= target_layers for k in ids):
-        raise ValueError(f"eagle3 drafter config: aux hidden state layer ids {list(given)} ({convention or 'input'} "
-                         f"convention) must be distinct and in 0..{target_layers} for a {target_layers}-layer target")
+        raise ValueError(
+            f"eagle3 drafter config: aux hidden state layer ids {list(given)} ({convention or 'input'} "
+            f"convention) must be distinct and in 0..{target_layers} for a {target_layers}-layer target"
+        )
     return ids
 
 
@@ -123,10 +132,18 @@ class Eagle3Config:
     norm_output: bool = False  # EAGLE-3.1: the chain feeds back the normed output
 
     @classmethod
-    def from_dict(cls, d: dict, target_layers: int, target_hidden_size: int, target_vocab_size: int,
-                  aux_override=None, aux_convention: str | None = None) -> Eagle3Config:
+    def from_dict(
+        cls,
+        d: dict,
+        target_layers: int,
+        target_hidden_size: int,
+        target_vocab_size: int,
+        aux_override=None,
+        aux_convention: str | None = None,
+    ) -> Eagle3Config:
         """From a drafter's config.json, checked against the target (layers, hidden size, vocabulary).
         ``aux_override`` / ``aux_convention``: speculative_config's layer ids and their reading."""
+
         def need(key):
             if key not in d:
                 raise ValueError(f"eagle3 drafter config: missing {key!r}")
@@ -134,50 +151,65 @@ class Eagle3Config:
 
         arch = drafter_architecture(d)
         if d.get("num_hidden_layers", 1) != 1:
-            raise ValueError(f"eagle3 drafter config: num_hidden_layers must be 1 (one EAGLE-3 layer), "
-                             f"got {d['num_hidden_layers']}")
+            raise ValueError(
+                f"eagle3 drafter config: num_hidden_layers must be 1 (one EAGLE-3 layer), got {d['num_hidden_layers']}"
+            )
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"eagle3 drafter config: hidden_act must be 'silu', got {d['hidden_act']!r}")
         eagle = d.get("eagle_config") or {}
         if eagle.get("use_aux_hidden_state", True) is False:
-            raise ValueError("eagle3 drafter config: use_aux_hidden_state false (EAGLE-1 style input) "
-                             "is not supported")
+            raise ValueError("eagle3 drafter config: use_aux_hidden_state false (EAGLE-1 style input) is not supported")
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         kv_heads = int(d.get("num_key_value_heads") or heads)
         head_dim = int(d.get("head_dim") or hidden // heads)
         if heads % kv_heads and arch == "llama":
-            raise ValueError(f"eagle3 drafter config: num_attention_heads ({heads}) must be a multiple of "
-                             f"num_key_value_heads ({kv_heads})")
+            raise ValueError(
+                f"eagle3 drafter config: num_attention_heads ({heads}) must be a multiple of "
+                f"num_key_value_heads ({kv_heads})"
+            )
         vocab = int(d.get("vocab_size") or target_vocab_size)
         if vocab != target_vocab_size:
-            raise ValueError(f"eagle3 drafter config: vocab_size {vocab} differs from the target's "
-                             f"{target_vocab_size}")
+            raise ValueError(f"eagle3 drafter config: vocab_size {vocab} differs from the target's {target_vocab_size}")
         draft_vocab = int(d.get("draft_vocab_size") or vocab)
         if not 1 <= draft_vocab <= vocab:
             raise ValueError(f"eagle3 drafter config: draft_vocab_size must be in 1..{vocab}, got {draft_vocab}")
         target_hidden = int(d.get("target_hidden_size") or hidden)
         if target_hidden != target_hidden_size:
-            raise ValueError(f"eagle3 drafter config: target_hidden_size {target_hidden} differs from the "
-                             f"target's hidden_size {target_hidden_size}")
+            raise ValueError(
+                f"eagle3 drafter config: target_hidden_size {target_hidden} differs from the "
+                f"target's hidden_size {target_hidden_size}"
+            )
         ids = aux_layer_ids(d, target_layers, aux_override, aux_convention)
         mla = MLAShape.from_dict(d) if arch == "mla" else None
         scaling = d.get("rope_scaling")
         if scaling is not None and mla is None:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind not in ROPE_TYPES:
-                raise ValueError(f"eagle3 drafter config: rope_scaling type {kind!r} is not supported "
-                                 f"({', '.join(ROPE_TYPES)})")
+                raise ValueError(
+                    f"eagle3 drafter config: rope_scaling type {kind!r} is not supported ({', '.join(ROPE_TYPES)})"
+                )
             scaling = None if kind == "default" else {**scaling, "rope_type": kind}
         elif mla is not None:
             scaling = None  # the MLA attention keeps its own (DeepSeek YaRN) rope
-        return cls(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                   intermediate_size=int(need("intermediate_size")), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                   rope_theta=float(d.get("rope_theta", 10000.0)), rope_scaling=scaling, vocab_size=vocab,
-                   draft_vocab_size=draft_vocab, target_hidden_size=target_hidden,
-                   norm_before_residual=bool(d.get("norm_before_residual", False)),
-                   aux_layer_ids=tuple(sorted(ids)),
-                   attention_bias=bool(d.get("attention_bias", False) or d.get("qkv_bias", False)), mla=mla,
-                   fc_norm=bool(d.get("fc_norm", False)), norm_output=bool(d.get("norm_output", False)))
+        return cls(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=int(need("intermediate_size")),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            vocab_size=vocab,
+            draft_vocab_size=draft_vocab,
+            target_hidden_size=target_hidden,
+            norm_before_residual=bool(d.get("norm_before_residual", False)),
+            aux_layer_ids=tuple(sorted(ids)),
+            attention_bias=bool(d.get("attention_bias", False) or d.get("qkv_bias", False)),
+            mla=mla,
+            fc_norm=bool(d.get("fc_norm", False)),
+            norm_output=bool(d.get("norm_output", False)),
+        )
 
 
 def rope_parameters(cfg: Eagle3Config) -> tuple[torch.Tensor, float]:
@@ -204,8 +236,12 @@ def rope_parameters(cfg: Eagle3Config) -> tuple[torch.Tensor, float]:
     old = int(s.get("original_max_position_embeddings") or 0)
     if old < 1:
         raise ValueError("eagle3 drafter config: yarn rope_scaling needs original_max_position_embeddings")
-    scaling = RopeScaling(factor=factor, original_max_position_embeddings=old,
-                          beta_fast=float(s.get("beta_fast") or 32.0), beta_slow=float(s.get("beta_slow") or 1.0))
+    scaling = RopeScaling(
+        factor=factor,
+        original_max_position_embeddings=old,
+        beta_fast=float(s.get("beta_fast") or 32.0),
+        beta_slow=float(s.get("beta_slow") or 1.0),
+    )
     inv, _ = yarn_inv_freq(dim, base, scaling)
     amp = s.get("attention_factor")
     if amp is None:
@@ -244,8 +280,15 @@ class Eagle3Attention(nn.Module):
         self.v_proj = BiasLinear(2 * cfg.hidden_size, kv * d, b, dtype)
         self.o_proj = BiasLinear(h * d, cfg.hidden_size, b, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                chunks: list[PrefillChunk], cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        chunks: list[PrefillChunk],
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
         t = x.shape[0]
         q = rotate(self.q_proj(x).view(t, self.heads, self.head_dim), cos, sin)
         k = rotate(self.k_proj(x).view(t, self.kv_heads, self.head_dim), cos, sin)
@@ -259,8 +302,7 @@ class Eagle3Attention(nn.Module):
 QUERY_TILE = 256  # query rows per attention call in a long chunk: bounds the [H, rows, context] scores
 
 
-def paged_attention(q: torch.Tensor, flat: torch.Tensor, chunks: list[PrefillChunk], block_size: int
-                    ) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, flat: torch.Tensor, chunks: list[PrefillChunk], block_size: int) -> torch.Tensor:
     """Causal attention of q [T, H, D] over each chunk's cached positions 0..context_len-1, read from
     ``flat`` [slots, 2, KV, D] through the chunk's block table; the chunk's rows are its last
     ``end - start`` positions. One-row chunks (chain steps) run as one padded batch. Key/value heads
@@ -270,15 +312,21 @@ def paged_attention(q: torch.Tensor, flat: torch.Tensor, chunks: list[PrefillChu
     if chunks and all(c.end - c.start == 1 for c in chunks):
         width = max(c.context_len for c in chunks)
         nblk = -(-width // block_size)
-        tables = torch.stack([F.pad(c.block_table[:nblk].long(), (0, max(0, nblk - len(c.block_table))))
-                              for c in chunks])  # [S, nblk]; padding is masked below
+        tables = torch.stack(
+            [F.pad(c.block_table[:nblk].long(), (0, max(0, nblk - len(c.block_table)))) for c in chunks]
+        )  # [S, nblk]; padding is masked below
         j = torch.arange(width, device=q.device)
         kv = flat[tables[:, j // block_size] * block_size + j % block_size]  # [S, W, 2, KV, D]
         valid = j[None] < torch.tensor([c.context_len for c in chunks], device=q.device)[:, None]
         rows = torch.tensor([c.start for c in chunks], device=q.device)
-        o = F.scaled_dot_product_attention(q[rows].unsqueeze(2).to(kv.dtype), kv[:, :, 0].transpose(1, 2),
-                                           kv[:, :, 1].transpose(1, 2), attn_mask=valid[:, None, None, :],
-                                           scale=scale, enable_gqa=True)  # [S, H, 1, D]
+        o = F.scaled_dot_product_attention(
+            q[rows].unsqueeze(2).to(kv.dtype),
+            kv[:, :, 0].transpose(1, 2),
+            kv[:, :, 1].transpose(1, 2),
+            attn_mask=valid[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )  # [S, H, 1, D]
         out[rows] = o.squeeze(2).to(q.dtype)
         return out
     for c in chunks:
@@ -290,9 +338,15 @@ def paged_attention(q: torch.Tensor, flat: torch.Tensor, chunks: list[PrefillChu
             b = min(n, a + QUERY_TILE)
             qpos = torch.arange(ctx - n + a, ctx - n + b, device=q.device)
             mask = pos[None, :] <= qpos[:, None]  # [rows, ctx]
-            o = F.scaled_dot_product_attention(q[c.start + a:c.start + b].transpose(0, 1).to(k.dtype), k, v,
-                                               attn_mask=mask, scale=scale, enable_gqa=True)
-            out[c.start + a:c.start + b] = o.transpose(0, 1).to(q.dtype)
+            o = F.scaled_dot_product_attention(
+                q[c.start + a : c.start + b].transpose(0, 1).to(k.dtype),
+                k,
+                v,
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[c.start + a : c.start + b] = o.transpose(0, 1).to(q.dtype)
     return out
 
 
@@ -323,8 +377,11 @@ class Eagle3Layer(nn.Module):
         h = self.hidden_norm(hidden)
         residual = h if self.norm_before_residual else hidden
         x = torch.cat((self.input_layernorm(embeds), h), dim=-1)
-        attn = (self.self_attn(x, positions, slots, chunks, cache) if self.mla
-                else self.self_attn(x, cos, sin, slots, chunks, cache))
+        attn = (
+            self.self_attn(x, positions, slots, chunks, cache)
+            if self.mla
+            else self.self_attn(x, cos, sin, slots, chunks, cache)
+        )
         residual = attn + residual
         return self.mlp(self.post_attention_layernorm(residual)) + residual
 
@@ -338,8 +395,11 @@ class Eagle3Drafter(nn.Module):
         self.config = cfg
         self.dtype = dtype
         self.fc = Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, dtype=dtype)
-        self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps, dtype)
-                                     for _ in cfg.aux_layer_ids) if cfg.fc_norm else None
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps, dtype) for _ in cfg.aux_layer_ids)
+            if cfg.fc_norm
+            else None
+        )
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if own_embedding else None
         self.layers = nn.ModuleList([Eagle3Layer(cfg, dtype)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -367,8 +427,9 @@ class Eagle3Drafter(nn.Module):
             raise RuntimeError("eagle3 drafter: no embed_tokens in the checkpoint and no target embedding shared")
         return module(ids).to(self.dtype)
 
-    def allocate_cache(self, num_blocks: int, block_size: int, device: torch.device | str,
-                       dtype: torch.dtype | None = None) -> torch.Tensor:
+    def allocate_cache(
+        self, num_blocks: int, block_size: int, device: torch.device | str, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """The drafter's paged KV cache, block ids shared with the target's (``dtype`` None: the drafter's)."""
         c, dtype = self.config, dtype or self.dtype
         if c.mla is not None:
@@ -385,11 +446,12 @@ class Eagle3Drafter(nn.Module):
         aux = aux.to(self.dtype)
         if self.fc_norm is not None:
             d = self.config.target_hidden_size
-            aux = torch.cat([norm(aux[:, j * d:(j + 1) * d]) for j, norm in enumerate(self.fc_norm)], dim=-1)
+            aux = torch.cat([norm(aux[:, j * d : (j + 1) * d]) for j, norm in enumerate(self.fc_norm)], dim=-1)
         return self.fc(aux)
 
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, chunks: list[PrefillChunk],
-                cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, chunks: list[PrefillChunk], cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter pass over rows laid out as ``chunks`` (each a run of consecutive positions ending
         at ``context_len - 1``, its block table the target's). ``input_ids`` [T]: each row's input
         token (the one *after* the target position it sits at), ``hidden`` [T, hidden]: ``combine``'s
@@ -434,6 +496,7 @@ class Eagle3Drafter(nn.Module):
     def draft_to_target(self) -> torch.Tensor:
         ids = self.__dict__.get("_d2t_ids")
         if ids is None or ids.device != self.d2t.device:
-            ids = self.__dict__["_d2t_ids"] = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) \
-                + self.d2t
+            ids = self.__dict__["_d2t_ids"] = (
+                torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+            )
         return ids

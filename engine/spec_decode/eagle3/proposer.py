@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from kimitui.engine.layers.attn_metadata import PrefillChunk
-from kimitui.engine.sequence import Sequence
-from kimitui.engine.spec_decode.eagle3.model import Eagle3Drafter
-from kimitui.engine.spec_decode.eagle3.loader import load_eagle3
-from kimitui.engine.spec_decode.proposer import StepHidden
 from kimitui.engine.layers.embedding import VocabEmbedding
 from kimitui.engine.loader.checkpoint import CheckpointReader
+from kimitui.engine.sequence import Sequence
+from kimitui.engine.spec_decode.eagle3.loader import load_eagle3
+from kimitui.engine.spec_decode.eagle3.model import Eagle3Drafter
+from kimitui.engine.spec_decode.proposer import StepHidden
 from kimitui.kernels.select import attach_backends
 from kimitui.kernels.settings import KernelSettings
 
@@ -46,8 +46,9 @@ class Eagle3Proposer:
         Kimi K2.x model, whose aux layers are switched on here and whose embedding is shared when
         the drafter ships none."""
         if not hasattr(target, "set_aux_hidden_layers"):
-            raise ValueError(f"speculative_config: eagle3 needs a Kimi K2.x (DeepSeek-V3) target, got "
-                             f"{type(target).__name__}")
+            raise ValueError(
+                f"speculative_config: eagle3 needs a Kimi K2.x (DeepSeek-V3) target, got {type(target).__name__}"
+            )
         weight = target.model.norm.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.num_speculative_tokens = config.num_speculative_tokens
@@ -62,11 +63,19 @@ class Eagle3Proposer:
             # collective, so rank 0 keeps a whole copy for the drafter (checkpoints without embed_tokens).
             embedding = _whole_embedding(model_dir, target.config, self.device, self.dtype)
         self.drafter: Eagle3Drafter = load_eagle3(
-            config.model, target.config, self.device, self.dtype, target_embedding=embedding,
-            target_lm_head=lm_head, aux_override=config.eagle_aux_hidden_state_layer_ids,
-            aux_convention=config.eagle_aux_hidden_state_layer_convention)
+            config.model,
+            target.config,
+            self.device,
+            self.dtype,
+            target_embedding=embedding,
+            target_lm_head=lm_head,
+            aux_override=config.eagle_aux_hidden_state_layer_ids,
+            aux_convention=config.eagle_aux_hidden_state_layer_convention,
+        )
         if self.drafter.lm_head is None and lm_head is None:
-            raise ValueError("speculative_config: an eagle3 drafter without its own lm_head needs tensor_parallel_size 1")
+            raise ValueError(
+                "speculative_config: an eagle3 drafter without its own lm_head needs tensor_parallel_size 1"
+            )
         self.cache_dtype = None if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         self._attach_backend(settings)
         target.set_aux_hidden_layers(self.drafter.config.aux_layer_ids)
@@ -82,8 +91,9 @@ class Eagle3Proposer:
 
     def _attach_backend(self, settings) -> None:
 
-        attach_backends(self.drafter, self.device, self.dtype,
-                        KernelSettings.from_env() if settings is None else settings)
+        attach_backends(
+            self.drafter, self.device, self.dtype, KernelSettings.from_env() if settings is None else settings
+        )
 
     def bind_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the drafter's KV cache for the target's ``num_blocks`` blocks of ``block_size``."""
@@ -107,8 +117,7 @@ class Eagle3Proposer:
         self._finished.add(seq_id)  # its rows of the step just run are not worth a drafter pass
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], max_drafts: list[int], hidden: StepHidden | None = None
-                ) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], max_drafts: list[int], hidden: StepHidden | None = None) -> list[list[int]]:
         if self.cache is None:
             raise RuntimeError("Eagle3Proposer: bind_cache was not called (the engine does it after the KV cache)")
         drafting = {seq.seq_id for seq, k in zip(seqs, max_drafts) if k > 0}
@@ -132,7 +141,7 @@ class Eagle3Proposer:
             if sid in self._finished or seq is None or len(seq.block_table) * self.block_size < pos0 + n:
                 self._pending.pop(sid, None)
                 continue  # finished (its blocks may be gone) or never given the slots
-            rows = hidden.aux[first:first + n]
+            rows = hidden.aux[first : first + n]
             old = self._pending.pop(sid, None)
             if old is not None and old[2] + old[0].shape[0] == pos0:  # contiguous: append
                 rows, tokens, pos0 = torch.cat((old[0], rows)), old[1] + hidden.next_tokens[sid], old[2]
@@ -161,8 +170,9 @@ class Eagle3Proposer:
         if not ids:
             return
         aux = parts[0] if len(parts) == 1 else torch.cat(parts)
-        pre, normed = self.drafter(torch.tensor(ids, dtype=torch.int64, device=self.device),
-                                   self.drafter.combine(aux), chunks, self.cache)
+        pre, normed = self.drafter(
+            torch.tensor(ids, dtype=torch.int64, device=self.device), self.drafter.combine(aux), chunks, self.cache
+        )
         self.absorbed_rows += len(ids)
         self.drafter_passes += 1
         for sid, r, pos in ends:
@@ -229,7 +239,8 @@ class Eagle3Proposer:
             for a, i in enumerate(live):
                 if temps[a] > 0:
                     self.draft_probs[seqs[i].seq_id] = torch.stack(
-                        [q[act.index(a)] for q, act in zip(probs, acts) if a in act])
+                        [q[act.index(a)] for q, act in zip(probs, acts) if a in act]
+                    )
         return out
 
     def _pick(self, normed: torch.Tensor, temp: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:

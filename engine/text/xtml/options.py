@@ -24,23 +24,33 @@ from kimitui.engine.text.k2 import deep_sort
 THINKING_EFFORTS = ("low", "high", "max")
 DEFAULT_THINKING_EFFORT = "max"
 # OpenAI reasoning_effort -> K3 thinking effort; None turns thinking off.
-REASONING_EFFORTS: dict[str, str | None] = {"none": None, "minimal": "low", "low": "low", "high": "high",
-                                            "xhigh": "max", "max": "max"}
+REASONING_EFFORTS: dict[str, str | None] = {
+    "none": None,
+    "minimal": "low",
+    "low": "low",
+    "high": "high",
+    "xhigh": "max",
+    "max": "max",
+}
 TOOL_CHOICES = ("auto", "none", "required")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
-EFFORT_TEXT = ("`thinking_effort` guides on how much to think in your thinking channel (not including the "
-               "response channel), supported values include `low`, `medium`, `high`, and `max`.\n"
-               "Now the system is invoked with `thinking_effort={}`.")
+EFFORT_TEXT = (
+    "`thinking_effort` guides on how much to think in your thinking channel (not including the "
+    "response channel), supported values include `low`, `medium`, `high`, and `max`.\n"
+    "Now the system is invoked with `thinking_effort={}`."
+)
 _TOOL_CHOICE_TEXT = {
     "required": "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message.",
     "none": "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message.",
 }
-_RAW_JSON = ("Your response must be raw JSON data without markdown code blocks (```json) or any additional "
-             "formatting.")
+_RAW_JSON = "Your response must be raw JSON data without markdown code blocks (```json) or any additional formatting."
 _JSON_OBJECT_TEXT = "The system is invoked with `response_format=json_object`.\n" + _RAW_JSON
-_JSON_SCHEMA_TEXT = ("The system is invoked with `response_format=json_schema`.\n" + _RAW_JSON
-                     + "\nThe JSON data must match the following schema:\n```json\n{}\n```")
+_JSON_SCHEMA_TEXT = (
+    "The system is invoked with `response_format=json_schema`.\n"
+    + _RAW_JSON
+    + "\nThe JSON data must match the following schema:\n```json\n{}\n```"
+)
 
 
 class XtmlError(ValueError):
@@ -57,13 +67,15 @@ class OptionError(XtmlError):
 
 def check_thinking_effort(effort: str, param: str = "thinking_effort") -> str:
     if effort not in THINKING_EFFORTS:
-        raise OptionError(f"{param} must be one of {', '.join(THINKING_EFFORTS)} (the values Kimi K3 knows), "
-                          f"got {effort!r}", param)
+        raise OptionError(
+            f"{param} must be one of {', '.join(THINKING_EFFORTS)} (the values Kimi K3 knows), got {effort!r}", param
+        )
     return effort
 
 
-def resolve_effort(thinking: bool | None, thinking_effort: str | None,
-                   reasoning_effort: str | None) -> tuple[bool, str]:
+def resolve_effort(
+    thinking: bool | None, thinking_effort: str | None, reasoning_effort: str | None
+) -> tuple[bool, str]:
     """(thinking, effort) from the explicit K3 options and OpenAI's ``reasoning_effort``.
 
     Explicit ``thinking`` / ``thinking_effort`` win over ``reasoning_effort``, as in vLLM's K3
@@ -72,9 +84,11 @@ def resolve_effort(thinking: bool | None, thinking_effort: str | None,
     """
     if reasoning_effort is not None:
         if reasoning_effort not in REASONING_EFFORTS:
-            raise OptionError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)} (Kimi K3 thinks at "
-                              f"low, high or max; none turns thinking off), got {reasoning_effort!r}",
-                              "reasoning_effort")
+            raise OptionError(
+                f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)} (Kimi K3 thinks at "
+                f"low, high or max; none turns thinking off), got {reasoning_effort!r}",
+                "reasoning_effort",
+            )
         mapped = REASONING_EFFORTS[reasoning_effort]
         if mapped is None:
             thinking = False if thinking is None else thinking
@@ -95,8 +109,11 @@ def tool_choice_name(tool_choice: Any) -> str | None:
     else:
         ok = tool_choice is None or tool_choice in TOOL_CHOICES
     if not ok:
-        raise OptionError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or a named function "
-                          f'{{"type": "function", "function": {{"name": ...}}}}, got {tool_choice!r}', "tool_choice")
+        raise OptionError(
+            f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or a named function "
+            f'{{"type": "function", "function": {{"name": ...}}}}, got {tool_choice!r}',
+            "tool_choice",
+        )
     return name
 
 
@@ -128,12 +145,15 @@ def response_format_type(response_format: Any) -> str | None:
         return None
     kind = response_format.get("type") if isinstance(response_format, dict) else response_format
     if kind not in RESPONSE_FORMATS:
-        raise OptionError(f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}",
-                          "response_format")
-    if kind == "json_schema" and not (isinstance(response_format, dict)
-                                      and isinstance(response_format.get("json_schema"), dict)):
-        raise OptionError('response_format of type "json_schema" needs a "json_schema" object',
-                          "response_format.json_schema")
+        raise OptionError(
+            f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}", "response_format"
+        )
+    if kind == "json_schema" and not (
+        isinstance(response_format, dict) and isinstance(response_format.get("json_schema"), dict)
+    ):
+        raise OptionError(
+            'response_format of type "json_schema" needs a "json_schema" object', "response_format.json_schema"
+        )
     return kind
 
 

@@ -35,13 +35,39 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kimitui.engine.text.xtml.options import (DEFAULT_THINKING_EFFORT, EFFORT_TEXT, THINKING_EFFORTS, OptionError, XtmlError,
-                                 check_thinking_effort, compact_json, response_format_text, tool_choice_text)
+from kimitui.engine.text.xtml.options import (
+    DEFAULT_THINKING_EFFORT,
+    EFFORT_TEXT,
+    THINKING_EFFORTS,
+    OptionError,
+    XtmlError,
+    check_thinking_effort,
+    compact_json,
+    response_format_text,
+    tool_choice_text,
+)
 from kimitui.engine.text.xtml.tools import call_arguments, declare_text, order_tool_results
 
-__all__ = ["CLOSE", "DEFAULT_THINKING_EFFORT", "END_OF_MSG", "MARKERS", "OPEN", "ROLES", "SEP", "THINKING_EFFORTS",
-           "OptionError", "Segment", "XtmlError", "build_segments", "compact_json", "encode_segments",
-           "escape_attr", "render_text", "unescape_attr", "xtml_type"]
+__all__ = [
+    "CLOSE",
+    "DEFAULT_THINKING_EFFORT",
+    "END_OF_MSG",
+    "MARKERS",
+    "OPEN",
+    "ROLES",
+    "SEP",
+    "THINKING_EFFORTS",
+    "OptionError",
+    "Segment",
+    "XtmlError",
+    "build_segments",
+    "compact_json",
+    "encode_segments",
+    "escape_attr",
+    "render_text",
+    "unescape_attr",
+    "xtml_type",
+]
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 MARKERS = (OPEN, CLOSE, SEP, END_OF_MSG)
@@ -109,10 +135,17 @@ class _Builder:
         self.message([body.strip()], role="system", type=kind)
 
 
-def build_segments(messages: list[dict], *, tools: list[dict] | None = None, thinking: bool = True,
-                   thinking_effort: str | None = DEFAULT_THINKING_EFFORT, add_generation_prompt: bool = True,
-                   preserve_thinking: bool = True, tool_choice: Any = None,
-                   response_format: Any = None) -> list[Segment]:
+def build_segments(
+    messages: list[dict],
+    *,
+    tools: list[dict] | None = None,
+    thinking: bool = True,
+    thinking_effort: str | None = DEFAULT_THINKING_EFFORT,
+    add_generation_prompt: bool = True,
+    preserve_thinking: bool = True,
+    tool_choice: Any = None,
+    response_format: Any = None,
+) -> list[Segment]:
     """The prompt for ``messages`` as segments (see the module docstring for the grammar).
 
     Order, as in the reference: tool declaration, thinking effort, the conversation (tool results
@@ -128,8 +161,10 @@ def build_segments(messages: list[dict], *, tools: list[dict] | None = None, thi
     if thinking and thinking_effort is not None:
         b.system("thinking-effort", EFFORT_TEXT.format(thinking_effort))
     _conversation(b, messages, thinking, preserve_thinking)
-    for kind, body in (("tool-choice", tool_choice_text(tool_choice)),
-                       ("response-format", response_format_text(response_format))):
+    for kind, body in (
+        ("tool-choice", tool_choice_text(tool_choice)),
+        ("response-format", response_format_text(response_format)),
+    ):
         if body is not None:
             b.system(kind, body)
     if add_generation_prompt:
@@ -198,8 +233,9 @@ def encode_segments(segments: list[Segment], tokenizer) -> list[int]:
         if s.control:
             tid = tokenizer.token_to_id(s.text)
             if tid is None:
-                raise XtmlError(f"{tokenizer.name_or_path or 'tokenizer'}: has no token {s.text!r}; "
-                                "not a Kimi K3 tokenizer")
+                raise XtmlError(
+                    f"{tokenizer.name_or_path or 'tokenizer'}: has no token {s.text!r}; not a Kimi K3 tokenizer"
+                )
             ids.append(tid)
         else:
             for piece in text_slices(s.text):
@@ -212,9 +248,12 @@ def text_slices(text: str) -> list[str]:
     each chunk every 25,000 characters of a longer run of whitespace or of non-whitespace."""
     out = []
     for start in range(0, len(text), _MAX_CHUNK):
-        chunk = text[start:start + _MAX_CHUNK]
-        cuts = [run.start() + k for run in _LONG_RUN.finditer(chunk)
-                for k in range(_MAX_RUN, run.end() - run.start(), _MAX_RUN)]
+        chunk = text[start : start + _MAX_CHUNK]
+        cuts = [
+            run.start() + k
+            for run in _LONG_RUN.finditer(chunk)
+            for k in range(_MAX_RUN, run.end() - run.start(), _MAX_RUN)
+        ]
         out += [chunk[a:b] for a, b in zip([0, *cuts], [*cuts, len(chunk)])]
     return out
 

@@ -69,7 +69,7 @@ class XtmlReplyParser(StreamParserBase):
                 hit = next((m for m in (opener, other) if buf.startswith(m)), None)
                 if hit is None and not final and any(m.startswith(buf) for m in (opener, other)):
                     break  # could still be an opener: wait
-                self._buf = buf[len(hit):] if hit else buf
+                self._buf = buf[len(hit) :] if hit else buf
                 self._state = ("think" if hit == THINK_BEGIN else "response") if hit else self._first
                 continue
             if state == "done":
@@ -80,13 +80,13 @@ class XtmlReplyParser(StreamParserBase):
             if hits:
                 idx, marker = min(hits, key=lambda h: (h[0], -len(h[1])))
                 self._take(state, buf[:idx], out, calls)
-                self._buf, self._state = buf[idx + len(marker):], exits[marker]
+                self._buf, self._state = buf[idx + len(marker) :], exits[marker]
                 continue
             # Held: a tail that may still grow into a marker. At the end of the reply it is the
             # start of a marker cut off by max_tokens, so it is dropped rather than shown.
             keep = _held_suffix(buf, tuple(exits))
-            self._take(state, buf[:len(buf) - keep], out, calls)
-            self._buf = "" if final else buf[len(buf) - keep:]
+            self._take(state, buf[: len(buf) - keep], out, calls)
+            self._buf = "" if final else buf[len(buf) - keep :]
             break
         delta = StreamDelta("".join(out["think"]), "".join(out["response"]), calls)
         self.reasoning += delta.reasoning
@@ -100,7 +100,7 @@ class XtmlReplyParser(StreamParserBase):
         elif state == "tools" and text:
             self._section += text
             found = list(call_blocks(self._section))
-            for attrs, body in found[self._calls_seen:]:
+            for attrs, body in found[self._calls_seen :]:
                 call = _tool_call(attrs, body, len(self.tool_calls) + len(calls))
                 if call is not None:
                     calls.append(call)
@@ -126,8 +126,8 @@ def call_blocks(text: str, tag: str = "call"):
         if 0 <= nxt < end:
             pos = nxt
             continue
-        attrs = {k: unescape_attr(v) for k, v in _ATTR_RE.findall(text[start + len(opener):head_end])}
-        yield attrs, text[head_end + len(SEP):end]
+        attrs = {k: unescape_attr(v) for k, v in _ATTR_RE.findall(text[start + len(opener) : head_end])}
+        yield attrs, text[head_end + len(SEP) : end]
         pos = end + len(closer)
 
 

@@ -15,9 +15,11 @@ from kimitui.engine.text.xtml.options import XtmlError, compact_json
 
 _DECLARE = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n{}\n```"
 # A system message that carries ``tools`` extends the tool set mid-conversation ("lazy loading").
-_DECLARE_MORE = ("## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\n"
-                 "You have access to all existing and extended tools.\nHere are the specs for the extended "
-                 "tools.\n\n```json\n{}\n```")
+_DECLARE_MORE = (
+    "## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\n"
+    "You have access to all existing and extended tools.\nHere are the specs for the extended "
+    "tools.\n\n```json\n{}\n```"
+)
 
 
 class ToolFormatError(XtmlError):
@@ -53,8 +55,10 @@ def call_arguments(arguments: Any, where: str) -> tuple[dict, str | None]:
             return {}, arguments
         if isinstance(parsed, dict):
             return parsed, None
-    raise ToolFormatError(f"{where}: tool call arguments must be a JSON object (or a string holding one), "
-                          f"got {type(arguments).__name__} {str(arguments)[:60]!r}")
+    raise ToolFormatError(
+        f"{where}: tool call arguments must be a JSON object (or a string holding one), "
+        f"got {type(arguments).__name__} {str(arguments)[:60]!r}"
+    )
 
 
 def _call_index(calls: Any) -> dict[str, tuple[int, Any]]:

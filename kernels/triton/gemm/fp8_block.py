@@ -8,20 +8,38 @@ Reference: ``reference.linear_fp8_block``.
 """
 
 import torch
+
 import triton
 import triton.language as tl
-
 from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device, interpreting
 from kimitui.kernels.triton.split_k import finish, outputs, plan_gemm
 
 
 @triton.jit
 def _fp8_block_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr,
-    M, N, K, STEPS,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_os, stride_om, stride_on,
-    QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    STEPS,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sk,
+    stride_os,
+    stride_om,
+    stride_on,
+    QBLOCK_N: tl.constexpr,
+    QBLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     # Program (m, n, s): output tile (m, n), K-steps [s * STEPS, (s + 1) * STEPS).
     pid_m = tl.program_id(0)
@@ -84,9 +102,28 @@ def fp8_block_gemm(
     out, target = outputs(plan, x.dtype, x.device)
     split = plan.split > 1
     _fp8_block_gemm_kernel[plan.grid](
-        x, w_fp8, scale_inv, target, m, n, k, plan.steps_per_split,
-        x.stride(0), x.stride(1), w_fp8.stride(0), w_fp8.stride(1), scale_inv.stride(0), scale_inv.stride(1),
-        target.stride(0) if split else 0, target.stride(-2), target.stride(-1),
-        QBLOCK_N=bn, QBLOCK_K=bk, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT=split,
+        x,
+        w_fp8,
+        scale_inv,
+        target,
+        m,
+        n,
+        k,
+        plan.steps_per_split,
+        x.stride(0),
+        x.stride(1),
+        w_fp8.stride(0),
+        w_fp8.stride(1),
+        scale_inv.stride(0),
+        scale_inv.stride(1),
+        target.stride(0) if split else 0,
+        target.stride(-2),
+        target.stride(-1),
+        QBLOCK_N=bn,
+        QBLOCK_K=bk,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        BLOCK_K=plan.block_k,
+        SPLIT=split,
     )
     return finish(plan, out, target)

@@ -6,9 +6,9 @@ code path for the interpreter, Hopper (no FP4 units) and CDNA3. Reference: ``ref
 """
 
 import torch
+
 import triton
 import triton.language as tl
-
 from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device, interpreting
 from kimitui.kernels.triton.split_k import finish, outputs, plan_gemm
 
@@ -39,10 +39,27 @@ def _mxfp4_tile(byte, e, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _mxfp4_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr,
-    M, N, K, STEPS,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_os, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    STEPS,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sk,
+    stride_os,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     # Program (m, n, s): output tile (m, n), K-steps [s * STEPS, (s + 1) * STEPS). Each byte is
     # loaded once per tile ([BK/2, BN]) and both its nibbles decoded in registers; each E8M0 scale
@@ -65,10 +82,12 @@ def _mxfp4_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         x = tl.load(x_ptrs, mask=mask_m[:, None] & ((k0 + lanes_k) < K)[None, :], other=0.0)  # [BM, BK]
-        byte = tl.load(w_ptrs, mask=((k0 // 2 + lanes_b) < K // 2)[:, None] & mask_n[None, :],
-                       other=0).to(tl.int32)  # [BK/2, BN]
-        e = tl.load(s_ptrs, mask=((k0 // 32 + lanes_s) < K // 32)[:, None] & mask_n[None, :],
-                    other=127).to(tl.int32)  # [BK/32, BN] E8M0
+        byte = tl.load(w_ptrs, mask=((k0 // 2 + lanes_b) < K // 2)[:, None] & mask_n[None, :], other=0).to(
+            tl.int32
+        )  # [BK/2, BN]
+        e = tl.load(s_ptrs, mask=((k0 // 32 + lanes_s) < K // 32)[:, None] & mask_n[None, :], other=127).to(
+            tl.int32
+        )  # [BK/32, BN] E8M0
         w = _mxfp4_tile(byte, e, BLOCK_K, BLOCK_N).to(x.dtype)
         acc = tl.dot(x, w, acc, input_precision="ieee")
         x_ptrs += BLOCK_K * stride_xk
@@ -104,9 +123,26 @@ def mxfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> to
     out, target = outputs(plan, x.dtype, x.device)
     split = plan.split > 1
     _mxfp4_gemm_kernel[plan.grid](
-        x, packed, scale, target, m, n, k, plan.steps_per_split,
-        x.stride(0), x.stride(1), packed.stride(0), packed.stride(1), scale.stride(0), scale.stride(1),
-        target.stride(0) if split else 0, target.stride(-2), target.stride(-1),
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT=split,
+        x,
+        packed,
+        scale,
+        target,
+        m,
+        n,
+        k,
+        plan.steps_per_split,
+        x.stride(0),
+        x.stride(1),
+        packed.stride(0),
+        packed.stride(1),
+        scale.stride(0),
+        scale.stride(1),
+        target.stride(0) if split else 0,
+        target.stride(-2),
+        target.stride(-1),
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        BLOCK_K=plan.block_k,
+        SPLIT=split,
     )
     return finish(plan, out, target)

@@ -5,9 +5,9 @@ bits 4*(k % 8), offset-8; ``scale`` [N, ceil(K/group_size)]. Reference: ``refere
 """
 
 import torch
+
 import triton
 import triton.language as tl
-
 from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device, interpreting
 from kimitui.kernels.triton.split_k import finish, outputs, plan_gemm
 
@@ -21,32 +21,59 @@ def _int4_tile(words, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _int4_scales(s_row, k0, GROUPS, mask_n, stride_sk,
-                 GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def _int4_scales(
+    s_row, k0, GROUPS, mask_n, stride_sk, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr
+):
     # The fp32 scales of K-tile [k0, k0 + BK) at s_row [1, BN] (a row of scale pointers), each group's
     # loaded once: [BK, BN], or [1, BN] when the tile lies inside one group.
     if BLOCK_K % GROUP_SIZE == 0:  # BK/G groups in the tile: load each scale once, repeat it G times
         groups = k0 // GROUP_SIZE + tl.arange(0, BLOCK_K // GROUP_SIZE)
-        sg = tl.load(s_row + groups.to(tl.int64)[:, None] * stride_sk,
-                     mask=(groups < GROUPS)[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [BK/G, BN]
-        sc = tl.reshape(tl.broadcast_to(sg[:, None, :], (BLOCK_K // GROUP_SIZE, GROUP_SIZE, BLOCK_N)),
-                        (BLOCK_K, BLOCK_N))
+        sg = tl.load(
+            s_row + groups.to(tl.int64)[:, None] * stride_sk,
+            mask=(groups < GROUPS)[:, None] & mask_n[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [BK/G, BN]
+        sc = tl.reshape(
+            tl.broadcast_to(sg[:, None, :], (BLOCK_K // GROUP_SIZE, GROUP_SIZE, BLOCK_N)), (BLOCK_K, BLOCK_N)
+        )
     elif GROUP_SIZE % BLOCK_K == 0:  # the tile lies in one group: one scale row
         group = ((k0 + tl.zeros((1,), dtype=tl.int32)) // GROUP_SIZE).to(tl.int64)  # [1]
         sc = tl.load(s_row + group[:, None] * stride_sk, mask=mask_n[None, :], other=0.0).to(tl.float32)
     else:  # a group size that does not tile BLOCK_K: gathered per element
         groups = (k0 + tl.arange(0, BLOCK_K)) // GROUP_SIZE
-        sc = tl.load(s_row + groups.to(tl.int64)[:, None] * stride_sk,
-                     mask=(groups < GROUPS)[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        sc = tl.load(
+            s_row + groups.to(tl.int64)[:, None] * stride_sk,
+            mask=(groups < GROUPS)[:, None] & mask_n[None, :],
+            other=0.0,
+        ).to(tl.float32)
     return sc
 
 
 @triton.jit
 def _w4a16_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr,
-    M, N, K, KW, GROUPS, STEPS,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_os, stride_om, stride_on,
-    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    KW,
+    GROUPS,
+    STEPS,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sk,
+    stride_os,
+    stride_om,
+    stride_on,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
     # Program (m, n, s): output tile (m, n), K-steps [s * STEPS, (s + 1) * STEPS). Each packed word
@@ -90,9 +117,7 @@ def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group
         raise ValueError(f"x must be a 2-D fp16/bf16/fp32 tensor, got {tuple(x.shape)} {x.dtype}")
     m, k = x.shape
     if packed.dtype != torch.int32 or packed.dim() != 2 or packed.shape[1] != -(-k // 8):
-        raise ValueError(
-            f"packed must be int32 [N, ceil(K/8)={-(-k // 8)}], got {tuple(packed.shape)} {packed.dtype}"
-        )
+        raise ValueError(f"packed must be int32 [N, ceil(K/8)={-(-k // 8)}], got {tuple(packed.shape)} {packed.dtype}")
     n = packed.shape[0]
     if group_size <= 0:
         raise ValueError(f"group_size must be positive, got {group_size}")
@@ -107,9 +132,29 @@ def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group
     out, target = outputs(plan, x.dtype, x.device)
     split = plan.split > 1
     _w4a16_gemm_kernel[plan.grid](
-        x, packed, scale, target, m, n, k, packed.shape[1], groups, plan.steps_per_split,
-        x.stride(0), x.stride(1), packed.stride(0), packed.stride(1), scale.stride(0), scale.stride(1),
-        target.stride(0) if split else 0, target.stride(-2), target.stride(-1),
-        GROUP_SIZE=group_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT=split,
+        x,
+        packed,
+        scale,
+        target,
+        m,
+        n,
+        k,
+        packed.shape[1],
+        groups,
+        plan.steps_per_split,
+        x.stride(0),
+        x.stride(1),
+        packed.stride(0),
+        packed.stride(1),
+        scale.stride(0),
+        scale.stride(1),
+        target.stride(0) if split else 0,
+        target.stride(-2),
+        target.stride(-1),
+        GROUP_SIZE=group_size,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        BLOCK_K=plan.block_k,
+        SPLIT=split,
     )
     return finish(plan, out, target)

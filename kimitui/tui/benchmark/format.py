@@ -18,6 +18,7 @@ def _num(spec: str) -> Callable[[Any], str]:
             return format(float(value), spec)
         except (TypeError, ValueError):
             return str(value)
+
     return fmt
 
 
@@ -53,8 +54,9 @@ TAIL: list[tuple[str, str, Callable[[Any], str]]] = [
 
 def _percentile_keys(result: dict[str, Any], name: str) -> list[str]:
     suffix = f"_{name}_ms"
-    return [k for k in result if k.startswith("p") and k.endswith(suffix)
-            and k[1:-len(suffix)].replace(".", "").isdigit()]
+    return [
+        k for k in result if k.startswith("p") and k.endswith(suffix) and k[1 : -len(suffix)].replace(".", "").isdigit()
+    ]
 
 
 def result_rows(result: dict[str, Any]) -> list[Row]:
@@ -69,7 +71,7 @@ def result_rows(result: dict[str, Any]) -> list[Row]:
             rows.append((f"{key.split('_')[0].upper()} {short} (ms)", ms(result.get(key))))
     rows += [(label, fmt(result.get(key))) for label, key, fmt in TAIL]
     usd = _num(".4f")
-    for tier in (result.get("cost_per_mtok") or {}):
+    for tier in result.get("cost_per_mtok") or {}:
         rows.append((f"$/1M tokens, {tier}", usd((result.get("cost_per_mtok") or {}).get(tier))))
     rows.append(("$/1M tokens, electricity", usd(result.get("electricity_cost_per_mtok"))))
     return rows

@@ -48,8 +48,9 @@ class BenchFinished(JobFinished):
 
 
 class BenchJob:
-    def __init__(self, config: BenchmarkConfig, source: Any, sampler: Any,
-                 notify: MessagePump, save_dir: Path | None = None) -> None:
+    def __init__(
+        self, config: BenchmarkConfig, source: Any, sampler: Any, notify: MessagePump, save_dir: Path | None = None
+    ) -> None:
         """``source``: a bridges.base.BenchSource (tokenizer, model name, client factory)."""
         self.config = config
         self.source = source
@@ -140,8 +141,9 @@ class BenchJob:
             self._dispatching = False
             self._post("preparing", 0, cfg.num_prompts, 0.0)
             point_cfg = replace(cfg, max_concurrency=c, sweep_concurrency=())
-            self._results.append(await run_benchmark(point_cfg, client, self.tokenizer, self.sampler,
-                                                     self._progress, self._cancel))
+            self._results.append(
+                await run_benchmark(point_cfg, client, self.tokenizer, self.sampler, self._progress, self._cancel)
+            )
             self._dispatching = False
 
     def _progress(self, done: int, total: int, elapsed_s: float) -> None:
@@ -149,5 +151,4 @@ class BenchJob:
         self._post("running", done, total, elapsed_s)
 
     def _post(self, phase: str, done: int, total: int, elapsed_s: float) -> None:
-        self.notify.post_message(BenchProgressed(phase, done, total, elapsed_s, max(1, self._point),
-                                                 self.num_points))
+        self.notify.post_message(BenchProgressed(phase, done, total, elapsed_s, max(1, self._point), self.num_points))

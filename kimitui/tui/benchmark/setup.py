@@ -46,13 +46,25 @@ PRESETS: tuple[Preset, ...] = (
     Preset("ix-1k1k", "InferenceX 1k/1k", 1024, 1024, 160, 16, num_warmups=32),
     Preset("ix-8k1k", "InferenceX 8k/1k", 8192, 1024, 160, 16, num_warmups=32),
     Preset("seed-8k1k", "8K/1K, 64 prompts at concurrency 16 (seeds)", 8192, 1024, 64, 16, temperature="0"),
-    Preset("seed-128k100", "128K/100, 64 prompts at concurrency 16 (seeds)", 131072, 100, 64, 16,
-           temperature="0"),
+    Preset("seed-128k100", "128K/100, 64 prompts at concurrency 16 (seeds)", 131072, 100, 64, 16, temperature="0"),
 )
 
-FIELD_NAMES = ("input_len", "output_len", "range_ratio", "num_prompts", "max_concurrency", "request_rate",
-               "ignore_eos", "temperature", "seed", "num_warmups", "sweep", "pricing_tiers", "usd_per_kwh",
-               "label")
+FIELD_NAMES = (
+    "input_len",
+    "output_len",
+    "range_ratio",
+    "num_prompts",
+    "max_concurrency",
+    "request_rate",
+    "ignore_eos",
+    "temperature",
+    "seed",
+    "num_warmups",
+    "sweep",
+    "pricing_tiers",
+    "usd_per_kwh",
+    "label",
+)
 
 
 def preset(key: str) -> Preset:
@@ -62,8 +74,9 @@ def preset(key: str) -> Preset:
     raise KeyError(f"no benchmark preset {key!r}")
 
 
-def clip_lengths(input_len: int, output_len: int, range_ratio: float,
-                 max_model_len: int | None) -> tuple[int, int, str | None]:
+def clip_lengths(
+    input_len: int, output_len: int, range_ratio: float, max_model_len: int | None
+) -> tuple[int, int, str | None]:
     """Fit the longest sampled request (lengths times 1+r) into ``max_model_len``. The output keeps
     its length when it takes at most half the context (128K/100 stays a prefill test), else both
     get half. Returns the lengths and a note saying what changed, or None."""
@@ -92,9 +105,15 @@ def default_form(cost: CostSettings | None = None) -> dict[str, str]:
         cost = cost or load_cost_settings()
     except ValueError:  # a broken settings.toml must not keep the screen from opening
         cost = CostSettings()
-    form = {"preset": PRESETS[0].key, "request_rate": "inf", "ignore_eos": "true", "seed": "0", "label": "",
-            "pricing_tiers": tiers_text(cost.tiers),
-            "usd_per_kwh": "" if cost.usd_per_kwh is None else f"{cost.usd_per_kwh:g}"}
+    form = {
+        "preset": PRESETS[0].key,
+        "request_rate": "inf",
+        "ignore_eos": "true",
+        "seed": "0",
+        "label": "",
+        "pricing_tiers": tiers_text(cost.tiers),
+        "usd_per_kwh": "" if cost.usd_per_kwh is None else f"{cost.usd_per_kwh:g}",
+    }
     form.update(preset_form(PRESETS[0], None)[0])
     return form
 
@@ -103,10 +122,14 @@ def preset_form(p: Preset, max_model_len: int | None) -> tuple[dict[str, str], s
     """The fields a preset sets (clipped to the context) and the clipping note."""
     inp, out, note = clip_lengths(p.input_len, p.output_len, p.range_ratio, max_model_len)
     return {
-        "input_len": str(inp), "output_len": str(out), "range_ratio": f"{p.range_ratio:g}",
+        "input_len": str(inp),
+        "output_len": str(out),
+        "range_ratio": f"{p.range_ratio:g}",
         "num_prompts": str(p.num_prompts),
         "max_concurrency": "" if p.max_concurrency is None else str(p.max_concurrency),
-        "num_warmups": str(p.num_warmups), "sweep": p.sweep, "temperature": p.temperature,
+        "num_warmups": str(p.num_warmups),
+        "sweep": p.sweep,
+        "temperature": p.temperature,
     }, note
 
 
@@ -123,8 +146,9 @@ def _parse(form: dict[str, str], name: str, label: str, kind, *, blank=None):
         raise ValueError(f"{label}: {raw!r} is not {wanted}") from None
 
 
-def config_from_form(form: dict[str, str], *, max_model_len: int | None, num_gpus: int = 1,
-                     model: str | None = None) -> BenchmarkConfig:
+def config_from_form(
+    form: dict[str, str], *, max_model_len: int | None, num_gpus: int = 1, model: str | None = None
+) -> BenchmarkConfig:
     """Validate the form once; ValueError says which field is wrong and why."""
     tiers_raw = [t for t in form.get("pricing_tiers", "").split(",") if t.strip()]
     tiers = tuple(parse_pricing_tier(t.strip()) for t in tiers_raw)
@@ -144,9 +168,12 @@ def config_from_form(form: dict[str, str], *, max_model_len: int | None, num_gpu
         num_warmups=_parse(form, "num_warmups", "warm-ups", int, blank=(0,)),
         percentile_metrics=PERCENTILE_METRICS,
         sweep_concurrency=parse_concurrency_list(sweep) if sweep else (),
-        model=model, num_gpus=max(0, num_gpus), pricing_tiers=tiers,
+        model=model,
+        num_gpus=max(0, num_gpus),
+        pricing_tiers=tiers,
         usd_per_kwh=_parse(form, "usd_per_kwh", "$ per kWh", float, blank=(None,)),
-        label=form.get("label", "").strip() or None, max_model_len=max_model_len,
+        label=form.get("label", "").strip() or None,
+        max_model_len=max_model_len,
     )
 
 
@@ -155,5 +182,4 @@ def describe(config: BenchmarkConfig) -> str:
     conc = "no cap" if config.max_concurrency is None else f"concurrency {config.max_concurrency}"
     if config.sweep_concurrency:
         conc = "sweep " + ",".join(map(str, config.sweep_concurrency))
-    return (f"{config.random_input_len:,} in / {config.random_output_len:,} out, "
-            f"{config.num_prompts} prompts, {conc}")
+    return f"{config.random_input_len:,} in / {config.random_output_len:,} out, {config.num_prompts} prompts, {conc}"

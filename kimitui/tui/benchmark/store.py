@@ -31,8 +31,10 @@ def save_run(result: dict[str, Any], directory: Path | None = None) -> Path:
 def run_title(result: dict[str, Any]) -> str:
     """``20260101-120000  my-label  32/8 x4 c2  123.4 tok/s``: what a list row says about a run."""
     conc = result.get("max_concurrency")
-    shape = (f"{result.get('random_input_len', '?')}/{result.get('random_output_len', '?')} "
-             f"x{result.get('num_prompts', '?')} c{'-' if conc is None else conc}")
+    shape = (
+        f"{result.get('random_input_len', '?')}/{result.get('random_output_len', '?')} "
+        f"x{result.get('num_prompts', '?')} c{'-' if conc is None else conc}"
+    )
     tput = result.get("output_throughput")
     speed = "" if tput is None else f"  {tput:,.1f} out tok/s"
     label = result.get("label") or result.get("model_id") or ""

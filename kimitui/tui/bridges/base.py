@@ -9,8 +9,8 @@ from typing import Any, Callable, Protocol
 
 from textual.message_pump import MessagePump
 
-from kimitui.tui.chat.session import Chat
 from kimitui.tui.chat.generation import GenerationSettings
+from kimitui.tui.chat.session import Chat
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import asyncio
 import logging
 import time
 import uuid
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 from textual.app import App
@@ -23,10 +23,10 @@ from kimitui.engine import AsyncLLM, EngineArgs
 from kimitui.engine.args import pending_kernel_builds
 from kimitui.engine.text.chat_format import ChatFormat, ChatPrompt, chat_format_for
 from kimitui.tui.bridges.base import BenchSource
-from kimitui.tui.chat.session import Chat
 from kimitui.tui.chat.generation import GenerationSettings
-from kimitui.tui.messages import EngineFailed, EngineReady, LoadProgressed, LoadStage, ReplyFinished
 from kimitui.tui.chat.model_info import model_info
+from kimitui.tui.chat.session import Chat
+from kimitui.tui.messages import EngineFailed, EngineReady, LoadProgressed, LoadStage, ReplyFinished
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,14 @@ class EngineBridge:
     def load(self, notify: MessagePump | None = None) -> None:
         """Load the model on a thread; posts LoadProgressed, then EngineReady or EngineFailed to
         ``notify`` (default: the app). ``post_message`` is the thread-safe way into the UI."""
-        self.app.run_worker(partial(self._load, notify or self.app), thread=True, group="engine-load", exclusive=True,
-                            exit_on_error=False, name="load model")
+        self.app.run_worker(
+            partial(self._load, notify or self.app),
+            thread=True,
+            group="engine-load",
+            exclusive=True,
+            exit_on_error=False,
+            name="load model",
+        )
 
     def _load(self, notify: MessagePump) -> None:
         last = [0.0]
@@ -87,15 +93,18 @@ class EngineBridge:
             now = time.monotonic()
             if now - last[0] >= PROGRESS_PERIOD_S or p.tensors_done >= p.tensors_total:
                 last[0] = now
-                notify.post_message(LoadProgressed(p.bytes_done, p.bytes_total, p.tensors_done,
-                                                     p.tensors_total))
+                notify.post_message(LoadProgressed(p.bytes_done, p.bytes_total, p.tensors_done, p.tensors_total))
 
         t0 = time.monotonic()
         try:
             builds = pending_kernel_builds()
             if builds:  # a checkout whose C++ changed, or a wheel built without torch: minutes, not seconds
-                notify.post_message(LoadStage(f"Compiling the C++ CPU kernels for this machine first: {', '.join(builds)}, "
-                                              "once; later starts reuse the build."))
+                notify.post_message(
+                    LoadStage(
+                        f"Compiling the C++ CPU kernels for this machine first: {', '.join(builds)}, "
+                        "once; later starts reuse the build."
+                    )
+                )
             llm = self.engine_factory(self.engine_args, progress)
             info = model_info(llm, self.engine_args.tensor_parallel_size)
             if llm.tokenizer is not None:
@@ -137,8 +146,12 @@ class EngineBridge:
         state = ReplyState(chat.id)
         self.reply = state
         self._reply_worker = self.app.run_worker(
-            self._stream(state, prompt, notify or self.app, settings), group="reply", exclusive=True,
-            exit_on_error=False, name="reply")
+            self._stream(state, prompt, notify or self.app, settings),
+            group="reply",
+            exclusive=True,
+            exit_on_error=False,
+            name="reply",
+        )
         return state
 
     def bench_source(self) -> BenchSource:
@@ -160,8 +173,9 @@ class EngineBridge:
 
             # Text prompts like `kimitui bench`: the same seed builds the same token ids as a
             # --base-url run against this checkpoint would.
-            return InProcessClient(llm, model=name, temperature=config.temperature, ignore_eos=config.ignore_eos,
-                                   text_prompts=True)
+            return InProcessClient(
+                llm, model=name, temperature=config.temperature, ignore_eos=config.ignore_eos, text_prompts=True
+            )
 
         return BenchSource(name, llm.tokenizer, getattr(engine, "max_model_len", None), num_gpus, make_client)
 
@@ -171,8 +185,9 @@ class EngineBridge:
             raise RuntimeError("this checkpoint has no tokenizer files, so it cannot chat")
         # The effort selector is the K3 option; a K2 model is not handed it (no note per reply).
         effort = settings.thinking_effort if self.effort_supported else None
-        return self.chat_format.encode(chat.messages(settings.system_prompt), thinking=settings.thinking,
-                                       thinking_effort=effort)
+        return self.chat_format.encode(
+            chat.messages(settings.system_prompt), thinking=settings.thinking, thinking_effort=effort
+        )
 
     def stop(self) -> bool:
         """Stop the current reply; its stream's exit aborts the request and frees its KV blocks."""
@@ -181,8 +196,9 @@ class EngineBridge:
         self._reply_worker.cancel()
         return True
 
-    async def _stream(self, state: ReplyState, prompt: ChatPrompt, notify: MessagePump,
-                      settings: GenerationSettings) -> None:
+    async def _stream(
+        self, state: ReplyState, prompt: ChatPrompt, notify: MessagePump, settings: GenerationSettings
+    ) -> None:
         parser = self.chat_format.reply_parser(prompt.started_in_thinking)
         params = settings.sampling_params(self._stop_ids, self._keep_ids)
         ids = prompt.ids
@@ -205,6 +221,15 @@ class EngineBridge:
         state.reasoning += tail.reasoning
         state.content += tail.content
         state.done = True
-        notify.post_message(ReplyFinished(
-            state.chat_id, state.reasoning, state.content, state.num_tokens,
-            metrics.ttft if metrics else None, metrics.tpot if metrics else None, finish, error))
+        notify.post_message(
+            ReplyFinished(
+                state.chat_id,
+                state.reasoning,
+                state.content,
+                state.num_tokens,
+                metrics.ttft if metrics else None,
+                metrics.tpot if metrics else None,
+                finish,
+                error,
+            )
+        )

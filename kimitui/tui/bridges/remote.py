@@ -20,16 +20,16 @@ from typing import Any, Callable
 from textual.app import App
 from textual.message_pump import MessagePump
 
-from kimitui.client.http import request_headers, server_root
-from kimitui.tui.bridges.local import ReplyState
-from kimitui.tui.bridges.base import BenchSource
-from kimitui.tui.chat.session import Chat
-from kimitui.tui.chat.generation import GenerationSettings
-from kimitui.tui.messages import EngineFailed, EngineReady, ReplyFinished
-from kimitui.tui.chat.model_info import remote_info
 from kimitui.client.chat_stream import connection_error_line, error_line, stream_chat
+from kimitui.client.http import request_headers, server_root
 from kimitui.client.server_metrics import parse_server_metrics
 from kimitui.client.server_stats import ClientTokenRate, ServerStatsTracker
+from kimitui.tui.bridges.base import BenchSource
+from kimitui.tui.bridges.local import ReplyState
+from kimitui.tui.chat.generation import GenerationSettings
+from kimitui.tui.chat.model_info import remote_info
+from kimitui.tui.chat.session import Chat
+from kimitui.tui.messages import EngineFailed, EngineReady, ReplyFinished
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,15 @@ METRICS_PERIOD_S = 1.0
 
 
 class RemoteBridge:
-    def __init__(self, app: App, base_url: str, api_key: str | None = None, model: str | None = None,
-                 num_gpus: int | Callable[[], int] = 0, metrics_period_s: float = METRICS_PERIOD_S) -> None:
+    def __init__(
+        self,
+        app: App,
+        base_url: str,
+        api_key: str | None = None,
+        model: str | None = None,
+        num_gpus: int | Callable[[], int] = 0,
+        metrics_period_s: float = METRICS_PERIOD_S,
+    ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"--base-url must start with http:// or https://, got {base_url!r}")
         self.app = app
@@ -86,8 +93,14 @@ class RemoteBridge:
 
     # -- connecting ------------------------------------------------------------------------
     def load(self, notify: MessagePump | None = None) -> None:
-        self.app.run_worker(lambda: self._load(notify or self.app), thread=True, group="engine-load",
-                            exclusive=True, exit_on_error=False, name="connect")
+        self.app.run_worker(
+            lambda: self._load(notify or self.app),
+            thread=True,
+            group="engine-load",
+            exclusive=True,
+            exit_on_error=False,
+            name="connect",
+        )
 
     def _load(self, notify: MessagePump) -> None:
         import httpx
@@ -111,8 +124,9 @@ class RemoteBridge:
             notify.post_message(EngineFailed(f"no models are served at {url}"))
             return
         if self.requested_model is not None and self.requested_model not in ids:
-            notify.post_message(EngineFailed(f"model {self.requested_model!r} is not served at {self.root}; "
-                                             f"it serves {', '.join(ids)}"))
+            notify.post_message(
+                EngineFailed(f"model {self.requested_model!r} is not served at {self.root}; it serves {', '.join(ids)}")
+            )
             return
         chosen = models[ids.index(self.requested_model or ids[0])]
         self.max_model_len = chosen.get("max_model_len") if isinstance(chosen.get("max_model_len"), int) else None
@@ -171,8 +185,13 @@ class RemoteBridge:
         message schema and chat templates drop it anyway."""
         messages = [{"role": m["role"], "content": m["content"]} for m in chat.messages(settings.system_prompt)]
         body: dict[str, Any] = {
-            "model": self.model, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": settings.max_tokens, "temperature": settings.temperature, "top_p": settings.top_p,
+            "model": self.model,
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": settings.max_tokens,
+            "temperature": settings.temperature,
+            "top_p": settings.top_p,
             # kimitui reads "thinking", Qwen-style templates (vLLM, SGLang) "enable_thinking"
             "chat_template_kwargs": {"thinking": settings.thinking, "enable_thinking": settings.thinking},
         }
@@ -191,8 +210,13 @@ class RemoteBridge:
         state = ReplyState(chat.id)
         self.reply = state
         self._stop_asked = False
-        self._reply_worker = self.app.run_worker(partial(self._stream_thread, state, body, notify or self.app),
-                                                 thread=True, group="reply", exit_on_error=False, name="reply")
+        self._reply_worker = self.app.run_worker(
+            partial(self._stream_thread, state, body, notify or self.app),
+            thread=True,
+            group="reply",
+            exit_on_error=False,
+            name="reply",
+        )
         return state
 
     def stop(self) -> bool:
@@ -230,8 +254,14 @@ class RemoteBridge:
         try:
             timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
             async with httpx.AsyncClient(timeout=timeout) as http:
-                result = await stream_chat(http, f"{self.root}/v1/chat/completions", body,
-                                           request_headers(self.api_key), state, self._client_rate.add)
+                result = await stream_chat(
+                    http,
+                    f"{self.root}/v1/chat/completions",
+                    body,
+                    request_headers(self.api_key),
+                    state,
+                    self._client_rate.add,
+                )
             finish = result.finish_reason
         except asyncio.CancelledError:
             finish = "stopped"
@@ -243,9 +273,18 @@ class RemoteBridge:
             log.exception("remote reply failed")
             finish, error = "error", f"{type(e).__name__}: {e}"
         state.done = True
-        notify.post_message(ReplyFinished(
-            state.chat_id, state.reasoning, state.content, state.num_tokens,
-            result.ttft if result else None, result.tpot if result else None, finish, error))
+        notify.post_message(
+            ReplyFinished(
+                state.chat_id,
+                state.reasoning,
+                state.content,
+                state.num_tokens,
+                result.ttft if result else None,
+                result.tpot if result else None,
+                finish,
+                error,
+            )
+        )
 
     # -- benchmarks ----------------------------------------------------------------------------
     def bench_source(self) -> BenchSource:
@@ -257,18 +296,26 @@ class RemoteBridge:
         def make_client(config):
             from kimitui.bench.clients import OpenAICompletionsClient
 
-            return OpenAICompletionsClient(root, model, api_key=api_key, temperature=config.temperature,
-                                           ignore_eos=config.ignore_eos)
+            return OpenAICompletionsClient(
+                root, model, api_key=api_key, temperature=config.temperature, ignore_eos=config.ignore_eos
+            )
 
         def tokenizer():
-            from kimitui.engine.demo import demo_checkpoint
             from kimitui.bench.targets import load_tokenizer
+            from kimitui.engine.demo import demo_checkpoint
 
             return load_tokenizer(str(own or demo_checkpoint("demo-k3" if model == "demo-k3" else "demo")))
 
         note = "" if own or "demo" in model else " (prompts built with the demo tokenizer: lengths approximate)"
-        return BenchSource(model, None, self.max_model_len, self.num_gpus, make_client,
-                           target=f"{model} at {root}{note}", tokenizer_factory=tokenizer)
+        return BenchSource(
+            model,
+            None,
+            self.max_model_len,
+            self.num_gpus,
+            make_client,
+            target=f"{model} at {root}{note}",
+            tokenizer_factory=tokenizer,
+        )
 
 
 def _checkpoint_tokenizer_dir(model: str) -> Path | None:

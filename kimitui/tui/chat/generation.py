@@ -24,14 +24,21 @@ class GenerationSettings:
     def __post_init__(self) -> None:
         self.sampling_params([])  # SamplingParams owns the range checks and their messages
         if self.thinking_effort not in THINKING_EFFORTS:
-            raise ValueError(f"thinking effort must be one of {', '.join(THINKING_EFFORTS)}, "
-                             f"got {self.thinking_effort!r}")
+            raise ValueError(
+                f"thinking effort must be one of {', '.join(THINKING_EFFORTS)}, got {self.thinking_effort!r}"
+            )
 
     def sampling_params(self, stop_token_ids: list[int], keep_special_ids: list[int] = ()) -> SamplingParams:
         # Only the tags ReplyStreamParser needs (<think>, tool calls) stay in the text.
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_tokens=self.max_tokens, skip_special_tokens=True,
-                              keep_special_token_ids=list(keep_special_ids), stop_token_ids=list(stop_token_ids))
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=self.max_tokens,
+            skip_special_tokens=True,
+            keep_special_token_ids=list(keep_special_ids),
+            stop_token_ids=list(stop_token_ids),
+        )
 
     def with_(self, **changes) -> "GenerationSettings":
         return replace(self, **changes)

@@ -28,10 +28,19 @@ class ModelInfo:
 def remote_info(name: str, url: str, server: str, max_model_len: int | None, num_gpus: int) -> ModelInfo:
     """A model served at ``url``: only what the server says about it (name, context length);
     our own demo served by `kimitui serve` is still marked as noise."""
-    return ModelInfo(name=name, is_demo="kimitui-demo" in name or name in ("demo", "demo-k3"), parameters=None,
-                     precision="n/a", num_gpus=num_gpus, device=url, experts="n/a",
-                     max_model_len=max_model_len, num_layers=None, num_routed_experts=None,
-                     remote=f"{url} ({server})")
+    return ModelInfo(
+        name=name,
+        is_demo="kimitui-demo" in name or name in ("demo", "demo-k3"),
+        parameters=None,
+        precision="n/a",
+        num_gpus=num_gpus,
+        device=url,
+        experts="n/a",
+        max_model_len=max_model_len,
+        num_layers=None,
+        num_routed_experts=None,
+        remote=f"{url} ({server})",
+    )
 
 
 def remote_lines(info: ModelInfo) -> list[str]:
@@ -76,8 +85,11 @@ def architecture_lines(cache: CacheLayout | None) -> list[str]:
     kv = f"KV       {cache.kv_bytes_per_token / 1024:.1f} KiB/token (MLA latent)"
     if not cache.num_state_layers:
         return [f"layers   {cache.num_paged_layers} MLA", kv]
-    return [f"layers   {cache.num_state_layers} KDA + {cache.num_paged_layers} MLA "
-            f"(KDA state {cache.state_bytes_per_seq / 2**20:.1f} MiB/seq)", kv]
+    return [
+        f"layers   {cache.num_state_layers} KDA + {cache.num_paged_layers} MLA "
+        f"(KDA state {cache.state_bytes_per_seq / 2**20:.1f} MiB/seq)",
+        kv,
+    ]
 
 
 def _precision(config, engine) -> str:

@@ -55,8 +55,14 @@ class Cancelled(Exception):
 
 
 class EvalJob:
-    def __init__(self, settings: EvalSettings, bridge: Any, notify: MessagePump, save_dir: Path | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        settings: EvalSettings,
+        bridge: Any,
+        notify: MessagePump,
+        save_dir: Path | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.settings = settings
         self.bridge = bridge
         self.notify = notify
@@ -82,8 +88,11 @@ class EvalJob:
                 if isinstance(result, str):
                     out.notes.append(result)
                     continue
-                result.update(kind=kind, date=time.strftime("%Y%m%d-%H%M%S", time.localtime(self.clock())),
-                              model=self._model_name())
+                result.update(
+                    kind=kind,
+                    date=time.strftime("%Y%m%d-%H%M%S", time.localtime(self.clock())),
+                    model=self._model_name(),
+                )
                 out.results.append(result)
                 out.saved.append(save_result(result, self.save_dir))
         except Cancelled:
@@ -108,8 +117,8 @@ class EvalJob:
 
     def _kl(self) -> dict[str, Any] | str:
         from kimitui.engine import LLM
-        from kimitui.eval.kl_setup import checkpoint_tokenizer, describe_engine, model_dir, plain_path
         from kimitui.eval.kl_run import generated_prompts, measure
+        from kimitui.eval.kl_setup import checkpoint_tokenizer, describe_engine, model_dir, plain_path
         from kimitui.eval.kl_sources import LocalSource
         from kimitui.tui.evaluation.targets import KL_REMOTE_NOTE, is_remote, kl_engine_args
 
@@ -128,18 +137,28 @@ class EvalJob:
             llms.append(test)
             tok = checkpoint_tokenizer(model_dir(test_args.model))
             vocab = ref.engine.config.vocab_size if tok is None else min(ref.engine.config.vocab_size, tok.vocab_size)
-            prompts = generated_prompts(vocab, s.num_prompts, s.prompt_len, s.seed,
-                                        tok.special_ids if tok is not None else frozenset())
+            prompts = generated_prompts(
+                vocab, s.num_prompts, s.prompt_len, s.seed, tok.special_ids if tok is not None else frozenset()
+            )
             self._post("kl", 0, s.num_prompts, "KL: comparing")
-            report = measure(prompts, LocalSource(ref), LocalSource(test), s.decode_tokens,
-                             lambda done, total: self._post("kl", done, total, "KL: comparing"))
+            report = measure(
+                prompts,
+                LocalSource(ref),
+                LocalSource(test),
+                s.decode_tokens,
+                lambda done, total: self._post("kl", done, total, "KL: comparing"),
+            )
         finally:
             for llm in llms:
                 llm.shutdown()
         summary = report.summary()
-        summary.update(reference=f"float32 in this process ({test_args.model or 'demo'})",
-                       tested=describe_engine(test_args), num_prompts=s.num_prompts, prompt_len=s.prompt_len,
-                       decode_tokens=s.decode_tokens)
+        summary.update(
+            reference=f"float32 in this process ({test_args.model or 'demo'})",
+            tested=describe_engine(test_args),
+            num_prompts=s.num_prompts,
+            prompt_len=s.prompt_len,
+            decode_tokens=s.decode_tokens,
+        )
         return summary
 
     def _recall(self) -> dict[str, Any]:

@@ -17,8 +17,10 @@ from typing import Any
 from kimitui.eval.haystack import Haystack
 from kimitui.eval.recall import RecallTarget, http_target
 
-KL_REMOTE_NOTE = ("KL is measured in this process (a float32 reference beside the path under test); this app "
-                  "talks to a remote server, so run `kimitui eval kl --base-url URL --model CHECKPOINT` instead.")
+KL_REMOTE_NOTE = (
+    "KL is measured in this process (a float32 reference beside the path under test); this app "
+    "talks to a remote server, so run `kimitui eval kl --base-url URL --model CHECKPOINT` instead."
+)
 
 
 def is_remote(bridge: Any) -> bool:
@@ -41,8 +43,8 @@ def recall_target(bridge: Any) -> RecallTarget:
 def async_engine_target(llm: Any, name: str) -> RecallTarget:
     """The loaded ``AsyncLLM``: prompts in its checkpoint's chat format, thinking off, greedy,
     all codes of one length in flight together (the engine batches them)."""
-    from kimitui.engine.text.chat_format import chat_format_for
     from kimitui.engine.sampling_params import SamplingParams
+    from kimitui.engine.text.chat_format import chat_format_for
 
     tok = llm.tokenizer
     if tok is None:
@@ -63,8 +65,12 @@ def async_engine_target(llm: Any, name: str) -> RecallTarget:
         return parser.result().content
 
     async def all_codes(hay: Haystack, max_tokens: int) -> list[str]:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=fmt.stop_token_ids(),
-                                keep_special_token_ids=fmt.keep_special_ids())
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            stop_token_ids=fmt.stop_token_ids(),
+            keep_special_token_ids=fmt.keep_special_ids(),
+        )
         return list(await asyncio.gather(*(one(ids, params) for ids in hay.prompts)))
 
     def answer(hay: Haystack, max_tokens: int) -> list[tuple[str, int]]:
@@ -73,8 +79,13 @@ def async_engine_target(llm: Any, name: str) -> RecallTarget:
 
     engine = getattr(llm, "engine", None)
     # close: nothing; the engine belongs to the app's chat
-    return RecallTarget(f"{name} in-process ({fmt.name} chat format)", encode, lambda s: len(tok.encode(s)),
-                        getattr(engine, "max_model_len", None), answer)
+    return RecallTarget(
+        f"{name} in-process ({fmt.name} chat format)",
+        encode,
+        lambda s: len(tok.encode(s)),
+        getattr(engine, "max_model_len", None),
+        answer,
+    )
 
 
 def kl_engine_args(engine_args: Any, prompt_len: int) -> tuple[Any, Any]:
@@ -84,7 +95,13 @@ def kl_engine_args(engine_args: Any, prompt_len: int) -> tuple[Any, Any]:
         engine_args = replace(engine_args, max_model_len=prompt_len + 8)
     elif prompt_len > engine_args.max_model_len:
         raise ValueError(f"KL prompt length {prompt_len} is above max_model_len {engine_args.max_model_len}")
-    ref = replace(engine_args, dtype="float32", tensor_parallel_size=1, speculative_config=None, max_num_seqs=1,
-                  enable_prefix_caching=False)
+    ref = replace(
+        engine_args,
+        dtype="float32",
+        tensor_parallel_size=1,
+        speculative_config=None,
+        max_num_seqs=1,
+        enable_prefix_caching=False,
+    )
     test = replace(engine_args, enable_prefix_caching=False)
     return ref, test

@@ -52,8 +52,11 @@ class HardwareHistory:
             trace = self.gpus.get(g.index)
             if trace is None:
                 trace = self.gpus[g.index] = GpuTrace(g.index, g.name, deque(maxlen=self.max_points))
-            mem = (100.0 * g.mem_used_bytes / g.mem_total_bytes
-                   if g.mem_used_bytes is not None and g.mem_total_bytes else None)
+            mem = (
+                100.0 * g.mem_used_bytes / g.mem_total_bytes
+                if g.mem_used_bytes is not None and g.mem_total_bytes
+                else None
+            )
             trace.points.append((t, g.power_w, g.util_pct, mem))
             if g.power_cap_w:
                 trace.power_cap_w = g.power_cap_w

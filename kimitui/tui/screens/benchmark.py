@@ -59,8 +59,9 @@ class BenchmarkScreen(JobScreen):
                 yield BenchProgress(id="bench-progress")
                 with TabbedContent(id="bench-tabs", initial="tab-result"):
                     with TabPane("Result", id="tab-result"):
-                        yield Static("No run yet: the result of the next run shows here.", id="bench-result-note",
-                                     markup=False)
+                        yield Static(
+                            "No run yet: the result of the next run shows here.", id="bench-result-note", markup=False
+                        )
                         yield ResultTable(id="bench-result")
                     with TabPane("Frontier", id="tab-frontier"):
                         yield FrontierPanel(id="bench-frontier")
@@ -83,8 +84,9 @@ class BenchmarkScreen(JobScreen):
             form.show_error(source.problem)
             return None
         try:
-            config = config_from_form(form.values(), max_model_len=source.max_model_len,
-                                      num_gpus=source.num_gpus, model=source.model_name)
+            config = config_from_form(
+                form.values(), max_model_len=source.max_model_len, num_gpus=source.num_gpus, model=source.model_name
+            )
         except ValueError as e:
             form.show_error(str(e))
             return None
@@ -111,8 +113,9 @@ class BenchmarkScreen(JobScreen):
     def on_bench_progressed(self, msg: BenchProgressed) -> None:
         if not self.wants_progress():
             return
-        self.query_one(BenchProgress).update_progress(msg.phase, msg.done, msg.total, msg.elapsed_s,
-                                                       msg.point, msg.num_points, self.description)
+        self.query_one(BenchProgress).update_progress(
+            msg.phase, msg.done, msg.total, msg.elapsed_s, msg.point, msg.num_points, self.description
+        )
 
     def on_bench_finished(self, msg: BenchFinished) -> None:
         progress = self.query_one(BenchProgress)
@@ -121,18 +124,27 @@ class BenchmarkScreen(JobScreen):
             return
         if msg.results:  # the last progress message may have been coalesced away: show the end state
             last = msg.results[-1]
-            progress.update_progress("running", last.get("completed", 0) + last.get("failed", 0),
-                                     last.get("num_prompts", 0), float(last.get("duration", 0.0)),
-                                     len(msg.results), len(msg.results), self.description)
+            progress.update_progress(
+                "running",
+                last.get("completed", 0) + last.get("failed", 0),
+                last.get("num_prompts", 0),
+                float(last.get("duration", 0.0)),
+                len(msg.results),
+                len(msg.results),
+                self.description,
+            )
         done = sum(r.get("completed", 0) for r in msg.results)
         state = "cancelled" if msg.cancelled else "finished"
-        progress.finish(f"{state}: {self.description}; {done} request(s) completed, "
-                        f"{len(msg.saved)} run(s) saved")
+        progress.finish(f"{state}: {self.description}; {done} request(s) completed, {len(msg.saved)} run(s) saved")
         self.query_one(ResultTable).show(msg.results)
         notes = [n for n in {r.get("notes") for r in msg.results} if n]
         if msg.cancelled:
-            notes.insert(0, "cancelled: the numbers cover the requests that finished; not saved" if msg.results
-                         else "cancelled before the timed window started: nothing was measured")
+            notes.insert(
+                0,
+                "cancelled: the numbers cover the requests that finished; not saved"
+                if msg.results
+                else "cancelled before the timed window started: nothing was measured",
+            )
         self.query_one("#bench-result-note", Static).update("\n".join(notes))
         tabs = self.query_one(TabbedContent)
         if msg.sweep is not None:
@@ -149,4 +161,5 @@ class BenchmarkScreen(JobScreen):
         sampler = self.app.sampler
         latest = sampler.latest() if sampler is not None else None
         self.query_one(BenchProgress).update_live(
-            stats.decode_tokens_per_s if stats is not None else None, sample_power_w(latest))
+            stats.decode_tokens_per_s if stats is not None else None, sample_power_w(latest)
+        )

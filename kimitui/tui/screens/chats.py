@@ -22,8 +22,10 @@ class ChatsScreen(ModalScreen[int | None]):
         self.history = history
 
     def compose(self) -> ComposeResult:
-        options = [Option(f"{c.id:>3}  {c.title}  ({len(c.turns)} messages)", id=str(c.id))
-                   for c in reversed(self.history.chats)]
+        options = [
+            Option(f"{c.id:>3}  {c.title}  ({len(c.turns)} messages)", id=str(c.id))
+            for c in reversed(self.history.chats)
+        ]
         with Vertical(id="chats-box"):
             yield Static("chats of this session", classes="modal-title")
             yield OptionList(*options, id="chats-list")

@@ -7,8 +7,19 @@ from __future__ import annotations
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.widgets import (Button, Footer, Header, Input, Label, OptionList, ProgressBar, Select, Static,
-                             TabbedContent, TabPane)
+from textual.widgets import (
+    Button,
+    Footer,
+    Header,
+    Input,
+    Label,
+    OptionList,
+    ProgressBar,
+    Select,
+    Static,
+    TabbedContent,
+    TabPane,
+)
 
 from kimitui.eval.recall import parse_context_lengths
 from kimitui.tui.evaluation.job import EvalFinished, EvalJob, EvalProgressed, EvalSettings
@@ -38,9 +49,13 @@ def settings_from_form(which: str, values: dict[str, str]) -> EvalSettings:
         return n
 
     lengths = parse_context_lengths(values.get("context_lengths", ""))
-    return EvalSettings(kinds, tuple(lengths), num_prompts=positive("num_prompts", "KL prompts"),
-                        prompt_len=positive("prompt_len", "KL prompt length", minimum=2),
-                        decode_tokens=positive("decode_tokens", "decode tokens", allow_zero=True))
+    return EvalSettings(
+        kinds,
+        tuple(lengths),
+        num_prompts=positive("num_prompts", "KL prompts"),
+        prompt_len=positive("prompt_len", "KL prompt length", minimum=2),
+        decode_tokens=positive("decode_tokens", "decode tokens", allow_zero=True),
+    )
 
 
 class EvaluationScreen(JobScreen):
@@ -78,8 +93,12 @@ class EvaluationScreen(JobScreen):
                 yield Input(DEFAULTS["prompt_len"], id="eval-prompt_len")
                 yield Label("KL decode-path tokens per prompt")
                 yield Input(DEFAULTS["decode_tokens"], id="eval-decode_tokens")
-                yield Static("KL loads a float32 reference and a copy of the path under test beside the chat's "
-                             "model; recall asks the chat's model itself.", id="eval-hint", markup=False)
+                yield Static(
+                    "KL loads a float32 reference and a copy of the path under test beside the chat's "
+                    "model; recall asks the chat's model itself.",
+                    id="eval-hint",
+                    markup=False,
+                )
                 yield Static("", id="eval-error", markup=False)
                 with Horizontal(id="eval-buttons"):
                     yield Button("Run", id="eval-run", variant="primary")

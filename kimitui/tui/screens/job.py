@@ -90,8 +90,9 @@ class JobScreen(Screen):
             now = time.monotonic()
             if now - self._esc_armed_at > ESC_CONFIRM_S:
                 self._esc_armed_at = now
-                self.notify(f"The {self.JOB_NAME} is running: press Esc again to cancel it and go back.",
-                            timeout=ESC_CONFIRM_S)
+                self.notify(
+                    f"The {self.JOB_NAME} is running: press Esc again to cancel it and go back.", timeout=ESC_CONFIRM_S
+                )
                 return
             self.job.cancel()
         self.app.pop_screen()

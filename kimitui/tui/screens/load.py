@@ -11,9 +11,9 @@ from textual.containers import Center, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, ProgressBar, Static
 
+from kimitui.paths import tui_log_file
 from kimitui.tui.formatting import duration
 from kimitui.tui.messages import EngineFailed, LoadProgressed, LoadStage
-from kimitui.paths import tui_log_file
 
 
 class LoadScreen(Screen):
@@ -50,12 +50,16 @@ class LoadScreen(Screen):
         self.query_one("#load-detail", Static).update(
             f"{p.bytes_done / 2**30:.2f} / {p.bytes_total / 2**30:.2f} GiB   "
             f"tensors {p.tensors_done} / {p.tensors_total}   "
-            f"{(rate or 0) / 2**20:.0f} MiB/s   ETA {duration(eta)}")
+            f"{(rate or 0) / 2**20:.0f} MiB/s   ETA {duration(eta)}"
+        )
 
     def on_engine_failed(self, msg: EngineFailed) -> None:
-        failed = self.title_text.replace("Loading", "Could not load", 1).replace("Connecting to", "Could not connect to", 1)
+        failed = self.title_text.replace("Loading", "Could not load", 1).replace(
+            "Connecting to", "Could not connect to", 1
+        )
         self.query_one("#load-title", Static).update(failed)
         self.query_one("#load-detail", Static).update(
-            f"{msg.error}\n\nDetails in the log ({tui_log_file()}). Ctrl+Q quits; `kimitui --help` lists engine flags.")
+            f"{msg.error}\n\nDetails in the log ({tui_log_file()}). Ctrl+Q quits; `kimitui --help` lists engine flags."
+        )
         self.query_one(ProgressBar).display = False
         self.add_class("failed")

@@ -12,12 +12,12 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header
 
-from kimitui.tui.messages import ReplyFinished, TelemetryUpdated
-from kimitui.tui.hardware.history import HISTORY_S
 from kimitui.tui.chat.model_info import DEMO_NOTE, ModelInfo
+from kimitui.tui.chat.token_energy import TokenEnergyMeter
+from kimitui.tui.hardware.history import HISTORY_S
+from kimitui.tui.messages import ReplyFinished, TelemetryUpdated
 from kimitui.tui.screens.chats import ChatsScreen
 from kimitui.tui.screens.settings import SettingsScreen
-from kimitui.tui.chat.token_energy import TokenEnergyMeter
 from kimitui.tui.widgets.chat.pane import ChatPane
 from kimitui.tui.widgets.hardware.panel import HardwarePanel
 from kimitui.tui.widgets.model_panel import ModelPanel
@@ -28,13 +28,18 @@ STATS_PERIOD_S = 0.5
 
 def welcome_text(info: ModelInfo) -> str:
     where = f"{info.name} at {info.remote}" if info.remote else info.name
-    lines = [f"{where} is ready. Type below: Enter sends, Shift+Enter or Ctrl+J adds a newline.",
-             "Esc stops a reply, Ctrl+N starts a new chat, F2 changes sampling, F1 lists every key."]
+    lines = [
+        f"{where} is ready. Type below: Enter sends, Shift+Enter or Ctrl+J adds a newline.",
+        "Esc stops a reply, Ctrl+N starts a new chat, F2 changes sampling, F1 lists every key.",
+    ]
     if info.is_demo and info.remote:
         lines.insert(0, f"The server runs kimitui's built-in demo checkpoint: {DEMO_NOTE}.")
     elif info.is_demo:
-        lines.insert(0, f"This is the built-in demo checkpoint: {DEMO_NOTE}. "
-                        "It shows every part of kimitui working; run with --model DIR for a real Kimi.")
+        lines.insert(
+            0,
+            f"This is the built-in demo checkpoint: {DEMO_NOTE}. "
+            "It shows every part of kimitui working; run with --model DIR for a real Kimi.",
+        )
     return "\n\n".join(lines)
 
 
@@ -96,8 +101,11 @@ class MainScreen(Screen):
     def on_telemetry_updated(self, msg: TelemetryUpdated) -> None:
         sample = msg.sample
         history = self.app.sampler.history(since_t=sample.t - self.energy_window.window_s - 5)
-        self.query_one(HardwarePanel).update_sample(sample, self.energy.joules_per_token(history, sample.t),
-                                                    self.energy_window.joules_per_token(history, sample.t))
+        self.query_one(HardwarePanel).update_sample(
+            sample,
+            self.energy.joules_per_token(history, sample.t),
+            self.energy_window.joules_per_token(history, sample.t),
+        )
 
     def on_reply_finished(self, msg: ReplyFinished) -> None:
         self.query_one(ThroughputPanel).update_reply(msg)

@@ -42,8 +42,13 @@ class SettingsScreen(ModalScreen[GenerationSettings | None]):
                 yield Label("thinking")
                 yield Switch(self.current.thinking, id="set-thinking")
                 yield Label("effort" if self.effort_supported else "effort (K3 only)", id="set-effort-label")
-                yield Select([(e, e) for e in THINKING_EFFORTS], value=self.current.thinking_effort,
-                             allow_blank=False, id="set-effort", disabled=not self.effort_supported)
+                yield Select(
+                    [(e, e) for e in THINKING_EFFORTS],
+                    value=self.current.thinking_effort,
+                    allow_blank=False,
+                    id="set-effort",
+                    disabled=not self.effort_supported,
+                )
             yield Label("system prompt (empty = the model's default)")
             yield TextArea(self.current.system_prompt, id="set-system", soft_wrap=True)
             yield Static("", id="settings-error", markup=False)

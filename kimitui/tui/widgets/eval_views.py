@@ -18,15 +18,31 @@ def kl_table(summary: dict[str, Any]) -> str:
 
     def cell(s: dict, key: str, fmt: str) -> str:
         v = s.get(key)
-        return "-" if v is None else format(v * 100 if fmt.endswith("%") else v, fmt.rstrip("%")) + \
-            ("%" if fmt.endswith("%") else "")
+        return (
+            "-"
+            if v is None
+            else format(v * 100 if fmt.endswith("%") else v, fmt.rstrip("%")) + ("%" if fmt.endswith("%") else "")
+        )
 
-    rows = [("positions", "positions", "d"), ("mean KL", "mean_kl", ".6f"), ("median KL", "median_kl", ".6f"),
-            ("p99 KL", "p99_kl", ".6f"), ("max KL", "max_kl", ".6f"), ("top-1 agreement", "top1_agreement", ".2f%"),
-            ("RMS Δp", "rms_delta_p", ".3f%"), ("PPL(Q)", "ppl", ".4f"), ("PPL(base)", "ppl_base", ".4f")]
+    rows = [
+        ("positions", "positions", "d"),
+        ("mean KL", "mean_kl", ".6f"),
+        ("median KL", "median_kl", ".6f"),
+        ("p99 KL", "p99_kl", ".6f"),
+        ("max KL", "max_kl", ".6f"),
+        ("top-1 agreement", "top1_agreement", ".2f%"),
+        ("RMS Δp", "rms_delta_p", ".3f%"),
+        ("PPL(Q)", "ppl", ".4f"),
+        ("PPL(base)", "ppl_base", ".4f"),
+    ]
     head = f"{'':<16}" + "".join(f"{name:>14}" for name, _ in cols)
-    lines = [f"KL divergence: {summary.get('tested', '?')}", f"  against {summary.get('reference', '?')}", "",
-             head, "-" * len(head)]
+    lines = [
+        f"KL divergence: {summary.get('tested', '?')}",
+        f"  against {summary.get('reference', '?')}",
+        "",
+        head,
+        "-" * len(head),
+    ]
     for label, key, fmt in rows:
         lines.append(f"{label:<16}" + "".join(f"{cell(s, key, fmt):>14}" for _, s in cols))
     if summary.get("approximate"):

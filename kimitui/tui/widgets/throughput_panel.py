@@ -62,8 +62,7 @@ class ThroughputPanel(Vertical):
         s, r = self._stats, self._reply
         decode = num(s.decode_tokens_per_s, ".1f", "tok/s") if s else NA
         peak = max((v for _, v in self._points), default=None)
-        self.query_one("#decode-now", Static).update(
-            f"decode {decode}   (60 s peak {num(peak, '.1f')})")
+        self.query_one("#decode-now", Static).update(f"decode {decode}   (60 s peak {num(peak, '.1f')})")
         rate = (1.0 / r.tpot) if r is not None and r.tpot else None
         get = (lambda name: getattr(s, name, None)) if s is not None else (lambda name: None)
         lines = [
@@ -73,8 +72,10 @@ class ThroughputPanel(Vertical):
         ]
         if len(self._replies) > 1:  # over time: one mark per reply, oldest left
             ttfts, tpots = [a for a, _ in self._replies], [b for _, b in self._replies]
-            lines += [f"  TTFT trend {spark(ttfts)}  max {ms(max((v for v in ttfts if v is not None), default=None))}",
-                      f"  TPOT trend {spark(tpots)}  max {ms(max((v for v in tpots if v is not None), default=None))}"]
+            lines += [
+                f"  TTFT trend {spark(ttfts)}  max {ms(max((v for v in ttfts if v is not None), default=None))}",
+                f"  TPOT trend {spark(tpots)}  max {ms(max((v for v in tpots if v is not None), default=None))}",
+            ]
         lines += [
             f"requests     {num(get('num_running'), 'd')} running, {num(get('num_waiting'), 'd')} waiting",
             f"KV cache     {pct(get('kv_cache_usage'), fraction=True)} of {num(get('kv_cache_capacity_tokens'), 'd')} tokens",

@@ -54,7 +54,7 @@ def _bpe(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
         if best is None:
             return parts
         i = best[1]
-        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
 
 
 def test_every_token_reachable_by_lower_ranked_merges(ranks):
@@ -73,11 +73,16 @@ def test_encodings_match_tiktoken_on_held_out_text(ranks):
 
     enc = tiktoken.Encoding("demo", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens={})
     hf = HF.from_str(tiktoken_to_hf_json(ranks, KIMI_PAT_STR_ONIG, {}))
-    texts = ["The quick brown fox's tail; they'LL see.", "模型正在学习新的算法，结果非常好。",
-             "東京の天気を調べています。", "for (int i = 0; i < 10; ++i) { sum += a[i]; }",
-             "2025-01-31 12:00:00 | $1,234.56 | 99.9%", "   \n\n\t  spaced   out  \n"]
+    texts = [
+        "The quick brown fox's tail; they'LL see.",
+        "模型正在学习新的算法，结果非常好。",
+        "東京の天気を調べています。",
+        "for (int i = 0; i < 10; ++i) { sum += a[i]; }",
+        "2025-01-31 12:00:00 | $1,234.56 | 99.9%",
+        "   \n\n\t  spaced   out  \n",
+    ]
     corpus = demo_corpus()
-    texts += [corpus[i:i + 300] for i in range(0, len(corpus), 3001)]
+    texts += [corpus[i : i + 300] for i in range(0, len(corpus), 3001)]
     for text in texts:
         ids = enc.encode_ordinary(text)
         assert hf.encode(text, add_special_tokens=False).ids == ids, text
@@ -88,9 +93,11 @@ def test_encodings_match_tiktoken_on_held_out_text(ranks):
 def test_training_is_deterministic(ranks, tmp_path):
     assert _digest(train_ranks(demo_corpus(), NUM_BASE)) == _digest(ranks)
     # A fresh process (new hash seeds, thread scheduling) learns the same ranks.
-    code = ("import hashlib; from kimitui.engine.demo.bpe_train import demo_corpus, train_ranks; "
-            "r = train_ranks(demo_corpus(), 4096); "
-            "print(hashlib.sha256(repr(sorted(r.items(), key=lambda kv: kv[1])).encode()).hexdigest())")
+    code = (
+        "import hashlib; from kimitui.engine.demo.bpe_train import demo_corpus, train_ranks; "
+        "r = train_ranks(demo_corpus(), 4096); "
+        "print(hashlib.sha256(repr(sorted(r.items(), key=lambda kv: kv[1])).encode()).hexdigest())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == _digest(ranks)
 
@@ -120,20 +127,41 @@ def test_tokenizer_config_shape(ranks, tmp_path):
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))
     assert cfg["tokenizer_class"] == "TikTokenTokenizer"
     assert (cfg["bos_token"], cfg["eos_token"], cfg["pad_token"], cfg["unk_token"]) == (
-        "[BOS]", "[EOS]", "[PAD]", "[UNK]")
+        "[BOS]",
+        "[EOS]",
+        "[PAD]",
+        "[UNK]",
+    )
     assert cfg["model_max_length"] == 4096
     assert cfg["chat_template"] == k2_chat_template()
     added = cfg["added_tokens_decoder"]
     assert sorted(map(int, added)) == list(range(NUM_BASE, NUM_BASE + 256))
     assert all(v["special"] and not v["normalized"] for v in added.values())
-    expected_k2 = {163584: "[BOS]", 163585: "[EOS]", 163586: "<|im_end|>", 163587: "<|im_user|>",
-                   163588: "<|im_assistant|>", 163590: "<|start_header_id|>",
-                   163591: "<|end_header_id|>", 163593: "[EOT]", 163594: "<|im_system|>",
-                   163595: "<|tool_calls_section_begin|>", 163596: "<|tool_calls_section_end|>",
-                   163597: "<|tool_call_begin|>", 163598: "<|tool_call_argument_begin|>",
-                   163599: "<|tool_call_end|>", 163601: "<|im_middle|>", 163602: "<|media_begin|>",
-                   163603: "<|media_content|>", 163604: "<|media_end|>", 163605: "<|media_pad|>",
-                   163606: "<think>", 163607: "</think>", 163838: "[UNK]", 163839: "[PAD]"}
+    expected_k2 = {
+        163584: "[BOS]",
+        163585: "[EOS]",
+        163586: "<|im_end|>",
+        163587: "<|im_user|>",
+        163588: "<|im_assistant|>",
+        163590: "<|start_header_id|>",
+        163591: "<|end_header_id|>",
+        163593: "[EOT]",
+        163594: "<|im_system|>",
+        163595: "<|tool_calls_section_begin|>",
+        163596: "<|tool_calls_section_end|>",
+        163597: "<|tool_call_begin|>",
+        163598: "<|tool_call_argument_begin|>",
+        163599: "<|tool_call_end|>",
+        163601: "<|im_middle|>",
+        163602: "<|media_begin|>",
+        163603: "<|media_content|>",
+        163604: "<|media_end|>",
+        163605: "<|media_pad|>",
+        163606: "<think>",
+        163607: "</think>",
+        163838: "[UNK]",
+        163839: "[PAD]",
+    }
     assert {163584 + off: name for off, name in KIMI_SPECIAL_TOKEN_OFFSETS.items()} == expected_k2
     for real_id, name in expected_k2.items():
         assert added[str(real_id - 163584 + NUM_BASE)]["content"] == name

@@ -55,8 +55,9 @@ def test_stop_string_truncates_and_reports_stop(demo_llm):
     free = demo_llm.generate("The quick brown fox", params)[0].outputs[0].text
     assert len(free) > 6
     stop = free[3:6]
-    out = demo_llm.generate("The quick brown fox",
-                            SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop]))[0]
+    out = demo_llm.generate(
+        "The quick brown fox", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+    )[0]
     comp = out.outputs[0]
     assert comp.finish_reason == "stop" and comp.stop_reason == stop
     assert comp.text == free[: free.find(stop)]

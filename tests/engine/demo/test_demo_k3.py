@@ -30,8 +30,10 @@ def tensors(ckpt) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
             for name in f.keys():
                 assert index["weight_map"][name] == fname
                 t = f.get_slice(name)
-                out[name] = (tuple(t.get_shape()), {"BF16": torch.bfloat16, "F32": torch.float32,
-                                                    "U8": torch.uint8}[t.get_dtype()])
+                out[name] = (
+                    tuple(t.get_shape()),
+                    {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}[t.get_dtype()],
+                )
     assert len(out) == len(index["weight_map"])
     return out
 
@@ -69,11 +71,13 @@ def test_tensor_names_shapes_dtypes(tensors):
     p, lat = lin["num_heads"] * kd, c["routed_expert_hidden_size"]
     inter, e = c["moe_intermediate_size"], c["num_experts"]
     bf16, f32, u8 = torch.bfloat16, torch.float32, torch.uint8
-    want = {"language_model.model.embed_tokens.weight": ((163840, d), bf16),
-            "language_model.lm_head.weight": ((163840, d), bf16),
-            "language_model.model.norm.weight": ((d,), bf16),
-            "language_model.model.output_attn_res_norm.weight": ((d,), bf16),
-            "language_model.model.output_attn_res_proj.weight": ((1, d), bf16)}
+    want = {
+        "language_model.model.embed_tokens.weight": ((163840, d), bf16),
+        "language_model.lm_head.weight": ((163840, d), bf16),
+        "language_model.model.norm.weight": ((d,), bf16),
+        "language_model.model.output_attn_res_norm.weight": ((d,), bf16),
+        "language_model.model.output_attn_res_proj.weight": ((1, d), bf16),
+    }
     for i in range(c["num_hidden_layers"]):
         lp, a = f"{P}.{i}", f"{P}.{i}.self_attn"
         for norm in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
@@ -84,32 +88,46 @@ def test_tensor_names_shapes_dtypes(tensors):
                 want[f"{a}.{proj}.weight"] = ((p, d), bf16)
             for conv in ("q_conv1d", "k_conv1d", "v_conv1d"):
                 want[f"{a}.{conv}.weight"] = ((p, 1, 4), f32)
-            want |= {f"{a}.f_a_proj.weight": ((kd, d), bf16), f"{a}.f_b_proj.weight": ((p, kd), bf16),
-                     f"{a}.b_proj.weight": ((lin["num_heads"], d), bf16), f"{a}.A_log": ((kd,), f32),
-                     f"{a}.dt_bias": ((p,), f32), f"{a}.o_norm.weight": ((kd,), f32),
-                     f"{a}.o_proj.weight": ((d, p), bf16)}
+            want |= {
+                f"{a}.f_a_proj.weight": ((kd, d), bf16),
+                f"{a}.f_b_proj.weight": ((p, kd), bf16),
+                f"{a}.b_proj.weight": ((lin["num_heads"], d), bf16),
+                f"{a}.A_log": ((kd,), f32),
+                f"{a}.dt_bias": ((p,), f32),
+                f"{a}.o_norm.weight": ((kd,), f32),
+                f"{a}.o_proj.weight": ((d, p), bf16),
+            }
         else:
             nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
-            want |= {f"{a}.q_a_proj.weight": ((c["q_lora_rank"], d), bf16),
-                     f"{a}.q_a_layernorm.weight": ((c["q_lora_rank"],), bf16),
-                     f"{a}.q_b_proj.weight": ((h * (nope + rope), c["q_lora_rank"]), bf16),
-                     f"{a}.kv_a_proj_with_mqa.weight": ((c["kv_lora_rank"] + rope, d), bf16),
-                     f"{a}.kv_a_layernorm.weight": ((c["kv_lora_rank"],), bf16),
-                     f"{a}.kv_b_proj.weight": ((h * (nope + v), c["kv_lora_rank"]), bf16),
-                     f"{a}.g_proj.weight": ((h * v, d), bf16), f"{a}.o_proj.weight": ((d, h * v), bf16)}
+            want |= {
+                f"{a}.q_a_proj.weight": ((c["q_lora_rank"], d), bf16),
+                f"{a}.q_a_layernorm.weight": ((c["q_lora_rank"],), bf16),
+                f"{a}.q_b_proj.weight": ((h * (nope + rope), c["q_lora_rank"]), bf16),
+                f"{a}.kv_a_proj_with_mqa.weight": ((c["kv_lora_rank"] + rope, d), bf16),
+                f"{a}.kv_a_layernorm.weight": ((c["kv_lora_rank"],), bf16),
+                f"{a}.kv_b_proj.weight": ((h * (nope + v), c["kv_lora_rank"]), bf16),
+                f"{a}.g_proj.weight": ((h * v, d), bf16),
+                f"{a}.o_proj.weight": ((d, h * v), bf16),
+            }
         if i < c["first_k_dense_replace"]:
-            for proj, shape in (("gate_proj", (c["intermediate_size"], d)), ("up_proj", (c["intermediate_size"], d)),
-                                ("down_proj", (d, c["intermediate_size"]))):
+            for proj, shape in (
+                ("gate_proj", (c["intermediate_size"], d)),
+                ("up_proj", (c["intermediate_size"], d)),
+                ("down_proj", (d, c["intermediate_size"])),
+            ):
                 want[f"{lp}.mlp.{proj}.weight"] = (shape, bf16)
             continue
         m = f"{lp}.block_sparse_moe"
-        want |= {f"{m}.gate.weight": ((e, d), bf16), f"{m}.gate.e_score_correction_bias": ((e,), f32),
-                 f"{m}.routed_expert_down_proj.weight": ((lat, d), bf16),
-                 f"{m}.routed_expert_norm.weight": ((lat,), bf16),
-                 f"{m}.routed_expert_up_proj.weight": ((d, lat), bf16),
-                 f"{m}.shared_experts.gate_proj.weight": ((inter, d), bf16),
-                 f"{m}.shared_experts.up_proj.weight": ((inter, d), bf16),
-                 f"{m}.shared_experts.down_proj.weight": ((d, inter), bf16)}
+        want |= {
+            f"{m}.gate.weight": ((e, d), bf16),
+            f"{m}.gate.e_score_correction_bias": ((e,), f32),
+            f"{m}.routed_expert_down_proj.weight": ((lat, d), bf16),
+            f"{m}.routed_expert_norm.weight": ((lat,), bf16),
+            f"{m}.routed_expert_up_proj.weight": ((d, lat), bf16),
+            f"{m}.shared_experts.gate_proj.weight": ((inter, d), bf16),
+            f"{m}.shared_experts.up_proj.weight": ((inter, d), bf16),
+            f"{m}.shared_experts.down_proj.weight": ((d, inter), bf16),
+        }
         for x in range(e):
             for w, (rows, cols) in (("w1", (inter, lat)), ("w3", (inter, lat)), ("w2", (lat, inter))):
                 want[f"{m}.experts.{x}.{w}.weight_packed"] = ((rows, cols // 2), u8)
@@ -128,9 +146,11 @@ def test_values_a_log_and_mxfp4(ckpt):
     a_log = load(f"{P}.0.self_attn.A_log")
     assert bool((a_log[:heads] > 0).all()) and bool((a_log[:heads] <= torch.tensor(16.0).log()).all())
     assert bool((a_log[heads:] == 0).all())  # K3's padding past num_heads
-    packed, scale = load(f"{P}.1.block_sparse_moe.experts.3.w1.weight_packed"), load(
-        f"{P}.1.block_sparse_moe.experts.3.w1.weight_scale")
-    e2m1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+    packed, scale = (
+        load(f"{P}.1.block_sparse_moe.experts.3.w1.weight_packed"),
+        load(f"{P}.1.block_sparse_moe.experts.3.w1.weight_scale"),
+    )
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
     nib = torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2).long()  # even column = low nibble
     w = e2m1[nib] * torch.exp2(scale.float() - 127).repeat_interleave(32, -1)
     assert w.shape == (TEXT_CONFIG["moe_intermediate_size"], TEXT_CONFIG["routed_expert_hidden_size"])

@@ -99,8 +99,11 @@ def test_200_requests_with_aborts_and_preemptions_leave_no_slot_or_block(make_en
         ids = head + [rng.randrange(320) for _ in range(rng.randrange(1, 50))]
         rid = f"r{i}"
         prompts[rid] = ids
-        eng.add_request(rid, {"prompt_token_ids": ids},
-                        SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 9), ignore_eos=True))
+        eng.add_request(
+            rid,
+            {"prompt_token_ids": ids},
+            SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 9), ignore_eos=True),
+        )
         for _ in range(rng.randrange(0, 3)):
             done.update((o.request_id, o) for o in eng.step() if o.finished)
         live = [r for r in eng.request_ids() if r not in done]
@@ -153,8 +156,11 @@ def k3_dir(tmp_path_factory):
 
 
 def _k3_engine(path, **kw) -> LLMEngine:
-    return LLMEngine(EngineArgs(model=path, device="cpu", dtype="float32", max_model_len=512, max_num_seqs=4,
-                                kv_cache_tokens=1024, **kw))
+    return LLMEngine(
+        EngineArgs(
+            model=path, device="cpu", dtype="float32", max_model_len=512, max_num_seqs=4, kv_cache_tokens=1024, **kw
+        )
+    )
 
 
 def _k3_prompts():

@@ -23,8 +23,13 @@ class Params:
 
 
 def make(num_blocks=64, budget=64, snaps=SNAPS, every=2, prefix=True, max_model_len=128):
-    config = SchedulerConfig(max_num_seqs=SEQS, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                             block_size=BS, snapshot_every_blocks=every)
+    config = SchedulerConfig(
+        max_num_seqs=SEQS,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        block_size=BS,
+        snapshot_every_blocks=every,
+    )
     slots = StateSlots(SEQS, snaps)
     return Scheduler(config, BlockManager(num_blocks, BS, prefix, slots)), slots
 
@@ -47,6 +52,7 @@ def drain(sched):
 
 
 # -- the allocator ------------------------------------------------------------------------------
+
 
 def test_slot_allocator_catches_double_free_and_wrong_owner():
     slots = StateSlots(2, 1)
@@ -82,6 +88,7 @@ def test_snapshots_are_lru_and_dropped_with_their_block():
 
 
 # -- the scheduler ------------------------------------------------------------------------------
+
 
 def test_prefill_is_cut_at_snapshot_boundaries_and_saved():
     sched, slots = make()

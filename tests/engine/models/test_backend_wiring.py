@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from kimitui.engine import LLM, SamplingParams
-from kimitui.engine.offload.cpu_experts import CpuExpertExecutor
-from kimitui.kernels.cpu import few_rows as cpu_few_rows
-from kimitui.kernels.backend import REFERENCE, Backend
-from kimitui.kernels.cpu.backend import CpuBackend
 from kimitui.engine.layers.moe import ExpertStack
+from kimitui.engine.offload.cpu_experts import CpuExpertExecutor
+from kimitui.kernels.backend import REFERENCE, Backend
+from kimitui.kernels.cpu import few_rows as cpu_few_rows
+from kimitui.kernels.cpu.backend import CpuBackend
 from tests.helpers.checkpoints import write_hf_checkpoint
 
 

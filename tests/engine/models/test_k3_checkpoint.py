@@ -10,9 +10,8 @@ import random
 import pytest
 import torch
 
-from kimitui.kernels.cpu import quant_moe as cpu_quant_moe
-
 from kimitui.engine import LLM, SamplingParams
+from kimitui.kernels.cpu import quant_moe as cpu_quant_moe
 from tests.helpers.hybrid_driver import HybridDriver
 from tests.helpers.k3_checkpoint import write_k3_checkpoint
 from tests.helpers.k3_reference import K3Reference
@@ -32,8 +31,10 @@ CASES = {
     # the K3 layout: KDA and MLA interleaved, the last layer MLA, AttnRes blocks of 2, MXFP4 experts
     "k3": (dict(), [needs_kda]),
     # q-LoRA off, unquantised experts, snapshot blocks of 3, the last two layers MLA
-    "k3_plain": (dict(quantized=False, q_lora_rank=None, attn_res_block_size=3, kda_layers=(1, 2, 3),
-                      full_attn_layers=(4, 5)), [needs_kda]),
+    "k3_plain": (
+        dict(quantized=False, q_lora_rank=None, attn_res_block_size=3, kda_layers=(1, 2, 3), full_attn_layers=(4, 5)),
+        [needs_kda],
+    ),
     # every layer MLA: everything but KDA (runs without the kda branch)
     "k3_mla_only": (dict(kda_layers=(), full_attn_layers=(1, 2, 3, 4, 5)), []),
 }
@@ -68,7 +69,8 @@ def test_loads_real_layout(k3):
             assert stack.tiled_fmt == "mxfp4" and stack.w13_weight_packed.numel() == 0
             width = tensors["model.layers.1.block_sparse_moe.experts.7.w2.weight_scale"].shape[0]  # the latent
             w13, _, _, w2_scale = cpu_quant_moe.unprepare(
-                cpu_quant_moe.TiledExperts("mxfp4", width, stack.inter, stack.w13_tiles, stack.w2_tiles))
+                cpu_quant_moe.TiledExperts("mxfp4", width, stack.inter, stack.w13_tiles, stack.w2_tiles)
+            )
         else:
             assert stack.fmt == "mxfp4" and stack.w13_weight_packed.dtype == torch.uint8
             w13, w2_scale = stack.w13_weight_packed, stack.w2_weight_scale
@@ -80,8 +82,9 @@ def test_loads_real_layout(k3):
         assert layer.mlp.routed_expert_down_proj.fmt == "dense" and layer.mlp.routed_expert_up_proj.fmt == "dense"
         assert layer.mlp.shared_experts.gate_proj.fmt == "dense"
     # the dense first layer came from mlp. (K3's spelling)
-    assert torch.equal(model.model.layers[0].mlp.down_proj.weight,
-                       tensors["model.layers.0.mlp.down_proj.weight"].float())
+    assert torch.equal(
+        model.model.layers[0].mlp.down_proj.weight, tensors["model.layers.0.mlp.down_proj.weight"].float()
+    )
 
 
 def test_prompt_logprobs_match_reference(k3):
@@ -102,7 +105,7 @@ def test_batched_chunked_prefill_and_decode_agree(k3):
     outs = drv.greedy(prompts, 10, budget=40)
     for ids, out in zip(prompts, outs):
         full = ref.logprobs(ids + out)
-        assert full[len(ids) - 1:-1].argmax(-1).tolist() == out  # the reference agrees token by token
+        assert full[len(ids) - 1 : -1].argmax(-1).tolist() == out  # the reference agrees token by token
 
 
 def test_llm_generates_what_the_reference_predicts(k3):
@@ -110,12 +113,13 @@ def test_llm_generates_what_the_reference_predicts(k3):
     _, ref, _, path = k3
     prompts = _prompts(2, (6, 75))
     with LLM(str(path), max_model_len=256, max_num_seqs=4) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        )
     for ids, out in zip(prompts, outs):
         toks = out.outputs[0].token_ids
         assert len(toks) == 8 and out.outputs[0].finish_reason == "length"
-        assert ref.logprobs(ids + toks)[len(ids) - 1:-1].argmax(-1).tolist() == toks
+        assert ref.logprobs(ids + toks)[len(ids) - 1 : -1].argmax(-1).tolist() == toks
 
 
 def test_bf16_build_keeps_fp32_contract_tensors(k3):
@@ -147,6 +151,7 @@ def test_demo_k3_checkpoint_loads_and_generates(tmp_path):
     demo_k3 = pytest.importorskip("kimitui.engine.demo.k3")
     demo_k3.write_demo_k3_checkpoint(tmp_path)
     with LLM(str(tmp_path), max_model_len=64, max_num_seqs=2) as llm:
-        out = llm.generate([{"prompt_token_ids": [11, 12, 13]}],
-                           SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
+        out = llm.generate(
+            [{"prompt_token_ids": [11, 12, 13]}], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        )[0]
     assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].finish_reason == "length"

@@ -73,8 +73,9 @@ def test_mxfp4_experts_weight_their_outputs_in_float32(models, dtype):
     # Linear experts and the serving kernels do; rounding the weights to the half dtype first (what
     # the engine did) puts them further from float32.
     out, ref, ideal, naive = _run(hp.part_mxfp4_experts, models, dtype)[:4]
-    moe32, moeh, z, ids, w = hp._experts_inputs(models[torch.float32], models[dtype], dtype,
-                                                torch.Generator().manual_seed(0))
+    moe32, moeh, z, ids, w = hp._experts_inputs(
+        models[torch.float32], models[dtype], dtype, torch.Generator().manual_seed(0)
+    )
     rounded = moeh.experts(z, ids, w.to(dtype), counted=True)
     e, r, i, n = (hp.errors(t, ref)["mean_abs"] for t in (out, rounded, ideal, naive))
     assert e < 0.9 * r, f"fp32 routing weights {e:.3e} vs rounded {r:.3e}"

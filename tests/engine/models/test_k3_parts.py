@@ -34,8 +34,22 @@ def ref_attn_res_mix(x, blocks, norm_w, proj_w, eps):
     return sum(p[:, i, None] * v for i, v in enumerate(cands))
 
 
-def ref_latent_moe(x, router_w, bias, top_k, down_w, experts, norm_w, up_w, shared, eps, scale=1.0, n_group=1,
-                   topk_group=1, act=ref_situ):
+def ref_latent_moe(
+    x,
+    router_w,
+    bias,
+    top_k,
+    down_w,
+    experts,
+    norm_w,
+    up_w,
+    shared,
+    eps,
+    scale=1.0,
+    n_group=1,
+    topk_group=1,
+    act=ref_situ,
+):
     """experts: list of (w1 gate [I, L], w3 up [I, L], w2 down [L, I]); shared: (gate, up, down) full width."""
     x = x.double()
     s = torch.sigmoid(x @ router_w.double().T)
@@ -93,8 +107,10 @@ def test_reference_norm_after_reduction():
     # two ranks' partial latent sums [1, 0] and [0, 1]: norm(sum) = [1, 1]; sum(norm) = [sqrt2, sqrt2]
     y1, y2 = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]])
     assert torch.allclose(ref_rms(y1 + y2, torch.ones(2), 0.0), torch.ones(1, 2, dtype=torch.float64))
-    assert torch.allclose(ref_rms(y1, torch.ones(2), 0.0) + ref_rms(y2, torch.ones(2), 0.0),
-                          torch.full((1, 2), math.sqrt(2), dtype=torch.float64))
+    assert torch.allclose(
+        ref_rms(y1, torch.ones(2), 0.0) + ref_rms(y2, torch.ones(2), 0.0),
+        torch.full((1, 2), math.sqrt(2), dtype=torch.float64),
+    )
 
 
 def test_reference_a_log_slice():
@@ -118,8 +134,9 @@ def test_engine_situ_matches_reference():
     assert act(one, one).item() == pytest.approx(0.71582, abs=1e-5)
     g, u = torch.randn(64) * 8, torch.randn(64) * 40
     assert torch.allclose(act(g, u).double(), ref_situ(g, u), atol=1e-5, rtol=1e-5)
-    assert torch.allclose(GatedActivation("situ", 1.0, None)(g, u).double(), ref_situ(g, u, 1.0, None), rtol=1e-5,
-                          atol=1e-5)
+    assert torch.allclose(
+        GatedActivation("situ", 1.0, None)(g, u).double(), ref_situ(g, u, 1.0, None), rtol=1e-5, atol=1e-5
+    )
     with pytest.raises(ValueError, match="gated activation 'gelu'"):
         GatedActivation("gelu")
 
@@ -133,13 +150,13 @@ def test_engine_attn_res_mix_matches_reference():
     torch.manual_seed(0)
     x, blocks = torch.randn(5, 16), [torch.randn(5, 16) * (i + 1) for i in range(3)]
     nw, pw = torch.rand(16) + 0.5, torch.randn(1, 16)
-    assert torch.allclose(attn_res_mix(x, blocks, nw, 1e-5, pw).double(), ref_attn_res_mix(x, blocks, nw, pw, 1e-5),
-                          atol=1e-5)
+    assert torch.allclose(
+        attn_res_mix(x, blocks, nw, 1e-5, pw).double(), ref_attn_res_mix(x, blocks, nw, pw, 1e-5), atol=1e-5
+    )
 
 
 def _latent_config(**kw):
     from kimitui.engine.config import ModelConfig
-
     from tests.helpers.k3_checkpoint import k3_config
 
     return ModelConfig.from_dict(k3_config(**kw))
@@ -159,10 +176,15 @@ def _moe_reference_weights(moe_full):
     i = st.w13_weight.shape[1] // 2
     experts = [(st.w13_weight[e, :i], st.w13_weight[e, i:], st.w2_weight[e]) for e in range(st.w13_weight.shape[0])]
     sh = moe_full.shared_experts
-    return dict(router_w=moe_full.gate.weight, bias=moe_full.gate.e_score_correction_bias,
-                down_w=moe_full.routed_expert_down_proj.weight, experts=experts,
-                norm_w=moe_full.routed_expert_norm.weight, up_w=moe_full.routed_expert_up_proj.weight,
-                shared=(sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight))
+    return dict(
+        router_w=moe_full.gate.weight,
+        bias=moe_full.gate.e_score_correction_bias,
+        down_w=moe_full.routed_expert_down_proj.weight,
+        experts=experts,
+        norm_w=moe_full.routed_expert_norm.weight,
+        up_w=moe_full.routed_expert_up_proj.weight,
+        shared=(sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight),
+    )
 
 
 def test_engine_latent_moe_matches_reference():
@@ -174,9 +196,15 @@ def test_engine_latent_moe_matches_reference():
     x = torch.randn(6, cfg.hidden_size)
     with torch.no_grad():
         ours = moe(x)
-    ref = ref_latent_moe(x, top_k=cfg.num_experts_per_tok, eps=cfg.rms_norm_eps,
-                         scale=cfg.routed_scaling_factor, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                         **_moe_reference_weights(moe))
+    ref = ref_latent_moe(
+        x,
+        top_k=cfg.num_experts_per_tok,
+        eps=cfg.rms_norm_eps,
+        scale=cfg.routed_scaling_factor,
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        **_moe_reference_weights(moe),
+    )
     assert (ours.double() - ref).abs().max().item() < 1e-4
 
 
@@ -225,11 +253,11 @@ def test_engine_latent_moe_norms_after_the_cross_rank_reduction():
             part.gate.e_score_correction_bias.copy_(full.gate.e_score_correction_bias)
             part.routed_expert_down_proj.weight.copy_(full.routed_expert_down_proj.weight)
             part.routed_expert_norm.weight.copy_(full.routed_expert_norm.weight)
-            part.routed_expert_up_proj.weight.copy_(full.routed_expert_up_proj.weight[:, part.l0:part.l1])
+            part.routed_expert_up_proj.weight.copy_(full.routed_expert_up_proj.weight[:, part.l0 : part.l1])
             e0 = min(part.experts._slots)
             n = part.experts.local.num
-            part.experts.local.w13_weight.copy_(full.experts.local.w13_weight[e0:e0 + n])
-            part.experts.local.w2_weight.copy_(full.experts.local.w2_weight[e0:e0 + n])
+            part.experts.local.w13_weight.copy_(full.experts.local.w13_weight[e0 : e0 + n])
+            part.experts.local.w2_weight.copy_(full.experts.local.w2_weight[e0 : e0 + n])
             for name in ("gate_proj", "up_proj"):
                 s0, s1 = par.range(getattr(full.shared_experts, name).weight.shape[0])
                 getattr(part.shared_experts, name).weight.copy_(getattr(full.shared_experts, name).weight[s0:s1])

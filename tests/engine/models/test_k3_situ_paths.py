@@ -35,23 +35,35 @@ def ckpt(tmp_path_factory):
     from tests.helpers.k3_checkpoint import write_k3_checkpoint
 
     path = tmp_path_factory.mktemp("k3_situ")
-    tensors = write_k3_checkpoint(path, seed=3, num_layers=4, kda_layers=(1, 2), full_attn_layers=(3, 4),
-                                  num_experts=NUM_EXPERTS)
+    tensors = write_k3_checkpoint(
+        path, seed=3, num_layers=4, kda_layers=(1, 2), full_attn_layers=(3, 4), num_experts=NUM_EXPERTS
+    )
     return path, tensors
 
 
 def _run(path: Path, dtype: str, offload: str, emulate: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KIMITUI_EMULATE_DEVICE",
-                                                            "KIMITUI_KERNELS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TRITON_INTERPRET", "KIMITUI_EMULATE_DEVICE", "KIMITUI_KERNELS")
+    }
     if emulate:
         env.update(KIMITUI_EMULATE_DEVICE="1", TRITON_INTERPRET="1")
     env["HF_HUB_OFFLINE"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "tests.engine.models.test_k3_situ_paths", str(path), dtype, offload],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.engine.models.test_k3_situ_paths", str(path), dtype, offload],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        pytest.fail(f"child ({dtype}, offload={offload}, emulate={emulate}) failed (rc={proc.returncode}):\n"
-                    f"{proc.stderr[-4000:]}")
+        pytest.fail(
+            f"child ({dtype}, offload={offload}, emulate={emulate}) failed (rc={proc.returncode}):\n"
+            f"{proc.stderr[-4000:]}"
+        )
     return json.loads(lines[-1])
 
 
@@ -64,7 +76,7 @@ def _reference_tokens(path: Path, tensors: dict) -> list[list[int]]:
         ids = list(prompt)
         for _ in range(MAX_TOKENS):
             ids.append(int(ref.logprobs(ids)[-1].argmax()))
-        outs.append(ids[len(prompt):])
+        outs.append(ids[len(prompt) :])
     return outs
 
 
@@ -111,8 +123,9 @@ def test_a_backend_without_situ_experts_is_refused_at_load(ckpt):
         expert_activations = ("silu",)
 
     config = ModelConfig.from_pretrained(ckpt[0])
-    experts = RoutedExperts(dataclasses.replace(config, hidden_size=config.routed_expert_hidden_size),
-                            "model.layers.1.mlp.experts")
+    experts = RoutedExperts(
+        dataclasses.replace(config, hidden_size=config.routed_expert_hidden_size), "model.layers.1.mlp.experts"
+    )
     assert experts.local.activation.kind == "situ" and experts.local.activation.linear_beta == 25.0
     experts.post_load(torch.float32)  # the reference backend computes SiTU
     experts.local.ops = SiluOnly()
@@ -128,8 +141,14 @@ def _child(path: str, dtype: str, offload: str) -> None:
     from kimitui.engine.layers.moe import RoutedExperts
     from tests.helpers.greedy_run import greedy_run
 
-    llm = LLM(path, dtype=dtype, max_model_len=64, max_num_seqs=2, enable_prefix_caching=False,
-              cpu_offload=offload if offload == "none" else int(offload))
+    llm = LLM(
+        path,
+        dtype=dtype,
+        max_model_len=64,
+        max_num_seqs=2,
+        enable_prefix_caching=False,
+        cpu_offload=offload if offload == "none" else int(offload),
+    )
     experts = [m for m in llm.engine.model.modules() if isinstance(m, RoutedExperts)]
     stacks: dict[str, set] = {}
     for m in experts:
@@ -141,8 +160,16 @@ def _child(path: str, dtype: str, offload: str) -> None:
     with torch.inference_mode():
         record, counts = greedy_run(llm, PROMPTS, MAX_TOKENS)
     llm.shutdown()
-    print(json.dumps({"stacks": {k: sorted(v) for k, v in sorted(stacks.items())}, "triton": dict(counts.triton),
-                      "host_experts": [m.host.num for m in experts if m.host is not None], **record}))
+    print(
+        json.dumps(
+            {
+                "stacks": {k: sorted(v) for k, v in sorted(stacks.items())},
+                "triton": dict(counts.triton),
+                "host_experts": [m.host.num for m in experts if m.host is not None],
+                **record,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

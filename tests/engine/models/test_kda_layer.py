@@ -19,11 +19,29 @@ LINEAR = {"full_attn_layers": [2], "kda_layers": [1], "num_heads": H, "head_dim"
 
 
 def _hf_config():
-    return KimiLinearConfig(vocab_size=128, hidden_size=D, intermediate_size=128, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
-                            q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-                            num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-                            first_k_dense_replace=1, rms_norm_eps=1e-5, hidden_act="silu", linear_attn_config=LINEAR)
+    return KimiLinearConfig(
+        vocab_size=128,
+        hidden_size=D,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        linear_attn_config=LINEAR,
+    )
 
 
 def _hf_layer(k3: bool):
@@ -38,8 +56,9 @@ def _hf_layer(k3: bool):
         from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
         from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextForgetGate
 
-        gate = Glm5NextTextForgetGate(Glm5NextTextConfig(hidden_size=D, linear_attn_config=dict(
-            LINEAR, gate_lower_bound=-5.0)))
+        gate = Glm5NextTextForgetGate(
+            Glm5NextTextConfig(hidden_size=D, linear_attn_config=dict(LINEAR, gate_lower_bound=-5.0))
+        )
         assert gate.safe_gate_lower_bound == -5.0
         with torch.no_grad():
             for name in ("f_a_proj", "f_b_proj"):
@@ -91,10 +110,14 @@ def _meta(decodes: list[int], chunks: list[tuple[int, int, int]]) -> AttentionMe
     for _, n, ctx in chunks:
         prefills.append(PrefillChunk(start, start + n, ctx, torch.zeros(1, dtype=torch.int32)))
         start += n
-    return AttentionMetadata(positions=torch.zeros(start, dtype=torch.int64),
-                             slot_mapping=torch.zeros(start, dtype=torch.int64), block_size=16,
-                             num_decode_tokens=d, prefills=prefills,
-                             state_slots=torch.tensor(decodes + [c[0] for c in chunks], dtype=torch.int64))
+    return AttentionMetadata(
+        positions=torch.zeros(start, dtype=torch.int64),
+        slot_mapping=torch.zeros(start, dtype=torch.int64),
+        block_size=16,
+        num_decode_tokens=d,
+        prefills=prefills,
+        state_slots=torch.tensor(decodes + [c[0] for c in chunks], dtype=torch.int64),
+    )
 
 
 @pytest.mark.parametrize("k3,fused", [(False, False), (False, True), (True, True)])
@@ -112,11 +135,13 @@ def test_layer_matches_transformers_over_chunked_prefill_and_decodes(k3, fused):
     state.conv.normal_()
     done = {s: 0 for s in lens}
     # (decoding sequences, [(sequence, rows)]) per step, rows laid out decodes first
-    steps = [([], [("a", 100), ("b", 4)]),
-             (["b"], [("a", 50), ("c", 70)]),
-             (["a", "b", "c"], []),
-             (["c", "a", "b"], []),
-             (["b"], [])]
+    steps = [
+        ([], [("a", 100), ("b", 4)]),
+        (["b"], [("a", 50), ("c", 70)]),
+        (["a", "b", "c"], []),
+        (["c", "a", "b"], []),
+        (["b"], []),
+    ]
     for dec, chunks in steps:
         meta = _meta([slot[s] for s in dec], [(slot[s], n, done[s] + n) for s, n in chunks])
         rows = [(s, done[s], done[s] + 1) for s in dec] + [(s, done[s], done[s] + n) for s, n in chunks]
@@ -172,8 +197,17 @@ def test_tensor_parallel_shards_follow_heads():
 
 
 def test_config_from_linear_attn_config_and_errors():
-    cfg = KDAConfig.from_linear_attn_config(7168, {"num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4,
-                                                   "gate_lower_bound": -5.0, "use_full_rank_gate": True}, 1e-5)
+    cfg = KDAConfig.from_linear_attn_config(
+        7168,
+        {
+            "num_heads": 96,
+            "head_dim": 128,
+            "short_conv_kernel_size": 4,
+            "gate_lower_bound": -5.0,
+            "use_full_rank_gate": True,
+        },
+        1e-5,
+    )
     assert (cfg.num_heads, cfg.proj_size, cfg.gate_lower_bound, cfg.use_full_rank_gate) == (96, 12288, -5.0, True)
     with pytest.raises(ValueError, match="missing head_dim"):
         KDAConfig.from_linear_attn_config(64, {"num_heads": 4}, 1e-5)
@@ -273,8 +307,14 @@ def test_bf16_model_keeps_fp32_params_and_state():
     for lay, dtype in ((ref_layer, torch.float32), (layer, torch.bfloat16)):
         state = lay.config.state_spec().allocate(0, 0, 1, torch.device("cpu"))
         with torch.no_grad():
-            outs.append(torch.cat([lay(x[:79].to(dtype), _meta([], [(0, 79, 79)]), state),
-                                   lay(x[79:].to(dtype), _meta([0], []), state)]))
+            outs.append(
+                torch.cat(
+                    [
+                        lay(x[:79].to(dtype), _meta([], [(0, 79, 79)]), state),
+                        lay(x[79:].to(dtype), _meta([0], []), state),
+                    ]
+                )
+            )
         assert state.recurrent.dtype == torch.float32 and state.conv.dtype == torch.float32
     assert outs[1].dtype == torch.bfloat16
     err = (outs[1].float() - outs[0]).norm() / outs[0].norm()

@@ -69,8 +69,9 @@ def test_fused_expert_layout_loads_like_per_expert_tensors(ckpt, tmp_path_factor
     fused = {k: v for k, v in sd.items() if ".mlp.experts." not in k}
     base = "model.layers.1.mlp.experts"
     n = cfg["n_routed_experts"]
-    fused[f"{base}.gate_up_proj"] = torch.stack([torch.cat([sd[f"{base}.{e}.gate_proj.weight"],
-                                                            sd[f"{base}.{e}.up_proj.weight"]]) for e in range(n)])
+    fused[f"{base}.gate_up_proj"] = torch.stack(
+        [torch.cat([sd[f"{base}.{e}.gate_proj.weight"], sd[f"{base}.{e}.up_proj.weight"]]) for e in range(n)]
+    )
     fused[f"{base}.down_proj"] = torch.stack([sd[f"{base}.{e}.down_proj.weight"] for e in range(n)])
     rewrite_checkpoint(fused_dir, fused, cfg)
     config = ModelConfig.from_pretrained(path)

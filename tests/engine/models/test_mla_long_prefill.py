@@ -29,8 +29,10 @@ def _cache(layer: MLAttention, context_len: int, seed: int):
 
 def _queries(layer: MLAttention, n: int, seed: int):
     g = torch.Generator().manual_seed(seed + 1000)
-    return (torch.randn(n, layer.num_heads, layer.nope, generator=g),
-            torch.randn(n, layer.num_heads, layer.rope_dim, generator=g))
+    return (
+        torch.randn(n, layer.num_heads, layer.nope, generator=g),
+        torch.randn(n, layer.num_heads, layer.rope_dim, generator=g),
+    )
 
 
 def _rows_seen(layer: MLAttention) -> list[int]:
@@ -43,9 +45,27 @@ def test_the_default_slice_is_the_module_constant():
     assert _layer().prefill_slice == PREFILL_SLICE
 
 
-@pytest.mark.parametrize("context_len,n", [
-    (1, 1), (63, 63), (63, 1), (64, 64), (64, 7), (65, 65), (65, 1), (65, 2), (65, 30),
-    (300, 300), (300, 1), (300, 37), (300, 64), (300, 236), (300, 237), (300, 250)])
+@pytest.mark.parametrize(
+    "context_len,n",
+    [
+        (1, 1),
+        (63, 63),
+        (63, 1),
+        (64, 64),
+        (64, 7),
+        (65, 65),
+        (65, 1),
+        (65, 2),
+        (65, 30),
+        (300, 300),
+        (300, 1),
+        (300, 37),
+        (300, 64),
+        (300, 236),
+        (300, 237),
+        (300, 250),
+    ],
+)
 def test_sliced_prefill_matches_the_one_shot_path(context_len, n):
     layer = _layer()
     table, flat = _cache(layer, context_len, seed=context_len * 7 + n)
@@ -88,8 +108,9 @@ def test_a_layer_forward_with_cached_context_matches_across_slice_sizes():
     cache = flat.view(-1, BLOCK, flat.shape[-1])
     pos = torch.arange(cached, context_len)
     slots = table[pos // BLOCK].long() * BLOCK + pos % BLOCK
-    meta = AttentionMetadata(positions=pos, slot_mapping=slots, block_size=BLOCK,
-                             prefills=[PrefillChunk(0, n, context_len, table)])
+    meta = AttentionMetadata(
+        positions=pos, slot_mapping=slots, block_size=BLOCK, prefills=[PrefillChunk(0, n, context_len, table)]
+    )
     x = torch.randn(n, 64, generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         want = layer(x, meta, cache.clone())

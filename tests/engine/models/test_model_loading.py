@@ -12,19 +12,30 @@ import torch
 from kimitui.engine import LLM, SamplingParams
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.loader import CheckpointReader, build_model, load_model
-from kimitui.engine.registry import WeightTarget, model_class, parameter_classes, supported_model_types
+from kimitui.engine.parallel.state import ParallelState
 from kimitui.engine.plan.param_count import meta_model, part_sizes
 from kimitui.engine.plan.planner import plan_placement
-from kimitui.engine.parallel.state import ParallelState
+from kimitui.engine.registry import WeightTarget, model_class, parameter_classes, supported_model_types
 from kimitui.kernels import reference as R
 from tests.helpers.checkpoints import hf_prompt_logprobs, write_hf_checkpoint
 from tests.helpers.quantized import quantize_checkpoint
 
 # 7 heads of 16 + 8 = 24 q rows: on 6 ranks the q_b_proj shards start at rows 0, 48, 72, 96, ...,
 # and 72 is inside a 16-row FP8 scale block. Shared experts 2 x 48 = 6 blocks of 16.
-SHAPE = dict(num_attention_heads=7, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=331,
-             n_routed_experts=6, moe_intermediate_size=48, n_shared_experts=2, intermediate_size=96,
-             num_hidden_layers=2, n_group=2, topk_group=1)
+SHAPE = dict(
+    num_attention_heads=7,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    vocab_size=331,
+    n_routed_experts=6,
+    moe_intermediate_size=48,
+    n_shared_experts=2,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    n_group=2,
+    topk_group=1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +53,22 @@ def test_registry_maps_model_types_to_classes(fp8_ckpt):
     assert model_class(config.model_type).__name__ == "DeepseekV3ForCausalLM"
     model = build_model(config, torch.device("meta"), torch.bfloat16)
     classes = set(parameter_classes(model).values())
-    assert classes == {"embedding", "lm_head", "final_norm", "attention", "dense_mlp", "router", "shared_experts",
-                       "routed_experts"}
-    assert model.checkpoint_target("model.layers.1.mlp.experts.3.up_proj.weight_scale_inv") == \
-        WeightTarget("model.layers.1.mlp.experts", "up_proj.weight_scale_inv", 3)
-    assert model.checkpoint_target("model.layers.1.self_attn.q_b_proj.weight") == \
-        WeightTarget("model.layers.1.self_attn.q_b_proj", "weight")
+    assert classes == {
+        "embedding",
+        "lm_head",
+        "final_norm",
+        "attention",
+        "dense_mlp",
+        "router",
+        "shared_experts",
+        "routed_experts",
+    }
+    assert model.checkpoint_target("model.layers.1.mlp.experts.3.up_proj.weight_scale_inv") == WeightTarget(
+        "model.layers.1.mlp.experts", "up_proj.weight_scale_inv", 3
+    )
+    assert model.checkpoint_target("model.layers.1.self_attn.q_b_proj.weight") == WeightTarget(
+        "model.layers.1.self_attn.q_b_proj", "weight"
+    )
     assert model.checkpoint_target("model.layers.2.eh_proj.weight") == "MTP layer"
     assert len(model.cache_specs(torch.bfloat16)) == 2
 
@@ -100,7 +121,7 @@ def test_fp8_shards_off_the_scale_blocks_load_exactly(fp8_ckpt, world):
         attn = model.model.layers[0].self_attn
         h0, h1 = par.range(7)
         starts.add(h0 * 24 % 16)
-        torch.testing.assert_close(attn.q_b_proj.dense_weight(), q_b[h0 * 24:h1 * 24], rtol=0, atol=0)
+        torch.testing.assert_close(attn.q_b_proj.dense_weight(), q_b[h0 * 24 : h1 * 24], rtol=0, atol=0)
         shared = model.model.layers[1].mlp.shared_experts
         i0, i1 = par.range(96, 16)
         torch.testing.assert_close(shared.gate_proj.dense_weight(), gate[i0:i1], rtol=0, atol=0)
@@ -117,9 +138,12 @@ def test_int4_group_cut_is_refused_naming_the_tensor(fp8_ckpt):
     # (which builds what the engine builds) says so up front in one message naming the tensor.
     path, _ = fp8_ckpt
     raw = json.loads((path / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                                  "config_groups": {"g": {"weights": {"num_bits": 4, "group_size": 32}}},
-                                  "ignore": ["lm_head"]}
+    raw["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"g": {"weights": {"num_bits": 4, "group_size": 32}}},
+        "ignore": ["lm_head"],
+    }
     config = ModelConfig.from_dict(raw)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj\.weight_scale: .* impossible"):
         plan_placement(config, 6, 1 << 30, 128, 1)

@@ -26,8 +26,9 @@ def _hf_decode(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     from transformers.integrations.mxfp4 import _convert_moe_packed_tensors
 
     n, half = packed.shape
-    out = _convert_moe_packed_tensors(packed.view(1, n, half // 16, 16), scale.view(1, n, half // 16),
-                                      dtype=torch.float32)
+    out = _convert_moe_packed_tensors(
+        packed.view(1, n, half // 16, 16), scale.view(1, n, half // 16), dtype=torch.float32
+    )
     return out[0].transpose(0, 1)
 
 

@@ -11,8 +11,9 @@ from kimitui.kernels.cpu import moe as cpu_moe
 from tests.helpers.checkpoints import write_hf_checkpoint
 from tests.helpers.quantized import quantize_checkpoint
 
-pytestmark = pytest.mark.skipif(not cpu_moe.int4pack_cpu_supported(64, 64, 32),
-                                reason="this torch has no CPU int4 GEMM")
+pytestmark = pytest.mark.skipif(
+    not cpu_moe.int4pack_cpu_supported(64, 64, 32), reason="this torch has no CPU int4 GEMM"
+)
 
 
 def _run(path, prompt):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kimitui.engine.layers.moe import ExpertStack
 from kimitui.engine.offload.cpu_experts import CpuExpertExecutor
 from kimitui.engine.offload.host_staging import HostStaging
-from kimitui.engine.layers.moe import ExpertStack
 
 
 def _inputs(t: int, d: int = 64, k: int = 4, dtype=torch.bfloat16, seed: int = 0):

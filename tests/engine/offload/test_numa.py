@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import kimitui.engine.engine as engine_module
+from kimitui.commands.info import numa_lines
 from kimitui.engine import LLM, SamplingParams
 from kimitui.engine.offload import cpu_experts, numa
 from kimitui.kernels.cpu import quant_moe as cpu_quant_moe
-from kimitui.commands.info import numa_lines
 from tests.helpers.checkpoints import write_hf_checkpoint
 from tests.helpers.quantized import quantize_checkpoint
 

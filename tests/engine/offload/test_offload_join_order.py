@@ -29,8 +29,11 @@ def test_shared_experts_run_before_the_host_join(tmp_path, monkeypatch):
     monkeypatch.setattr(PendingHostExperts, "add_to", add_to)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     with LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=1, cpu_offload=6) as llm:
-        shared = [m.shared_experts for m in llm.engine.model.modules()
-                  if getattr(m, "shared_experts", None) is not None and hasattr(m, "experts")]
+        shared = [
+            m.shared_experts
+            for m in llm.engine.model.modules()
+            if getattr(m, "shared_experts", None) is not None and hasattr(m, "experts")
+        ]
         assert len(shared) == 2  # layers 1 and 2 (layer 0 is dense)
         for m in shared:
             m.register_forward_pre_hook(lambda *_: events.append("shared"))

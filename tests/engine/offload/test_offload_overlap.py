@@ -22,8 +22,7 @@ def test_host_layers_share_staging_and_report_their_overlap(tmp_path, monkeypatc
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     with LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=1, cpu_offload=6) as llm:
         model = llm.engine.model
-        executors = [m.executor for m in model.modules() if isinstance(getattr(m, "executor", None),
-                                                                         CpuExpertExecutor)]
+        executors = [m.executor for m in model.modules() if isinstance(getattr(m, "executor", None), CpuExpertExecutor)]
         assert len(executors) == 2  # layers 1 and 2 (layer 0 is dense)
         assert executors[0].staging is executors[1].staging
         assert all(e.timing is None for e in executors)  # off unless asked for

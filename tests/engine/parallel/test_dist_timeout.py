@@ -19,8 +19,17 @@ from kimitui.engine import LLM, SamplingParams
 from kimitui.engine.parallel.workers import DEFAULT_DIST_TIMEOUT_S, dist_timeout_s
 from tests.helpers.checkpoints import write_hf_checkpoint
 
-SHAPE = dict(num_attention_heads=4, n_routed_experts=6, vocab_size=211, num_hidden_layers=2,
-             first_k_dense_replace=1, n_group=2, topk_group=1, n_shared_experts=1, intermediate_size=64)
+SHAPE = dict(
+    num_attention_heads=4,
+    n_routed_experts=6,
+    vocab_size=211,
+    num_hidden_layers=2,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    intermediate_size=64,
+)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43]]
 
@@ -68,10 +77,13 @@ def _lone_all_reduce_fails_within(seconds: float) -> float | None:
     return box.get("took")
 
 
-@pytest.mark.parametrize("timeout_s,idle_s", [
-    (3, 7),  # about 20 s on an idle 2-core machine: the case CI runs (it leaves out slow tests)
-    pytest.param(5, 20, marks=pytest.mark.slow),  # the figures the issue asks for (about 40 s)
-])
+@pytest.mark.parametrize(
+    "timeout_s,idle_s",
+    [
+        (3, 7),  # about 20 s on an idle 2-core machine: the case CI runs (it leaves out slow tests)
+        pytest.param(5, 20, marks=pytest.mark.slow),  # the figures the issue asks for (about 40 s)
+    ],
+)
 def test_idle_engine_outlives_the_collective_timeout(ckpt, reference, monkeypatch, timeout_s, idle_s):
     monkeypatch.setenv("KIMITUI_DIST_TIMEOUT_S", str(timeout_s))
     # the PyTorch path: the C++ kernels are not what is tested, and their first build would only slow this down

@@ -24,21 +24,34 @@ PROMPTS = [[5, 17, 3, 99, 41, 7, 63], [250, 2, 8, 120], [9, 9, 31]]  # 3 sequenc
 MAX_TOKENS = 4
 LOGPROB_ATOL = 0.02
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+]
 
 
 def _run_child(path: Path, dtype: str, tp: int, emulate: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KIMITUI_EMULATE_DEVICE",
-                                                            "KIMITUI_KERNELS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TRITON_INTERPRET", "KIMITUI_EMULATE_DEVICE", "KIMITUI_KERNELS")
+    }
     if emulate:
         env.update(KIMITUI_EMULATE_DEVICE="1", TRITON_INTERPRET="1")
     env["HF_HUB_OFFLINE"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "tests.engine.parallel.test_emulated_tp_k3", str(path), dtype, str(tp)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.engine.parallel.test_emulated_tp_k3", str(path), dtype, str(tp)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        pytest.fail(f"child ({dtype}, tp={tp}, emulate={emulate}) failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+        pytest.fail(
+            f"child ({dtype}, tp={tp}, emulate={emulate}) failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
     return json.loads(lines[-1])
 
 
@@ -52,8 +65,7 @@ def test_emulated_k3_on_two_ranks_matches_cpu_path(tmp_path):
     assert cpu["graphs"] is False and dev["graphs"] is True  # rank 0 took the static-buffer decode path
     assert dev["graph_lens"][3] == dev["graph_lens"][0]  # the last step's padding row repeated row 0
     assert dev["tokens"] == cpu["tokens"], (cpu["tokens"], dev["tokens"])
-    worst = max(abs(a - b) for key in ("prompt_lp", "gen_lp") for x, y in zip(cpu[key], dev[key])
-                for a, b in zip(x, y))
+    worst = max(abs(a - b) for key in ("prompt_lp", "gen_lp") for x, y in zip(cpu[key], dev[key]) for a, b in zip(x, y))
     print(f"K3 tp=2 emulated vs CPU: max |log-prob difference| {worst:.2e}")
     assert worst < LOGPROB_ATOL
 
@@ -62,8 +74,7 @@ def _child(path: str, dtype: str, tp: int) -> None:
     from kimitui.engine import LLM
     from tests.helpers.greedy_run import greedy_run
 
-    llm = LLM(path, dtype=dtype, max_model_len=64, max_num_seqs=4, enable_prefix_caching=False,
-              tensor_parallel_size=tp)
+    llm = LLM(path, dtype=dtype, max_model_len=64, max_num_seqs=4, enable_prefix_caching=False, tensor_parallel_size=tp)
     graphs = llm.engine.runner.graphs
     record, _ = greedy_run(llm, PROMPTS, MAX_TOKENS)
     lens = graphs.lens.tolist() if graphs is not None else []

@@ -17,8 +17,17 @@ from tests.helpers.checkpoints import write_hf_checkpoint
 from tests.helpers.quantized import quantize_checkpoint
 
 # 7 heads, 10 experts, 331 vocabulary rows: none divides by 4 or 6
-SHAPE = dict(num_attention_heads=7, n_routed_experts=10, vocab_size=331, num_hidden_layers=3,
-             first_k_dense_replace=1, n_group=2, topk_group=1, n_shared_experts=2, intermediate_size=90)
+SHAPE = dict(
+    num_attention_heads=7,
+    n_routed_experts=10,
+    vocab_size=331,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=2,
+    intermediate_size=90,
+)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=2)
 
 

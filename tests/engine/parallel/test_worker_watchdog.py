@@ -28,8 +28,9 @@ FAST = WatchdogConfig(interval_s=0.1, stale_after_s=0.8)
 def _toy_rank(rank: int, port: int, heartbeat) -> None:
     # A worker that joins the group, then stays alive without ever answering rank 0.
     Heartbeat(heartbeat, FAST.interval_s)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3, timeout=timedelta(seconds=60)
+    )
     dist.barrier()
     time.sleep(60)
 
@@ -42,11 +43,15 @@ def test_killed_gloo_worker_is_reported_and_unblocks_rank0_within_seconds(caplog
     for p, (_, send) in zip(procs, pipes):
         p.start()
         send.close()
-    watchdog = Watchdog({r: (p, recv) for r, p, (recv, _) in zip((1, 2), procs, pipes)},
-                        on_failure=lambda _: stop_workers(procs), config=FAST)
+    watchdog = Watchdog(
+        {r: (p, recv) for r, p, (recv, _) in zip((1, 2), procs, pipes)},
+        on_failure=lambda _: stop_workers(procs),
+        config=FAST,
+    )
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=3,
-                                timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=3, timeout=timedelta(seconds=60)
+        )
         dist.barrier()
         assert watchdog.failure is None
         threading.Timer(0.5, os.kill, (procs[1].pid, signal.SIGKILL)).start()  # rank 2 dies mid-run
@@ -81,8 +86,9 @@ def test_silent_live_worker_is_a_warning_not_a_failure(caplog):
     heartbeat = Heartbeat(beating_send, FAST.interval_s)
     calls = []
     with caplog.at_level(logging.WARNING, logger="kimitui.engine.parallel.watchdog"):
-        watchdog = Watchdog({1: (_fake_worker(), beating_recv), 2: (_fake_worker(), silent_recv)},
-                            on_failure=calls.append, config=FAST)
+        watchdog = Watchdog(
+            {1: (_fake_worker(), beating_recv), 2: (_fake_worker(), silent_recv)}, on_failure=calls.append, config=FAST
+        )
         try:
             deadline = time.monotonic() + 5
             while "worker 2" not in caplog.text and time.monotonic() < deadline:

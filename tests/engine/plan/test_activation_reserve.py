@@ -9,12 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from kimitui.engine.plan.report import render
 from kimitui.engine.config import ModelConfig
-from kimitui.engine.plan.activation_reserve import (FRAGMENTATION, _Dims, _experts, WORKSPACE_BYTES, StepShape, activation_reserve,
-                                               step_peak)
+from kimitui.engine.plan.activation_reserve import (
+    FRAGMENTATION,
+    WORKSPACE_BYTES,
+    StepShape,
+    _Dims,
+    _experts,
+    activation_reserve,
+    step_peak,
+)
 from kimitui.engine.plan.placement import device_reserve_bytes
 from kimitui.engine.plan.planner import plan_placement
+from kimitui.engine.plan.report import render
 from kimitui.engine.units import GiB
 
 CONFIGS = Path(__file__).resolve().parents[2] / "fixtures" / "configs"
@@ -50,7 +57,8 @@ def test_tensor_parallel_splits_attention_not_the_experts(config):
     assert _experts(_Dims(config, 8), 8192) == _experts(_Dims(config, 1), 8192)
     assert eight.parts["ffn"] >= _experts(_Dims(config, 8), 8192)
     assert [activation_reserve(config, tp, 8192, 64).total for tp in (1, 2, 4, 8)] == sorted(
-        [activation_reserve(config, tp, 8192, 64).total for tp in (1, 2, 4, 8)], reverse=True)
+        [activation_reserve(config, tp, 8192, 64).total for tp in (1, 2, 4, 8)], reverse=True
+    )
 
 
 def test_graphs_pool_and_margin_add_up(config):

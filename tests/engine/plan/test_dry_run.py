@@ -17,10 +17,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.loader import build_model
+from kimitui.engine.parallel.state import ParallelState
 from kimitui.engine.plan import param_count
 from kimitui.engine.plan.param_count import compute_dtype, meta_model
 from kimitui.engine.plan.planner import GiB, Placement, plan_placement
-from kimitui.engine.parallel.state import ParallelState
 
 CONFIGS = Path(__file__).resolve().parents[2] / "fixtures" / "configs"
 MODELS = {"kimi_k2_instruct": "fp8", "kimi_k26": "int4", "kimi_k3": "mxfp4"}
@@ -31,8 +31,13 @@ def rank_model(config: ModelConfig, plan: Placement, rank: int) -> torch.nn.Modu
     """Rank ``rank`` of ``plan.num_devices`` with the plan's expert placement, storage-free."""
     par = ParallelState(rank=rank, world_size=plan.num_devices)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        return build_model(config, torch.device("meta"), compute_dtype(config), par=par,
-                           expert_placement=[list(r) for r in plan.expert_device])
+        return build_model(
+            config,
+            torch.device("meta"),
+            compute_dtype(config),
+            par=par,
+            expert_placement=[list(r) for r in plan.expert_device],
+        )
 
 
 def nbytes(p: torch.Tensor) -> int:
@@ -63,12 +68,14 @@ def dry_run(name: str, gpus: int) -> None:
             full = whole[n]
             assert p.dtype == full.dtype, f"{name} rank {rank}: {n} is {p.dtype}, the one-rank build {full.dtype}"
             diff = [d for d in range(full.dim()) if p.shape[d] != full.shape[d]]
-            assert p.dim() == full.dim() and len(diff) <= 1, \
+            assert p.dim() == full.dim() and len(diff) <= 1, (
                 f"{name} rank {rank}: {n} {tuple(p.shape)} is not a one-dim shard of {tuple(full.shape)}"
+            )
             pieces.setdefault(n, []).append((tuple(p.shape), getattr(p, "shard", None)))
         assert on_gpu["other"] == dev.non_expert_bytes, f"{name} rank {rank}: non-expert bytes"
-        assert on_gpu["expert"] == dev.expert_bytes == dev.num_experts * plan.expert_bytes, \
+        assert on_gpu["expert"] == dev.expert_bytes == dev.num_experts * plan.expert_bytes, (
             f"{name} rank {rank}: routed-expert bytes"
+        )
         # the cache this rank allocates per token and per sequence, as the planner charged it
         specs = model.cache_specs(compute_dtype(config))
         assert sum(s.bytes_per_block(1) for s in specs) == plan.kv_bytes_per_token
@@ -85,8 +92,9 @@ def dry_run(name: str, gpus: int) -> None:
             # FP8 block scales: a rank whose rows start inside a 128-row block keeps finer local blocks
             # (engine.layers.linear), so the pieces overlap; together they must cover every block.
             ranges = sorted((lo, hi) for _, (axis, lo, hi) in got if axis == d)
-            assert ranges[0][0] == 0 and ranges[-1][1] == full[d] and all(
-                b[0] <= a[1] for a, b in zip(ranges, ranges[1:])), f"{name}: the shards of {n} leave a gap"
+            assert (
+                ranges[0][0] == 0 and ranges[-1][1] == full[d] and all(b[0] <= a[1] for a, b in zip(ranges, ranges[1:]))
+            ), f"{name}: the shards of {n} leave a gap"
         else:
             assert sum(shape[d] for shape in shapes) == full[d], f"{name}: the shards of {n} do not add up to {full}"
 

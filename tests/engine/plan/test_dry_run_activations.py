@@ -40,11 +40,11 @@ from torch.utils._pytree import tree_flatten
 import kimitui.engine.layers.mla as mla
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
-from kimitui.engine.sampling.sampler import SamplingBatch, sample
 from kimitui.engine.loader import build_model, finish_load
+from kimitui.engine.parallel.state import ParallelState
 from kimitui.engine.plan.activation_reserve import StepShape, step_peak
 from kimitui.engine.plan.param_count import compute_dtype
-from kimitui.engine.parallel.state import ParallelState
+from kimitui.engine.sampling.sampler import SamplingBatch, sample
 from kimitui.engine.sampling_params import SamplingParams
 from kimitui.kernels.backend import Backend
 from kimitui.kernels.triton.mla_decode import _num_splits
@@ -143,8 +143,9 @@ def fake_model(name: str, tp: int):
     """Rank 0 (the most heads) of ``tp``, full size, storage-free."""
     config = ModelConfig.from_pretrained(CONFIGS / f"{name}.json")
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        model = build_model(config, torch.device("meta"), compute_dtype(config),
-                            par=ParallelState(rank=0, world_size=tp))
+        model = build_model(
+            config, torch.device("meta"), compute_dtype(config), par=ParallelState(rank=0, world_size=tp)
+        )
         finish_load(model)
     return config, model, mode
 
@@ -160,8 +161,9 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(Backend, "causal_conv1d", lambda self, *a, **k: _conv(*a, **k))
     monkeypatch.setattr(Backend, "kda_chunk", lambda self, *a, **k: _chunk(*a, **k))
     monkeypatch.setattr(Backend, "kda_recurrent", lambda self, *a, **k: _recurrent(*a, **k))
-    monkeypatch.setattr(mla, "F", types.SimpleNamespace(**{**vars(torch.nn.functional),
-                                                           "scaled_dot_product_attention": _sdpa}))
+    monkeypatch.setattr(
+        mla, "F", types.SimpleNamespace(**{**vars(torch.nn.functional), "scaled_dot_product_attention": _sdpa})
+    )
     monkeypatch.setattr(dist, "all_reduce", lambda x, group=None: None)
     monkeypatch.setattr(dist, "all_gather", _all_gather)
 
@@ -183,21 +185,32 @@ def _prefill_meta(chunks: list[tuple[int, int]], dev) -> tuple[AttentionMetadata
         row, base = row + n, base + blocks
     out = torch.tensor(last, dtype=i64, device=dev)
     seqs = torch.arange(len(chunks), dtype=i64, device=dev)
-    meta = AttentionMetadata(positions=torch.cat(pos), slot_mapping=torch.cat(slots), block_size=BLOCK,
-                             prefills=parts, state_slots=seqs, out_rows=out)
-    meta.out_meta = AttentionMetadata(positions=meta.positions[out], slot_mapping=out, block_size=BLOCK,
-                                      prefills=out_parts, state_slots=seqs)
+    meta = AttentionMetadata(
+        positions=torch.cat(pos),
+        slot_mapping=torch.cat(slots),
+        block_size=BLOCK,
+        prefills=parts,
+        state_slots=seqs,
+        out_rows=out,
+    )
+    meta.out_meta = AttentionMetadata(
+        positions=meta.positions[out], slot_mapping=out, block_size=BLOCK, prefills=out_parts, state_slots=seqs
+    )
     return meta, base
 
 
 def _decode_meta(n: int, ctx: int, dev) -> tuple[AttentionMetadata, int]:
     i64 = torch.int64
-    meta = AttentionMetadata(positions=torch.full((n,), ctx - 1, dtype=i64, device=dev),
-                             slot_mapping=torch.arange(n, dtype=i64, device=dev), block_size=BLOCK,
-                             num_decode_tokens=n,
-                             decode_block_tables=torch.zeros(n, ctx // BLOCK, dtype=torch.int32, device=dev),
-                             decode_context_lens=torch.full((n,), ctx, dtype=torch.int32, device=dev),
-                             decode_max_context_len=ctx, state_slots=torch.arange(n, device=dev))
+    meta = AttentionMetadata(
+        positions=torch.full((n,), ctx - 1, dtype=i64, device=dev),
+        slot_mapping=torch.arange(n, dtype=i64, device=dev),
+        block_size=BLOCK,
+        num_decode_tokens=n,
+        decode_block_tables=torch.zeros(n, ctx // BLOCK, dtype=torch.int32, device=dev),
+        decode_context_lens=torch.full((n,), ctx, dtype=torch.int32, device=dev),
+        decode_max_context_len=ctx,
+        state_slots=torch.arange(n, device=dev),
+    )
     return meta, n * ctx // BLOCK
 
 
@@ -226,8 +239,9 @@ def measure(name: str, tp: int, decodes: int = 0, chunks: list[tuple[int, int]] 
 
 def check(name: str, tp: int, shape: StepShape, measured: int) -> None:
     estimate = step_peak(ModelConfig.from_pretrained(CONFIGS / f"{name}.json"), tp, shape).total
-    assert measured <= estimate <= 1.5 * measured + 64 * MiB, \
+    assert measured <= estimate <= 1.5 * measured + 64 * MiB, (
         f"{name} tp={tp} {shape.name}: estimate {estimate / GiB:.3f} GiB, measured {measured / GiB:.3f} GiB"
+    )
 
 
 def run_grid(name: str, tp: int, sizes=(2048, 8192)) -> None:
@@ -237,7 +251,9 @@ def run_grid(name: str, tp: int, sizes=(2048, 8192)) -> None:
         long = t + mla.PREFILL_SLICE
         check(name, tp, StepShape(t, 0, 1, long, 1, f"chunk {t} at {long}"), measure(name, tp, chunks=[(t, long)]))
     t = sizes[0]
-    check(name, tp, StepShape(t, 0, 64, t // 64, 64, "64 prefills"), measure(name, tp, chunks=[(t // 64, t // 64)] * 64))
+    check(
+        name, tp, StepShape(t, 0, 64, t // 64, 64, "64 prefills"), measure(name, tp, chunks=[(t // 64, t // 64)] * 64)
+    )
 
 
 def test_k3_one_rank_estimate_covers_the_measured_peak(stand_ins):

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kimitui.engine.plan.report import render
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.layers.linear import linear_format
+from kimitui.engine.parallel.state import split_sizes
 from kimitui.engine.plan.param_count import count_params, meta_model
 from kimitui.engine.plan.placement import expert_placement_for
 from kimitui.engine.plan.planner import GiB, PlacementError, plan_placement
+from kimitui.engine.plan.report import render
 from kimitui.engine.plan.routing_stats import load_routing_stats, save_routing_stats
-from kimitui.engine.parallel.state import split_sizes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "fixtures" / "configs"
 
@@ -34,11 +34,15 @@ def plan(name: str, gpus: int, gib: float, **kw):
 
 def hot_stats(config: ModelConfig, seed: int = 0) -> dict[int, list[int]]:
     rng = random.Random(seed)
-    return {i: [rng.randrange(1, 10_000) for _ in range(config.n_routed_experts)]
-            for i in range(config.num_hidden_layers) if config.is_moe_layer(i)}
+    return {
+        i: [rng.randrange(1, 10_000) for _ in range(config.n_routed_experts)]
+        for i in range(config.num_hidden_layers)
+        if config.is_moe_layer(i)
+    }
 
 
 # -- parameter counts ----------------------------------------------------------------------------
+
 
 def test_k2_instruct_matches_published_checkpoint():
     c = cfg("kimi_k2_instruct")
@@ -72,14 +76,19 @@ def test_formats_follow_quantization_config():
     k2, k26 = cfg("kimi_k2_instruct").quantization, cfg("kimi_k26").quantization
     assert linear_format(k2, "lm_head") == "dense"
     assert linear_format(k2, "model.layers.3.mlp.gate") == "dense"
-    for name in ("model.layers.3.self_attn.q_a_proj", "model.layers.0.mlp.gate_proj",
-                 "model.layers.3.mlp.shared_experts.up_proj", "model.layers.3.mlp.experts.7.gate_proj"):
+    for name in (
+        "model.layers.3.self_attn.q_a_proj",
+        "model.layers.0.mlp.gate_proj",
+        "model.layers.3.mlp.shared_experts.up_proj",
+        "model.layers.3.mlp.experts.7.gate_proj",
+    ):
         assert linear_format(k2, name) == "fp8"
         assert linear_format(k26, name) == ("int4" if ".experts." in name else "dense")
     assert linear_format(k26, "lm_head") == "dense"
 
 
 # -- splits ------------------------------------------------------------------------------------------
+
 
 def test_split_sizes():
     assert split_sizes(64, 6) == [11, 11, 11, 11, 10, 10]
@@ -120,6 +129,7 @@ def test_fp8_k2_on_six_gpus_counts_what_each_rank_builds():
 
 
 # -- fitting -----------------------------------------------------------------------------------------
+
 
 def test_k26_fits_entirely_on_six_mi355x():
     p = plan("kimi_k26", 6, 288)
@@ -181,10 +191,16 @@ def test_host_memory_limit():
 
 # -- largest context ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,gpus,gib,offload,seqs", [
-    ("kimi_k26", 4, 140, "auto", 16), ("kimi_k26", 6, 288, "none", 16), ("kimi_k26", 4, 140, 150, 16),
-    ("kimi_k2_instruct", 6, 288, "auto", 64),
-])
+
+@pytest.mark.parametrize(
+    "name,gpus,gib,offload,seqs",
+    [
+        ("kimi_k26", 4, 140, "auto", 16),
+        ("kimi_k26", 6, 288, "none", 16),
+        ("kimi_k26", 4, 140, 150, 16),
+        ("kimi_k2_instruct", 6, 288, "auto", 64),
+    ],
+)
 def test_largest_context_is_tight(name, gpus, gib, offload, seqs):
     # several sequences make memory, not max_position_embeddings, the limit
     block = 64
@@ -211,12 +227,20 @@ def test_context_with_current_placement():
 
 def test_summary_lines():
     text = "\n".join(render(plan("kimi_k26", 4, 140)))
-    for needle in ("GPU heads", "non-expert", "host RAM:", "fits: yes", "largest context that fits",
-                   "on GPU", "on CPU"):
+    for needle in (
+        "GPU heads",
+        "non-expert",
+        "host RAM:",
+        "fits: yes",
+        "largest context that fits",
+        "on GPU",
+        "on CPU",
+    ):
         assert needle in text
 
 
 # -- routing statistics and inputs -------------------------------------------------------------------
+
 
 def test_routing_stats_round_trip(tmp_path):
     c = cfg("kimi_k26")
@@ -241,8 +265,9 @@ def test_routing_stats_round_trip(tmp_path):
 def test_missing_routing_stats_file_starts_without_stats(tmp_path):
     # A first run has no statistics yet: the placement falls back to the highest ids, no abort.
     c = cfg("kimi_k26")
-    rows = expert_placement_for(c, 100, torch.device("cpu"), 4, 4096, 1,
-                                routing_stats_path=str(tmp_path / "routing.json"))
+    rows = expert_placement_for(
+        c, 100, torch.device("cpu"), 4, 4096, 1, routing_stats_path=str(tmp_path / "routing.json")
+    )
     assert all(row[-100:] == [-1] * 100 for row in rows if row)
 
 

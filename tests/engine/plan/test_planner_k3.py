@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from kimitui.engine.plan.report import render
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.plan.param_count import count_params
 from kimitui.engine.plan.planner import GiB, plan_placement
+from kimitui.engine.plan.report import render
 
 K3 = Path(__file__).resolve().parents[2] / "fixtures" / "configs" / "kimi_k3.json"
-D, V = 7168, 163840                  # hidden, vocab
+D, V = 7168, 163840  # hidden, vocab
 KDA_LAYERS, MLA_LAYERS, MOE_LAYERS = 69, 24, 92
-H, DK = 96, 128                      # KDA heads x head_dim
+H, DK = 96, 128  # KDA heads x head_dim
 N_EXP = 896
 
 # One routed expert in MXFP4: w1 (gate) and w3 (up) are U8 [3072, 1792] packed + U8 [3072, 112]
@@ -58,11 +58,12 @@ def test_k3_sizes_by_format_match_the_tensor_table(k3):
     assert size.routed_expert.params == 3 * 3072 * 3584  # 2 values per packed byte, scales not counted
     assert size.storage["mxfp4"] == MOE_LAYERS * N_EXP * EXPERT_PACKED
     assert size.storage["scales"] == MOE_LAYERS * N_EXP * EXPERT_SCALES
-    kda = 5 * 12288 * D + 128 * D + 12288 * 128 + H * D        # q k v g o, f_a, f_b, b_proj
+    kda = 5 * 12288 * D + 128 * D + 12288 * 128 + H * D  # q k v g o, f_a, f_b, b_proj
     mla = 1536 * D + 1536 + 18432 * 1536 + 576 * D + 512 + 24576 * 512 + 2 * 12288 * D
-    moe = 2 * 3584 * D + 3584 + 3 * 6144 * D                    # latent down/up + norm, 2 shared experts
-    bf16 = 2 * V * D + KDA_LAYERS * kda + MLA_LAYERS * mla + MOE_LAYERS * moe + 3 * 33792 * D \
-        + 93 * 6 * D + 3 * D                                    # dense layer 0, AttnRes + layer norms, model level
+    moe = 2 * 3584 * D + 3584 + 3 * 6144 * D  # latent down/up + norm, 2 shared experts
+    bf16 = (
+        2 * V * D + KDA_LAYERS * kda + MLA_LAYERS * mla + MOE_LAYERS * moe + 3 * 33792 * D + 93 * 6 * D + 3 * D
+    )  # dense layer 0, AttnRes + layer norms, model level
     assert size.storage["bf16"] == 2 * bf16
     # F32: dt_bias, A_log (96 real heads; the checkpoint pads it to 128), three conv weights and o_norm
     # per KDA layer; the router's correction bias, and its gate weight, which is BF16 on disk and
@@ -99,8 +100,10 @@ def test_four_mi355x_put_experts_on_the_cpus(k3, four):
     # the reserve: the activation estimate for 2048-token steps of one sequence (2.27 GiB)
     assert d.reserve_bytes == four.activation.total and 2.2 * GiB < d.reserve_bytes < 2.4 * GiB
     fixed = d.non_expert_bytes + d.kv_bytes + d.state_bytes + d.reserve_bytes
-    gpu_experts = sum((288 * GiB - x.non_expert_bytes - x.kv_bytes - x.state_bytes - x.reserve_bytes) // EXPERT_BYTES
-                      for x in four.devices)
+    gpu_experts = sum(
+        (288 * GiB - x.non_expert_bytes - x.kv_bytes - x.state_bytes - x.reserve_bytes) // EXPERT_BYTES
+        for x in four.devices
+    )
     assert fixed < 288 * GiB and gpu_experts < MOE_LAYERS * N_EXP
     on_cpu = MOE_LAYERS * N_EXP - gpu_experts
     assert four.num_cpu_experts == on_cpu and four.host_bytes == on_cpu * EXPERT_BYTES

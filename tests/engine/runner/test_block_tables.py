@@ -10,8 +10,8 @@ import pickle
 import pytest
 import torch
 
-from kimitui.engine.runner.block_tables import TableRows
 from kimitui.engine.layers.attn_metadata import AttentionMetadata
+from kimitui.engine.runner.block_tables import TableRows
 from kimitui.engine.runner.model_runner import ModelRunner
 from kimitui.engine.scheduler.output import ScheduledSeq
 from kimitui.engine.sequence import Sequence
@@ -20,8 +20,15 @@ BLOCK = 16
 
 
 def _runner(max_model_len: int, max_num_seqs: int = 64) -> ModelRunner:
-    return ModelRunner(None, [], BLOCK, torch.device("cpu"), max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                       decode_graphs=False)
+    return ModelRunner(
+        None,
+        [],
+        BLOCK,
+        torch.device("cpu"),
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        decode_graphs=False,
+    )
 
 
 def _seqs(n: int, tokens: int) -> list[Sequence]:

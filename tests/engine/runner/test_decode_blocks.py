@@ -18,8 +18,10 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprob
 def _run(path: str, prompts: list[list[int]], fused: bool, monkeypatch) -> tuple[list, list, dict]:
     llm = LLM(path, max_model_len=128, max_num_seqs=8, enable_prefix_caching=False)
     layers = llm.engine.runner.model.model.layers
-    assert all(layer.fused is not None and layer.fused.attention_weights is not None
-               and layer.fused.ffn_weights is not None for layer in layers)
+    assert all(
+        layer.fused is not None and layer.fused.attention_weights is not None and layer.fused.ffn_weights is not None
+        for layer in layers
+    )
     if not fused:
         for layer in layers:
             layer.fused = None

@@ -22,8 +22,10 @@ def _generate(path: str, prompts: list[list[int]], monkeypatch, cxx: bool):
         monkeypatch.setenv("KIMITUI_CPU_KERNELS", "0")
     llm = LLM(path, dtype="bfloat16", max_model_len=128, max_num_seqs=8, enable_prefix_caching=False)
     layers = llm.engine.runner.model.model.layers
-    fused = [layer.fused is not None and layer.fused.attention_weights is not None
-             and layer.fused.ffn_weights is not None for layer in layers]
+    fused = [
+        layer.fused is not None and layer.fused.attention_weights is not None and layer.fused.ffn_weights is not None
+        for layer in layers
+    ]
     calls = {"n": 0}
     original = cpu_few_rows.attention_block
 
@@ -84,12 +86,22 @@ def test_auto_dtype_on_the_cpu():
 def test_auto_dtype_keeps_float32_for_fp8_or_hybrid_models():
     from types import SimpleNamespace
 
-    base = dict(quantization=None, layer_types=(), mla_use_output_gate=False, mla_use_nope=False, hidden_act="silu",
-                routed_expert_hidden_size=None, attn_res_block_size=None)
+    base = dict(
+        quantization=None,
+        layer_types=(),
+        mla_use_output_gate=False,
+        mla_use_nope=False,
+        hidden_act="silu",
+        routed_expert_hidden_size=None,
+        attn_res_block_size=None,
+    )
     flags = {"avx512_bf16"}
     assert cpu_auto_dtype("bfloat16", SimpleNamespace(**base), flags, True)[0] == torch.bfloat16
-    for change in (dict(quantization=SimpleNamespace(method="fp8")), dict(layer_types=("linear_attention", "full_attention")),
-                   dict(hidden_act="situ")):
+    for change in (
+        dict(quantization=SimpleNamespace(method="fp8")),
+        dict(layer_types=("linear_attention", "full_attention")),
+        dict(hidden_act="situ"),
+    ):
         assert cpu_auto_dtype("bfloat16", SimpleNamespace(**{**base, **change}), flags, True)[0] == torch.float32
     for method in ("int4", "mxfp4"):  # packed experts take bf16 activations in their own kernels
         config = SimpleNamespace(**{**base, "quantization": SimpleNamespace(method=method)})

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kimitui.engine.runner.emulated_graph import EmulatedGraph, GraphCaptureError
 from kimitui.engine.offload.host_staging import HostStaging
+from kimitui.engine.runner.emulated_graph import EmulatedGraph, GraphCaptureError
 from kimitui.engine.runner.piecewise import segmented_capture
 from kimitui.kernels.launch_count import count_launches
 
@@ -168,8 +168,16 @@ def test_an_offloaded_engine_keeps_its_decode_graphs(tmp_path):
     from kimitui.engine import LLM
     from tests.helpers.checkpoints import write_hf_checkpoint
 
-    write_hf_checkpoint(tmp_path, seed=5, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2,
-                        n_group=1, topk_group=1, first_k_dense_replace=1)
+    write_hf_checkpoint(
+        tmp_path,
+        seed=5,
+        num_hidden_layers=2,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+    )
     with LLM(str(tmp_path), max_model_len=64, max_num_seqs=2, cpu_offload=4, kv_cache_tokens=256) as llm:
         assert any(-1 in row for row in llm.engine.expert_placement)
         assert llm.engine._decode_graphs() is None  # the runner decides, as without offload
@@ -194,8 +202,7 @@ def test_segmented_capture_on_the_cuda_branch_shares_one_pool_and_counts_each_re
 
     log: list = []
     layers = [_Cutter(log)]
-    graph, _ = segmented_capture(FakeCUDAGraph, lambda: layers[0](torch.ones(2)), layers, pool="shared",
-                                 kind="cuda")
+    graph, _ = segmented_capture(FakeCUDAGraph, lambda: layers[0](torch.ones(2)), layers, pool="shared", kind="cuda")
     assert [c for c in calls if c[0] == "begin"] == [("begin", "shared")] * 2  # the runner's pool, every segment
     calls.clear()
     with count_launches() as counts:

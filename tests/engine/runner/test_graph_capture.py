@@ -32,11 +32,17 @@ class _Graph:
 @pytest.fixture()
 def runners(tmp_path, monkeypatch):
     write_hf_checkpoint(tmp_path, seed=5, num_hidden_layers=2)
-    llm = LLM(str(tmp_path), max_model_len=96, max_num_seqs=MAX_SEQS, enable_prefix_caching=False,
-              kv_cache_tokens=512)
+    llm = LLM(str(tmp_path), max_model_len=96, max_num_seqs=MAX_SEQS, enable_prefix_caching=False, kv_cache_tokens=512)
     eager = llm.engine.runner
-    graphed = ModelRunner(eager.model, eager.kv_caches, eager.block_size, eager.device, max_num_seqs=MAX_SEQS,
-                          max_model_len=96, decode_graphs=True)
+    graphed = ModelRunner(
+        eager.model,
+        eager.kv_caches,
+        eager.block_size,
+        eager.device,
+        max_num_seqs=MAX_SEQS,
+        max_model_len=96,
+        decode_graphs=True,
+    )
     g = graphed.graphs
     g.cfg = dataclasses.replace(g.cfg, capture=True)  # as on a device; _capture below stands in for CUDA
     log = {"captured": [], "replays": []}
@@ -52,6 +58,7 @@ def runners(tmp_path, monkeypatch):
         def replay():
             log["replays"].append(b)
             out.copy_(self._forward(b))
+
         self._graphs[b] = (_Graph(replay), out)
         return self._graphs[b]
 
@@ -60,8 +67,14 @@ def runners(tmp_path, monkeypatch):
 
 
 def _step(n: int) -> StepInputs:
-    return StepInputs(ids=list(range(11, 11 + n)), num_decodes=n, decode_tables=[[i] for i in range(1, n + 1)],
-                      decode_lens=[3 + i for i in range(n)], prefills=[], sample_rows=list(range(n)))
+    return StepInputs(
+        ids=list(range(11, 11 + n)),
+        num_decodes=n,
+        decode_tables=[[i] for i in range(1, n + 1)],
+        decode_lens=[3 + i for i in range(n)],
+        prefills=[],
+        sample_rows=list(range(n)),
+    )
 
 
 def test_startup_capture_of_every_bucket_and_one_failed_bucket(runners):

@@ -27,8 +27,15 @@ MAX_SEQS = 8
 def _runners(llm: LLM):
     eager = llm.engine.runner
     assert eager.graphs is None  # a CPU runner is eager unless asked
-    graphed = ModelRunner(eager.model, eager.kv_caches, eager.block_size, eager.device,
-                          max_num_seqs=MAX_SEQS, max_model_len=96, decode_graphs=True)
+    graphed = ModelRunner(
+        eager.model,
+        eager.kv_caches,
+        eager.block_size,
+        eager.device,
+        max_num_seqs=MAX_SEQS,
+        max_model_len=96,
+        decode_graphs=True,
+    )
     return eager, graphed
 
 
@@ -55,14 +62,21 @@ def _snapshot(runner) -> list[torch.Tensor]:
 def _restore(runner, snap: list[torch.Tensor]) -> None:
     it = iter(snap)
     for c in runner.kv_caches:
-        for t in ([c.recurrent, c.conv] if isinstance(c, KDAState) else [c]):
+        for t in [c.recurrent, c.conv] if isinstance(c, KDAState) else [c]:
             t.copy_(next(it))
 
 
 def _step(slots=(2, 5, 1)) -> StepInputs:
     # three decodes, each mid-sequence in its own KDA slot: bucket 4, one padding row
-    return StepInputs(ids=[11, 12, 13], num_decodes=3, decode_tables=[[1, 2], [3], [4, 5, 6]],
-                      decode_lens=[20, 5, 40], prefills=[], sample_rows=[0, 1, 2], state_slots=list(slots))
+    return StepInputs(
+        ids=[11, 12, 13],
+        num_decodes=3,
+        decode_tables=[[1, 2], [3], [4, 5, 6]],
+        decode_lens=[20, 5, 40],
+        prefills=[],
+        sample_rows=[0, 1, 2],
+        state_slots=list(slots),
+    )
 
 
 def test_hybrid_decode_step_on_static_buffers_matches_eager(k3):
@@ -141,11 +155,16 @@ def test_k2_padding_rows_count_no_routing(tmp_path):
     # DeepSeek-V3 MoE: the router counts in its own call (on this CPU, the C++ decode block's FFN
     # when it may: not while a graph's row mask is set, since it counts every row)
     write_hf_checkpoint(tmp_path, seed=5, num_hidden_layers=2)
-    llm = LLM(str(tmp_path), max_model_len=96, max_num_seqs=MAX_SEQS, enable_prefix_caching=False,
-              kv_cache_tokens=512)
+    llm = LLM(str(tmp_path), max_model_len=96, max_num_seqs=MAX_SEQS, enable_prefix_caching=False, kv_cache_tokens=512)
     eager, graphed = _runners(llm)
-    inp = StepInputs(ids=[11, 12, 13], num_decodes=3, decode_tables=[[1, 2], [3], [4, 5, 6]],
-                     decode_lens=[20, 5, 40], prefills=[], sample_rows=[0, 1, 2])
+    inp = StepInputs(
+        ids=[11, 12, 13],
+        num_decodes=3,
+        decode_tables=[[1, 2], [3], [4, 5, 6]],
+        decode_lens=[20, 5, 40],
+        prefills=[],
+        sample_rows=[0, 1, 2],
+    )
     c0 = _counts(eager.model)
     want, _ = eager.forward_step(inp)
     c1 = _counts(eager.model)

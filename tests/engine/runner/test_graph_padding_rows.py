@@ -36,11 +36,15 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 def run_child(module: str, *args: str, timeout: int = 600) -> dict:
     """Run ``python -m module args`` on the emulated device path; its last stdout line as JSON."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KIMITUI_EMULATE_DEVICE",
-                                                            "KIMITUI_KERNELS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TRITON_INTERPRET", "KIMITUI_EMULATE_DEVICE", "KIMITUI_KERNELS")
+    }
     env.update(KIMITUI_EMULATE_DEVICE="1", TRITON_INTERPRET="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         pytest.fail(f"child {module} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -69,8 +73,15 @@ def step_inputs(ids: list[int]):
     from kimitui.engine.runner.model_runner import StepInputs
 
     tables = [[i * 4 + j for j in range(-(-n // BLOCK))] for i, n in enumerate(LENS)]
-    return StepInputs(ids=ids, num_decodes=len(ids), decode_tables=tables, decode_lens=list(LENS), prefills=[],
-                      sample_rows=list(range(len(ids))), state_slots=list(SLOTS))
+    return StepInputs(
+        ids=ids,
+        num_decodes=len(ids),
+        decode_tables=tables,
+        decode_lens=list(LENS),
+        prefills=[],
+        sample_rows=list(range(len(ids))),
+        state_slots=list(SLOTS),
+    )
 
 
 def snapshot(caches) -> list:
@@ -87,7 +98,7 @@ def restore(caches, snap) -> None:
 
     it = iter(snap)
     for c in caches:
-        for t in ([c.recurrent, c.conv] if isinstance(c, KDAState) else [c]):
+        for t in [c.recurrent, c.conv] if isinstance(c, KDAState) else [c]:
             t.copy_(next(it))
 
 
@@ -98,15 +109,23 @@ def _child(path: str) -> None:
     from kimitui.engine.kv_cache.state import KDAState
     from kimitui.engine.runner.model_runner import ModelRunner
 
-    llm = LLM(path, dtype="float16", max_model_len=64, max_num_seqs=MAX_SEQS, enable_prefix_caching=False,
-              kv_cache_tokens=512)
+    llm = LLM(
+        path, dtype="float16", max_model_len=64, max_num_seqs=MAX_SEQS, enable_prefix_caching=False, kv_cache_tokens=512
+    )
     graphed = llm.engine.runner
-    eager = ModelRunner(graphed.model, graphed.kv_caches, graphed.block_size, graphed.device,
-                        max_num_seqs=MAX_SEQS, max_model_len=64, decode_graphs=False)
+    eager = ModelRunner(
+        graphed.model,
+        graphed.kv_caches,
+        graphed.block_size,
+        graphed.device,
+        max_num_seqs=MAX_SEQS,
+        max_model_len=64,
+        decode_graphs=False,
+    )
     caches = graphed.kv_caches
     torch.manual_seed(0)
     for c in caches:  # sequences mid-way: every slot and cache row holds something
-        for t in ([c.recurrent, c.conv] if isinstance(c, KDAState) else [c]):
+        for t in [c.recurrent, c.conv] if isinstance(c, KDAState) else [c]:
             t.normal_(std=0.3)
     real_slots = min(c.num_slots for c in caches if isinstance(c, KDAState))
     real_slots = min(real_slots, MAX_SEQS)
@@ -129,12 +148,19 @@ def _child(path: str) -> None:
             diffs["mla_cache"] = max(diffs["mla_cache"], float((a.float() - b.float()).abs().max()))
             row0 = a[blk, off].float() - b[blk, off].float()
             diffs["row0_newest_slot"] = max(diffs["row0_newest_slot"], float(row0.abs().max()))
-    print(json.dumps({
-        **diffs, "logits": float((got - want).abs().max()), "graphs": g is not None, "bucket": MAX_SEQS,
-        "padding_rows": MAX_SEQS - len(ids),
-        "padding_slot_mapping": meta.slot_mapping[len(ids):].tolist(),
-        "padding_state_slots": meta.state_slots[len(ids):].tolist() if meta.state_slots is not None else None,
-    }))
+    print(
+        json.dumps(
+            {
+                **diffs,
+                "logits": float((got - want).abs().max()),
+                "graphs": g is not None,
+                "bucket": MAX_SEQS,
+                "padding_rows": MAX_SEQS - len(ids),
+                "padding_slot_mapping": meta.slot_mapping[len(ids) :].tolist(),
+                "padding_state_slots": meta.state_slots[len(ids) :].tolist() if meta.state_slots is not None else None,
+            }
+        )
+    )
     llm.shutdown()
 
 

@@ -29,6 +29,7 @@ def _perturbing_all_reduce(real):
         if self.is_parallel and x.dim() == 2:  # [rows, D]: row i as a reduction in another order might give
             x.mul_(1 + PERTURB * torch.arange(x.shape[0], dtype=x.dtype, device=x.device)[:, None])
         return x
+
     return all_reduce
 
 
@@ -54,14 +55,27 @@ def _rank_main(rank, world, path, init_file, out_file):
             c.copy_(torch.randn(c.shape, generator=gen) * 0.3)
         before = [c.clone() for c in pool.caches]
         tables = [[i * 4 + j for j in range(-(-n // BLOCK))] for i, n in enumerate(LENS)]
-        inp = StepInputs(ids=[11, 12, 13, 14, 15], num_decodes=5, decode_tables=tables, decode_lens=list(LENS),
-                         prefills=[], sample_rows=list(range(5)))
+        inp = StepInputs(
+            ids=[11, 12, 13, 14, 15],
+            num_decodes=5,
+            decode_tables=tables,
+            decode_lens=list(LENS),
+            prefills=[],
+            sample_rows=list(range(5)),
+        )
         results = {}
         for name, graphs in (("eager", False), ("graphed", True)):
             for c, b in zip(pool.caches, before):
                 c.copy_(b)
-            runner = ModelRunner(model, pool.caches, BLOCK, torch.device("cpu"), max_num_seqs=MAX_SEQS,
-                                 max_model_len=64, decode_graphs=graphs)
+            runner = ModelRunner(
+                model,
+                pool.caches,
+                BLOCK,
+                torch.device("cpu"),
+                max_num_seqs=MAX_SEQS,
+                max_model_len=64,
+                decode_graphs=graphs,
+            )
             logits, _ = runner.forward_step(inp)
             results[name] = (logits, [c.clone() for c in pool.caches])
         if rank == 0:

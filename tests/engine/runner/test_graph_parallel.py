@@ -32,15 +32,30 @@ def _generate(runner, prompts):
         at += len(p)
         rows.append(at - 1)
     slots = list(range(len(prompts)))
-    inp = StepInputs(ids=[t for p in prompts for t in p], num_decodes=0, decode_tables=[], decode_lens=[],
-                     prefills=prefills, sample_rows=rows, state_slots=slots, state_resets=slots)
+    inp = StepInputs(
+        ids=[t for p in prompts for t in p],
+        num_decodes=0,
+        decode_tables=[],
+        decode_lens=[],
+        prefills=prefills,
+        sample_rows=rows,
+        state_slots=slots,
+        state_resets=slots,
+    )
     logits, _ = runner.forward_step(inp)
     out, seen = [logits], [[int(t)] for t in logits.argmax(-1)]
     lens = [len(p) for p in prompts]
     for _ in range(STEPS):
         lens = [n + 1 for n in lens]
-        inp = StepInputs(ids=[s[-1] for s in seen], num_decodes=len(prompts), decode_tables=tables,
-                         decode_lens=lens, prefills=[], sample_rows=list(range(len(prompts))), state_slots=slots)
+        inp = StepInputs(
+            ids=[s[-1] for s in seen],
+            num_decodes=len(prompts),
+            decode_tables=tables,
+            decode_lens=lens,
+            prefills=[],
+            sample_rows=list(range(len(prompts))),
+            state_slots=slots,
+        )
         logits, _ = runner.forward_step(inp)
         out.append(logits)
         for s, t in zip(seen, logits.argmax(-1).tolist()):
@@ -67,10 +82,17 @@ def _rank_main(rank, world, path, init_file, out_file):
         results = {}
         for name, graphs in (("eager", False), ("graphed", True)):
             for c in pool.caches:  # both runs start from empty caches
-                for t in ([c.recurrent, c.conv] if hasattr(c, "recurrent") else [c]):
+                for t in [c.recurrent, c.conv] if hasattr(c, "recurrent") else [c]:
                     t.zero_()
-            runner = ModelRunner(model, pool.caches, BLOCK, torch.device("cpu"), max_num_seqs=MAX_SEQS,
-                                 max_model_len=64, decode_graphs=graphs)
+            runner = ModelRunner(
+                model,
+                pool.caches,
+                BLOCK,
+                torch.device("cpu"),
+                max_num_seqs=MAX_SEQS,
+                max_model_len=64,
+                decode_graphs=graphs,
+            )
             results[name] = _generate(runner, PROMPTS)
             if graphs:
                 results["graph_slots"] = runner.graphs.slots.tolist()

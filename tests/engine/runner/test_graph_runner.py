@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kimitui.commands.engine_flags import add_engine_arguments, engine_args_from
 from kimitui.engine import LLM, SamplingParams
 from kimitui.engine.args import EngineArgs
 from kimitui.engine.runner.graphs import DecodeGraphRunner, GraphConfig, batch_buckets, bucket_for
 from kimitui.engine.runner.model_runner import ModelRunner, StepInputs
-from kimitui.commands.engine_flags import add_engine_arguments, engine_args_from
 from tests.helpers.checkpoints import write_hf_checkpoint
 
 
@@ -46,12 +46,20 @@ def test_enforce_eager_flag_reaches_engine_args():
 
 def _runners(tmp_path, max_num_seqs=8):
     write_hf_checkpoint(tmp_path, seed=5, num_hidden_layers=2)
-    llm = LLM(str(tmp_path), max_model_len=96, max_num_seqs=max_num_seqs, enable_prefix_caching=False,
-              kv_cache_tokens=512)
+    llm = LLM(
+        str(tmp_path), max_model_len=96, max_num_seqs=max_num_seqs, enable_prefix_caching=False, kv_cache_tokens=512
+    )
     eager = llm.engine.runner
     assert eager.graphs is None  # a CPU runner is eager unless asked
-    graphed = ModelRunner(eager.model, eager.kv_caches, eager.block_size, eager.device,
-                          max_num_seqs=max_num_seqs, max_model_len=96, decode_graphs=True)
+    graphed = ModelRunner(
+        eager.model,
+        eager.kv_caches,
+        eager.block_size,
+        eager.device,
+        max_num_seqs=max_num_seqs,
+        max_model_len=96,
+        decode_graphs=True,
+    )
     return llm, eager, graphed
 
 
@@ -59,8 +67,14 @@ def test_padded_bucket_step_matches_the_eager_step(tmp_path):
     _, eager, graphed = _runners(tmp_path)
     # Three decodes on whatever the cache holds: both runners write the same slots with the same
     # values (the newest token's latent), so running one after the other compares like with like.
-    inp = StepInputs(ids=[11, 12, 13], num_decodes=3, decode_tables=[[1, 2], [3], [4, 5, 6]],
-                     decode_lens=[20, 5, 40], prefills=[], sample_rows=[0, 1, 2])
+    inp = StepInputs(
+        ids=[11, 12, 13],
+        num_decodes=3,
+        decode_tables=[[1, 2], [3], [4, 5, 6]],
+        decode_lens=[20, 5, 40],
+        prefills=[],
+        sample_rows=[0, 1, 2],
+    )
     want, _ = eager.forward_step(inp)
     got, prompt = graphed.forward_step(inp)
     assert prompt == [] and got.shape == want.shape == (3, 320)
@@ -100,16 +114,31 @@ def test_generation_with_the_static_decode_path_matches_eager(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device")
 def test_captured_decode_graph_replays_like_eager(tmp_path):
     write_hf_checkpoint(tmp_path, seed=5, num_hidden_layers=2)
-    llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_model_len=96, max_num_seqs=8,
-              enable_prefix_caching=False, kv_cache_tokens=512, enforce_eager=True)
+    llm = LLM(
+        str(tmp_path),
+        device="cuda",
+        dtype="float32",
+        max_model_len=96,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+        kv_cache_tokens=512,
+        enforce_eager=True,
+    )
     eager = llm.engine.runner
     assert eager.graphs is None
-    graphed = ModelRunner(eager.model, eager.kv_caches, eager.block_size, eager.device,
-                          max_num_seqs=8, max_model_len=96)  # auto: captured on cuda
+    graphed = ModelRunner(
+        eager.model, eager.kv_caches, eager.block_size, eager.device, max_num_seqs=8, max_model_len=96
+    )  # auto: captured on cuda
     assert graphed.graphs is not None and graphed.graphs.cfg.capture
     for n in (3, 1, 3):  # capture bucket 4, bucket 1, then replay bucket 4
-        inp = StepInputs(ids=list(range(11, 11 + n)), num_decodes=n, decode_tables=[[1 + i, 9] for i in range(n)],
-                         decode_lens=[17 + i for i in range(n)], prefills=[], sample_rows=list(range(n)))
+        inp = StepInputs(
+            ids=list(range(11, 11 + n)),
+            num_decodes=n,
+            decode_tables=[[1 + i, 9] for i in range(n)],
+            decode_lens=[17 + i for i in range(n)],
+            prefills=[],
+            sample_rows=list(range(n)),
+        )
         want, _ = eager.forward_step(inp)
         got, _ = graphed.forward_step(inp)
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)

@@ -12,21 +12,34 @@ from __future__ import annotations
 import torch
 
 from kimitui.engine import LLM
-from kimitui.engine.sampling.sampler import SamplerOutput, SamplingBatch, sample
 from kimitui.engine.runner.model_runner import ModelRunner, StepInputs
+from kimitui.engine.sampling.sampler import SamplerOutput, SamplingBatch, sample
 from kimitui.kernels.launch_count import count_launches
 from tests.helpers.checkpoints import write_hf_checkpoint
 
-DECODE = StepInputs(ids=[11, 12, 13], num_decodes=3, decode_tables=[[1, 2], [3], [4, 5, 6]],
-                    decode_lens=[20, 5, 40], prefills=[], sample_rows=[0, 1, 2])
-MIXED = StepInputs(ids=[11, 12, 13, 14, 15], num_decodes=1, decode_tables=[[1, 2]], decode_lens=[20],
-                   prefills=[(1, 5, 4, [3])], sample_rows=[0, 4])
+DECODE = StepInputs(
+    ids=[11, 12, 13],
+    num_decodes=3,
+    decode_tables=[[1, 2], [3], [4, 5, 6]],
+    decode_lens=[20, 5, 40],
+    prefills=[],
+    sample_rows=[0, 1, 2],
+)
+MIXED = StepInputs(
+    ids=[11, 12, 13, 14, 15],
+    num_decodes=1,
+    decode_tables=[[1, 2]],
+    decode_lens=[20],
+    prefills=[(1, 5, 4, [3])],
+    sample_rows=[0, 4],
+)
 
 
 def _llm(tmp_path, dtype):
     write_hf_checkpoint(tmp_path, seed=5, num_hidden_layers=2)
-    return LLM(str(tmp_path), dtype=dtype, max_model_len=96, max_num_seqs=8, enable_prefix_caching=False,
-               kv_cache_tokens=512)
+    return LLM(
+        str(tmp_path), dtype=dtype, max_model_len=96, max_num_seqs=8, enable_prefix_caching=False, kv_cache_tokens=512
+    )
 
 
 def _op_by_op_llm(tmp_path, monkeypatch):
@@ -47,8 +60,15 @@ def test_float32_cpu_forward_has_no_host_sync(tmp_path):
     runner = _llm(tmp_path, "float32").engine.runner
     assert _syncs(runner, DECODE) == {}
     assert _syncs(runner, MIXED) == {}
-    graphed = ModelRunner(runner.model, runner.kv_caches, runner.block_size, runner.device,
-                          max_num_seqs=8, max_model_len=96, decode_graphs=True)
+    graphed = ModelRunner(
+        runner.model,
+        runner.kv_caches,
+        runner.block_size,
+        runner.device,
+        max_num_seqs=8,
+        max_model_len=96,
+        decode_graphs=True,
+    )
     assert _syncs(graphed, DECODE) == {}  # the static-buffer (graph) path too
 
 

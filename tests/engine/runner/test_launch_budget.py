@@ -51,8 +51,15 @@ REPO = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 # K2.6's structure at toy widths: 3 layers = the dense first layer and two MoE layers
-STRUCTURE = dict(num_hidden_layers=3, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
-                 n_shared_experts=1, first_k_dense_replace=1)
+STRUCTURE = dict(
+    num_hidden_layers=3,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+)
 
 # measured on df1cbad (before) and set from this branch's counts (20, 9, 11, 13, 75) with a margin of
 # one or two launches
@@ -64,8 +71,14 @@ ISSUE_MOE_LAYER = 134  # issue 20's count per MoE layer before the work: at leas
 def _measure(tmp_path, kind: str = "k2") -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("KIMITUI_KERNELS",)}
     env.update(KIMITUI_EMULATE_DEVICE="1", TRITON_INTERPRET="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "tests.engine.runner.test_launch_budget", str(tmp_path), kind], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.engine.runner.test_launch_budget", str(tmp_path), kind],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         pytest.fail(f"launch-count child failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -76,7 +89,9 @@ def table(result: dict) -> str:
     """The markdown table of benchmarks/README.md "Launch budget"."""
     rows = ["| part | kernels | ATen | Triton | collectives (1 rank) | host syncs |", "|---|---|---|---|---|---|"]
     for name, c in result["parts"].items():
-        rows.append(f"| {name} | {c['kernels']} | {c['aten']} | {c['triton']} | {c['collectives']} | {c['host_syncs']} |")
+        rows.append(
+            f"| {name} | {c['kernels']} | {c['aten']} | {c['triton']} | {c['collectives']} | {c['host_syncs']} |"
+        )
     return "\n".join(rows)
 
 
@@ -102,9 +117,13 @@ def test_decode_step_stays_under_the_launch_budget(tmp_path):
 
 
 def _snapshot(counts) -> dict:
-    return {"aten": sum(counts.aten.values()), "triton": sum(counts.triton.values()),
-            "collectives": sum(counts.collectives.values()), "host_syncs": sum(counts.host_syncs.values()),
-            "ops": dict(counts.aten) | {f"triton:{k}": v for k, v in counts.triton.items()}}
+    return {
+        "aten": sum(counts.aten.values()),
+        "triton": sum(counts.triton.values()),
+        "collectives": sum(counts.collectives.values()),
+        "host_syncs": sum(counts.host_syncs.values()),
+        "ops": dict(counts.aten) | {f"triton:{k}": v for k, v in counts.triton.items()},
+    }
 
 
 def _diff(a: dict, b: dict) -> dict:
@@ -123,12 +142,25 @@ def _child(path: str) -> None:
     hf = write_hf_checkpoint(Path(path), seed=5, **STRUCTURE)
     quantize_checkpoint(Path(path), "int4", hf)
     # eager: the step as launched op by op (a graphed step replays these same kernels in one launch)
-    llm = LLM(path, dtype="float16", max_model_len=96, max_num_seqs=8, enable_prefix_caching=False,
-              kv_cache_tokens=512, enforce_eager=True)
+    llm = LLM(
+        path,
+        dtype="float16",
+        max_model_len=96,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+        kv_cache_tokens=512,
+        enforce_eager=True,
+    )
     runner = llm.engine.runner
     layers = runner.model.model.layers
-    step = StepInputs(ids=[11, 12, 13], num_decodes=3, decode_tables=[[1, 2], [3], [4, 5, 6]],
-                      decode_lens=[20, 5, 40], prefills=[], sample_rows=[0, 1, 2])
+    step = StepInputs(
+        ids=[11, 12, 13],
+        num_decodes=3,
+        decode_tables=[[1, 2], [3], [4, 5, 6]],
+        decode_lens=[20, 5, 40],
+        prefills=[],
+        sample_rows=[0, 1, 2],
+    )
     runner.forward_step(step)  # warm: lazy buffers, kernel compilation
     marks: dict[str, list] = {}
     live = {}
@@ -136,6 +168,7 @@ def _child(path: str) -> None:
     def mark(name):
         def hook(*_):
             marks.setdefault(name, []).append(_snapshot(live["counts"]))
+
         return hook
 
     handles = []
@@ -159,14 +192,19 @@ def _child(path: str) -> None:
         "  MoE half (add + norm, router, experts, shared, add)": _diff(m[f"{moe_i}.attn_end"], m[f"{moe_i}.end"]),
         "decode step": _diff(start, end),
     }
+
     def ops(a: dict, b: dict) -> dict:
         return {k: v - a["ops"].get(k, 0) for k, v in sorted(b["ops"].items()) if v - a["ops"].get(k, 0)}
 
     last = len(layers) - 1
     outside = ops(start, m["0.start"]) | {f"after: {k}": v for k, v in ops(m[f"{last}.end"], end).items()}
-    result = {"backend": type(layers[0].self_attn.ops).__name__, "parts": parts,
-              "ops": ops(m[f"{moe_i}.start"], m[f"{moe_i}.end"]), "outside_layers": outside,
-              "syncs": dict(counts.host_syncs)}
+    result = {
+        "backend": type(layers[0].self_attn.ops).__name__,
+        "parts": parts,
+        "ops": ops(m[f"{moe_i}.start"], m[f"{moe_i}.end"]),
+        "outside_layers": outside,
+        "syncs": dict(counts.host_syncs),
+    }
     llm.shutdown()
     print(json.dumps(result))
 
@@ -211,12 +249,26 @@ def _k3_child(path: str) -> None:
     from tests.helpers.k3_checkpoint import write_k3_checkpoint
 
     write_k3_checkpoint(Path(path), seed=3, **K3_STRUCTURE)
-    llm = LLM(path, dtype="float16", max_model_len=96, max_num_seqs=8, enable_prefix_caching=False,
-              kv_cache_tokens=512, enforce_eager=True)
+    llm = LLM(
+        path,
+        dtype="float16",
+        max_model_len=96,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+        kv_cache_tokens=512,
+        enforce_eager=True,
+    )
     runner = llm.engine.runner
     layers = runner.model.model.layers
-    step = StepInputs(ids=[11, 12, 13], num_decodes=3, decode_tables=[[1, 2], [3], [4, 5, 6]],
-                      decode_lens=[20, 5, 40], prefills=[], sample_rows=[0, 1, 2], state_slots=[0, 1, 2])
+    step = StepInputs(
+        ids=[11, 12, 13],
+        num_decodes=3,
+        decode_tables=[[1, 2], [3], [4, 5, 6]],
+        decode_lens=[20, 5, 40],
+        prefills=[],
+        sample_rows=[0, 1, 2],
+        state_slots=[0, 1, 2],
+    )
     runner.forward_step(step)  # warm: lazy buffers, kernel compilation
     live, marks = {}, {}
 
@@ -226,6 +278,7 @@ def _k3_child(path: str) -> None:
             out = fn(*args, **kwargs)
             marks[f"{i}.end"] = _snapshot(live["counts"])
             return out
+
         return counted
 
     for i, layer in enumerate(layers):
@@ -243,8 +296,12 @@ def _k3_child(path: str) -> None:
         parts[name] = _diff(a, b)
         ops[name] = {k: v - a["ops"].get(k, 0) for k, v in sorted(b["ops"].items()) if v - a["ops"].get(k, 0)}
     parts["decode step"] = _diff(start, end)
-    result = {"backend": type(layers[1].mlp.gate.ops).__name__, "parts": parts, "ops": ops,
-              "syncs": dict(counts.host_syncs)}
+    result = {
+        "backend": type(layers[1].mlp.gate.ops).__name__,
+        "parts": parts,
+        "ops": ops,
+        "syncs": dict(counts.host_syncs),
+    }
     llm.shutdown()
     print(json.dumps(result))
 

@@ -6,8 +6,8 @@ import torch
 
 from kimitui.engine.layers.attn_metadata import AttentionMetadata
 from kimitui.engine.layers.mla import MLAttention
-from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.backend import REFERENCE
+from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.cpu.backend import CpuBackend
 from tests.helpers.mla import random_mla_layer
 
@@ -26,9 +26,15 @@ def _decode_step(lens: list[int], block_size: int, num_blocks: int, seed: int):
     ctx = torch.tensor(lens, dtype=torch.int32)
     pos = ctx.long() - 1
     slots = tables[torch.arange(len(lens)), pos // block_size].long() * block_size + pos % block_size
-    return AttentionMetadata(positions=pos, slot_mapping=slots, block_size=block_size,
-                             num_decode_tokens=len(lens), decode_block_tables=tables, decode_context_lens=ctx,
-                             decode_max_context_len=max(lens))
+    return AttentionMetadata(
+        positions=pos,
+        slot_mapping=slots,
+        block_size=block_size,
+        num_decode_tokens=len(lens),
+        decode_block_tables=tables,
+        decode_context_lens=ctx,
+        decode_max_context_len=max(lens),
+    )
 
 
 @needs_ext

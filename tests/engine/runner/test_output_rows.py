@@ -19,8 +19,9 @@ def _inputs(num_decodes, prefills, sample_rows, span_rows=()):
         chunks.append((row, row + n, n, [0]))
         row += n
     spans = [PromptLogprobSpan("s", r, 1, 1, [0], 1) for r in span_rows]
-    return StepInputs([0] * total, num_decodes, [[0]] * num_decodes, [1] * num_decodes, chunks,
-                      list(sample_rows), spans)
+    return StepInputs(
+        [0] * total, num_decodes, [[0]] * num_decodes, [1] * num_decodes, chunks, list(sample_rows), spans
+    )
 
 
 def test_each_chunk_keeps_the_suffix_it_needs():
@@ -55,8 +56,12 @@ def _run(ckpt, monkeypatch, prune: bool):
     prompts = [[rng.randrange(320) for _ in range(n)] for n in (3, 40, 21, 9, 60)]
     # A 24-token budget mixes decodes with chunks that do and do not finish their prompt.
     llm = LLM(ckpt, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=24, enable_prefix_caching=False)
-    params = [SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True,
-                             prompt_logprobs=1 if i == 1 else None) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True, prompt_logprobs=1 if i == 1 else None
+        )
+        for i in range(len(prompts))
+    ]
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
 
 

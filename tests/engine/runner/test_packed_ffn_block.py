@@ -10,13 +10,15 @@ import pytest
 import torch
 
 from kimitui.engine import LLM, SamplingParams
-from kimitui.kernels.cpu import few_rows as cpu_few_rows, quant_moe as cpu_quant_moe
 from kimitui.kernels import reference
+from kimitui.kernels.cpu import few_rows as cpu_few_rows
+from kimitui.kernels.cpu import quant_moe as cpu_quant_moe
 from tests.helpers.checkpoints import write_hf_checkpoint
 from tests.helpers.quantized import quantize_checkpoint
 
-needs_ext = pytest.mark.skipif(not (cpu_few_rows.available() and cpu_quant_moe.available()),
-                               reason="C++ CPU kernels did not build here")
+needs_ext = pytest.mark.skipif(
+    not (cpu_few_rows.available() and cpu_quant_moe.available()), reason="C++ CPU kernels did not build here"
+)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
 
 
@@ -46,8 +48,12 @@ def _run(path, prompts, packed: bool, dtype: str):
 
         layer.fused.packed_ffn = Counted(block)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
-    return ([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs],
-            llm.engine.runner.model.routing_stats(), calls["n"])
+    return (
+        [o.outputs[0].token_ids for o in outs],
+        [o.outputs[0].logprobs for o in outs],
+        llm.engine.runner.model.routing_stats(),
+        calls["n"],
+    )
 
 
 @needs_ext

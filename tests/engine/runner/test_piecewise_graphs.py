@@ -30,8 +30,15 @@ LENS = [20, 5, 40, 17, 33]  # five decodes: bucket 8, three padding rows
 SLOTS = [2, 5, 1, 7, 0]
 BLOCK = 16
 STEPS = 3
-K2_STRUCTURE = dict(num_hidden_layers=3, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
-                    n_shared_experts=1, first_k_dense_replace=1)
+K2_STRUCTURE = dict(
+    num_hidden_layers=3,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -86,13 +93,24 @@ def step_inputs(ids: list[int], step: int, hybrid: bool):
 
     lens = [n + step for n in LENS]
     tables = [[i * 4 + j for j in range(-(-n // BLOCK))] for i, n in enumerate(lens)]
-    return StepInputs(ids=ids, num_decodes=len(ids), decode_tables=tables, decode_lens=lens, prefills=[],
-                      sample_rows=list(range(len(ids))), state_slots=list(SLOTS) if hybrid else [])
+    return StepInputs(
+        ids=ids,
+        num_decodes=len(ids),
+        decode_tables=tables,
+        decode_lens=lens,
+        prefills=[],
+        sample_rows=list(range(len(ids))),
+        state_slots=list(SLOTS) if hybrid else [],
+    )
 
 
 def _counts(c) -> dict:
-    return {"kernels": c.kernels, "graphs": sum(c.graphs.values()), "launches": c.launches,
-            "host_syncs": sum(c.host_syncs.values())}
+    return {
+        "kernels": c.kernels,
+        "graphs": sum(c.graphs.values()),
+        "launches": c.launches,
+        "host_syncs": sum(c.host_syncs.values()),
+    }
 
 
 def build(path: str, offload: int):
@@ -101,13 +119,36 @@ def build(path: str, offload: int):
     from kimitui.engine import LLM
     from kimitui.engine.runner.model_runner import ModelRunner
 
-    llm = LLM(path, dtype="float16", max_model_len=64, max_num_seqs=MAX_SEQS, enable_prefix_caching=False,
-              kv_cache_tokens=512, cpu_offload=offload, enforce_eager=True)
+    llm = LLM(
+        path,
+        dtype="float16",
+        max_model_len=64,
+        max_num_seqs=MAX_SEQS,
+        enable_prefix_caching=False,
+        kv_cache_tokens=512,
+        cpu_offload=offload,
+        enforce_eager=True,
+    )
     base = llm.engine.runner
-    eager = ModelRunner(base.model, base.kv_caches, base.block_size, base.device, max_num_seqs=MAX_SEQS,
-                        max_model_len=64, decode_graphs=False)
-    graphed = ModelRunner(base.model, base.kv_caches, base.block_size, base.device, max_num_seqs=MAX_SEQS,
-                          max_model_len=64, decode_graphs=True, emulate_graphs=True)
+    eager = ModelRunner(
+        base.model,
+        base.kv_caches,
+        base.block_size,
+        base.device,
+        max_num_seqs=MAX_SEQS,
+        max_model_len=64,
+        decode_graphs=False,
+    )
+    graphed = ModelRunner(
+        base.model,
+        base.kv_caches,
+        base.block_size,
+        base.device,
+        max_num_seqs=MAX_SEQS,
+        max_model_len=64,
+        decode_graphs=True,
+        emulate_graphs=True,
+    )
     return llm, eager, graphed
 
 
@@ -119,10 +160,12 @@ def count_host_calls(model) -> dict:
     for m in model.modules():
         ex = getattr(m, "executor", None)
         if isinstance(ex, CpuExpertExecutor):
+
             def counted(inputs, *args, _f=ex._compute, **kwargs):
                 calls["n"] += 1
                 calls["rows"].append(inputs[0].shape[0])  # tokens the CPU computes
                 return _f(inputs, *args, **kwargs)
+
             ex._compute = counted
     return calls
 
@@ -142,7 +185,7 @@ def _child(path: str, kind: str, offload: int) -> None:
     # benchmarks/piecewise_graphs.py captures every bucket at start-up (capture_all).
     torch.manual_seed(0)
     for c in caches:  # sequences mid-way: every slot and cache row holds something
-        for t in ([c.recurrent, c.conv] if isinstance(c, KDAState) else [c]):
+        for t in [c.recurrent, c.conv] if isinstance(c, KDAState) else [c]:
             t.normal_(std=0.3)
     before = snapshot(caches)
     ids = [[11, 12, 13, 14, 15]]
@@ -179,14 +222,26 @@ def _child(path: str, kind: str, offload: int) -> None:
     restore(caches, before)
     with count_launches() as g:
         graphed.forward_step(inp)
-    print(json.dumps({
-        **diffs, "logits": [float((a - b).abs().max()) for a, b in zip(got, want)], "kind": kind,
-        "bucket": MAX_SEQS, "padding_rows": MAX_SEQS - len(LENS), "host_layers": host_layers,
-        "kda_layers": sum(k == "kda" for k in kinds) // 2, "segments": graphed.graphs.segments(MAX_SEQS),
-        "buckets": {b: graphed.graphs.segments(b) for b in graphed.graphs.buckets},
-        "host_calls": host_calls, "host_rows": replay_rows, "eager_launches": _counts(e), "graphed_launches": _counts(g),
-        "failed": graphed.graphs.failed,
-    }))
+    print(
+        json.dumps(
+            {
+                **diffs,
+                "logits": [float((a - b).abs().max()) for a, b in zip(got, want)],
+                "kind": kind,
+                "bucket": MAX_SEQS,
+                "padding_rows": MAX_SEQS - len(LENS),
+                "host_layers": host_layers,
+                "kda_layers": sum(k == "kda" for k in kinds) // 2,
+                "segments": graphed.graphs.segments(MAX_SEQS),
+                "buckets": {b: graphed.graphs.segments(b) for b in graphed.graphs.buckets},
+                "host_calls": host_calls,
+                "host_rows": replay_rows,
+                "eager_launches": _counts(e),
+                "graphed_launches": _counts(g),
+                "failed": graphed.graphs.failed,
+            }
+        )
+    )
     llm.shutdown()
 
 

@@ -36,7 +36,9 @@ def test_engine_steps_reuse_their_input_buffers(tmp_path):
     llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}], params)
     buf = llm.engine.runner.buffers
     ptrs = {name: buf.data_ptr(name) for name in ("ids", "table_rows", "table_writes", "decode_lens", "sample_rows")}
-    tables = llm.engine.runner.device_tables.table.data_ptr()  # the persistent decode tables (engine/runner/block_tables.py)
+    tables = (
+        llm.engine.runner.device_tables.table.data_ptr()
+    )  # the persistent decode tables (engine/runner/block_tables.py)
     out = llm.generate([{"prompt_token_ids": [11, 12, 13]}, {"prompt_token_ids": [14]}], params)
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
     assert {name: buf.data_ptr(name) for name in ptrs} == ptrs

@@ -58,17 +58,20 @@ def test_n_returns_n_choices_reproducible_with_a_seed_and_the_prompt_computed_on
     [again] = demo_llm.generate({"prompt_token_ids": prompt}, params)
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
     # child i samples with seed + i: child 2 is the n=1 request seeded with 9
-    [single] = demo_llm.generate({"prompt_token_ids": prompt},
-                                 SamplingParams(temperature=1.0, max_tokens=5, seed=9, ignore_eos=True))
+    [single] = demo_llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=1.0, max_tokens=5, seed=9, ignore_eos=True)
+    )
     assert single.outputs[0].token_ids == out.outputs[2].token_ids
 
 
 def test_best_of_returns_the_n_highest_cumulative_logprobs(demo_llm):
     prompt = _prompt(40, seed=1)
-    [every] = demo_llm.generate({"prompt_token_ids": prompt},
-                                SamplingParams(max_tokens=4, n=4, seed=3, logprobs=0, ignore_eos=True))
-    [best] = demo_llm.generate({"prompt_token_ids": prompt},
-                               SamplingParams(max_tokens=4, n=2, best_of=4, seed=3, ignore_eos=True))
+    [every] = demo_llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(max_tokens=4, n=4, seed=3, logprobs=0, ignore_eos=True)
+    )
+    [best] = demo_llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(max_tokens=4, n=2, best_of=4, seed=3, ignore_eos=True)
+    )
     ranked = sorted(every.outputs, key=lambda c: -c.cumulative_logprob)[:2]
     assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked]
     assert [c.index for c in best.outputs] == [0, 1]
@@ -87,8 +90,9 @@ def test_each_choice_equals_the_single_request_with_its_seed(demo_llm, temperatu
     prompt = _prompt(37, seed=5)  # 2 full blocks + 5 tokens
     kw = dict(temperature=temperature, max_tokens=6, logprobs=2, ignore_eos=True)
     [out] = demo_llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=4, seed=20, **kw))
-    singles = demo_llm.generate([{"prompt_token_ids": prompt}] * 4,
-                                [SamplingParams(seed=20 + i, **kw) for i in range(4)])
+    singles = demo_llm.generate(
+        [{"prompt_token_ids": prompt}] * 4, [SamplingParams(seed=20 + i, **kw) for i in range(4)]
+    )
     for c, s in zip(out.outputs, singles, strict=True):
         _assert_same(c, s.outputs[0])
     if temperature == 0.0:
@@ -157,8 +161,21 @@ def hybrid_engine(monkeypatch, tmp_path):
     monkeypatch.setattr("kimitui.engine.runner.worker.load_model", lambda *a, **k: (ToyHybrid(), None))
 
     def make(**kw) -> LLMEngine:
-        return LLMEngine(EngineArgs(**{**dict(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=1024,
-                                              max_num_seqs=4, kv_cache_tokens=4096), **kw}))
+        return LLMEngine(
+            EngineArgs(
+                **{
+                    **dict(
+                        model=str(tmp_path),
+                        device="cpu",
+                        dtype="float32",
+                        max_model_len=1024,
+                        max_num_seqs=4,
+                        kv_cache_tokens=4096,
+                    ),
+                    **kw,
+                }
+            )
+        )
 
     return make
 
@@ -175,8 +192,12 @@ def test_hybrid_children_fork_the_prompt_state_with_cold_results(hybrid_engine):
     # each child equals its seed's single-sample run on a cold engine (no cache at all)
     cold = hybrid_engine(enable_prefix_caching=False)
     for i, c in enumerate(out.outputs):
-        ref = _run(cold, f"c{i}", prompt, SamplingParams(temperature=0.8, max_tokens=5, seed=11 + i, logprobs=2,
-                                                          ignore_eos=True)).outputs[0]
+        ref = _run(
+            cold,
+            f"c{i}",
+            prompt,
+            SamplingParams(temperature=0.8, max_tokens=5, seed=11 + i, logprobs=2, ignore_eos=True),
+        ).outputs[0]
         _assert_same(c, ref, 1e-5)
     # without prefix caching the samples are forked all the same
     before = cold.stats().computed_prompt_tokens
@@ -256,19 +277,25 @@ def test_forks_keep_speculative_decoding_penalties_and_stop_strings():
 
     # back-off off: its probes are rationed over the batch, so draft lengths (and with them the random
     # draws) would depend on which sequences share a step, which differs between forks and singles
-    llm = LLM(max_model_len=256, max_num_seqs=8, dtype="float32",
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "backoff": False})
+    llm = LLM(
+        max_model_len=256,
+        max_num_seqs=8,
+        dtype="float32",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "backoff": False},
+    )
     llm.engine.proposer = _TokenHashProposer()
     prompt = {"prompt_token_ids": _prompt(20, seed=9)}
-    kw = dict(temperature=0.8, max_tokens=24, logprobs=1, repetition_penalty=1.3, frequency_penalty=0.5,
-              stop=["e"])
+    kw = dict(temperature=0.8, max_tokens=24, logprobs=1, repetition_penalty=1.3, frequency_penalty=0.5, stop=["e"])
     [out] = llm.generate(prompt, SamplingParams(n=4, seed=50, **kw))
     assert llm.engine.stats().computed_prompt_tokens == 20
     singles = llm.generate([prompt] * 4, [SamplingParams(seed=50 + i, **kw) for i in range(4)])
     for c, s in zip(out.outputs, singles, strict=True):
         _assert_same(c, s.outputs[0])
-        assert (c.text, c.finish_reason, c.stop_reason) == (s.outputs[0].text, s.outputs[0].finish_reason,
-                                                            s.outputs[0].stop_reason)
+        assert (c.text, c.finish_reason, c.stop_reason) == (
+            s.outputs[0].text,
+            s.outputs[0].finish_reason,
+            s.outputs[0].stop_reason,
+        )
     assert llm.engine.stats().spec_decode.num_drafts > 0
     # greedy, with drafts of the right answer (some spoilt): accepted ones too
     greedy = dict(kw, temperature=0.0, stop=None, max_tokens=16)
@@ -289,9 +316,15 @@ def test_each_fork_has_its_own_grammar(demo_llm):
     from kimitui.engine.structured import StructuredOutputs
     from tests.helpers.schema_check import schema_errors
 
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-              "required": ["name", "n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
     kw = dict(temperature=1.0, max_tokens=120, structured_outputs=StructuredOutputs(json=schema))
     [out] = demo_llm.generate("Give me JSON", SamplingParams(n=3, seed=60, **kw))
     singles = demo_llm.generate(["Give me JSON"] * 3, [SamplingParams(seed=60 + i, **kw) for i in range(3)])

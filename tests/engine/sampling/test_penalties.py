@@ -18,8 +18,9 @@ from tests.engine.spec_decode.scripted import ScriptedProposer
 from tests.helpers.checkpoints import write_hf_checkpoint
 
 
-def reference_penalise(row: list[float], prompt: list[int], output: list[int], presence: float,
-                       frequency: float, repetition: float) -> list[float]:
+def reference_penalise(
+    row: list[float], prompt: list[int], output: list[int], presence: float, frequency: float, repetition: float
+) -> list[float]:
     """One row, token by token, as the OpenAI docs and vLLM describe the three penalties."""
     out = list(row)
     for t in range(len(out)):
@@ -31,9 +32,16 @@ def reference_penalise(row: list[float], prompt: list[int], output: list[int], p
 
 
 def make_batch(n, temperature=1.0, max_logprobs=-1) -> SamplingBatch:
-    return SamplingBatch(temperature=torch.full((n,), temperature), top_p=torch.ones(n),
-                         top_k=torch.zeros(n, dtype=torch.int64), generators=[None] * n,
-                         all_greedy=temperature == 0, use_top_k=False, use_top_p=False, max_logprobs=max_logprobs)
+    return SamplingBatch(
+        temperature=torch.full((n,), temperature),
+        top_p=torch.ones(n),
+        top_k=torch.zeros(n, dtype=torch.int64),
+        generators=[None] * n,
+        all_greedy=temperature == 0,
+        use_top_k=False,
+        use_top_p=False,
+        max_logprobs=max_logprobs,
+    )
 
 
 def params(presence=0.0, frequency=0.0, repetition=1.0, **kw):
@@ -50,8 +58,14 @@ def test_apply_matches_the_reference_and_leaves_other_rows_alone():
     pb = PenaltyBatch.build(list(range(5)), ps, prompts, outputs, V, torch.device("cpu"))
     got = pb.apply(logits)
     for r in range(5):
-        want = reference_penalise(logits[r].tolist(), prompts[r], outputs[r], ps[r].presence_penalty,
-                                  ps[r].frequency_penalty, ps[r].repetition_penalty)
+        want = reference_penalise(
+            logits[r].tolist(),
+            prompts[r],
+            outputs[r],
+            ps[r].presence_penalty,
+            ps[r].frequency_penalty,
+            ps[r].repetition_penalty,
+        )
         assert torch.allclose(got[r], torch.tensor(want), atol=1e-5), r
     assert torch.equal(got[1], logits[1])  # no penalty: untouched
     assert PenaltyBatch.build([0], [params()], [[1]], [[2]], V, torch.device("cpu")) is None
@@ -67,11 +81,14 @@ def test_sampler_draws_from_penalised_logits_and_reports_raw_logprobs():
     assert out.sampled_logprobs.item() == pytest.approx(logits.log_softmax(-1)[0, 1].item())
 
 
-@pytest.mark.parametrize("field, value, words", [
-    ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
-    ("frequency_penalty", -3, "frequency_penalty must be in [-2, 2]"),
-    ("repetition_penalty", 0.0, "repetition_penalty must be in (0, 100]"),
-])
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
+        ("frequency_penalty", -3, "frequency_penalty must be in [-2, 2]"),
+        ("repetition_penalty", 0.0, "repetition_penalty must be in (0, 100]"),
+    ],
+)
 def test_bad_values_name_the_field(field, value, words):
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(")):
         SamplingParams(**{field: value})
@@ -105,8 +122,9 @@ def pair_error(forget_drafts: bool) -> float:
                 rows.append(len(rows))
                 outputs.append(OUTPUT + ([] if forget_drafts else d[:j]))
         batch = make_batch(N)
-        batch.penalties = PenaltyBatch.build(rows, [PEN] * len(rows), [PROMPT] * len(rows), outputs, V,
-                                             torch.device("cpu"))
+        batch.penalties = PenaltyBatch.build(
+            rows, [PEN] * len(rows), [PROMPT] * len(rows), outputs, V, torch.device("cpu")
+        )
         out = rejection_sample(logits, [2] * N, drafts, batch)
     two = out[(out >= 0).sum(1) >= 2]
     counts = torch.bincount(two[:, 0] * V + two[:, 1], minlength=V * V).double()
@@ -139,8 +157,12 @@ def test_greedy_with_penalties_is_identical_with_and_without_drafts(k2_path):
     pen = dict(presence_penalty=0.4, frequency_penalty=0.6, repetition_penalty=1.3)
 
     def run(speculate, **p):
-        llm = LLM(str(k2_path), max_model_len=128, max_num_seqs=4,
-                  speculative_config={"method": "ngram", "num_speculative_tokens": 4} if speculate else None)
+        llm = LLM(
+            str(k2_path),
+            max_model_len=128,
+            max_num_seqs=4,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 4} if speculate else None,
+        )
         sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **p)
         if speculate:
             llm.engine.proposer = ScriptedProposer({tuple(q): ref for q, ref in zip(prompts, answers)})

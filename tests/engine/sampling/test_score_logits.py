@@ -71,8 +71,10 @@ def test_forced_tokens_replace_the_sampled_ones(ckpt):
     path, _ = ckpt
     forced = [7, 7, 300, 1, 2]
     with LLM(str(path), max_model_len=64, max_num_seqs=2) as llm:
-        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, seed=3, max_tokens=7, ignore_eos=True,
-                                                       forced_token_ids=forced, logprobs=0))[0].outputs[0]
+        out = llm.generate(
+            [[5, 6, 7]],
+            SamplingParams(temperature=1.0, seed=3, max_tokens=7, ignore_eos=True, forced_token_ids=forced, logprobs=0),
+        )[0].outputs[0]
     assert out.token_ids[:5] == forced and len(out.token_ids) == 7
     assert all(tok in lp for tok, lp in zip(out.token_ids, out.logprobs))  # scored by the model's own row
 

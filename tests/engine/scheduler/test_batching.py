@@ -101,8 +101,10 @@ def test_seeded_sampling_is_independent_of_batch(ckpt, prompts):
 
 def test_logprobs_hold_top_k_and_the_chosen_token(ckpt, prompts):
     llm = LLM(ckpt, max_model_len=256, max_num_seqs=2)
-    out = llm.generate({"prompt_token_ids": prompts[3]},
-                       SamplingParams(temperature=1.0, max_tokens=6, logprobs=3, seed=1, ignore_eos=True))[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompts[3]},
+        SamplingParams(temperature=1.0, max_tokens=6, logprobs=3, seed=1, ignore_eos=True),
+    )[0]
     comp = out.outputs[0]
     assert len(comp.logprobs) == 6
     for tok, lp in zip(comp.token_ids, comp.logprobs):

@@ -25,8 +25,7 @@ class Params:
 
 
 def make(num_blocks=64, max_num_seqs=8, budget=64, hybrid=False, prefix=True):
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64,
-                             block_size=BS)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64, block_size=BS)
     slots = StateSlots(max_num_seqs, 4) if hybrid else None
     return Scheduler(config, BlockManager(num_blocks, BS, prefix, slots))
 
@@ -72,7 +71,11 @@ def test_children_fork_in_the_leaders_first_sampling_step(hybrid):
         out, _ = step(sched)
     # the rest of the prompt, then three forks that compute nothing
     assert [(i.seq.seq_id, i.num_new_tokens, i.fork_of) for i in out.scheduled] == [
-        ("r#0", 2 if hybrid else 10, None), ("r#1", 0, "r#0"), ("r#2", 0, "r#0"), ("r#3", 0, "r#0")]
+        ("r#0", 2 if hybrid else 10, None),
+        ("r#1", 0, "r#0"),
+        ("r#2", 0, "r#0"),
+        ("r#3", 0, "r#0"),
+    ]
     shared = lead.block_table[:2]
     for k in kids:
         assert k.block_table[:2] == shared and k.block_table[2] != lead.block_table[2]
@@ -87,7 +90,8 @@ def test_children_fork_in_the_leaders_first_sampling_step(hybrid):
     # next step: four decodes
     out, _ = step(sched)
     assert sorted((i.seq.seq_id, i.num_new_tokens, i.is_prefill) for i in out.scheduled) == [
-        (f"r#{i}", 1, False) for i in range(4)]
+        (f"r#{i}", 1, False) for i in range(4)
+    ]
     drain(sched)
     check_empty(sched, 64)
 
@@ -208,8 +212,13 @@ def test_add_forks_checks_its_arguments():
         sched.add_forks(lead, kids)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA/ROCm device"))])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA/ROCm device")),
+    ],
+)
 def test_copy_blocks_copies_whole_paged_blocks_and_leaves_state_layers(device):
     from kimitui.engine.kv_cache.pool import MLACacheSpec, copy_blocks
     from kimitui.engine.kv_cache.state import KDAStateSpec

@@ -36,8 +36,17 @@ def toy(monkeypatch, tmp_path):
     monkeypatch.setattr("kimitui.engine.runner.worker.load_model", lambda *a, **k: (ToyHybrid(), None))
 
     def make(**kw) -> LLMEngine:
-        return LLMEngine(EngineArgs(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=1024,
-                                    max_num_seqs=4, kv_cache_tokens=4096, **kw))
+        return LLMEngine(
+            EngineArgs(
+                model=str(tmp_path),
+                device="cpu",
+                dtype="float32",
+                max_model_len=1024,
+                max_num_seqs=4,
+                kv_cache_tokens=4096,
+                **kw,
+            )
+        )
 
     return make
 
@@ -101,14 +110,18 @@ def test_demo_k3_second_turn_is_cached_through_the_reply_with_cold_prompt_logpro
     # the tail snapshot; cold: prompt log-probs of p2 on an engine without any cache
     k = 5
     for j in range(hit + 1, len(p2)):
-        warm.add_request(f"w{j}", {"prompt_token_ids": p2[:j]},
-                         SamplingParams(temperature=0.0, max_tokens=1, logprobs=k, ignore_eos=True))
+        warm.add_request(
+            f"w{j}",
+            {"prompt_token_ids": p2[:j]},
+            SamplingParams(temperature=0.0, max_tokens=1, logprobs=k, ignore_eos=True),
+        )
     got = {}
     while warm.has_unfinished_requests():
         got.update((o.request_id, o) for o in warm.step() if o.finished)
     cold = LLMEngine(EngineArgs(**args, enable_prefix_caching=False))
-    ref = _run(cold, "c", p2, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k,
-                                             ignore_eos=True)).prompt_logprobs
+    ref = _run(
+        cold, "c", p2, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k, ignore_eos=True)
+    ).prompt_logprobs
     for j in range(hit + 1, len(p2)):
         out = got[f"w{j}"]
         assert out.metrics.num_cached_tokens == hit

@@ -224,8 +224,12 @@ def test_abort_in_every_state(state):
         assert sched.abort("s0") is target
         assert sched.postprocess(out, [7]) == []
     else:
-        expected = {"waiting": SequenceStatus.WAITING, "prefilling": SequenceStatus.RUNNING,
-                    "decoding": SequenceStatus.RUNNING, "preempted": SequenceStatus.PREEMPTED}[state]
+        expected = {
+            "waiting": SequenceStatus.WAITING,
+            "prefilling": SequenceStatus.RUNNING,
+            "decoding": SequenceStatus.RUNNING,
+            "preempted": SequenceStatus.PREEMPTED,
+        }[state]
         assert target.status == expected
         assert sched.abort(target.seq_id) is target
     assert target.status == SequenceStatus.FINISHED_ABORTED and target.finish_reason == "abort"

@@ -23,7 +23,7 @@ class ScriptedProposer:
         for seq, k in zip(seqs, max_drafts):
             ref = self.answers.get(tuple(seq.prompt_token_ids), [])
             n = seq.num_output_tokens
-            draft = list(ref[n: n + k])
+            draft = list(ref[n : n + k])
             for j in range(len(draft)):
                 if self.rng.random() < self.error_rate:
                     draft[j] = (draft[j] + 1 + self.rng.randrange(7)) % 200 + 3

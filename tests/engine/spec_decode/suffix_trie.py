@@ -56,7 +56,7 @@ class SuffixTrie:
         """arctic-inference's SuffixTree::speculate over match lengths 1 .. len(pattern) - 1."""
         best, best_score = [], 0.0
         for m in range(1, len(pattern)):
-            node = self._match(pattern[len(pattern) - m:])
+            node = self._match(pattern[len(pattern) - m :])
             if node is None:
                 break
             max_tokens = min(max_spec, int(m * factor + 1e-6))

@@ -23,26 +23,29 @@ def seq(seq_id: str, tokens: list[int], num_prompt: int | None = None) -> Sequen
 def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     t = len(tokens)
     for n in range(min(max_n, t - 1), min_n - 1, -1):
-        suffix = tokens[t - n:]
+        suffix = tokens[t - n :]
         for start in range(0, t - n):  # occurrences ending at start + n - 1 <= t - 2
-            if tokens[start: start + n] == suffix:
-                return tokens[start + n: start + n + k]
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
     return []
 
 
-@pytest.mark.parametrize("tokens, lo, hi, k, want", [
-    ([1, 2, 3, 4, 1, 2, 3], 2, 2, 3, [4, 1, 2]),
-    ([1, 2, 3, 4, 1, 2, 3], 2, 2, 2, [4, 1]),
-    ([1, 2, 3, 4, 1, 2, 3], 1, 1, 3, [4, 1, 2]),
-    ([1, 2, 3, 4, 1, 2, 3, 5, 6], 2, 2, 2, []),  # the suffix (5, 6) never occurred before
-    ([1, 3, 6, 2, 3, 4, 1, 2, 3], 1, 1, 3, [6, 2, 3]),  # n = 1: the EARLIEST 3
-    ([1, 3, 6, 2, 3, 4, 1, 2, 3], 2, 2, 3, [4, 1, 2]),  # n = 2: (2, 3)
-    ([1, 3, 6, 2, 3, 4, 1, 2, 3], 1, 2, 3, [4, 1, 2]),  # the longer match wins over the earlier one
-    ([7, 7, 7, 7], 1, 3, 5, [7]),  # the occurrence may overlap the suffix; the draft stops at the end
-    ([5, 6, 5, 6, 5], 3, 3, 4, [6, 5]),
-    ([1, 2], 2, 2, 3, []),  # too short for a 2-gram plus an earlier occurrence
-    ([1, 2, 1, 2], 1, 5, 0, []),  # nothing asked
-])
+@pytest.mark.parametrize(
+    "tokens, lo, hi, k, want",
+    [
+        ([1, 2, 3, 4, 1, 2, 3], 2, 2, 3, [4, 1, 2]),
+        ([1, 2, 3, 4, 1, 2, 3], 2, 2, 2, [4, 1]),
+        ([1, 2, 3, 4, 1, 2, 3], 1, 1, 3, [4, 1, 2]),
+        ([1, 2, 3, 4, 1, 2, 3, 5, 6], 2, 2, 2, []),  # the suffix (5, 6) never occurred before
+        ([1, 3, 6, 2, 3, 4, 1, 2, 3], 1, 1, 3, [6, 2, 3]),  # n = 1: the EARLIEST 3
+        ([1, 3, 6, 2, 3, 4, 1, 2, 3], 2, 2, 3, [4, 1, 2]),  # n = 2: (2, 3)
+        ([1, 3, 6, 2, 3, 4, 1, 2, 3], 1, 2, 3, [4, 1, 2]),  # the longer match wins over the earlier one
+        ([7, 7, 7, 7], 1, 3, 5, [7]),  # the occurrence may overlap the suffix; the draft stops at the end
+        ([5, 6, 5, 6, 5], 3, 3, 4, [6, 5]),
+        ([1, 2], 2, 2, 3, []),  # too short for a 2-gram plus an earlier occurrence
+        ([1, 2, 1, 2], 1, 5, 0, []),  # nothing asked
+    ],
+)
 def test_lookup_rule(tokens, lo, hi, k, want):
     assert find_ngram_draft(np.array(tokens, dtype=np.int32), lo, hi, k).tolist() == want
     assert brute_force(tokens, lo, hi, k) == want
@@ -60,8 +63,9 @@ def test_agrees_with_brute_force_on_random_sequences():
 
 
 def test_proposer_tracks_each_sequence_incrementally_and_respects_max_drafts():
-    p = make_proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
-                                        prompt_lookup_max=3))
+    p = make_proposer(
+        SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3)
+    )
     assert isinstance(p, NgramProposer) and p.needs_hidden is False
     a = seq("a", [10, 11, 12, 13, 14, 10, 11], num_prompt=5)
     b = seq("b", [1, 2, 3, 4])

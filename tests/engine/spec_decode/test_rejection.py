@@ -99,8 +99,11 @@ def test_a_seeded_sequence_does_not_depend_on_its_batch_mates():
         ks = [2] * mates_before + [3] + [1] * mates_after
         logits = torch.cat([torch.randn(3 * mates_before, v), own, torch.randn(2 * mates_after, v)])
         drafts = [[1, 2]] * mates_before + [own_drafts] + [[5]] * mates_after
-        gens = [None] * mates_before + [torch.Generator().manual_seed(99)] + \
-               [torch.Generator().manual_seed(i) for i in range(mates_after)]
+        gens = (
+            [None] * mates_before
+            + [torch.Generator().manual_seed(99)]
+            + [torch.Generator().manual_seed(i) for i in range(mates_after)]
+        )
         temps = [1.0] * mates_before + [0.8] + [0.5] * mates_after
         out = rejection_sample(logits, ks, drafts, make_batch(temps, generators=gens))
         return to_lists(out)[mates_before]
@@ -127,9 +130,24 @@ V = 6
 # top-p boundary lands exactly on a cumulative sum.
 CASES = [
     ([[2.0, 1.0, 0.3, -0.5, 0.1, -1.0], [0.5, -0.2, 1.5, 0.0, -1.0, 0.7], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]], 1.0, 0, 1.0),
-    ([[1.2, 0.4, 1.0, -0.5, 0.1, -1.0], [0.5, -0.2, 1.5, 0.0, -1.0, 0.7], [1.0, -1.0, 0.0, 2.0, 0.5, -0.5]], 0.6, 3, 1.0),
-    ([[1.2, 0.4, 1.0, -0.5, 0.1, -1.0], [-0.3, 0.9, 0.2, 0.0, 1.1, 0.7], [0.0, 0.1, 1.0, 2.0, -0.5, 0.3]], 1.5, 0, 0.75),
-    ([[0.3, 1.7, 1.0, -0.5, 0.9, -1.0], [0.5, -0.2, 1.5, 0.0, -1.0, 0.7], [1.0, 0.1, 0.0, 0.4, 0.5, -0.6]], 0.9, 4, 0.8),
+    (
+        [[1.2, 0.4, 1.0, -0.5, 0.1, -1.0], [0.5, -0.2, 1.5, 0.0, -1.0, 0.7], [1.0, -1.0, 0.0, 2.0, 0.5, -0.5]],
+        0.6,
+        3,
+        1.0,
+    ),
+    (
+        [[1.2, 0.4, 1.0, -0.5, 0.1, -1.0], [-0.3, 0.9, 0.2, 0.0, 1.1, 0.7], [0.0, 0.1, 1.0, 2.0, -0.5, 0.3]],
+        1.5,
+        0,
+        0.75,
+    ),
+    (
+        [[0.3, 1.7, 1.0, -0.5, 0.9, -1.0], [0.5, -0.2, 1.5, 0.0, -1.0, 0.7], [1.0, 0.1, 0.0, 0.4, 0.5, -0.6]],
+        0.9,
+        4,
+        0.8,
+    ),
 ]
 DRAFT_DIST = [[0.05, 0.05, 0.6, 0.1, 0.1, 0.1], [0.5, 0.1, 0.1, 0.1, 0.1, 0.1]]  # q for positions 0, 1
 N = 3000
@@ -172,11 +190,16 @@ def distribution_error(with_draft_probs: bool) -> float:
         drafts = torch.multinomial(q, N * len(CASES), replacement=True).T  # [N * cases, 2]: d0 ~ q0, d1 ~ q1
         logits = torch.cat([torch.tensor(rows).repeat(N, 1) for rows, *_ in CASES])  # [3 N cases, V]
         batch = make_batch(*[[c[i] for c in CASES for _ in range(N)] for i in (1, 2, 3)])
-        out = rejection_sample(logits, [2] * (N * len(CASES)), drafts.tolist(), batch,
-                               draft_probs=q.repeat(N * len(CASES), 1) if with_draft_probs else None)
+        out = rejection_sample(
+            logits,
+            [2] * (N * len(CASES)),
+            drafts.tolist(),
+            batch,
+            draft_probs=q.repeat(N * len(CASES), 1) if with_draft_probs else None,
+        )
     for c, (rows, temp, top_k, top_p) in enumerate(CASES):
         target = [reference_probs(r, temp, top_k, top_p) for r in rows]
-        case = out[c * N: (c + 1) * N]
+        case = out[c * N : (c + 1) * N]
         length = (case >= 0).sum(1)
         for pos in range(3):
             err, n = tv(torch.bincount(case[length > pos, pos], minlength=V), target[pos])
@@ -206,10 +229,16 @@ def _accept_with_p_ignoring_q(p_draft, q_draft):
     return p_draft
 
 
-@pytest.mark.parametrize("wrong, with_draft_probs", [
-    ("always-accept", False), ("always-accept", True), ("resample-from-p", False), ("resample-from-p", True),
-    ("ignore-q", True),  # one-hot drafts have no q to ignore
-])
+@pytest.mark.parametrize(
+    "wrong, with_draft_probs",
+    [
+        ("always-accept", False),
+        ("always-accept", True),
+        ("resample-from-p", False),
+        ("resample-from-p", True),
+        ("ignore-q", True),  # one-hot drafts have no q to ignore
+    ],
+)
 def test_the_check_catches_wrong_rules(monkeypatch, wrong, with_draft_probs):
     if wrong == "always-accept":
         monkeypatch.setattr(rejection, "_accept_prob", _always_accept)

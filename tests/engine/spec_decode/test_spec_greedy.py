@@ -37,8 +37,13 @@ def _prompts(n, lens, seed=0):
 
 def _generate(path, prompts, max_tokens, proposer=None, logprobs=None, warm=(), **kw):
     """``warm``: prompts generated first, one request at a time (their blocks then are cached)."""
-    llm = LLM(str(path), max_model_len=256, max_num_seqs=kw.pop("max_num_seqs", 4),
-              speculative_config=SPEC if proposer is not None else None, **kw)
+    llm = LLM(
+        str(path),
+        max_model_len=256,
+        max_num_seqs=kw.pop("max_num_seqs", 4),
+        speculative_config=SPEC if proposer is not None else None,
+        **kw,
+    )
     if proposer is not None:
         llm.engine.proposer = proposer
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
@@ -120,8 +125,10 @@ def test_max_tokens_and_stop_tokens_are_not_overshot(k2_path):
     for p, r in zip(prompts, ref):
         stop = r.outputs[0].token_ids[10]  # a token in the middle of the reference answer
         first = r.outputs[0].token_ids.index(stop)
-        out = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
-                                                                     stop_token_ids=[stop]))[0]
+        out = llm.generate(
+            [{"prompt_token_ids": p}],
+            SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop]),
+        )[0]
         assert list(out.outputs[0].token_ids) == list(r.outputs[0].token_ids[: first + 1])
         assert out.outputs[0].finish_reason == "stop"
         out = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))[0]

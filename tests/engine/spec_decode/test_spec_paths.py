@@ -63,11 +63,20 @@ def test_decode_graph_static_buffers(ckpt, k2_path):  # noqa: F811
     prompts = _prompts(4, [5, 9, 14, 7], seed=6)
     with LLM(str(k2_path), max_model_len=256, max_num_seqs=4, enable_prefix_caching=False) as ref:
         answers = _answers(ref, prompts)
-    with LLM(str(k2_path), max_model_len=256, max_num_seqs=4, enable_prefix_caching=False,
-             speculative_config=SPEC) as llm:
+    with LLM(
+        str(k2_path), max_model_len=256, max_num_seqs=4, enable_prefix_caching=False, speculative_config=SPEC
+    ) as llm:
         e, r = llm.engine, llm.engine.runner
-        e.runner = ModelRunner(r.model, r.kv_caches, r.block_size, r.device, max_num_seqs=4, max_model_len=256,
-                               decode_graphs=True, num_spec_tokens=4)
+        e.runner = ModelRunner(
+            r.model,
+            r.kv_caches,
+            r.block_size,
+            r.device,
+            max_num_seqs=4,
+            max_model_len=256,
+            decode_graphs=True,
+            num_spec_tokens=4,
+        )
         assert e.runner.graphs is not None and e.runner.table_shape[0] == 4 * 5
         assert _spec_tokens(llm, prompts, answers) == answers
 
@@ -99,9 +108,13 @@ def test_k3_soak_with_aborts_and_preemption_leaks_nothing(k3_path):  # noqa: F81
     for step in range(400):
         while pending and len(live) < 6 and rng.random() < 0.5:
             i, p = pending.pop()
-            rid = eng.add_request(f"r{i}", {"prompt_token_ids": p},
-                                  SamplingParams(temperature=0.0 if i % 2 else 0.7, max_tokens=rng.randrange(5, 40),
-                                                 ignore_eos=True, seed=i))
+            rid = eng.add_request(
+                f"r{i}",
+                {"prompt_token_ids": p},
+                SamplingParams(
+                    temperature=0.0 if i % 2 else 0.7, max_tokens=rng.randrange(5, 40), ignore_eos=True, seed=i
+                ),
+            )
             live.add(rid)
         for out in eng.step():
             if out.finished:
@@ -126,6 +139,7 @@ def test_k3_soak_with_aborts_and_preemption_leaks_nothing(k3_path):  # noqa: F81
 
 # -- the emulated device path ----------------------------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.parametrize("kind", ["k2", "k3"])
@@ -140,8 +154,14 @@ def test_emulated_device_path_identical(kind, tmp_path):
         write_hf_checkpoint(tmp_path, seed=11, num_hidden_layers=3)
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KIMITUI_KERNELS")}
     env.update(KIMITUI_EMULATE_DEVICE="1", TRITON_INTERPRET="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "tests.engine.spec_decode.test_spec_paths", str(tmp_path)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.engine.spec_decode.test_spec_paths", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     got = json.loads(lines[-1])
@@ -155,15 +175,25 @@ def _child(path: str) -> None:
 
     prompts = [[5, 17, 3, 99, 41, 7, 63], [250, 2, 8, 120]]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    llm = LLM(path, dtype="float16", max_model_len=64, max_num_seqs=2, enable_prefix_caching=False,
-              speculative_config=SPEC)
-    backends = sorted({type(m.ops).__name__ for m in llm.engine.model.modules()
-                       if isinstance(getattr(m, "ops", None), Backend)})
+    llm = LLM(
+        path, dtype="float16", max_model_len=64, max_num_seqs=2, enable_prefix_caching=False, speculative_config=SPEC
+    )
+    backends = sorted(
+        {type(m.ops).__name__ for m in llm.engine.model.modules() if isinstance(getattr(m, "ops", None), Backend)}
+    )
     llm.engine.proposer = None
     plain = _answers(llm, prompts, params)
     spec = _spec_tokens(llm, prompts, plain, params)
-    print(json.dumps({"backends": backends, "plain": list(plain.values()), "spec": list(spec.values()),
-                      "accepted": llm.engine.spec_stats.num_accepted_tokens}))
+    print(
+        json.dumps(
+            {
+                "backends": backends,
+                "plain": list(plain.values()),
+                "spec": list(spec.values()),
+                "accepted": llm.engine.spec_stats.num_accepted_tokens,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,13 @@ class Params:
 
 
 def make(budget=64, max_model_len=64, lookahead=0, num_blocks=64):
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=max_model_len, block_size=BS,
-                          num_lookahead_slots=lookahead)
+    cfg = SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        block_size=BS,
+        num_lookahead_slots=lookahead,
+    )
     return Scheduler(cfg, BlockManager(num_blocks, BS, enable_prefix_caching=True))
 
 

@@ -114,8 +114,9 @@ def test_agrees_with_a_literal_suffix_trie():
         vocab, depth = rng.choice([2, 3, 4, 6]), rng.choice([3, 5, 8, 24])
         factor, min_prob = rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 0.1, 0.3])
         keep = rng.choice([1, 2, 1000])
-        p = SuffixProposer(max_tree_depth=depth, max_cached_requests=keep, max_spec_factor=factor,
-                           min_token_prob=min_prob)
+        p = SuffixProposer(
+            max_tree_depth=depth, max_cached_requests=keep, max_spec_factor=factor, min_token_prob=min_prob
+        )
         outputs = []
         for r in range(rng.randint(0, 4)):
             out = [rng.randrange(vocab) for _ in range(rng.randint(0, 30))]

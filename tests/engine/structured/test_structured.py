@@ -13,32 +13,58 @@ import torch
 
 pytest.importorskip("llguidance")
 
-from kimitui.engine.text.k2 import (THINK_CLOSE, TOOL_CALL_ARG, TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CALLS_BEGIN,  # noqa: E402
-                         TOOL_CALLS_END, parse_reply)
-from kimitui.engine.text.chat_format import chat_format_for  # noqa: E402
 from kimitui.engine.engine import _resolve_model  # noqa: E402
 from kimitui.engine.structured import StructuredOutputs  # noqa: E402
 from kimitui.engine.structured import grammar as grammar_mod  # noqa: E402
 from kimitui.engine.structured.bitmask import apply_bitmask, apply_bitmask_torch  # noqa: E402
-from kimitui.engine.text.constraints import response_format_constraint, tool_call_constraint  # noqa: E402
 from kimitui.engine.structured.grammar import GrammarError, check, compiler_for  # noqa: E402
 from kimitui.engine.structured.matcher import RequestGrammar  # noqa: E402
 from kimitui.engine.structured.reasoning import ReasoningGate  # noqa: E402
+from kimitui.engine.text.chat_format import chat_format_for  # noqa: E402
+from kimitui.engine.text.constraints import response_format_constraint, tool_call_constraint  # noqa: E402
+from kimitui.engine.text.k2 import (
+    THINK_CLOSE,
+    TOOL_CALL_ARG,
+    TOOL_CALL_BEGIN,
+    TOOL_CALL_END,
+    TOOL_CALLS_BEGIN,  # noqa: E402
+    TOOL_CALLS_END,
+    parse_reply,
+)
 from kimitui.engine.text.tokenizer import Tokenizer  # noqa: E402
 from kimitui.engine.text.xtml.render import build_segments, encode_segments  # noqa: E402
 from kimitui.engine.text.xtml.reply import parse_xtml_reply  # noqa: E402
 from tests.helpers.schema_check import schema_errors  # noqa: E402
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                           "n": {"type": "integer", "minimum": 0, "maximum": 99},
-                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
-          "required": ["name", "n"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-             "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                              "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                                              "unit": {"enum": ["c", "f"]}},
-             "required": ["city", "days"], "additionalProperties": False}}},
-         {"type": "function", "function": {"name": "ping"}}]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 12},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                    "unit": {"enum": ["c", "f"]},
+                },
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "ping"}},
+]
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +89,9 @@ def _mask(g: RequestGrammar, width: int, vocab: int) -> set[int]:
 
 def _grammar(tok, spec, stop_ids=None, gate=None):
     comp = compiler_for(tok, tok.vocab_size)
-    return RequestGrammar("r", comp.new_matcher(spec), stop_ids if stop_ids is not None else tok.eos_token_ids,
-                          comp.eos_id, gate), comp
+    return RequestGrammar(
+        "r", comp.new_matcher(spec), stop_ids if stop_ids is not None else tok.eos_token_ids, comp.eos_id, gate
+    ), comp
 
 
 def _feed(g: RequestGrammar, ids: list[int]) -> None:
@@ -73,6 +100,7 @@ def _feed(g: RequestGrammar, ids: list[int]) -> None:
 
 
 # -- the constraint and its compilation -------------------------------------------------------
+
 
 def test_exactly_one_kind():
     with pytest.raises(ValueError, match="exactly one of"):
@@ -86,8 +114,10 @@ def test_exactly_one_kind():
     assert spec.key == StructuredOutputs(json='{"b": 1, "a": 2}').key
 
 
-@pytest.mark.parametrize("schema, words", [({"type": "nonsense"}, "Invalid type"),
-                                           ({"type": "object", "properties": {"a": {"$ref": "#/nope"}}}, "nope")])
+@pytest.mark.parametrize(
+    "schema, words",
+    [({"type": "nonsense"}, "Invalid type"), ({"type": "object", "properties": {"a": {"$ref": "#/nope"}}}, "nope")],
+)
 def test_bad_schema_is_one_line(k2, schema, words):
     with pytest.raises(GrammarError) as e:
         check(StructuredOutputs(json=schema), k2, k2.vocab_size)
@@ -115,11 +145,12 @@ def test_compiled_grammars_are_cached(k2):
 
 # -- masks --------------------------------------------------------------------------------------
 
+
 def test_apply_bitmask_matches_reference():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 70, generator=gen)
     rows = torch.tensor([3, 0])
-    bits = torch.randint(-2**31, 2**31 - 1, (2, 3), dtype=torch.int32, generator=gen)
+    bits = torch.randint(-(2**31), 2**31 - 1, (2, 3), dtype=torch.int32, generator=gen)
     want = logits.clone()
     for i, r in enumerate(rows.tolist()):
         for v in range(70):
@@ -200,7 +231,7 @@ def test_draft_masks_equal_one_token_at_a_time(k2):
     good = k2.encode('{"name":"ab","n":42}')
     rng = random.Random(0)
     for trial in range(6):
-        drafts = list(good[:rng.randrange(1, len(good) + 1)])
+        drafts = list(good[: rng.randrange(1, len(good) + 1)])
         if trial % 2:  # a refused draft somewhere: masks stop after it
             drafts[rng.randrange(len(drafts))] = k2.encode(" ")[0]
         before = _mask(g, width, k2.vocab_size)
@@ -211,7 +242,7 @@ def test_draft_masks_equal_one_token_at_a_time(k2):
             want = _mask(ref, width, k2.vocab_size)
             assert filled[j] and _allowed(rows[j], k2.vocab_size) == want, (trial, j)
             if j == len(drafts) or drafts[j] not in want:
-                assert not any(filled[j + 1:])
+                assert not any(filled[j + 1 :])
                 break
             assert ref.matcher.consume_token(drafts[j])
         assert _mask(g, width, k2.vocab_size) == before  # rolled back
@@ -237,6 +268,7 @@ def test_draft_masks_open_the_gate_inside_the_drafts(k2):
 
 # -- the chat formats' grammars against replies as the renderers write them --------------------
 
+
 def _accepts(tok, spec, reply_ids, stop_ids):
     gate = ReasoningGate(spec.reasoning_end, tok.id_to_bytes) if spec.reasoning_end else None
     g, _ = _grammar(tok, spec, stop_ids=stop_ids, gate=gate)
@@ -250,7 +282,8 @@ def test_k2_tool_call_grammar_takes_k2_calls(k2, thinking):
     args = '{"city":"Paris","days":3}'
     text = (("I should call it" + THINK_CLOSE) if thinking else "") + (
         f"{TOOL_CALLS_BEGIN}{TOOL_CALL_BEGIN}functions.get_weather:0{TOOL_CALL_ARG}{args}{TOOL_CALL_END}"
-        f"{TOOL_CALL_BEGIN}functions.ping:1{TOOL_CALL_ARG}{{}}{TOOL_CALL_END}{TOOL_CALLS_END}")
+        f"{TOOL_CALL_BEGIN}functions.ping:1{TOOL_CALL_ARG}{{}}{TOOL_CALL_END}{TOOL_CALLS_END}"
+    )
     ids = k2.encode(text, allow_special=True) + [k2.token_to_id("<|im_end|>")]
     stops = fmt.stop_token_ids()
     assert _accepts(k2, tool_call_constraint(fmt, k2, TOOLS, None, thinking), ids, stops)
@@ -264,18 +297,24 @@ def test_k2_tool_call_grammar_takes_k2_calls(k2, thinking):
 def _xtml_reply_ids(k3, message: dict, thinking: bool) -> list[int]:
     """Token ids of an assistant message as K3 renders it, after its generation prompt."""
     prompt = encode_segments(build_segments([], thinking=thinking, thinking_effort=None), k3)
-    full = encode_segments(build_segments([message], thinking=thinking, thinking_effort=None,
-                                          add_generation_prompt=False), k3)
-    assert full[:len(prompt)] == prompt
-    return full[len(prompt):]
+    full = encode_segments(
+        build_segments([message], thinking=thinking, thinking_effort=None, add_generation_prompt=False), k3
+    )
+    assert full[: len(prompt)] == prompt
+    return full[len(prompt) :]
 
 
 @pytest.mark.parametrize("thinking", [False, True])
 def test_k3_tool_call_grammar_takes_k3_calls(k3, thinking):
     fmt = chat_format_for(k3)
-    calls = [{"id": "a", "type": "function", "function": {"name": "get_weather",
-                                                          "arguments": '{"city":"Paris","days":3,"unit":"c"}'}},
-             {"id": "b", "type": "function", "function": {"name": "ping", "arguments": "{}"}}]
+    calls = [
+        {
+            "id": "a",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city":"Paris","days":3,"unit":"c"}'},
+        },
+        {"id": "b", "type": "function", "function": {"name": "ping", "arguments": "{}"}},
+    ]
     msg = {"role": "assistant", "content": "", "reasoning_content": "let me see", "tool_calls": calls}
     ids = _xtml_reply_ids(k3, msg, thinking)
     stops = fmt.stop_token_ids()
@@ -283,7 +322,9 @@ def test_k3_tool_call_grammar_takes_k3_calls(k3, thinking):
     assert not _accepts(k3, tool_call_constraint(fmt, k3, TOOLS, "get_weather", thinking), ids, stops)
     parsed = parse_xtml_reply(k3.decode(ids, skip_special_tokens=True), started_in_thinking=thinking)
     assert [(c.name, json.loads(c.arguments_json)) for c in parsed.tool_calls] == [
-        ("get_weather", {"city": "Paris", "days": 3, "unit": "c"}), ("ping", {})]
+        ("get_weather", {"city": "Paris", "days": 3, "unit": "c"}),
+        ("ping", {}),
+    ]
 
 
 @pytest.mark.parametrize("thinking", [False, True])
@@ -303,8 +344,18 @@ def test_k3_json_response_grammar_takes_a_k3_reply(k3, thinking):
 
 def test_k3_tool_with_untyped_parameters_takes_a_json_block(k3):
     fmt = chat_format_for(k3)
-    tools = [{"type": "function", "function": {"name": "run", "parameters": {
-        "type": "object", "properties": {"x": {"anyOf": [{"type": "integer"}, {"type": "string"}]}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "run",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"x": {"anyOf": [{"type": "integer"}, {"type": "string"}]}},
+                },
+            },
+        }
+    ]
     spec = tool_call_constraint(fmt, k3, tools, "run", False)
     assert 'json type=\\"object\\"' in spec.grammar
     check(spec, k3, k3.vocab_size)

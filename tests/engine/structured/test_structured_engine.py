@@ -16,12 +16,17 @@ from kimitui.engine.structured.grammar import GrammarError  # noqa: E402
 from tests.engine.spec_decode.scripted import ScriptedProposer  # noqa: E402
 from tests.helpers.schema_check import schema_errors  # noqa: E402
 
-SCHEMA = {"type": "object",
-          "properties": {"name": {"type": "string", "maxLength": 10},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "ok": {"type": "boolean"},
-                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
-          "required": ["name", "age", "ok", "tags"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "ok", "tags"],
+    "additionalProperties": False,
+}
 PROMPTS = ["Hello there", "Give me a person", "JSON please", "x"]
 
 
@@ -31,8 +36,13 @@ def llm():
 
 
 def _params(seed, **kw):
-    return SamplingParams(temperature=kw.pop("temperature", 1.0), seed=seed, max_tokens=kw.pop("max_tokens", 200),
-                          structured_outputs=StructuredOutputs(json=SCHEMA), **kw)
+    return SamplingParams(
+        temperature=kw.pop("temperature", 1.0),
+        seed=seed,
+        max_tokens=kw.pop("max_tokens", 200),
+        structured_outputs=StructuredOutputs(json=SCHEMA),
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("n", [6, pytest.param(48, marks=pytest.mark.slow)])
@@ -81,8 +91,13 @@ def test_greedy_speculative_decoding_under_a_grammar_is_exact(n):
     ref_llm = LLM("demo", max_model_len=512, max_num_seqs=8, kv_cache_tokens=8192)
     ref = ref_llm.generate(prompts, greedy)
     answers = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in ref}
-    spec = LLM("demo", max_model_len=512, max_num_seqs=8, kv_cache_tokens=8192,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    spec = LLM(
+        "demo",
+        max_model_len=512,
+        max_num_seqs=8,
+        kv_cache_tokens=8192,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )
     # right answers with deliberate mistakes: most mistakes are tokens the grammar refuses there
     spec.engine.proposer = ScriptedProposer(answers, error_rate=0.3)
     outs = spec.generate(prompts, greedy)
@@ -94,12 +109,15 @@ def test_greedy_speculative_decoding_under_a_grammar_is_exact(n):
     assert not spec.engine.runner.structured.requests
 
 
-OPEN_SCHEMA = {"type": "object",  # no additionalProperties: closed as vLLM's default does
-               "properties": {"name": {"type": "string", "maxLength": 12},
-                              "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                              "pet": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}},
-                                      "required": ["kind"]}},
-               "required": ["name", "age", "pet"]}
+OPEN_SCHEMA = {
+    "type": "object",  # no additionalProperties: closed as vLLM's default does
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pet": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}}, "required": ["kind"]},
+    },
+    "required": ["name", "age", "pet"],
+}
 
 
 def test_schemas_that_leave_extra_keys_open_are_closed(llm):
@@ -109,8 +127,10 @@ def test_schemas_that_leave_extra_keys_open_are_closed(llm):
     assert closed["additionalProperties"] is False and closed["properties"]["pet"]["additionalProperties"] is False
     assert close_objects({"properties": {}, "additionalProperties": True})["additionalProperties"] is True
     assert "additionalProperties" not in close_objects({"type": "object"})  # json_object stays any object
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=120,
-                             structured_outputs=StructuredOutputs(json=OPEN_SCHEMA)) for s in range(6)]
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=120, structured_outputs=StructuredOutputs(json=OPEN_SCHEMA))
+        for s in range(6)
+    ]
     for o in llm.generate([PROMPTS[s % len(PROMPTS)] for s in range(6)], params):
         c = o.outputs[0]
         assert c.finish_reason == "stop", c.text

@@ -52,10 +52,26 @@ SAMPLES = [
 ]
 
 # Code-point ranges for random text: scripts, marks, CJK, emoji, spaces, digits of other scripts.
-_RANGES = [(0x20, 0x7E), (0xA0, 0x24F), (0x300, 0x36F), (0x370, 0x3FF), (0x400, 0x4FF),
-           (0x5D0, 0x5EA), (0x620, 0x669), (0x900, 0x97F), (0xE01, 0xE5B), (0x1100, 0x11FF),
-           (0x2000, 0x206F), (0x2E80, 0x2EF3), (0x3000, 0x30FF), (0x4E00, 0x9FFF),
-           (0xAC00, 0xD7A3), (0xFF01, 0xFF65), (0x1F300, 0x1F64F), (0x20000, 0x2A6DF)]
+_RANGES = [
+    (0x20, 0x7E),
+    (0xA0, 0x24F),
+    (0x300, 0x36F),
+    (0x370, 0x3FF),
+    (0x400, 0x4FF),
+    (0x5D0, 0x5EA),
+    (0x620, 0x669),
+    (0x900, 0x97F),
+    (0xE01, 0xE5B),
+    (0x1100, 0x11FF),
+    (0x2000, 0x206F),
+    (0x2E80, 0x2EF3),
+    (0x3000, 0x30FF),
+    (0x4E00, 0x9FFF),
+    (0xAC00, 0xD7A3),
+    (0xFF01, 0xFF65),
+    (0x1F300, 0x1F64F),
+    (0x20000, 0x2A6DF),
+]
 _SPACES = [" ", " ", "  ", "\t", "\n", "\r\n", "\n\n", "\u00a0", "\u3000", "\x0b", "\x0c", "\u2028"]
 _WORDS = ["'s", "'LL", "'ve", "'D", " the", "The", "ABC", "x", "中文", "123", "🚀", "é", "!"]
 
@@ -82,10 +98,11 @@ def _cases() -> list[str]:
     rng = random.Random(1234)
     cases = list(SAMPLES)
     cases += [_random_text(rng, rng.randint(1, 40)) for _ in range(250)]
-    cases += [bytes(rng.randrange(256) for _ in range(rng.randint(1, 40))).decode("utf-8", "replace")
-              for _ in range(100)]
+    cases += [
+        bytes(rng.randrange(256) for _ in range(rng.randint(1, 40))).decode("utf-8", "replace") for _ in range(100)
+    ]
     corpus = demo_corpus()
-    cases += [corpus[i:i + rng.randint(20, 400)] for i in range(0, len(corpus), len(corpus) // 60)]
+    cases += [corpus[i : i + rng.randint(20, 400)] for i in range(0, len(corpus), len(corpus) // 60)]
     return cases
 
 
@@ -119,8 +136,7 @@ def tok(kimi_dir, cache_home) -> Tokenizer:
 @pytest.fixture(scope="module")
 def tt(ranks):
     specials = {c: i for i, c in kimi_special_tokens_for(NUM_BASE).items()}
-    return tiktoken.Encoding("kimi-demo", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks,
-                             special_tokens=specials)
+    return tiktoken.Encoding("kimi-demo", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens=specials)
 
 
 def test_rewritten_pattern_splits_like_original():
@@ -215,7 +231,7 @@ def _stream(tok, ids, rng, **kw) -> tuple[str, list[str]]:
     deltas, i = [], 0
     while i < len(ids):
         n = rng.randint(1, 3)
-        deltas.append(detok.add(ids[i:i + n]))
+        deltas.append(detok.add(ids[i : i + n]))
         i += n
     deltas.append(detok.flush())
     assert detok.text == "".join(deltas)
@@ -246,13 +262,15 @@ def test_incremental_detokenizer_never_splits_characters(tok):
 
 def test_incremental_detokenizer_generic_decoder(tmp_path):
     # A non-byte-level tokenizer (Metaspace) goes through the re-decoding window path.
-    from tokenizers import Tokenizer as HF, decoders, models, trainers
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, trainers
 
     hf = HF(models.BPE(unk_token="<unk>"))
     hf.pre_tokenizer = pre_tokenizers.Metaspace()
     hf.decoder = decoders.Metaspace()
-    hf.train_from_iterator(SAMPLES * 3, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"],
-                                                            show_progress=False))
+    hf.train_from_iterator(
+        SAMPLES * 3, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"], show_progress=False)
+    )
     (tmp_path / "tokenizer.json").write_text(hf.to_str())
     t = Tokenizer.from_pretrained(tmp_path)
     assert t.id_to_bytes(0) is None

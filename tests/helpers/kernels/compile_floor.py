@@ -29,4 +29,5 @@ for name, (fn, types, consts) in specs.items():
     except Exception as e:
         bad.append((name, type(e).__name__, str(e).strip().splitlines()[-1][:200]))
 print("compiled with this triton:", len(ok))
-for b in bad: print("FAILED", *b)
+for b in bad:
+    print("FAILED", *b)

@@ -152,7 +152,9 @@ class _FunctionLint(ast.NodeVisitor):
         l_stride, r_stride = self._mentions_stride(left), self._mentions_stride(right)
         if not (l_stride or r_stride) or self._int64(left) or self._int64(right):
             return
-        if (l_stride and not r_stride and self._constant(right)) or (r_stride and not l_stride and self._constant(left)):
+        if (l_stride and not r_stride and self._constant(right)) or (
+            r_stride and not l_stride and self._constant(left)
+        ):
             return
         line = self.source.splitlines()[node.lineno - 1].strip()
         self.findings.append(Finding(self.path, node.lineno, self.fn.name, line))

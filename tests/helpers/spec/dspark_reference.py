@@ -47,7 +47,12 @@ class Attn(nn.Module):
         super().__init__()
         h, n = c["hidden_size"], c["num_attention_heads"]
         self.c, self.n = c, n
-        self.nope, self.rd, self.vd, self.r = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+        self.nope, self.rd, self.vd, self.r = (
+            c["qk_nope_head_dim"],
+            c["qk_rope_head_dim"],
+            c["v_head_dim"],
+            c["kv_lora_rank"],
+        )
         self.q_a_proj = nn.Linear(h, c["q_lora_rank"], bias=False)
         self.q_a_layernorm = RMSNorm(c["q_lora_rank"], c["rms_norm_eps"])
         self.q_b_proj = nn.Linear(c["q_lora_rank"], n * (self.nope + self.rd), bias=False)
@@ -60,24 +65,26 @@ class Attn(nn.Module):
     def kv(self, x, pos):
         """(normed latent [T, r], roped k_rope [T, rd])"""
         a = self.kv_a_proj_with_mqa(x)
-        kr = a[:, self.r:]
+        kr = a[:, self.r :]
         if not self.c.get("mla_use_nope"):
             kr = rope(kr, pos, self.theta)
-        return self.kv_a_layernorm(a[:, :self.r]), kr
+        return self.kv_a_layernorm(a[:, : self.r]), kr
 
     def forward(self, x, pos, ctx_lat, ctx_kr, mask):
         """x [Q, H] block rows at pos [Q]; ctx_* [C, ...] context; mask [Q, C + Q] (True: visible)."""
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(-1, self.n, self.nope + self.rd)
-        qr = q[..., self.nope:]
+        qr = q[..., self.nope :]
         if not self.c.get("mla_use_nope"):
             qr = rope(qr.transpose(0, 1), pos, self.theta).transpose(0, 1)
         lat, kr = self.kv(x, pos)
         lat, kr = torch.cat((ctx_lat, lat)), torch.cat((ctx_kr, kr))
         kvh = self.kv_b_proj(lat).view(-1, self.n, self.nope + self.vd)
-        scores = (torch.einsum("qhd,khd->hqk", q[..., :self.nope], kvh[..., :self.nope])
-                  + torch.einsum("qhd,kd->hqk", qr, kr)) / math.sqrt(self.nope + self.rd)
+        scores = (
+            torch.einsum("qhd,khd->hqk", q[..., : self.nope], kvh[..., : self.nope])
+            + torch.einsum("qhd,kd->hqk", qr, kr)
+        ) / math.sqrt(self.nope + self.rd)
         p = scores.masked_fill(~mask[None], float("-inf")).softmax(-1)
-        o = torch.einsum("hqk,khd->qhd", p, kvh[..., self.nope:])
+        o = torch.einsum("hqk,khd->qhd", p, kvh[..., self.nope :])
         return self.o_proj(o.reshape(o.shape[0], -1))
 
 
@@ -167,7 +174,7 @@ class RefDSpark(nn.Module):
         hidden = self.blocks(feats, t, torch.tensor([len(ids) - 1]), k)[0]
         prev, out = t[-1:], []
         for j in range(k):
-            logits, _ = self.step_logits(hidden[j:j + 1], prev)
+            logits, _ = self.step_logits(hidden[j : j + 1], prev)
             prev = logits.argmax(-1)
             out.append(int(prev))
         return out
@@ -224,8 +231,9 @@ def target_taps(ref, ids: list[int], layer_ids: list[int], stream: str) -> tuple
     return [taps[j] for j in layer_ids], logits
 
 
-def greedy_speculative(ref, drafter: RefDSpark, prompt: list[int], max_tokens: int, k: int,
-                       layer_ids: list[int] | None = None) -> tuple[list[int], int, int]:
+def greedy_speculative(
+    ref, drafter: RefDSpark, prompt: list[int], max_tokens: int, k: int, layer_ids: list[int] | None = None
+) -> tuple[list[int], int, int]:
     """Greedy generation with block drafting and greedy verification, as the engine schedules it
     (drafts after every step, at most ``max_tokens - produced - 1`` of them, all ``k`` block rows
     computed). -> (output tokens, drafted, accepted). ``layer_ids``: taps (default: the drafter's)."""
@@ -241,7 +249,7 @@ def greedy_speculative(ref, drafter: RefDSpark, prompt: list[int], max_tokens: i
         taps, _ = target_taps(ref, seq[:-1], layer_ids, stream)
         drafts = drafter.draft([t.to(dt) for t in taps], seq, k)[:budget] if budget > 0 else []
         _, logits = target_taps(ref, seq + drafts, layer_ids, stream)
-        greedy = logits[len(seq) - 1:].argmax(-1).tolist()
+        greedy = logits[len(seq) - 1 :].argmax(-1).tolist()
         a = 0
         while a < len(drafts) and drafts[a] == greedy[a]:
             a += 1

@@ -18,18 +18,46 @@ import torch
 ATTN = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 
 
-def mla_config(target: dict, *, aux_layer_ids=(1, 3, 6), v31: bool = False, heads: int = 4, q_lora_rank: int = 24,
-               kv_lora_rank: int = 16, nope: int = 8, rope: int = 8, v_head_dim: int = 12, intermediate_size: int = 80,
-               torch_dtype: str = "bfloat16", top_level_ids: bool = False) -> dict:
-    c = {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 1,
-         "hidden_size": target["hidden_size"], "target_hidden_size": target["hidden_size"],
-         "num_attention_heads": heads, "num_key_value_heads": heads, "q_lora_rank": q_lora_rank,
-         "kv_lora_rank": kv_lora_rank, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": v_head_dim,
-         "intermediate_size": intermediate_size, "hidden_act": "silu", "rms_norm_eps": 1e-6,
-         "rope_theta": target["rope_theta"], "rope_scaling": target["rope_scaling"],
-         "max_position_embeddings": target["max_position_embeddings"], "vocab_size": target["vocab_size"],
-         "draft_vocab_size": target["vocab_size"], "tie_word_embeddings": False, "torch_dtype": torch_dtype,
-         "eagle_config": {"use_aux_hidden_state": True}}
+def mla_config(
+    target: dict,
+    *,
+    aux_layer_ids=(1, 3, 6),
+    v31: bool = False,
+    heads: int = 4,
+    q_lora_rank: int = 24,
+    kv_lora_rank: int = 16,
+    nope: int = 8,
+    rope: int = 8,
+    v_head_dim: int = 12,
+    intermediate_size: int = 80,
+    torch_dtype: str = "bfloat16",
+    top_level_ids: bool = False,
+) -> dict:
+    c = {
+        "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 1,
+        "hidden_size": target["hidden_size"],
+        "target_hidden_size": target["hidden_size"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "q_lora_rank": q_lora_rank,
+        "kv_lora_rank": kv_lora_rank,
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": v_head_dim,
+        "intermediate_size": intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": target["rope_theta"],
+        "rope_scaling": target["rope_scaling"],
+        "max_position_embeddings": target["max_position_embeddings"],
+        "vocab_size": target["vocab_size"],
+        "draft_vocab_size": target["vocab_size"],
+        "tie_word_embeddings": False,
+        "torch_dtype": torch_dtype,
+        "eagle_config": {"use_aux_hidden_state": True},
+    }
     if top_level_ids:
         c["eagle_aux_hidden_state_layer_ids"] = list(aux_layer_ids)
     else:
@@ -52,26 +80,49 @@ def mla_tensors(c: dict, seed: int = 0, std: float = 0.1) -> dict[str, torch.Ten
     def norm(n):
         return torch.rand(n, generator=g) * 0.4 + 0.8
 
-    t = {"fc.weight": rand(h, n_aux * c["target_hidden_size"]), "norm.weight": norm(h),
-         "lm_head.weight": rand(c["vocab_size"], h) * 4}
+    t = {
+        "fc.weight": rand(h, n_aux * c["target_hidden_size"]),
+        "norm.weight": norm(h),
+        "lm_head.weight": rand(c["vocab_size"], h) * 4,
+    }
     a = "midlayer.self_attn."
-    t.update({a + "q_a_proj.weight": rand(qr, 2 * h), a + "q_a_layernorm.weight": norm(qr),
-              a + "q_b_proj.weight": rand(heads * (nope + rope), qr), a + "kv_a_proj_with_mqa.weight": rand(kr + rope, 2 * h),
-              a + "kv_a_layernorm.weight": norm(kr), a + "kv_b_proj.weight": rand(heads * (nope + vd), kr),
-              a + "o_proj.weight": rand(h, heads * vd)})
+    t.update(
+        {
+            a + "q_a_proj.weight": rand(qr, 2 * h),
+            a + "q_a_layernorm.weight": norm(qr),
+            a + "q_b_proj.weight": rand(heads * (nope + rope), qr),
+            a + "kv_a_proj_with_mqa.weight": rand(kr + rope, 2 * h),
+            a + "kv_a_layernorm.weight": norm(kr),
+            a + "kv_b_proj.weight": rand(heads * (nope + vd), kr),
+            a + "o_proj.weight": rand(h, heads * vd),
+        }
+    )
     for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
         t[f"midlayer.{n}.weight"] = norm(h)
-    t.update({"midlayer.mlp.gate_proj.weight": rand(inter, h), "midlayer.mlp.up_proj.weight": rand(inter, h),
-              "midlayer.mlp.down_proj.weight": rand(h, inter)})
+    t.update(
+        {
+            "midlayer.mlp.gate_proj.weight": rand(inter, h),
+            "midlayer.mlp.up_proj.weight": rand(inter, h),
+            "midlayer.mlp.down_proj.weight": rand(h, inter),
+        }
+    )
     if c.get("fc_norm"):
         for i in range(n_aux):
             t[f"fc_norm.{i}.weight"] = norm(c["target_hidden_size"])
     return t
 
 
-def write_mla_checkpoint(path: str | Path, target: dict, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                         tensors: dict[str, torch.Tensor] | None = None, drop=(), layout: str = "midlayer",
-                         **config_kw):
+def write_mla_checkpoint(
+    path: str | Path,
+    target: dict,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    tensors: dict[str, torch.Tensor] | None = None,
+    drop=(),
+    layout: str = "midlayer",
+    **config_kw,
+):
     """config.json + model.safetensors; ``tensors`` (published names) replaces the random ones;
     ``drop``: names left out (e.g. ``lm_head.weight``: shared with the target); ``layout``:
     ``midlayer`` (SpecForge / ModelOpt names) or ``torchspec`` (TorchSpec's export, which renames
@@ -83,8 +134,10 @@ def write_mla_checkpoint(path: str | Path, target: dict, *, seed: int = 0, dtype
     c = mla_config(target, torch_dtype=str(dtype).removeprefix("torch."), **config_kw)
     t = mla_tensors(c, seed) if tensors is None else tensors
     t = {n: v.to(dtype) for n, v in t.items() if n not in drop}
-    disk = {("layers.0." + n[len("midlayer."):] if layout == "torchspec" and n.startswith("midlayer.") else n): v
-            for n, v in t.items()}
+    disk = {
+        ("layers.0." + n[len("midlayer.") :] if layout == "torchspec" and n.startswith("midlayer.") else n): v
+        for n, v in t.items()
+    }
     save_file({n: v.contiguous() for n, v in disk.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(c, indent=2))
     return c, {n: v.float() for n, v in t.items()}
@@ -94,8 +147,10 @@ def mla_reference(c: dict, w: dict, embed: torch.Tensor, tokens: list[int], hidd
     """Dense float64 layer over one sequence's rows 0..N-1 (row p at position p, input token
     tokens[p], hidden state hidden[p] [H], already through fc). -> (pre-norm [N, H], normed [N, H])."""
     from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3RotaryEmbedding,
-                                                                      apply_rotary_pos_emb_interleave)
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3RotaryEmbedding,
+        apply_rotary_pos_emb_interleave,
+    )
 
     W = {k: v.double() for k, v in w.items()}
     eps, heads = c["rms_norm_eps"], c["num_attention_heads"]
@@ -107,17 +162,28 @@ def mla_reference(c: dict, w: dict, embed: torch.Tensor, tokens: list[int], hidd
     n = len(tokens)
     a = "midlayer.self_attn."
     hid = torch.stack(hidden).double()
-    x = torch.cat([rms(embed.double()[torch.tensor(tokens)], "midlayer.input_layernorm.weight"),
-                   rms(hid, "midlayer.hidden_norm.weight")], -1)
+    x = torch.cat(
+        [
+            rms(embed.double()[torch.tensor(tokens)], "midlayer.input_layernorm.weight"),
+            rms(hid, "midlayer.hidden_norm.weight"),
+        ],
+        -1,
+    )
     q = rms(x @ W[a + "q_a_proj.weight"].T, a + "q_a_layernorm.weight") @ W[a + "q_b_proj.weight"].T
     q = q.view(1, n, heads, nope + rope).transpose(1, 2)
     kv_a = x @ W[a + "kv_a_proj_with_mqa.weight"].T
-    latent, k_pe = kv_a[:, :c["kv_lora_rank"]], kv_a[:, c["kv_lora_rank"]:]
+    latent, k_pe = kv_a[:, : c["kv_lora_rank"]], kv_a[:, c["kv_lora_rank"] :]
     kv = (rms(latent, a + "kv_a_layernorm.weight") @ W[a + "kv_b_proj.weight"].T).view(1, n, heads, nope + vd)
     kv = kv.transpose(1, 2)
-    hc = DeepseekV3Config(hidden_size=c["hidden_size"], num_attention_heads=heads, qk_rope_head_dim=rope,
-                          qk_nope_head_dim=nope, rope_theta=c["rope_theta"], rope_scaling=c["rope_scaling"],
-                          max_position_embeddings=c["max_position_embeddings"])
+    hc = DeepseekV3Config(
+        hidden_size=c["hidden_size"],
+        num_attention_heads=heads,
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=nope,
+        rope_theta=c["rope_theta"],
+        rope_scaling=c["rope_scaling"],
+        max_position_embeddings=c["max_position_embeddings"],
+    )
     cos, sin = DeepseekV3RotaryEmbedding(hc)(x.float(), torch.arange(n)[None])
     q_pe, k_pe = apply_rotary_pos_emb_interleave(q[..., nope:], k_pe.view(1, 1, n, rope), cos.double(), sin.double())
     qf = torch.cat([q[..., :nope], q_pe], -1)
@@ -132,8 +198,9 @@ def mla_reference(c: dict, w: dict, embed: torch.Tensor, tokens: list[int], hidd
     residual = hid + o
     y = rms(residual, "midlayer.post_attention_layernorm.weight")
     m = "midlayer.mlp."
-    out = (torch.nn.functional.silu(y @ W[m + "gate_proj.weight"].T) * (y @ W[m + "up_proj.weight"].T)) \
-        @ W[m + "down_proj.weight"].T + residual
+    out = (torch.nn.functional.silu(y @ W[m + "gate_proj.weight"].T) * (y @ W[m + "up_proj.weight"].T)) @ W[
+        m + "down_proj.weight"
+    ].T + residual
     return out, rms(out, "norm.weight")
 
 
@@ -143,6 +210,11 @@ def mla_combine(c: dict, w: dict, aux: torch.Tensor) -> torch.Tensor:
     if c.get("fc_norm"):
         d, eps = c["target_hidden_size"], c["rms_norm_eps"]
         parts = x.split(d, dim=-1)
-        x = torch.cat([p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + eps) * w[f"fc_norm.{i}.weight"].double()
-                       for i, p in enumerate(parts)], -1)
+        x = torch.cat(
+            [
+                p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + eps) * w[f"fc_norm.{i}.weight"].double()
+                for i, p in enumerate(parts)
+            ],
+            -1,
+        )
     return x @ w["fc.weight"].double().T

@@ -49,7 +49,7 @@ def _yarn_inv_freq(dim: int, base: float, rs: dict | None) -> tuple[torch.Tensor
     """DeepSeek's YaRN inverse frequencies (as in DeepSeek-V3's modeling code) and the cos/sin
     amplitude mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
     pos = torch.arange(0, dim, 2, dtype=torch.float64) / dim
-    inv = 1.0 / base ** pos
+    inv = 1.0 / base**pos
     if not rs or rs.get("rope_type", rs.get("type")) in (None, "default"):
         return inv.float(), 1.0
     factor, old = float(rs["factor"]), int(rs["original_max_position_embeddings"])
@@ -98,7 +98,7 @@ class MLAAttention(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
         rs = c.get("rope_scaling") or {}
         m = _mscale(float(rs["factor"]), float(rs.get("mscale_all_dim") or 0)) if rs.get("mscale_all_dim") else 1.0
-        self.scale = qk ** -0.5 * m * m
+        self.scale = qk**-0.5 * m * m
 
     def qkv(self, x, pos):
         """x [B, S, 2h] -> q, k [B, H, S, qk], v [B, H, S, vd]."""
@@ -106,12 +106,12 @@ class MLAAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.qr else self.q_proj(x)
         q = q.view(B, S, self.H, -1).transpose(1, 2)
         kv = self.kv_a_proj_with_mqa(x)
-        lat, k_pe = kv[..., :self.r], kv[..., self.r:]
+        lat, k_pe = kv[..., : self.r], kv[..., self.r :]
         kvb = self.kv_b_proj(self.kv_a_layernorm(lat)).view(B, S, self.H, -1).transpose(1, 2)
         k_pe = _rope(k_pe[:, None], pos, self.inv_freq, self.amp)  # [B, 1, S, rope]
-        q = torch.cat((q[..., :self.nope], _rope(q[..., self.nope:], pos, self.inv_freq, self.amp)), -1)
-        k = torch.cat((kvb[..., :self.nope], k_pe.expand(B, self.H, S, self.rope)), -1)
-        return q, k, kvb[..., self.nope:]
+        q = torch.cat((q[..., : self.nope], _rope(q[..., self.nope :], pos, self.inv_freq, self.amp)), -1)
+        k = torch.cat((kvb[..., : self.nope], k_pe.expand(B, self.H, S, self.rope)), -1)
+        return q, k, kvb[..., self.nope :]
 
     def forward(self, x, pos, mask=None, cache=None):
         """Dense causal attention (``mask`` [S, S] bool, True = may attend; None: causal), or with a
@@ -131,7 +131,7 @@ class MLAAttention(nn.Module):
             w = torch.cat([s0] + diag, -1).float().softmax(-1).to(q.dtype)
             o = w[..., :S] @ v0
             for i, (_, vi) in enumerate(cache[1:]):
-                o = o + w[..., S + i:S + i + 1] * vi
+                o = o + w[..., S + i : S + i + 1] * vi
         return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -164,8 +164,9 @@ class Layer(nn.Module):
 
 
 def aux_ids(c: dict) -> list[int]:
-    return list((c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-                or c["eagle_aux_hidden_state_layer_ids"])
+    return list(
+        (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or c["eagle_aux_hidden_state_layer_ids"]
+    )
 
 
 class MLADrafter(nn.Module):
@@ -203,7 +204,7 @@ class MLADrafter(nn.Module):
             if k == "embed_tokens.weight" and not embed:
                 continue
             if layout == "torchspec" and k.startswith("midlayer."):
-                k = "layers.0." + k[len("midlayer."):]
+                k = "layers.0." + k[len("midlayer.") :]
             out[k] = v.detach().clone().contiguous()
         return out
 
@@ -219,7 +220,7 @@ class MLADrafter(nn.Module):
         for f in sorted(path.glob("*.safetensors")):
             for k, v in load_file(str(f)).items():
                 k = k.removeprefix("model.")
-                sd["midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k] = v.float()
+                sd["midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k] = v.float()
         if "embed_tokens.weight" not in sd:
             sd["embed_tokens.weight"] = embed.float()
         m.load_state_dict(sd, strict=True)
@@ -241,9 +242,9 @@ def ttt_loss(drafter: MLADrafter, aux, tokens, probs, steps: int):
         if n < 1:
             break
         # every step keeps S rows (TTT keys line up by position); rows past the end are padding
-        tok = torch.cat((tokens[:, 1 + j:], tokens.new_zeros(B, 1 + j)), 1)
+        tok = torch.cat((tokens[:, 1 + j :], tokens.new_zeros(B, 1 + j)), 1)
         hidden, logits = drafter.step(tok, hidden, pos + j, cache=cache)
-        lab = torch.cat((probs[:, 1 + j:], probs.new_zeros(B, 1 + j, probs.shape[-1])), 1)
+        lab = torch.cat((probs[:, 1 + j :], probs.new_zeros(B, 1 + j, probs.shape[-1])), 1)
         valid = torch.zeros(B, S, dtype=torch.bool)
         valid[:, :n] = True
         # the target's greedy token as the label (what greedy verification accepts; a tiny random
@@ -273,8 +274,9 @@ def greedy_drafts(drafter: MLADrafter, aux, seq: list[int], k: int) -> list[int]
     return drafts
 
 
-def greedy_acceptance(drafter: MLADrafter, aux_of, prompts: list[list[int]], continuations: list[list[int]], k: int
-                      ) -> tuple[int, int, list[int]]:
+def greedy_acceptance(
+    drafter: MLADrafter, aux_of, prompts: list[list[int]], continuations: list[list[int]], k: int
+) -> tuple[int, int, list[int]]:
     """Greedy speculative decoding simulated over each prompt: ``continuations`` are the target's
     greedy tokens (greedy verification reproduces them, so acceptance is the longest draft prefix
     that matches them), ``aux_of(ids)`` the target's aux states [len(ids), n_aux * D]. Draft length
@@ -306,8 +308,10 @@ def hf_all_states(hf, ids: list[int], logits: bool = False):
     the state entering layer k (L: the last layer's output, before the final norm); with ``logits``
     also the logits [T, V] fp32 of the same pass."""
     outs = []
-    hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
-             for layer in hf.model.layers]
+    hooks = [
+        layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
+        for layer in hf.model.layers
+    ]
     try:
         with torch.no_grad():
             t = torch.tensor([ids])

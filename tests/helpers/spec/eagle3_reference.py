@@ -13,11 +13,16 @@ def hf_llama(config: dict):
 
     rope = {"rope_type": "default"} if config["rope_scaling"] is None else dict(config["rope_scaling"])
     rope["rope_theta"] = config["rope_theta"]
-    c = LlamaConfig(hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
-                    num_attention_heads=config["num_attention_heads"],
-                    num_key_value_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
-                    rms_norm_eps=config["rms_norm_eps"], rope_parameters=rope,
-                    max_position_embeddings=config["max_position_embeddings"])
+    c = LlamaConfig(
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        rms_norm_eps=config["rms_norm_eps"],
+        rope_parameters=rope,
+        max_position_embeddings=config["max_position_embeddings"],
+    )
     return c, LlamaRotaryEmbedding(c)
 
 
@@ -48,7 +53,7 @@ def reference(config: dict, w: dict, embed: torch.Tensor, tokens: list[int], hid
     cos, sin = rotary(x.float(), torch.arange(n)[None])
     q, k = apply_rotary_pos_emb(q, k, cos.double(), sin.double())
     k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
-    s = (q @ k.transpose(-1, -2)) * d ** -0.5
+    s = (q @ k.transpose(-1, -2)) * d**-0.5
     s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
     a = (s.softmax(-1) @ v).transpose(1, 2).reshape(n, heads * d) @ W["layers.0.self_attn.o_proj.weight"].T
     residual = residual + a
@@ -59,13 +64,14 @@ def reference(config: dict, w: dict, embed: torch.Tensor, tokens: list[int], hid
     return out, rms("norm.weight", out)
 
 
-
 def hf_aux_states(hf, ids: list[int], layer_ids) -> torch.Tensor:
     """The hidden states entering each layer of ``layer_ids`` (ascending; L = the final pre-norm
     hidden) of a Hugging Face DeepSeek-V3 model over ``ids``, concatenated: [T, n * D] fp32."""
     outs = []
-    hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
-             for layer in hf.model.layers]
+    hooks = [
+        layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
+        for layer in hf.model.layers
+    ]
     try:
         with torch.no_grad():
             t = torch.tensor([ids])

@@ -96,12 +96,16 @@ def test_variant_follows_the_cpu_flags():
 def test_an_installed_build_is_imported_without_compiling(tmp_path):
     # the checkout's editable install built both extensions in place (make venv): a fresh process with an
     # empty extensions folder imports them, and compiles nothing
-    ok = all(_build._prebuilt(e, _build.variant_for(e), _build.build_key(e, _build.variant_for(e), _torch()))
-             for e in _build.EXTENSIONS)
+    ok = all(
+        _build._prebuilt(e, _build.variant_for(e), _build.build_key(e, _build.variant_for(e), _torch()))
+        for e in _build.EXTENSIONS
+    )
     if not ok:
         pytest.skip("no install-time build of the C++ kernels here (pip install --no-build-isolation -e .)")
-    code = ("from kimitui.kernels.cpu import few_rows as cpu_few_rows, quant_moe as cpu_quant_moe; "
-            "print(cpu_few_rows._module().__file__); print(cpu_quant_moe._module().__file__)")
+    code = (
+        "from kimitui.kernels.cpu import few_rows as cpu_few_rows, quant_moe as cpu_quant_moe; "
+        "print(cpu_few_rows._module().__file__); print(cpu_quant_moe._module().__file__)"
+    )
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "jit")}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -6,8 +6,9 @@ against their float32 selves."""
 import pytest
 import torch
 
-from kimitui.kernels.cpu import few_rows as cpu_few_rows, linear as cpu_linear
 from kimitui.kernels import reference as ref
+from kimitui.kernels.cpu import few_rows as cpu_few_rows
+from kimitui.kernels.cpu import linear as cpu_linear
 from kimitui.kernels.cpu.backend import CpuBackend
 
 needs_ext = pytest.mark.skipif(not cpu_few_rows.available(), reason="the C++ extension does not build here")
@@ -92,8 +93,9 @@ def test_bf16_moe_token_gives_the_same_bits_alone_and_in_a_batch():
     assert ids.flatten().bincount().max() < BLAS_ROWS  # every expert in the widening loops
     batch = cpu_few_rows.moe(x, ids, weights, w13, w2)
     for i in range(6):
-        assert torch.equal(cpu_few_rows.moe(x[i : i + 1], ids[i : i + 1], weights[i : i + 1], w13, w2),
-                           batch[i : i + 1])
+        assert torch.equal(
+            cpu_few_rows.moe(x[i : i + 1], ids[i : i + 1], weights[i : i + 1], w13, w2), batch[i : i + 1]
+        )
 
 
 @needs_ext
@@ -118,11 +120,23 @@ def _absorbed_case(dtype, seed=0):
     cache = f(24, r + rope).to(dtype)
     w_uk, w_uv = f(heads, nope, r, scale=0.2).to(dtype), f(heads, v, r, scale=0.2).to(dtype)
     pos_table = torch.arange(16).float()[:, None] * torch.linspace(0.1, 1, rope // 2)
-    args = dict(q=f(seqs, heads, nope + rope), kv=f(seqs, r + rope), kv_norm_weight=1 + f(r, scale=0.1), eps=1e-6,
-                cos=pos_table.cos(), sin=pos_table.sin(), positions=torch.tensor([5, 0, 9]),
-                slots=torch.tensor([21, 4, 13]), w_uk=w_uk, w_uv=w_uv, cache=cache,
-                block_tables=torch.tensor([[3, 5, 1], [1, 0, 0], [4, 3, 2]], dtype=torch.int32),
-                context_lens=torch.tensor([6, 1, 10], dtype=torch.int32), block_size=block_size, scale=0.3)
+    args = dict(
+        q=f(seqs, heads, nope + rope),
+        kv=f(seqs, r + rope),
+        kv_norm_weight=1 + f(r, scale=0.1),
+        eps=1e-6,
+        cos=pos_table.cos(),
+        sin=pos_table.sin(),
+        positions=torch.tensor([5, 0, 9]),
+        slots=torch.tensor([21, 4, 13]),
+        w_uk=w_uk,
+        w_uv=w_uv,
+        cache=cache,
+        block_tables=torch.tensor([[3, 5, 1], [1, 0, 0], [4, 3, 2]], dtype=torch.int32),
+        context_lens=torch.tensor([6, 1, 10], dtype=torch.int32),
+        block_size=block_size,
+        scale=0.3,
+    )
     return args
 
 
@@ -157,9 +171,18 @@ def test_the_bf16_ffn_block_is_the_float32_block_rounded_once():
     e, d, inter, top_k = 8, 64, 32, 2
     w13, w2 = _bf16(e, 2 * inter, d, scale=0.1, seed=6), _bf16(e, d, inter, scale=0.1, seed=7)
     gate_up, down = _bf16(2 * inter, d, scale=0.1, seed=8), _bf16(d, inter, scale=0.1, seed=9)
-    common = dict(norm=1 + torch.randn(d) * 0.1, norm_eps=1e-6, router=torch.randn(e, d) * 0.1,
-                  bias=torch.randn(e) * 0.01, top_k=top_k, n_group=1, topk_group=1, sigmoid=True,
-                  norm_topk_prob=True, scaling=2.5)
+    common = dict(
+        norm=1 + torch.randn(d) * 0.1,
+        norm_eps=1e-6,
+        router=torch.randn(e, d) * 0.1,
+        bias=torch.randn(e) * 0.01,
+        top_k=top_k,
+        n_group=1,
+        topk_group=1,
+        sigmoid=True,
+        norm_topk_prob=True,
+        scaling=2.5,
+    )
     blk16 = FfnBlockWeights(gate_up=gate_up, down=down, w13=w13, w2=w2, **common)
     blk32 = FfnBlockWeights(gate_up=gate_up.float(), down=down.float(), w13=w13.float(), w2=w2.float(), **common)
     x = torch.randn(5, d).to(BF16)  # 5 rows: below the oneDNN row count, every product in the C++ loops
@@ -216,5 +239,6 @@ def test_cpu_backend_bf16_bmm_and_mla_decode_run_in_float32_without_native_bf16(
     assert got.dtype == BF16
     want = ref.mla_decode_reference(q if native else q.float(), *args)
     assert torch.equal(got, want.to(BF16))
-    torch.testing.assert_close(got.double(), ref.mla_decode_reference(q.double(), cache.double(), *args[1:]),
-                               rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(
+        got.double(), ref.mla_decode_reference(q.double(), cache.double(), *args[1:]), rtol=3e-2, atol=3e-2
+    )

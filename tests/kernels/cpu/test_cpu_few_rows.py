@@ -6,9 +6,10 @@ import logging
 import pytest
 import torch
 
-from kimitui.kernels.cpu import build as _build, few_rows as cpu_few_rows
 from kimitui.kernels import reference as ref
 from kimitui.kernels.backend import REFERENCE
+from kimitui.kernels.cpu import build as _build
+from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.cpu.backend import CpuBackend
 from kimitui.kernels.settings import KernelSettings
 
@@ -43,7 +44,7 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch(m, n, k):
     batch = cpu_few_rows.linear(x, w)
     for i in range(m):
         assert torch.equal(cpu_few_rows.linear(x[i : i + 1], w), batch[i : i + 1])
-    assert torch.equal(cpu_few_rows.linear(x[m - 5:], w), batch[m - 5:])  # 5 rows: a 4-row tile and a 1-row tail
+    assert torch.equal(cpu_few_rows.linear(x[m - 5 :], w), batch[m - 5 :])  # 5 rows: a 4-row tile and a 1-row tail
 
 
 @needs_ext
@@ -87,8 +88,9 @@ def test_moe_matches_reference(t):
     torch.testing.assert_close(got, ref.moe_experts_reference(x, ids, weights, w13, w2), rtol=1e-5, atol=1e-5)
     assert scratch.numel() >= (t * top_k - 1) * d  # the caller's buffer holds the pairs' outputs now
     # The kept output buffer must not carry anything into the next, smaller call.
-    torch.testing.assert_close(cpu_few_rows.moe(x[:1], ids[:1], weights[:1], w13, w2, scratch), got[:1], rtol=1e-5,
-                               atol=1e-5)
+    torch.testing.assert_close(
+        cpu_few_rows.moe(x[:1], ids[:1], weights[:1], w13, w2, scratch), got[:1], rtol=1e-5, atol=1e-5
+    )
 
 
 @needs_ext
@@ -192,19 +194,34 @@ def test_mla_decode_matches_reference(heads):
     tables = torch.stack([torch.randperm(num_blocks)[:4] for _ in range(3)]).int()  # blocks in any order
     q = torch.randn(3, heads, r + rope)
     want = ref.mla_decode_reference(q, cache, tables, lens, 16, block_size, r, 0.3)
-    torch.testing.assert_close(cpu_few_rows.mla_decode(q, cache, tables, lens, block_size, r, 0.3), want,
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        cpu_few_rows.mla_decode(q, cache, tables, lens, block_size, r, 0.3), want, rtol=1e-5, atol=1e-5
+    )
 
 
 @needs_ext
 def test_mla_decode_rejects_a_slot_outside_the_cache():
     cache = torch.randn(8, 40)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        cpu_few_rows.mla_decode(torch.randn(1, 8, 40), cache, torch.tensor([[0, 5]], dtype=torch.int32),
-                                torch.tensor([6], dtype=torch.int32), 4, 32, 0.3)
+        cpu_few_rows.mla_decode(
+            torch.randn(1, 8, 40),
+            cache,
+            torch.tensor([[0, 5]], dtype=torch.int32),
+            torch.tensor([6], dtype=torch.int32),
+            4,
+            32,
+            0.3,
+        )
     with pytest.raises(RuntimeError, match="does not fit its 2 blocks"):
-        cpu_few_rows.mla_decode(torch.randn(1, 8, 40), cache, torch.tensor([[0, 1]], dtype=torch.int32),
-                                torch.tensor([9], dtype=torch.int32), 4, 32, 0.3)
+        cpu_few_rows.mla_decode(
+            torch.randn(1, 8, 40),
+            cache,
+            torch.tensor([[0, 1]], dtype=torch.int32),
+            torch.tensor([9], dtype=torch.int32),
+            4,
+            32,
+            0.3,
+        )
 
 
 @needs_ext
@@ -218,8 +235,9 @@ def test_rms_norm_matches_reference(shape):
 
 
 @needs_ext
-@pytest.mark.parametrize("t,groups,scoring", [(1, 1, "sigmoid"), (16, 1, "sigmoid"), (7, 4, "sigmoid"),
-                                              (40, 4, "softmax")])
+@pytest.mark.parametrize(
+    "t,groups,scoring", [(1, 1, "sigmoid"), (16, 1, "sigmoid"), (7, 4, "sigmoid"), (40, 4, "softmax")]
+)
 def test_moe_route_matches_reference(t, groups, scoring):
     torch.manual_seed(t + groups)
     x, w, bias = torch.randn(t, 96), torch.randn(32, 96) * 0.1, torch.randn(32) * 0.3

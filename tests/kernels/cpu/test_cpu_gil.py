@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from benchmarks.gil_release import mxfp4_experts, pair_times, routed_batch
-from kimitui.kernels.cpu import few_rows as cpu_few_rows, quant_moe as cpu_quant_moe
+from kimitui.kernels.cpu import few_rows as cpu_few_rows
+from kimitui.kernels.cpu import quant_moe as cpu_quant_moe
 from kimitui.kernels.cpu.backend import CpuBackend
 from kimitui.kernels.settings import KernelSettings
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kimitui.kernels.cpu import moe as cpu_moe
 from kimitui.kernels import reference as ref
+from kimitui.kernels.cpu import moe as cpu_moe
 from kimitui.kernels.cpu.backend import CpuBackend
 from kimitui.kernels.settings import KernelSettings
 
@@ -37,27 +37,40 @@ def test_quantised_grouped_moe_matches_the_oracle():
 
     p13, s13 = stack(ref.quantize_int4, w13)
     p2, s2 = stack(ref.quantize_int4, w2)
-    torch.testing.assert_close(cpu_moe.moe_experts_w4a16(x, ids, weights, p13, s13, p2, s2, 32),
-                               ref.moe_experts_reference_w4a16(x, ids, weights, p13, s13, p2, s2, 32),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        cpu_moe.moe_experts_w4a16(x, ids, weights, p13, s13, p2, s2, 32),
+        ref.moe_experts_reference_w4a16(x, ids, weights, p13, s13, p2, s2, 32),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     m13, ms13 = stack(ref.quantize_mxfp4, w13)
     m2, ms2 = stack(ref.quantize_mxfp4, w2)
-    torch.testing.assert_close(cpu_moe.moe_experts_mxfp4(x, ids, weights, m13, ms13, m2, ms2),
-                               ref.moe_experts_reference_mxfp4(x, ids, weights, m13, ms13, m2, ms2),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        cpu_moe.moe_experts_mxfp4(x, ids, weights, m13, ms13, m2, ms2),
+        ref.moe_experts_reference_mxfp4(x, ids, weights, m13, ms13, m2, ms2),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     f13, fs13 = stack(lambda w: ref.quantize_fp8_block(w, (16, 32)), w13)
     f2, fs2 = stack(lambda w: ref.quantize_fp8_block(w, (16, 32)), w2)
-    torch.testing.assert_close(cpu_moe.moe_experts_fp8(x, ids, weights, f13, fs13, f2, fs2, (16, 32)),
-                               ref.moe_experts_reference_fp8(x, ids, weights, f13, fs13, f2, fs2, (16, 32)),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        cpu_moe.moe_experts_fp8(x, ids, weights, f13, fs13, f2, fs2, (16, 32)),
+        ref.moe_experts_reference_fp8(x, ids, weights, f13, fs13, f2, fs2, (16, 32)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_cpu_backend_without_the_extension_matches_the_oracle():
     ops = CpuBackend(KernelSettings(cpu_kernels=False))
     assert not ops.cxx
     x, ids, weights, w13, w2 = _case(5, seed=9)
-    torch.testing.assert_close(ops.moe_experts(x, ids, weights, w13, w2),
-                               ref.moe_experts_reference(x, ids, weights, w13, w2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        ops.moe_experts(x, ids, weights, w13, w2),
+        ref.moe_experts_reference(x, ids, weights, w13, w2),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     w = torch.randn(40, 32)
     torch.testing.assert_close(ops.linear(x, w), ref.linear(x, w), rtol=1e-5, atol=1e-5)
     norm = torch.rand(32) + 0.5

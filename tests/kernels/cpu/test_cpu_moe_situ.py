@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kimitui.kernels.cpu import few_rows as cpu_few_rows, moe as cpu_moe, quant_moe as cpu_quant_moe
 from kimitui.kernels import reference as R
 from kimitui.kernels.activation import GatedActivation
+from kimitui.kernels.cpu import few_rows as cpu_few_rows
+from kimitui.kernels.cpu import moe as cpu_moe
+from kimitui.kernels.cpu import quant_moe as cpu_quant_moe
 from kimitui.kernels.cpu.backend import CpuBackend
 from kimitui.kernels.settings import KernelSettings
 from tests.helpers.moe_oracle import moe64
@@ -76,8 +78,14 @@ def test_quantised_pytorch_paths(act):
     block = (16, 32)
     f13, fs13 = _stack(lambda m: R.quantize_fp8_block(m, block), w13)
     f2, fs2 = _stack(lambda m: R.quantize_fp8_block(m, block), w2)
-    want = moe64(x, ids, w, R.dequant_fp8_block(f13, fs13, block, torch.float64),
-                   R.dequant_fp8_block(f2, fs2, block, torch.float64), act)
+    want = moe64(
+        x,
+        ids,
+        w,
+        R.dequant_fp8_block(f13, fs13, block, torch.float64),
+        R.dequant_fp8_block(f2, fs2, block, torch.float64),
+        act,
+    )
     assert _err(R.moe_experts_reference_fp8(x, ids, w, f13, fs13, f2, fs2, block, act), want) < 1e-5
     assert _err(cpu_moe.moe_experts_fp8(x, ids, w, f13, fs13, f2, fs2, block, act), want) < 1e-5
     ops = CpuBackend(KernelSettings(cpu_kernels=False))
@@ -90,10 +98,13 @@ def test_int4pack_path():
     x, ids, w, w13, w2 = _case(6, seed=4)
     p13, s13 = _stack(R.quantize_int4, w13)
     p2, s2 = _stack(R.quantize_int4, w2)
-    want = moe64(x, ids, w, R.dequant_int4(p13, s13, 64, 32, torch.float64),
-                   R.dequant_int4(p2, s2, 32, 32, torch.float64), act)
-    packed = (*cpu_moe.prepack_int4_stack(p13, s13, 64, 32, torch.bfloat16),
-              *cpu_moe.prepack_int4_stack(p2, s2, 32, 32, torch.bfloat16))
+    want = moe64(
+        x, ids, w, R.dequant_int4(p13, s13, 64, 32, torch.float64), R.dequant_int4(p2, s2, 32, 32, torch.float64), act
+    )
+    packed = (
+        *cpu_moe.prepack_int4_stack(p13, s13, 64, 32, torch.bfloat16),
+        *cpu_moe.prepack_int4_stack(p2, s2, 32, 32, torch.bfloat16),
+    )
     got = cpu_moe.moe_experts_int4pack_cpu(x.bfloat16(), ids, w, *packed, 32, act)
     assert _err(got, want) < 3e-2  # bf16 activations and products
 
@@ -119,8 +130,9 @@ def test_packed_cxx_moe(isa, fmt, act):
         d13, d2 = R.dequant_mxfp4(p13, s13, torch.float64), R.dequant_mxfp4(p2, s2, torch.float64)
     want = moe64(x, ids, w, d13, d2, act)
     for xs, idx, ws, ref in ((x, ids, w, want), (x[:1], ids[:1], w[:1], want[:1])):
-        got = cpu_quant_moe.moe(xs, idx, ws, fmt, p13, s13, p2, s2, 32, isa_name=isa, act="situ", beta=act.beta,
-                                linear_beta=act.linear_beta)
+        got = cpu_quant_moe.moe(
+            xs, idx, ws, fmt, p13, s13, p2, s2, 32, isa_name=isa, act="situ", beta=act.beta, linear_beta=act.linear_beta
+        )
         assert _err(got, ref) < 1e-5, (fmt, isa)
     ops = CpuBackend(KernelSettings(cpu_kernels=True))
     op = ops.moe_experts_w4a16 if fmt == "int4" else ops.moe_experts_mxfp4

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from kimitui.kernels.cpu import quant_moe as cpu_quant_moe, quant_moe_layout as layout
-
 from kimitui.kernels import reference as R
+from kimitui.kernels.cpu import quant_moe as cpu_quant_moe
+from kimitui.kernels.cpu import quant_moe_layout as layout
 from kimitui.kernels.cpu.backend import CpuBackend
 from tests.helpers.moe_oracle import moe64
 
@@ -74,8 +74,9 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch(isa, fmt, dtype):
     batch = cpu_quant_moe.moe(x, ids, wts, fmt, experts, None, None, None, isa_name=isa)
     # every expert sees ~100 tokens in the batch (full token blocks and a part one) and one alone
     for t in (0, 7, 131, 202):
-        alone = cpu_quant_moe.moe(x[t:t + 1], ids[t:t + 1], wts[t:t + 1], fmt, experts, None, None, None,
-                                  isa_name=isa)
+        alone = cpu_quant_moe.moe(
+            x[t : t + 1], ids[t : t + 1], wts[t : t + 1], fmt, experts, None, None, None, isa_name=isa
+        )
         assert torch.equal(alone[0], batch[t]), f"row {t} differs alone and in a batch ({fmt}, {isa}, {dtype})"
 
 
@@ -89,8 +90,9 @@ def test_a_token_alone_and_among_64_on_the_same_experts_gives_the_same_bits(isa,
     # Compared are the float32 sums before the cast to x's dtype (a bf16 output would hide most
     # last-bit differences: amx_bf16 and avx512bf16 sums differ in about half the elements here).
     hidden, inter, e = 224, 96, 3
-    experts = cpu_quant_moe.prepare(fmt, *_experts(fmt, e, 2 * inter, hidden, 11)[:2],
-                                    *_experts(fmt, e, hidden, inter, 12)[:2])
+    experts = cpu_quant_moe.prepare(
+        fmt, *_experts(fmt, e, 2 * inter, hidden, 11)[:2], *_experts(fmt, e, hidden, inter, 12)[:2]
+    )
     g = torch.Generator().manual_seed(13)
     x = torch.randn(64, hidden, generator=g).to(dtype)
     ids = torch.tensor([[2, 0]]).expand(64, 2).contiguous()
@@ -98,13 +100,15 @@ def test_a_token_alone_and_among_64_on_the_same_experts_gives_the_same_bits(isa,
     code = cpu_quant_moe.ISA_CODES[isa]
 
     def sums(rows):
-        return cpu_quant_moe._module().moe(x[rows], ids[rows], wts[rows], experts.w13, experts.w2, inter,
-                                           fmt == "mxfp4", code, 0, 1.0, 0.0)
+        return cpu_quant_moe._module().moe(
+            x[rows], ids[rows], wts[rows], experts.w13, experts.w2, inter, fmt == "mxfp4", code, 0, 1.0, 0.0
+        )
 
     full = sums(slice(0, 64))
     assert full.dtype == torch.float32
-    torch.testing.assert_close(cpu_quant_moe.moe(x, ids, wts, fmt, experts, None, None, None, isa_name=isa),
-                               full.to(dtype), rtol=0, atol=0)
+    torch.testing.assert_close(
+        cpu_quant_moe.moe(x, ids, wts, fmt, experts, None, None, None, isa_name=isa), full.to(dtype), rtol=0, atol=0
+    )
     for n in (17, 33):
         assert torch.equal(sums(slice(0, n)), full[:n]), f"{n} tokens differ among 64 ({fmt}, {isa}, {dtype})"
     for t in (0, 16, 63):
@@ -119,8 +123,10 @@ def test_the_tile_layout_is_the_specified_reordering_of_the_same_codes_and_scale
     tiled = cpu_quant_moe.prepare(fmt, p13, s13, p2, s2, group)
     # the C++ conversion writes what the PyTorch specification in kernels/cpu/quant_moe_layout.py says
     # (INT4 cases with rows and columns past whole tiles; MXFP4 widths are whole 32-column blocks)
-    spec13 = torch.cat((layout.repack(fmt, p13[:, :n], s13[:, :n], k, group),
-                        layout.repack(fmt, p13[:, n:], s13[:, n:], k, group)), dim=1)
+    spec13 = torch.cat(
+        (layout.repack(fmt, p13[:, :n], s13[:, :n], k, group), layout.repack(fmt, p13[:, n:], s13[:, n:], k, group)),
+        dim=1,
+    )
     assert torch.equal(tiled.w13, spec13)
     assert torch.equal(tiled.w2, layout.repack(fmt, p2, s2, n, group))
     # same bytes as the checkpoint where rows and columns fill whole tiles (Kimi K2's w13, K3's w2)
@@ -166,8 +172,16 @@ def test_bad_input_names_the_tensor():
         cpu_quant_moe.moe(x, ids, wts[:, :1], "mxfp4", p13, s13, p2, s2)
     tiled = cpu_quant_moe.prepare("mxfp4", p13, s13, p2, s2)
     with pytest.raises(ValueError, match="tiled w2 is"):
-        cpu_quant_moe.moe(x, ids, wts, "mxfp4", cpu_quant_moe.TiledExperts("mxfp4", 64, 32, tiled.w13, tiled.w2[:, 1:]),
-                          None, None, None)
+        cpu_quant_moe.moe(
+            x,
+            ids,
+            wts,
+            "mxfp4",
+            cpu_quant_moe.TiledExperts("mxfp4", 64, 32, tiled.w13, tiled.w2[:, 1:]),
+            None,
+            None,
+            None,
+        )
     with pytest.raises(ValueError, match="mxfp4 experts of hidden size 64 called as int4"):
         cpu_quant_moe.moe(x, ids, wts, "int4", tiled, None, None, None)
 

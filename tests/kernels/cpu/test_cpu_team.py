@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from kimitui.kernels.cpu import few_rows as cpu_few_rows, quant_moe as cpu_quant_moe
+from kimitui.kernels.cpu import few_rows as cpu_few_rows
+from kimitui.kernels.cpu import quant_moe as cpu_quant_moe
 
 REPO = Path(__file__).resolve().parents[3]
 
 pytestmark = [
-    pytest.mark.skipif(not (cpu_few_rows.available() and cpu_quant_moe.available()),
-                       reason="the C++ extensions do not build here"),
+    pytest.mark.skipif(
+        not (cpu_few_rows.available() and cpu_quant_moe.available()), reason="the C++ extensions do not build here"
+    ),
     pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads threads from Linux's /proc"),
 ]
 
@@ -60,14 +62,21 @@ def packed_moe(experts):
 
 
 def _run(body: str, **env) -> str:
-    proc = subprocess.run([sys.executable, "-c", PRELUDE + body], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+    proc = subprocess.run(
+        [sys.executable, "-c", PRELUDE + body],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
 
 
 def test_both_extensions_run_on_one_team_whose_workers_sleep_when_idle():
-    out = _run("""
+    out = _run(
+        """
 experts = packed_experts()  # loads both extensions, hands the team over, starts torch's OpenMP threads
 before = threads()
 pass_over_threads()
@@ -77,7 +86,9 @@ packed_moe(experts)
 extra = threads() - before - team
 time.sleep(0.3)  # past the spin window
 print(len(team), len(extra), sorted(state(t) for t in team))
-""", KIMITUI_CPU_SPIN_US="2000")
+""",
+        KIMITUI_CPU_SPIN_US="2000",
+    )
     workers, extra, states = out.split(maxsplit=2)
     assert workers == "1", out  # torch's two threads: the caller and one worker
     assert extra == "0", out  # the packed experts' passes ran on the same worker, not a team of their own
@@ -105,7 +116,8 @@ print(os.waitstatus_to_exitcode(status))
 def test_each_calling_thread_has_a_team_that_ends_with_it_and_fits_its_cpus():
     # As libgomp's pools: a host-experts worker thread (one per NUMA node, pinned) runs its passes on a
     # team of its own, whose threads inherit its CPU mask, at most one per CPU of it.
-    out = _run("""
+    out = _run(
+        """
 import threading
 experts = packed_experts()
 pass_over_threads()  # the main thread's team
@@ -124,5 +136,7 @@ for pin in (False, True):
     t.start(); t.join(); time.sleep(0.1)  # (the first thread's team ends before the second counts)
 time.sleep(0.3)  # the exited threads' teams stop
 print(len(seen[False]), len(seen[True]), len(threads() - before))
-""", KIMITUI_CPU_SPIN_US="2000")
+""",
+        KIMITUI_CPU_SPIN_US="2000",
+    )
     assert out.split() == ["1", "0", "0"], out

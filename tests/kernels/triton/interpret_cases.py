@@ -123,8 +123,9 @@ def fused_moe_pairs_computed_elsewhere():
     ids = torch.where(elsewhere, torch.full_like(topk_ids, 4), topk_ids)
     got = fused_moe(x, ids, topk_weights, w13, w2)
     # The same function with those pairs on expert 0 at weight zero.
-    expected = ref.moe_experts_reference(x, torch.where(elsewhere, 0, topk_ids),
-                                         topk_weights.masked_fill(elsewhere, 0.0), w13, w2)
+    expected = ref.moe_experts_reference(
+        x, torch.where(elsewhere, 0, topk_ids), topk_weights.masked_fill(elsewhere, 0.0), w13, w2
+    )
     _close(got, expected, 1e-4)
     assert got[0].abs().max() == 0
 
@@ -248,8 +249,11 @@ def engine_on_the_device_path_matches_the_cpu_path():
                 try:
                     llm = LLM(tmp, max_model_len=64, max_num_seqs=2, enable_prefix_caching=False)
                     assert type(llm.engine.model.model.layers[0].self_attn.ops).__name__ == (
-                        "TritonBackend" if device_path else "CpuBackend")
-                    runs.append([o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)])
+                        "TritonBackend" if device_path else "CpuBackend"
+                    )
+                    runs.append(
+                        [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+                    )
                 finally:
                     if saved is None:
                         os.environ.pop("KIMITUI_EMULATE_DEVICE")

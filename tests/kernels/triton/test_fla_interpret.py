@@ -87,13 +87,18 @@ def _interpreter_workarounds(gather) -> None:
     def visit_for(self, node):
         node = self.generic_visit(node)
         fn = node.iter.func if isinstance(node.iter, ast.Call) else None
-        is_range = (isinstance(fn, ast.Name) and fn.id == "range") or \
-            (isinstance(fn, ast.Attribute) and fn.attr == "range")
+        is_range = (isinstance(fn, ast.Name) and fn.id == "range") or (
+            isinstance(fn, ast.Attribute) and fn.attr == "range"
+        )
         if is_range and isinstance(node.target, ast.Name):
             name = node.target.id
-            wrap = ast.Call(func=ast.Attribute(value=ast.Name(id="interpreter_semantic", ctx=ast.Load()),
-                                               attr="to_tensor", ctx=ast.Load()),
-                            args=[ast.Name(id=name, ctx=ast.Load()), ast.Constant(value=False)], keywords=[])
+            wrap = ast.Call(
+                func=ast.Attribute(
+                    value=ast.Name(id="interpreter_semantic", ctx=ast.Load()), attr="to_tensor", ctx=ast.Load()
+                ),
+                args=[ast.Name(id=name, ctx=ast.Load()), ast.Constant(value=False)],
+                keywords=[],
+            )
             node.body.insert(0, ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=wrap))
         return node
 
@@ -129,8 +134,8 @@ def _gates(T, H, K):
 
 def _chunk_through_wrapper(cu, H, K, V, dtype=torch.float32):
     from kimitui.kernels import kda
-    from kimitui.kernels.triton import kda_fla
     from kimitui.kernels import reference as ref
+    from kimitui.kernels.triton import kda_fla
 
     cu_seqlens = torch.tensor(cu)
     T, N = cu[-1], len(cu) - 1
@@ -146,8 +151,10 @@ def _chunk_through_wrapper(cu, H, K, V, dtype=torch.float32):
     want_o, want_final = kda.chunk_kda(q, k, v, g, beta, h0, cu_seqlens, scale)
     # fp16 inputs: fla keeps its intermediates (w, u, the per-chunk states) in the input dtype.
     tol = TOL if dtype == torch.float32 else 2e-3
-    errs = [_close(o, want_o, "o vs kda.chunk_kda", tol),
-            _close(final, want_final, "final state vs kda.chunk_kda", tol)]
+    errs = [
+        _close(o, want_o, "o vs kda.chunk_kda", tol),
+        _close(final, want_final, "final state vs kda.chunk_kda", tol),
+    ]
     oracle_o, oracle_final = ref.kda_recurrence_reference(q, k, v, g, beta, h0, cu_seqlens, scale)
     errs += [_close(o, oracle_o, "o vs per-token oracle", tol), _close(final, oracle_final, "final vs oracle", tol)]
     return f"max err {max(errs):.1e}, fla {spent:.1f} s cpu"
@@ -166,8 +173,8 @@ def chunk_kda_wrapper_varlen_uneven_k128():
 @case
 def recurrent_kda_wrapper_decode_slots():
     from kimitui.kernels import kda
-    from kimitui.kernels.triton import kda_fla
     from kimitui.kernels import reference as ref
+    from kimitui.kernels.triton import kda_fla
 
     # Four decode steps of three sequences living in slots 4, 0, 2 of a 5-slot pool (the other
     # slots must stay untouched), q/k/v as strided views, the bounded gate.
@@ -201,8 +208,8 @@ def recurrent_kda_wrapper_decode_slots():
 @case
 def causal_conv1d_wrapper_prefill_and_decode():
     from kimitui.kernels import kda
-    from kimitui.kernels.triton import kda_fla
     from kimitui.kernels import reference as ref
+    from kimitui.kernels.triton import kda_fla
 
     # Channels as a strided slice of a wider row (the layer's qkv view), W = 4 (K3), fp32 weight;
     # sequence lengths 70 (crosses fla's 64-row conv tile), 0, 1 and 2 (shorter than W - 1: the
@@ -251,18 +258,41 @@ def chunk_kda_safe_gate_in_kernel_k3():
     h0 = torch.randn(N, H, K, V)
     t0 = time.process_time()
     o, final = fla.ops.kda.chunk_kda(
-        q[None], k[None], v[None], a_raw[None], beta[None], scale=_scale(K), initial_state=h0,
-        output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, safe_gate=True,
-        lower_bound=LOWER_BOUND, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu)
+        q[None],
+        k[None],
+        v[None],
+        a_raw[None],
+        beta[None],
+        scale=_scale(K),
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        safe_gate=True,
+        lower_bound=LOWER_BOUND,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        cu_seqlens=cu,
+    )
     spent = time.process_time() - t0
     g = kda_gate(a_raw + dt_bias.view(H, K), A_log, LOWER_BOUND)
     want_o, want_final = kda.chunk_kda(q, k, v, g, beta, h0, cu, _scale(K))
     errs = [_close(o[0], want_o, "o"), _close(final, want_final, "final state")]
     # The same safe-gate kernels with the gate precomputed (what the wrapper could pass for K3).
     o2, final2 = fla.ops.kda.chunk_kda(
-        q[None], k[None], v[None], g[None], beta[None], scale=_scale(K), initial_state=h0,
-        output_final_state=True, use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=LOWER_BOUND,
-        cu_seqlens=cu)
+        q[None],
+        k[None],
+        v[None],
+        g[None],
+        beta[None],
+        scale=_scale(K),
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        safe_gate=True,
+        lower_bound=LOWER_BOUND,
+        cu_seqlens=cu,
+    )
     errs += [_close(o2[0], want_o, "o, precomputed gate"), _close(final2, want_final, "final, precomputed gate")]
     return f"max err {max(errs):.1e}, fla {spent:.1f} s cpu"
 
@@ -282,10 +312,22 @@ def fused_recurrent_kda_gate_in_kernel_k3():
     pool, slots = torch.randn(4, H, K, V), torch.tensor([3, 1, 0])
     pool_ours = pool.clone()
     o, _ = fused_recurrent_kda_fwd(
-        q[:, None], k[:, None], v[:, None], a_raw[:, None], b_logit[:, None], A_log=A_log, dt_bias=dt_bias,
-        initial_state=pool, scale=_scale(K), inplace_final_state=True, ssm_state_indices=slots.int(),
-        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-        lower_bound=LOWER_BOUND)
+        q[:, None],
+        k[:, None],
+        v[:, None],
+        a_raw[:, None],
+        b_logit[:, None],
+        A_log=A_log,
+        dt_bias=dt_bias,
+        initial_state=pool,
+        scale=_scale(K),
+        inplace_final_state=True,
+        ssm_state_indices=slots.int(),
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        lower_bound=LOWER_BOUND,
+    )
     g = kda_gate(a_raw + dt_bias.view(H, K), A_log, LOWER_BOUND)
     want = kda.recurrent_kda(q, k, v, g, torch.sigmoid(b_logit), pool_ours, slots, _scale(K))
     return f"max err {max(_close(o[:, 0], want, 'o'), _close(pool, pool_ours, 'state pool')):.1e}"
@@ -319,20 +361,28 @@ def fused_recurrent_kda_spec_decode_semantics():
         else:
             args = [t[None] for t in (q, k, v, g, beta)]
             cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-        o, _ = fused_recurrent_kda_fwd(*args, initial_state=pool, scale=_scale(K), inplace_final_state=True,
-                                       ssm_state_indices=indices, num_accepted_tokens=accepted,
-                                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+        o, _ = fused_recurrent_kda_fwd(
+            *args,
+            initial_state=pool,
+            scale=_scale(K),
+            inplace_final_state=True,
+            ssm_state_indices=indices,
+            num_accepted_tokens=accepted,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu,
+        )
         o = o.reshape(total, H, V)
         errs, bos, written = [], 0, set()
         for n, length in enumerate(lens):
             start = before[indices[n, accepted[n] - 1].long()][None]
             for t in range(length):  # the state after t + 1 tokens
                 rows = slice(bos, bos + t + 1)
-                o_ref, s_ref = ref.kda_recurrence_reference(q[rows], k[rows], v[rows], g[rows], beta[rows], start,
-                                                            torch.tensor([0, t + 1]), _scale(K))
+                o_ref, s_ref = ref.kda_recurrence_reference(
+                    q[rows], k[rows], v[rows], g[rows], beta[rows], start, torch.tensor([0, t + 1]), _scale(K)
+                )
                 errs.append(_close(pool[indices[n, t].long()], s_ref[0], f"{layout}: seq {n} state after token {t}"))
                 written.add(int(indices[n, t]))
-            errs.append(_close(o[bos:bos + length], o_ref, f"{layout}: seq {n} outputs"))
+            errs.append(_close(o[bos : bos + length], o_ref, f"{layout}: seq {n} outputs"))
             bos += length
         others = [r for r in range(8) if r not in written]
         assert torch.equal(pool[others], before[others]), f"{layout}: rows outside the written slots changed"
@@ -346,6 +396,7 @@ def recurrent_kda_spec_wrapper_verify_step():
 
     # A verify step as the KDA layer runs it on a GPU: three sequences of 3, 1 and 4 rows (drafts
     from kimitui.kernels.triton import kda_fla
+
     # + 1), slots 6, 1, 3 of a 12-row pool whose rows 7..11 are scratch; each sequence starts from its
     # own slot and keeps the state after every position (scratch rows, its slot last).
     H, K, V, lens = 2, 64, 64, [3, 1, 4]
@@ -394,8 +445,10 @@ if __name__ == "__main__":
 
 # --- pytest side ------------------------------------------------------------------------------
 
-pytestmark = [needs_triton, pytest.mark.skipif(
-    __import__("importlib.util").util.find_spec("fla") is None, reason="fla-core is not installed")]
+pytestmark = [
+    needs_triton,
+    pytest.mark.skipif(__import__("importlib.util").util.find_spec("fla") is None, reason="fla-core is not installed"),
+]
 
 MODULE = "tests.kernels.triton.test_fla_interpret"
 

@@ -71,8 +71,14 @@ def _yarn():
     from kimitui.engine.config import RopeScaling
     from kimitui.engine.layers.rope import YarnRotaryEmbedding
 
-    scaling = RopeScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
-                          mscale=1.0, mscale_all_dim=1.0)
+    scaling = RopeScaling(
+        factor=32.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    )
     return YarnRotaryEmbedding(64, 50000.0, scaling, max_position=300)
 
 
@@ -241,8 +247,11 @@ def fused_moe_with_triton_alignment():
     topk_ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).to(torch.int32)
     topk_weights = torch.rand(t, k)
     w13, w2 = torch.randn(e, 2 * inter, d) / 4, torch.randn(e, d, inter) / 4
-    _close(fused_moe(x, topk_ids, topk_weights, w13, w2),
-           base.moe_experts_reference(x, topk_ids, topk_weights, w13, w2), 1e-4)
+    _close(
+        fused_moe(x, topk_ids, topk_weights, w13, w2),
+        base.moe_experts_reference(x, topk_ids, topk_weights, w13, w2),
+        1e-4,
+    )
 
 
 # --- launch counts: one fused kernel vs its op-by-op reference --------------------------------
@@ -251,8 +260,8 @@ def fused_moe_with_triton_alignment():
 @case
 def launch_count_fused_norm_vs_reference():
     from kimitui.kernels import reference as ref
-    from kimitui.kernels.triton.fused_add_rms_norm import fused_add_rms_norm
     from kimitui.kernels.launch_count import count_launches
+    from kimitui.kernels.triton.fused_add_rms_norm import fused_add_rms_norm
 
     x, r, w = torch.randn(2, 64).half(), torch.randn(2, 64).half(), torch.rand(64).half()
     with count_launches() as fused:
@@ -267,8 +276,8 @@ def launch_count_fused_norm_vs_reference():
 
 @case
 def launch_count_alignment_vs_aten():
-    from kimitui.kernels.triton.fused_moe import moe_align_block_size as aten_align
     from kimitui.kernels.launch_count import count_launches
+    from kimitui.kernels.triton.fused_moe import moe_align_block_size as aten_align
     from kimitui.kernels.triton.moe_align import moe_align_block_size
 
     ids = torch.stack([torch.randperm(384)[:8] for _ in range(4)])
@@ -294,12 +303,18 @@ def launch_count_rope_router_cache_write_vs_reference():
     logits, bias = torch.randn(2, 64), torch.randn(64)
     cache, slots, w = torch.zeros(2, 16, 96), torch.tensor([4, 20]), torch.rand(32)
     calls = {
-        "rope": (lambda: rope_mla(q, kv[:, 32:], rope.cos, rope.sin, pos),
-                 lambda: ref.rope_mla(q, kv[:, 32:], rope.cos, rope.sin, pos)),
-        "router": (lambda: moe_route_logits(logits, bias, 8, 8, 4, scaling=2.8),
-                   lambda: ref.moe_route_logits(logits, bias, 8, 8, 4, scaling=2.8)),
-        "cache write": (lambda: mla_cache_write(kv, w, 1e-6, rope.cos, rope.sin, pos, slots, cache),
-                        lambda: ref.mla_cache_write(kv, w, 1e-6, rope.cos, rope.sin, pos, slots, cache)),
+        "rope": (
+            lambda: rope_mla(q, kv[:, 32:], rope.cos, rope.sin, pos),
+            lambda: ref.rope_mla(q, kv[:, 32:], rope.cos, rope.sin, pos),
+        ),
+        "router": (
+            lambda: moe_route_logits(logits, bias, 8, 8, 4, scaling=2.8),
+            lambda: ref.moe_route_logits(logits, bias, 8, 8, 4, scaling=2.8),
+        ),
+        "cache write": (
+            lambda: mla_cache_write(kv, w, 1e-6, rope.cos, rope.sin, pos, slots, cache),
+            lambda: ref.mla_cache_write(kv, w, 1e-6, rope.cos, rope.sin, pos, slots, cache),
+        ),
     }
     notes = []
     for name, (fused_call, eager_call) in calls.items():
@@ -346,19 +361,38 @@ def _bad_calls():
         (lambda: fused_add_rms_norm(x, x.half(), torch.ones(8)), "residual must be torch.float32"),
         (lambda: fused_add_rms_norm(x, x, torch.ones(7)), r"weight must be contiguous \[H=8\]"),
         (lambda: fused_add_rms_norm(x.int(), x, torch.ones(8)), "x must be fp16/bf16/fp32"),
-        (lambda: rope_mla(torch.randn(2, 3, 8), torch.randn(2, 6), cs, cs, torch.zeros(2).long()),
-         r"k_pe must be \[T=2, R=8\]"),
-        (lambda: rope_mla(torch.randn(2, 3, 8), torch.randn(2, 8), cs, cs, torch.zeros(3).long()),
-         r"positions must be int32/int64 \[T=2\]"),
-        (lambda: rope_mla(torch.randn(2, 3, 8), torch.randn(2, 8), cs.double(), cs, torch.zeros(2).long()),
-         "cos must be contiguous fp32"),
+        (
+            lambda: rope_mla(torch.randn(2, 3, 8), torch.randn(2, 6), cs, cs, torch.zeros(2).long()),
+            r"k_pe must be \[T=2, R=8\]",
+        ),
+        (
+            lambda: rope_mla(torch.randn(2, 3, 8), torch.randn(2, 8), cs, cs, torch.zeros(3).long()),
+            r"positions must be int32/int64 \[T=2\]",
+        ),
+        (
+            lambda: rope_mla(torch.randn(2, 3, 8), torch.randn(2, 8), cs.double(), cs, torch.zeros(2).long()),
+            "cos must be contiguous fp32",
+        ),
         (lambda: moe_route_logits(torch.randn(2, 12), None, 3, n_group=5), "n_group=5 must divide E=12"),
-        (lambda: moe_route_logits(torch.randn(2, 12), None, 7, n_group=4, topk_group=2), r"top_k=7 must be in \[1, 6\]"),
+        (
+            lambda: moe_route_logits(torch.randn(2, 12), None, 7, n_group=4, topk_group=2),
+            r"top_k=7 must be in \[1, 6\]",
+        ),
         (lambda: moe_route_logits(torch.randn(2, 12), torch.zeros(11), 2), r"bias must be a contiguous float \[E=12\]"),
         (lambda: moe_align_block_size(torch.zeros(2, 2), 16, 8), "topk_ids must be int32/int64"),
-        (lambda: mla_cache_write(torch.randn(2, 12), torch.ones(8), 1e-6, torch.zeros(10, 2), torch.zeros(10, 2),
-                                 torch.zeros(2).long(), torch.zeros(2).long(), torch.zeros(4, 13)),
-         r"cache must be contiguous fp16/bf16/fp32 \[..., 12\]"),
+        (
+            lambda: mla_cache_write(
+                torch.randn(2, 12),
+                torch.ones(8),
+                1e-6,
+                torch.zeros(10, 2),
+                torch.zeros(10, 2),
+                torch.zeros(2).long(),
+                torch.zeros(2).long(),
+                torch.zeros(4, 13),
+            ),
+            r"cache must be contiguous fp16/bf16/fp32 \[..., 12\]",
+        ),
         (lambda: fused_add_rms_norm(x, x, torch.ones(8)), "need a CUDA/ROCm tensor"),  # valid, but on a CPU
     ]
 

@@ -50,15 +50,16 @@ def _kda_compare(n, h, d, w, dtype, lower_bound, tol, steps=3):
     ref_conv, ref_rec = conv_state.clone(), rec_state.clone()
     for step in range(steps):  # several steps: the states written by the kernel are read back by it
         args = (qkv * (1 + step), f_b, b, gate, conv_w, A_log, dt_bias, lower_bound, norm_w, 1e-5)
-        got = TritonBackend().kda_decode(*args, conv_state, rec_state, slots, d ** -0.5)
-        want = REFERENCE.kda_decode(*args, ref_conv, ref_rec, slots, d ** -0.5)
+        got = TritonBackend().kda_decode(*args, conv_state, rec_state, slots, d**-0.5)
+        want = REFERENCE.kda_decode(*args, ref_conv, ref_rec, slots, d**-0.5)
         assert got.shape == (n, h * d) and got.dtype == dtype
         _close(got, want, tol)
         _close(conv_state, ref_conv, 1e-6)
         _close(rec_state, ref_rec, tol)
     untouched = [s for s in range(6) if s not in slots.tolist()]
-    assert torch.equal(rec_state[untouched], ref_rec[untouched]) and torch.equal(conv_state[untouched],
-                                                                                 ref_conv[untouched])
+    assert torch.equal(rec_state[untouched], ref_rec[untouched]) and torch.equal(
+        conv_state[untouched], ref_conv[untouched]
+    )
 
 
 @case
@@ -85,11 +86,24 @@ def kda_decode_fp16_kernel_3():
 def kda_decode_padding_slot_writes_zeros_and_no_state():
     from kimitui.kernels.triton.kda_decode import kda_decode
 
-    qkv, f_b, b, gate, conv_w, A_log, dt_bias, norm_w, conv_state, rec_state = _kda_inputs(2, 2, 16, 4,
-                                                                                          torch.float32)
+    qkv, f_b, b, gate, conv_w, A_log, dt_bias, norm_w, conv_state, rec_state = _kda_inputs(2, 2, 16, 4, torch.float32)
     conv0, rec0 = conv_state.clone(), rec_state.clone()
-    out = kda_decode(qkv, f_b, b, gate, conv_w, A_log, dt_bias, -5.0, norm_w, 1e-5, conv_state, rec_state,
-                     torch.tensor([-1, 6]), 0.25)
+    out = kda_decode(
+        qkv,
+        f_b,
+        b,
+        gate,
+        conv_w,
+        A_log,
+        dt_bias,
+        -5.0,
+        norm_w,
+        1e-5,
+        conv_state,
+        rec_state,
+        torch.tensor([-1, 6]),
+        0.25,
+    )
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.equal(conv_state, conv0) and torch.equal(rec_state, rec0)
 
@@ -100,10 +114,23 @@ def kda_decode_is_one_launch():
     from kimitui.kernels.launch_count import count_launches
     from kimitui.kernels.triton.backend import TritonBackend
 
-    qkv, f_b, b, gate, conv_w, A_log, dt_bias, norm_w, conv_state, rec_state = _kda_inputs(3, 2, 16, 4,
-                                                                                          torch.float16)
-    args = (qkv, f_b, b, gate, conv_w, A_log, dt_bias, -5.0, norm_w, 1e-5, conv_state, rec_state,
-            torch.tensor([0, 1, 2]), 0.25)
+    qkv, f_b, b, gate, conv_w, A_log, dt_bias, norm_w, conv_state, rec_state = _kda_inputs(3, 2, 16, 4, torch.float16)
+    args = (
+        qkv,
+        f_b,
+        b,
+        gate,
+        conv_w,
+        A_log,
+        dt_bias,
+        -5.0,
+        norm_w,
+        1e-5,
+        conv_state,
+        rec_state,
+        torch.tensor([0, 1, 2]),
+        0.25,
+    )
     with count_launches() as fused:
         TritonBackend().kda_decode(*args)
     with count_launches() as eager:
@@ -179,8 +206,11 @@ def mla_cache_write_nope_with_query_norm():
     from kimitui.kernels.backend import REFERENCE
     from kimitui.kernels.triton.mla_cache_write import mla_cache_write
 
-    for dtype, wdtype, tol in ((torch.float16, torch.float16, 2e-3), (torch.float32, torch.float32, 1e-5),
-                               (torch.float16, torch.float32, 2e-3)):
+    for dtype, wdtype, tol in (
+        (torch.float16, torch.float16, 2e-3),
+        (torch.float32, torch.float32, 1e-5),
+        (torch.float16, torch.float32, 2e-3),
+    ):
         t, qdim, r, rope = 4, 24, 32, 7  # an odd key width: NoPE copies it, no pairs
         y = torch.randn(t, qdim + r + rope).to(dtype)  # the fused projection: q_a part, then kv
         q_in, kv = y[:, :qdim], y[:, qdim:]
@@ -203,7 +233,7 @@ def mla_q_absorb_nope_copies_the_tail():
 
     for b, h, nope, r, dtype, tol in ((3, 5, 24, 40, torch.float32, 1e-5), (20, 2, 16, 16, torch.float16, 2e-3)):
         q = torch.randn(b, h, nope + 8).to(dtype)
-        w_uk = (torch.randn(h, nope, r) / nope ** 0.5).to(dtype)
+        w_uk = (torch.randn(h, nope, r) / nope**0.5).to(dtype)
         pos = torch.randint(0, 128, (b,))
         want = REFERENCE.mla_absorb_query(q, w_uk, None, pos)
         got = mla_q_absorb(q, w_uk, None, None, pos)
@@ -236,20 +266,67 @@ def bad_input_is_one_clear_line():
     from kimitui.kernels.triton.sigmoid_gate import sigmoid_gate
 
     x, w = torch.randn(2, 8), torch.ones(8)
-    qkv, f_b, b, gate, conv_w, A_log, dt_bias, norm_w, conv_state, rec_state = _kda_inputs(2, 2, 16, 4,
-                                                                                          torch.float32)
+    qkv, f_b, b, gate, conv_w, A_log, dt_bias, norm_w, conv_state, rec_state = _kda_inputs(2, 2, 16, 4, torch.float32)
     calls = [
-        (lambda: attn_res_mix_norm(x, torch.zeros(1, 2, 8), 1, w, 1e-6, w, w, 1e-6, save=True),
-         "blocks must be torch.float32 [>= 2, T=2, D=8]"),
-        (lambda: attn_res_mix_norm(x, torch.zeros(1, 2, 8), 0, w, 1e-6, torch.ones(7), w, 1e-6),
-         "proj_weight must be contiguous float with 8 entries"),
-        (lambda: kda_decode(qkv, f_b, b, gate, conv_w, A_log, dt_bias, 1.0, norm_w, 1e-5, conv_state, rec_state,
-                            torch.tensor([0, 1]), 0.25), "lower_bound must be negative"),
-        (lambda: kda_decode(qkv, f_b, b, gate, conv_w, A_log, dt_bias, None, norm_w, 1e-5, conv_state,
-                            rec_state[:, :1], torch.tensor([0, 1]), 0.25), "rec_state must be fp32"),
-        (lambda: mla_cache_write(torch.randn(2, 12), torch.ones(8), 1e-6, torch.zeros(4, 2), None,
-                                 torch.zeros(2).long(), torch.zeros(2).long(), torch.zeros(4, 12)),
-         "cos and sin are both tensors"),
+        (
+            lambda: attn_res_mix_norm(x, torch.zeros(1, 2, 8), 1, w, 1e-6, w, w, 1e-6, save=True),
+            "blocks must be torch.float32 [>= 2, T=2, D=8]",
+        ),
+        (
+            lambda: attn_res_mix_norm(x, torch.zeros(1, 2, 8), 0, w, 1e-6, torch.ones(7), w, 1e-6),
+            "proj_weight must be contiguous float with 8 entries",
+        ),
+        (
+            lambda: kda_decode(
+                qkv,
+                f_b,
+                b,
+                gate,
+                conv_w,
+                A_log,
+                dt_bias,
+                1.0,
+                norm_w,
+                1e-5,
+                conv_state,
+                rec_state,
+                torch.tensor([0, 1]),
+                0.25,
+            ),
+            "lower_bound must be negative",
+        ),
+        (
+            lambda: kda_decode(
+                qkv,
+                f_b,
+                b,
+                gate,
+                conv_w,
+                A_log,
+                dt_bias,
+                None,
+                norm_w,
+                1e-5,
+                conv_state,
+                rec_state[:, :1],
+                torch.tensor([0, 1]),
+                0.25,
+            ),
+            "rec_state must be fp32",
+        ),
+        (
+            lambda: mla_cache_write(
+                torch.randn(2, 12),
+                torch.ones(8),
+                1e-6,
+                torch.zeros(4, 2),
+                None,
+                torch.zeros(2).long(),
+                torch.zeros(2).long(),
+                torch.zeros(4, 12),
+            ),
+            "cos and sin are both tensors",
+        ),
         (lambda: sigmoid_gate(x, torch.randn(2, 8).half()), "gate must be torch.float32"),
     ]
     for call, match in calls:

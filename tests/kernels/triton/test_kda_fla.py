@@ -15,26 +15,48 @@ import torch
 import torch.nn.functional as F
 
 from kimitui.kernels import kda
-
-from kimitui.kernels.triton import kda_fla
 from kimitui.kernels import reference as ref
+from kimitui.kernels.triton import kda_fla
 
 
-def _fake_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                    use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kw):
+def _fake_chunk_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+    **kw,
+):
     assert q.dim() == 4 and q.shape[0] == 1 and cu_seqlens is not None and not kw
     assert output_final_state and use_qk_l2norm_in_kernel
     o, ht = ref.kda_recurrence_reference(q[0], k[0], v[0], g[0], beta[0], initial_state, cu_seqlens, scale)
     return o[None], ht
 
 
-def _fake_recurrent_fwd(q, k, v, g, beta, initial_state=None, scale=None, inplace_final_state=True,
-                        ssm_state_indices=None, use_qk_l2norm_in_kernel=False, **kw):
+def _fake_recurrent_fwd(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    initial_state=None,
+    scale=None,
+    inplace_final_state=True,
+    ssm_state_indices=None,
+    use_qk_l2norm_in_kernel=False,
+    **kw,
+):
     B, T = q.shape[:2]
     assert T == 1 and inplace_final_state and use_qk_l2norm_in_kernel and not kw
     idx = ssm_state_indices.long()
-    o, ht = ref.kda_recurrence_reference(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial_state[idx],
-                                         torch.arange(B + 1), scale)
+    o, ht = ref.kda_recurrence_reference(
+        q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial_state[idx], torch.arange(B + 1), scale
+    )
     initial_state[idx] = ht
     return o[:, None], initial_state
 
@@ -53,7 +75,7 @@ def _fake_conv(x, weight=None, initial_state=None, output_final_state=False, act
     cu = cu_seqlens.tolist()
     ys, finals = [], []
     for n in range(len(cu) - 1):
-        y, f = _fla_conv_one(initial_state[n], x[0, cu[n]:cu[n + 1]], weight)
+        y, f = _fla_conv_one(initial_state[n], x[0, cu[n] : cu[n + 1]], weight)
         ys.append(y)
         finals.append(f)
     return torch.cat(ys).to(x.dtype)[None], torch.stack(finals).to(x.dtype)
@@ -63,7 +85,7 @@ def _fake_conv_update(x, cache, weight=None, activation=None, **kw):
     assert x.dim() == 2 and activation == "silu" and cache.shape[-1] == weight.shape[1]
     ys = []
     for n in range(x.shape[0]):
-        y, f = _fla_conv_one(cache[n], x[n:n + 1], weight)
+        y, f = _fla_conv_one(cache[n], x[n : n + 1], weight)
         cache[n] = f
         ys.append(y)
     return torch.cat(ys).to(x.dtype), cache
@@ -71,8 +93,17 @@ def _fake_conv_update(x, cache, weight=None, activation=None, **kw):
 
 @pytest.fixture
 def fake_fla(monkeypatch):
-    mods = {name: types.ModuleType(name) for name in
-            ("fla", "fla.ops", "fla.ops.kda", "fla.ops.kda.fused_recurrent", "fla.modules", "fla.modules.causal_conv1d")}
+    mods = {
+        name: types.ModuleType(name)
+        for name in (
+            "fla",
+            "fla.ops",
+            "fla.ops.kda",
+            "fla.ops.kda.fused_recurrent",
+            "fla.modules",
+            "fla.modules.causal_conv1d",
+        )
+    }
     mods["fla.ops.kda"].chunk_kda = _fake_chunk_kda
     mods["fla.ops.kda.fused_recurrent"].fused_recurrent_kda_fwd = _fake_recurrent_fwd
     mods["fla.modules.causal_conv1d"].causal_conv1d = _fake_conv

@@ -146,8 +146,8 @@ def backend_router_counts_match_reference_backend():
 @case
 def add_rms_norm_fp32_copy_is_exact():
     from kimitui.kernels.backend import REFERENCE
-    from kimitui.kernels.triton.fused_add_rms_norm import fused_add_rms_norm
     from kimitui.kernels.triton.backend import TritonBackend
+    from kimitui.kernels.triton.fused_add_rms_norm import fused_add_rms_norm
 
     x, r, w = torch.randn(3, 72).half(), torch.randn(3, 72).half(), (torch.rand(72) + 0.5).half()
     out32 = torch.full((3, 72), float("nan"))
@@ -200,7 +200,7 @@ def mla_q_absorb_matches_bmm_and_rope():
     rope = _rope()
     for b, h, nope, r, dtype, tol in ((3, 5, 24, 40, torch.float32, 1e-5), (20, 2, 128, 96, torch.float16, 2e-3)):
         q = torch.randn(b, h, nope + 16).to(dtype)
-        w_uk = (torch.randn(h, nope, r) / nope ** 0.5).to(dtype)
+        w_uk = (torch.randn(h, nope, r) / nope**0.5).to(dtype)
         pos = torch.randint(0, 128, (b,))
         pos[0] = 500  # outside the cache: the rope tail is zeroed, never read out of bounds
         want = REFERENCE.mla_absorb_query(q, w_uk, rope, pos.clamp(max=127))
@@ -253,17 +253,15 @@ def mla_decode_short_sequences_under_a_long_bound():
 @case
 def launch_counts_of_the_cuts():
     from kimitui.engine.layers.activation import GatedActivation
+    from kimitui.kernels.launch_count import count_launches
     from kimitui.kernels.triton.fused_moe import moe_combine
     from kimitui.kernels.triton.gated_act import gated_act
-    from kimitui.kernels.launch_count import count_launches
 
     gu, ids, pairs = torch.randn(3, 64).half(), torch.randint(0, 4, (3, 2)), torch.randn(6, 32)
     notes = []
     for name, fused, eager in (
-        ("silu_and_mul", lambda: gated_act(gu),
-         lambda: GatedActivation()(gu[:, :32], gu[:, 32:])),
-        ("combine", lambda: moe_combine(pairs, ids, 4, torch.float16),
-         lambda: pairs.view(3, 2, 32).sum(dim=1).half()),
+        ("silu_and_mul", lambda: gated_act(gu), lambda: GatedActivation()(gu[:, :32], gu[:, 32:])),
+        ("combine", lambda: moe_combine(pairs, ids, 4, torch.float16), lambda: pairs.view(3, 2, 32).sum(dim=1).half()),
     ):
         with count_launches() as a:
             fused()
@@ -313,34 +311,90 @@ def _compile_specs():
     return {
         "gated_act_silu": (_gated_act_kernel, act, dict(ACT=0, BOUND_UP=False, BLOCK=1024)),
         "gated_act_situ": (_gated_act_kernel, act, dict(ACT=1, BOUND_UP=True, BLOCK=1024)),
-        "moe_combine": (_moe_combine_kernel, {"pairs_ptr": "*fp32", "ids_ptr": "*i64", "y_ptr": bf16},
-                        dict(TOP_K=8, BLOCK_D=1024)),
-        "moe_router_counts": (_moe_router_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64",
-                                                   "weights_ptr": bf16, "counts_ptr": "*i64", "count_rows_ptr": "*i32",
-                                                   "scaling": "fp32"},
-                              dict(TOP_K=8, N_GROUP=1, TOPK_GROUP=1, SOFTMAX=False, RENORMALIZE=True, HAS_BIAS=True,
-                                   COUNT=True, ROW_MASK=True, BLOCK_E=512, BLOCK_K=8, BLOCK_G=1)),
-        "mla_q_absorb": (_mla_q_absorb_kernel, {"q_ptr": bf16, "w_ptr": bf16, "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-                                                "pos_ptr": "*i64", "out_ptr": bf16},
-                         dict(BLOCK_B=16, BLOCK_R=64, BLOCK_K=64, BLOCK_P=32, ROPE=True)),
-        "mla_cache_write_q_norm": (_mla_cache_write_kernel,
-                                   {"kv_ptr": bf16, "w_ptr": bf16, "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-                                    "pos_ptr": "*i64", "slot_ptr": "*i64", "cache_ptr": bf16, "q_ptr": bf16,
-                                    "qw_ptr": bf16, "qo_ptr": bf16, "eps": "fp32", "q_eps": "fp32"},
-                                   dict(NORM_DTYPE=None, BLOCK_LAT=512, BLOCK_P=32, HAS_Q=True, BLOCK_Q=2048,
-                                        ROPE=True)),
-        "add_rms_norm_out32": (_fused_add_rms_norm_kernel, {"x_ptr": bf16, "r_ptr": bf16, "w_ptr": bf16,
-                                                            "out_ptr": bf16, "rout_ptr": bf16, "o32_ptr": "*fp32",
-                                                            "eps": "fp32"}, dict(BLOCK=8192, HAS_OUT32=True)),
+        "moe_combine": (
+            _moe_combine_kernel,
+            {"pairs_ptr": "*fp32", "ids_ptr": "*i64", "y_ptr": bf16},
+            dict(TOP_K=8, BLOCK_D=1024),
+        ),
+        "moe_router_counts": (
+            _moe_router_kernel,
+            {
+                "logits_ptr": "*fp32",
+                "bias_ptr": "*fp32",
+                "ids_ptr": "*i64",
+                "weights_ptr": bf16,
+                "counts_ptr": "*i64",
+                "count_rows_ptr": "*i32",
+                "scaling": "fp32",
+            },
+            dict(
+                TOP_K=8,
+                N_GROUP=1,
+                TOPK_GROUP=1,
+                SOFTMAX=False,
+                RENORMALIZE=True,
+                HAS_BIAS=True,
+                COUNT=True,
+                ROW_MASK=True,
+                BLOCK_E=512,
+                BLOCK_K=8,
+                BLOCK_G=1,
+            ),
+        ),
+        "mla_q_absorb": (
+            _mla_q_absorb_kernel,
+            {"q_ptr": bf16, "w_ptr": bf16, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": bf16},
+            dict(BLOCK_B=16, BLOCK_R=64, BLOCK_K=64, BLOCK_P=32, ROPE=True),
+        ),
+        "mla_cache_write_q_norm": (
+            _mla_cache_write_kernel,
+            {
+                "kv_ptr": bf16,
+                "w_ptr": bf16,
+                "cos_ptr": "*fp32",
+                "sin_ptr": "*fp32",
+                "pos_ptr": "*i64",
+                "slot_ptr": "*i64",
+                "cache_ptr": bf16,
+                "q_ptr": bf16,
+                "qw_ptr": bf16,
+                "qo_ptr": bf16,
+                "eps": "fp32",
+                "q_eps": "fp32",
+            },
+            dict(NORM_DTYPE=None, BLOCK_LAT=512, BLOCK_P=32, HAS_Q=True, BLOCK_Q=2048, ROPE=True),
+        ),
+        "add_rms_norm_out32": (
+            _fused_add_rms_norm_kernel,
+            {
+                "x_ptr": bf16,
+                "r_ptr": bf16,
+                "w_ptr": bf16,
+                "out_ptr": bf16,
+                "rout_ptr": bf16,
+                "o32_ptr": "*fp32",
+                "eps": "fp32",
+            },
+            dict(BLOCK=8192, HAS_OUT32=True),
+        ),
     }
 
 
-COMPILE_NAMES = ["gated_act_silu", "gated_act_situ", "moe_combine", "moe_router_counts", "mla_q_absorb",
-                 "mla_cache_write_q_norm", "add_rms_norm_out32"]
+COMPILE_NAMES = [
+    "gated_act_silu",
+    "gated_act_situ",
+    "moe_combine",
+    "moe_router_counts",
+    "mla_q_absorb",
+    "mla_cache_write_q_norm",
+    "add_rms_norm_out32",
+]
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"),
-                    reason="kernels are interpreted functions under TRITON_INTERPRET")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"),
+    reason="kernels are interpreted functions under TRITON_INTERPRET",
+)
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("name", COMPILE_NAMES)
 def test_kernel_compiles_for_gpu_targets(name, target):
@@ -355,8 +409,9 @@ def test_kernel_compiles_for_gpu_targets(name, target):
     if "NORM_DTYPE" in consts:
         consts = {**consts, "NORM_DTYPE": tl.bfloat16}
     signature = {arg: "constexpr" if arg in consts else types.get(arg, "i32") for arg in fn.arg_names}
-    compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget(*TARGETS[target]),
-                              options={"num_warps": 4})
+    compiled = triton.compile(
+        ASTSource(fn, signature, consts), target=GPUTarget(*TARGETS[target]), options={"num_warps": 4}
+    )
     assert "cubin" in compiled.asm or "hsaco" in compiled.asm
 
 
@@ -372,18 +427,29 @@ def _bad_calls():
         (lambda: gated_act(torch.randn(2, 7)), r"gu must be fp16/bf16/fp32 \[..., 2I\]"),
         (lambda: gated_act(torch.randn(2, 8), "gelu"), "kind must be silu or situ"),
         (lambda: gated_act(torch.randn(2, 8), "situ", beta=0.0), "SiTU betas must be positive"),
-        (lambda: moe_combine(torch.randn(5, 4), torch.zeros(3, 2).long(), 4, torch.float16),
-         r"pairs must be \[T\*k=6, D\]"),
-        (lambda: moe_route_logits(torch.randn(2, 12), None, 2, counts=torch.zeros(11).long()),
-         r"counts must be a contiguous int32/int64 \[E=12\]"),
+        (
+            lambda: moe_combine(torch.randn(5, 4), torch.zeros(3, 2).long(), 4, torch.float16),
+            r"pairs must be \[T\*k=6, D\]",
+        ),
+        (
+            lambda: moe_route_logits(torch.randn(2, 12), None, 2, counts=torch.zeros(11).long()),
+            r"counts must be a contiguous int32/int64 \[E=12\]",
+        ),
         (lambda: moe_route_logits(torch.randn(2, 12), None, 2, weights_dtype=torch.int32), "weights_dtype must be"),
-        (lambda: fused_add_rms_norm(torch.randn(2, 8), torch.randn(2, 8), torch.ones(8),
-                                    out32=torch.empty(2, 8).half()),
-         r"out32 must be torch.float32 \(2, 8\)"),
-        (lambda: mla_q_absorb(torch.randn(2, 3, 24), torch.randn(4, 16, 32), cs, cs, torch.zeros(2).long()),
-         r"w_uk must be \[H=3, nope < 24, r\]"),
-        (lambda: mla_q_absorb(torch.randn(2, 3, 24), torch.randn(3, 16, 32), cs, cs, torch.zeros(3).long()),
-         r"positions must be int32/int64 \[B=2\]"),
+        (
+            lambda: fused_add_rms_norm(
+                torch.randn(2, 8), torch.randn(2, 8), torch.ones(8), out32=torch.empty(2, 8).half()
+            ),
+            r"out32 must be torch.float32 \(2, 8\)",
+        ),
+        (
+            lambda: mla_q_absorb(torch.randn(2, 3, 24), torch.randn(4, 16, 32), cs, cs, torch.zeros(2).long()),
+            r"w_uk must be \[H=3, nope < 24, r\]",
+        ),
+        (
+            lambda: mla_q_absorb(torch.randn(2, 3, 24), torch.randn(3, 16, 32), cs, cs, torch.zeros(3).long()),
+            r"positions must be int32/int64 \[B=2\]",
+        ),
         (lambda: gated_act(torch.randn(2, 8)), "need a CUDA/ROCm tensor"),  # valid, but on a CPU
     ]
 

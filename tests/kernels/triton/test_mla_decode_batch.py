@@ -24,11 +24,23 @@ def _case(dtype, heads=HEADS, lens=LENS):
     pos = (torch.tensor(lens) - 1).clamp(min=0)
     slots = tables[torch.arange(seqs), pos // BLOCK].long() * BLOCK + pos % BLOCK
     angles = torch.arange(max(64, max(lens))).float()[:, None] * torch.linspace(0.05, 1, ROPE // 2)
-    return dict(q=f(seqs, heads, NOPE + ROPE), kv=f(seqs, R + ROPE), kv_norm_weight=1 + f(R, scale=0.1), eps=1e-6,
-                cos=angles.cos(), sin=angles.sin(), positions=pos, slots=slots,
-                w_uk=f(heads, NOPE, R, scale=0.2).to(dtype), w_uv=f(heads, V, R, scale=0.2).to(dtype),
-                cache=f(num_blocks * BLOCK, R + ROPE).to(dtype), block_tables=tables,
-                context_lens=torch.tensor(lens, dtype=torch.int32), block_size=BLOCK, scale=0.3)
+    return dict(
+        q=f(seqs, heads, NOPE + ROPE),
+        kv=f(seqs, R + ROPE),
+        kv_norm_weight=1 + f(R, scale=0.1),
+        eps=1e-6,
+        cos=angles.cos(),
+        sin=angles.sin(),
+        positions=pos,
+        slots=slots,
+        w_uk=f(heads, NOPE, R, scale=0.2).to(dtype),
+        w_uv=f(heads, V, R, scale=0.2).to(dtype),
+        cache=f(num_blocks * BLOCK, R + ROPE).to(dtype),
+        block_tables=tables,
+        context_lens=torch.tensor(lens, dtype=torch.int32),
+        block_size=BLOCK,
+        scale=0.3,
+    )
 
 
 def _rope(x, cos, sin):  # interleaved pairs (x[2p], x[2p+1]) turned by angle p

@@ -79,15 +79,42 @@ def test_interpreted(name, interpreter_results):
 
 # Device properties as torch reports them (fields of torch.cuda.get_device_properties); the MI355X
 # one reports 64 KB of shared memory per block, as some ROCm releases do for gfx950.
-H200 = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, shared_memory_per_block=49152,
-                             shared_memory_per_block_optin=232448, regs_per_multiprocessor=65536, warp_size=32,
-                             multi_processor_count=132)
-MI300X = types.SimpleNamespace(name="AMD Instinct MI300X", major=9, minor=4, gcnArchName="gfx942:sramecc+:xnack-",
-                               shared_memory_per_block=65536, warp_size=64, multi_processor_count=304)
-MI355X = types.SimpleNamespace(name="AMD Instinct MI355X", major=9, minor=5, gcnArchName="gfx950:sramecc+:xnack-",
-                               shared_memory_per_block=65536, warp_size=64, multi_processor_count=256)
-RTX_3090 = types.SimpleNamespace(name="NVIDIA GeForce RTX 3090", major=8, minor=6, shared_memory_per_block_optin=101376,
-                                 regs_per_multiprocessor=65536, warp_size=32)
+H200 = types.SimpleNamespace(
+    name="NVIDIA H200",
+    major=9,
+    minor=0,
+    shared_memory_per_block=49152,
+    shared_memory_per_block_optin=232448,
+    regs_per_multiprocessor=65536,
+    warp_size=32,
+    multi_processor_count=132,
+)
+MI300X = types.SimpleNamespace(
+    name="AMD Instinct MI300X",
+    major=9,
+    minor=4,
+    gcnArchName="gfx942:sramecc+:xnack-",
+    shared_memory_per_block=65536,
+    warp_size=64,
+    multi_processor_count=304,
+)
+MI355X = types.SimpleNamespace(
+    name="AMD Instinct MI355X",
+    major=9,
+    minor=5,
+    gcnArchName="gfx950:sramecc+:xnack-",
+    shared_memory_per_block=65536,
+    warp_size=64,
+    multi_processor_count=256,
+)
+RTX_3090 = types.SimpleNamespace(
+    name="NVIDIA GeForce RTX 3090",
+    major=8,
+    minor=6,
+    shared_memory_per_block_optin=101376,
+    regs_per_multiprocessor=65536,
+    warp_size=32,
+)
 
 
 def test_limits_from_names_and_properties():
@@ -103,11 +130,20 @@ def test_limits_from_names_and_properties():
 
 
 # Kimi K2: 64 heads on one GPU, 16 per rank at tensor parallel 4, 8 at 8; K3: 96 heads.
-@pytest.mark.parametrize("device, heads, want", [
-    (H200, 64, (32, 32, 8, 2)), (H200, 8, (16, 32, 8, 2)), (H200, 96, (32, 32, 8, 2)),
-    (MI300X, 64, (64, 16, 4, 1)), (MI300X, 16, (16, 32, 4, 1)), (MI300X, 96, (64, 16, 4, 1)),
-    (MI355X, 64, (64, 16, 4, 2)), (MI355X, 16, (16, 32, 4, 2)), (MI355X, 96, (64, 16, 4, 2)),
-])
+@pytest.mark.parametrize(
+    "device, heads, want",
+    [
+        (H200, 64, (32, 32, 8, 2)),
+        (H200, 8, (16, 32, 8, 2)),
+        (H200, 96, (32, 32, 8, 2)),
+        (MI300X, 64, (64, 16, 4, 1)),
+        (MI300X, 16, (16, 32, 4, 1)),
+        (MI300X, 96, (64, 16, 4, 1)),
+        (MI355X, 64, (64, 16, 4, 2)),
+        (MI355X, 16, (16, 32, 4, 2)),
+        (MI355X, 96, (64, 16, 4, 2)),
+    ],
+)
 def test_kimi_tiles(device, heads, want):
     from kimitui.kernels.triton.mla_decode import mla_decode_launch_params
 
@@ -120,8 +156,9 @@ def test_kimi_tiles(device, heads, want):
 def test_the_latent_cache_is_read_fewer_times():
     from kimitui.kernels.triton.mla_decode import mla_decode_launch_params
 
-    reads = {d.name: mla_decode_launch_params(d, 64, 512, 64, torch.bfloat16).head_blocks(64)
-             for d in (H200, MI300X, MI355X)}
+    reads = {
+        d.name: mla_decode_launch_params(d, 64, 512, 64, torch.bfloat16).head_blocks(64) for d in (H200, MI300X, MI355X)
+    }
     # the fixed 16-head tile read K2's cache 4 times per sequence on every GPU
     assert reads == {"NVIDIA H200": 2, "AMD Instinct MI300X": 1, "AMD Instinct MI355X": 1}
 

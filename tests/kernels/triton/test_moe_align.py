@@ -23,8 +23,12 @@ CASES, case = case_registry()
 
 # (tokens, top-k, experts): Kimi K2 (384 experts, top-8) and K3 (896 experts, top-16) decode steps,
 # and the largest batch fused_moe aligns with this kernel (4096 pairs).
-KIMI_DECODE = {"k2_batch16": (16, 8, 384), "k2_batch64": (64, 8, 384), "k3_batch64": (64, 16, 896),
-               "k3_4096_pairs": (256, 16, 896)}
+KIMI_DECODE = {
+    "k2_batch16": (16, 8, 384),
+    "k2_batch64": (64, 8, 384),
+    "k3_batch64": (64, 16, 896),
+    "k3_4096_pairs": (256, 16, 896),
+}
 
 
 def _block_m(pairs: int) -> int:
@@ -91,8 +95,10 @@ def per_program_work_is_small_at_kimi_sizes():
         assert work.programs == launch.programs > 1, (work.programs, launch)
         # measured 46,295,754 elements in the one program of the previous kernel at K2 batch 16
         assert work.max_elements <= 150_000, work.max_elements
-        notes.append(f"E={experts} pairs={pairs}: {work.programs} programs, at most {work.max_elements} "
-                     f"elements each, {work.total_elements} in all")
+        notes.append(
+            f"E={experts} pairs={pairs}: {work.programs} programs, at most {work.max_elements} "
+            f"elements each, {work.total_elements} in all"
+        )
     return "; ".join(notes)
 
 
@@ -139,6 +145,7 @@ class _Recorder:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.launches.append((grid, args, kwargs))
+
         return launch
 
 
@@ -154,7 +161,7 @@ def test_launch_spreads_the_work_over_programs(shape, monkeypatch):
     monkeypatch.setattr(moe_align, "_moe_align_kernel", recorder)
     monkeypatch.setattr(moe_align, "check_device", lambda *tensors: None)  # CPU tensors, nothing runs
     sorted_ids, expert_ids, _ = moe_align.moe_align_block_size(_routed(tokens, top_k, experts), block, experts)
-    (grid, _, meta), = recorder.launches
+    ((grid, _, meta),) = recorder.launches
     programs = grid[0]
     num_blocks = expert_ids.numel()
     assert sorted_ids.numel() == num_blocks * block

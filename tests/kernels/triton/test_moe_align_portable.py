@@ -32,9 +32,8 @@ def _routed(tokens, top_k, experts):
 
 
 def _check(topk_ids, block, experts):
-    from kimitui.kernels.triton.moe_align import moe_align_block_size
-
     from kimitui.kernels import reference as ref
+    from kimitui.kernels.triton.moe_align import moe_align_block_size
 
     portable = moe_align_block_size(topk_ids, block, experts, portable=True)
     native = moe_align_block_size(topk_ids, block, experts, portable=False)
@@ -91,6 +90,7 @@ class _Recorder:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.launches.append((grid, args, kwargs))
+
         return launch
 
 
@@ -106,7 +106,7 @@ def test_the_installed_triton_picks_the_path(version, portable, monkeypatch):
     monkeypatch.setattr(moe_align, "_moe_align_kernel", recorder)
     monkeypatch.setattr(moe_align, "check_device", lambda *tensors: None)  # CPU tensors, nothing runs
     moe_align.moe_align_block_size(_routed(4, 8, 384), 16, 384)
-    (_, _, meta), = recorder.launches
+    ((_, _, meta),) = recorder.launches
     assert meta["PORTABLE"] is portable, (version, meta)
 
 

@@ -35,18 +35,36 @@ CASES, case = case_registry()
 # 2048, dense layer 18432; K3: config.json's text_config and its tensor table, hidden 7168, 96 heads,
 # KDA head_dim 128, experts 3072 wide in a 3584 latent, shared experts 6144, dense layer 33792).
 K2_SHAPES = {
-    "k2_q_a_proj": (1536, 7168), "k2_q_b_proj": (12288, 1536), "k2_kv_a_proj_with_mqa": (576, 7168),
-    "k2_kv_b_proj": (16384, 512), "k2_o_proj": (7168, 8192), "k2_expert_gate_up": (4096, 7168),
-    "k2_expert_gate": (2048, 7168), "k2_expert_down": (7168, 2048), "k2_dense_gate_up": (36864, 7168),
-    "k2_dense_down": (7168, 18432), "k2_lm_head": (163840, 7168),
+    "k2_q_a_proj": (1536, 7168),
+    "k2_q_b_proj": (12288, 1536),
+    "k2_kv_a_proj_with_mqa": (576, 7168),
+    "k2_kv_b_proj": (16384, 512),
+    "k2_o_proj": (7168, 8192),
+    "k2_expert_gate_up": (4096, 7168),
+    "k2_expert_gate": (2048, 7168),
+    "k2_expert_down": (7168, 2048),
+    "k2_dense_gate_up": (36864, 7168),
+    "k2_dense_down": (7168, 18432),
+    "k2_lm_head": (163840, 7168),
 }
 K3_SHAPES = {
-    "k3_q_a_proj": (1536, 7168), "k3_q_b_proj": (18432, 1536), "k3_kv_a_proj_with_mqa": (576, 7168),
-    "k3_kv_b_proj": (24576, 512), "k3_mla_g_proj": (12288, 7168), "k3_o_proj": (7168, 12288),
-    "k3_kda_qkv": (12288, 7168), "k3_kda_f_a_proj": (128, 7168), "k3_kda_f_b_proj": (12288, 128),
-    "k3_kda_b_proj": (96, 7168), "k3_routed_expert_down_proj": (3584, 7168),
-    "k3_routed_expert_up_proj": (7168, 3584), "k3_expert_w1": (3072, 3584), "k3_expert_w2": (3584, 3072),
-    "k3_shared_gate": (6144, 7168), "k3_shared_down": (7168, 6144), "k3_dense_gate": (33792, 7168),
+    "k3_q_a_proj": (1536, 7168),
+    "k3_q_b_proj": (18432, 1536),
+    "k3_kv_a_proj_with_mqa": (576, 7168),
+    "k3_kv_b_proj": (24576, 512),
+    "k3_mla_g_proj": (12288, 7168),
+    "k3_o_proj": (7168, 12288),
+    "k3_kda_qkv": (12288, 7168),
+    "k3_kda_f_a_proj": (128, 7168),
+    "k3_kda_f_b_proj": (12288, 128),
+    "k3_kda_b_proj": (96, 7168),
+    "k3_routed_expert_down_proj": (3584, 7168),
+    "k3_routed_expert_up_proj": (7168, 3584),
+    "k3_expert_w1": (3072, 3584),
+    "k3_expert_w2": (3584, 3072),
+    "k3_shared_gate": (6144, 7168),
+    "k3_shared_down": (7168, 6144),
+    "k3_dense_gate": (33792, 7168),
     "k3_dense_down": (7168, 33792),
 }
 SHAPES = {**K2_SHAPES, **K3_SHAPES}
@@ -58,10 +76,9 @@ MI355X_CUS = 256
 
 @case
 def w4a16_split_k_every_scale_path():
-    from kimitui.kernels.triton.split_k import plan_gemm
-    from kimitui.kernels.triton.gemm.w4a16 import w4a16_gemm
-
     from kimitui.kernels import reference as ref
+    from kimitui.kernels.triton.gemm.w4a16 import w4a16_gemm
+    from kimitui.kernels.triton.split_k import plan_gemm
 
     notes = []
     # (M, N, K, group): groups of 32 (2 per 64-wide tile), of 128 (a tile inside a group), of 48
@@ -81,10 +98,9 @@ def w4a16_split_k_every_scale_path():
 
 @case
 def mxfp4_split_k():
+    from kimitui.kernels import reference as ref
     from kimitui.kernels.triton.gemm.mxfp4 import mxfp4_gemm
     from kimitui.kernels.triton.split_k import plan_gemm
-
-    from kimitui.kernels import reference as ref
 
     for m, n, k in ((1, 24, 320), (6, 70, 256), (40, 16, 96)):
         x = torch.randn(m, k)
@@ -100,10 +116,9 @@ def mxfp4_split_k():
 
 @case
 def fp8_split_k_aligned_and_gathered_scales():
+    from kimitui.kernels import reference as ref
     from kimitui.kernels.triton.gemm.fp8_block import fp8_block_gemm
     from kimitui.kernels.triton.split_k import plan_gemm
-
-    from kimitui.kernels import reference as ref
 
     for m, n, k, block in ((2, 72, 384, (128, 128)), (5, 50, 300, (48, 80)), (3, 130, 256, (128, 64))):
         x, w = torch.randn(m, k), torch.randn(n, k)
@@ -114,10 +129,9 @@ def fp8_split_k_aligned_and_gathered_scales():
 
 @case
 def split_k_is_two_launches_and_no_host_sync():
+    from kimitui.kernels import reference as ref
     from kimitui.kernels.launch_count import count_launches
     from kimitui.kernels.triton.gemm.w4a16 import w4a16_gemm
-
-    from kimitui.kernels import reference as ref
 
     x = torch.randn(2, 512)
     packed, scale = ref.quantize_int4(torch.randn(32, 512), group_size=32)
@@ -157,17 +171,22 @@ class _Recorder:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.launches.append((grid, args, kwargs))
+
         return launch
 
 
 def _weights(fmt, n, k):
     meta = dict(device="meta")
     if fmt == "fp8":
-        return (torch.empty(n, k, dtype=torch.float8_e4m3fn, **meta),
-                torch.empty(-(-n // 128), -(-k // 128), dtype=torch.float32, **meta)), ((128, 128),)
+        return (
+            torch.empty(n, k, dtype=torch.float8_e4m3fn, **meta),
+            torch.empty(-(-n // 128), -(-k // 128), dtype=torch.float32, **meta),
+        ), ((128, 128),)
     if fmt == "int4":
-        return (torch.empty(n, -(-k // 8), dtype=torch.int32, **meta),
-                torch.empty(n, -(-k // 32), dtype=torch.bfloat16, **meta)), (32,)
+        return (
+            torch.empty(n, -(-k // 8), dtype=torch.int32, **meta),
+            torch.empty(n, -(-k // 32), dtype=torch.bfloat16, **meta),
+        ), (32,)
     return (torch.empty(n, k // 2, dtype=torch.uint8, **meta), torch.empty(n, k // 32, dtype=torch.uint8, **meta)), ()
 
 
@@ -177,7 +196,6 @@ def test_decode_launch_fills_the_device_on_kimi_shapes(fmt, monkeypatch):
     import kimitui.kernels.triton.gemm.fp8_block as fp8_mod
     import kimitui.kernels.triton.gemm.mxfp4 as mxfp4_mod
     import kimitui.kernels.triton.gemm.w4a16 as w4a16_mod
-
     from kimitui.kernels.triton import split_k
 
     module, kernel, wrapper = {
@@ -197,7 +215,7 @@ def test_decode_launch_fills_the_device_on_kimi_shapes(fmt, monkeypatch):
             reduce.launches.clear()
             out = wrapper(torch.empty(m, k, dtype=torch.bfloat16, device="meta"), *weights, *extra)
             assert out.shape == (m, n)
-            (grid, args, meta), = gemm.launches
+            ((grid, args, meta),) = gemm.launches
             plan = split_k.plan_gemm(m, n, k)
             assert tuple(grid) == plan.grid, (name, m, grid, plan)
             programs = grid[0] * grid[1] * grid[2]
@@ -214,7 +232,7 @@ def test_decode_launch_fills_the_device_on_kimi_shapes(fmt, monkeypatch):
 def test_plan_covers_k_exactly():
     from kimitui.kernels.triton.split_k import TARGET_PROGRAMS, plan_gemm
 
-    for (n, k) in list(SHAPES.values()) + [(48, 76), (5, 64), (1, 1), (100, 65)]:
+    for n, k in list(SHAPES.values()) + [(48, 76), (5, 64), (1, 1), (100, 65)]:
         for m in (1, 7, 16, 17, 64, 65, 300):
             plan = plan_gemm(m, n, k)
             # every K-step in exactly one split, none empty

@@ -38,12 +38,15 @@ def fake_packages(tmp_path, monkeypatch):
             sys.modules.pop(name)
 
 
-@pytest.mark.parametrize("package, reason", [
-    ("kimitui_no_such_triton", "is not installed"),
-    ("kimitui_broken_triton", "OSError: libcuda.so.1"),
-    ("kimitui_old_triton", "version 2.1.0 is older than 3.0"),
-    ("kimitui_hollow_triton", "importing it failed (ModuleNotFoundError"),
-])
+@pytest.mark.parametrize(
+    "package, reason",
+    [
+        ("kimitui_no_such_triton", "is not installed"),
+        ("kimitui_broken_triton", "OSError: libcuda.so.1"),
+        ("kimitui_old_triton", "version 2.1.0 is older than 3.0"),
+        ("kimitui_hollow_triton", "importing it failed (ModuleNotFoundError"),
+    ],
+)
 def test_gpu_without_working_triton_is_an_error_naming_the_package(package, reason, fake_packages):
     with pytest.raises(TritonUnavailableError) as info:
         require_triton("cuda", Settings(), package=package)
@@ -55,8 +58,10 @@ def test_gpu_without_working_triton_is_an_error_naming_the_package(package, reas
 @pytest.mark.parametrize("device", ["cuda", "cuda:3", "cpu"])
 def test_reference_path_needs_no_triton(device, fake_packages):
     assert require_triton(device, Settings(kernels="reference"), package="kimitui_broken_triton") is False
-    assert require_triton(device, Settings(kernels="reference", emulate_device=True),
-                          package="kimitui_no_such_triton") is False
+    assert (
+        require_triton(device, Settings(kernels="reference", emulate_device=True), package="kimitui_no_such_triton")
+        is False
+    )
 
 
 def test_cpu_and_other_devices_need_no_triton(fake_packages):

@@ -42,8 +42,9 @@ else:
 """
 
 
-@pytest.mark.parametrize("how, reason", [("missing", "it is not installed"),
-                                         ("broken", "importing it failed (OSError: libcuda.so.1")])
+@pytest.mark.parametrize(
+    "how, reason", [("missing", "it is not installed"), ("broken", "importing it failed (OSError: libcuda.so.1")]
+)
 def test_gpu_backend_without_triton_is_an_error_naming_it(tmp_path, how, reason):
     fake = tmp_path / "fake"
     (fake / "triton").mkdir(parents=True)
@@ -51,8 +52,9 @@ def test_gpu_backend_without_triton_is_an_error_naming_it(tmp_path, how, reason)
     path = [str(fake)] if how == "broken" else []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path + [str(REPO)]))
     env.pop("KIMITUI_KERNELS", None)
-    proc = subprocess.run([sys.executable, "-c", CHILD, how], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, how], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout.strip().splitlines()[-1]
     assert out.startswith("RAISED the cuda device needs the 'triton' package"), out
@@ -73,16 +75,18 @@ class _KDALike(torch.nn.Module):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_kda_model_on_a_gpu_without_fla_core_is_an_error_naming_it(monkeypatch):
-    from kimitui.kernels.triton import kda_fla
     from kimitui.kernels.backend import REFERENCE
     from kimitui.kernels.select import attach_backends
     from kimitui.kernels.settings import KernelSettings
+    from kimitui.kernels.triton import kda_fla
 
     monkeypatch.setitem(sys.modules, "fla", None)  # what importlib reports for an absent package
     kda_fla.unavailable_reason.cache_clear()
     try:
         model = torch.nn.Sequential(_KDALike())
-        with pytest.raises(RuntimeError, match=r"needs fla-core>=0.6 \(fla-core is not installed\).*KIMITUI_KERNELS=reference"):
+        with pytest.raises(
+            RuntimeError, match=r"needs fla-core>=0.6 \(fla-core is not installed\).*KIMITUI_KERNELS=reference"
+        ):
             attach_backends(model, "cuda", torch.bfloat16, KernelSettings())
         assert attach_backends(model, "cuda", torch.bfloat16, KernelSettings(kernels="reference")) is REFERENCE
         # the CPU and the emulated device path keep kernels/kda.py: no fla-core needed there

@@ -71,8 +71,7 @@ def test_cancel_stops_issuing_and_aborts_in_flight():
             await asyncio.sleep(10)
             return RequestFuncOutput(True)
 
-        outs = await asyncio.wait_for(
-            dispatch([_req()] * 20, send, max_concurrency=2, cancel_event=cancel), timeout=5)
+        outs = await asyncio.wait_for(dispatch([_req()] * 20, send, max_concurrency=2, cancel_event=cancel), timeout=5)
         assert len(started) == 2
         assert len(outs) == 2 and all(o.error == "cancelled" and not o.success for o in outs)
 

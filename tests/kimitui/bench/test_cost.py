@@ -2,9 +2,18 @@ from dataclasses import dataclass
 
 import pytest
 
-from kimitui.bench.cost import (DEFAULT_TIERS, CostSettings, PricingTier, efficiency_keys,
-                                electricity_usd_per_mtok, format_efficiency_block, load_cost_settings,
-                                parse_pricing_tier, usd_per_mtok, with_overrides)
+from kimitui.bench.cost import (
+    DEFAULT_TIERS,
+    CostSettings,
+    PricingTier,
+    efficiency_keys,
+    electricity_usd_per_mtok,
+    format_efficiency_block,
+    load_cost_settings,
+    parse_pricing_tier,
+    usd_per_mtok,
+    with_overrides,
+)
 from kimitui.paths import settings_file
 
 
@@ -48,9 +57,16 @@ class FakeWindow:
 
 
 def _keys(energy):
-    return efficiency_keys(total_token_throughput=100.0, total_output_tokens=200, total_tokens=1000,
-                           duration_s=10.0, num_gpus=2, energy=energy,
-                           pricing_tiers=(PricingTier("x", 1.8),), usd_per_kwh=0.2)
+    return efficiency_keys(
+        total_token_throughput=100.0,
+        total_output_tokens=200,
+        total_tokens=1000,
+        duration_s=10.0,
+        num_gpus=2,
+        energy=energy,
+        pricing_tiers=(PricingTier("x", 1.8),),
+        usd_per_kwh=0.2,
+    )
 
 
 def test_efficiency_keys_from_measured_energy():
@@ -76,9 +92,16 @@ def test_no_power_source_gives_none_and_na():
 
 
 def test_no_gpu_says_so_and_per_gpu_numbers_are_na():
-    k = efficiency_keys(total_token_throughput=100.0, total_output_tokens=200, total_tokens=1000, duration_s=10.0,
-                        num_gpus=0, energy=FakeWindow(gpu_energy_j=None, avg_gpu_power_w=None, per_gpu_avg_power_w=()),
-                        pricing_tiers=(PricingTier("x", 1.8),), usd_per_kwh=0.2)
+    k = efficiency_keys(
+        total_token_throughput=100.0,
+        total_output_tokens=200,
+        total_tokens=1000,
+        duration_s=10.0,
+        num_gpus=0,
+        energy=FakeWindow(gpu_energy_j=None, avg_gpu_power_w=None, per_gpu_avg_power_w=()),
+        pricing_tiers=(PricingTier("x", 1.8),),
+        usd_per_kwh=0.2,
+    )
     assert k["num_gpus"] == 0 and k["tput_per_gpu"] is None and k["output_tput_per_gpu"] is None
     assert k["cost_per_mtok"] == {"x": None}
     # energy is the host's: tokens per kWh and electricity cost still hold

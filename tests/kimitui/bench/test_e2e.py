@@ -19,16 +19,62 @@ import pytest
 from kimitui.cli import main
 from tests.helpers.http_server import serving
 
-VLLM_LINES = ("Successful requests:", "Benchmark duration (s):", "Total input tokens:",
-              "Total generated tokens:", "Mean TTFT (ms):", "Mean TPOT (ms):", "Mean ITL (ms):")
-VLLM_KEYS = ("date", "backend", "model_id", "num_prompts", "request_rate", "max_concurrency", "duration",
-             "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
-             "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
-             "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms")
-OUR_KEYS = ("num_gpus", "tput_per_gpu", "avg_gpu_power_w", "avg_cpu_power_w", "energy_j", "tokens_per_kwh",
-            "joules_per_output_token", "cost_per_mtok", "telemetry_backends")
-WORKLOAD = ["--random-input-len", "64", "--random-output-len", "16", "--num-prompts", "8",
-            "--max-concurrency", "4", "--ignore-eos"]
+VLLM_LINES = (
+    "Successful requests:",
+    "Benchmark duration (s):",
+    "Total input tokens:",
+    "Total generated tokens:",
+    "Mean TTFT (ms):",
+    "Mean TPOT (ms):",
+    "Mean ITL (ms):",
+)
+VLLM_KEYS = (
+    "date",
+    "backend",
+    "model_id",
+    "num_prompts",
+    "request_rate",
+    "max_concurrency",
+    "duration",
+    "completed",
+    "failed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+)
+OUR_KEYS = (
+    "num_gpus",
+    "tput_per_gpu",
+    "avg_gpu_power_w",
+    "avg_cpu_power_w",
+    "energy_j",
+    "tokens_per_kwh",
+    "joules_per_output_token",
+    "cost_per_mtok",
+    "telemetry_backends",
+)
+WORKLOAD = [
+    "--random-input-len",
+    "64",
+    "--random-output-len",
+    "16",
+    "--num-prompts",
+    "8",
+    "--max-concurrency",
+    "4",
+    "--ignore-eos",
+]
 GPU_POWER = {"nvml", "amdsmi"}
 CPU_POWER = {"rapl", "amd_energy"}
 
@@ -104,8 +150,19 @@ def test_bench_in_process_prints_vllm_block_and_saves_json(demo_checkpoint, tmp_
 
 
 def test_bench_sweep_prints_frontier_and_ladder(demo_checkpoint, tmp_path, capsys):
-    argv = ["--random-input-len", "32", "--random-output-len", "8", "--num-prompts", "4",
-            "--sweep-concurrency", "1,2", "--save-result", "--result-dir", str(tmp_path)]
+    argv = [
+        "--random-input-len",
+        "32",
+        "--random-output-len",
+        "8",
+        "--num-prompts",
+        "4",
+        "--sweep-concurrency",
+        "1,2",
+        "--save-result",
+        "--result-dir",
+        str(tmp_path),
+    ]
     rc, out, err = _bench(argv, capsys)
     assert rc == 0, err
     assert out.count("Serving Benchmark Result") == 2
@@ -123,15 +180,18 @@ def test_bench_sweep_prints_frontier_and_ladder(demo_checkpoint, tmp_path, capsy
     assert set(sweep["ladder"]) == {"30", "50", "75", "100", "150", "200"}
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--num-prompts", "0"], "--num-prompts"),
-    (["--sweep-concurrency", "1,x"], "--sweep-concurrency"),
-    (["--telemetry-interval", "0"], "--telemetry-interval"),
-    (["--model", "/no/such/checkpoint"], "does not exist"),
-    (["--tokenizer", "/no/such/dir"], "--tokenizer"),
-    (["--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer", "/no/such/dir"], "does not exist"),
-    (["--base-url", "localhost:8000"], "--base-url"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num-prompts", "0"], "--num-prompts"),
+        (["--sweep-concurrency", "1,x"], "--sweep-concurrency"),
+        (["--telemetry-interval", "0"], "--telemetry-interval"),
+        (["--model", "/no/such/checkpoint"], "does not exist"),
+        (["--tokenizer", "/no/such/dir"], "--tokenizer"),
+        (["--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer", "/no/such/dir"], "does not exist"),
+        (["--base-url", "localhost:8000"], "--base-url"),
+    ],
+)
 def test_bench_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     rc, out, err = _bench(argv, capsys)
     assert rc == 2
@@ -158,8 +218,23 @@ def _pump_stderr(proc: subprocess.Popen) -> tuple["queue.Queue[str]", threading.
 
 
 def test_ctrl_c_cancels_cleanly_with_exit_130(demo_checkpoint, tmp_path):
-    cmd = [sys.executable, "-m", "kimitui.cli", "bench", "--random-input-len", "32", "--random-output-len",
-           "512", "--num-prompts", "64", "--max-concurrency", "2", "--save-result", "--result-dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kimitui.cli",
+        "bench",
+        "--random-input-len",
+        "32",
+        "--random-output-len",
+        "512",
+        "--num-prompts",
+        "64",
+        "--max-concurrency",
+        "2",
+        "--save-result",
+        "--result-dir",
+        str(tmp_path),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
     try:
         lines, pump = _pump_stderr(proc)
@@ -193,8 +268,10 @@ def test_bench_over_http_matches_in_process_token_counts(demo_checkpoint, tmp_pa
     with serving(AsyncLLM(engine_args=EngineArgs(model=None)), "kimitui-demo") as port:
         http_dir, local_dir = tmp_path / "http", tmp_path / "local"
         # No --model: like vLLM, the first id of /v1/models is benchmarked.
-        rc, out, err = _bench([*WORKLOAD, "--base-url", f"http://127.0.0.1:{port}", "--save-result",
-                               "--result-dir", str(http_dir)], capsys)
+        rc, out, err = _bench(
+            [*WORKLOAD, "--base-url", f"http://127.0.0.1:{port}", "--save-result", "--result-dir", str(http_dir)],
+            capsys,
+        )
         assert rc == 0, err
         assert "Successful requests:                     8" in out
         rc, _, err = _bench([*WORKLOAD, "--save-result", "--result-dir", str(local_dir)], capsys)

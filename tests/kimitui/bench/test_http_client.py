@@ -22,8 +22,12 @@ async def _handle(reader, writer, seen):
     seen.append((path, body))
     if path == "/v1/models":
         data = json.dumps({"object": "list", "data": [{"id": "kimi-demo", "object": "model"}]}).encode()
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                     + str(len(data)).encode() + b"\r\nConnection: close\r\n\r\n" + data)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(data)).encode()
+            + b"\r\nConnection: close\r\n\r\n"
+            + data
+        )
     elif body.get("prompt") == "fail":
         writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 4\r\nConnection: close\r\n\r\nboom")
     else:

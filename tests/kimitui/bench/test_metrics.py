@@ -7,15 +7,40 @@ from kimitui.bench.metrics import calculate_metrics, format_result_block, percen
 from tests.kimitui.bench_fakes import synthetic_outputs
 
 VLLM_KEYS = [
-    "date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
-    "request_rate", "burstiness", "max_concurrency", "duration", "completed", "failed",
-    "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
-    "output_throughput", "total_token_throughput", "max_output_tokens_per_s",
+    "date",
+    "endpoint_type",
+    "backend",
+    "label",
+    "model_id",
+    "tokenizer_id",
+    "num_prompts",
+    "request_rate",
+    "burstiness",
+    "max_concurrency",
+    "duration",
+    "completed",
+    "failed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    "max_output_tokens_per_s",
     "max_concurrent_requests",
 ]
-OUR_KEYS = ["num_gpus", "tput_per_gpu", "avg_gpu_power_w", "avg_cpu_power_w", "energy_j",
-            "tokens_per_kwh", "joules_per_output_token", "cost_per_mtok",
-            "electricity_cost_per_mtok", "telemetry_backends"]
+OUR_KEYS = [
+    "num_gpus",
+    "tput_per_gpu",
+    "avg_gpu_power_w",
+    "avg_cpu_power_w",
+    "energy_j",
+    "tokens_per_kwh",
+    "joules_per_output_token",
+    "cost_per_mtok",
+    "electricity_cost_per_mtok",
+    "telemetry_backends",
+]
 
 
 def _metrics(percentiles=(99.0,)):
@@ -62,7 +87,7 @@ def test_ttft_e2el_and_percentiles():
 def test_peaks_follow_vllm():
     m = _metrics()
     assert m.max_output_tokens_per_s == 8.0  # 5 + 3 chunks land in the first second
-    assert m.max_concurrent_requests == 2    # A [0, .4) overlaps B [.3, .8)
+    assert m.max_concurrent_requests == 2  # A [0, .4) overlaps B [.3, .8)
 
 
 def test_empty_run_reads_zero_not_nan():
@@ -71,9 +96,17 @@ def test_empty_run_reads_zero_not_nan():
 
 
 def _result(**kw):
-    args = dict(duration_s=2.0, selected_percentile_metrics=("ttft", "tpot", "itl"), backend="openai",
-                model_id="org/Kimi-K2", num_prompts=4, request_rate=math.inf, burstiness=1.0,
-                max_concurrency=2, date="20260101-000000")
+    args = dict(
+        duration_s=2.0,
+        selected_percentile_metrics=("ttft", "tpot", "itl"),
+        backend="openai",
+        model_id="org/Kimi-K2",
+        num_prompts=4,
+        request_rate=math.inf,
+        burstiness=1.0,
+        max_concurrency=2,
+        date="20260101-000000",
+    )
     args.update(kw)
     return result_json(_metrics(), **args)
 
@@ -92,8 +125,14 @@ def test_json_keys_superset_of_vllm():
 
 def test_energy_keys_none_without_power():
     r = _result()
-    for k in ("avg_gpu_power_w", "avg_cpu_power_w", "energy_j", "tokens_per_kwh",
-              "joules_per_output_token", "electricity_cost_per_mtok"):
+    for k in (
+        "avg_gpu_power_w",
+        "avg_cpu_power_w",
+        "energy_j",
+        "tokens_per_kwh",
+        "joules_per_output_token",
+        "electricity_cost_per_mtok",
+    ):
         assert r[k] is None, k
     assert r["tput_per_gpu"] == pytest.approx(34.5)
     assert set(r["cost_per_mtok"]) == {"hyperscaler", "neocloud", "retail"}

@@ -13,9 +13,25 @@ from kimitui.bench.multi_turn import parse_prefix_counters, sample_sessions
 from kimitui.cli import main
 from tests.helpers.http_server import serving
 
-WORKLOAD = ["--dataset-name", "multi-turn", "--num-prompts", "2", "--multi-turn-turns", "3",
-            "--random-input-len", "16", "--random-output-len", "24", "--multi-turn-system-len", "64",
-            "--multi-turn-think-time", "0.05", "--max-concurrency", "2", "--ignore-eos"]
+WORKLOAD = [
+    "--dataset-name",
+    "multi-turn",
+    "--num-prompts",
+    "2",
+    "--multi-turn-turns",
+    "3",
+    "--random-input-len",
+    "16",
+    "--random-output-len",
+    "24",
+    "--multi-turn-system-len",
+    "64",
+    "--multi-turn-think-time",
+    "0.05",
+    "--max-concurrency",
+    "2",
+    "--ignore-eos",
+]
 
 
 class _Tok:
@@ -41,10 +57,12 @@ def test_sessions_share_the_tools_and_system_prefix():
 
 
 def test_prefix_counters_parse_from_prometheus_text():
-    text = ("# TYPE kimitui:prefix_cache_queries_total counter\n"
-            'kimitui:prefix_cache_queries_total{model_name="m"} 120\n'
-            "# TYPE kimitui:prefix_cache_hits_total counter\n"
-            'kimitui:prefix_cache_hits_total{model_name="m"} 96\n')
+    text = (
+        "# TYPE kimitui:prefix_cache_queries_total counter\n"
+        'kimitui:prefix_cache_queries_total{model_name="m"} 120\n'
+        "# TYPE kimitui:prefix_cache_hits_total counter\n"
+        'kimitui:prefix_cache_hits_total{model_name="m"} 96\n'
+    )
     assert parse_prefix_counters(text) == (120, 96)
     assert parse_prefix_counters("# TYPE other_total counter\nother_total 1\n") is None
 

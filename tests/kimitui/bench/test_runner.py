@@ -13,10 +13,16 @@ import pytest
 
 from kimitui.bench.clients import InProcessClient
 from kimitui.bench.metrics import format_result_block
-from kimitui.bench.runner import (BenchmarkConfig, add_bench_arguments, config_from_args,
-                                  default_result_filename, run_benchmark, run_sweep)
-from tests.kimitui.bench_fakes import WordTokenizer
+from kimitui.bench.runner import (
+    BenchmarkConfig,
+    add_bench_arguments,
+    config_from_args,
+    default_result_filename,
+    run_benchmark,
+    run_sweep,
+)
 from tests.kimitui.bench.test_metrics import OUR_KEYS, VLLM_KEYS
+from tests.kimitui.bench_fakes import WordTokenizer
 
 
 @dataclass
@@ -39,10 +45,16 @@ class FakeEngine:
             await asyncio.sleep(self.step_s)
             ids = ids + ([7, 8] if not ids else [9])
             ids = ids[: params.max_tokens]
-            comp = SimpleNamespace(index=0, text=" ".join(map(str, ids)), token_ids=ids,
-                                   logprobs=None, finish_reason=None)
-            yield SimpleNamespace(request_id=request_id, prompt_token_ids=prompt["prompt_token_ids"],
-                                  outputs=[comp], finished=len(ids) >= params.max_tokens, metrics=None)
+            comp = SimpleNamespace(
+                index=0, text=" ".join(map(str, ids)), token_ids=ids, logprobs=None, finish_reason=None
+            )
+            yield SimpleNamespace(
+                request_id=request_id,
+                prompt_token_ids=prompt["prompt_token_ids"],
+                outputs=[comp],
+                finished=len(ids) >= params.max_tokens,
+                metrics=None,
+            )
 
     async def abort(self, request_id):
         self.aborted.append(request_id)
@@ -59,8 +71,7 @@ class FakeSampler:
 
 
 def _config(**kw):
-    base = dict(random_input_len=16, random_output_len=4, num_prompts=6, max_concurrency=2,
-                num_warmups=2, seed=1)
+    base = dict(random_input_len=16, random_output_len=4, num_prompts=6, max_concurrency=2, num_warmups=2, seed=1)
     base.update(kw)
     return BenchmarkConfig(**base)
 
@@ -70,8 +81,9 @@ def test_run_benchmark_end_to_end(tmp_path):
     client = InProcessClient(engine, model="demo", sampling_params_cls=Params)
     seen = []
     cfg = _config(save_result=True, result_dir=str(tmp_path), num_gpus=2)
-    result = asyncio.run(run_benchmark(cfg, client, WordTokenizer(), sampler=FakeSampler(),
-                                       progress=lambda *a: seen.append(a)))
+    result = asyncio.run(
+        run_benchmark(cfg, client, WordTokenizer(), sampler=FakeSampler(), progress=lambda *a: seen.append(a))
+    )
     assert result["completed"] == 6 and result["failed"] == 0
     assert result["total_output_tokens"] == 24 and result["total_input_tokens"] == 96
     assert result["max_concurrency"] == 2 and result["cancelled"] is False
@@ -97,8 +109,7 @@ def test_cancel_aborts_in_flight_requests():
         # Each request needs 20 steps of 50 ms; cancel while the first two are mid-stream.
         asyncio.get_running_loop().call_later(0.3, cancel.set)
         cfg = _config(num_prompts=50, random_output_len=20, num_warmups=0)
-        result = await asyncio.wait_for(
-            run_benchmark(cfg, client, WordTokenizer(), cancel_event=cancel), 10)
+        result = await asyncio.wait_for(run_benchmark(cfg, client, WordTokenizer(), cancel_event=cancel), 10)
         return engine, result
 
     engine, result = asyncio.run(main())
@@ -121,13 +132,39 @@ def test_flags_build_a_config(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
-    args = parser.parse_args([
-        "--random-input-len", "8192", "--random-output-len", "1024", "--random-range-ratio", "0.2",
-        "--num-prompts", "64", "--max-concurrency", "16", "--no-ignore-eos", "--temperature", "0",
-        "--metric-percentiles", "50,99.9", "--percentile-metrics", "ttft,tpot,itl,e2el",
-        "--sweep-concurrency", "1,2,4", "--pricing-tier", "retail=2.90", "--pricing-tier", "own=1",
-        "--usd-per-kwh", "0.2", "--base-url", "http://127.0.0.1:8000", "--num-gpus", "6",
-    ])
+    args = parser.parse_args(
+        [
+            "--random-input-len",
+            "8192",
+            "--random-output-len",
+            "1024",
+            "--random-range-ratio",
+            "0.2",
+            "--num-prompts",
+            "64",
+            "--max-concurrency",
+            "16",
+            "--no-ignore-eos",
+            "--temperature",
+            "0",
+            "--metric-percentiles",
+            "50,99.9",
+            "--percentile-metrics",
+            "ttft,tpot,itl,e2el",
+            "--sweep-concurrency",
+            "1,2,4",
+            "--pricing-tier",
+            "retail=2.90",
+            "--pricing-tier",
+            "own=1",
+            "--usd-per-kwh",
+            "0.2",
+            "--base-url",
+            "http://127.0.0.1:8000",
+            "--num-gpus",
+            "6",
+        ]
+    )
     cfg = config_from_args(args)
     assert cfg.random_input_len == 8192 and cfg.max_concurrency == 16 and cfg.ignore_eos is False
     assert cfg.metric_percentiles == (50.0, 99.9) and cfg.sweep_concurrency == (1, 2, 4)
@@ -144,15 +181,23 @@ def test_flags_build_a_config(tmp_path, monkeypatch):
 
 
 def test_default_filename_is_vllms():
-    r = {"backend": "openai", "request_rate": 4.0, "max_concurrency": None,
-         "model_id": "moonshotai/Kimi-K2.6", "date": "20260101-120000", "label": None}
+    r = {
+        "backend": "openai",
+        "request_rate": 4.0,
+        "max_concurrency": None,
+        "model_id": "moonshotai/Kimi-K2.6",
+        "date": "20260101-120000",
+        "label": None,
+    }
     assert default_result_filename(r) == "openai-4.0qps-Kimi-K2.6-20260101-120000.json"
 
 
 def test_bench_never_imports_ui_server_or_engine():
-    code = ("import sys, kimitui.bench.runner, kimitui.bench.clients, kimitui.bench.sweep; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('textual', 'fastapi', 'torch')"
-            " or m.startswith('kimitui.engine') or m.startswith('kimitui.server') or m.startswith('kimitui.tui')]; print(bad); assert not bad")
+    code = (
+        "import sys, kimitui.bench.runner, kimitui.bench.clients, kimitui.bench.sweep; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('textual', 'fastapi', 'torch')"
+        " or m.startswith('kimitui.engine') or m.startswith('kimitui.server') or m.startswith('kimitui.tui')]; print(bad); assert not bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -185,4 +230,5 @@ def test_power_is_integrated_over_the_benchmark_window():
     assert r["energy_j"] == pytest.approx(650.0 * r["duration"], rel=0.05)
     assert r["joules_per_output_token"] == pytest.approx(r["energy_j"] / r["total_output_tokens"])
     assert r["electricity_cost_per_mtok"] == pytest.approx(
-        0.65 * 0.1 * 1e6 / (r["total_token_throughput"] * 3600), rel=0.05)
+        0.65 * 0.1 * 1e6 / (r["total_token_throughput"] * 3600), rel=0.05
+    )

@@ -3,8 +3,7 @@ import json
 
 import pytest
 
-from kimitui.bench.sweep import (SweepPoint, format_ladder, frontier, ladder, parse_concurrency_list,
-                                 point_from_result)
+from kimitui.bench.sweep import SweepPoint, format_ladder, frontier, ladder, parse_concurrency_list, point_from_result
 
 POINTS = [
     SweepPoint(1, 120.0, 100.0),
@@ -39,13 +38,20 @@ def test_ladder_below_frontier_and_single_point():
 
 
 def test_point_from_result_and_parsing():
-    p = point_from_result({"median_tpot_ms": 20.0, "tput_per_gpu": 500.0, "max_concurrency": 8,
-                           "completed": 5})
+    p = point_from_result({"median_tpot_ms": 20.0, "tput_per_gpu": 500.0, "max_concurrency": 8, "completed": 5})
     assert p == SweepPoint(8, 50.0, 500.0)
     assert point_from_result({"median_tpot_ms": 0.0, "tput_per_gpu": 1.0, "completed": 1}) is None
     # a run without GPUs has no per-GPU throughput: the frontier is the host's total tok/s
-    cpu = point_from_result({"median_tpot_ms": 20.0, "tput_per_gpu": None, "num_gpus": 0,
-                             "total_token_throughput": 120.0, "max_concurrency": 2, "completed": 5})
+    cpu = point_from_result(
+        {
+            "median_tpot_ms": 20.0,
+            "tput_per_gpu": None,
+            "num_gpus": 0,
+            "total_token_throughput": 120.0,
+            "max_concurrency": 2,
+            "completed": 5,
+        }
+    )
     assert cpu == SweepPoint(2, 50.0, 120.0)
     assert "tok/s/host at 30 tok/s/user:" in format_ladder(ladder([cpu]), per="host")
     assert parse_concurrency_list("1,2, 4,8") == (1, 2, 4, 8)
@@ -60,12 +66,18 @@ def test_sweep_result_filename_is_the_file_asked_for(tmp_path, capsys):
     from kimitui.bench.clients import InProcessClient
     from kimitui.bench.runner import run_sweep
     from kimitui.commands.bench import _print_sweep
-    from tests.kimitui.bench_fakes import WordTokenizer
     from tests.kimitui.bench.test_runner import FakeEngine, Params, _config
+    from tests.kimitui.bench_fakes import WordTokenizer
 
     client = InProcessClient(FakeEngine(), model="demo", sampling_params_cls=Params)
-    cfg = _config(sweep_concurrency=(1, 2), num_warmups=0, num_prompts=4, save_result=True,
-                  result_dir=str(tmp_path), result_filename="runs/sweep.json")
+    cfg = _config(
+        sweep_concurrency=(1, 2),
+        num_warmups=0,
+        num_prompts=4,
+        save_result=True,
+        result_dir=str(tmp_path),
+        result_filename="runs/sweep.json",
+    )
     sweep = asyncio.run(run_sweep(cfg, client, WordTokenizer()))
     _print_sweep(sweep, cfg)
     names = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.json"))
@@ -78,7 +90,8 @@ def test_sweep_result_filename_is_the_file_asked_for(tmp_path, capsys):
 def test_sweep_default_filename_names_the_sweep():
     from kimitui.bench.runner import sweep_result_filename
 
-    sweep = {"points": [{"backend": "kimitui", "label": None, "model_id": "moonshotai/Kimi-K2.6",
-                         "date": "20260101-120000"}]}
+    sweep = {
+        "points": [{"backend": "kimitui", "label": None, "model_id": "moonshotai/Kimi-K2.6", "date": "20260101-120000"}]
+    }
     assert sweep_result_filename(sweep) == "kimitui-sweep-Kimi-K2.6-20260101-120000.json"
     assert sweep_result_filename(sweep, "mine.json") == "mine.json"

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from kimitui.engine.spec_decode.stats import SpecDecodeStats
-from kimitui.client.http import server_root
-from kimitui.server.metrics import ServerMetrics
 from kimitui.client.chat_stream import error_line
+from kimitui.client.http import server_root
 from kimitui.client.server_metrics import Histogram, parse_server_metrics
 from kimitui.client.server_stats import ServerStatsTracker
 from kimitui.client.think_split import ThinkSplitter
+from kimitui.engine.spec_decode.stats import SpecDecodeStats
+from kimitui.server.metrics import ServerMetrics
 from tests.kimitui.tui_fakes import stats
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
@@ -65,12 +65,14 @@ def test_unknown_and_broken_text():
 
 
 def vllm_text(prompt: float, generated: float, ttft_counts=(0, 0), ttft_sum=0.0) -> str:
-    return (f"vllm:prompt_tokens_total {prompt}\nvllm:generation_tokens_total {generated}\n"
-            f"vllm:num_requests_running 1\n"
-            f'vllm:time_to_first_token_seconds_bucket{{le="0.1"}} {ttft_counts[0]}\n'
-            f'vllm:time_to_first_token_seconds_bucket{{le="+Inf"}} {ttft_counts[1]}\n'
-            f"vllm:time_to_first_token_seconds_sum {ttft_sum}\n"
-            f"vllm:time_to_first_token_seconds_count {ttft_counts[1]}\n")
+    return (
+        f"vllm:prompt_tokens_total {prompt}\nvllm:generation_tokens_total {generated}\n"
+        f"vllm:num_requests_running 1\n"
+        f'vllm:time_to_first_token_seconds_bucket{{le="0.1"}} {ttft_counts[0]}\n'
+        f'vllm:time_to_first_token_seconds_bucket{{le="+Inf"}} {ttft_counts[1]}\n'
+        f"vllm:time_to_first_token_seconds_sum {ttft_sum}\n"
+        f"vllm:time_to_first_token_seconds_count {ttft_counts[1]}\n"
+    )
 
 
 def test_rates_come_from_counter_differences_and_a_restart_starts_over():
@@ -97,13 +99,16 @@ def test_histogram_since_and_inf_bucket():
     assert now.since(Histogram((0.1, float("inf")), (9, 9), 1, 9)) is now  # restarted: all of it
 
 
-@pytest.mark.parametrize("text, reasoning, content", [
-    ("<think>plan it</think>The answer.", "plan it", "The answer."),
-    ("no tags at all", "", "no tags at all"),
-    ("opened by the prompt</think>answer", "opened by the prompt", "answer"),
-    ("a < b and <thin ice>", "", "a < b and <thin ice>"),
-    ("<think>unfinished", "unfinished", ""),
-])
+@pytest.mark.parametrize(
+    "text, reasoning, content",
+    [
+        ("<think>plan it</think>The answer.", "plan it", "The answer."),
+        ("no tags at all", "", "no tags at all"),
+        ("opened by the prompt</think>answer", "opened by the prompt", "answer"),
+        ("a < b and <thin ice>", "", "a < b and <thin ice>"),
+        ("<think>unfinished", "unfinished", ""),
+    ],
+)
 def test_think_splitter_any_chunking(text, reasoning, content):
     for cut in range(len(text) + 1):
         for step in (1, 3):
@@ -111,7 +116,7 @@ def test_think_splitter_any_chunking(text, reasoning, content):
             s.feed(text[:cut])
             rest = text[cut:]
             for i in range(0, len(rest), step):
-                s.feed(rest[i:i + step])
+                s.feed(rest[i : i + step])
             s.finish()
             assert (s.reasoning, s.content) == (reasoning, content), (cut, step)
 
@@ -119,13 +124,19 @@ def test_think_splitter_any_chunking(text, reasoning, content):
 def test_error_lines():
     body = b'{"error": {"message": "max_tokens is too large:\\n 9999 > 512", "type": "BadRequestError"}}'
     assert error_line(400, "Bad Request", body) == "HTTP 400 Bad Request: max_tokens is too large: 9999 > 512"
-    assert error_line(404, "Not Found", b'{"object": "error", "message": "The model `x` does not exist."}') == \
-        "HTTP 404 Not Found: The model `x` does not exist."
-    assert error_line(502, "Bad Gateway", b"<html>\n<body>proxy down</body>\n</html>") == \
-        "HTTP 502 Bad Gateway: <html> <body>proxy down</body> </html>"
+    assert (
+        error_line(404, "Not Found", b'{"object": "error", "message": "The model `x` does not exist."}')
+        == "HTTP 404 Not Found: The model `x` does not exist."
+    )
+    assert (
+        error_line(502, "Bad Gateway", b"<html>\n<body>proxy down</body>\n</html>")
+        == "HTTP 502 Bad Gateway: <html> <body>proxy down</body> </html>"
+    )
     assert error_line(500, "Internal Server Error", b"") == "HTTP 500 Internal Server Error"
 
 
-@pytest.mark.parametrize("url", ["http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/", " http://h:8000/v1 "])
+@pytest.mark.parametrize(
+    "url", ["http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/", " http://h:8000/v1 "]
+)
 def test_base_url_with_or_without_v1(url):
     assert server_root(url) == "http://h:8000"

@@ -4,8 +4,8 @@ import shutil
 
 import torch
 
-from kimitui.engine.args import cpu_auto_dtype
 from kimitui.cli import main
+from kimitui.engine.args import cpu_auto_dtype
 
 
 def test_info_names_the_auto_dtype_for_a_quantised_checkpoint(tmp_path, capsys):

@@ -29,8 +29,14 @@ def test_k26_on_six_gpus_fits(capsys):
     out = capsys.readouterr().out
     assert "6 GPU x 288.00 GiB; max_model_len 262,144 x 1 seq" in out
     table = [line.split() for line in out.splitlines() if line[:4].strip().isdigit()]
-    assert [row[:3] for row in table] == [["0", "11", "27307"], ["1", "11", "27307"], ["2", "11", "27307"],
-                                          ["3", "11", "27307"], ["4", "10", "27306"], ["5", "10", "27306"]]
+    assert [row[:3] for row in table] == [
+        ["0", "11", "27307"],
+        ["1", "11", "27307"],
+        ["2", "11", "27307"],
+        ["3", "11", "27307"],
+        ["4", "10", "27306"],
+        ["5", "10", "27306"],
+    ]
     assert all(row[4] == "3840" for row in table)  # 384 x 60 experts / 6 GPUs
     assert "layers 1-60: 384 on GPU, 0 on CPU" in out
     assert "fits: yes" in out
@@ -52,8 +58,24 @@ def test_k26_on_four_140gb_gpus(capsys, tmp_path):
 
 
 def test_json_output(capsys):
-    assert run_plan(["--config", K26, "--gpus", "4", "--gpu-memory-gb", "140", "--max-model-len", "32768",
-                     "--max-num-seqs", "8", "--json"]) == 0
+    assert (
+        run_plan(
+            [
+                "--config",
+                K26,
+                "--gpus",
+                "4",
+                "--gpu-memory-gb",
+                "140",
+                "--max-model-len",
+                "32768",
+                "--max-num-seqs",
+                "8",
+                "--json",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["fits"] is True and data["num_devices"] == 4 and data["max_num_seqs"] == 8
     assert len(data["devices"]) == 4 and data["host"]["num_experts"] > 0
@@ -65,21 +87,26 @@ def test_json_output(capsys):
 def test_routing_stats_flag(capsys, tmp_path):
     stats = tmp_path / "stats.json"
     stats.write_text(json.dumps({str(layer): [layer + e for e in range(384)] for layer in range(1, 61)}))
-    assert run_plan(["--config", K26, "--gpus", "4", "--gpu-memory-gb", "140", "--routing-stats", str(stats),
-                     "--json"]) == 0
+    assert (
+        run_plan(["--config", K26, "--gpus", "4", "--gpu-memory-gb", "140", "--routing-stats", str(stats), "--json"])
+        == 0
+    )
     row = json.loads(capsys.readouterr().out)["expert_device"][7]
     assert row[383] >= 0 and row[0] == -1  # counts grow with the id: the highest ids are hottest
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--config", "/nonexistent/config.json", "--gpus", "4"], "/nonexistent/config.json"),
-    (["--config", "UNKNOWN", "--gpus", "4"], "model_type 'llama'"),
-    (["--config", K26, "--gpus", "0"], "--gpus"),
-    (["--config", K26, "--gpus", "4", "--routing-stats", "/nonexistent/stats.json"], "stats.json"),
-    (["--config", K26, "--gpus", "4", "--cpu-offload", "999"], "cpu_offload"),
-    (["--config", K26, "--gpus", "4", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
-    (["--config", K26, "--gpus", "4", "--reserve-gb", "-1"], "--reserve-gb"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--config", "/nonexistent/config.json", "--gpus", "4"], "/nonexistent/config.json"),
+        (["--config", "UNKNOWN", "--gpus", "4"], "model_type 'llama'"),
+        (["--config", K26, "--gpus", "0"], "--gpus"),
+        (["--config", K26, "--gpus", "4", "--routing-stats", "/nonexistent/stats.json"], "stats.json"),
+        (["--config", K26, "--gpus", "4", "--cpu-offload", "999"], "cpu_offload"),
+        (["--config", K26, "--gpus", "4", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+        (["--config", K26, "--gpus", "4", "--reserve-gb", "-1"], "--reserve-gb"),
+    ],
+)
 def test_bad_input_exits_2(capsys, tmp_path, argv, needle):
     if "UNKNOWN" in argv:
         bad = tmp_path / "config.json"
@@ -119,9 +146,11 @@ def test_argparse_rejects_bad_flags():
 
 
 def test_module_runs_without_textual():
-    code = ("import sys; from kimitui.commands import plan; "
-            f"rc = plan.main(['--config', {K26!r}, '--gpus', '6']); "
-            "assert 'textual' not in sys.modules; sys.exit(rc)")
+    code = (
+        "import sys; from kimitui.commands import plan; "
+        f"rc = plan.main(['--config', {K26!r}, '--gpus', '6']); "
+        "assert 'textual' not in sys.modules; sys.exit(rc)"
+    )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert "fits: yes" in res.stdout

@@ -53,6 +53,7 @@ def run_kl(tmp_path, *args) -> dict:
 
 # -- the arithmetic ---------------------------------------------------------------------------
 
+
 def _random_rows(n=6, v=50, seed=0, scale=3.0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(n, v, generator=g) * scale).log_softmax(-1)
@@ -73,8 +74,11 @@ def test_top_k_kl_is_a_lower_bound_and_exact_with_every_token():
     tok = torch.arange(6)
     exact, _ = kl_per_position(Dist.dense(p, tok), Dist.dense(q, tok))
     for k in (1, 5, 20):
-        for sides in ((Dist.dense(p, tok).top_k(k), Dist.dense(q, tok)), (Dist.dense(p, tok), Dist.dense(q, tok).top_k(k)),
-                      (Dist.dense(p, tok).top_k(k), Dist.dense(q, tok).top_k(k + 3))):
+        for sides in (
+            (Dist.dense(p, tok).top_k(k), Dist.dense(q, tok)),
+            (Dist.dense(p, tok), Dist.dense(q, tok).top_k(k)),
+            (Dist.dense(p, tok).top_k(k), Dist.dense(q, tok).top_k(k + 3)),
+        ):
             approx_kl, approx = kl_per_position(*sides)
             assert approx and (approx_kl <= exact + 1e-9).all() and (approx_kl >= -1e-12).all()
     full, _ = kl_per_position(Dist.dense(p, tok).top_k(49), Dist.dense(q, tok))
@@ -97,6 +101,7 @@ def test_report_counts_paths_and_agreement():
 
 
 # -- the command ------------------------------------------------------------------------------
+
 
 def test_float32_against_itself_is_zero(ckpt, tmp_path):
     s = run_kl(tmp_path, "--model", ckpt, "--dtype", "float32", *PROMPTS)
@@ -138,8 +143,21 @@ def test_speculative_decoding_verifies_through_the_decode_path(ckpt, tmp_path):
     pattern = list(range(40, 46))
     prompts.write_text("".join(json.dumps({"prompt_token_ids": (pattern * 8)[i:]}) + "\n" for i in range(3)))
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}'
-    s = run_kl(tmp_path, "--model", ckpt, "--dtype", "float32", "--prompts", str(prompts), "--prompt-len", "48",
-               "--decode-tokens", "20", "--speculative-config", spec)
+    s = run_kl(
+        tmp_path,
+        "--model",
+        ckpt,
+        "--dtype",
+        "float32",
+        "--prompts",
+        str(prompts),
+        "--prompt-len",
+        "48",
+        "--decode-tokens",
+        "20",
+        "--speculative-config",
+        spec,
+    )
     assert "speculative" in s["tested"] and s["decode"]["positions"] == 3 * 20
     assert s["mean_kl"] < 1e-9 and s["top1_agreement"] == 1.0
 
@@ -147,10 +165,42 @@ def test_speculative_decoding_verifies_through_the_decode_path(ckpt, tmp_path):
 @pytest.mark.slow  # eight engine loads
 def test_saved_reference_gives_the_in_process_numbers(ckpt, tmp_path):
     full, top = tmp_path / "full.safetensors", tmp_path / "top.safetensors"
-    assert main(["eval", "kl", "--model", ckpt, "--dtype", "float32", *PROMPTS, "--save-base", str(full),
-                 "--base-top-k", "0"]) == 0
-    assert main(["eval", "kl", "--model", ckpt, "--dtype", "float32", *PROMPTS, "--save-base", str(top),
-                 "--base-top-k", "8"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "kl",
+                "--model",
+                ckpt,
+                "--dtype",
+                "float32",
+                *PROMPTS,
+                "--save-base",
+                str(full),
+                "--base-top-k",
+                "0",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "eval",
+                "kl",
+                "--model",
+                ckpt,
+                "--dtype",
+                "float32",
+                *PROMPTS,
+                "--save-base",
+                str(top),
+                "--base-top-k",
+                "8",
+            ]
+        )
+        == 0
+    )
     here = run_kl(tmp_path, "--model", ckpt, "--dtype", "bfloat16", *PROMPTS)
     from_file = run_kl(tmp_path, "--model", ckpt, "--dtype", "bfloat16", "--base", str(full), "--decode-tokens", "16")
     assert from_file["positions"] == here["positions"] and not from_file["approximate"]
@@ -191,9 +241,32 @@ def test_emulated_fp16_device_path(ckpt, tmp_path):
     out = tmp_path / "emu.json"
     env = {k: v for k, v in os.environ.items() if k not in ("KIMITUI_KERNELS", "KIMITUI_EVAL_BREAK")}
     env.update(KIMITUI_EMULATE_DEVICE="1", TRITON_INTERPRET="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "kimitui.cli", "eval", "kl", "--model", ckpt, "--dtype", "float16",
-                           "--num-prompts", "2", "--prompt-len", "24", "--decode-tokens", "8", "--json", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kimitui.cli",
+            "eval",
+            "kl",
+            "--model",
+            ckpt,
+            "--dtype",
+            "float16",
+            "--num-prompts",
+            "2",
+            "--prompt-len",
+            "24",
+            "--decode-tokens",
+            "8",
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads(out.read_text())
     assert "emulated device path" in s["tested"]

@@ -20,10 +20,11 @@ from kimitui.engine import AsyncLLM, EngineArgs  # noqa: E402
 from kimitui.server import BackgroundServer, create_app  # noqa: E402
 
 MODEL = "kimitui-demo"
-MC = [{"question": "Which is a colour?", "choices": ["red", "seven", "quickly"], "answer": 0},
-      {"question": "Which is a number?", "choices": ["blue", "three"], "answer": 1}]
-GEN = [{"question": "What is two plus two?", "answer": "four"},
-       {"question": "Name a fruit.", "answer": "apple"}]
+MC = [
+    {"question": "Which is a colour?", "choices": ["red", "seven", "quickly"], "answer": 0},
+    {"question": "Which is a number?", "choices": ["blue", "three"], "answer": 1},
+]
+GEN = [{"question": "What is two plus two?", "answer": "four"}, {"question": "Name a fruit.", "answer": "apple"}]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def tasks(tmp_path, monkeypatch):
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {tmp_path / 'mc.jsonl'}
+    test: {tmp_path / "mc.jsonl"}
 test_split: test
 output_type: multiple_choice
 doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
@@ -60,7 +61,7 @@ metric_list:
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {tmp_path / 'gen.jsonl'}
+    test: {tmp_path / "gen.jsonl"}
 test_split: test
 output_type: generate_until
 doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
@@ -91,10 +92,12 @@ def _engine_loglikelihood(llm, context: str, continuation: str) -> float:
     start = len(tok.encode(context, allow_special=True))
 
     async def run():
-        async for out in llm.generate({"prompt_token_ids": whole}, SamplingParams(temperature=0, max_tokens=1,
-                                                                                  prompt_logprobs=0)):
+        async for out in llm.generate(
+            {"prompt_token_ids": whole}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+        ):
             pass
         return out.prompt_logprobs
+
     lps = asyncio.run(run())
     return sum(lps[i][whole[i]] for i in range(start, len(whole)))
 
@@ -104,8 +107,12 @@ def test_local_completions_with_remote_tokenizer(served, tasks):
     out = lm_eval.simple_evaluate(
         model="local-completions",
         model_args=f"model={MODEL},base_url={url}/v1/completions,tokenizer_backend=remote,num_concurrent=1,"
-                   "max_retries=1,tokenized_requests=True",
-        tasks=["kimitui_mc", "kimitui_gen"], task_manager=tasks, log_samples=True, batch_size=1)
+        "max_retries=1,tokenized_requests=True",
+        tasks=["kimitui_mc", "kimitui_gen"],
+        task_manager=tasks,
+        log_samples=True,
+        batch_size=1,
+    )
     res = out["results"]
     assert 0.0 <= res["kimitui_mc"]["acc,none"] <= 1.0
     assert 0.0 <= res["kimitui_gen"]["exact_match,none"] <= 1.0
@@ -124,6 +131,11 @@ def test_local_chat_completions_generation(served, tasks):
     out = lm_eval.simple_evaluate(
         model="local-chat-completions",
         model_args=f"model={MODEL},base_url={url}/v1/chat/completions,num_concurrent=1,max_retries=1",
-        tasks=["kimitui_gen"], task_manager=tasks, apply_chat_template=True, log_samples=True, batch_size=1)
+        tasks=["kimitui_gen"],
+        task_manager=tasks,
+        apply_chat_template=True,
+        log_samples=True,
+        batch_size=1,
+    )
     assert 0.0 <= out["results"]["kimitui_gen"]["exact_match,none"] <= 1.0
     assert len(out["samples"]["kimitui_gen"]) == len(GEN)

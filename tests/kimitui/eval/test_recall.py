@@ -12,31 +12,33 @@ import pytest
 
 from kimitui.commands import eval_recall
 from kimitui.eval.haystack import build_haystack, make_needles
-from kimitui.eval.recall import (AMBIGUOUS, FOUND, MISSING, WRONG, check_lengths, parse_context_lengths,
-                                 score_reply)
+from kimitui.eval.recall import AMBIGUOUS, FOUND, MISSING, WRONG, check_lengths, parse_context_lengths, score_reply
 from tests.helpers.http_server import serving
 
 CODE, OTHER = "7XKQ-42QM", "ABCD-EFGH"
 
 
-@pytest.mark.parametrize("reply,verdict", [
-    ("7XKQ-42QM", FOUND),
-    ("The access code for the amber falcon is 7XKQ-42QM.", FOUND),
-    ("**7XKQ-42QM**", FOUND),
-    ("`7XKQ-42QM`\n", FOUND),
-    ("", MISSING),
-    ("I could not find it.", MISSING),
-    ("7xkq-42qm", MISSING),  # exact match: case counts
-    ("7XKQ-42QMZ", MISSING),  # a longer code is another code
-    ("A7XKQ-42QM", MISSING),
-    ("7XKQ-42QM-9", MISSING),
-    ("7XKQ-42Q", MISSING),
-    ("7XKQ 42QM", MISSING),
-    ("ABCD-EFGH", WRONG),
-    ("It is ABCD-EFGH, not anything else.", WRONG),
-    ("7XKQ-42QM or ABCD-EFGH", AMBIGUOUS),  # listing every code earns nothing
-    ("7XKQ-42QM 7XKQ-42QM", FOUND),
-])
+@pytest.mark.parametrize(
+    "reply,verdict",
+    [
+        ("7XKQ-42QM", FOUND),
+        ("The access code for the amber falcon is 7XKQ-42QM.", FOUND),
+        ("**7XKQ-42QM**", FOUND),
+        ("`7XKQ-42QM`\n", FOUND),
+        ("", MISSING),
+        ("I could not find it.", MISSING),
+        ("7xkq-42qm", MISSING),  # exact match: case counts
+        ("7XKQ-42QMZ", MISSING),  # a longer code is another code
+        ("A7XKQ-42QM", MISSING),
+        ("7XKQ-42QM-9", MISSING),
+        ("7XKQ-42Q", MISSING),
+        ("7XKQ 42QM", MISSING),
+        ("ABCD-EFGH", WRONG),
+        ("It is ABCD-EFGH, not anything else.", WRONG),
+        ("7XKQ-42QM or ABCD-EFGH", AMBIGUOUS),  # listing every code earns nothing
+        ("7XKQ-42QM 7XKQ-42QM", FOUND),
+    ],
+)
 def test_scorer_on_canned_replies(reply, verdict):
     assert score_reply(reply, CODE, [CODE, OTHER, "ZZZZ-2222"]) == verdict
 
@@ -87,12 +89,27 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(["recall", *argv])
 
 
-@pytest.mark.parametrize("model,chat_format", [
-    ("demo", "kimi-k2"), pytest.param("demo-k3", "xtml", marks=pytest.mark.slow)])  # K3 on a CPU: ~25-75 s
+@pytest.mark.parametrize(
+    "model,chat_format", [("demo", "kimi-k2"), pytest.param("demo-k3", "xtml", marks=pytest.mark.slow)]
+)  # K3 on a CPU: ~25-75 s
 def test_recall_end_to_end_on_the_demo_models(model, chat_format, tmp_path, capsys):
     out_file = tmp_path / "recall.json"
-    args = _parse(["--model", model, "--context-lengths", "320,640", "--depths", "0,0.5,1", "--codes-per-depth", "1",
-                   "--max-tokens", "8", "--json", str(out_file)])
+    args = _parse(
+        [
+            "--model",
+            model,
+            "--context-lengths",
+            "320,640",
+            "--depths",
+            "0,0.5,1",
+            "--codes-per-depth",
+            "1",
+            "--max-tokens",
+            "8",
+            "--json",
+            str(out_file),
+        ]
+    )
     assert eval_recall.run(args) == 0
     out, err = capsys.readouterr()
     assert "Long-context recall" in out and "d=0.5" in out
@@ -104,8 +121,9 @@ def test_recall_end_to_end_on_the_demo_models(model, chat_format, tmp_path, caps
         assert [d["depth"] for d in r["depths"]] == [0.0, 0.5, 1.0]
         assert all(d["total"] == 1 and 0 <= d["found"] <= 1 for d in r["depths"])
         assert sum(r["verdicts"].values()) == r["total"] == 3
-        assert all(i["verdict"] == score_reply(i["reply"], i["code"], [j["code"] for j in r["items"]])
-                   for i in r["items"])
+        assert all(
+            i["verdict"] == score_reply(i["reply"], i["code"], [j["code"] for j in r["items"]]) for i in r["items"]
+        )
     assert result["total"] == 6 and 0.0 <= result["recall"] <= 1.0
     assert result["max_model_len"] == 32768
 
@@ -117,13 +135,16 @@ def test_recall_names_the_limit_above_the_model_maximum(capsys):
     assert "context length 1024 is above this model's maximum: max_model_len is 512" in err
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--context-lengths", "12q"], "--context-lengths: expected numbers"),
-    (["--context-lengths", "256", "--depths", "0,1.5"], "--depths"),
-    (["--context-lengths", "256", "--codes-per-depth", "0"], "--codes-per-depth must be >= 1"),
-    (["--context-lengths", "256", "--base-url", "ftp://x"], "--base-url must start with http"),
-    (["--context-lengths", "256", "--tokenizer", "/nonexistent"], "--tokenizer is for --base-url"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--context-lengths", "12q"], "--context-lengths: expected numbers"),
+        (["--context-lengths", "256", "--depths", "0,1.5"], "--depths"),
+        (["--context-lengths", "256", "--codes-per-depth", "0"], "--codes-per-depth must be >= 1"),
+        (["--context-lengths", "256", "--base-url", "ftp://x"], "--base-url must start with http"),
+        (["--context-lengths", "256", "--tokenizer", "/nonexistent"], "--tokenizer is for --base-url"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert eval_recall.run(_parse(argv)) == 2
     err = capsys.readouterr().err

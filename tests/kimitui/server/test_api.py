@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from kimitui.engine import AsyncLLM, EngineArgs, RequestOutput, SamplingParams
-from kimitui.engine.text.chat_format import chat_format_for
 from kimitui.engine.outputs import CompletionOutput
+from kimitui.engine.text.chat_format import chat_format_for
 from kimitui.server import BackgroundServer, create_app
 from kimitui.server import chat as chat_route
 
@@ -40,6 +40,7 @@ def engine_text(llm: AsyncLLM, prompt, **params) -> CompletionOutput:
         async for out in llm.generate(prompt, SamplingParams(**params)):
             pass
         return out.outputs[0]
+
     return asyncio.run(run())
 
 
@@ -62,8 +63,16 @@ def test_completion_matches_engine(served, client):
 
 def test_completion_stream_with_usage(client):
     full = client.completions.create(model=MODEL, prompt="Stream me", max_tokens=7, temperature=0).choices[0].text
-    chunks = list(client.completions.create(model=MODEL, prompt="Stream me", max_tokens=7, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Stream me",
+            max_tokens=7,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     *text_chunks, usage_chunk = chunks
     assert all(len(c.choices) == 1 for c in text_chunks)
     assert "".join(c.choices[0].text for c in text_chunks) == full
@@ -83,20 +92,25 @@ def test_completion_logprobs(client):
 
 def test_stop_string_plain_and_streamed(client):
     text = client.completions.create(model=MODEL, prompt="Stop test", max_tokens=12, temperature=0).choices[0].text
-    stop = next(text[i:i + 2] for i in range(len(text) // 2, len(text) - 1) if "\ufffd" not in text[i:i + 2])
-    want = text[:text.find(stop)]
+    stop = next(text[i : i + 2] for i in range(len(text) // 2, len(text) - 1) if "\ufffd" not in text[i : i + 2])
+    want = text[: text.find(stop)]
     r = client.completions.create(model=MODEL, prompt="Stop test", max_tokens=12, temperature=0, stop=[stop])
     assert r.choices[0].text == want
     assert r.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model=MODEL, prompt="Stop test", max_tokens=12, temperature=0,
-                                         stop=stop, stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt="Stop test", max_tokens=12, temperature=0, stop=stop, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == want
 
 
 def test_seed_makes_sampling_repeatable(client):
     def sample(seed):
-        return client.completions.create(model=MODEL, prompt="Seeded", max_tokens=8, temperature=1.0,
-                                         seed=seed).choices[0].text
+        return (
+            client.completions.create(model=MODEL, prompt="Seeded", max_tokens=8, temperature=1.0, seed=seed)
+            .choices[0]
+            .text
+        )
+
     assert sample(7) == sample(7)
     assert len({sample(s) for s in (1, 2, 3)}) > 1
 
@@ -107,8 +121,9 @@ def test_several_prompts_one_choice_each(client):
     assert r.usage.completion_tokens == 9
     ids = client.completions.create(model=MODEL, prompt=[[1, 2, 3], [4, 5]], max_tokens=2, temperature=0)
     assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
-    streamed = client.completions.create(model=MODEL, prompt=["one", "two", "three"], max_tokens=3,
-                                         temperature=0, stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt=["one", "two", "three"], max_tokens=3, temperature=0, stream=True
+    )
     texts = {0: "", 1: "", 2: ""}
     for c in streamed:
         texts[c.choices[0].index] += c.choices[0].text
@@ -116,8 +131,7 @@ def test_several_prompts_one_choice_each(client):
 
 
 def test_echo_prefixes_the_prompt(client):
-    r = client.completions.create(model=MODEL, prompt="Echo this", max_tokens=2, temperature=0, echo=True,
-                                  logprobs=1)
+    r = client.completions.create(model=MODEL, prompt="Echo this", max_tokens=2, temperature=0, echo=True, logprobs=1)
     assert r.choices[0].text.startswith("Echo this")
     assert r.choices[0].logprobs.token_logprobs[0] is None  # the first prompt token has no context
 
@@ -129,8 +143,9 @@ def test_max_tokens_defaults_to_remaining_context(client):
 
 
 def test_chat_completion(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
-                                       temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
+    )
     msg = r.choices[0].message
     assert msg.role == "assistant" and isinstance(msg.content, str)
     assert "<|im_end|>" not in msg.content
@@ -139,8 +154,13 @@ def test_chat_completion(client):
 
 
 def test_chat_thinking_goes_to_reasoning_content(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "think"}], max_tokens=6,
-                                       temperature=0, extra_body={"chat_template_kwargs": {"thinking": True}})
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "think"}],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"thinking": True}},
+    )
     msg = r.choices[0].message
     # The prompt opens <think>: a reply that never closes it is all reasoning.
     assert msg.model_extra.get("reasoning_content")
@@ -148,9 +168,18 @@ def test_chat_thinking_goes_to_reasoning_content(client):
 
 
 def test_chat_stream_with_logprobs_and_usage(client):
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0, stream=True,
-        logprobs=True, top_logprobs=2, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            logprobs=True,
+            top_logprobs=2,
+            stream_options={"include_usage": True},
+        )
+    )
     *deltas, usage_chunk = chunks
     assert deltas[0].choices[0].delta.role == "assistant"
     assert deltas[-1].choices[0].finish_reason in ("stop", "length")
@@ -161,29 +190,50 @@ def test_chat_stream_with_logprobs_and_usage(client):
 
 
 def _fake_output(text: str, token_ids: list[int], finished: bool) -> RequestOutput:
-    return RequestOutput("r", None, [1], None, [CompletionOutput(0, text, token_ids, finish_reason="stop"
-                                                                  if finished else None)], finished)
+    return RequestOutput(
+        "r",
+        None,
+        [1],
+        None,
+        [CompletionOutput(0, text, token_ids, finish_reason="stop" if finished else None)],
+        finished,
+    )
 
 
-TOOL_REPLY = ('Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
-              '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+TOOL_REPLY = (
+    "Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+    '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
+)
 
 
 def test_tool_calls_become_openai_tool_calls(served):
     state = served[1].state.server
-    chat = chat_route._Chat([1], SamplingParams(), fmt=chat_format_for(state.tokenizer), started_in_thinking=False,
-                            report_tools=True, top_logprobs=None)
+    chat = chat_route._Chat(
+        [1],
+        SamplingParams(),
+        fmt=chat_format_for(state.tokenizer),
+        started_in_thinking=False,
+        report_tools=True,
+        top_logprobs=None,
+    )
     body = chat_route._response(state, "id", chat, _fake_output(TOOL_REPLY + "<|im_end|>", [1, 2], True))
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == "Let me check."
-    assert choice["message"]["tool_calls"] == [{"id": "functions.get_weather:0", "type": "function", "function": {
-        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    assert choice["message"]["tool_calls"] == [
+        {
+            "id": "functions.get_weather:0",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        }
+    ]
     # Streamed in three pieces: the call arrives whole, once, with an index.
     st = chat_route._StreamState(chat)
     pieces = [TOOL_REPLY[:20], TOOL_REPLY[:90], TOOL_REPLY]
-    deltas = [chat_route._chunk_choice(state, chat, None, st, _fake_output(t, [1] * (i + 1), i == 2).outputs[0], 0)
-              for i, t in enumerate(pieces)]
+    deltas = [
+        chat_route._chunk_choice(state, chat, None, st, _fake_output(t, [1] * (i + 1), i == 2).outputs[0], 0)
+        for i, t in enumerate(pieces)
+    ]
     calls = [c for d in deltas if d for c in d["delta"].get("tool_calls", [])]
     assert [c["function"]["name"] for c in calls] == ["get_weather"] and calls[0]["index"] == 0
     assert deltas[-1]["finish_reason"] == "tool_calls"
@@ -191,8 +241,9 @@ def test_tool_calls_become_openai_tool_calls(served):
 
 def test_chat_accepts_tools(client):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "weather?"}],
-                                       max_tokens=4, tools=tools)
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "weather?"}], max_tokens=4, tools=tools
+    )
     assert r.usage.prompt_tokens > 20  # the tool declaration is part of the prompt
 
 
@@ -212,8 +263,9 @@ def test_completion_n_choices_share_one_prompt_and_repeat_with_a_seed(served, cl
     assert llm.engine.stats().computed_prompt_tokens - before == p
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, n=4, seed=5, temperature=1.0)
     assert [c.text for c in again.choices] == [c.text for c in r.choices]
-    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, n=4, seed=5,
-                                              temperature=1.0, stream=True))
+    streamed = list(
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, n=4, seed=5, temperature=1.0, stream=True)
+    )
     texts = {}
     for chunk in streamed:
         for c in chunk.choices:
@@ -223,8 +275,9 @@ def test_completion_n_choices_share_one_prompt_and_repeat_with_a_seed(served, cl
 
 
 def test_completion_best_of_and_several_prompts_number_choices(client):
-    r = client.completions.create(model=MODEL, prompt=["first", "second"], max_tokens=3, n=2, best_of=3,
-                                  seed=1, temperature=1.0)
+    r = client.completions.create(
+        model=MODEL, prompt=["first", "second"], max_tokens=3, n=2, best_of=3, seed=1, temperature=1.0
+    )
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert r.usage.completion_tokens == 12  # the choices returned (best_of sampled more)
 
@@ -233,8 +286,11 @@ def test_chat_n_choices_streamed_with_indices(client):
     msgs = [{"role": "user", "content": "Say something"}]
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, n=3, seed=2, temperature=1.0)
     assert [c.index for c in r.choices] == [0, 1, 2]
-    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, n=3, seed=2,
-                                                 temperature=1.0, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=6, n=3, seed=2, temperature=1.0, stream=True
+        )
+    )
     content = {}
     for chunk in chunks:
         for c in chunk.choices:

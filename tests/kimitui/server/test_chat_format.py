@@ -12,18 +12,23 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from kimitui.engine.text.chat_format import chat_format_for
 from kimitui.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kimitui.engine.text.chat_format import chat_format_for
 from kimitui.engine.text.tokenizer import Tokenizer
 from kimitui.server import create_app
 
-REPLY = ('Think first.<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|>'
-         '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" '
-         'type="string"<|sep|>Paris<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
-         '<|close|>message<|sep|>')
+REPLY = (
+    "Think first.<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|>"
+    '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" '
+    'type="string"<|sep|>Paris<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+    "<|close|>message<|sep|>"
+)
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-MSGS = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "reasoning_content": "old"},
-        {"role": "user", "content": "weather?"}]
+MSGS = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "yo", "reasoning_content": "old"},
+    {"role": "user", "content": "weather?"},
+]
 
 
 class ScriptedLLM:
@@ -40,9 +45,23 @@ class ScriptedLLM:
         for n in range(7, len(self.reply) + 7, 7):  # cumulative text, 7 characters more each time
             done = n >= len(self.reply)
             text = self.reply[:n]
-            yield RequestOutput("r", None, prompt, None, [CompletionOutput(
-                0, text, ids[:max(1, len(ids) * min(n, len(text)) // len(self.reply))],
-                finish_reason="stop" if done else None, stop_reason=163586 if done else None)], done, metrics)
+            yield RequestOutput(
+                "r",
+                None,
+                prompt,
+                None,
+                [
+                    CompletionOutput(
+                        0,
+                        text,
+                        ids[: max(1, len(ids) * min(n, len(text)) // len(self.reply))],
+                        finish_reason="stop" if done else None,
+                        stop_reason=163586 if done else None,
+                    )
+                ],
+                done,
+                metrics,
+            )
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +91,22 @@ def test_k3_kwargs_render_and_reply_parses(k3_tok):
     r = _post(llm, {"messages": MSGS, "tools": TOOLS, "chat_template_kwargs": kwargs})
     assert r.status_code == 200, r.text
     prompt, params = llm.calls[0]
-    want = chat_format_for(k3_tok).encode(MSGS, tools=TOOLS, thinking=True, thinking_effort="low",
-                                          preserve_thinking=False)
+    want = chat_format_for(k3_tok).encode(
+        MSGS, tools=TOOLS, thinking=True, thinking_effort="low", preserve_thinking=False
+    )
     assert prompt == want.ids
     text = k3_tok.decode(prompt)
     assert "`thinking_effort=low`" in text and "<|open|>think<|sep|><|close|>think<|sep|>" in text
     assert 163586 in params.stop_token_ids and params.skip_special_tokens
     msg = r.json()["choices"][0]["message"]
     assert msg["reasoning_content"] == "Think first." and msg["content"] == "Checking."
-    assert msg["tool_calls"] == [{"id": "functions.get_weather:0", "type": "function",
-                                  "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    assert msg["tool_calls"] == [
+        {
+            "id": "functions.get_weather:0",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        }
+    ]
     assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
 
 
@@ -129,11 +154,15 @@ def test_k3_tool_choice_and_response_format_are_rendered(k3_tok):
     """required and a named function are accepted (vllm renderers/kimi_k3.py passes them to
     encoding_k3); none keeps the tools declared; response_format and reasoning_effort reach the prompt."""
     fmt = chat_format_for(k3_tok)
-    cases = [({"tool_choice": "required"}, {"tool_choice": "required"}),
-             ({"tool_choice": NAMED}, {"tool_choice": NAMED}),
-             ({"tool_choice": "none"}, {"tool_choice": "none"}),
-             ({"response_format": SCHEMA_FORMAT, "reasoning_effort": "minimal"},
-              {"response_format": SCHEMA_FORMAT, "reasoning_effort": "minimal"})]
+    cases = [
+        ({"tool_choice": "required"}, {"tool_choice": "required"}),
+        ({"tool_choice": NAMED}, {"tool_choice": NAMED}),
+        ({"tool_choice": "none"}, {"tool_choice": "none"}),
+        (
+            {"response_format": SCHEMA_FORMAT, "reasoning_effort": "minimal"},
+            {"response_format": SCHEMA_FORMAT, "reasoning_effort": "minimal"},
+        ),
+    ]
     for body, options in cases:
         llm = ScriptedLLM(k3_tok, REPLY)
         r = _post(llm, {"messages": MSGS, "tools": TOOLS, **body})
@@ -166,8 +195,12 @@ def test_k2_tool_choice_none_drops_tools_and_options_pass(k2_tok):
     """K2's chat template has none of these options: the prompt is what it was, the request is accepted."""
     llm = ScriptedLLM(k2_tok, "answer")
     base = {"messages": MSGS, "tools": TOOLS}
-    for body in ({"tool_choice": "none"}, {"tool_choice": "required"}, {"tool_choice": NAMED},
-                 {"response_format": SCHEMA_FORMAT, "reasoning_effort": "medium"}):
+    for body in (
+        {"tool_choice": "none"},
+        {"tool_choice": "required"},
+        {"tool_choice": NAMED},
+        {"response_format": SCHEMA_FORMAT, "reasoning_effort": "medium"},
+    ):
         assert _post(llm, {**base, **body}).status_code == 200
     none, required, named, formatted = (c[0] for c in llm.calls)
     fmt = chat_format_for(k2_tok)

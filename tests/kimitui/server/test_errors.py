@@ -52,8 +52,9 @@ def url(servers):
 
 def post(url: str, path: str, body, headers=None) -> httpx.Response:
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(url + path, content=content, headers={"Content-Type": "application/json", **(headers or {})},
-                      timeout=30)
+    return httpx.post(
+        url + path, content=content, headers={"Content-Type": "application/json", **(headers or {})}, timeout=30
+    )
 
 
 def error_of(r: httpx.Response) -> dict:
@@ -69,36 +70,42 @@ def test_malformed_json_is_400(url):
     assert r.status_code == 400 and "JSON object" in error_of(r)["message"]
 
 
-@pytest.mark.parametrize("path, body, field", [
-    ("/v1/completions", {"max_tokens": 3}, "prompt"),
-    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
-    ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
-    ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-    ("/v1/chat/completions", {"messages": []}, "messages"),
-])
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        ("/v1/completions", {"max_tokens": 3}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
+        ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+    ],
+)
 def test_validation_errors_name_the_field(url, path, body, field):
     r = post(url, path, body)
     err = error_of(r)
     assert r.status_code == 400 and err["param"] == field and field in err["message"]
 
 
-@pytest.mark.parametrize("body, field, words", [
-    ({"top_p": 2.0}, "top_p", "top_p must be in (0, 1]"),
-    ({"temperature": -1}, "temperature", "temperature must be >= 0"),
-    ({"logprobs": 21}, "logprobs", "logprobs must be in 0..20"),
-    ({"n": 0}, "n", "n must be in 1..128"),
-    ({"n": 2, "best_of": 1}, "best_of", "best_of must be in n..128"),
-    ({"n": 1, "best_of": 3, "stream": True}, "best_of", "cannot be streamed"),
-    ({"max_tokens": -1}, "max_tokens", "max_tokens must be >= 0"),  # 0 is taken: prompt log-probs only, as vLLM
-    ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
-    ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be in (0, 100]"),
-    ({"prompt": ""}, "prompt", "empty"),
-    ({"prompt": [1, 999999]}, "prompt", "outside the vocabulary"),
-    ({"prompt": "\ud800"}, "prompt", "lone surrogate"),
-    ({"seed": 2**70}, "seed", "seed must be in"),  # would overflow the batch's int64 tensors
-    ({"top_k": 2**70}, "top_k", "top_k must be in"),
-])
+@pytest.mark.parametrize(
+    "body, field, words",
+    [
+        ({"top_p": 2.0}, "top_p", "top_p must be in (0, 1]"),
+        ({"temperature": -1}, "temperature", "temperature must be >= 0"),
+        ({"logprobs": 21}, "logprobs", "logprobs must be in 0..20"),
+        ({"n": 0}, "n", "n must be in 1..128"),
+        ({"n": 2, "best_of": 1}, "best_of", "best_of must be in n..128"),
+        ({"n": 1, "best_of": 3, "stream": True}, "best_of", "cannot be streamed"),
+        ({"max_tokens": -1}, "max_tokens", "max_tokens must be >= 0"),  # 0 is taken: prompt log-probs only, as vLLM
+        ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be in (0, 100]"),
+        ({"prompt": ""}, "prompt", "empty"),
+        ({"prompt": [1, 999999]}, "prompt", "outside the vocabulary"),
+        ({"prompt": "\ud800"}, "prompt", "lone surrogate"),
+        ({"seed": 2**70}, "seed", "seed must be in"),  # would overflow the batch's int64 tensors
+        ({"top_k": 2**70}, "top_k", "top_k must be in"),
+    ],
+)
 def test_bad_parameter_values_are_400(url, body, field, words):
     r = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 2, **body})
     err = error_of(r)
@@ -107,8 +114,18 @@ def test_bad_parameter_values_are_400(url, body, field, words):
 
 def test_neutral_unsupported_fields_are_accepted(url):
     # vllm bench sends repetition_penalty 1.0 and logprobs null; unknown fields are ignored.
-    r = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 1, "repetition_penalty": 1.0,
-                                      "logprobs": None, "user": "me", "frequency_penalty": 0})
+    r = post(
+        url,
+        "/v1/completions",
+        {
+            "prompt": "x",
+            "max_tokens": 1,
+            "repetition_penalty": 1.0,
+            "logprobs": None,
+            "user": "me",
+            "frequency_penalty": 0,
+        },
+    )
     assert r.status_code == 200
 
 
@@ -116,8 +133,9 @@ def test_penalties_reach_the_sampler(url):
     body = {"prompt": [5, 6, 5, 6, 5, 6], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     plain = post(url, "/v1/completions", body).json()["choices"][0]["text"]
     # negative penalties reward repeats: a random-weight model, which rarely repeats, starts to
-    r = post(url, "/v1/completions", {**body, "repetition_penalty": 0.2, "frequency_penalty": -2.0,
-                                      "presence_penalty": -2.0})
+    r = post(
+        url, "/v1/completions", {**body, "repetition_penalty": 0.2, "frequency_penalty": -2.0, "presence_penalty": -2.0}
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["text"] != plain
 
 
@@ -127,8 +145,9 @@ def test_context_overflow_names_both_numbers(url):
     msg = error_of(r)["message"]
     assert r.status_code == 400
     assert msg == "prompt has 40 tokens and max_tokens is 5000: together 5040 exceed max_model_len 512"
-    r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                           "max_completion_tokens": 5000})
+    r = post(
+        url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000}
+    )
     assert r.status_code == 400 and "max_completion_tokens is 5000" in error_of(r)["message"]
     r = post(url, "/v1/completions", {"prompt": [5] * MAX_MODEL_LEN})
     assert r.status_code == 400 and "no room" in error_of(r)["message"]
@@ -139,8 +158,11 @@ def test_chat_specific_errors(url):
     r = post(url, "/v1/chat/completions", {"messages": msgs, "top_logprobs": 2})
     assert r.status_code == 400 and error_of(r)["param"] == "top_logprobs"
     tools = [{"type": "function", "function": {"name": "f"}}]
-    for choice, says in (("sometimes", "must be one of auto, none, required"), ({"type": "function"}, "named"),
-                         ({"type": "function", "function": {"name": "g"}}, "'g', which is not in tools")):
+    for choice, says in (
+        ("sometimes", "must be one of auto, none, required"),
+        ({"type": "function"}, "named"),
+        ({"type": "function", "function": {"name": "g"}}, "'g', which is not in tools"),
+    ):
         r = post(url, "/v1/chat/completions", {"messages": msgs, "tool_choice": choice, "tools": tools})
         assert r.status_code == 400 and error_of(r)["param"] == "tool_choice" and says in error_of(r)["message"]
     r = post(url, "/v1/chat/completions", {"messages": msgs, "tool_choice": "required"})
@@ -169,6 +191,7 @@ def test_body_over_limit_is_413(url):
         for _ in range(BODY_LIMIT // 4096 + 2):
             yield b"y" * 4096
         yield b'"}'
+
     r = httpx.post(url + "/v1/completions", content=chunked(), timeout=30)
     assert r.status_code == 413
 
@@ -199,7 +222,7 @@ def test_engine_failure_is_a_500_for_that_request_only(servers):
     r = post(boom, "/v1/completions", {"prompt": "x", "max_tokens": 2})
     assert r.status_code == 500 and "boom" in error_of(r)["message"]
     r = post(boom, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True})
-    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: ")]
     assert "boom" in json.loads(events[0])["error"]["message"] and events[-1] == "[DONE]"
     # The same engine keeps serving everyone else.
     assert post(servers["open"], "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200

@@ -94,11 +94,14 @@ def test_huge_chat_message_is_refused_before_tokenizing(url):
     four_xx(r, "characters", param="messages")
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {"prompt": "boom", "max_tokens": 1}, "prompt"),
-    ("/tokenize", {"prompt": "boom"}, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "boom"}], "max_tokens": 1}, "messages"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "boom", "max_tokens": 1}, "prompt"),
+        ("/tokenize", {"prompt": "boom"}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "boom"}], "max_tokens": 1}, "messages"),
+    ],
+)
 def test_tokenizer_panic_is_400(servers, path, body, param):
     four_xx(post(servers[1], path, body), "tokenizer failed", "_Panic", param=param)
     assert httpx.get(servers[1] + "/health").status_code == 200
@@ -141,20 +144,25 @@ def test_lone_surrogate_anywhere_is_400_and_pairs_are_fine(url):
     four_xx(r, "lone surrogate", param="messages.0.content")
     r = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 1, "stop": ["\ud83d"]})
     four_xx(r, "lone surrogate", param="stop.0")
-    r = post(url, "/tokenize", {"prompt": "smile \U0001F600"})  # an escaped pair, \ud83d\ude00
+    r = post(url, "/tokenize", {"prompt": "smile \U0001f600"})  # an escaped pair, \ud83d\ude00
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("tools, param", [
-    ([{"type": "function", "function": {"description": "no name"}}], "tools.0.function.name"),
-    ([{"type": "function", "function": {"name": ""}}], "tools.0.function.name"),
-    ([{"type": "function", "function": {"name": "f", "parameters": "a string"}}], "tools.0.function.parameters"),
-    ([{"type": "function", "function": "f"}], "tools.0.function"),
-    ([{"type": "retrieval", "function": {"name": "f"}}], "tools.0.type"),
-    (["f"], "tools.0"),
-    ([{"type": "function", "function": {"name": "f", "parameters": _nested_schema(MAX_SCHEMA_DEPTH // 2 + 1)}}],
-     "tools.0.function.parameters"),
-])
+@pytest.mark.parametrize(
+    "tools, param",
+    [
+        ([{"type": "function", "function": {"description": "no name"}}], "tools.0.function.name"),
+        ([{"type": "function", "function": {"name": ""}}], "tools.0.function.name"),
+        ([{"type": "function", "function": {"name": "f", "parameters": "a string"}}], "tools.0.function.parameters"),
+        ([{"type": "function", "function": "f"}], "tools.0.function"),
+        ([{"type": "retrieval", "function": {"name": "f"}}], "tools.0.type"),
+        (["f"], "tools.0"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": _nested_schema(MAX_SCHEMA_DEPTH // 2 + 1)}}],
+            "tools.0.function.parameters",
+        ),
+    ],
+)
 @pytest.mark.parametrize("choice", [None, "auto", "none"])
 def test_malformed_tools_are_400_whatever_tool_choice_says(url, tools, param, choice):
     body = {"messages": MSGS, "max_tokens": 1, "tools": tools}
@@ -168,7 +176,9 @@ def test_malformed_tools_on_tokenize_are_400(url):
     four_xx(r, param="tools.0.function.name")
 
 
-@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "text/html; charset=utf-8"])
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "text/html; charset=utf-8"]
+)
 def test_non_json_media_types_are_415(url, content_type):
     r = post(url, "/v1/completions", ROUTES["/v1/completions"], content_type=content_type)
     assert r.status_code == 415
@@ -182,12 +192,21 @@ def test_json_media_types_and_none_are_read(url):
 
 def test_stop_string_count_and_length_limits(url):
     body = {"prompt": "x", "max_tokens": 1}
-    four_xx(post(url, "/v1/completions", {**body, "stop": ["s"] * (MAX_STOP_STRINGS + 1)}),
-            str(MAX_STOP_STRINGS), param="stop")
-    four_xx(post(url, "/v1/completions", {**body, "stop": ["s" * (MAX_STOP_CHARS // 2 + 1)] * 2}),
-            str(MAX_STOP_CHARS), param="stop")
-    four_xx(post(url, "/v1/chat/completions", {"messages": MSGS, "stop": ["s"] * 1_000_000}),
-            str(MAX_STOP_STRINGS), param="stop")
+    four_xx(
+        post(url, "/v1/completions", {**body, "stop": ["s"] * (MAX_STOP_STRINGS + 1)}),
+        str(MAX_STOP_STRINGS),
+        param="stop",
+    )
+    four_xx(
+        post(url, "/v1/completions", {**body, "stop": ["s" * (MAX_STOP_CHARS // 2 + 1)] * 2}),
+        str(MAX_STOP_CHARS),
+        param="stop",
+    )
+    four_xx(
+        post(url, "/v1/chat/completions", {"messages": MSGS, "stop": ["s"] * 1_000_000}),
+        str(MAX_STOP_STRINGS),
+        param="stop",
+    )
     assert post(url, "/v1/completions", {**body, "stop": ["s"] * MAX_STOP_STRINGS}).status_code == 200
 
 
@@ -214,12 +233,46 @@ def test_completions_default_to_16_tokens(url):
 # -- fuzzing -------------------------------------------------------------------------------------
 
 _FIELDS = {
-    "/v1/completions": ["prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "stop", "seed",
-                        "logprobs", "echo", "stream", "stream_options", "min_tokens", "stop_token_ids",
-                        "presence_penalty", "repetition_penalty", "response_format", "model", "logit_bias"],
-    "/v1/chat/completions": ["messages", "max_tokens", "max_completion_tokens", "temperature", "tools",
-                             "tool_choice", "response_format", "top_logprobs", "logprobs", "stop", "n",
-                             "chat_template_kwargs", "reasoning_effort", "stream", "model", "seed"],
+    "/v1/completions": [
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "n",
+        "best_of",
+        "stop",
+        "seed",
+        "logprobs",
+        "echo",
+        "stream",
+        "stream_options",
+        "min_tokens",
+        "stop_token_ids",
+        "presence_penalty",
+        "repetition_penalty",
+        "response_format",
+        "model",
+        "logit_bias",
+    ],
+    "/v1/chat/completions": [
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "tools",
+        "tool_choice",
+        "response_format",
+        "top_logprobs",
+        "logprobs",
+        "stop",
+        "n",
+        "chat_template_kwargs",
+        "reasoning_effort",
+        "stream",
+        "model",
+        "seed",
+    ],
     "/tokenize": ["prompt", "messages", "tools", "return_token_strs", "model", "chat_template_kwargs"],
     "/detokenize": ["tokens", "model"],
 }
@@ -227,12 +280,47 @@ _FIELDS = {
 
 def _bad_values(rng: random.Random) -> list:
     deep = json.loads("[" * 70 + "]" * 70)
-    return [None, True, False, 0, -1, 1, 2**31, 2**63, 2**70, -2**70, 1e308, -1e308, 0.5, 1e-40, "", "x",
-            "\ud800", "\udfff x", "a\x00b", "\uffff", "\u202e" * 3, "9" * 5000, "a" * rng.choice([1000, 70_000]),
-            [], [None], [1, "a"], [[1, 2], "x"], [-1], [2**40], ["s"] * 200, {}, {"type": "x"}, {"a": {"b": None}},
-            deep, {"type": "json_schema", "json_schema": {"schema": _nested_schema(40)}},
-            [{"role": "user"}], [{"role": "user", "content": [{"type": "image_url"}]}],
-            [{"type": "function", "function": {"name": 5}}], [{"role": 7, "content": "x"}]]
+    return [
+        None,
+        True,
+        False,
+        0,
+        -1,
+        1,
+        2**31,
+        2**63,
+        2**70,
+        -(2**70),
+        1e308,
+        -1e308,
+        0.5,
+        1e-40,
+        "",
+        "x",
+        "\ud800",
+        "\udfff x",
+        "a\x00b",
+        "\uffff",
+        "\u202e" * 3,
+        "9" * 5000,
+        "a" * rng.choice([1000, 70_000]),
+        [],
+        [None],
+        [1, "a"],
+        [[1, 2], "x"],
+        [-1],
+        [2**40],
+        ["s"] * 200,
+        {},
+        {"type": "x"},
+        {"a": {"b": None}},
+        deep,
+        {"type": "json_schema", "json_schema": {"schema": _nested_schema(40)}},
+        [{"role": "user"}],
+        [{"role": "user", "content": [{"type": "image_url"}]}],
+        [{"type": "function", "function": {"name": 5}}],
+        [{"role": 7, "content": "x"}],
+    ]
 
 
 def _fuzz_bodies(rng: random.Random, count: int):

@@ -51,11 +51,14 @@ def test_listening_socket_is_tcp(server):
     assert server.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
 
 
-@pytest.mark.parametrize("method, path, kw", [
-    ("GET", "/health", {}),
-    ("GET", "/v1/models", {}),
-    ("POST", "/tokenize", {"json": {"prompt": "hello there"}}),  # a body read, a JSON reply
-])  # (not /v1/completions: its engine step alone can take 40 ms on a loaded 2-core machine)
+@pytest.mark.parametrize(
+    "method, path, kw",
+    [
+        ("GET", "/health", {}),
+        ("GET", "/v1/models", {}),
+        ("POST", "/tokenize", {"json": {"prompt": "hello there"}}),  # a body read, a JSON reply
+    ],
+)  # (not /v1/completions: its engine step alone can take 40 ms on a loaded 2-core machine)
 def test_requests_on_one_connection_do_not_stall(server, method, path, kw):
     with httpx.Client(base_url=server.url, timeout=30) as http:
         first = _timed(http, method, path, **kw)

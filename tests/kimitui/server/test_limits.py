@@ -29,20 +29,26 @@ def llm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(llm):
-    srv = BackgroundServer(port=0).start(create_app(llm, MODEL, api_key=KEY, request_read_timeout=0.5,
-                                                    allowed_hosts=frozenset({"127.0.0.1", "localhost"})))
+    srv = BackgroundServer(port=0).start(
+        create_app(
+            llm, MODEL, api_key=KEY, request_read_timeout=0.5, allowed_hosts=frozenset({"127.0.0.1", "localhost"})
+        )
+    )
     yield srv
     srv.stop()
 
 
-@pytest.mark.parametrize("method, path, body", [
-    ("GET", "/v1/models", None),
-    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
-    ("POST", "/tokenize", {"prompt": "x" * 1000}),
-    ("POST", "/detokenize", {"tokens": [5]}),
-    ("GET", "/tokenizer_info", None),
-])
+@pytest.mark.parametrize(
+    "method, path, body",
+    [
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
+        ("POST", "/tokenize", {"prompt": "x" * 1000}),
+        ("POST", "/detokenize", {"tokens": [5]}),
+        ("GET", "/tokenizer_info", None),
+    ],
+)
 def test_every_working_route_needs_the_key(served, method, path, body):
     r = httpx.request(method, served.url + path, json=body, timeout=30)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -81,8 +87,10 @@ def test_idle_connection_without_a_request_is_closed(served):
 
 
 def test_half_sent_body_gets_408(served):
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b'\r\nContent-Length: 100\r\n\r\n{"prompt": '
+    )
     reply = _raw(served.port, head, wait_s=10)
     assert reply.startswith(b"HTTP/1.1 408") and b"request body not received within 0.5 s" in reply, reply
 
@@ -104,17 +112,21 @@ def test_host_allow_list(served):
 def _serve_cli(*argv: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "KIMITUI_API_KEY"}
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "kimitui.cli", "serve", *argv], capture_output=True, text=True,
-                          env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "kimitui.cli", "serve", *argv], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--port", "70000"], "port must be in 0..65535, got 70000"),
-    (["--port", "http"], "not a port number"),
-    (["--api-key", "clé"], "--api-key (or $KIMITUI_API_KEY) must be printable ASCII"),
-    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
-    (["--allowed-hosts", "a b"], "--allowed-hosts"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--port", "70000"], "port must be in 0..65535, got 70000"),
+        (["--port", "http"], "not a port number"),
+        (["--api-key", "clé"], "--api-key (or $KIMITUI_API_KEY) must be printable ASCII"),
+        (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
+        (["--allowed-hosts", "a b"], "--allowed-hosts"),
+    ],
+)
 def test_bad_serve_flags_are_one_line(argv, words):
     r = _serve_cli(*argv)
     assert r.returncode == 2, r.stdout + r.stderr
@@ -136,8 +148,11 @@ def test_a_big_prompt_list_does_not_hold_up_another_client(llm):
 
         def send_list():
             big["start"] = time.monotonic()
-            big["r"] = httpx.post(srv.url + "/v1/completions", timeout=300, json={
-                "prompt": [[5, 6, i] for i in range(32)], "max_tokens": 48, "ignore_eos": True})
+            big["r"] = httpx.post(
+                srv.url + "/v1/completions",
+                timeout=300,
+                json={"prompt": [[5, 6, i] for i in range(32)], "max_tokens": 48, "ignore_eos": True},
+            )
             big["done"] = time.monotonic()
 
         t = threading.Thread(target=send_list)

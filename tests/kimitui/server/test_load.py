@@ -44,9 +44,14 @@ def test_64_concurrent_streams_all_complete(served):
     llm, url = served
 
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
-        stream = await client.completions.create(model=MODEL, prompt=f"request number {i}", max_tokens=8,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True})
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=f"request number {i}",
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         text, usage = "", None
         async for chunk in stream:
             if chunk.choices:
@@ -98,8 +103,11 @@ def test_non_streaming_client_that_leaves_is_aborted(served):
     llm, url = served
     before = llm.stats().total_generation_tokens
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 480, "ignore_eos": True},
-                   timeout=httpx.Timeout(30, read=0.15))
+        httpx.post(
+            url + "/v1/completions",
+            json={"prompt": "x", "max_tokens": 480, "ignore_eos": True},
+            timeout=httpx.Timeout(30, read=0.15),
+        )
     wait_idle(llm)
     # aborted long before its 480 tokens. The client waits 0.15 s: on a quiet machine the demo decodes
     # 300+ tokens in 0.5 s (that wait with a bound of 300 of 400 failed there, before and after the
@@ -112,8 +120,7 @@ def test_dropped_n_4_stream_frees_every_sample_and_the_prompt_is_computed_once(s
     wait_idle(llm)
     computed = scrape(url)[f'kimitui:prompt_tokens_computed_total{{model_name="{MODEL}"}}']
     prompt = "four samples of one prompt, dropped early " * 3
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 300, "ignore_eos": True, "stream": True, "n": 4,
-            "seed": 3}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 300, "ignore_eos": True, "stream": True, "n": 4, "seed": 3}
 
     async def dropped() -> None:
         indices = set()
@@ -131,8 +138,10 @@ def test_dropped_n_4_stream_frees_every_sample_and_the_prompt_is_computed_once(s
     assert scrape(url)[f'kimitui:prompt_tokens_computed_total{{model_name="{MODEL}"}}'] - computed == p
 
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? '
-                     r'(-?[0-9.e+-]+|\+Inf|-Inf|NaN)$')
+_SAMPLE = re.compile(
+    r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? '
+    r"(-?[0-9.e+-]+|\+Inf|-Inf|NaN)$"
+)
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -157,14 +166,21 @@ def test_metrics_exposition_and_counters(served):
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     client.completions.create(model=MODEL, prompt="count me", max_tokens=4, extra_body={"ignore_eos": True})
     after = scrape(url)
-    for name in ("prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count",
-                 "e2e_request_latency_seconds_count", "time_per_output_token_seconds_count"):
+    for name in (
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "time_to_first_token_seconds_count",
+        "e2e_request_latency_seconds_count",
+        "time_per_output_token_seconds_count",
+    ):
         key = f"kimitui:{name}{{{lab}}}"
         assert after[key] > before[key], name
     assert after[f'kimitui:request_success_total{{{lab},finished_reason="length"}}'] >= 1
     assert after[f'kimitui:request_success_total{{{lab},finished_reason="abort"}}'] >= 3  # from the drop tests
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hit_rate"):
         assert f"kimitui:{gauge}{{{lab}}}" in after
-    assert after[f'kimitui:e2e_request_latency_seconds_bucket{{{lab},le="+Inf"}}'] == \
-        after[f"kimitui:e2e_request_latency_seconds_count{{{lab}}}"]
+    assert (
+        after[f'kimitui:e2e_request_latency_seconds_bucket{{{lab},le="+Inf"}}']
+        == after[f"kimitui:e2e_request_latency_seconds_count{{{lab}}}"]
+    )
     assert "kimitui:num_preemptions_total{" + lab + "}" in after

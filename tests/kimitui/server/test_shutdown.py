@@ -39,7 +39,7 @@ def _stream_events(url: str, body: dict, out: list, started: threading.Event | N
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
-                    out.append(line[len("data: "):])
+                    out.append(line[len("data: ") :])
                     if started is not None:
                         started.set()
     except httpx.HTTPError as e:  # a cut connection: recorded, and the test fails on it
@@ -79,8 +79,9 @@ def test_requests_that_finish_within_the_grace_period_complete(llm):
     srv = BackgroundServer(port=0, shutdown_timeout=30).start(create_app(llm, MODEL))
     events: list = []
     started = threading.Event()
-    t = threading.Thread(target=_stream_events, args=(srv.url, {"prompt": [5, 6], "max_tokens": 24,
-                                                                "ignore_eos": True}, events, started))
+    t = threading.Thread(
+        target=_stream_events, args=(srv.url, {"prompt": [5, 6], "max_tokens": 24, "ignore_eos": True}, events, started)
+    )
     t.start()
     assert started.wait(60)
     t0 = time.monotonic()
@@ -110,16 +111,24 @@ def test_new_connections_are_refused_while_draining(llm):
 
 # -- kimitui serve under SIGTERM -----------------------------------------------------------------
 
+
 def _serve(tmp_path_factory, *extra: str, mark: str | None = None) -> subprocess.Popen:
     """``kimitui serve`` in a subprocess; ``mark``: a value of $KIMITUI_TEST_MARK that every process
     it starts inherits (``_marked`` finds them)."""
-    env = {**os.environ, "XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME")
-           or str(tmp_path_factory.getbasetemp() / "xdg")}
+    env = {
+        **os.environ,
+        "XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME") or str(tmp_path_factory.getbasetemp() / "xdg"),
+    }
     env.pop("KIMITUI_API_KEY", None)
     if mark is not None:
         env["KIMITUI_TEST_MARK"] = mark
-    return subprocess.Popen([sys.executable, "-m", "kimitui.cli", "serve", "--port", "0", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "kimitui.cli", "serve", "--port", "0", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
 
 
 def _wait_for_url(proc: subprocess.Popen, lines: list) -> str:
@@ -157,15 +166,29 @@ def test_sigterm_with_16_open_streams(tmp_path_factory, gpus):
     import uuid
 
     grace, mark = 2.0, uuid.uuid4().hex
-    proc = _serve(tmp_path_factory, "--max-model-len", "512", "--kv-cache-tokens", "8192", "--max-num-seqs", "16",
-                  "--shutdown-timeout", str(grace), "--gpus", str(gpus), mark=mark)
+    proc = _serve(
+        tmp_path_factory,
+        "--max-model-len",
+        "512",
+        "--kv-cache-tokens",
+        "8192",
+        "--max-num-seqs",
+        "16",
+        "--shutdown-timeout",
+        str(grace),
+        "--gpus",
+        str(gpus),
+        mark=mark,
+    )
     lines: list = []
     try:
         url = _wait_for_url(proc, lines)
         events = [[] for _ in range(16)]
         started = [threading.Event() for _ in events]
-        threads = [threading.Thread(target=_stream_events, args=(url, LONG, e, s), daemon=True)
-                   for e, s in zip(events, started)]
+        threads = [
+            threading.Thread(target=_stream_events, args=(url, LONG, e, s), daemon=True)
+            for e, s in zip(events, started)
+        ]
         for t in threads:
             t.start()
         for s in started:
@@ -262,9 +285,15 @@ def test_sigterm_around_the_rank1_worker_spawn_leaves_no_process(tmp_path_factor
     import uuid
 
     rng = random.Random(41)
-    plan = [("worker", 1.0), ("launch", rng.uniform(0.3, 0.9)), ("tracker", rng.uniform(0.0, 0.05)),
-            *[("worker", rng.uniform(0.0, 4.0)) for _ in range(4)], ("launch", rng.uniform(0.5, 0.95)),
-            ("tracker", rng.uniform(0.0, 0.05)), ("worker", rng.uniform(0.0, 0.3))]
+    plan = [
+        ("worker", 1.0),
+        ("launch", rng.uniform(0.3, 0.9)),
+        ("tracker", rng.uniform(0.0, 0.05)),
+        *[("worker", rng.uniform(0.0, 4.0)) for _ in range(4)],
+        ("launch", rng.uniform(0.5, 0.95)),
+        ("tracker", rng.uniform(0.0, 0.05)),
+        ("worker", rng.uniform(0.0, 0.3)),
+    ]
     spawn_after = None  # launch -> worker seen, in the first run
     runs = []  # (event, delay, the signal's time after the worker appeared or None if it had not)
     for event, delay in plan:
@@ -295,8 +324,11 @@ def test_sigterm_around_the_rank1_worker_spawn_leaves_no_process(tmp_path_factor
         assert "Traceback" not in out, out[-3000:]
         # 143: stopped during start-up; 0: after it; killed by the signal: only before `serve` set
         # its handler, while Python imported the CLI and nothing had been started yet
-        assert proc.returncode in (0, 128 + signal.SIGTERM) or (proc.returncode == -signal.SIGTERM and not seen), \
-            (proc.returncode, list(seen), out[-2000:])
+        assert proc.returncode in (0, 128 + signal.SIGTERM) or (proc.returncode == -signal.SIGTERM and not seen), (
+            proc.returncode,
+            list(seen),
+            out[-2000:],
+        )
         runs.append((event, round(delay, 3), None if after_worker is None else round(after_worker, 3)))
     print("signals (planned event, delay, seconds after the worker appeared):", runs)
     # The point of the test: signals after the worker spawned, and some before or at the spawn.

@@ -18,19 +18,34 @@ from kimitui.engine import AsyncLLM, EngineArgs  # noqa: E402
 from kimitui.server import BackgroundServer, create_app  # noqa: E402
 from tests.helpers.schema_check import schema_errors  # noqa: E402
 
-SCHEMA = {"type": "object",
-          "properties": {"city": {"type": "string", "maxLength": 12},
-                         "temp": {"type": "integer", "minimum": -50, "maximum": 60},
-                         "sunny": {"type": "boolean"},
-                         "hours": {"type": "array", "items": {"enum": [6, 12, 18]}, "maxItems": 3}},
-          "required": ["city", "temp", "sunny"], "additionalProperties": False}
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                                            "unit": {"enum": ["c", "f"]}},
-           "required": ["city", "days"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {},
-                                                                          "additionalProperties": False}}}]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "temp": {"type": "integer", "minimum": -50, "maximum": 60},
+        "sunny": {"type": "boolean"},
+        "hours": {"type": "array", "items": {"enum": [6, 12, 18]}, "maxItems": 3},
+    },
+    "required": ["city", "temp", "sunny"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "unit": {"enum": ["c", "f"]},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {"name": "ping", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+    },
+]
 PARAMS = {"ping": {"type": "object", "properties": {}, "additionalProperties": False}, "get_weather": WEATHER}
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
@@ -38,8 +53,11 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "weather", "sc
 
 def _serve(model, tmp_path_factory, **args):
     os.environ.setdefault("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg"))
-    llm = AsyncLLM(engine_args=EngineArgs(model=model, max_model_len=1024, max_num_seqs=8, kv_cache_tokens=8192,
-                                          device="cpu", **args))
+    llm = AsyncLLM(
+        engine_args=EngineArgs(
+            model=model, max_model_len=1024, max_num_seqs=8, kv_cache_tokens=8192, device="cpu", **args
+        )
+    )
     server = BackgroundServer(port=0).start(create_app(llm, "m"))
     return llm, server
 
@@ -65,8 +83,12 @@ def chat(url, **body):
 def stream_chat(url, **body):
     """(content, tool_calls merged by index, finish_reason) of a streamed chat reply."""
     content, calls, finish = "", {}, None
-    with httpx.stream("POST", url + "/v1/chat/completions", timeout=120,
-                      json={"messages": MSGS, "max_tokens": 300, "stream": True, **body}) as r:
+    with httpx.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        timeout=120,
+        json={"messages": MSGS, "max_tokens": 300, "stream": True, **body},
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -110,8 +132,9 @@ def test_json_schema_streaming_every_seed(k2):
 
 def test_json_object(k2):
     url = k2[1]
-    replies = _many(lambda s: chat(url, seed=s, temperature=1.0, max_tokens=400,
-                                   response_format={"type": "json_object"}), range(6))
+    replies = _many(
+        lambda s: chat(url, seed=s, temperature=1.0, max_tokens=400, response_format={"type": "json_object"}), range(6)
+    )
     done = [c["message"]["content"] for c in replies if c["finish_reason"] == "stop"]
     assert done, "no JSON object finished within max_tokens"
     for text in done:
@@ -121,8 +144,11 @@ def test_json_object(k2):
 
 
 def test_completions_response_format(k2):
-    r = post(k2[1], "/v1/completions", {"prompt": "Weather:", "max_tokens": 300, "seed": 3,
-                                        "response_format": RESPONSE_FORMAT})
+    r = post(
+        k2[1],
+        "/v1/completions",
+        {"prompt": "Weather:", "max_tokens": 300, "seed": 3, "response_format": RESPONSE_FORMAT},
+    )
     assert r.status_code == 200, r.text
     _valid(r.json()["choices"][0]["text"], SCHEMA)
 
@@ -154,18 +180,33 @@ def test_named_tool_choice(k2):
         _check_calls(calls, {"get_weather"})
 
 
-@pytest.mark.parametrize("body, param, words", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-     "response_format", "invalid JSON schema: Invalid type"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
-     "json_schema.schema must be a JSON schema object"),
-    ({"response_format": {"type": "yaml"}}, "response_format", "response_format.type must be"),
-    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
-     "not in tools"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
-     "cannot both"),
-])
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+            "response_format",
+            "invalid JSON schema: Invalid type",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+            "json_schema.schema must be a JSON schema object",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format", "response_format.type must be"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "not in tools",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+            "cannot both",
+        ),
+    ],
+)
 def test_bad_constraints_are_one_line_400s(k2, body, param, words):
     r = post(k2[1], "/v1/chat/completions", {"messages": MSGS, **body})
     err = r.json()["error"]
@@ -175,9 +216,19 @@ def test_bad_constraints_are_one_line_400s(k2, body, param, words):
 
 def test_client_gone_releases_the_matcher(k2):
     llm, url = k2
-    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
-                      json={"messages": MSGS, "max_tokens": 800, "stream": True, "ignore_eos": True, "seed": 0,
-                            "response_format": {"type": "json_object"}}) as r:
+    with httpx.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        timeout=60,
+        json={
+            "messages": MSGS,
+            "max_tokens": 800,
+            "stream": True,
+            "ignore_eos": True,
+            "seed": 0,
+            "response_format": {"type": "json_object"},
+        },
+    ) as r:
         next(r.iter_lines())  # the request is running
         assert llm.engine.runner.structured.requests
     deadline = time.monotonic() + 30
@@ -198,8 +249,9 @@ def test_k3_json_schema_and_tool_calls(tmp_path_factory):
             choice = chat(server.url, seed=s, temperature=1.0, tools=TOOLS, tool_choice="required", **off)
             assert choice["finish_reason"] == "tool_calls"
             _check_calls(choice["message"]["tool_calls"], {"get_weather", "ping"})
-        content, calls, finish = stream_chat(server.url, seed=5, temperature=1.0, response_format=RESPONSE_FORMAT,
-                                             **off)
+        content, calls, finish = stream_chat(
+            server.url, seed=5, temperature=1.0, response_format=RESPONSE_FORMAT, **off
+        )
         assert finish == "stop"
         _valid(content, SCHEMA)
     finally:
@@ -209,8 +261,18 @@ def test_k3_json_schema_and_tool_calls(tmp_path_factory):
 
 def test_each_of_n_choices_matches_the_schema(k2):
     llm, url = k2
-    r = post(url, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 300, "n": 3, "seed": 4,
-                                           "temperature": 1.0, "response_format": RESPONSE_FORMAT})
+    r = post(
+        url,
+        "/v1/chat/completions",
+        {
+            "messages": MSGS,
+            "max_tokens": 300,
+            "n": 3,
+            "seed": 4,
+            "temperature": 1.0,
+            "response_format": RESPONSE_FORMAT,
+        },
+    )
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
     assert sorted(c["index"] for c in choices) == [0, 1, 2]

@@ -61,8 +61,9 @@ def test_tokenizer_info_has_what_lm_eval_reads(served):
     assert all(not isinstance(v, dict) or "__type" not in v for v in info.values())
 
 
-@pytest.mark.parametrize("body, param", [({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
-                                         ({}, "prompt")])
+@pytest.mark.parametrize(
+    "body, param", [({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"), ({}, "prompt")]
+)
 def test_tokenize_needs_exactly_one_input(served, body, param):
     r = httpx.post(f"{served[1]}/tokenize", json=body, headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == param
@@ -75,10 +76,12 @@ def test_detokenize_rejects_ids_outside_the_vocabulary(served):
 
 def _engine_prompt_logprobs(llm, ids):
     async def run():
-        async for out in llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1,
-                                                                                prompt_logprobs=1)):
+        async for out in llm.generate(
+            {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+        ):
             pass
         return out.prompt_logprobs
+
     return asyncio.run(run())
 
 
@@ -86,8 +89,15 @@ def _engine_prompt_logprobs(llm, ids):
 def test_echo_logprobs_score_the_prompt(served, max_tokens):
     llm, url = served
     ids = llm.tokenizer.encode("The quick brown fox jumps")
-    body = {"model": MODEL, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": max_tokens,
-            "temperature": 0, "return_tokens_as_token_ids": True}
+    body = {
+        "model": MODEL,
+        "prompt": ids,
+        "echo": True,
+        "logprobs": 1,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_tokens_as_token_ids": True,
+    }
     r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer secret"})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -105,6 +115,9 @@ def test_echo_logprobs_score_the_prompt(served, max_tokens):
 
 
 def test_max_tokens_below_zero_is_refused(served):
-    r = httpx.post(f"{served[1]}/v1/completions", json={"prompt": "x", "max_tokens": -1},
-                   headers={"Authorization": "Bearer secret"})
+    r = httpx.post(
+        f"{served[1]}/v1/completions",
+        json={"prompt": "x", "max_tokens": -1},
+        headers={"Authorization": "Bearer secret"},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

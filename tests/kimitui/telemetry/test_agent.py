@@ -28,9 +28,21 @@ class FakeNodeGpus(Backend):
 
     def read(self):
         self.reads += 1
-        return tuple(GpuSample(i, "AMD Instinct MI355X", "amd", power_w=self.base_w + i, power_cap_w=1400.0,
-                               energy_j=1000.0 * self.reads + i, util_pct=87.0, mem_used_bytes=200 * 2**30,
-                               mem_total_bytes=288 * 2**30, temp_c=71.0) for i in range(2))
+        return tuple(
+            GpuSample(
+                i,
+                "AMD Instinct MI355X",
+                "amd",
+                power_w=self.base_w + i,
+                power_cap_w=1400.0,
+                energy_j=1000.0 * self.reads + i,
+                util_pct=87.0,
+                mem_used_bytes=200 * 2**30,
+                mem_total_bytes=288 * 2**30,
+                temp_c=71.0,
+            )
+            for i in range(2)
+        )
 
 
 class FakeCpu(Backend):
@@ -136,8 +148,9 @@ def test_bad_urls_are_one_line_errors():
 
 
 def test_agent_command_help_lists_its_flags():
-    out = subprocess.run([sys.executable, "-m", "kimitui.cli", "agent", "--help"], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "kimitui.cli", "agent", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     for flag in ("--host", "--port", "--token", "--interval"):
         assert flag in out.stdout
@@ -173,6 +186,7 @@ def test_amd_device_metrics_exporter_text_in_si_units():
     (old,) = mi210.gpus
     assert (old.power_w, old.temp_c) == (300.0, 45.0)  # MI200: average package power, edge temperature
     # a deployment that prefixes the names reads the same
-    prefixed = "\n".join(line.replace("gpu_", "amd_gpu_", 1) if line.startswith("gpu_") else line
-                         for line in text.splitlines())
+    prefixed = "\n".join(
+        line.replace("gpu_", "amd_gpu_", 1) if line.startswith("gpu_") else line for line in text.splitlines()
+    )
     assert [g.power_w for g in parse(prefixed, "x")[0].gpus] == [1187.5, 1203.0]

@@ -89,8 +89,13 @@ def mi355x(**overrides) -> dict:
     gpu = {
         "asic": {"market_name": "AMD Instinct MI355X", "device_id": "0x75a3"},
         # MI300+: current_socket_power set, average N/A; power_cap in µW.
-        "power": {"current_socket_power": 512, "average_socket_power": "N/A", "socket_power": 512,
-                  "gfx_voltage": "N/A", "power_limit": 1400},
+        "power": {
+            "current_socket_power": 512,
+            "average_socket_power": "N/A",
+            "socket_power": 512,
+            "gfx_voltage": "N/A",
+            "power_limit": 1400,
+        },
         "cap": {"power_cap": 1_400_000_000, "default_power_cap": 1_400_000_000, "dpm_cap": 2400},
         "energy": {"energy_accumulator": 1_000_000, "counter_resolution": 15.3, "timestamp": 123},
         "activity": {"gfx_activity": 97, "umc_activity": 41, "mm_activity": "N/A"},
@@ -114,6 +119,7 @@ def install(monkeypatch):
     def _install(smi):
         monkeypatch.setitem(sys.modules, "amdsmi", smi)
         return smi
+
     return _install
 
 
@@ -124,9 +130,17 @@ def test_reads_mi300_class_gpu_in_si_units(install):
     gpus = backend.read()
     assert len(gpus) == 2 and gpus[1].index == 1
     assert gpus[0] == GpuSample(
-        index=0, name="AMD Instinct MI355X", vendor="amd", power_w=512.0, power_cap_w=1400.0,
-        energy_j=pytest.approx(15.3), util_pct=97.0, mem_util_pct=41.0,
-        mem_used_bytes=1024 * MIB, mem_total_bytes=294_896 * MIB, temp_c=61.0,
+        index=0,
+        name="AMD Instinct MI355X",
+        vendor="amd",
+        power_w=512.0,
+        power_cap_w=1400.0,
+        energy_j=pytest.approx(15.3),
+        util_pct=97.0,
+        mem_util_pct=41.0,
+        mem_used_bytes=1024 * MIB,
+        mem_total_bytes=294_896 * MIB,
+        temp_c=61.0,
     )
     assert "2 GPU(s): AMD Instinct MI355X" in backend.status().detail
     backend.close()

@@ -17,8 +17,9 @@ def sample(t, gpus=(), cpu_power=None, cpu_energy=None) -> Sample:
 
 def test_counters_are_differenced_and_interpolated_at_the_edges():
     # Power readings deliberately disagree with the counters: the counters must win.
-    samples = [sample(t, [gpu(power=999.0, energy=e)]) for t, e in
-               [(0.0, 100.0), (1.0, 150.0), (2.0, 250.0), (3.0, 300.0)]]
+    samples = [
+        sample(t, [gpu(power=999.0, energy=e)]) for t, e in [(0.0, 100.0), (1.0, 150.0), (2.0, 250.0), (3.0, 300.0)]
+    ]
     w = window_energy(samples, 0.5, 2.5)
     # e(0.5) = 125, e(2.5) = 275
     assert w.gpu_energy_j == pytest.approx(150.0)
@@ -42,9 +43,11 @@ def test_window_on_sample_boundaries():
 
 
 def test_one_sample_missing_the_counter_falls_back_to_power():
-    samples = [sample(0.0, [gpu(power=100.0, energy=0.0)]),
-               sample(1.0, [gpu(power=100.0, energy=None)]),
-               sample(2.0, [gpu(power=100.0, energy=5000.0)])]
+    samples = [
+        sample(0.0, [gpu(power=100.0, energy=0.0)]),
+        sample(1.0, [gpu(power=100.0, energy=None)]),
+        sample(2.0, [gpu(power=100.0, energy=5000.0)]),
+    ]
     assert window_energy(samples, 0.0, 2.0).gpu_energy_j == pytest.approx(200.0)
 
 
@@ -54,8 +57,7 @@ def test_counter_reset_falls_back_to_power():
 
 
 def test_power_gaps_are_skipped_but_edges_must_be_covered():
-    samples = [sample(0.0, [gpu(power=100.0)]), sample(1.0, [gpu(power=None)]),
-               sample(2.0, [gpu(power=100.0)])]
+    samples = [sample(0.0, [gpu(power=100.0)]), sample(1.0, [gpu(power=None)]), sample(2.0, [gpu(power=100.0)])]
     assert window_energy(samples, 0.0, 2.0).gpu_energy_j == pytest.approx(200.0)
     # The window reaches past the last power reading: not measured, not extrapolated.
     assert window_energy(samples, 0.0, 2.5).gpu_energy_j is None
@@ -113,8 +115,11 @@ def test_energy_per_token():
     assert energy_per_token(gpu_only, 0.0, 2.0, tokens=600) == pytest.approx(1.0)
 
     # CPU reported but not integrable over the window: None, not the GPU part alone.
-    cpu_gap = [sample(0.0, [gpu(power=300.0)], cpu_power=100.0),
-               sample(1.0, [gpu(power=300.0)]), sample(2.0, [gpu(power=300.0)])]
+    cpu_gap = [
+        sample(0.0, [gpu(power=300.0)], cpu_power=100.0),
+        sample(1.0, [gpu(power=300.0)]),
+        sample(2.0, [gpu(power=300.0)]),
+    ]
     assert energy_per_token(cpu_gap, 0.0, 2.0, tokens=600) is None
 
     assert energy_per_token([sample(0.0), sample(2.0)], 0.0, 2.0, tokens=10) is None

@@ -15,8 +15,7 @@ Memory = namedtuple("c_nvmlMemory_t", "total free used")
 
 
 class NVMLError(Exception):
-    _text = {3: "Not Supported", 9: "Driver Not Loaded", 12: "NVML Shared Library Not Found",
-             15: "GPU is lost"}
+    _text = {3: "Not Supported", 9: "Driver Not Loaded", 12: "NVML Shared Library Not Found", 15: "GPU is lost"}
 
     def __init__(self, value: int) -> None:
         self.value = value
@@ -90,6 +89,7 @@ def install(monkeypatch):
     def _install(nvml):
         monkeypatch.setitem(sys.modules, "pynvml", nvml)
         return nvml
+
     return _install
 
 
@@ -99,9 +99,17 @@ def test_reads_gpu_in_si_units(install):
     assert backend.available
     gpus = backend.read()
     assert gpus[0] == GpuSample(
-        index=0, name="NVIDIA H200", vendor="nvidia", power_w=431.25, power_cap_w=700.0,
-        energy_j=pytest.approx(987_654.321), util_pct=88.0, mem_util_pct=35.0,
-        mem_used_bytes=50_754_820_096, mem_total_bytes=150_754_820_096, temp_c=54.0,
+        index=0,
+        name="NVIDIA H200",
+        vendor="nvidia",
+        power_w=431.25,
+        power_cap_w=700.0,
+        energy_j=pytest.approx(987_654.321),
+        util_pct=88.0,
+        mem_util_pct=35.0,
+        mem_used_bytes=50_754_820_096,
+        mem_total_bytes=150_754_820_096,
+        temp_c=54.0,
     )
     assert gpus[1].name == "NVIDIA H200" and gpus[1].index == 1  # old bindings return bytes
     backend.close()

@@ -9,9 +9,18 @@ import threading
 
 import pytest
 
-from kimitui.telemetry import (AmdEnergyBackend, Backend, BackendStatus, CpuPower, GpuSample,
-                               HostBackend, HostStats, RaplBackend, TelemetrySampler,
-                               describe_backends)
+from kimitui.telemetry import (
+    AmdEnergyBackend,
+    Backend,
+    BackendStatus,
+    CpuPower,
+    GpuSample,
+    HostBackend,
+    HostStats,
+    RaplBackend,
+    TelemetrySampler,
+    describe_backends,
+)
 
 WAIT_S = 10.0  # generous: only reached when something is broken
 
@@ -32,8 +41,10 @@ class FakeGpus(Backend):
         if self.reads in self.fail_on:
             raise RuntimeError(f"driver hiccup on read {self.reads}")
         energy = 100.0 * self.reads
-        return (GpuSample(0, "Fake MI355X", "amd", power_w=500.0, energy_j=energy),
-                GpuSample(1, "Fake MI355X", "amd", power_w=510.0, energy_j=energy))
+        return (
+            GpuSample(0, "Fake MI355X", "amd", power_w=500.0, energy_j=energy),
+            GpuSample(1, "Fake MI355X", "amd", power_w=510.0, energy_j=energy),
+        )
 
     def close(self) -> None:
         self.closed += 1
@@ -191,9 +202,11 @@ def test_describe_backends_detects_and_reports_reasons(monkeypatch, tmp_path):
 
 
 def test_telemetry_imports_no_ui_engine_or_sibling_packages():
-    code = ("import sys, kimitui.telemetry; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('textual', 'engine', 'kernels', 'themes')"
-            " or (m.startswith('kimitui.') and not m.startswith('kimitui.telemetry'))]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, kimitui.telemetry; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('textual', 'engine', 'kernels', 'themes')"
+        " or (m.startswith('kimitui.') and not m.startswith('kimitui.telemetry'))]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -53,8 +53,13 @@ def fake_amd_node():
     smi = make_amdsmi(gpus)
     smi.hip_of = hip_of
     smi.amdsmi_get_gpu_enumeration_info = lambda h: {
-        "drm_render": 128 + hip_of[h], "drm_card": hip_of[h], "hsa_id": hip_of[h] + 1,
-        "hip_id": hip_of[h], "hip_uuid": f"GPU-{hip_of[h]}{hip_of[h]}c0ffee", "oam_id": hip_of[h]}
+        "drm_render": 128 + hip_of[h],
+        "drm_card": hip_of[h],
+        "hsa_id": hip_of[h] + 1,
+        "hip_id": hip_of[h],
+        "hip_uuid": f"GPU-{hip_of[h]}{hip_of[h]}c0ffee",
+        "oam_id": hip_of[h],
+    }
     smi.amdsmi_get_gpu_device_bdf = lambda h: f"0000:{0x10 + hip_of[h]:02x}:00.0"
     smi.amdsmi_get_processor_handle_from_bdf = lambda bdf: hip_of.index(int(bdf[5:7], 16) - 0x10)
     return smi
@@ -86,6 +91,7 @@ def watts(backend) -> list[float]:
 
 
 # --- NVML ---------------------------------------------------------------------------------------
+
 
 def test_nvml_unset_reads_all_eight(nvml):
     assert watts(NvmlBackend()) == [100.0 + i for i in range(NODE)]
@@ -147,6 +153,7 @@ def test_nvml_first_n_gpus_through_the_sampler(nvml, monkeypatch):
 
 
 # --- amdsmi -------------------------------------------------------------------------------------
+
 
 def test_amd_unset_reads_all_eight_in_hip_order(smi):
     assert watts(AmdSmiBackend()) == [100.0 + i for i in range(NODE)]

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import tomllib
 
 import pytest
+import tomllib
 
 from kimitui.engine import AsyncLLM, EngineArgs
 from kimitui.tui.app import KimiApp
@@ -58,7 +58,9 @@ def test_reply_streams_and_metrics_show(llm, config_home):
 
     async def scenario():
         app = make_app(llm)
-        async with app.run_test(size=SIZE, message_hook=lambda m: isinstance(m, ReplyFinished) and finished.append(m)) as pilot:
+        async with app.run_test(
+            size=SIZE, message_hook=lambda m: isinstance(m, ReplyFinished) and finished.append(m)
+        ) as pilot:
             await ready(app, pilot)
             await send(app, pilot, "hi there")
             assert len(app.screen.query(UserMessage)) == 1
@@ -196,7 +198,9 @@ def test_real_load_reports_progress_and_failures_stay_on_screen(config_home):
 
     async def loads():
         app = KimiApp(ARGS)  # the real factory: AsyncLLM built on a worker thread
-        async with app.run_test(size=SIZE, message_hook=lambda m: isinstance(m, LoadProgressed) and seen.append(m)) as pilot:
+        async with app.run_test(
+            size=SIZE, message_hook=lambda m: isinstance(m, LoadProgressed) and seen.append(m)
+        ) as pilot:
             await wait_for(pilot, lambda: app.screen.id == "main", timeout=60)
             await pilot.pause(0.1)
 

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from kimitui.engine import AsyncLLM, EngineArgs
+from kimitui.paths import bench_runs_dir
 from kimitui.tui.app import KimiApp
 from kimitui.tui.benchmark.setup import clip_lengths, config_from_form, default_form, preset, preset_form
-from kimitui.paths import bench_runs_dir
 from kimitui.tui.benchmark.store import list_runs
 from kimitui.tui.screens.benchmark import BenchmarkScreen
 from kimitui.tui.widgets.bench.form import BenchForm
@@ -23,8 +23,16 @@ from tests.kimitui.tui_fakes import FakeSampler, SharedLLM, local_app, open_scre
 
 ARGS = EngineArgs(max_model_len=1024, kv_cache_tokens=4096, device="cpu", max_num_seqs=4)
 SIZE = (180, 50)
-TINY = {"input_len": "32", "output_len": "8", "num_prompts": "4", "max_concurrency": "2", "sweep": "",
-        "num_warmups": "0", "temperature": "0", "label": ""}
+TINY = {
+    "input_len": "32",
+    "output_len": "8",
+    "num_prompts": "4",
+    "max_concurrency": "2",
+    "sweep": "",
+    "num_warmups": "0",
+    "temperature": "0",
+    "label": "",
+}
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +79,15 @@ def test_tiny_run_shows_results_and_is_saved(llm, data_home):
             assert "4/4 requests" in str(screen.query_one("#bench-counts").render())
             assert "finished" in str(screen.query_one("#bench-status").render())
             table = screen.query_one(ResultTable).cell_text()
-            for metric in ("mean TTFT (ms)", "P99 TPOT (ms)", "median E2EL (ms)", "output throughput",
-                           "tput per GPU", "tokens per kWh", "$/1M tokens, hyperscaler"):
+            for metric in (
+                "mean TTFT (ms)",
+                "P99 TPOT (ms)",
+                "median E2EL (ms)",
+                "output throughput",
+                "tput per GPU",
+                "tokens per kWh",
+                "$/1M tokens, hyperscaler",
+            ):
                 assert metric in table
             assert "successful requests  4" in table
             assert "n/a" in table  # no telemetry sampler: power and energy are n/a, not invented
@@ -210,8 +225,12 @@ def test_form_validation_names_the_field():
 
 
 def test_char_plot_fallback_marks_points_and_front():
-    text = char_plot([(10.0, 500.0, "c1"), (5.0, 800.0, "c2"), (4.0, 300.0, "c4")],
-                     [(5.0, 800.0), (10.0, 500.0)], width=40, height=10)
+    text = char_plot(
+        [(10.0, 500.0, "c1"), (5.0, 800.0, "c2"), (4.0, 300.0, "c4")],
+        [(5.0, 800.0), (10.0, 500.0)],
+        width=40,
+        height=10,
+    )
     assert "●c1" in text and "●c2" in text and "○c4" in text
     assert "tok/s per GPU" in text and "tok/s per user" in text and "·" in text
 

@@ -10,10 +10,10 @@ import json
 import pytest
 
 from kimitui.engine import AsyncLLM, EngineArgs
-from kimitui.tui.app import KimiApp
 from kimitui.paths import eval_results_dir
-from kimitui.tui.evaluation.store import list_results, save_result
+from kimitui.tui.app import KimiApp
 from kimitui.tui.chat.generation import GenerationSettings
+from kimitui.tui.evaluation.store import list_results, save_result
 from kimitui.tui.screens.evaluation import EvaluationScreen, settings_from_form
 from kimitui.tui.widgets.eval_views import bar, kl_table, recall_by_depth, recall_plot
 from tests.helpers.http_server import serving
@@ -52,14 +52,14 @@ def test_both_evaluations_run_on_the_demo(llm, monkeypatch):
     def spy(self, msg):
         seen.append((msg.kind, msg.done, msg.total))
         original(self, msg)
+
     monkeypatch.setattr(EvaluationScreen, "on_eval_progressed", spy)
 
     async def scenario():
         app = make_app(llm)
         async with app.run_test(size=SIZE) as pilot:
             screen = await open_eval(app, pilot)
-            screen.set_form("both", context_lengths="256,512", num_prompts="2", prompt_len="32",
-                            decode_tokens="4")
+            screen.set_form("both", context_lengths="256,512", num_prompts="2", prompt_len="32", decode_tokens="4")
             await pilot.press("ctrl+r")
             await wait_for(pilot, lambda: screen.runs_finished == 1, timeout=120)
             await pilot.pause(0.1)
@@ -105,24 +105,75 @@ def test_both_evaluations_run_on_the_demo(llm, monkeypatch):
     asyncio.run(scenario())
 
 
-KL_CANNED = {"kind": "kl", "date": "20261202-040000", "model": "demo", "tested": "demo dtype=bfloat16",
-             "reference": "float32 in this process (demo)", "positions": 62, "mean_kl": 0.0123, "median_kl": 0.01,
-             "p99_kl": 0.05, "max_kl": 0.07, "top1_agreement": 0.95, "rms_delta_p": 0.02, "ppl": 100.0,
-             "ppl_base": 99.0, "approximate": False,
-             "prefill": {"positions": 54, "mean_kl": 0.012, "median_kl": 0.01, "p99_kl": 0.05, "max_kl": 0.07,
-                         "top1_agreement": 0.96, "rms_delta_p": 0.02, "ppl": 100.0, "ppl_base": 99.0},
-             "decode": {"positions": 8, "mean_kl": 0.014, "median_kl": 0.012, "p99_kl": 0.03, "max_kl": 0.031,
-                        "top1_agreement": 0.875, "rms_delta_p": 0.025, "ppl": 101.0, "ppl_base": 99.5}}
+KL_CANNED = {
+    "kind": "kl",
+    "date": "20261202-040000",
+    "model": "demo",
+    "tested": "demo dtype=bfloat16",
+    "reference": "float32 in this process (demo)",
+    "positions": 62,
+    "mean_kl": 0.0123,
+    "median_kl": 0.01,
+    "p99_kl": 0.05,
+    "max_kl": 0.07,
+    "top1_agreement": 0.95,
+    "rms_delta_p": 0.02,
+    "ppl": 100.0,
+    "ppl_base": 99.0,
+    "approximate": False,
+    "prefill": {
+        "positions": 54,
+        "mean_kl": 0.012,
+        "median_kl": 0.01,
+        "p99_kl": 0.05,
+        "max_kl": 0.07,
+        "top1_agreement": 0.96,
+        "rms_delta_p": 0.02,
+        "ppl": 100.0,
+        "ppl_base": 99.0,
+    },
+    "decode": {
+        "positions": 8,
+        "mean_kl": 0.014,
+        "median_kl": 0.012,
+        "p99_kl": 0.03,
+        "max_kl": 0.031,
+        "top1_agreement": 0.875,
+        "rms_delta_p": 0.025,
+        "ppl": 101.0,
+        "ppl_base": 99.5,
+    },
+}
 
 
 def _recall_canned() -> dict:
     def length(n, found):
         depths = [{"depth": d, "found": f, "total": 1, "recall": float(f)} for d, f in zip((0.0, 0.5, 1.0), found)]
-        return {"context_length": n, "prompt_tokens_min": n - 20, "prompt_tokens_max": n - 3, "found": sum(found),
-                "total": 3, "recall": sum(found) / 3, "seconds": 1.0, "verdicts": {}, "depths": depths, "items": []}
-    return {"kind": "recall", "date": "20261202-040100", "model": "demo", "target": "demo in-process",
-            "context_lengths": [256, 512], "depths": [0.0, 0.5, 1.0], "found": 3, "total": 6, "recall": 0.5,
-            "results": [length(256, (1, 1, 0)), length(512, (1, 0, 0))]}
+        return {
+            "context_length": n,
+            "prompt_tokens_min": n - 20,
+            "prompt_tokens_max": n - 3,
+            "found": sum(found),
+            "total": 3,
+            "recall": sum(found) / 3,
+            "seconds": 1.0,
+            "verdicts": {},
+            "depths": depths,
+            "items": [],
+        }
+
+    return {
+        "kind": "recall",
+        "date": "20261202-040100",
+        "model": "demo",
+        "target": "demo in-process",
+        "context_lengths": [256, 512],
+        "depths": [0.0, 0.5, 1.0],
+        "found": 3,
+        "total": 6,
+        "recall": 0.5,
+        "results": [length(256, (1, 1, 0)), length(512, (1, 0, 0))],
+    }
 
 
 def test_saved_results_reload_and_snapshot(llm):
@@ -147,15 +198,18 @@ def test_saved_results_reload_and_snapshot(llm):
 
 def test_form_errors_and_views():
     with pytest.raises(ValueError, match="KL prompts"):
-        settings_from_form("both", {"context_lengths": "256", "num_prompts": "x", "prompt_len": "8",
-                                    "decode_tokens": "0"})
+        settings_from_form(
+            "both", {"context_lengths": "256", "num_prompts": "x", "prompt_len": "8", "decode_tokens": "0"}
+        )
     with pytest.raises(ValueError, match="context-lengths"):
-        settings_from_form("kl", {"context_lengths": "abc", "num_prompts": "1", "prompt_len": "8",
-                                  "decode_tokens": "0"})
+        settings_from_form(
+            "kl", {"context_lengths": "abc", "num_prompts": "1", "prompt_len": "8", "decode_tokens": "0"}
+        )
     with pytest.raises(ValueError, match="evaluation must be"):
         settings_from_form("nope", {})
-    s = settings_from_form("recall", {"context_lengths": "1k,2048", "num_prompts": "1", "prompt_len": "8",
-                                      "decode_tokens": "0"})
+    s = settings_from_form(
+        "recall", {"context_lengths": "1k,2048", "num_prompts": "1", "prompt_len": "8", "decode_tokens": "0"}
+    )
     assert s.kinds == ("recall",) and s.context_lengths == (1024, 2048)
     assert bar(0.0, 8) == " " * 8 and bar(1.0, 8) == "█" * 8 and bar(0.5, 8) == "████    "
     assert recall_by_depth(_recall_canned()) == [(0.0, 2, 2), (0.5, 1, 2), (1.0, 0, 2)]
@@ -196,9 +250,11 @@ def test_remote_bridge_runs_recall_over_http_and_explains_kl():
     with serving(AsyncLLM(engine_args=ARGS), "demo") as port:
 
         async def scenario():
-            app = KimiApp(EngineArgs(), generation=GenerationSettings(max_tokens=8, temperature=0.0),
-                          bridge_factory=lambda a: RemoteBridge(a, f"http://127.0.0.1:{port}/v1",
-                                                                metrics_period_s=0.5))
+            app = KimiApp(
+                EngineArgs(),
+                generation=GenerationSettings(max_tokens=8, temperature=0.0),
+                bridge_factory=lambda a: RemoteBridge(a, f"http://127.0.0.1:{port}/v1", metrics_period_s=0.5),
+            )
             async with app.run_test(size=SIZE) as pilot:
                 screen = await open_eval(app, pilot)
                 screen.set_form("both", context_lengths="256")

@@ -17,9 +17,19 @@ from tests.kimitui.tui_fakes import assert_snapshot, mi355x, sample
 
 def eight_gpus(t: float) -> Sample:
     phase = int(t) % 60
-    gpus = tuple(GpuSample(i, "AMD Instinct MI355X", "amd", power_w=600.0 + 10 * phase + i, power_cap_w=1400.0,
-                           util_pct=float(phase), mem_used_bytes=(100 + phase) * 2**30, mem_total_bytes=288 * 2**30)
-                 for i in range(8))
+    gpus = tuple(
+        GpuSample(
+            i,
+            "AMD Instinct MI355X",
+            "amd",
+            power_w=600.0 + 10 * phase + i,
+            power_cap_w=1400.0,
+            util_pct=float(phase),
+            mem_used_bytes=(100 + phase) * 2**30,
+            mem_total_bytes=288 * 2**30,
+        )
+        for i in range(8)
+    )
     return Sample(t=t, wall=1.7e9 + t, gpus=gpus, cpu_power_w=250.0)
 
 

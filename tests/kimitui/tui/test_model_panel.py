@@ -29,15 +29,20 @@ def test_k3_lines():
     info = model_info(fake_llm("kimi_k3", rows), num_gpus=4)
     assert info.cache.num_state_layers == 69 and info.cache.num_paged_layers == 24
     assert info.cache.state_bytes_per_seq == 69 * 4 * (96 * 128 * 128 + 3 * 96 * 128 * 3)
-    assert architecture_lines(info.cache) == ["layers   69 KDA + 24 MLA (KDA state 443.1 MiB/seq)",
-                                              "KV       27.0 KiB/token (MLA latent)"]
+    assert architecture_lines(info.cache) == [
+        "layers   69 KDA + 24 MLA (KDA state 443.1 MiB/seq)",
+        "KV       27.0 KiB/token (MLA latent)",
+    ]
     assert info.experts == f"{600 * 92} on GPU, {296 * 92} in host RAM (CPU)"
 
 
 def test_k2_lines():
     info = model_info(fake_llm("kimi_k2_instruct"), num_gpus=8)
     assert info.cache.num_state_layers == 0 and info.cache.state_bytes_per_seq == 0
-    assert architecture_lines(info.cache) == ["layers   61 MLA", f"KV       {61 * 576 * 2 / 1024:.1f} KiB/token (MLA latent)"]
+    assert architecture_lines(info.cache) == [
+        "layers   61 MLA",
+        f"KV       {61 * 576 * 2 / 1024:.1f} KiB/token (MLA latent)",
+    ]
 
 
 def test_panel_renders_the_lines():

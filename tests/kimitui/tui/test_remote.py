@@ -16,9 +16,9 @@ import pytest
 
 from kimitui.engine import EngineArgs
 from kimitui.tui.app import KimiApp
+from kimitui.tui.bridges.remote import RemoteBridge
 from kimitui.tui.chat.generation import GenerationSettings
 from kimitui.tui.messages import ReplyFinished
-from kimitui.tui.bridges.remote import RemoteBridge
 from kimitui.tui.widgets.chat.prompt import PromptInput
 from tests.kimitui.remote_fakes import fake_openai_app, kill, serve
 from tests.kimitui.tui_fakes import FakeSampler, screen_text, wait_for
@@ -34,8 +34,12 @@ def homes(tmp_path, monkeypatch):
 
 def make_app(url: str, **kw) -> KimiApp:
     gen = kw.pop("generation", GenerationSettings(max_tokens=16, temperature=0.0))
-    return KimiApp(EngineArgs(), sampler=FakeSampler(), generation=gen,
-                   bridge_factory=lambda app: RemoteBridge(app, url, metrics_period_s=0.2, **kw))
+    return KimiApp(
+        EngineArgs(),
+        sampler=FakeSampler(),
+        generation=gen,
+        bridge_factory=lambda app: RemoteBridge(app, url, metrics_period_s=0.2, **kw),
+    )
 
 
 async def ready(app, pilot) -> None:
@@ -150,8 +154,7 @@ def test_server_dying_mid_reply_then_reconnecting():
 
 def test_unreachable_server_and_unknown_model_fail_on_the_connect_screen():
     async def scenario(url, model, expected):
-        app = KimiApp(EngineArgs(), sampler=FakeSampler(),
-                      bridge_factory=lambda a: RemoteBridge(a, url, model=model))
+        app = KimiApp(EngineArgs(), sampler=FakeSampler(), bridge_factory=lambda a: RemoteBridge(a, url, model=model))
         async with app.run_test(size=SIZE) as pilot:
             await wait_for(pilot, lambda: "Could not connect to" in screen_text(app), timeout=20)
             assert expected in screen_text(app)
@@ -172,11 +175,28 @@ def test_tui_against_kimitui_serve_chats_shows_metrics_and_benchmarks(tmp_path_f
     from kimitui.tui.screens.benchmark import BenchmarkScreen
     from kimitui.tui.widgets.bench.form import BenchForm
 
-    env = {**os.environ, "XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME")
-           or str(tmp_path_factory.getbasetemp() / "xdg")}
-    proc = subprocess.Popen([sys.executable, "-m", "kimitui.cli", "serve", "--port", "0", "--max-model-len", "512",
-                             "--kv-cache-tokens", "4096"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
+    env = {
+        **os.environ,
+        "XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME") or str(tmp_path_factory.getbasetemp() / "xdg"),
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kimitui.cli",
+            "serve",
+            "--port",
+            "0",
+            "--max-model-len",
+            "512",
+            "--kv-cache-tokens",
+            "4096",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         url, lines, deadline = None, [], time.monotonic() + 180
         while url is None and time.monotonic() < deadline:
@@ -209,9 +229,18 @@ def test_tui_against_kimitui_serve_chats_shows_metrics_and_benchmarks(tmp_path_f
                 await wait_for(pilot, lambda: isinstance(app.screen, BenchmarkScreen))
                 await pilot.pause(0.1)
                 screen = app.screen
-                screen.query_one(BenchForm).set_values({"input_len": "16", "output_len": "4", "num_prompts": "2",
-                                                        "max_concurrency": "2", "sweep": "", "num_warmups": "0",
-                                                        "temperature": "0", "label": ""})
+                screen.query_one(BenchForm).set_values(
+                    {
+                        "input_len": "16",
+                        "output_len": "4",
+                        "num_prompts": "2",
+                        "max_concurrency": "2",
+                        "sweep": "",
+                        "num_warmups": "0",
+                        "temperature": "0",
+                        "label": "",
+                    }
+                )
                 await pilot.press("ctrl+r")
                 await wait_for(pilot, lambda: screen.runs_finished > 0, timeout=120)
                 await pilot.pause(0.1)

@@ -12,8 +12,7 @@ from kimitui.engine import AsyncLLM, EngineArgs
 from kimitui.tui.app import KimiApp
 from kimitui.tui.messages import TelemetryUpdated
 from kimitui.tui.widgets.chat.prompt import PromptInput
-from tests.kimitui.tui_fakes import (Clock, FakeSampler, FixedStats, SharedLLM, assert_snapshot, sample, stats,
-                                     wait_for)
+from tests.kimitui.tui_fakes import Clock, FakeSampler, FixedStats, SharedLLM, assert_snapshot, sample, stats, wait_for
 
 # float32 named: what auto picks on a CPU depends on its instruction sets, a snapshot must not
 ARGS = EngineArgs(max_model_len=1024, kv_cache_tokens=4096, device="cpu", dtype="float32", max_num_seqs=4)

@@ -12,8 +12,8 @@ from textual.widgets import Select, Switch
 from kimitui.engine.text.chat_format import chat_format_for
 from kimitui.engine.text.tokenizer import Tokenizer
 from kimitui.tui.bridges.local import EngineBridge
-from kimitui.tui.chat.session import Chat, Turn
 from kimitui.tui.chat.generation import GenerationSettings
+from kimitui.tui.chat.session import Chat, Turn
 from kimitui.tui.screens.settings import SettingsScreen
 
 

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from types import SimpleNamespace
 
 import pytest
+import tomllib
 
-from kimitui.tui.chat.session import ChatHistory, Turn
-from kimitui.tui.formatting import NA, bar, clean, count, num, used_total
+from kimitui.themes import ThemeError, load_themes, parse_theme
 from kimitui.tui.chat.model_info import _experts
+from kimitui.tui.chat.session import ChatHistory, Turn
 from kimitui.tui.chat.token_energy import TokenEnergyMeter
+from kimitui.tui.formatting import NA, bar, clean, count, num, used_total
 from kimitui.tui.user_settings import read_settings, set_value, write_value
 from tests.kimitui.tui_fakes import sample
-from kimitui.themes import ThemeError, load_themes, parse_theme
 
 
 def test_builtin_themes_load_and_user_themes_override(tmp_path):
@@ -31,13 +31,16 @@ def test_builtin_themes_load_and_user_themes_override(tmp_path):
     assert len(errors) == 1 and "bad.toml" in errors[0] and "hex color" in errors[0]
 
 
-@pytest.mark.parametrize("text, message", [
-    ('name = "x"\n', "needs at least 'primary'"),
-    ('name = "X Y"\n[colors]\nprimary = "#fff"\n', "'name'"),
-    ('name = "x"\n[colors]\nprimary = "#fff"\nprimry = "#fff"\n', "unknown color slot"),
-    ('name = "x"\ndark = "yes"\n[colors]\nprimary = "#fff"\n', "'dark'"),
-    ("name = ", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('name = "x"\n', "needs at least 'primary'"),
+        ('name = "X Y"\n[colors]\nprimary = "#fff"\n', "'name'"),
+        ('name = "x"\n[colors]\nprimary = "#fff"\nprimry = "#fff"\n', "unknown color slot"),
+        ('name = "x"\ndark = "yes"\n[colors]\nprimary = "#fff"\n', "'dark'"),
+        ("name = ", "not valid TOML"),
+    ],
+)
 def test_theme_errors_name_the_problem(text, message):
     with pytest.raises(ThemeError, match=message):
         parse_theme(text, "t.toml")
@@ -49,12 +52,14 @@ def test_themes_package_does_not_import_textual():
 
 
 def test_settings_writer_preserves_other_sections(tmp_path):
-    text = "# costs\n[cost]\nusd_per_kwh = 0.2  # ours\n\n[tui]\nother = 1\ntheme = \"a\"\n[[x]]\nk = 1\n"
+    text = '# costs\n[cost]\nusd_per_kwh = 0.2  # ours\n\n[tui]\nother = 1\ntheme = "a"\n[[x]]\nk = 1\n'
     out = set_value(text, "tui", "theme", "instinct-red")
     assert out.replace('theme = "instinct-red"', 'theme = "a"') == text
     assert tomllib.loads(out)["tui"] == {"other": 1, "theme": "instinct-red"}
     assert tomllib.loads(set_value("[cost]\na = 1", "tui", "theme", 'q"uote')) == {
-        "cost": {"a": 1}, "tui": {"theme": 'q"uote'}}
+        "cost": {"a": 1},
+        "tui": {"theme": 'q"uote'},
+    }
     path = tmp_path / "kimitui" / "settings.toml"
     write_value("tui", "theme", "kimitui-light", path)
     assert read_settings(path) == {"tui": {"theme": "kimitui-light"}}
@@ -79,8 +84,10 @@ def test_chat_history_reuses_an_empty_chat():
     second = history.new()
     assert second is not first and len(history.chats) == 2 and first.title == "hello world"
     assert first.messages("be brief") == [
-        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello   world"},
-        {"role": "assistant", "content": "hi", "reasoning_content": "hmm"}]
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello   world"},
+        {"role": "assistant", "content": "hi", "reasoning_content": "hmm"},
+    ]
     assert history.select(first.id) is first
 
 
@@ -105,8 +112,10 @@ def test_expert_placement_text():
 
 
 def test_info_command_prints_every_section_without_textual():
-    code = ("import sys; from kimitui.cli import main; rc = main(['info']); "
-            "assert not [m for m in sys.modules if m.startswith('textual')]; sys.exit(rc)")
+    code = (
+        "import sys; from kimitui.cli import main; rc = main(['info']); "
+        "assert not [m for m in sys.modules if m.startswith('textual')]; sys.exit(rc)"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     for section in ("devices", "telemetry backends", "versions", "demo checkpoint", "psutil", "textual"):

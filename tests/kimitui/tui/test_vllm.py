@@ -29,6 +29,7 @@ from tests.kimitui.tui_fakes import screen_text, wait_for
 
 pytestmark = pytest.mark.slow
 
+
 def _vllm_python() -> str | None:
     if os.environ.get("KIMITUI_VLLM_PYTHON"):
         return os.environ["KIMITUI_VLLM_PYTHON"]
@@ -42,22 +43,37 @@ VLLM_PYTHON = _vllm_python()
 
 def write_vllm_checkpoint(path: Path) -> None:
     from benchmarks.vs_vllm_cpu import MODEL_CONFIG
-    from kimitui.engine.demo.bpe_train import demo_corpus, kimi_special_tokens_for, train_ranks, write_kimi_tokenizer_files
+    from kimitui.engine.demo.bpe_train import (
+        demo_corpus,
+        kimi_special_tokens_for,
+        train_ranks,
+        write_kimi_tokenizer_files,
+    )
     from kimitui.engine.demo.common import NUM_BASE_TOKENS, write_shards
     from kimitui.engine.demo.k2 import _random_weights
     from kimitui.engine.text.tokenizer import KIMI_PAT_STR_ONIG, tiktoken_to_hf_json
 
-    config = {**MODEL_CONFIG, "num_hidden_layers": 2, "hidden_size": 512, "intermediate_size": 1024,
-              "moe_intermediate_size": 128, "n_routed_experts": 8, "num_experts_per_tok": 2,
-              "vocab_size": NUM_BASE_TOKENS + 256, "bos_token_id": NUM_BASE_TOKENS,
-              "eos_token_id": NUM_BASE_TOKENS + 1, "max_position_embeddings": 2048}
+    config = {
+        **MODEL_CONFIG,
+        "num_hidden_layers": 2,
+        "hidden_size": 512,
+        "intermediate_size": 1024,
+        "moe_intermediate_size": 128,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": NUM_BASE_TOKENS + 256,
+        "bos_token_id": NUM_BASE_TOKENS,
+        "eos_token_id": NUM_BASE_TOKENS + 1,
+        "max_position_embeddings": 2048,
+    }
     path.mkdir(parents=True, exist_ok=True)
     write_shards(path, _random_weights(config))
     (path / "config.json").write_text(json.dumps(config, indent=2))
     ranks = train_ranks(demo_corpus(), NUM_BASE_TOKENS)
     write_kimi_tokenizer_files(path, ranks, model_max_length=2048)
     (path / "tokenizer.json").write_text(
-        tiktoken_to_hf_json(ranks, KIMI_PAT_STR_ONIG, kimi_special_tokens_for(NUM_BASE_TOKENS)))
+        tiktoken_to_hf_json(ranks, KIMI_PAT_STR_ONIG, kimi_special_tokens_for(NUM_BASE_TOKENS))
+    )
     cfg = json.loads((path / "tokenizer_config.json").read_text())
     cfg.pop("auto_map", None)
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
@@ -71,19 +87,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif(VLLM_PYTHON is None,
-                    reason="vLLM is not installed (set KIMITUI_VLLM_PYTHON to its venv's python)")
+@pytest.mark.skipif(VLLM_PYTHON is None, reason="vLLM is not installed (set KIMITUI_VLLM_PYTHON to its venv's python)")
 def test_tui_against_vllm_serve(tmp_path):
     model = tmp_path / "tiny-kimi"
     write_vllm_checkpoint(model)
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "HF_HUB_OFFLINE": "1",
+    }
     log = open(tmp_path / "vllm.log", "w")
-    proc = subprocess.Popen([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                             "--port", str(port), "--served-model-name", "tiny-kimi", "--max-model-len", "1024",
-                             "--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "4"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            VLLM_PYTHON,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny-kimi",
+            "--max-model-len",
+            "1024",
+            "--dtype",
+            "bfloat16",
+            "--enforce-eager",
+            "--max-num-seqs",
+            "4",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + 1800  # vLLM imports and warms up for minutes on a small CPU

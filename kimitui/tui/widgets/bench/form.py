@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
-from textual.widgets import Button, Input, Label, Checkbox, Select, Static
+from textual.widgets import Button, Checkbox, Input, Label, Select, Static
 
 from kimitui.tui.benchmark.setup import PRESETS, preset, preset_form
 
@@ -46,16 +46,27 @@ class BenchForm(Vertical):
         self.max_model_len = max_model_len
 
     def compose(self) -> ComposeResult:
-        yield Select([(p.title, p.key) for p in PRESETS], prompt="preset…", id="bench-preset", compact=True,
-                     value=self.initial.get("preset", Select.NULL), allow_blank=True)
+        yield Select(
+            [(p.title, p.key) for p in PRESETS],
+            prompt="preset…",
+            id="bench-preset",
+            compact=True,
+            value=self.initial.get("preset", Select.NULL),
+            allow_blank=True,
+        )
         yield Static("", id="bench-clip-note", markup=False)
         for name, label, kind, placeholder in FIELDS:
             with Horizontal(classes="bench-field"):
                 yield Label(label)
-                yield Input(self.initial.get(name, ""), type=kind, placeholder=placeholder,
-                            id=f"bench-{name}", compact=True)
-        yield Checkbox("ignore EOS (exact output lengths, as vLLM)",
-                       self.initial.get("ignore_eos", "true") == "true", id="bench-ignore_eos", compact=True)
+                yield Input(
+                    self.initial.get(name, ""), type=kind, placeholder=placeholder, id=f"bench-{name}", compact=True
+                )
+        yield Checkbox(
+            "ignore EOS (exact output lengths, as vLLM)",
+            self.initial.get("ignore_eos", "true") == "true",
+            id="bench-ignore_eos",
+            compact=True,
+        )
         yield Static("", id="bench-form-error", markup=False)
         with Horizontal(id="bench-buttons"):
             yield Button("Run  ^R", variant="primary", id="bench-run", compact=True)

@@ -24,8 +24,9 @@ except ImportError:  # optional dependency: fall back to CharPlot
 PLOT_BACKEND = "textual-plot" if PlotWidget is not None else "built-in character plot"
 
 
-def char_plot(points: list[tuple[float, float, str]], front: list[tuple[float, float]],
-              width: int = 60, height: int = 14) -> str:
+def char_plot(
+    points: list[tuple[float, float, str]], front: list[tuple[float, float]], width: int = 60, height: int = 14
+) -> str:
     """Points (x, y, tag) as tags on a character grid with zero-based axes; front points are '●'
     joined by '·' along straight segments."""
     if not points:
@@ -35,8 +36,10 @@ def char_plot(points: list[tuple[float, float, str]], front: list[tuple[float, f
     grid = [[" "] * width for _ in range(height)]
 
     def cell(x: float, y: float) -> tuple[int, int]:
-        return (min(width - 1, int(x / x_max * (width - 1))),
-                height - 1 - min(height - 1, int(y / y_max * (height - 1))))
+        return (
+            min(width - 1, int(x / x_max * (width - 1))),
+            height - 1 - min(height - 1, int(y / y_max * (height - 1))),
+        )
 
     for (x0, y0), (x1, y1) in zip(front, front[1:]):
         for k in range(1, 20):
@@ -50,8 +53,10 @@ def char_plot(points: list[tuple[float, float, str]], front: list[tuple[float, f
                 grid[r][c + i] = ch
     y_label = f"{y_max:,.0f}"
     pad = len(y_label)
-    rows = [f"{y_label if i == 0 else '0'.rjust(pad) if i == height - 1 else ' ' * pad} │{''.join(row)}"
-            for i, row in enumerate(grid)]
+    rows = [
+        f"{y_label if i == 0 else '0'.rjust(pad) if i == height - 1 else ' ' * pad} │{''.join(row)}"
+        for i, row in enumerate(grid)
+    ]
     rows.append(" " * pad + " └" + "─" * width)
     rows.append(" " * pad + f"  0{'tok/s per user':^{width - 12}}{x_max:,.1f}")
     return "tok/s per GPU\n" + "\n".join(rows)
@@ -73,8 +78,9 @@ class FrontierPanel(Vertical):
             yield PlotWidget(id="bench-plot")
         else:
             yield Static("", id="bench-plot", markup=False)
-        yield Static("Run a sweep (sweep concurrency 1,2,4,...) to see the frontier.",
-                     id="bench-frontier-text", markup=False)
+        yield Static(
+            "Run a sweep (sweep concurrency 1,2,4,...) to see the frontier.", id="bench-frontier-text", markup=False
+        )
 
     def show(self, sweep: dict[str, Any]) -> None:
         self.sweep = sweep
@@ -85,7 +91,11 @@ class FrontierPanel(Vertical):
         self._plot(measured, front)
         ladder = {float(k): v for k, v in sweep["ladder"].items()}
         self.query_one("#bench-frontier-text", Static).update(
-            format_frontier(sweep["frontier"], per) + "\n" + format_ladder(ladder, per=per) + f"\n(plot: {PLOT_BACKEND})")
+            format_frontier(sweep["frontier"], per)
+            + "\n"
+            + format_ladder(ladder, per=per)
+            + f"\n(plot: {PLOT_BACKEND})"
+        )
 
     def _plot(self, measured: list[tuple[float, float, str]], front: list[tuple[float, float]]) -> None:
         plot = self.query_one("#bench-plot")
@@ -97,11 +107,17 @@ class FrontierPanel(Vertical):
             return
         primary = str(self.app.theme_variables.get("primary", "white"))
         accent = str(self.app.theme_variables.get("accent", "yellow"))
-        plot.scatter([m[0] for m in measured], [m[1] for m in measured], marker="○", marker_style=accent,
-                     label="measured")
+        plot.scatter(
+            [m[0] for m in measured], [m[1] for m in measured], marker="○", marker_style=accent, label="measured"
+        )
         if len(front) > 1:
-            plot.plot([f[0] for f in front], [f[1] for f in front], line_style=primary,
-                      hires_mode=HiResMode.BRAILLE, label="frontier")
+            plot.plot(
+                [f[0] for f in front],
+                [f[1] for f in front],
+                line_style=primary,
+                hires_mode=HiResMode.BRAILLE,
+                label="frontier",
+            )
         plot.scatter([f[0] for f in front], [f[1] for f in front], marker="●", marker_style=primary)
         plot.set_xlimits(0, max(m[0] for m in measured) * 1.1)
         plot.set_ylimits(0, max(m[1] for m in measured) * 1.1)

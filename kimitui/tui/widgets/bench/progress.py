@@ -56,19 +56,22 @@ class BenchProgress(Vertical):
         self.query_one(ProgressBar).update(total=total, progress=0)
         self.query_one("#bench-counts", Static).update(f"0/{total} requests")
 
-    def update_progress(self, phase: str, done: int, total: int, elapsed_s: float, point: int,
-                        num_points: int, description: str) -> None:
+    def update_progress(
+        self, phase: str, done: int, total: int, elapsed_s: float, point: int, num_points: int, description: str
+    ) -> None:
         where = f"point {point}/{num_points}: " if num_points > 1 else ""
         state = "preparing prompts and warm-ups" if phase == "preparing" else "running"
         self.query_one("#bench-status", Static).update(f"{state}: {where}{description}")
         self.query_one(ProgressBar).update(total=total, progress=done)
         eta = eta_s(done, total, elapsed_s)
         self.query_one("#bench-counts", Static).update(
-            f"{done}/{total} requests   elapsed {seconds(elapsed_s)}   ETA {seconds(eta)}")
+            f"{done}/{total} requests   elapsed {seconds(elapsed_s)}   ETA {seconds(eta)}"
+        )
 
     def update_live(self, output_tok_s: float | None, power_w: float | None) -> None:
         self.query_one("#bench-live", Static).update(
-            f"live  output {num(output_tok_s, '.1f', 'tok/s')}   power {num(power_w, '.0f', 'W')}")
+            f"live  output {num(output_tok_s, '.1f', 'tok/s')}   power {num(power_w, '.0f', 'W')}"
+        )
 
     def finish(self, text: str) -> None:
         self.query_one("#bench-status", Static).update(text)

@@ -40,7 +40,9 @@ class SavedRuns(Vertical):
         where = bench_runs_dir()
         self.query_one("#bench-saved-hint", Static).update(
             f"{len(self.runs)} saved run(s) in {where}. Space ticks a run; tick two or more to compare."
-            if self.runs else f"No saved runs yet in {where}: every finished run is saved there.")
+            if self.runs
+            else f"No saved runs yet in {where}: every finished run is saved there."
+        )
         self._compare()
 
     def select(self, *paths: str) -> None:

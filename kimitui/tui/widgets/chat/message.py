@@ -37,7 +37,7 @@ class AssistantMessage(Vertical):
     async def write(self, reasoning: str, content: str) -> None:
         """Show the reply so far; only the text not written yet goes to the streams."""
         for part, text in (("reasoning", reasoning), ("content", content)):
-            new = text[self._written[part]:]
+            new = text[self._written[part] :]
             if not new:
                 continue
             self._written[part] = len(text)

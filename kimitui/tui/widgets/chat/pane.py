@@ -14,9 +14,9 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Static
 
 from kimitui.tui.bridges.base import Bridge
+from kimitui.tui.chat.generation import GenerationSettings
 from kimitui.tui.chat.session import ChatHistory, Turn
 from kimitui.tui.formatting import ms
-from kimitui.tui.chat.generation import GenerationSettings
 from kimitui.tui.messages import ReplyFinished
 from kimitui.tui.widgets.chat.message import AssistantMessage, UserMessage
 from kimitui.tui.widgets.chat.prompt import PromptInput
@@ -29,16 +29,27 @@ def reply_stats(msg: ReplyFinished, elapsed_s: float | None = None) -> str:
     rate = None
     if msg.tpot:
         rate = 1.0 / msg.tpot
-    parts = [f"{msg.num_tokens} tokens", f"TTFT {ms(msg.ttft)}", f"TPOT {ms(msg.tpot)}",
-             f"{rate:.1f} tok/s" if rate else "tok/s n/a", msg.finish_reason or "?"]
+    parts = [
+        f"{msg.num_tokens} tokens",
+        f"TTFT {ms(msg.ttft)}",
+        f"TPOT {ms(msg.tpot)}",
+        f"{rate:.1f} tok/s" if rate else "tok/s n/a",
+        msg.finish_reason or "?",
+    ]
     if msg.error:
         parts.append(msg.error)
     return " · ".join(parts)
 
 
 class ChatPane(Vertical):
-    def __init__(self, bridge: Bridge, history: ChatHistory,
-                 settings: Callable[[], GenerationSettings], welcome: str = "", **kwargs) -> None:
+    def __init__(
+        self,
+        bridge: Bridge,
+        history: ChatHistory,
+        settings: Callable[[], GenerationSettings],
+        welcome: str = "",
+        **kwargs,
+    ) -> None:
         super().__init__(**kwargs)
         self.bridge, self.history, self.settings = bridge, history, settings
         self.welcome = welcome
@@ -88,7 +99,8 @@ class ChatPane(Vertical):
         await live.write(state.reasoning, state.content)
         elapsed = time.monotonic() - state.started
         self.query_one("#chat-status", Static).update(
-            f"generating · {state.num_tokens} tokens · {elapsed:.1f}s · Esc stops")
+            f"generating · {state.num_tokens} tokens · {elapsed:.1f}s · Esc stops"
+        )
         if follow:
             log.scroll_end(animate=False)
 
@@ -110,8 +122,10 @@ class ChatPane(Vertical):
         """Redraw the messages of ``history.current`` (after new chat / switching chats)."""
         log = self.query_one("#messages", VerticalScroll)
         await log.remove_children()
-        widgets = [UserMessage(t.content) if t.role == "user" else AssistantMessage(t.reasoning, t.content, t.stats)
-                   for t in self.history.current.turns]
+        widgets = [
+            UserMessage(t.content) if t.role == "user" else AssistantMessage(t.reasoning, t.content, t.stats)
+            for t in self.history.current.turns
+        ]
         await log.mount_all(widgets or [self._welcome()])
         self._live = None
         self.show_status()
@@ -128,4 +142,5 @@ class ChatPane(Vertical):
             thinking += f" (effort {s.thinking_effort})"
         self.query_one("#chat-status", Static).update(
             f"chat {self.history.current.id} · {n} messages · thinking {thinking} · "
-            f"max {s.max_tokens} tokens · T={s.temperature:g}")
+            f"max {s.max_tokens} tokens · T={s.temperature:g}"
+        )

@@ -25,9 +25,13 @@ class PromptInput(TextArea):
         text: str
 
     def __init__(self, **kwargs) -> None:
-        super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus",
-                         placeholder="Message the model (Enter sends, Shift+Enter or Ctrl+J: newline)",
-                         **kwargs)
+        super().__init__(
+            soft_wrap=True,
+            show_line_numbers=False,
+            tab_behavior="focus",
+            placeholder="Message the model (Enter sends, Shift+Enter or Ctrl+J: newline)",
+            **kwargs,
+        )
 
     def action_submit(self) -> None:
         # The priority binding sees Enter before this widget has handled the keys queued ahead of

@@ -31,8 +31,12 @@ class HardwareGraphs(Vertical):
     """
 
     def compose(self) -> ComposeResult:
-        for key, title in (("power", "power W per GPU (red: power cap)"), ("util", "utilisation % per GPU"),
-                           ("mem", "memory used % per GPU"), ("node", "node total W (GPUs + CPU package)")):
+        for key, title in (
+            ("power", "power W per GPU (red: power cap)"),
+            ("util", "utilisation % per GPU"),
+            ("mem", "memory used % per GPU"),
+            ("node", "node total W (GPUs + CPU package)"),
+        ):
             yield Static(title, classes="graph-title", markup=False)
             yield PlotWidget(id=f"graph-{key}", allow_pan_and_zoom=False)
 

@@ -22,8 +22,10 @@ def gpu_line(g) -> str:
     cap = f"/{g.power_cap_w:.0f}" if g.power_cap_w else ""
     power = f"{g.power_w:.0f}{cap} W" if g.power_w is not None else f"{NA} W"
     hbm = used_total(g.mem_used_bytes, g.mem_total_bytes, digits=0)
-    return (f"GPU{g.index} {bar(frac, BAR_WIDTH)} {power:>10} util {pct(g.util_pct):>4} "
-            f"HBM {hbm} {NA if g.temp_c is None else f'{g.temp_c:.0f}°C'}")
+    return (
+        f"GPU{g.index} {bar(frac, BAR_WIDTH)} {power:>10} util {pct(g.util_pct):>4} "
+        f"HBM {hbm} {NA if g.temp_c is None else f'{g.temp_c:.0f}°C'}"
+    )
 
 
 def energy_line(label: str, joules_per_token: float | None) -> str:
@@ -57,8 +59,9 @@ class HardwarePanel(Vertical):
             self.query_one(HardwareGraphs).draw(self.history, self._now)
         return self.graphs_shown
 
-    def update_sample(self, sample, joules_per_token: float | None,
-                      window_joules_per_token: float | None = None) -> None:
+    def update_sample(
+        self, sample, joules_per_token: float | None, window_joules_per_token: float | None = None
+    ) -> None:
         """Show one telemetry Sample; the J/token figures are None when they cannot be measured
         (over the last minute, and over the history window)."""
         self.history.add(sample)

@@ -12,22 +12,38 @@ import torch
 
 from kimitui.engine import LLM, SamplingParams
 from kimitui.engine.spec_decode.config import SpeculativeConfig
-from tests.helpers.spec.dspark_checkpoint import LAYOUTS, dspark_config, dspark_tensors, write_dspark_checkpoint, write_tiny_dspark
 from tests.helpers.k3_checkpoint import write_k3_checkpoint
+from tests.helpers.spec.dspark_checkpoint import (
+    LAYOUTS,
+    dspark_config,
+    dspark_tensors,
+    write_dspark_checkpoint,
+    write_tiny_dspark,
+)
 
-RECIPE = {"method": "dspark", "num_speculative_tokens": 7, "draft_sample_method": "probabilistic",
-          "rejection_sample_method": "block"}
+RECIPE = {
+    "method": "dspark",
+    "num_speculative_tokens": 7,
+    "draft_sample_method": "probabilistic",
+    "rejection_sample_method": "block",
+}
 
 
 def test_vllm_recipe_json_is_accepted_unchanged():
     c = SpeculativeConfig.parse(json.dumps({**RECIPE, "model": "/x"}))
     assert (c.method, c.num_speculative_tokens, c.draft_sample_method, c.rejection_sample_method) == (
-        "dspark", 7, "probabilistic", "block")
+        "dspark",
+        7,
+        "probabilistic",
+        "block",
+    )
     assert c.num_lookahead_slots == 0  # the block's own KV is never cached
     with pytest.raises(ValueError, match="needs model"):
         SpeculativeConfig.parse(RECIPE)
     with pytest.raises(ValueError, match="draft_sample_method 'probabilistic'"):
-        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"})
+        SpeculativeConfig.parse(
+            {"method": "ngram", "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}
+        )
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +56,9 @@ def target(tmp_path_factory):
 def _greedy(path, prompts, spec=None, n=12):
     kw = {"speculative_config": spec} if spec else {}
     with LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=4, **kw) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        )
         stats = llm.engine.stats().spec_decode
         if spec:  # the memory plan's count (config and header only) is the loaded drafter's
             from kimitui.engine.spec_decode.dspark.model import dspark_footprint
@@ -78,8 +95,9 @@ def _bad(tmp_path, target, mutate_cfg=None, mutate_tensors=None):
         mutate_tensors(t)
     d = write_dspark_checkpoint(tmp_path / "bad", c, t)
     with pytest.raises(ValueError) as e:
-        with LLM(str(path), dtype="float32", max_model_len=64, max_num_seqs=2,
-                 speculative_config={**RECIPE, "model": str(d)}):
+        with LLM(
+            str(path), dtype="float32", max_model_len=64, max_num_seqs=2, speculative_config={**RECIPE, "model": str(d)}
+        ):
             pass
     msg = str(e.value)
     assert "\n" not in msg
@@ -91,20 +109,23 @@ def test_bad_checkpoints_fail_in_one_line(target, tmp_path):
     assert "target_layer_ids" in _bad(tmp_path, target, lambda c: c.update(target_layer_ids=[0, 9]))
     assert "target_num_hidden_layers" in _bad(tmp_path, target, lambda c: c.update(target_num_hidden_layers=93))
     assert "aux_hidden_stream" in _bad(tmp_path, target, lambda c: c.update(aux_hidden_stream="mixture"))
-    assert "markov_head.markov_w2.weight" in _bad(tmp_path, target,
-                                                  mutate_tensors=lambda t: t.pop("markov_head.markov_w2.weight"))
-    assert "lm_head.weight" in _bad(tmp_path, target,
-                                    mutate_tensors=lambda t: t.update({"lm_head.weight": torch.zeros(256, 64)}))
+    assert "markov_head.markov_w2.weight" in _bad(
+        tmp_path, target, mutate_tensors=lambda t: t.pop("markov_head.markov_w2.weight")
+    )
+    assert "lm_head.weight" in _bad(
+        tmp_path, target, mutate_tensors=lambda t: t.update({"lm_head.weight": torch.zeros(256, 64)})
+    )
     assert "layers.0.self_attn.q_b_proj.weight" in _bad(
-        tmp_path, target, mutate_tensors=lambda t: t.update({"layers.0.self_attn.q_b_proj.weight": torch.zeros(3, 3)}))
+        tmp_path, target, mutate_tensors=lambda t: t.update({"layers.0.self_attn.q_b_proj.weight": torch.zeros(3, 3)})
+    )
 
 
 @pytest.mark.parametrize("stream", ["prefix", "attn_res"])
 def test_target_taps_are_the_reference_states(target, stream):
     """The engine's captured taps (capture id k = layer k - 1's output) against the naive float64 K3."""
-    from tests.helpers.spec.dspark_reference import target_taps
     from tests.helpers.hybrid_driver import HybridDriver
     from tests.helpers.k3_reference import K3Reference
+    from tests.helpers.spec.dspark_reference import target_taps
 
     path, text = target
     ref = K3Reference(json.loads((path / "config.json").read_text()), text)
@@ -117,7 +138,7 @@ def test_target_taps_are_the_reference_states(target, stream):
     got = drv.model.aux_hidden
     d = text["model.embed_tokens.weight"].shape[1]
     for j, w in enumerate(want):
-        assert (got[:, j * d:(j + 1) * d].double() - w).abs().max().item() < 1e-3, (stream, layers[j])
+        assert (got[:, j * d : (j + 1) * d].double() - w).abs().max().item() < 1e-3, (stream, layers[j])
     if stream == "attn_res":  # the two streams differ where blocks have been snapshotted
         prefix, _ = target_taps(ref, ids, layers, "prefix")
         assert (prefix[1] - want[1]).abs().max().item() > 1e-2

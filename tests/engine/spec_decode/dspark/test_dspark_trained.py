@@ -42,8 +42,9 @@ def _max_tokens():
 
 def _engine_run(drafter: Path | None, prompts, params):
     kw = {"speculative_config": {**SPEC, "model": str(drafter)}} if drafter else {}
-    with LLM(str(FIXTURE / "target"), dtype="float32", max_model_len=128, max_num_seqs=8,
-             enable_prefix_caching=False, **kw) as llm:
+    with LLM(
+        str(FIXTURE / "target"), dtype="float32", max_model_len=128, max_num_seqs=8, enable_prefix_caching=False, **kw
+    ) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         stats = llm.engine.stats().spec_decode
     return [o.outputs[0].token_ids for o in outs], stats
@@ -61,19 +62,21 @@ def _shifted(tmp_path) -> Path:
 def _reference(drafter_dir: Path, prompts):
     from safetensors.torch import load_file
 
-    from tests.helpers.spec.dspark_reference import RefDSpark, greedy_speculative
     from tests.helpers.k3_reference import K3Reference
+    from tests.helpers.spec.dspark_reference import RefDSpark, greedy_speculative
 
     target_cfg = json.loads((FIXTURE / "target" / "config.json").read_text())
     raw = {}
     for f in (FIXTURE / "target").glob("*.safetensors"):
         raw |= load_file(str(f))
-    ref = K3Reference(target_cfg, {k[len("language_model."):]: v for k, v in raw.items()
-                                   if k.startswith("language_model.")})
+    ref = K3Reference(
+        target_cfg, {k[len("language_model.") :]: v for k, v in raw.items() if k.startswith("language_model.")}
+    )
     c = json.loads((drafter_dir / "config.json").read_text())
     sd = {k: v.double() for k, v in load_file(str(drafter_dir / "model.safetensors")).items()}
-    model = RefDSpark(c, ref.w("model.embed_tokens.weight"), ref.w("lm_head.weight"),
-                      own_embedding="embed_tokens.weight" in sd).double()
+    model = RefDSpark(
+        c, ref.w("model.embed_tokens.weight"), ref.w("lm_head.weight"), own_embedding="embed_tokens.weight" in sd
+    ).double()
     model.load_state_dict(sd, strict=True)
     drafted = accepted = 0
     outs = []
@@ -109,8 +112,10 @@ def test_greedy_output_identical_with_and_without_drafting(runs):
 def test_acceptance_equals_the_independent_implementation(runs):
     prompts, plain, _, stats, _, _ = runs
     ref_out, ref_rate = _reference(FIXTURE / "drafter", prompts)
-    print(f"\nkimitui acceptance {stats.acceptance_rate:.3f} ({stats.num_accepted_tokens}/{stats.num_draft_tokens}), "
-          f"reference {ref_rate:.3f}; per position {stats.per_position_rates()}")
+    print(
+        f"\nkimitui acceptance {stats.acceptance_rate:.3f} ({stats.num_accepted_tokens}/{stats.num_draft_tokens}), "
+        f"reference {ref_rate:.3f}; per position {stats.per_position_rates()}"
+    )
     assert ref_out == plain  # the reference target agrees with the engine token for token
     assert stats.acceptance_rate > 0.5  # trained: it predicts the target well
     assert abs(stats.acceptance_rate - ref_rate) <= 0.02
@@ -144,9 +149,14 @@ def _critical(df: int, z: float = 3.09) -> float:
 def _sampled_counts(drafter, n: int, seed0: int):
     prompt = [5, 9, 17, 33, 65, 129]
     params = [SamplingParams(temperature=0.7, max_tokens=3, ignore_eos=True, seed=seed0 + i) for i in range(n)]
-    kw = {"speculative_config": {**SPEC, "model": str(drafter), "draft_sample_method": "probabilistic"}} if drafter else {}
-    with LLM(str(FIXTURE / "target"), dtype="float32", max_model_len=32, max_num_seqs=128,
-             enable_prefix_caching=False, **kw) as llm:
+    kw = (
+        {"speculative_config": {**SPEC, "model": str(drafter), "draft_sample_method": "probabilistic"}}
+        if drafter
+        else {}
+    )
+    with LLM(
+        str(FIXTURE / "target"), dtype="float32", max_model_len=32, max_num_seqs=128, enable_prefix_caching=False, **kw
+    ) as llm:
         outs = llm.generate([{"prompt_token_ids": prompt}] * n, params)
         stats = llm.engine.stats().spec_decode if drafter else None
     toks = torch.tensor([o.outputs[0].token_ids for o in outs])

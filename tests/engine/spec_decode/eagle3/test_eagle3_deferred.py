@@ -30,5 +30,7 @@ def test_no_drafter_pass_for_sequences_without_drafts(tmp_path):
     steps = 48 - 1 - st.num_accepted_tokens  # decode steps after the prefill
     # drafting steps run 1 absorb + (k - 1) chain passes; the back-off steps between them none
     assert prop.drafter_passes < steps / 2, (prop.drafter_passes, steps, st.num_drafts)
-    print(f"\n{steps} decode steps, {st.num_drafts} verified drafts, {prop.drafter_passes} drafter passes, "
-          f"{prop.absorbed_rows} rows absorbed")
+    print(
+        f"\n{steps} decode steps, {st.num_drafts} verified drafts, {prop.drafter_passes} drafter passes, "
+        f"{prop.absorbed_rows} rows absorbed"
+    )

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from kimitui.engine.layers.attn_metadata import PrefillChunk
-from kimitui.engine.spec_decode.eagle3.model import Eagle3Config, rope_parameters
 from kimitui.engine.spec_decode.eagle3.loader import load_eagle3
+from kimitui.engine.spec_decode.eagle3.model import Eagle3Config, rope_parameters
 from tests.helpers.checkpoints import BASE
 from tests.helpers.spec.eagle3_checkpoint import write_eagle3_checkpoint
 from tests.helpers.spec.eagle3_reference import hf_llama, reference
@@ -31,13 +31,21 @@ def target_embedding(seed: int = 5) -> nn.Embedding:
 
 # -- tests -------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("norm_before_residual", [False, True])
 def test_paged_forward_matches_dense_reference(tmp_path, norm_before_residual):
     """Two sequences in scattered blocks: A's rows in two prefill-like chunks (the second batched with
     B's first chunk), then a chain step of both (one row each, the padded path) fed with their own
     previous pre-norm output, as chain drafting does."""
-    config, w = write_eagle3_checkpoint(tmp_path, TARGET, dtype=torch.float32, aux_layer_ids=AUX,
-                                        draft_vocab_size=96, norm_before_residual=norm_before_residual, seed=1)
+    config, w = write_eagle3_checkpoint(
+        tmp_path,
+        TARGET,
+        dtype=torch.float32,
+        aux_layer_ids=AUX,
+        draft_vocab_size=96,
+        norm_before_residual=norm_before_residual,
+        seed=1,
+    )
     emb = target_embedding()
     drafter = load_eagle3(tmp_path, TCFG, "cpu", torch.float32, target_embedding=emb)
     g = torch.Generator().manual_seed(2)
@@ -50,14 +58,19 @@ def test_paged_forward_matches_dense_reference(tmp_path, norm_before_residual):
     table_a, table_b = perm[:6].int(), perm[6:9].int()  # 6 blocks of 4 cover 21 rows; B: 3 blocks
     cache = drafter.allocate_cache(24, bs, "cpu")
     with torch.inference_mode():
-        pre1, nrm1 = drafter(torch.tensor(tok_a[:13]), drafter.combine(aux_a[:13]),
-                             [PrefillChunk(0, 13, 13, table_a)], cache)
+        pre1, nrm1 = drafter(
+            torch.tensor(tok_a[:13]), drafter.combine(aux_a[:13]), [PrefillChunk(0, 13, 13, table_a)], cache
+        )
         ids2 = torch.tensor(tok_a[13:20] + tok_b[:8])
         hid2 = drafter.combine(torch.cat([aux_a[13:20], aux_b[:8]]))
         pre2, nrm2 = drafter(ids2, hid2, [PrefillChunk(0, 7, 20, table_a), PrefillChunk(7, 15, 8, table_b)], cache)
         hid3 = torch.stack([pre2[6], pre2[14]])  # each sequence's own last pre-norm output
-        pre3, nrm3 = drafter(torch.tensor([tok_a[20], tok_b[8]]), hid3,
-                             [PrefillChunk(0, 1, 21, table_a), PrefillChunk(1, 2, 9, table_b)], cache)
+        pre3, nrm3 = drafter(
+            torch.tensor([tok_a[20], tok_b[8]]),
+            hid3,
+            [PrefillChunk(0, 1, 21, table_a), PrefillChunk(1, 2, 9, table_b)],
+            cache,
+        )
     fc = w["fc.weight"].double()
     hid_a = [aux_a[i].double() @ fc.T for i in range(20)] + [pre2[6].double()]
     hid_b = [aux_b[i].double() @ fc.T for i in range(8)] + [pre2[14].double()]
@@ -87,8 +100,9 @@ def test_long_chunk_is_tiled_and_bf16_stays_close(tmp_path, monkeypatch):
     import kimitui.engine.spec_decode.eagle3.model as e3
 
     monkeypatch.setattr(e3, "QUERY_TILE", 8)
-    config, w = write_eagle3_checkpoint(tmp_path, TARGET, dtype=torch.bfloat16, aux_layer_ids=AUX, seed=3,
-                                        own_embedding=True, hidden_size=48)  # its own width: fc 192 -> 48
+    config, w = write_eagle3_checkpoint(
+        tmp_path, TARGET, dtype=torch.bfloat16, aux_layer_ids=AUX, seed=3, own_embedding=True, hidden_size=48
+    )  # its own width: fc 192 -> 48
     drafter = load_eagle3(tmp_path, TCFG, "cpu", torch.bfloat16)
     assert drafter.embed_tokens is not None
     g = torch.Generator().manual_seed(4)
@@ -97,22 +111,41 @@ def test_long_chunk_is_tiled_and_bf16_stays_close(tmp_path, monkeypatch):
     aux = torch.randn(n, 3 * 64, generator=g)
     cache = drafter.allocate_cache(10, 4, "cpu")
     with torch.inference_mode():
-        pre, nrm = drafter(torch.tensor(tok), drafter.combine(aux), [PrefillChunk(0, n, n, torch.arange(10).int())],
-                           cache)
+        pre, nrm = drafter(
+            torch.tensor(tok), drafter.combine(aux), [PrefillChunk(0, n, n, torch.arange(10).int())], cache
+        )
     assert pre.dtype == torch.bfloat16 and cache.dtype == torch.bfloat16
     fc = w["fc.weight"].double()
-    ref, _ = reference(config, w, w["embed_tokens.weight"], tok,
-                       [aux[i].to(torch.bfloat16).double() @ fc.T for i in range(n)])
+    ref, _ = reference(
+        config, w, w["embed_tokens.weight"], tok, [aux[i].to(torch.bfloat16).double() @ fc.T for i in range(n)]
+    )
     err = (pre.double() - ref).abs().max() / ref.abs().max()
     assert err < 0.03, err
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0},
-                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-                                     {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64},
-                                     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
-                                      "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16}])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64},
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+            "beta_fast": 16,
+        },
+    ],
+)
 def test_rope_matches_hugging_face(scaling):
     from tests.helpers.spec.eagle3_checkpoint import eagle3_config
 
@@ -131,8 +164,9 @@ def test_rope_matches_hugging_face(scaling):
 @pytest.mark.parametrize("layout", ["midlayer", "model"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_published_layouts_load_the_same_weights(tmp_path, layout, dtype):
-    config, w = write_eagle3_checkpoint(tmp_path, TARGET, layout=layout, dtype=dtype, aux_layer_ids=AUX,
-                                        draft_vocab_size=64)
+    config, w = write_eagle3_checkpoint(
+        tmp_path, TARGET, layout=layout, dtype=dtype, aux_layer_ids=AUX, draft_vocab_size=64
+    )
     drafter = load_eagle3(tmp_path, TCFG, "cpu", torch.float32, target_embedding=target_embedding())
     got = dict(drafter.named_parameters())
     assert set(got) == {n for n in w if n not in ("d2t", "t2d")}
@@ -156,15 +190,17 @@ def test_config_defaults_and_errors(tmp_path):
     cfg = Eagle3Config.from_dict(d, 61, 7168, 163840)
     assert cfg.aux_layer_ids == (2, 30, 58)  # vLLM's (2, L // 2, L - 3) for Kimi K2's 61 layers
     base = eagle3_config(TARGET, aux_layer_ids=AUX)
-    cases = [({"num_hidden_layers": 2}, "num_hidden_layers must be 1"),
-             ({"hidden_act": "gelu"}, "hidden_act"),
-             ({"vocab_size": 321}, "vocab_size 321 differs"),
-             ({"target_hidden_size": 32}, "target_hidden_size 32 differs"),
-             ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
-             ({"draft_vocab_size": 400}, "draft_vocab_size must be in"),
-             ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 1, 2]}}, "must be distinct"),
-             ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 7]}}, r"in 0\.\.6"),
-             ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling type 'dynamic'")]
+    cases = [
+        ({"num_hidden_layers": 2}, "num_hidden_layers must be 1"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"vocab_size": 321}, "vocab_size 321 differs"),
+        ({"target_hidden_size": 32}, "target_hidden_size 32 differs"),
+        ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+        ({"draft_vocab_size": 400}, "draft_vocab_size must be in"),
+        ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 1, 2]}}, "must be distinct"),
+        ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 7]}}, r"in 0\.\.6"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling type 'dynamic'"),
+    ]
     for change, msg in cases:
         with pytest.raises(ValueError, match=msg):
             Eagle3Config.from_dict({**base, **change}, 6, 64, 320)
@@ -183,8 +219,14 @@ def test_checkpoint_errors_name_the_problem(tmp_path):
             load_eagle3(tmp_path, TCFG, "cpu", torch.float32)
 
     expect({k: v for k, v in good.items() if k != "midlayer.mlp.up_proj.weight"}, "lacks 'layers.0.mlp.up_proj")
-    expect({**good, "fc.weight": good["fc.weight"][:, :64].contiguous()}, r"'fc.weight' has shape \[64, 64\], expected \[64, 192\]")
-    expect({**good, "midlayer.self_attn.qkv_proj.weight": good["fc.weight"].clone()}, "unexpected tensor 'midlayer.self_attn")
+    expect(
+        {**good, "fc.weight": good["fc.weight"][:, :64].contiguous()},
+        r"'fc.weight' has shape \[64, 64\], expected \[64, 192\]",
+    )
+    expect(
+        {**good, "midlayer.self_attn.qkv_proj.weight": good["fc.weight"].clone()},
+        "unexpected tensor 'midlayer.self_attn",
+    )
     expect({**good, "d2t": good["d2t"] + 1000}, "outside the target vocabulary")
     expect({k: v for k, v in good.items() if k != "d2t"}, "needs a d2t tensor")
     save_file(good, str(f))

@@ -37,8 +37,7 @@ def _prompts(n, lens, seed=0):
 
 def _llm(target, drafter=None, **kw):
     spec = None if drafter is None else {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": K}
-    return LLM(str(target), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=48,
-               speculative_config=spec, **kw)
+    return LLM(str(target), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=48, speculative_config=spec, **kw)
 
 
 def _greedy(llm, prompts, n):
@@ -56,9 +55,11 @@ def test_greedy_output_is_unchanged_and_acceptance_counted(ckpts):
     assert _greedy(llm, prompts, 14) == ref
     stats = llm.engine.stats().spec_decode
     assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
-    print(f"\neagle3, random drafter: {stats.num_drafts} drafts, {stats.num_draft_tokens} draft tokens, "
-          f"acceptance {stats.acceptance_rate:.3f}, mean acceptance length {stats.acceptance_length:.3f}, "
-          f"per position {stats.per_position_rates()}")
+    print(
+        f"\neagle3, random drafter: {stats.num_drafts} drafts, {stats.num_draft_tokens} draft tokens, "
+        f"acceptance {stats.acceptance_rate:.3f}, mean acceptance length {stats.acceptance_length:.3f}, "
+        f"per position {stats.per_position_rates()}"
+    )
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
     assert not llm.engine.proposer._last, "per-sequence drafter state leaked"
@@ -81,10 +82,10 @@ class Recording:
         for seq, d in zip(seqs, drafts):
             if d:
                 self.records.append((list(seq.token_ids), list(d)))
-            ans = self.answers[tuple(seq.prompt_token_ids)][seq.num_output_tokens:][: len(d)]
+            ans = self.answers[tuple(seq.prompt_token_ids)][seq.num_output_tokens :][: len(d)]
             if ans and self.rng.random() < 0.7:
                 j = self.rng.randrange(len(ans) + 1)
-                ans = ans[:j] + [(ans[j] + 1) % 300] + ans[j + 1:] if j < len(ans) else ans
+                ans = ans[:j] + [(ans[j] + 1) % 300] + ans[j + 1 :] if j < len(ans) else ans
             out.append(ans)
         return out
 
@@ -138,14 +139,15 @@ def test_forked_samples_carry_the_drafters_kv_and_stay_exact(ckpts):
     [ref] = _greedy(_llm(target), [prompt], 12)
     llm = _llm(target, drafter)
     eng = llm.engine
-    eng.add_request("r", {"prompt_token_ids": prompt},
-                    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=3))
+    eng.add_request(
+        "r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=3)
+    )
     eng.step()
     lead, *kids = (eng.scheduler.get(f"r#{i}") for i in range(3))
     cache, bs = eng.proposer.cache, eng.args.block_size
     for k in kids:
         assert k.block_table[:2] == lead.block_table[:2] and k.block_table[2] != lead.block_table[2]
-        assert torch.equal(cache[k.block_table[2], :40 - 2 * bs], cache[lead.block_table[2], :40 - 2 * bs])
+        assert torch.equal(cache[k.block_table[2], : 40 - 2 * bs], cache[lead.block_table[2], : 40 - 2 * bs])
     final = None
     while eng.has_unfinished_requests():
         final = next((o for o in eng.step() if o.finished), final)

@@ -17,7 +17,6 @@ from kimitui.engine.runner.graphs import DecodeGraphRunner
 from tests.helpers.checkpoints import BASE, write_hf_checkpoint
 from tests.helpers.spec.eagle3_mla_checkpoint import write_mla_checkpoint
 
-
 _REAL_RUN = DecodeGraphRunner.run
 
 

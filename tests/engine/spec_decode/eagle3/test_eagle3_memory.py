@@ -24,8 +24,14 @@ def test_drafter_weights_are_loaded_and_counted_before_the_cache(monkeypatch):
     monkeypatch.setattr(LLMEngine, "_cache_shape", allocate)
     spec = {"method": "eagle3", "model": str(PAIR / "eagle3-mla"), "num_speculative_tokens": 3}
     gb = 1.0
-    llm = LLM(str(PAIR / "target"), dtype="float32", max_model_len=128, max_num_seqs=2, gpu_memory_gb=gb,
-              speculative_config=spec)
+    llm = LLM(
+        str(PAIR / "target"),
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=2,
+        gpu_memory_gb=gb,
+        speculative_config=spec,
+    )
     eng = llm.engine
     drafter = sum(p.numel() * p.element_size() for p in eng.proposer.drafter.parameters())
     assert seen["drafter_bytes"] == drafter > 0  # loaded (its own weights; embedding shared) at sizing time

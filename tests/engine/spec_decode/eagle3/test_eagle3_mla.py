@@ -22,7 +22,9 @@ TCFG = SimpleNamespace(num_hidden_layers=6, hidden_size=BASE["hidden_size"], voc
 
 def embedding(seed: int = 5) -> nn.Embedding:
     emb = nn.Embedding(BASE["vocab_size"], BASE["hidden_size"])
-    emb.weight.data = torch.randn(BASE["vocab_size"], BASE["hidden_size"], generator=torch.Generator().manual_seed(seed))
+    emb.weight.data = torch.randn(
+        BASE["vocab_size"], BASE["hidden_size"], generator=torch.Generator().manual_seed(seed)
+    )
     return emb
 
 
@@ -88,8 +90,9 @@ def test_torchspec_training_name_kv_a_proj_loads(tmp_path):
     write_mla_checkpoint(tmp_path / "b", TARGET, tensors=renamed)
     a = load_eagle3(tmp_path / "a", TCFG, "cpu", torch.float32)
     b = load_eagle3(tmp_path / "b", TCFG, "cpu", torch.float32)
-    torch.testing.assert_close(a.layers[0].self_attn.kv_a_proj_with_mqa.weight,
-                               b.layers[0].self_attn.kv_a_proj_with_mqa.weight)
+    torch.testing.assert_close(
+        a.layers[0].self_attn.kv_a_proj_with_mqa.weight, b.layers[0].self_attn.kv_a_proj_with_mqa.weight
+    )
 
 
 def test_layer_ids_precedence_and_convention(tmp_path, caplog):
@@ -127,8 +130,9 @@ def test_engine_greedy_output_unchanged_with_an_mla_drafter(tmp_path, v31):
     from tests.helpers.checkpoints import write_hf_checkpoint
 
     write_hf_checkpoint(tmp_path / "k2", seed=3)
-    write_mla_checkpoint(tmp_path / "d", BASE, aux_layer_ids=(0, 1, 3), v31=v31, seed=4,
-                         drop=("lm_head.weight",) if v31 else ())
+    write_mla_checkpoint(
+        tmp_path / "d", BASE, aux_layer_ids=(0, 1, 3), v31=v31, seed=4, drop=("lm_head.weight",) if v31 else ()
+    )
     spec = {"model": str(tmp_path / "d"), "method": "eagle3", "num_speculative_tokens": 3, "max_model_len": 8192}
     prompts = [[5 + i, 17, 33, 9 * i + 1, 40, 41] for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -158,12 +162,26 @@ def test_plan_counts_a_k26_shaped_mla_drafter(tmp_path, capsys):
     target = target.get("text_config", target)
     drafter = tmp_path / "mla"
     drafter.mkdir()
-    (drafter / "config.json").write_text(json.dumps({
-        "architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
-        "intermediate_size": 18432, "num_attention_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 163840,
-        "rope_scaling": target.get("rope_scaling"), "torch_dtype": "bfloat16",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}))
+    (drafter / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+                "model_type": "deepseek_v3",
+                "hidden_size": 7168,
+                "intermediate_size": 18432,
+                "num_attention_heads": 64,
+                "q_lora_rank": 1536,
+                "kv_lora_rank": 512,
+                "qk_nope_head_dim": 128,
+                "qk_rope_head_dim": 64,
+                "v_head_dim": 128,
+                "vocab_size": 163840,
+                "rope_scaling": target.get("rope_scaling"),
+                "torch_dtype": "bfloat16",
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]},
+            }
+        )
+    )
     assert run_plan(["--config", k26, "--gpus", "6", "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
     spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})

@@ -29,21 +29,33 @@ TEMP = 0.5
 def exact_joint():
     from transformers import DeepseekV3ForCausalLM
 
-    hf = DeepseekV3ForCausalLM.from_pretrained(str(PAIR / "target"), dtype=torch.float32,
-                                               attn_implementation="eager").eval()
+    hf = DeepseekV3ForCausalLM.from_pretrained(
+        str(PAIR / "target"), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
         p1 = (hf(torch.tensor([PROMPT])).logits[0, -1] / TEMP).softmax(-1)  # [V]
         V = p1.shape[0]
         rows = torch.cat([torch.tensor(PROMPT).repeat(V, 1), torch.arange(V)[:, None]], 1)
-        p2 = torch.cat([(hf(rows[a:a + 64]).logits[:, -1] / TEMP).softmax(-1) for a in range(0, V, 64)])  # [V, V]
+        p2 = torch.cat([(hf(rows[a : a + 64]).logits[:, -1] / TEMP).softmax(-1) for a in range(0, V, 64)])  # [V, V]
     return (p1[:, None] * p2).double()
 
 
 def _samples(method: str) -> tuple[torch.Tensor, float]:
-    spec = {"method": "eagle3", "model": str(PAIR / "eagle3-mla"), "num_speculative_tokens": 3, "backoff": False,
-            "draft_sample_method": method}
-    llm = LLM(str(PAIR / "target"), dtype="float32", max_model_len=64, max_num_seqs=64, speculative_config=spec,
-              enable_prefix_caching=False)
+    spec = {
+        "method": "eagle3",
+        "model": str(PAIR / "eagle3-mla"),
+        "num_speculative_tokens": 3,
+        "backoff": False,
+        "draft_sample_method": method,
+    }
+    llm = LLM(
+        str(PAIR / "target"),
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=64,
+        speculative_config=spec,
+        enable_prefix_caching=False,
+    )
     params = SamplingParams(temperature=TEMP, max_tokens=3, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": PROMPT} for _ in range(N)], params)
     st = llm.engine.stats().spec_decode

@@ -39,13 +39,18 @@ def _prompts(vocab: int) -> list[list[int]]:
 def pair():
     from transformers import DeepseekV3ForCausalLM
 
-    hf = DeepseekV3ForCausalLM.from_pretrained(str(PAIR / "target"), dtype=torch.float32,
-                                               attn_implementation="eager").eval()
+    hf = DeepseekV3ForCausalLM.from_pretrained(
+        str(PAIR / "target"), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     vocab = json.loads((PAIR / "target" / "config.json").read_text())["vocab_size"]
     prompts = _prompts(vocab)
     with torch.no_grad():
-        conts = [hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(p):]
-                 .tolist() for p in prompts]
+        conts = [
+            hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
     llm = LLM(str(PAIR / "target"), dtype="float32", max_model_len=128, max_num_seqs=N_PROMPTS)
     plain = _generate(llm, prompts)
     llm.engine.shutdown()
@@ -58,12 +63,16 @@ def _generate(llm, prompts):
 
 
 def _kimitui(prompts, drafter: str, taps=None):
-    spec = {"method": "eagle3", "model": str(PAIR / drafter), "num_speculative_tokens": K, "backoff": False,
-            "eagle_aux_hidden_state_layer_convention": "input"}
+    spec = {
+        "method": "eagle3",
+        "model": str(PAIR / drafter),
+        "num_speculative_tokens": K,
+        "backoff": False,
+        "eagle_aux_hidden_state_layer_convention": "input",
+    }
     if taps is not None:
         spec["eagle_aux_hidden_state_layer_ids"] = list(taps)
-    llm = LLM(str(PAIR / "target"), dtype="float32", max_model_len=128, max_num_seqs=N_PROMPTS,
-              speculative_config=spec)
+    llm = LLM(str(PAIR / "target"), dtype="float32", max_model_len=128, max_num_seqs=N_PROMPTS, speculative_config=spec)
     out = _generate(llm, prompts)
     st = llm.engine.stats().spec_decode
     llm.engine.shutdown()
@@ -74,7 +83,8 @@ def _reference(hf, prompts, conts, drafter: str, taps=None):
     d = MLADrafter.load(PAIR / drafter, hf.model.embed_tokens.weight.detach())
     taps = taps or aux_ids(d.config)
     drafted, accepted, _ = greedy_acceptance(
-        d, lambda ids: torch.cat([hf_all_states(hf, ids)[k] for k in taps], -1), prompts, conts, K)
+        d, lambda ids: torch.cat([hf_all_states(hf, ids)[k] for k in taps], -1), prompts, conts, K
+    )
     return accepted / drafted
 
 
@@ -89,9 +99,11 @@ def test_trained_pair_acceptance_matches_the_independent_drafter(pair, drafter):
     ref = _reference(hf, prompts, conts, drafter)
     shifted_out, shifted = _kimitui(prompts, drafter, [t + 1 for t in taps])
     assert shifted_out == plain
-    print(f"\n{drafter}: kimitui acceptance {ours:.3f} (mean length {st.acceptance_length:.2f}, "
-          f"{st.num_draft_tokens} draft tokens), TorchSpec-style reference {ref:.3f}; "
-          f"taps {[t + 1 for t in taps]} (one off): {shifted.acceptance_rate:.3f}")
+    print(
+        f"\n{drafter}: kimitui acceptance {ours:.3f} (mean length {st.acceptance_length:.2f}, "
+        f"{st.num_draft_tokens} draft tokens), TorchSpec-style reference {ref:.3f}; "
+        f"taps {[t + 1 for t in taps]} (one off): {shifted.acceptance_rate:.3f}"
+    )
     assert abs(ours - ref) <= 0.02
     assert ours >= 0.6, "the trained drafter should predict its target well"
     assert shifted.acceptance_rate <= ours - 0.10
