@@ -126,12 +126,8 @@ def recurrent_kda_spec(q, k, v, g, beta, state, indices, lengths, scale):
 def causal_conv1d(x, weight, history, cu_seqlens=None):
     """x [T, C]; weight [C, W]; history [N, C, W-1]; cu_seqlens [N+1] or None for one row per
     sequence. -> (y [T, C] in x.dtype, new history [N, C, W-1] in history.dtype)"""
-    from fla.modules.causal_conv1d import (
-        causal_conv1d as fla_conv,
-    )  # optional dependency: fla-core
-    from fla.modules.causal_conv1d import (
-        causal_conv1d_update,
-    )
+    from fla.modules.causal_conv1d import causal_conv1d as fla_conv  # optional dependency: fla-core
+    from fla.modules.causal_conv1d import causal_conv1d_update  # optional dependency: fla-core
 
     cache = F.pad(history, (1, 0)).contiguous()  # [N, C, W]
     if cu_seqlens is None:

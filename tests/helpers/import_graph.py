@@ -69,7 +69,14 @@ def graph() -> tuple[dict[str, set[str]], list[LocalImport]]:
                     if in_function:
                         names = [a.name for a in child.names]
                         target = child.module if isinstance(child, ast.ImportFrom) else ", ".join(names)
-                        local.append(LocalImport(module, child.lineno, target or "", lines[child.lineno - 1].strip()))
+                        local.append(
+                            LocalImport(
+                                module,
+                                child.lineno,
+                                target or "",
+                                " ".join(line.strip() for line in lines[child.lineno - 1 : child.end_lineno]),
+                            )
+                        )
                     elif not type_checking:
                         edges[module].update(t for t in _targets(child, known) if t != module)
                     continue
