@@ -6,15 +6,11 @@ answers, and its /metrics count verified drafts."""
 from __future__ import annotations
 
 import os
-import re
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
+from tests.helpers.http_server import num_draft_tokens, serve_cli
 from tests.helpers.spec.dspark_checkpoint import write_tiny_dspark
 
 
@@ -31,41 +27,8 @@ def test_serve_with_vllm_dspark_recipe(tmp_path_factory, layout):
         '{"method": "dspark", "model": "%s", "num_speculative_tokens": 7, '
         '"draft_sample_method": "probabilistic", "rejection_sample_method": "block"}' % drafter
     )
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kimitui.cli",
-            "serve",
-            "--model",
-            "demo-k3",
-            "--port",
-            "0",
-            "--max-model-len",
-            "256",
-            "--kv-cache-tokens",
-            "2048",
-            "--served-model-name",
-            "demo",
-            "--speculative-config",
-            recipe,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    try:
-        lines, url = [], None
-        deadline = time.monotonic() + 300
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if m := re.search(r"model demo at (http://127\.0\.0\.1:\d+)/v1", line):
-                url = m.group(1)
-        assert url, "".join(lines)
+    args = ["--model", "demo-k3", "--max-model-len", "256", "--kv-cache-tokens", "2048", "--speculative-config", recipe]
+    with serve_cli(args, env) as url:
         for temperature in (0, 1.0):
             r = httpx.post(
                 url + "/v1/completions",
@@ -80,11 +43,5 @@ def test_serve_with_vllm_dspark_recipe(tmp_path_factory, layout):
             )
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 12
-        metrics = httpx.get(url + "/metrics", timeout=30).text
-        drafts = re.search(r"^kimitui:spec_decode_num_draft_tokens\S* (\d+(?:\.\d+)?)$", metrics, re.M)
-        assert drafts and float(drafts.group(1)) > 0, metrics
-        proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        drafts, metrics = num_draft_tokens(url)
+        assert drafts > 0, metrics

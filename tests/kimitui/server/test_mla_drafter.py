@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
+from tests.helpers.http_server import num_draft_tokens, serve_cli
 from tests.helpers.spec.eagle3_mla_checkpoint import write_mla_checkpoint
 
 
@@ -41,39 +37,8 @@ def test_serve_with_vllm_recipe_json_and_mla_drafter(tmp_path_factory, v31):
         '{"model": "%s", "method": "eagle3", "num_speculative_tokens": 3, "max_model_len": 8192, '
         '"draft_tensor_parallel_size": 1}' % drafter
     )
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kimitui.cli",
-            "serve",
-            "--port",
-            "0",
-            "--max-model-len",
-            "256",
-            "--kv-cache-tokens",
-            "2048",
-            "--served-model-name",
-            "demo",
-            "--speculative-config",
-            recipe,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    try:
-        lines, url = [], None
-        deadline = time.monotonic() + 300
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if m := re.search(r"model demo at (http://127\.0\.0\.1:\d+)/v1", line):
-                url = m.group(1)
-        assert url, "".join(lines)
+    args = ["--max-model-len", "256", "--kv-cache-tokens", "2048", "--speculative-config", recipe]
+    with serve_cli(args, env) as url:
         r = httpx.post(
             url + "/v1/completions",
             json={
@@ -87,11 +52,5 @@ def test_serve_with_vllm_recipe_json_and_mla_drafter(tmp_path_factory, v31):
         )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 12
-        metrics = httpx.get(url + "/metrics", timeout=30).text
-        drafts = re.search(r"^kimitui:spec_decode_num_draft_tokens\S* (\d+(?:\.\d+)?)$", metrics, re.M)
-        assert drafts and float(drafts.group(1)) > 0, metrics
-        proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        drafts, metrics = num_draft_tokens(url)
+        assert drafts > 0, metrics
