@@ -13,7 +13,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -162,4 +162,4 @@ def _receive_shape(work) -> CacheShape | None:
         return None
 
 
-__all__ = ["CacheShape", "Rank", "RankSpec", "build_rank", "replace", "worker_main"]
+__all__ = ["CacheShape", "Rank", "RankSpec", "build_rank", "worker_main"]

@@ -19,8 +19,6 @@ def modules() -> dict[str, Path]:
         for path in sorted((ROOT / folder).rglob("*.py")):
             rel = path.relative_to(ROOT / folder).with_suffix("")
             parts = list(rel.parts)
-            if folder == "kimitui" and parts and parts[0] in ("engine", "kernels", "themes"):
-                parts[0:1] = [parts[0]]  # kimitui/engine/__init__.py is kimitui.engine
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             found[".".join([package, *parts]) if parts else package] = path
