@@ -26,6 +26,9 @@ from kimitui.kernels.cpu import (
     few_rows as cpu_few_rows,
 )
 from kimitui.kernels.cpu import (
+    k3_decode as cpu_k3_decode,
+)
+from kimitui.kernels.cpu import (
     linear as cpu_linear,
 )
 from kimitui.kernels.cpu import (
@@ -360,6 +363,48 @@ class CpuBackend(Backend):
             block_size,
             scale,
         )
+
+    # -- Kimi K3 / Kimi Linear decode (KDA, attention residuals): one C++ call each
+
+    @functools.cached_property
+    def k3_cxx(self) -> bool:
+        # Built on first use (a model without KDA or attention residuals never compiles it).
+        return self.cxx and cpu_k3_decode.available()
+
+    def kda_decode(
+        self,
+        qkv,
+        f_b,
+        b,
+        gate,
+        conv_weight,
+        A_log,
+        dt_bias,
+        lower_bound,
+        norm_weight,
+        eps,
+        conv_state,
+        rec_state,
+        slots,
+        scale,
+    ):
+        args = (qkv, f_b, b, gate, conv_weight, A_log, dt_bias, lower_bound, norm_weight, eps)
+        if (
+            self.k3_cxx
+            and cpu_k3_decode.kda_decode_fits(qkv, rec_state, conv_state, slots)
+            and written_rows(slots) is None  # padding rows: the base class drops them, then calls this again
+        ):
+            return cpu_k3_decode.kda_decode(*args, conv_state, rec_state, slots, scale)
+        return super().kda_decode(*args, conv_state, rec_state, slots, scale)
+
+    def attn_res_mix_norm(
+        self, x, blocks, n, res_norm_weight, res_eps, proj_weight, norm_weight, norm_eps, delta=None, save=False
+    ):
+        args = (x, blocks, n, res_norm_weight, res_eps, proj_weight, norm_weight, norm_eps)
+        # a few rows (decode): the C++ loop is one thread; a prefill's thousands of rows stay in ATen
+        if self.k3_cxx and x.shape[0] <= cpu_few_rows.MAX_ROWS and cpu_k3_decode.attn_res_mix_fits(x, blocks, delta):
+            return cpu_k3_decode.attn_res_mix_norm(*args, delta=delta, save=save)
+        return super().attn_res_mix_norm(*args, delta=delta, save=save)
 
     # -- whole decoder halves
 
