@@ -162,9 +162,12 @@ class CpuBackend(Backend):
         weights_dtype=None,
         count_rows=None,
     ):
-        if self.cxx and 0 < x.shape[0] <= cpu_few_rows.MAX_MOE_TOKENS and _f32(x, weight, bias):
+        # the router computes in float32 whatever x's dtype: a bf16 x (K3's latent MoE) is widened
+        # exactly here and takes the C++ router too, as the reference's x.float() does
+        xf = x.float() if x.dtype is _BF16 else x
+        if self.cxx and 0 < x.shape[0] <= cpu_few_rows.MAX_MOE_TOKENS and _f32(xf, weight, bias):
             ids, weights = cpu_few_rows.moe_route(
-                x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling
+                xf, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling
             )
         else:
             ids, weights = reference.moe_route(

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kimitui.kernels.backend import Backend
+from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.cpu import k3_decode
 from kimitui.kernels.cpu.backend import CpuBackend
 from kimitui.kernels.settings import KernelSettings
@@ -148,3 +149,19 @@ def test_attn_res_mix_norm_softmax_picks_between_candidates():
     b, _ = ops.attn_res_mix_norm(x, blocks, *args)
     assert (a - b).abs().max() > 1e-3
     _close(b, REF.attn_res_mix_norm(x, blocks, *args)[0], torch.float32)
+
+
+def test_bf16_router_takes_the_cxx_path_with_the_references_choice(monkeypatch):
+    # K3's latent MoE routes a bf16 x with a float32 router: widened exactly, then the C++ router
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    w, bias = torch.randn(16, 64, generator=g), torch.randn(16, generator=g) / 10
+    ops = CpuBackend(KernelSettings(), torch.bfloat16)
+    calls = []
+    real = cpu_few_rows.moe_route
+    monkeypatch.setattr(cpu_few_rows, "moe_route", lambda *a: calls.append(1) or real(*a))
+    ids, weights = ops.moe_route(x, w, bias, 4, weights_dtype=torch.bfloat16)
+    want_ids, want_weights = REF.moe_route(x, w, bias, 4, weights_dtype=torch.bfloat16)
+    assert calls
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights.float(), want_weights.float(), rtol=1e-2, atol=1e-3)
