@@ -131,6 +131,17 @@ class CpuBackend(Backend):
     def linear_mxfp4(self, x, packed, scale):
         return cpu_linear.linear_cpu(x, reference.dequant_mxfp4(packed, scale, dtype=x.dtype))
 
+    def gated_act(self, gu, act):
+        # K3's SiTU for a few rows (decode): one C++ call instead of about ten ATen operations
+        if (
+            act.kind == "situ"
+            and 0 < gu.shape[0] <= cpu_few_rows.MAX_ROWS
+            and self.k3_cxx
+            and cpu_k3_decode.situ_fits(gu)
+        ):
+            return cpu_k3_decode.situ_and_mul(gu, act.beta, act.linear_beta)
+        return super().gated_act(gu, act)
+
     # -- norms and routing
 
     def rms_norm(self, x, weight, eps=1e-6):
@@ -282,7 +293,15 @@ class CpuBackend(Backend):
     # -- MLA decode
 
     def mla_decode(self, q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale):
-        if self.cxx and 0 < q.shape[0] <= cpu_few_rows.MAX_MLA_SEQS and _f32(q, cache):
+        # bf16 queries and latent cache too (K3's gated NoPE MLA, which the fused layer does not take): the
+        # kernel widens them and attends in float32, rounding the output once (the PyTorch path rounds
+        # its bf16 scores and probabilities as well)
+        if (
+            self.cxx
+            and 0 < q.shape[0] <= cpu_few_rows.MAX_MLA_SEQS
+            and _cxx_dtypes(q, cache)
+            and q.dtype is cache.dtype
+        ):
             return cpu_few_rows.mla_decode(q, cache, block_tables, context_lens, block_size, kv_lora_rank, scale)
         widen = q.dtype is _BF16 and not cpu_linear.onednn_bf16_native()  # see bmm
         o = reference.mla_decode_reference(

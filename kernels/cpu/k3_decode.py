@@ -3,7 +3,7 @@
 ``kda_decode``: a KDA layer's step between its projections (short conv, gate, beta, delta rule, gated
 output norm) for one token of each of N sequences, in one call instead of about 25 ATen operations;
 ``attn_res_mix_norm``: an attention-residual mix and the RMSNorm after it, one call instead of about
-15. Both compute what ``kernels.backend.Backend`` computes (its methods of the same names are the
+15; ``situ_and_mul``: K3's SiTU of a dense MLP's gate/up product (about 10 ATen operations). They compute what ``kernels.backend.Backend`` computes (its methods of the same names are the
 oracles), in float32, rounding to the activations' dtype where the PyTorch path rounds. The CPU
 backend (``kernels.cpu.backend``) calls them for float32 and bf16 decode steps; ``available()`` is
 False where the extension does not build (or ``KIMITUI_CPU_KERNELS=0``) and the PyTorch path runs.
@@ -105,3 +105,13 @@ def attn_res_mix_norm(
         bool(save),
     )
     return out, s
+
+
+def situ_fits(gu: torch.Tensor) -> bool:
+    """Whether ``situ_and_mul`` takes ``gu``: a CPU float32 / bf16 [T, 2I] with contiguous rows."""
+    return gu.device.type == "cpu" and gu.dim() == 2 and gu.dtype in DTYPES and gu.stride(-1) == 1
+
+
+def situ_and_mul(gu: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """``kernels.activation.situ_and_mul(gu[:, :I], gu[:, I:], beta, linear_beta)`` in one call -> [T, I]."""
+    return _module().situ_and_mul(gu, float(beta), 0.0 if linear_beta is None else float(linear_beta))

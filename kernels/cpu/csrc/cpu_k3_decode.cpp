@@ -6,6 +6,7 @@
 //                        RMSNorm gated by sigmoid(gate) (Backend.kda_decode, kernels/kda.py).
 // attn_res_mix_norm(...) an attention-residual softmax mix over the block snapshots with the
 //                        sublayer's RMSNorm after it (Backend.attn_res_mix_norm, reference.attn_res_mix).
+// situ_and_mul(...)      K3's SiTU of a dense MLP's (shared experts') fused gate/up product.
 //
 // The arithmetic is float32 and rounds where the PyTorch path rounds to the activations' dtype (bf16
 // or float32): the conv's output, the recurrence's output, the mix, the norm's two steps and the
@@ -304,7 +305,31 @@ std::vector<torch::Tensor> attn_res_mix_norm(torch::Tensor x, torch::Tensor bloc
   return {out, s_out};
 }
 
+// Kimi K3's SiTU of a gated MLP's fused product gu [T, 2I] (gate | up; rows may be strided), as
+// kernels/activation.py: beta * tanh(g / beta) * sigmoid(g) times linear_beta * tanh(u / linear_beta) (u
+// itself when linear_beta <= 0), in float32, rounded once to gu's dtype. -> [T, I]
+torch::Tensor situ_and_mul(torch::Tensor gu, double beta, double linear_beta) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "situ_and_mul: gu must be [T, 2I], got ", gu.sizes());
+  TORCH_CHECK(beta > 0, "situ_and_mul: beta must be positive, got ", beta);
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  const View v = View::of(gu, "gu");
+  auto out = torch::empty({T, I}, gu.options().memory_format(torch::MemoryFormat::Contiguous));
+  std::vector<float> g(I), u(I);
+  const float b = static_cast<float>(beta), lb = static_cast<float>(linear_beta);
+  for (int64_t t = 0; t < T; ++t) {
+    v.row(t, 0, I, g.data());
+    v.row(t, I, I, u.data());
+    for (int64_t i = 0; i < I; ++i) {
+      const float up = lb > 0.0f ? lb * std::tanh(u[i] / lb) : u[i];
+      g[i] = b * std::tanh(g[i] / b) * sigmoid(g[i]) * up;
+    }
+    store(out, t, g.data(), I);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("situ_and_mul", &situ_and_mul, "SiTU(gate) * up of a fused gate/up product");
   m.def("kda_decode", &kda_decode, "KDA decode step between the projections (see cpu_k3_decode.cpp)");
   m.def("attn_res_mix_norm", &attn_res_mix_norm, "attention-residual mix and the norm after it");
 }

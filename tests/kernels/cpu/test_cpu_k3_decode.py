@@ -1,12 +1,14 @@
 """The C++ K3 decode pieces (kernels.cpu.k3_decode) against the PyTorch backend they replace
-(kernels.backend.Backend: kda_decode and attn_res_mix_norm), float32 and bf16, through the CPU
-backend's ops: outputs and the KDA states they leave."""
+(kernels.backend.Backend: kda_decode, attn_res_mix_norm, gated_act's SiTU), float32 and bf16, through
+the CPU backend's ops: outputs and the KDA states they leave. Also the CPU backend's bf16 paths that
+now reach the C++ few-row kernels: the router and MLA decode."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kimitui.kernels.activation import GatedActivation
 from kimitui.kernels.backend import Backend
 from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.cpu import k3_decode
@@ -165,3 +167,32 @@ def test_bf16_router_takes_the_cxx_path_with_the_references_choice(monkeypatch):
     assert calls
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights.float(), want_weights.float(), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("linear_beta", [25.0, None], ids=["bounded_up", "plain_up"])
+def test_situ_gated_act_matches_pytorch(dtype, linear_beta):
+    g = torch.Generator().manual_seed(5)
+    wide = (torch.randn(3, 2 * 40 + 4, generator=g) * 6).to(dtype)  # several betas: the tanh bounds matter
+    gu = wide[:, :80]  # rows strided, as a slice of a wider product
+    act = GatedActivation("situ", 4.0, linear_beta)
+    got = CpuBackend(KernelSettings(), dtype).gated_act(gu, act)
+    want = act(gu[:, :40], gu[:, 40:])
+    assert got.dtype == dtype and got.shape == (3, 40)
+    _close(got, want, dtype)
+    assert (got.float() - (torch.nn.functional.silu(gu[:, :40].float()) * gu[:, 40:].float())).abs().max() > 0.1
+
+
+def test_bf16_mla_decode_attends_in_float32():
+    # the bf16 query and latent cache of K3's MLA go to the C++ kernel, which attends in float32: within
+    # one bf16 rounding of the float32 reference on the same bf16 values
+    g = torch.Generator().manual_seed(9)
+    B, Hh, r, rope, bs = 2, 4, 32, 8, 4
+    cache = torch.randn(6 * bs, r + rope, generator=g).to(torch.bfloat16)
+    q = torch.randn(B, Hh, r + rope, generator=g).to(torch.bfloat16)
+    tables = torch.tensor([[0, 2, 5], [1, 3, 4]], dtype=torch.int32)
+    lens = torch.tensor([9, 12], dtype=torch.int32)
+    got = CpuBackend(KernelSettings(), torch.bfloat16).mla_decode(q, cache, tables, lens, 12, bs, r, 0.2)
+    want = REF.mla_decode(q.float(), cache.float(), tables, lens, 12, bs, r, 0.2)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=2e-3)
