@@ -67,8 +67,8 @@ def block_accept(
         pos_of_draft = torch.arange(total, device=device) - q_start[seq_of_draft]
         w_flat = w[seq_of_draft, pos_of_draft]  # [total]
         # draft t of sequence s is scored by logits row t + s (each earlier sequence adds a bonus row)
-        rows = probs[torch.arange(total, device=device) + seq_of_draft]
-        r_flat = (w_flat[:, None] * rows - draft_probs).clamp(min=0.0).sum(dim=-1)
+        rows = probs[torch.arange(total, device=device) + seq_of_draft]  # a copy: updated in place
+        r_flat = rows.mul_(w_flat[:, None]).sub_(draft_probs).clamp_(min=0.0).sum(dim=-1)
         r = r_flat[q_of_t[:, :max_k]]  # [N, K]; entries past k_i are never read
     i = torch.arange(1, max_k + 1, device=device)[None, :]  # [1, K]: i = 1..K
     k = k_t[:, None]
