@@ -98,7 +98,8 @@ def test_wheel_installs_only_kimitui_with_compiled_kernels(wheel):
         assert needed in names, needed
     built = [n for n in names if n.startswith("kimitui/kernels/cpu/_cpu_") and n.endswith(".so")]
     keys = [n for n in names if n.endswith(".buildkey")]
-    assert built and len(keys) == len(built), (built, keys)
+    # every compiled module carries its build key (a source tree that once built other variants may add stale keys)
+    assert built and all(n.split(".")[0] + ".buildkey" in keys for n in built), (built, keys)
 
 
 @pytest.fixture(scope="module")
