@@ -16,6 +16,7 @@ from kimitui.engine.runner.graph_padding import PAD_SLOT
 from kimitui.engine.runner.verify_graphs import VerifyGraphRunner
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "dspark_tiny"
+_RUN_VERIFY = VerifyGraphRunner.run_verify
 
 
 def test_layout_rows_slots_and_saves():
@@ -47,11 +48,10 @@ def prompts():
 def _run(prompts, graphs: bool, drafting: bool, monkeypatch):
     monkeypatch.setattr(runner_mod, "default_decode_graphs", lambda device: graphs)
     calls = []
-    real = VerifyGraphRunner.run_verify
 
     def run_verify(self, ids, *a, **k):
         calls.append(ids.shape[0])
-        return real(self, ids, *a, **k)
+        return _RUN_VERIFY(self, ids, *a, **k)
 
     monkeypatch.setattr(VerifyGraphRunner, "run_verify", run_verify)
     spec = {"method": "dspark", "model": str(FIXTURE / "drafter"), "num_speculative_tokens": 7, "backoff": False}
@@ -66,6 +66,7 @@ def _run(prompts, graphs: bool, drafting: bool, monkeypatch):
     return out, st, calls
 
 
+@pytest.mark.slow  # three engines with the drafter: ~20 s of CPU
 def test_k3_dspark_greedy_with_verify_graphs_matches_eager_and_plain(prompts, monkeypatch):
     plain, _, _ = _run(prompts, True, False, monkeypatch)
     eager, st_e, calls_e = _run(prompts, False, True, monkeypatch)
