@@ -21,6 +21,21 @@ class PrefillChunk:
 
 
 @dataclass
+class KDAVerifyRows:
+    """A verification step in a fixed layout (a decode graph's, engine/runner/verify_graphs.py): ``width``
+    positions for each of the step's ``b`` sequences, position-major (row ``j * b + i`` is sequence
+    ``i``'s position ``j``). Each row carries its sequence's state slot in ``state_slots``, or -1 (a
+    padding position or sequence: no state read or written); after position ``j`` < ``width - 1`` the
+    KDA layers copy state slots ``save_src[j]`` -> ``save_dst[j]`` [b] (the sequence's slot into its
+    scratch slot for that position, or a slot onto itself: nothing). Every shape is fixed by ``b``
+    and ``width``, so a graph can hold the step."""
+
+    width: int
+    save_src: torch.Tensor  # [width - 1, b] int64
+    save_dst: torch.Tensor  # [width - 1, b] int64
+
+
+@dataclass
 class AttentionMetadata:
     positions: torch.Tensor  # [T] int64, absolute position of each row
     slot_mapping: torch.Tensor  # [T] int64, flat cache slot each row writes to
@@ -47,6 +62,8 @@ class AttentionMetadata:
     kda_spec: list | None = None
     # the same step as one call's layout (engine.spec_decode.verify.KDASpecLayout), for the recurrence
     kda_spec_layout: object | None = None
+    # the same step in a decode graph's fixed position-major layout (``KDAVerifyRows``), in place of both
+    kda_verify_rows: KDAVerifyRows | None = None
 
     def decodes_only(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows is all decodes, every row's output wanted (the fused

@@ -24,7 +24,7 @@ from torch import nn
 
 from kimitui.engine.config import QuantConfig
 from kimitui.engine.kv_cache.state import KDAState, KDAStateSpec
-from kimitui.engine.layers.attn_metadata import AttentionMetadata
+from kimitui.engine.layers.attn_metadata import AttentionMetadata, KDAVerifyRows
 from kimitui.engine.layers.linear import Linear, fuse_dense_rows
 from kimitui.engine.parallel.state import SINGLE, ParallelState
 from kimitui.kernels.backend import REFERENCE, Backend
@@ -197,6 +197,12 @@ class KimiDeltaAttention(nn.Module):
             if self.conv_weight is not None
             else torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]
         )
+        if meta.kda_verify_rows is not None:  # a verification step in a decode graph's fixed layout
+            if d != T or meta.prefills:
+                raise ValueError("KDA: a fixed-layout verification step (kda_verify_rows) has decode rows only")
+            gate = g_in if self.config.use_full_rank_gate else self.g_b_proj(g_in)
+            out = self._verify_rows(qkv, self.f_b_proj(f_a), b, gate, conv_w, slots, state, meta.kda_verify_rows)
+            return self.par.all_reduce(self.o_proj(out))
         if d == T and not meta.prefills and meta.kda_spec is None:
             # a plain decode step: gate, beta, conv, delta rule and the gated norm in one backend call
             # (one launch on a device); speculative verification and prefills run the ops below
@@ -261,6 +267,44 @@ class KimiDeltaAttention(nn.Module):
         o[:d] = self.ops.kda_recurrent_spec(
             q, k, v, g, beta, state.recurrent, layout.indices, layout.lengths, self.scale
         )
+
+    def _verify_rows(self, qkv, f_b, b, gate, conv_w, slots, state: KDAState, rows: KDAVerifyRows) -> torch.Tensor:
+        """Verification in a fixed position-major layout (``KDAVerifyRows``): position ``j`` of every
+        sequence is one fused decode step on rows ``j * n .. (j + 1) * n`` in the sequences' own slots
+        (padding rows carry slot -1: skipped), then the state after it is copied into the scratch
+        slot the rollback reads. The last real position's state stays in the sequence's slot, as in
+        ``_verify``. -> [T, P] (o_proj's input)"""
+        T, w = qkv.shape[0], rows.width
+        n = T // w
+        if n * w != T or rows.save_src.shape != (w - 1, n):
+            raise ValueError(
+                f"KDA: {T} verification rows do not split into {w} positions of the save layout "
+                f"{tuple(rows.save_src.shape)}"
+            )
+        out = qkv.new_empty(T, self.num_heads * self.head_dim)
+        for j in range(w):
+            r = slice(j * n, (j + 1) * n)
+            out[r] = self.ops.kda_decode(
+                qkv[r],
+                f_b[r],
+                b[r],
+                gate[r],
+                conv_w,
+                self.A_log,
+                self.dt_bias,
+                self.config.gate_lower_bound,
+                self.o_norm.weight,
+                self.config.rms_norm_eps,
+                state.conv,
+                state.recurrent,
+                slots[r],
+                self.scale,
+            )
+            if j < w - 1:
+                src, dst = rows.save_src[j], rows.save_dst[j]
+                state.recurrent.index_copy_(0, dst, state.recurrent.index_select(0, src))
+                state.conv.index_copy_(0, dst, state.conv.index_select(0, src))
+        return out
 
     def _prefill(self, qkv, g, beta, conv_w, meta: AttentionMetadata, slots, state: KDAState) -> torch.Tensor:
         # The prefill chunks, one packed varlen call each for the conv and the chunked recurrence.

@@ -236,8 +236,17 @@ class DecodeGraphRunner:
         n = ids.shape[0]
         b = bucket_for(n, self.buckets)
         self._fill(ids, tables, lens, state_slots, b)
+        out, aux = self._execute(n, b)
+        if aux is not None:  # an EAGLE-3 drafter's aux hidden states, in the graph's static memory
+            self._aux_owner.aux_hidden = aux[:n]
+        return out[:n]
+
+    def _execute(self, n: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Bucket ``b``'s forward on the filled static buffers (``n`` real rows): replayed, captured
+        first if it is not yet, or called directly. -> (hidden [b, D], aux hidden states [b, ...] in
+        the graph's memory when a drafter keeps them and the step replayed, else None)"""
         if not self.captures:
-            return self._forward(b)[:n]
+            return self._forward(b), None
         entry = self._graphs.get(b)
         if entry is None and b not in self.failed:
             # Not captured at start-up (``lazy_graph_capture``): captured now, on this step's own
@@ -245,7 +254,7 @@ class DecodeGraphRunner:
             # the replay below then does.
             entry = self._try_capture(n, b)
         if entry is None:
-            return self._forward(b)[:n]
+            return self._forward(b), None
         graph, out = entry
         if isinstance(graph, SegmentedGraph):
             if self.staging is not None:
@@ -254,10 +263,7 @@ class DecodeGraphRunner:
         else:
             with launch_count.graph_launch("cuda"):
                 graph.replay()
-        aux = self._aux.get(b)
-        if aux is not None:  # an EAGLE-3 drafter's aux hidden states, in the graph's static memory
-            self._aux_owner.aux_hidden = aux[:n]
-        return out[:n]
+        return out, self._aux.get(b)
 
     @property
     def captures(self) -> bool:
@@ -313,6 +319,7 @@ class DecodeGraphRunner:
         """Inside: every row is a padding row (no KDA slot, no cache slot, no routing count: warm-ups
         run the model for real); after, even if the capture failed, the step's own values are back."""
         real = self.slots[:b].clone() if self.slots is not None else None
+        rows = self.routing.rows.clone()  # the step's row mask (a prefix of n rows, or a verify layout's)
         if real is not None:
             self.slots[:b].fill_(PAD_SLOT)
         self.routing.set(0)
@@ -321,7 +328,7 @@ class DecodeGraphRunner:
         finally:
             if real is not None:
                 self.slots[:b].copy_(real)
-            self.routing.set(n)
+            self.routing.rows.copy_(rows)
 
     def _capture(self, b: int) -> tuple[object, torch.Tensor]:
         if self.host_experts or self.cfg.emulate:
@@ -383,5 +390,7 @@ class DecodeGraphRunner:
                 )
             current.wait_stream(stream)
         self._graphs[b] = (graph, out)
+        if getattr(self._aux_owner, "aux_layers", None) is not None:
+            self._aux[b] = self._aux_owner.aux_hidden  # written by every replay, like ``out``
         log.debug("captured the decode graph of batch bucket %d in %d segment(s)", b, graph.num_segments)
         return graph, out

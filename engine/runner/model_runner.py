@@ -25,7 +25,7 @@ slots the scheduler names, so the child's cache holds exactly the leader's promp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -36,66 +36,14 @@ from kimitui.engine.outputs import LogprobRows
 from kimitui.engine.runner.block_tables import DeviceTables, TableRows
 from kimitui.engine.runner.buffers import StepBuffers
 from kimitui.engine.runner.graphs import DecodeGraphRunner, GraphConfig, default_decode_graphs
+from kimitui.engine.runner.step_io import PromptLogprobSpan, StepInputs, StepResult, output_rows
+from kimitui.engine.runner.verify_graphs import VerifyGraphRunner
 from kimitui.engine.sampling.penalties import has_penalties
 from kimitui.engine.sampling.rows import forced_rows, fork_rows, penalty_rows
 from kimitui.engine.sampling.sampler import SamplingBatch, logprob_dicts, prompt_logprob_dicts, sample
 from kimitui.engine.scheduler.output import ScheduledSeq, SchedulerOutput
 from kimitui.engine.spec_decode.proposer import StepHidden
 from kimitui.engine.spec_decode.verify import KDASpecStep, kda_spec_layout, kda_spec_steps, verify_and_logprobs
-
-
-@dataclass
-class PromptLogprobSpan:
-    seq_id: str
-    row: int  # first row of the chunk in the batch
-    num_rows: int  # rows whose next token is still a prompt token
-    first_pos: int  # position of the first prompt token these rows predict
-    next_ids: list[int]
-    k: int | None  # top-k of the log-prob dicts (prompt_logprobs), None: no dicts
-    full: bool = False  # full-vocabulary rows too (SamplingParams.logprob_rows)
-
-
-@dataclass
-class StepInputs:
-    """Everything a rank needs to run one step; plain Python so it pickles to workers."""
-
-    ids: list[int]
-    num_decodes: int
-    decode_tables: list[list[int]]  # explicit tables; empty when the step uses ``decode_rows``
-    decode_lens: list[int]
-    prefills: list[tuple[int, int, int, list[int]]]  # (start row, end row, context_len, block_table)
-    sample_rows: list[int]
-    prompt_spans: list[PromptLogprobSpan] = field(default_factory=list)
-    # Hybrid models only (empty otherwise): each sequence's state slot in row order (decodes, then
-    # prefill chunks), the slots to zero (sequences at position 0) and the scheduler's
-    # (from, to) slot copies before and after the forward pass.
-    state_slots: list[int] = field(default_factory=list)
-    state_resets: list[int] = field(default_factory=list)
-    state_restores: list[tuple[int, int]] = field(default_factory=list)
-    state_saves: list[tuple[int, int]] = field(default_factory=list)
-    # Speculative decoding: rows of each decoding sequence, in order (1 = a plain decode). Empty when
-    # no sequence of the step verifies drafts.
-    spec_lens: list[int] = field(default_factory=list)
-    keep_all_rows: bool = False  # a model drafter reads every row's hidden state
-    # Forks: (source, destination) block ids whose rows every paged layer copies after the forward pass
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    # Persistent decode tables (engine/runner/block_tables.py), in place of ``decode_tables``: each decode
-    # row's table row, and the (row, first column, block ids) writes that bring the tables up to date first
-    decode_rows: list[int] = field(default_factory=list)
-    table_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)
-
-
-@dataclass
-class StepResult:
-    # per scheduled seq: the sampled token; for a decode that verified drafts the list of its
-    # accepted drafts then one sampled token; None when the chunk did not reach the end
-    sampled: list[int | list[int] | None]
-    logprobs: list[dict[int, float] | list[dict[int, float]] | None]  # per scheduled seq, when asked
-    # seq_id -> (position of the first token covered, log-probs of prompt tokens from there on)
-    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
-    hidden: StepHidden | None = None  # the target's aux hidden states, when a model drafter reads them
-    # seq_id -> full-vocabulary log-prob rows of this step (SamplingParams.logprob_rows), in position order
-    rows: dict[str, list[LogprobRows]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -151,6 +99,7 @@ class ModelRunner:
         if decode_graphs is None:
             decode_graphs = default_decode_graphs(device)
         self.graphs = None
+        self.verify_graphs = None
         if decode_graphs:
             if self.table_shape is None:
                 raise ValueError("decode graphs need max_num_seqs and max_model_len (the static buffers' capacity)")
@@ -161,6 +110,12 @@ class ModelRunner:
                 emulate=emulate_graphs and device.type == "cpu",
             )
             self.graphs = DecodeGraphRunner(model, kv_caches, cfg, device)
+            if self.states and num_spec_tokens > 0 and not self.graphs.host_experts:
+                # a hybrid model's verification steps: their own fixed-layout graphs
+                # (engine/runner/verify_graphs.py; with host experts they stay eager)
+                self.verify_graphs = VerifyGraphRunner(
+                    model, kv_caches, cfg, device, max_num_seqs, num_spec_tokens, spec_scratch_base
+                )
 
     def release(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
@@ -281,8 +236,24 @@ class ModelRunner:
             and not kda_verify
             and self.graphs.accepts(inp.num_decodes, len(inp.ids), bool(inp.prefills), bool(inp.state_slots))
         )
+        verify_graphed = (
+            kda_verify
+            and self.verify_graphs is not None
+            and self.verify_graphs.accepts_verify(inp.spec_lens, len(inp.ids), bool(inp.prefills))
+        )
         if inp.num_decodes:
             self._decode_inputs(inp, meta)
+        if verify_graphed:
+            ids = buf.put("ids", inp.ids, torch.int64)
+            layout = buf.put("verify_layout", self.verify_graphs.layout(inp.spec_lens, inp.state_slots), torch.int64)
+            sample_rows = buf.put("sample_rows", inp.sample_rows, torch.int64) if inp.sample_rows else None
+            saves = self._state_indices(inp, meta, fixed_layout=True)
+            copies = buf.put("block_copies", inp.block_copies, torch.int64) if inp.block_copies else None
+            buf.end_step()
+            hidden = self.verify_graphs.run_verify(
+                ids, meta.decode_block_tables, meta.decode_context_lens, layout, len(inp.spec_lens)
+            )
+            return self._after_forward(hidden, saves, copies, sample_rows, [])
         if graphed:
             ids = buf.put("ids", inp.ids, torch.int64)
             sample_rows = buf.put("sample_rows", inp.sample_rows, torch.int64) if inp.sample_rows else None
@@ -370,16 +341,17 @@ class ModelRunner:
             meta.decode_context_lens = buf.put("decode_lens", inp.decode_lens, torch.int32)
             meta.decode_max_context_len = max(inp.decode_lens)
 
-    def _state_indices(self, inp: StepInputs, meta: AttentionMetadata):
+    def _state_indices(self, inp: StepInputs, meta: AttentionMetadata, fixed_layout: bool = False):
         """Fill ``meta.state_slots``, apply the resets and restores; return the saves' (from, to)
-        index tensors for after the forward pass, or None."""
+        index tensors for after the forward pass, or None. ``fixed_layout``: a verification step the
+        verify graphs run (their layout replaces the per-position KDA steps)."""
         if not inp.state_slots:
             return None
         if not self.states:
             raise ValueError("the step carries state slots but the KV cache has no KDA state (KDAState) layer")
         buf = self.buffers
         meta.state_slots = buf.put("state_slots", inp.state_slots, torch.int64)
-        if inp.spec_lens and any(n > 1 for n in inp.spec_lens):
+        if inp.spec_lens and any(n > 1 for n in inp.spec_lens) and not fixed_layout:
             meta.kda_spec = kda_spec_steps(
                 inp.spec_lens, inp.state_slots, self.spec_scratch_base, self.num_spec_tokens, self.device
             )
@@ -544,28 +516,3 @@ def _copy_state_slots(states: list[KDAState], src: torch.Tensor, dst: torch.Tens
     for state in states:
         state.recurrent.index_copy_(0, dst, state.recurrent.index_select(0, src))
         state.conv.index_copy_(0, dst, state.conv.index_select(0, src))
-
-
-def output_rows(inp: StepInputs) -> tuple[list[int] | None, list[tuple[int, int]]]:
-    """The batch rows whose hidden state the step uses, and each prefill chunk's [start, end) among
-    them; ``(None, [])`` when that is every row.
-
-    Every decode samples. A prefill chunk needs all its rows for prompt log-probs (a span starts at
-    its first row), else its last row if it samples, else none; so each chunk keeps a suffix. A
-    step that needs no row at all (only unfinished prompts) keeps its final row, so that no layer
-    sees an empty batch.
-    """
-    spans = {sp.row for sp in inp.prompt_spans}
-    samples = set(inp.sample_rows)
-    firsts = [a if a in spans else b - 1 if b - 1 in samples else b for a, b, *_ in inp.prefills]
-    if not inp.num_decodes and inp.prefills and all(f == b for f, (_, b, *_) in zip(firsts, inp.prefills)):
-        firsts[-1] -= 1
-    kept = inp.num_decodes + sum(b - f for f, (_, b, *_) in zip(firsts, inp.prefills))
-    if kept == len(inp.ids):
-        return None, []
-    keep = list(range(inp.num_decodes))
-    bounds = []
-    for f, (_, b, *_) in zip(firsts, inp.prefills):
-        bounds.append((len(keep), len(keep) + b - f))
-        keep.extend(range(f, b))
-    return keep, bounds

@@ -108,6 +108,8 @@ def build_rank(
     ready()
     if runner.graphs is not None and spec.capture_graphs:
         runner.graphs.capture_all()  # every rank at the same point, after ready: same order
+        if runner.verify_graphs is not None:
+            runner.verify_graphs.capture_all()
     return Rank(model, report, pool, runner)
 
 

@@ -191,8 +191,9 @@ class SpeculativeConfig:
 
     @property
     def num_lookahead_slots(self) -> int:
-        """KV slots a drafter may write past the verified tokens (model drafters chain through them)."""
-        return self.num_speculative_tokens if self.method == "eagle3" else 0
+        """KV slots a drafter may write past the verified tokens (EAGLE chains through them; DSpark writes
+        its block's latents there to read its context in place)."""
+        return self.num_speculative_tokens if self.method in ("eagle3", "dspark") else 0
 
 
 def _is_int(v) -> bool:

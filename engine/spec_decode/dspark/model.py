@@ -29,7 +29,8 @@ How it drafts (vLLM's ``v1/spec_decode/dspark.py`` + ``dspark_sampling.py`` and
 - **Shared with the target:** the token embedding (unless the checkpoint ships ``embed_tokens``, as
   Inferact/Kimi-K3-DSpark does) and the LM head (never stored).
 
-The attention expands the latent context with ``kv_b_proj`` per pass (plain PyTorch on any device).
+The attention (engine/spec_decode/dspark/attention.py) reads the latent context in place through the
+block tables, absorbed as the target's MLA decode is; a copy of the context is the fallback.
 """
 
 from __future__ import annotations
@@ -42,13 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kimitui.engine.config import RopeScaling, yarn_get_mscale
+from kimitui.engine.config import RopeScaling
 from kimitui.engine.layers.embedding import VocabEmbedding
 from kimitui.engine.layers.linear import Linear
 from kimitui.engine.layers.norm import RMSNorm
-from kimitui.engine.layers.rope import yarn_inv_freq
 from kimitui.engine.sampling.sampler import apply_top_k_top_p
-from kimitui.engine.spec_decode.eagle3.mla import rope_interleaved
+from kimitui.engine.spec_decode.dspark.attention import DSparkAttention, PagedContext
 from kimitui.engine.spec_decode.footprint import DrafterFootprint
 
 ARCHITECTURES = ("K3DSparkModel",)
@@ -232,71 +232,6 @@ class DSparkConfig:
         )
 
 
-class DSparkAttention(nn.Module):
-    """K3-shaped MLA (q/kv LoRA, interleaved rope on the rope dims unless NoPE), no output gate."""
-
-    def __init__(self, cfg: DSparkConfig, dtype: torch.dtype):
-        super().__init__()
-        h, heads = cfg.hidden_size, cfg.num_attention_heads
-        self.cfg, self.heads = cfg, heads
-        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        if cfg.q_lora_rank:
-            self.q_a_proj = Linear(h, cfg.q_lora_rank, dtype=dtype)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
-            self.q_b_proj = Linear(cfg.q_lora_rank, heads * qk, dtype=dtype)
-        else:
-            self.q_proj = Linear(h, heads * qk, dtype=dtype)
-        self.kv_a_proj_with_mqa = Linear(h, cfg.cache_width, dtype=dtype)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype=dtype)
-        self.o_proj = Linear(heads * cfg.v_head_dim, h, dtype=dtype)
-        inv, self.amplitude = yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.__dict__["_inv_freq"] = inv  # a plain attribute: loading (to_empty) must not blank it
-        s = cfg.rope_scaling
-        self.scale = qk**-0.5 * (yarn_get_mscale(s.factor, s.mscale_all_dim) ** 2 if s and s.mscale_all_dim else 1.0)
-
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if not self.cfg.use_rope:
-            return x
-        inv = self.__dict__["_inv_freq"]
-        if inv.device != x.device:
-            inv = self.__dict__["_inv_freq"] = inv.to(x.device)
-        return rope_interleaved(x, positions, inv, self.amplitude)
-
-    def latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Per row the cached form: the normed latent and the roped k_rope [T, kv_lora + rope]."""
-        r = self.cfg.kv_lora_rank
-        kv = self.kv_a_proj_with_mqa(x)
-        return torch.cat((self.kv_a_layernorm(kv[:, :r]), self._rope(kv[:, None, r:], positions)[:, 0]), dim=-1)
-
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, context: torch.Tensor, valid: torch.Tensor, block: int
-    ) -> torch.Tensor:
-        """``x`` [S * block, hidden] (normed), sequence after sequence; ``context`` [S, C, kv_lora + rope]:
-        each sequence's cached latent context, padded to C rows (``valid`` [S, C] marks the real ones).
-        Every row sees its whole context and its whole block: one padded attention call for all."""
-        c, t, heads = self.cfg, x.shape[0], self.heads
-        nope, rope, vd, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
-        s_n = t // block
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if c.q_lora_rank else self.q_proj(x)
-        q = q.view(t, heads, nope + rope)
-        q = torch.cat((q[..., :nope], self._rope(q[..., nope:], positions)), dim=-1)
-        own = self.latent(x, positions).view(s_n, block, -1)
-        lat = torch.cat((context.to(x.dtype), own), dim=1)  # [S, n, r + rope]
-        n = lat.shape[1]
-        kvh = self.kv_b_proj(lat[..., :r].reshape(s_n * n, r)).view(s_n, n, heads, nope + vd)
-        k = torch.cat((kvh[..., :nope], lat[:, :, None, r:].expand(s_n, n, heads, rope)), dim=-1)
-        mask = torch.cat((valid, valid.new_ones(s_n, block)), dim=1)[:, None, None, :]  # [S, 1, 1, n]
-        o = F.scaled_dot_product_attention(
-            q.view(s_n, block, heads, -1).transpose(1, 2),
-            k.transpose(1, 2),
-            kvh[..., nope:].transpose(1, 2),
-            attn_mask=mask,
-            scale=self.scale,
-        )
-        return self.o_proj(o.transpose(1, 2).reshape(t, heads * vd))
-
-
 class DSparkMLP(nn.Module):
     def __init__(self, cfg: DSparkConfig, dtype: torch.dtype):
         super().__init__()
@@ -400,10 +335,11 @@ class DSparkDrafter(nn.Module):
     def allocate_cache(
         self, num_blocks: int, block_size: int, device, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        """Per token and drafter layer, the latent context KV: [blocks, block_size, layers, kv_lora + rope]."""
+        """Per drafter layer and token, the latent context KV: [layers, blocks, block_size, kv_lora + rope]
+        (each layer's cache contiguous, as the paged MLA decode reads it)."""
         c = self.config
         return torch.zeros(
-            num_blocks, block_size, c.num_hidden_layers, c.cache_width, dtype=dtype or self.dtype, device=device
+            c.num_hidden_layers, num_blocks, block_size, c.cache_width, dtype=dtype or self.dtype, device=device
         )
 
     def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
@@ -426,20 +362,22 @@ class DSparkDrafter(nn.Module):
         self,
         anchors: torch.Tensor,
         first_positions: torch.Tensor,
-        context: torch.Tensor,
-        valid: torch.Tensor,
+        context,
+        valid: torch.Tensor | None,
         block: int,
     ) -> torch.Tensor:
-        """The block pass: ``anchors`` [S] (the token at ``first_positions[s]``), ``context`` [S, C, layers,
-        width] (the latent context of positions 0 .. first_positions[s] - 1, padded to C rows; ``valid``
-        [S, C] marks the real ones). -> final-normed hidden [S, K, H]."""
+        """The block pass: ``anchors`` [S] (the token at ``first_positions[s]``); ``context`` a
+        ``PagedContext`` (the cache read in place), or [S, C, layers, width] (the latent context of
+        positions 0 .. first_positions[s] - 1, padded to C rows; ``valid`` [S, C] marks the real ones).
+        -> final-normed hidden [S, K, H]."""
         s_n = anchors.shape[0]
         ids = torch.full((s_n, block), self.config.mask_token_id, dtype=torch.int64, device=anchors.device)
         ids[:, 0] = anchors
         positions = (first_positions[:, None] + torch.arange(block, device=anchors.device)[None]).reshape(-1)
         x = self.embed(ids.reshape(-1))
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, context[:, :, i], valid, block)
+            ctx = context.layer(i) if isinstance(context, PagedContext) else context[:, :, i]
+            x = layer(x, positions, ctx, valid, block)
         return self.final_norm(x).view(s_n, block, -1)
 
     def markov_embed(self, prev: torch.Tensor) -> torch.Tensor:

@@ -25,15 +25,18 @@ from __future__ import annotations
 import torch
 
 from kimitui.engine.sequence import Sequence
+from kimitui.engine.spec_decode.dspark.attention import PagedContext
 from kimitui.engine.spec_decode.dspark.loader import load_dspark
 from kimitui.engine.spec_decode.dspark.model import DSparkDrafter, confident_length
 from kimitui.engine.spec_decode.proposer import StepHidden
+from kimitui.kernels.select import attach_backends
+from kimitui.kernels.settings import KernelSettings
 
 
 class DSparkProposer:
     needs_hidden = True
 
-    def __init__(self, config, target, model_dir=None):
+    def __init__(self, config, target, model_dir=None, settings=None):
         """``config``: the SpeculativeConfig (``model`` = drafter directory); ``target``: the loaded Kimi
         K3 / Kimi Linear model, whose taps are switched on here; its embedding and LM head are shared."""
         if not hasattr(target, "set_aux_hidden_layers") or not hasattr(target.config, "attn_res_block_size"):
@@ -50,6 +53,12 @@ class DSparkProposer:
         self.drafter: DSparkDrafter = load_dspark(config.model, target.config, self.device, self.dtype)
         self.drafter.share(target.model.embed_tokens, target.lm_head)
         self.use_confidence = bool(config.backoff) and self.drafter.confidence_head is not None
+        attach_backends(
+            self.drafter, self.device, self.dtype, KernelSettings.from_env() if settings is None else settings
+        )
+        # the block pass reads the context cache in place (False: a gathered copy, the fallback; tests
+        # and benchmarks/spec/dspark_context.py compare the two)
+        self.paged_context = True
         self.cache_dtype = None if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         cfg = self.drafter.config
         target.set_aux_hidden_layers(cfg.capture_ids, cfg.aux_hidden_stream)
@@ -66,13 +75,15 @@ class DSparkProposer:
         """Allocate the drafter's context cache for the target's ``num_blocks`` blocks of ``block_size``."""
         self.cache = self.drafter.allocate_cache(num_blocks, block_size, self.device, self.cache_dtype)
         self.block_size = block_size
+        # [layers, slots, width]: each layer's latents as the paged attention reads them
+        self._flat = self.cache.view(self.cache.shape[0], -1, self.cache.shape[-1])
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """(source, destination) block copies of the target's cache: the drafter's context follows."""
         if self.cache is None or not pairs:
             return
         idx = torch.tensor(pairs, dtype=torch.int64, device=self.device)
-        self.cache.index_copy_(0, idx[:, 1], self.cache.index_select(0, idx[:, 0]))
+        self.cache.index_copy_(1, idx[:, 1], self.cache.index_select(1, idx[:, 0]))
 
     def finish(self, seq_id: str) -> None:
         self._filled.pop(seq_id, None)
@@ -110,8 +121,7 @@ class DSparkProposer:
         pos = torch.cat(positions).to(self.device)
         feats = self.drafter.context_features(hidden.aux.index_select(0, rows))
         lat = self.drafter.context_latents(feats, pos)  # [T, layers, width]
-        flat = self.cache.view(-1, *self.cache.shape[2:])
-        flat.index_copy_(0, torch.cat(slots), lat.to(self.cache.dtype))
+        self._flat.index_copy_(1, torch.cat(slots), lat.transpose(0, 1).to(self.cache.dtype))
 
     def _draft(self, seqs: list[Sequence], max_drafts: list[int]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in seqs]
@@ -125,22 +135,15 @@ class DSparkProposer:
             firsts.append(first)
         if not live:
             return out
-        # every sequence's context slots, padded to the longest (padding reads slot 0, masked out)
-        width = max(firsts)
-        bs = self.block_size
         tables = [seqs[i].block_table for i in live]
-        blocks = torch.zeros(len(live), -(-width // bs), dtype=torch.int64)
-        for r, table in enumerate(tables):
-            used = table[: -(-width // bs)]
-            blocks[r, : len(used)] = torch.tensor(used, dtype=torch.int64)
-        pos = torch.arange(width)
-        slots = (blocks[:, pos // bs] * bs + pos % bs).to(self.device)  # [S, C]
         firsts_t = torch.tensor(firsts, device=self.device)
-        valid = pos.to(self.device)[None, :] < firsts_t[:, None]
-        flat = self.cache.view(-1, *self.cache.shape[2:])
-        context = flat.index_select(0, slots.reshape(-1)).view(len(live), width, *self.cache.shape[2:])
         anchor_t = torch.tensor(anchors, dtype=torch.int64, device=self.device)
-        hidden = self.drafter.block_hidden(anchor_t, firsts_t, context, valid, self.block)
+        bs, k = self.block_size, self.block
+        if self.paged_context and all(len(t) * bs >= f + k for t, f in zip(tables, firsts)):
+            hidden = self.drafter.block_hidden(anchor_t, firsts_t, self._paged(tables, firsts), None, k)
+        else:
+            context, valid = self._gathered(tables, firsts)
+            hidden = self.drafter.block_hidden(anchor_t, firsts_t, context, valid, k)
         temps = top_k = top_p = gens = None
         if self.probabilistic:
             params = [seqs[i].sampling_params for i in live]
@@ -164,6 +167,44 @@ class DSparkProposer:
             if blk.probs is not None and seqs[i].sampling_params.temperature > 0:
                 self.draft_probs[seqs[i].seq_id] = blk.probs[a]
         return out
+
+    def _paged(self, tables: list[list[int]], firsts: list[int]) -> PagedContext:
+        """The paged cache as the block pass reads it in place: block row j of a sequence whose anchor
+        is at position f writes its latent at position f + j and sees positions 0 .. f + K - 1."""
+        bs, k = self.block_size, self.block
+        width = max(-(-(f + k) // bs) for f in firsts)
+        blocks = torch.zeros(len(tables), width, dtype=torch.int32)
+        for r, (table, f) in enumerate(zip(tables, firsts)):
+            used = table[: -(-(f + k) // bs)]
+            blocks[r, : len(used)] = torch.tensor(used, dtype=torch.int32)
+        pos = torch.tensor(firsts)[:, None] + torch.arange(k)[None]  # [S, K]
+        slots = blocks.long().gather(1, pos // bs) * bs + pos % bs
+        lens = torch.tensor([f + k for f in firsts], dtype=torch.int32).repeat_interleave(k)
+        host = torch.cat((slots.reshape(-1), lens.long(), blocks.repeat_interleave(k, 0).reshape(-1).long()))
+        dev = host.to(self.device)  # one copy
+        n = len(firsts) * k
+        return PagedContext(
+            self._flat,
+            dev[2 * n :].view(n, width).to(torch.int32),
+            dev[n : 2 * n].to(torch.int32),
+            max(firsts) + k,
+            bs,
+            dev[:n],
+        )
+
+    def _gathered(self, tables: list[list[int]], firsts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of every sequence's context [S, C, layers, width], padded to the longest (padding
+        reads slot 0, masked out by ``valid`` [S, C])."""
+        width, bs = max(firsts), self.block_size
+        blocks = torch.zeros(len(tables), -(-width // bs), dtype=torch.int64)
+        for r, table in enumerate(tables):
+            used = table[: -(-width // bs)]
+            blocks[r, : len(used)] = torch.tensor(used, dtype=torch.int64)
+        pos = torch.arange(width)
+        slots = (blocks[:, pos // bs] * bs + pos % bs).to(self.device)  # [S, C]
+        valid = pos.to(self.device)[None, :] < torch.tensor(firsts, device=self.device)[:, None]
+        context = self._flat.index_select(1, slots.reshape(-1))  # [layers, S * C, width]
+        return context.view(context.shape[0], len(tables), width, -1).permute(1, 2, 0, 3), valid
 
     def _generator(self, seq_id: str, seed: int | None) -> torch.Generator | None:
         """A seeded request's own draft stream (drafts never touch the verification's generator)."""

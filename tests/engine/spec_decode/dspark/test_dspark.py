@@ -37,7 +37,7 @@ def test_vllm_recipe_json_is_accepted_unchanged():
         "probabilistic",
         "block",
     )
-    assert c.num_lookahead_slots == 0  # the block's own KV is never cached
+    assert c.num_lookahead_slots == 7  # the block's latents go into the paged cache past the verified tokens
     with pytest.raises(ValueError, match="needs model"):
         SpeculativeConfig.parse(RECIPE)
     with pytest.raises(ValueError, match="draft_sample_method 'probabilistic'"):
