@@ -9,7 +9,8 @@ test or a tool picks a path by building the object it wants instead of flipping 
   PyTorch paths.
 - ``KIMITUI_CPU_W4A8`` (``auto``, ``0``, ``1``, or an int8 path: ``avx512vnni``, ``avxvnni``,
   ``scalar``): whether packed INT4 / MXFP4 experts on the CPU multiply int8-quantised activations
-  (``kernels.cpu.quant_moe``); ``auto``: where the CPU has an int8 dot-product instruction.
+  (``kernels.cpu.quant_moe``); ``auto``: bf16 activations, where the CPU has an int8 dot-product
+  instruction.
 - ``KIMITUI_EMULATE_DEVICE=1``: a CPU run takes the branches a CUDA/ROCm run takes, Triton kernels
   interpreted on CPU tensors (needs ``TRITON_INTERPRET=1``, which Triton itself reads).
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 _KERNEL_CHOICES = ("auto", "reference")
 _FALSE = ("0", "false", "off", "no")
 _TRUE = ("1", "true", "on", "yes")
+_W4A8_CHOICES = ("auto", *_FALSE, *_TRUE, "avx512vnni", "avxvnni", "scalar")
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -47,6 +49,8 @@ class KernelSettings:
     def __post_init__(self):
         if self.kernels not in _KERNEL_CHOICES:
             raise ValueError(f"KIMITUI_KERNELS={self.kernels!r}: expected one of {', '.join(_KERNEL_CHOICES)}")
+        if self.cpu_w4a8 not in _W4A8_CHOICES:
+            raise ValueError(f"KIMITUI_CPU_W4A8={self.cpu_w4a8!r}: expected one of {', '.join(_W4A8_CHOICES)}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> KernelSettings:

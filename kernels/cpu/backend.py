@@ -187,10 +187,10 @@ class CpuBackend(Backend):
         # Built on first use (a model without packed experts never compiles it).
         return self.settings.cpu_kernels and cpu_quant_moe.available()
 
-    @functools.cached_property
-    def w4a8(self) -> str | bool:
-        """The packed experts' int8 path (``KernelSettings.cpu_w4a8`` resolved on this CPU), or False."""
-        return cpu_quant_moe.resolve_w4a8(self.settings.cpu_w4a8) if self.quant_cxx else False
+    @property
+    def w4a8(self) -> str:
+        """The packed experts' W4A8 setting (``KernelSettings.cpu_w4a8``, ``cpu_quant_moe.moe``'s ``w4a8``)."""
+        return self.settings.cpu_w4a8
 
     def moe_experts_w4a16(
         self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, activation=None

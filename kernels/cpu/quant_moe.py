@@ -25,11 +25,14 @@ independent of its batch. ``isa()`` names the choice for
 W4A8 (``KIMITUI_CPU_W4A8``): the experts' products can instead quantise the activations to int8 per
 32 columns (as llama.cpp's Q8_0) and sum code x activation with int8 dot-product instructions
 (``cpu_quant_moe_w4a8.cpp``; its maths in ``kernels.cpu.quant_moe_w4a8``): AVX-512 VNNI or AVX-VNNI
-(vpdpbusd), else a portable loop. ``auto`` (the default) turns it on where the CPU has an int8 dot
-product (it reads half the activation bytes and multiplies 4 codes per lane per instruction, where
-the bf16 path multiplies 2), ``0`` keeps the float path everywhere, ``1`` turns it on everywhere,
-and ``avx512vnni`` / ``avxvnni`` / ``scalar`` name a path. Its KL cost against float32 is in
-benchmarks/README.md (``benchmarks/vs_llama_cpp.py``'s KL column, ``kimitui eval kl``). Like ``kernels.cpu_few_rows``, the extension is compiled when the package is installed (one portable
+(vpdpbusd), else a portable loop. ``auto`` (the default) takes it for bf16 activations where the CPU
+has an int8 dot product (one vpdpbusd multiplies 4 codes per lane where vdpbf16ps multiplies 2, and
+no code table lookup is needed for INT4): a bf16 model already rounds its activations to 8
+significant bits, while float32 and fp16 runs (references, the KL base) keep the float products.
+``0`` keeps the float path everywhere, ``1`` takes the int8 one for every dtype, and ``avx512vnni`` /
+``avxvnni`` / ``scalar`` name a path. Its KL cost against float32 is in benchmarks/README.md
+(``benchmarks/vs_llama_cpp.py``'s KL table). Like ``kernels.cpu_few_rows``, the extension is compiled
+when the package is installed (one portable
 build, ``kernels/cpu/build.py``); without a compiler, or with
 ``KIMITUI_CPU_KERNELS=0``, ``available()`` is False and callers keep the PyTorch path.
 """
@@ -130,39 +133,42 @@ def planned_isa() -> str:
     return ISA_NAMES[min(best, wanted)]
 
 
-def _w4a8_choice(value: str, best: int) -> int | None:
-    """KIMITUI_CPU_W4A8's value -> the int8 path code, or None (float products); best: the CPU's widest."""
+def _w4a8_choice(value: str, best: int) -> tuple[int | None, bool]:
+    """KIMITUI_CPU_W4A8's value -> (the int8 path's code or None for the float products, whether only bf16
+    activations take it); best: the CPU's widest path."""
     value = value.strip().lower()
     if value in ("", "auto"):
-        return best if best > 0 else None  # only where an int8 dot-product instruction exists
+        # where an int8 dot-product instruction exists, for bf16 activations: a bf16 model already rounds
+        # them to 8 significant bits; float32 and fp16 ones are kept for runs that ask for precision
+        return (best if best > 0 else None), True
     if value in _OFF:
-        return None
+        return None, False
     if value in _ON:
-        return best
+        return best, False
     if value not in W4A8_CODES:
         raise ValueError(f"{ENV_W4A8}={value!r}: expected auto, 0, 1 or one of {', '.join(W4A8_CODES)}")
     if W4A8_CODES[value] > best:
         raise ValueError(f"{ENV_W4A8}={value}: this CPU supports at most {W4A8_NAMES[best]}")
-    return W4A8_CODES[value]
+    return W4A8_CODES[value], False
 
 
 @functools.cache
-def _w4a8_code() -> int | None:
+def _w4a8_env() -> str:
     # Read once: the numerics must not change under a running model.
-    return _w4a8_choice(os.environ.get(ENV_W4A8, ""), _module().best_q8_isa())
+    return os.environ.get(ENV_W4A8, "")
 
 
-def resolve_w4a8(value: str) -> str | bool:
-    """A ``KIMITUI_CPU_W4A8`` value (``KernelSettings.cpu_w4a8``) on this CPU -> the int8 path's name
-    (a ``W4A8_CODES`` key, as ``moe``'s ``w4a8`` takes it), or False for the float products."""
-    code = _w4a8_choice(value, _module().best_q8_isa())
-    return False if code is None else next(name for name, c in W4A8_CODES.items() if c == code)
+def _describe(choice: tuple[int | None, bool]) -> str:
+    code, bf16_only = choice
+    return "off" if code is None else W4A8_NAMES[code] + (" (bf16 activations)" if bf16_only else "")
 
 
-def w4a8() -> str:
-    """The int8 path the experts' W4A8 products run on (a ``W4A8_NAMES`` value), or "off"."""
-    code = _w4a8_code() if available() else None
-    return "off" if code is None else W4A8_NAMES[code]
+def w4a8(value: str | None = None) -> str:
+    """What a ``KIMITUI_CPU_W4A8`` value (default: the environment's) does here: "off", or the int8 path
+    (a ``W4A8_NAMES`` value), "(bf16 activations)" added where only those take it."""
+    if not available():
+        return "off"
+    return _describe(_w4a8_choice(_w4a8_env() if value is None else value, _module().best_q8_isa()))
 
 
 def planned_w4a8() -> str:
@@ -183,10 +189,9 @@ def planned_w4a8() -> str:
         flags = set()
     best = 2 if {"avx512f", "avx512bw", "avx512_vnni"} <= flags else 1 if {"avx2", "avx_vnni"} <= flags else 0
     try:
-        code = _w4a8_choice(os.environ.get(ENV_W4A8, ""), best)
+        return _describe(_w4a8_choice(os.environ.get(ENV_W4A8, ""), best))
     except ValueError as e:
         return f"invalid ({e})"
-    return "off" if code is None else W4A8_NAMES[code]
 
 
 def supported_isas() -> list[str]:
@@ -303,9 +308,10 @@ def moe(
     MXFP4: w13 uint8 [E, 2I, D/2], w13_scale uint8 [E, 2I, D/32], w2 [E, D, I/2] + scales.
     -> [T, D] in x.dtype (float32 sums). ``isa_name`` forces a path (tests); default ``isa()``.
     ``act`` "silu" or "situ" with its ``beta`` / ``linear_beta`` (None: up unbounded), as
-    ``kernels.activation.GatedActivation``; computed in float32. ``w4a8``: None the process's
-    ``KIMITUI_CPU_W4A8`` choice (the float path when ``isa_name`` names one), False the float path,
-    True the widest int8 path, or a ``W4A8_CODES`` name (``kernels.cpu.quant_moe_w4a8``'s maths)."""
+    ``kernels.activation.GatedActivation``; computed in float32. ``w4a8``: a ``KIMITUI_CPU_W4A8`` value
+    ("auto": bf16 activations on the widest int8 path, where the CPU has one; "0"; "1"; a ``W4A8_CODES``
+    name), True / False for "1" / "0", or None for the process's (the float path when ``isa_name``
+    names one); ``kernels.cpu.quant_moe_w4a8`` is the int8 path's maths."""
     if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(
             f"cpu_quant_moe: x {list(x.shape)}, topk_ids {list(topk_ids.shape)} and topk_weights "
@@ -336,7 +342,7 @@ def moe(
     if not 0 <= code <= _module().best_isa():
         raise ValueError(f"cpu_quant_moe: instruction set {isa_name!r} is not one this CPU runs ({supported_isas()})")
     xin = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
-    q8 = _w4a8_arg(w4a8, isa_name)
+    q8 = _w4a8_arg(w4a8, isa_name, x.dtype)
     kernel = _module().moe if q8 is None else _module().moe_w4a8
     out = kernel(
         xin.contiguous(),
@@ -354,16 +360,18 @@ def moe(
     return out.to(x.dtype)
 
 
-def _w4a8_arg(w4a8, isa_name) -> int | None:
+def _w4a8_arg(w4a8, isa_name, dtype: torch.dtype) -> int | None:
+    """``moe``'s ``w4a8`` for activations of ``dtype`` -> the int8 path's code, or None (float products)."""
     if w4a8 is None:
-        return None if isa_name is not None else _w4a8_code()
-    if w4a8 is False:
-        return None
-    best = _module().best_q8_isa()
-    code = best if w4a8 is True else W4A8_CODES.get(w4a8, -1)
-    if not 0 <= code <= best:
-        raise ValueError(f"cpu_quant_moe: int8 path {w4a8!r} is not one this CPU runs (at most {W4A8_NAMES[best]})")
-    return code
+        if isa_name is not None:
+            return None
+        w4a8 = _w4a8_env()
+    value = {True: "1", False: "0"}.get(w4a8, w4a8) if isinstance(w4a8, bool) else str(w4a8)
+    try:
+        code, bf16_only = _w4a8_choice(value, _module().best_q8_isa())
+    except ValueError as e:
+        raise ValueError(f"cpu_quant_moe: int8 path {w4a8!r}: {e}") from None
+    return None if bf16_only and dtype != torch.bfloat16 else code
 
 
 def matmul_w4a8(x: torch.Tensor, tiles: torch.Tensor, n: int, fmt: str, path: str) -> torch.Tensor:

@@ -4,10 +4,6 @@ CPU runs, and within the int8 rounding's error of the float (bf16-activation) pa
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -135,37 +131,46 @@ def test_w4a8_stays_within_the_int8_rounding_of_the_float_path(fmt):
     assert (int8_path - float_path).abs().max().item() < 0.08 * scale
 
 
-def test_the_backend_takes_the_setting():
+def test_the_backend_takes_the_setting_and_auto_takes_bf16_only():
     hidden, inter, e = 64, 32, 4
     p13, s13, _ = _weights("int4", e, 2 * inter, hidden, 13)
     p2, s2, _ = _weights("int4", e, hidden, inter, 14)
     x, ids, wts = torch.randn(3, hidden), torch.randint(0, e, (3, 2)), torch.rand(3, 2)
-    off = CpuBackend(KernelSettings(cpu_w4a8="0"))
-    assert off.w4a8 is False
-    torch.testing.assert_close(
-        off.moe_experts_w4a16(x, ids, wts, p13, s13, p2, s2, 32),
-        cpu_quant_moe.moe(x, ids, wts, "int4", p13, s13, p2, s2, w4a8=False),
-        rtol=0,
-        atol=0,
-    )
-    on = CpuBackend(KernelSettings(cpu_w4a8="scalar"))
-    assert on.w4a8 == "scalar"
-    want = spec.moe(x, ids, wts, "int4", p13, s13, p2, s2)
-    torch.testing.assert_close(on.moe_experts_w4a16(x, ids, wts, p13, s13, p2, s2, 32), want, rtol=0, atol=1e-3)
-    auto = CpuBackend(KernelSettings()).w4a8  # on where the CPU has an int8 dot product
-    assert auto == (False if cpu_quant_moe._module().best_q8_isa() == 0 else PATHS[-1])
+    float32 = cpu_quant_moe.moe(x, ids, wts, "int4", p13, s13, p2, s2, w4a8=False)
+    bf16 = cpu_quant_moe.moe(x.bfloat16(), ids, wts, "int4", p13, s13, p2, s2, w4a8=False)
+    int8 = spec.moe(x, ids, wts, "int4", p13, s13, p2, s2)
+    int8_bf16 = spec.moe(x.bfloat16(), ids, wts, "int4", p13, s13, p2, s2).bfloat16()
+    on = bool(PATHS) and cpu_quant_moe._module().best_q8_isa() > 0  # auto: where an int8 dot product exists
+    for setting, want32, want16 in (
+        ("0", float32, bf16),
+        ("scalar", int8, int8_bf16),
+        ("auto", float32, int8_bf16 if on else bf16),
+    ):
+        backend = CpuBackend(KernelSettings(cpu_w4a8=setting))
+        got32 = backend.moe_experts_w4a16(x, ids, wts, p13, s13, p2, s2, 32)
+        got16 = backend.moe_experts_w4a16(x.bfloat16(), ids, wts, p13, s13, p2, s2, 32)
+        torch.testing.assert_close(got32, want32, rtol=0, atol=1e-3 * want32.abs().max().item())
+        torch.testing.assert_close(got16.float(), want16.float(), rtol=0, atol=1e-2 * want16.abs().max().item())
     assert KernelSettings.from_env({"KIMITUI_CPU_W4A8": "Off"}).cpu_w4a8 == "off"
+    with pytest.raises(ValueError, match="KIMITUI_CPU_W4A8='sse9'"):
+        KernelSettings.from_env({"KIMITUI_CPU_W4A8": "sse9"})
 
 
-def test_the_option_is_read_once_and_bad_values_are_named():
-    code = "from kimitui.kernels.cpu import quant_moe as q; print(q.w4a8(), q.planned_w4a8())"
-    for value, want in (("0", "off"), ("scalar", "int8-scalar")):
-        env = dict(os.environ, KIMITUI_CPU_W4A8=value)
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert out.stdout.split() == [want, want]
-    env = dict(os.environ, KIMITUI_CPU_W4A8="sse9")
-    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert bad.returncode != 0 and "KIMITUI_CPU_W4A8='sse9'" in bad.stderr
+def test_the_option_is_named_as_info_plans_it_and_bad_values_are_named(monkeypatch):
+    monkeypatch.delenv("KIMITUI_CPU_W4A8", raising=False)  # `kimitui info` reads /proc/cpuinfo, builds nothing
+    assert cpu_quant_moe.planned_w4a8() == cpu_quant_moe.w4a8("auto")
+    monkeypatch.setenv("KIMITUI_CPU_W4A8", "scalar")
+    assert cpu_quant_moe.planned_w4a8() == cpu_quant_moe.w4a8("scalar") == "int8-scalar"
+    monkeypatch.setenv("KIMITUI_CPU_W4A8", "sse9")
+    assert "KIMITUI_CPU_W4A8='sse9'" in cpu_quant_moe.planned_w4a8()
+    best = cpu_quant_moe._module().best_q8_isa()
+    for value in ("0", "off", "no"):
+        assert cpu_quant_moe.w4a8(value) == "off"
+    assert cpu_quant_moe.w4a8("1") == cpu_quant_moe.W4A8_NAMES[best] == cpu_quant_moe.w4a8("on")
+    assert cpu_quant_moe.w4a8("auto") == (
+        "off" if best == 0 else cpu_quant_moe.W4A8_NAMES[best] + " (bf16 activations)"
+    )
+    assert cpu_quant_moe._w4a8_choice("", 0) == (None, True)  # no int8 dot product: the float path by default
     with pytest.raises(ValueError, match="int8 path 'avx9'"):
         x = torch.zeros(1, 32)
         p, s, _ = _weights("mxfp4", 1, 64, 32, 15)
