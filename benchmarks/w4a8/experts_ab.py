@@ -4,7 +4,7 @@ width 384, top-6, INT4 g32; K3: a 640-wide latent, 48 experts of width 768, top-
 activations, one layer's routed experts per call over a cycle of layers (so each call reads its
 experts from memory, not cache).
 
-    python benchmarks/cpu_w4a8.py [--batches 1,4,16] [--layers 8] [--rounds 7] [--threads 2]
+    python benchmarks/w4a8/experts_ab.py [--batches 1,4,16] [--layers 8] [--rounds 7] [--threads 2]
 
 Per batch: the median time of each path over rounds (the paths alternate within a round), the
 ratio, and the packed bytes of the touched experts per second.
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kimitui import engine  # noqa: E402,F401
 import torch  # noqa: E402
