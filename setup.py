@@ -9,7 +9,8 @@ C++ kernels: compiled with torch's extension helper against the torch in the bui
 build without isolation (``pip install --no-build-isolation .``, as ``make venv`` does) to compile
 against the torch you run. Without torch at build time the wheel carries the sources only and the
 kernels compile on first use instead (announced; ``kernels/cpu/build.py``). ``KIMITUI_BUILD_CPU_KERNELS=0``
-skips them.
+skips them; ``KIMITUI_BUILD_CPU_KERNELS=this`` builds only the variant this machine's CPU runs (``make venv``
+does, for a development install: a venv moved to another CPU compiles that one's variant on first use).
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ class BuildPy(build_py):
 
 
 def extensions():
-    """The C++ CPU kernels, every variant (kernels/cpu/build.py), or nothing when torch is absent."""
-    if os.environ.get("KIMITUI_BUILD_CPU_KERNELS", "1").lower() in ("0", "false", "off"):
+    """The C++ CPU kernels, every variant (kernels/cpu/build.py) or this CPU's only, or nothing when torch is absent."""
+    which = os.environ.get("KIMITUI_BUILD_CPU_KERNELS", "1").strip().lower()
+    if which in ("0", "false", "off"):
         return [], {}
     try:
         import torch
@@ -79,6 +81,8 @@ def extensions():
     modules = []
     for ext in build.EXTENSIONS:
         for variant, _ in ext.variants:
+            if which == "this" and variant != build.variant_for(ext):
+                continue
             modules.append(
                 CppExtension(
                     name=f"kimitui.kernels.cpu.{ext.module(variant)}",

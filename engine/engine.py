@@ -44,8 +44,7 @@ from kimitui.engine.sampling.fanout import FanOut, ParentRequest, child_params, 
 from kimitui.engine.sampling_params import SamplingParams
 from kimitui.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from kimitui.engine.sequence import Sequence
-from kimitui.engine.spec_decode.dspark.model import dspark_footprint
-from kimitui.engine.spec_decode.footprint import drafter_footprint
+from kimitui.engine.spec_decode.drafter_memory import drafter_memory
 from kimitui.engine.spec_decode.select import make_proposer
 from kimitui.engine.spec_decode.speculation import Speculation
 from kimitui.engine.structured.manager import StructuredOutputManager
@@ -146,6 +145,7 @@ class LLMEngine:
             raise
         self._finalizer = weakref.finalize(self, _shutdown_workers, self.workers)
         self.load_report, self.cache_pool, self.runner = rank.load_report, rank.cache_pool, rank.runner
+        self.runner.rejection_method = self.speculative.rejection_sample_method if self.speculative else "standard"
         log.info("%s", self.cache_pool.describe())
         self.spec = Speculation(self.speculative, self._proposer, self.max_model_len)
         slots = StateSlots(args.max_num_seqs, self.cache_pool.num_snapshots) if self.cache_pool.is_hybrid else None
@@ -270,15 +270,9 @@ class LLMEngine:
         return sum(p.numel() * p.element_size() for p in drafter.parameters()) if drafter is not None else 0
 
     def _drafter_footprint(self):
-        """A model drafter's weights and KV per token (EAGLE-3: engine.spec_decode.footprint; DSpark:
-        engine.spec_decode.dspark.dspark_footprint), or None."""
-        if self.speculative is None or self.speculative.method not in ("eagle3", "dspark"):
-            return None
-        if self.speculative.method == "dspark":  # a DSpark drafter's weights and per-layer context cache
-            return dspark_footprint(self.speculative.model, self.config, self.dtype.itemsize)
-        return drafter_footprint(
-            self.speculative.model, self.config.hidden_size, self.config.vocab_size, self.dtype.itemsize
-        )
+        """A model drafter's weights and KV per token (engine.spec_decode.drafter_memory, as the plan
+        counts them), or None."""
+        return drafter_memory(self.speculative, self.config, self.dtype.itemsize)
 
     def _device_kv_budget(self) -> int:
         # Experts kept in host RAM do not use the device budget.

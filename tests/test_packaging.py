@@ -65,7 +65,7 @@ def _build_wheel(dest: Path) -> Path:
     proc = subprocess.run(
         [PY, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dest), "."],
         cwd=ROOT,
-        env=_env(),
+        env=_env(KIMITUI_BUILD_CPU_KERNELS="this"),  # the variant `make venv` compiled (a release wheel has all)
         capture_output=True,
         text=True,
         timeout=1200,

@@ -20,7 +20,7 @@ from kimitui.engine.config import ModelConfig
 from kimitui.engine.parallel.state import split_sizes
 from kimitui.engine.plan.activation_reserve import ActivationReserve, activation_reserve
 from kimitui.engine.plan.param_count import ModelSize, footprint, moe_layers
-from kimitui.engine.spec_decode.footprint import drafter_footprint
+from kimitui.engine.spec_decode.drafter_memory import DrafterFootprint, drafter_memory
 from kimitui.engine.units import GiB
 
 DEFAULT_BLOCK_SIZE = 64  # FlashMLA / vLLM MLA page size
@@ -101,6 +101,7 @@ class Placement:
     num_paged_layers: int = 0  # MLA layers
     max_num_seqs_with_placement: int = 0  # sequences of max_model_len that fit beside these weights
     activation: ActivationReserve | None = None  # what the reserve is made of (None: given explicitly)
+    drafter: DrafterFootprint | None = None  # a model drafter's weights and KV per token (GPU 0)
 
     @property
     def num_cpu_experts(self) -> int:
@@ -158,6 +159,7 @@ class Placement:
             "host_shortfall_bytes": self.host_shortfall_bytes,
             "expert_bytes": self.expert_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "drafter": asdict(self.drafter) if self.drafter else None,
             "state_bytes_per_seq": self.state_bytes_per_seq,
             "num_kda_layers": self.num_state_layers,
             "num_mla_layers": self.num_paged_layers,
@@ -228,7 +230,7 @@ class _Budget:
     host_capacity: int | None
     state_per_seq: tuple[int, ...] = ()  # per device: KDA state bytes of one sequence on that rank
     states_per_seq: int = 1  # 1 + num_speculative_tokens with speculative decoding (scratch states)
-    drafter_kv_per_token: int = 0  # an EAGLE-3 drafter's KV, on the first GPU only
+    drafter_kv_per_token: int = 0  # an EAGLE-3 / DSpark drafter's KV, on the first GPU only
 
     def state(self, d: int) -> int:
         return self.max_num_seqs * self.state_per_seq[d] * self.states_per_seq if self.state_per_seq else 0
@@ -362,8 +364,8 @@ def plan_placement(
     default) estimates it for steps of ``max_num_batched_tokens`` tokens and ``max_num_seqs``
     sequences (engine.offload.activation_reserve), with the decode graphs' pool when
     ``decode_graphs`` (None: as the engine decides, on one GPU only).
-    ``speculative``: a SpeculativeConfig; its verification rows, KDA scratch states and an EAGLE-3
-    drafter's weights and KV (first GPU) are counted (engine.spec_decode.footprint).
+    ``speculative``: a SpeculativeConfig; its verification rows, KDA scratch states and an EAGLE-3 or
+    DSpark drafter's weights and KV (first GPU) are counted (engine.spec_decode.drafter_memory).
     Other plans that do not fit come back with ``fits=False`` and the reasons in ``problems``.
     """
     for name, v in (
@@ -398,11 +400,10 @@ def plan_placement(
     # cannot make raises here, naming the tensor
     fp = footprint(config, num_devices)
     e = fp.size.routed_expert.nbytes
-    non_expert, drafter_kv = list(fp.non_expert_per_device), 0
-    if speculative is not None and speculative.method == "eagle3":
-        drafter = drafter_footprint(speculative.model, config.hidden_size, config.vocab_size)
-        non_expert[0] += drafter.weight_bytes
-        drafter_kv = drafter.kv_bytes_per_token
+    drafter = drafter_memory(speculative, config)  # an EAGLE-3 / DSpark drafter: weights and KV on GPU 0
+    non_expert = [
+        b + (drafter.weight_bytes if drafter and d == 0 else 0) for d, b in enumerate(fp.non_expert_per_device)
+    ]
     budget = _Budget(
         int(memory_per_device_bytes),
         tuple(non_expert),
@@ -417,7 +418,7 @@ def plan_placement(
         None if host_memory_bytes is None else int(host_memory_bytes),
         fp.state_bytes_per_seq_per_device,
         1 + k,
-        drafter_kv,
+        drafter.kv_bytes_per_token if drafter else 0,
     )
 
     kv = budget.kv_bytes(max_model_len)
@@ -511,6 +512,7 @@ def plan_placement(
         num_paged_layers=fp.num_paged_layers,
         max_num_seqs_with_placement=_seqs_with_placement(devices, budget, max_model_len),
         activation=activation,
+        drafter=drafter,
     )
     if policy == "none" and not placement.fits:
         raise PlacementError(_none_message(placement, budget, slots), placement)

@@ -3,6 +3,7 @@ host RAM and experts per layer (``render``). Sizes in GiB (2^30)."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from kimitui.engine.units import GiB
@@ -74,6 +75,18 @@ def cache_line(p: Placement) -> str:
     )
 
 
+def drafter_lines(p: Placement) -> list[str]:
+    """A model drafter's own weights and KV (on GPU 0, counted in its non-expert and KV columns)."""
+    d = p.drafter
+    if d is None:
+        return []
+    tokens = p.max_num_seqs * math.ceil(p.max_model_len / p.block_size) * p.block_size
+    return [
+        f"drafter ({d.method}, on GPU 0): weights {_gib(d.weight_bytes)} GiB + KV {d.kv_bytes_per_token / 1024:.2f} "
+        f"KiB/token ({_gib(tokens * d.kv_bytes_per_token)} GiB at {p.max_model_len:,} tokens x {p.max_num_seqs} seq)"
+    ]
+
+
 def reserve_line(p: Placement) -> str:
     """The per-GPU reserve for activations and workspace, and what it is made of."""
     if p.activation is None:
@@ -92,6 +105,7 @@ def render(p: Placement) -> list[str]:
         f"{p.model}: {s.total.params / 1e12:.3f}T params, {_gib(s.total.nbytes)} GiB ({parts} GiB)",
         *([f"stored as: {storage} GiB"] if storage else []),
         cache_line(p),
+        *drafter_lines(p),
         reserve_line(p),
         f"{p.num_devices} GPU x {_gib(p.devices[0].capacity_bytes)} GiB; max_model_len {p.max_model_len:,} x "
         f"{p.max_num_seqs} seq (block {p.block_size}); cpu_offload {off}; "

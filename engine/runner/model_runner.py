@@ -138,6 +138,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         # grammar masks of constrained requests (engine/structured); the engine sets it on the first one
         self.structured = None
+        self.rejection_method = "standard"  # how drafts are verified: the engine sets the speculative config's
         self.buffers = StepBuffers(device)  # step inputs, reused across steps
         self.states = [c for c in kv_caches if isinstance(c, KDAState)]  # the KDA layers' slots
         self.table_shape = None  # (max_num_seqs, max_blocks_per_seq) of the fixed decode tables
@@ -430,6 +431,7 @@ class ModelRunner:
                     batch,
                     params,  # the one host sync
                     _draft_probs(sample_seqs, drafts, logits.shape[-1]),
+                    self.rejection_method,
                 )
                 for j, s in enumerate(sample_seqs):
                     spec = bool(s.spec_token_ids)

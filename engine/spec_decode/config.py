@@ -11,9 +11,13 @@ as vLLM's V0 engine read it), so a recipe's JSON pastes unchanged:
 - ``draft_sample_method``: ``greedy`` (drafts are the drafter's argmax, verified as one-hot guesses);
   ``probabilistic`` (eagle3, dspark: each draft sampled from the drafter's distribution at the request's
   temperature / top-k / top-p; that distribution q goes to the rejection rule: accept with min(1, p / q)).
-- ``rejection_sample_method``: ``standard`` (per-token rejection sampling, exact for every setting);
-  ``block`` is accepted so vLLM's DSpark recipe pastes unchanged, and verified by the same exact
-  per-token rule (block verification's longer accepted runs are not implemented here).
+- ``rejection_sample_method``: how sampled requests' drafts are verified (greedy ones: accept while
+  the draft is the argmax, under either). ``standard``: per-token rejection sampling (Leviathan et
+  al. 2023): accept each draft with min(1, p / q), at the first rejection draw from
+  norm(max(0, p - q)). ``block`` (vLLM's DSpark recipe): block verification (Sun et al., arXiv
+  2403.10444; ``block_verify.py``): a running weight min(1, w * p / q) through the block decides
+  which prefix to keep as a whole, then one token from norm(max(0, w * p - q)); exact as well, and
+  never fewer drafts kept in expectation.
 - ``disable_by_batch_size``: no drafts in a step whose batch holds more than this many sequences.
 - ``eagle_aux_hidden_state_layer_ids``: the target layers an EAGLE-3 drafter reads, overriding its
   config; ``eagle_aux_hidden_state_layer_convention`` (ours): ``input`` (id k = the hidden state

@@ -26,6 +26,7 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 class DrafterFootprint:
     weight_bytes: int
     kv_bytes_per_token: int
+    method: str = ""  # eagle3 or dspark (engine.spec_decode.drafter_memory)
 
 
 def drafter_footprint(

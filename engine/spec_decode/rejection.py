@@ -14,6 +14,10 @@ sequence is its accepted drafts followed by exactly one token of the target's ow
   norm(max(0, p - q)); after k accepted drafts draw the bonus from p. Deterministic drafters
   (n-gram, suffix, greedy EAGLE) have q = one-hot(x): accept with probability p(x), and on rejection
   draw from p with x removed. Either way every output token is distributed exactly as the target's.
+- ``method="block"`` (vLLM's ``rejection_sample_method: "block"``): sampled sequences keep as many
+  drafts as block verification decides (``block_verify.py``; Sun et al. 2024), the same randomness
+  and the same exactness, and at least as many drafts kept in expectation. Greedy and teacher-forced
+  sequences follow the rules above under either method.
 
 Randomness: one uniform per draft and one exponential-race noise row per sequence (the final
 draw, as the sampler does). Seeded sequences draw theirs from their own generator in a fixed
@@ -30,6 +34,9 @@ import itertools
 import torch
 
 from kimitui.engine.sampling.sampler import SamplingBatch, apply_top_k_top_p
+from kimitui.engine.spec_decode.block_verify import block_accept
+
+METHODS = ("standard", "block")
 
 
 def _accept_prob(p_draft: torch.Tensor, q_draft: torch.Tensor | None) -> torch.Tensor:
@@ -98,12 +105,16 @@ def rejection_sample(
     draft_token_ids: list[list[int]],
     batch: SamplingBatch,
     draft_probs: torch.Tensor | None = None,
+    method: str = "standard",
 ) -> torch.Tensor:
     """Verify every sequence's drafts. logits: [sum(k_i + 1), V] (fp32; other float types are
     upcast); batch: one entry per sequence; draft_probs: [sum k_i, V] or None (one-hot drafts).
     Returns [N, max_k + 1] int64 on the logits' device: row i is sequence i's accepted drafts, then
     one target token, then -1 padding (``to_lists`` reads it back). ``batch.penalties``, when set,
-    indexes the logits rows (row j of a sequence counts its drafts before j as output)."""
+    indexes the logits rows (row j of a sequence counts its drafts before j as output).
+    ``method``: ``standard`` (per-token) or ``block`` (block verification of sampled sequences)."""
+    if method not in METHODS:
+        raise ValueError(f"rejection_sample: method {method!r}: supported {', '.join(METHODS)}")
     _check(logits, num_drafts, draft_token_ids, batch, draft_probs)
     device = logits.device
     logits = logits.float()
@@ -157,6 +168,14 @@ def rejection_sample(
         accept = torch.where(f_draft >= 0, f_draft == drafts_t, accept)
     # number of leading accepted drafts per sequence: [N]
     num_accepted = (accept & is_draft).to(torch.int64).cumprod(dim=1).sum(dim=1)
+    weight = None  # block verification: the weight of p in the residual after the kept drafts
+    if method == "block" and probs is not None and max_k:
+        tau, w_tau = block_accept(probs, draft_probs, p_draft, q_draft, k_t, q_of_t, uniform)
+        per_token = greedy_seq
+        if forced is not None:  # a teacher-forced sequence keeps the per-position rule
+            per_token = per_token | ((forced[draft_rows] >= 0) & is_draft).any(dim=1)
+        num_accepted = torch.where(per_token, num_accepted, tau)
+        weight = torch.where(per_token, torch.ones_like(w_tau), w_tau)
 
     final_row = row_of_t.gather(1, num_accepted[:, None])[:, 0]  # [N]: first rejected or bonus row
     final = logits[final_row].argmax(dim=-1)
@@ -167,7 +186,8 @@ def rejection_sample(
             drafts_t.gather(1, num_accepted.clamp(max=max(max_k - 1, 0))[:, None])[:, 0] if max_k else final
         )
         q_final = None if draft_probs is None else draft_probs[q_of_t.gather(1, num_accepted[:, None])[:, 0]]
-        residual = torch.where(rejected[:, None], _residual(p_final, q_final, rejected_draft), p_final)
+        p_scaled = p_final if weight is None else p_final * weight[:, None]
+        residual = torch.where(rejected[:, None], _residual(p_scaled, q_final, rejected_draft), p_final)
         # p == q on the support leaves nothing to draw from; rejection then had probability 0 (up
         # to rounding), and p is the right fallback.
         residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_final)

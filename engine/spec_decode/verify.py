@@ -71,17 +71,23 @@ def kda_spec_layout(
 
 
 def verify_and_logprobs(
-    logits: torch.Tensor, drafts: list[list[int]], batch, params: list, draft_probs: torch.Tensor | None = None
+    logits: torch.Tensor,
+    drafts: list[list[int]],
+    batch,
+    params: list,
+    draft_probs: torch.Tensor | None = None,
+    method: str = "standard",
 ):
     """Accept drafts and sample one more token per sequence; ``logits`` [R, V] fp32 hold
     ``len(drafts[i]) + 1`` rows for sequence ``i``, in order; ``draft_probs`` [sum k_i, V]: the
-    distributions sampled drafts were drawn from (None: every draft a deterministic guess). Returns
+    distributions sampled drafts were drawn from (None: every draft a deterministic guess); ``method``:
+    the rule, ``standard`` or ``block`` (``rejection_sample``). Returns
     (tokens per sequence, the log-prob dicts of those tokens per sequence or None where not asked),
     read back in one copy."""
     num_drafts = [len(d) for d in drafts]
     if draft_probs is not None:
         draft_probs = draft_probs.to(logits.device)
-    out = rejection_sample(logits, num_drafts, drafts, batch, draft_probs)  # [N, K + 1], -1 padded
+    out = rejection_sample(logits, num_drafts, drafts, batch, draft_probs, method)  # [N, K + 1], -1 padded
     n, width = out.shape
     cols = [out.reshape(-1).double()]
     k = max(batch.max_logprobs, 0)

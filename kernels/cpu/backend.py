@@ -26,6 +26,9 @@ from kimitui.kernels.cpu import (
     few_rows as cpu_few_rows,
 )
 from kimitui.kernels.cpu import (
+    k3_decode as cpu_k3_decode,
+)
+from kimitui.kernels.cpu import (
     linear as cpu_linear,
 )
 from kimitui.kernels.cpu import (
@@ -128,6 +131,17 @@ class CpuBackend(Backend):
     def linear_mxfp4(self, x, packed, scale):
         return cpu_linear.linear_cpu(x, reference.dequant_mxfp4(packed, scale, dtype=x.dtype))
 
+    def gated_act(self, gu, act):
+        # K3's SiTU for a few rows (decode): one C++ call instead of about ten ATen operations
+        if (
+            act.kind == "situ"
+            and 0 < gu.shape[0] <= cpu_few_rows.MAX_ROWS
+            and self.k3_cxx
+            and cpu_k3_decode.situ_fits(gu)
+        ):
+            return cpu_k3_decode.situ_and_mul(gu, act.beta, act.linear_beta)
+        return super().gated_act(gu, act)
+
     # -- norms and routing
 
     def rms_norm(self, x, weight, eps=1e-6):
@@ -159,9 +173,12 @@ class CpuBackend(Backend):
         weights_dtype=None,
         count_rows=None,
     ):
-        if self.cxx and 0 < x.shape[0] <= cpu_few_rows.MAX_MOE_TOKENS and _f32(x, weight, bias):
+        # the router computes in float32 whatever x's dtype: a bf16 x (K3's latent MoE) is widened
+        # exactly here and takes the C++ router too, as the reference's x.float() does
+        xf = x.float() if x.dtype is _BF16 else x
+        if self.cxx and 0 < x.shape[0] <= cpu_few_rows.MAX_MOE_TOKENS and _f32(xf, weight, bias):
             ids, weights = cpu_few_rows.moe_route(
-                x, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling
+                xf, weight, bias, top_k, n_group, topk_group, scoring_func, norm_topk_prob, scaling
             )
         else:
             ids, weights = reference.moe_route(
@@ -285,7 +302,15 @@ class CpuBackend(Backend):
     # -- MLA decode
 
     def mla_decode(self, q, cache, block_tables, context_lens, max_context_len, block_size, kv_lora_rank, scale):
-        if self.cxx and 0 < q.shape[0] <= cpu_few_rows.MAX_MLA_SEQS and _f32(q, cache):
+        # bf16 queries and latent cache too (K3's gated NoPE MLA, which the fused layer does not take): the
+        # kernel widens them and attends in float32, rounding the output once (the PyTorch path rounds
+        # its bf16 scores and probabilities as well)
+        if (
+            self.cxx
+            and 0 < q.shape[0] <= cpu_few_rows.MAX_MLA_SEQS
+            and _cxx_dtypes(q, cache)
+            and q.dtype is cache.dtype
+        ):
             return cpu_few_rows.mla_decode(q, cache, block_tables, context_lens, block_size, kv_lora_rank, scale)
         widen = q.dtype is _BF16 and not cpu_linear.onednn_bf16_native()  # see bmm
         o = reference.mla_decode_reference(
@@ -369,6 +394,48 @@ class CpuBackend(Backend):
             block_size,
             scale,
         )
+
+    # -- Kimi K3 / Kimi Linear decode (KDA, attention residuals): one C++ call each
+
+    @functools.cached_property
+    def k3_cxx(self) -> bool:
+        # Built on first use (a model without KDA or attention residuals never compiles it).
+        return self.cxx and cpu_k3_decode.available()
+
+    def kda_decode(
+        self,
+        qkv,
+        f_b,
+        b,
+        gate,
+        conv_weight,
+        A_log,
+        dt_bias,
+        lower_bound,
+        norm_weight,
+        eps,
+        conv_state,
+        rec_state,
+        slots,
+        scale,
+    ):
+        args = (qkv, f_b, b, gate, conv_weight, A_log, dt_bias, lower_bound, norm_weight, eps)
+        if (
+            self.k3_cxx
+            and cpu_k3_decode.kda_decode_fits(qkv, rec_state, conv_state, slots)
+            and written_rows(slots) is None  # padding rows: the base class drops them, then calls this again
+        ):
+            return cpu_k3_decode.kda_decode(*args, conv_state, rec_state, slots, scale)
+        return super().kda_decode(*args, conv_state, rec_state, slots, scale)
+
+    def attn_res_mix_norm(
+        self, x, blocks, n, res_norm_weight, res_eps, proj_weight, norm_weight, norm_eps, delta=None, save=False
+    ):
+        args = (x, blocks, n, res_norm_weight, res_eps, proj_weight, norm_weight, norm_eps)
+        # a few rows (decode): the C++ loop is one thread; a prefill's thousands of rows stay in ATen
+        if self.k3_cxx and x.shape[0] <= cpu_few_rows.MAX_ROWS and cpu_k3_decode.attn_res_mix_fits(x, blocks, delta):
+            return cpu_k3_decode.attn_res_mix_norm(*args, delta=delta, save=save)
+        return super().attn_res_mix_norm(*args, delta=delta, save=save)
 
     # -- whole decoder halves
 

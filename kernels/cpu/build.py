@@ -1,4 +1,5 @@
-"""The C++ CPU extensions (``kimitui.kernels.cpu.few_rows``, ``kimitui.kernels.cpu.quant_moe``): what each
+"""The C++ CPU extensions (``kimitui.kernels.cpu.few_rows``, ``kimitui.kernels.cpu.quant_moe``,
+``kimitui.kernels.cpu.k3_decode``): what each
 is built from, and how a process finds its build.
 
 They are compiled when the package is built or installed (``setup.py`` reads ``EXTENSIONS`` from this
@@ -90,7 +91,15 @@ QUANT_MOE = Extension(
     variants=_PORTABLE,
     minutes=2.0,
 )
-EXTENSIONS = (FEW_ROWS, QUANT_MOE)
+K3_DECODE = Extension(
+    name="cpu_k3_decode",
+    sources=("cpu_k3_decode.cpp",),
+    headers=(),
+    cflags=("-O3", "-ffp-contract=off"),  # no -march: the hot loop carries target_clones, one build runs anywhere
+    variants=_PORTABLE,
+    minutes=0.5,
+)
+EXTENSIONS = (FEW_ROWS, QUANT_MOE, K3_DECODE)
 
 
 def cpu_flags() -> frozenset[str]:

@@ -100,8 +100,8 @@ class BackgroundServer:
         app_state = getattr(getattr(app, "state", None), "server", None)
         if not hasattr(app_state, "begin_shutdown"):
             app_state = None  # not our app (the telemetry agent's): plain uvicorn shutdown
-        # uvicorn's h11 protocol, with the app's deadline for reading a request's head
-        # (read_timeout.py); the app bounds the body itself (body.py).
+        # uvicorn's httptools (or h11) protocol, with the app's deadline for reading a request's head
+        # (read_timeout.py); the app bounds the body itself (body.py). loop "auto": uvloop where installed.
         config = uvicorn.Config(
             app,
             log_level=self.log_level,

@@ -13,6 +13,11 @@ import logging
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+try:  # optional: the C parser (llhttp) that uvicorn[standard] and vLLM use; h11 is pure Python
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # httptools not installed
+    HttpToolsProtocol = None
+
 log = logging.getLogger(__name__)
 
 _TIMEOUT_RESPONSE = (
@@ -21,20 +26,27 @@ _TIMEOUT_RESPONSE = (
 )
 
 
+def http_protocol() -> type:
+    """The HTTP/1.1 protocol class served: httptools' where it is installed (its C parser takes
+    about 0.1 ms less per request than h11's Python one), else h11's. Both keep the request in
+    ``self.cycle``, which is all the deadline below relies on."""
+    return HttpToolsProtocol or H11Protocol
+
+
 def protocol_with_read_timeout(timeout: float | None):
-    """uvicorn's ``http`` setting: "h11" without a deadline, else an H11Protocol subclass with one."""
+    """uvicorn's ``http`` setting: the protocol class of ``http_protocol()``, with a deadline for
+    each request head unless ``timeout`` is None."""
+    base = http_protocol()
     if timeout is None:
-        return "h11"
+        return base
     if timeout <= 0:
         raise ValueError(f"the request read timeout must be > 0 seconds, got {timeout}")
-
-    class ReadTimeoutH11Protocol(_ReadTimeoutH11Protocol):
-        read_timeout_s = timeout
-
-    return ReadTimeoutH11Protocol
+    return type(f"ReadTimeout{base.__name__}", (_ReadTimeout, base), {"read_timeout_s": timeout})
 
 
-class _ReadTimeoutH11Protocol(H11Protocol):
+class _ReadTimeout:
+    """Mixin over uvicorn's H11Protocol or HttpToolsProtocol."""
+
     read_timeout_s: float = 60.0
 
     def connection_made(self, transport) -> None:

@@ -72,3 +72,23 @@ def test_requests_on_one_connection_do_not_stall(server, method, path, kw):
     median = statistics.median(times)
     assert median < STALL_S / 2, f"first {first * 1e3:.1f} ms, then {[round(t * 1e3, 1) for t in times]} ms"
     assert sum(t >= STALL_S for t in times) <= 2, [round(t * 1e3, 1) for t in times]
+
+
+def test_served_by_httptools_on_uvloop(server):
+    """The fast pair the project depends on (as uvicorn[standard] and vLLM): llhttp's C parser,
+    with our request-head deadline mixed in, on libuv's event loop."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from kimitui.server.read_timeout import http_protocol, protocol_with_read_timeout
+
+    assert http_protocol() is HttpToolsProtocol
+    timed = protocol_with_read_timeout(5.0)
+    assert issubclass(timed, HttpToolsProtocol) and timed.read_timeout_s == 5.0
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        assert http.get("/health").status_code == 200
+        conns = list(server.server.server_state.connections)
+        assert conns and all(isinstance(c, HttpToolsProtocol) for c in conns)
+    if os.name != "nt":
+        import uvloop
+
+        assert isinstance(server.server.loop, uvloop.Loop)

@@ -86,10 +86,10 @@ def test_sampled_drafts_keep_the_target_distribution(exact_joint, monkeypatch):
     seen = []
     real = rejection.rejection_sample
 
-    def spy(logits, num_drafts, draft_token_ids, batch, draft_probs=None):
+    def spy(logits, num_drafts, draft_token_ids, batch, draft_probs=None, method="standard"):
         if sum(num_drafts):
             seen.append((draft_probs, [t for d in draft_token_ids for t in d]))
-        return real(logits, num_drafts, draft_token_ids, batch, draft_probs)
+        return real(logits, num_drafts, draft_token_ids, batch, draft_probs, method)
 
     monkeypatch.setattr(rejection, "rejection_sample", spy)
     from kimitui.engine.spec_decode import verify

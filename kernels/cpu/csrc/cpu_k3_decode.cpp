@@ -1,0 +1,335 @@
+// Kimi K3 / Kimi Linear decode pieces that ran as dozens of small ATen operations each, one call each:
+//
+// kda_decode(...)        a KDA layer's whole step between its projections, one token for each of N
+//                        sequences: the short causal conv + SiLU from each slot's history, the forget
+//                        gate, beta, the delta-rule step on the slot's fp32 state and the output's
+//                        RMSNorm gated by sigmoid(gate) (Backend.kda_decode, kernels/kda.py).
+// attn_res_mix_norm(...) an attention-residual softmax mix over the block snapshots with the
+//                        sublayer's RMSNorm after it (Backend.attn_res_mix_norm, reference.attn_res_mix).
+// situ_and_mul(...)      K3's SiTU of a dense MLP's (shared experts') fused gate/up product.
+//
+// The arithmetic is float32 and rounds where the PyTorch path rounds to the activations' dtype (bf16
+// or float32): the conv's output, the recurrence's output, the mix, the norm's two steps and the
+// residual sum. Sums run in another order than ATen's, so a result is within a few float32 ulps of the
+// PyTorch path before those roundings (and so within one bf16 ulp after them, rarely).
+//
+// Inputs are float32 or bf16 (activations in one dtype; the small weights each in its own, read as
+// float32); the states float32. The loops are plain C++ that GCC vectorises, compiled for AVX-512,
+// AVX2 and plain x86-64 in one build (target_clones) where the compiler supports it.
+
+#include <torch/extension.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define K3_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define K3_CLONES
+#endif
+
+namespace {
+
+// A float32 or bf16 vector or matrix read as float32 (2-d: rows at `row_stride`, columns contiguous).
+struct View {
+  const void* p = nullptr;
+  bool bf16 = false;
+  int64_t row_stride = 0;
+
+  static View of(const torch::Tensor& t, const char* name) {
+    TORCH_CHECK(t.device().is_cpu(), name, ": a CPU tensor is needed");
+    TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, name,
+                ": float32 or bf16, got ", t.scalar_type());
+    TORCH_CHECK(t.dim() >= 1 && t.stride(-1) == 1, name, ": the last dim must be contiguous");
+    View v;
+    v.p = t.data_ptr();
+    v.bf16 = t.scalar_type() == torch::kBFloat16;
+    v.row_stride = t.dim() >= 2 ? t.stride(0) : 0;
+    return v;
+  }
+  // row r's elements [c0, c0 + n) as float32 into out
+  void row(int64_t r, int64_t c0, int64_t n, float* out) const {
+    const int64_t off = r * row_stride + c0;
+    if (bf16) {
+      const auto* s = static_cast<const c10::BFloat16*>(p) + off;
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(s[i]);
+    } else {
+      const auto* s = static_cast<const float*>(p) + off;
+      for (int64_t i = 0; i < n; ++i) out[i] = s[i];
+    }
+  }
+};
+
+// round to the activations' dtype and back (bf16: nearest even, as ATen's casts)
+inline void round_to(float* x, int64_t n, bool bf16) {
+  if (!bf16) return;
+  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(static_cast<c10::BFloat16>(x[i]));
+}
+
+inline void store(const torch::Tensor& out, int64_t r, const float* x, int64_t n) {
+  if (out.scalar_type() == torch::kBFloat16) {
+    auto* d = out.data_ptr<c10::BFloat16>() + r * out.stride(0);
+    for (int64_t i = 0; i < n; ++i) d[i] = static_cast<c10::BFloat16>(x[i]);
+  } else {
+    auto* d = out.data_ptr<float>() + r * out.stride(0);
+    for (int64_t i = 0; i < n; ++i) d[i] = x[i];
+  }
+}
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+// One head's delta-rule step on S [K, V] (in place): S <- diag(exp(g)) S; u = k^T S, o = q^T S;
+// delta = beta (v - u); o += (q . k) delta; S += k delta^T. q already scaled, q and k l2-normed.
+K3_CLONES void delta_step(float* __restrict S, const float* __restrict q, const float* __restrict k,
+                          const float* __restrict v, const float* __restrict decay, float beta, int64_t K,
+                          int64_t V, float* __restrict o, float* __restrict u) {
+  for (int64_t j = 0; j < V; ++j) o[j] = u[j] = 0.0f;
+  float qk = 0.0f;
+  for (int64_t i = 0; i < K; ++i) {
+    float* __restrict s = S + i * V;
+    const float d = decay[i], ki = k[i], qi = q[i];
+    qk += qi * ki;
+    for (int64_t j = 0; j < V; ++j) {
+      const float x = s[j] * d;
+      s[j] = x;
+      u[j] += ki * x;
+      o[j] += qi * x;
+    }
+  }
+  for (int64_t j = 0; j < V; ++j) {
+    u[j] = beta * (v[j] - u[j]);  // delta
+    o[j] += qk * u[j];
+  }
+  for (int64_t i = 0; i < K; ++i) {
+    float* __restrict s = S + i * V;
+    const float ki = k[i];
+    for (int64_t j = 0; j < V; ++j) s[j] += ki * u[j];
+  }
+}
+
+inline float sum_squares(const float* x, int64_t n) {
+  float s = 0.0f;
+  for (int64_t i = 0; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+}  // namespace
+
+// qkv [N, 3P] (q | k | v channels; rows may be strided), f_b and gate [N, P], b [N, H] in the
+// activations' dtype; conv_weight [3P, W], A_log [H], dt_bias [P], norm_weight [Dv]; conv_state
+// [slots, 3P, W-1] and rec_state [slots, H, K, V] float32, updated in place at slots [N] (int64,
+// each >= 0, distinct). lower_bound: K3's safe gate (lower_bound * sigmoid(exp(A_log) * a)) when it
+// is negative, else Kimi Linear's -exp(A_log) * softplus(a). -> [N, H * V] in qkv's dtype.
+torch::Tensor kda_decode(torch::Tensor qkv, torch::Tensor f_b, torch::Tensor b, torch::Tensor gate,
+                         torch::Tensor conv_weight, torch::Tensor A_log, torch::Tensor dt_bias, double lower_bound,
+                         torch::Tensor norm_weight, double eps, torch::Tensor conv_state, torch::Tensor rec_state,
+                         torch::Tensor slots, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && f_b.dim() == 2 && b.dim() == 2 && gate.dim() == 2, "kda_decode: qkv, f_b, b, gate must be 2-d");
+  TORCH_CHECK(rec_state.dim() == 4 && rec_state.scalar_type() == torch::kFloat32 && rec_state.is_contiguous(),
+              "kda_decode: rec_state must be a contiguous float32 [slots, H, K, V]");
+  TORCH_CHECK(conv_state.dim() == 3 && conv_state.scalar_type() == torch::kFloat32 && conv_state.is_contiguous(),
+              "kda_decode: conv_state must be a contiguous float32 [slots, C, W-1]");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == torch::kInt64, "kda_decode: slots must be int64 [N]");
+  const int64_t N = qkv.size(0), H = rec_state.size(1), K = rec_state.size(2), V = rec_state.size(3);
+  const int64_t P = H * K, C = conv_state.size(1), Wm1 = conv_state.size(2), W = Wm1 + 1;
+  TORCH_CHECK(K == V, "kda_decode: head_k_dim ", K, " != head_v_dim ", V, " (the conv's q | k | v split needs one width)");
+  TORCH_CHECK(qkv.size(1) == 3 * P && C == 3 * P, "kda_decode: qkv ", qkv.sizes(), " and conv_state ", conv_state.sizes(),
+              " do not hold 3 x ", H, " heads x ", K);
+  TORCH_CHECK(f_b.size(0) == N && f_b.size(1) == P && gate.size(0) == N && gate.size(1) == P && b.size(0) == N &&
+                  b.size(1) == H && slots.size(0) == N,
+              "kda_decode: f_b ", f_b.sizes(), ", gate ", gate.sizes(), ", b ", b.sizes(), ", slots ", slots.sizes(),
+              " do not match ", N, " rows of ", H, " heads x ", K);
+  TORCH_CHECK(conv_weight.dim() == 2 && conv_weight.size(0) == C && conv_weight.size(1) == W && conv_weight.is_contiguous(),
+              "kda_decode: conv_weight ", conv_weight.sizes(), ", expected contiguous [", C, ", ", W, "]");
+  TORCH_CHECK(A_log.numel() == H && dt_bias.numel() == P && norm_weight.numel() == V,
+              "kda_decode: A_log, dt_bias, norm_weight have ", A_log.numel(), ", ", dt_bias.numel(), ", ",
+              norm_weight.numel(), " elements, expected ", H, ", ", P, ", ", V);
+  const bool act_bf16 = qkv.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(f_b.scalar_type() == qkv.scalar_type() && b.scalar_type() == qkv.scalar_type() &&
+                  gate.scalar_type() == qkv.scalar_type(),
+              "kda_decode: qkv, f_b, b, gate must share one dtype");
+  const View vqkv = View::of(qkv, "qkv"), vfb = View::of(f_b, "f_b"), vb = View::of(b, "b"), vg = View::of(gate, "gate");
+  const View vcw = View::of(conv_weight, "conv_weight"), valog = View::of(A_log.reshape(-1), "A_log");
+  const View vdt = View::of(dt_bias.reshape(-1), "dt_bias"), vnw = View::of(norm_weight.reshape(-1), "norm_weight");
+  const int64_t num_slots = rec_state.size(0);
+  const auto* slot = slots.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n)
+    TORCH_CHECK(slot[n] >= 0 && slot[n] < num_slots && conv_state.size(0) == num_slots, "kda_decode: slot ", slot[n],
+                " out of range [0, ", num_slots, ")");
+
+  auto out = torch::empty({N, P}, qkv.options().memory_format(torch::MemoryFormat::Contiguous));
+  std::vector<float> cw(C * W), rate(H), dt(P), nw(V), x(C), y(C), fb(P), gt(P), beta(H), dec(K), o(V), u(V);
+  vcw.row(0, 0, C * W, cw.data());
+  valog.row(0, 0, H, rate.data());
+  for (auto& r : rate) r = std::exp(r);
+  vdt.row(0, 0, P, dt.data());
+  vnw.row(0, 0, V, nw.data());
+  const bool safe_gate = lower_bound < 0;
+  const float lb = static_cast<float>(lower_bound), sc = static_cast<float>(scale);
+  float* conv = conv_state.data_ptr<float>();
+  float* rec = rec_state.data_ptr<float>();
+
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t s = slot[n];
+    vqkv.row(n, 0, C, x.data());
+    vfb.row(n, 0, P, fb.data());
+    vg.row(n, 0, P, gt.data());
+    vb.row(n, 0, H, beta.data());
+    // short conv + SiLU over the slot's history (oldest first), then the history moves on by one
+    float* hist = conv + s * C * Wm1;
+    for (int64_t c = 0; c < C; ++c) {
+      float* h = hist + c * Wm1;
+      const float* w = cw.data() + c * W;
+      float acc = 0.0f;
+      for (int64_t j = 0; j < Wm1; ++j) acc += h[j] * w[j];
+      acc += x[c] * w[Wm1];
+      y[c] = acc / (1.0f + std::exp(-acc));
+      for (int64_t j = 0; j + 1 < Wm1; ++j) h[j] = h[j + 1];
+      if (Wm1) h[Wm1 - 1] = x[c];
+    }
+    round_to(y.data(), C, act_bf16);  // the conv's output in the activations' dtype, as the PyTorch path
+    float* yo = y.data();  // reused below for this row's output, head by head (q is read before it is written)
+    for (int64_t h = 0; h < H; ++h) {
+      float* q = y.data() + h * K;
+      float* k = y.data() + P + h * K;
+      const float* v = y.data() + 2 * P + h * K;
+      const float qn = 1.0f / std::sqrt(sum_squares(q, K) + 1e-6f), kn = 1.0f / std::sqrt(sum_squares(k, K) + 1e-6f);
+      for (int64_t i = 0; i < K; ++i) {
+        q[i] = q[i] * qn * sc;
+        k[i] = k[i] * kn;
+        const float a = fb[h * K + i] + dt[h * K + i];
+        float g;
+        if (safe_gate) {
+          g = lb * sigmoid(rate[h] * a);
+        } else {
+          g = -rate[h] * (a > 20.0f ? a : std::log1p(std::exp(a)));
+        }
+        dec[i] = std::exp(g);
+      }
+      delta_step(rec + (s * H + h) * K * V, q, k, v, dec.data(), sigmoid(beta[h]), K, V, o.data(), u.data());
+      round_to(o.data(), V, act_bf16);  // the recurrence's output in v's dtype
+      const float r = 1.0f / std::sqrt(sum_squares(o.data(), V) / static_cast<float>(V) + static_cast<float>(eps));
+      float* dst = yo + h * V;  // q's slot of this head: read above, free now
+      for (int64_t j = 0; j < V; ++j) dst[j] = o[j] * r * nw[j] * sigmoid(gt[h * V + j]);
+    }
+    store(out, n, yo, P);
+  }
+  return out;
+}
+
+// (norm(mix(s, blocks[:n])) * norm_weight, s) for x [T, D]: s = x + delta (delta empty: s = x, returned
+// as x itself), rounded to x's dtype; save: s also written to blocks[n]. The mix (n > 0) weights the
+// candidates blocks[0..n-1], s by softmax_i(rmsnorm(c_i) . (res_norm_weight * proj_weight)); with n = 0
+// the norm reads s. blocks [>= n (+1 with save), T, D] contiguous in x's dtype.
+std::vector<torch::Tensor> attn_res_mix_norm(torch::Tensor x, torch::Tensor blocks, int64_t n,
+                                             torch::Tensor res_norm_weight, double res_eps, torch::Tensor proj_weight,
+                                             torch::Tensor norm_weight, double norm_eps, torch::Tensor delta,
+                                             bool save) {
+  TORCH_CHECK(x.dim() == 2, "attn_res_mix_norm: x must be [T, D], got ", x.sizes());
+  const int64_t T = x.size(0), D = x.size(1);
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(blocks.dim() == 3 && blocks.size(1) == T && blocks.size(2) == D && blocks.is_contiguous() &&
+                  blocks.scalar_type() == x.scalar_type(),
+              "attn_res_mix_norm: blocks ", blocks.sizes(), " must be contiguous [>= n, ", T, ", ", D, "] in x's dtype");
+  TORCH_CHECK(n >= 0 && n + (save ? 1 : 0) <= blocks.size(0), "attn_res_mix_norm: n ", n, " (save ", save,
+              ") does not fit blocks ", blocks.sizes());
+  const bool has_delta = delta.numel() > 0;
+  TORCH_CHECK(!has_delta || (delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type()),
+              "attn_res_mix_norm: delta ", delta.sizes(), " must match x ", x.sizes());
+  TORCH_CHECK(res_norm_weight.numel() == D && proj_weight.numel() == D && norm_weight.numel() == D,
+              "attn_res_mix_norm: the weights must have ", D, " elements");
+  const View vx = View::of(x, "x");
+  const View vd = has_delta ? View::of(delta, "delta") : View();
+  std::vector<float> q(D), nw(D), sv(D), tmp(D), h(D), scores(n + 1);
+  {
+    std::vector<float> a(D);
+    View::of(res_norm_weight.reshape(-1), "res_norm_weight").row(0, 0, D, q.data());
+    View::of(proj_weight.reshape(-1), "proj_weight").row(0, 0, D, a.data());
+    for (int64_t i = 0; i < D; ++i) q[i] *= a[i];  // the norm weight folded into the query
+    View::of(norm_weight.reshape(-1), "norm_weight").row(0, 0, D, nw.data());
+  }
+  const View vblk = View::of(blocks.view({-1, D}), "blocks");
+  auto out = torch::empty({T, D}, x.options().memory_format(torch::MemoryFormat::Contiguous));
+  torch::Tensor s_out = has_delta ? torch::empty({T, D}, out.options()) : x;
+  const float reps = static_cast<float>(res_eps), neps = static_cast<float>(norm_eps);
+  for (int64_t t = 0; t < T; ++t) {
+    vx.row(t, 0, D, sv.data());
+    if (has_delta) {
+      vd.row(t, 0, D, tmp.data());
+      for (int64_t i = 0; i < D; ++i) sv[i] += tmp[i];
+      round_to(sv.data(), D, bf16);
+      store(s_out, t, sv.data(), D);
+    }
+    if (save) store(blocks.select(0, n), t, sv.data(), D);
+    if (n == 0) {
+      for (int64_t i = 0; i < D; ++i) h[i] = sv[i];
+    } else {
+      // scores of the candidates blocks[0..n-1], then s; softmax; the weighted sum of the raw candidates
+      float mx = -INFINITY;
+      for (int64_t c = 0; c <= n; ++c) {
+        const float* v = sv.data();
+        if (c < n) {
+          vblk.row(c * T + t, 0, D, tmp.data());
+          v = tmp.data();
+        }
+        const float r = 1.0f / std::sqrt(sum_squares(v, D) / static_cast<float>(D) + reps);
+        float dot = 0.0f;
+        for (int64_t i = 0; i < D; ++i) dot += v[i] * r * q[i];
+        scores[c] = dot;
+        mx = std::max(mx, dot);
+      }
+      float z = 0.0f;
+      for (int64_t c = 0; c <= n; ++c) z += (scores[c] = std::exp(scores[c] - mx));
+      for (int64_t i = 0; i < D; ++i) h[i] = 0.0f;
+      for (int64_t c = 0; c <= n; ++c) {
+        const float p = scores[c] / z;
+        const float* v = sv.data();
+        if (c < n) {
+          vblk.row(c * T + t, 0, D, tmp.data());
+          v = tmp.data();
+        }
+        for (int64_t i = 0; i < D; ++i) h[i] += p * v[i];
+      }
+      round_to(h.data(), D, bf16);  // the mix in x's dtype
+    }
+    // the sublayer's RMSNorm: bf16 rounds the normalised row, then the product with the weight
+    const float r = 1.0f / std::sqrt(sum_squares(h.data(), D) / static_cast<float>(D) + neps);
+    for (int64_t i = 0; i < D; ++i) h[i] *= r;
+    round_to(h.data(), D, bf16);
+    for (int64_t i = 0; i < D; ++i) h[i] *= nw[i];
+    store(out, t, h.data(), D);
+  }
+  return {out, s_out};
+}
+
+// Kimi K3's SiTU of a gated MLP's fused product gu [T, 2I] (gate | up; rows may be strided), as
+// kernels/activation.py: beta * tanh(g / beta) * sigmoid(g) times linear_beta * tanh(u / linear_beta) (u
+// itself when linear_beta <= 0), in float32, rounded once to gu's dtype. -> [T, I]
+torch::Tensor situ_and_mul(torch::Tensor gu, double beta, double linear_beta) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "situ_and_mul: gu must be [T, 2I], got ", gu.sizes());
+  TORCH_CHECK(beta > 0, "situ_and_mul: beta must be positive, got ", beta);
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  const View v = View::of(gu, "gu");
+  auto out = torch::empty({T, I}, gu.options().memory_format(torch::MemoryFormat::Contiguous));
+  std::vector<float> g(I), u(I);
+  const float b = static_cast<float>(beta), lb = static_cast<float>(linear_beta);
+  for (int64_t t = 0; t < T; ++t) {
+    v.row(t, 0, I, g.data());
+    v.row(t, I, I, u.data());
+    for (int64_t i = 0; i < I; ++i) {
+      const float up = lb > 0.0f ? lb * std::tanh(u[i] / lb) : u[i];
+      g[i] = b * std::tanh(g[i] / b) * sigmoid(g[i]) * up;
+    }
+    store(out, t, g.data(), I);
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("situ_and_mul", &situ_and_mul, "SiTU(gate) * up of a fused gate/up product");
+  m.def("kda_decode", &kda_decode, "KDA decode step between the projections (see cpu_k3_decode.cpp)");
+  m.def("attn_res_mix_norm", &attn_res_mix_norm, "attention-residual mix and the norm after it");
+}
