@@ -313,7 +313,9 @@ def worker(args) -> int:
 
 
 class Ours:
-    def __init__(self, model: Path, dtype: str, args, log: Path, max_num_seqs: int, max_model_len: int):
+    def __init__(
+        self, model: Path, dtype: str, args, log: Path, max_num_seqs: int, max_model_len: int, env: dict | None = None
+    ):
         read_fd, write_fd = os.pipe()
         cmd = [
             sys.executable,
@@ -332,7 +334,7 @@ class Ours:
             "--max-num-seqs",
             str(max_num_seqs),
         ]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
         self.log = log
         with open(log, "w") as f:
             self.proc = subprocess.Popen(
@@ -881,10 +883,10 @@ def run_kl(args, cases, ckpt, gguf, llama, work: Path, logs: Path, chunks: int) 
         vocab = text["vocab_size"]
         base = work / f"kl-base-{fam}-{chunks}x{args.kl_ctx}.bin"
 
-        def logprobs(model: Path, dtype: str, tag: str):
+        def logprobs(model: Path, dtype: str, tag: str, env: dict | None = None):
             # computed afresh every run (a kept file would outlive a change to the engine)
             path = work / f"kl-{tag}-{chunks}x{args.kl_ctx}.npy"
-            w = Ours(model, dtype, args, logs / f"kl-{tag}.log", max_num_seqs=2, max_model_len=args.kl_ctx + 8)
+            w = Ours(model, dtype, args, logs / f"kl-{tag}.log", max_num_seqs=2, max_model_len=args.kl_ctx + 8, env=env)
             try:
                 w.ask(op="logprobs", sequences=seqs, out=str(path))
             finally:
@@ -894,11 +896,23 @@ def run_kl(args, cases, ckpt, gguf, llama, work: Path, logs: Path, chunks: int) 
         t0 = time.time()
         write_kl_base(base, seqs, logprobs(ref_ckpt, "float32", f"{fam}-f32"), vocab)
         res = {}
-        tested = [("kimitui bf16", ref_ckpt, "bfloat16", f"{fam}-bf16")]
+        # the packed experts' products as the speed runs take them (KIMITUI_CPU_W4A8 as set, default auto),
+        # and with float products (=0) where that differs: the KL cost of the int8 activations
+        w4a8 = os.environ.get("KIMITUI_CPU_W4A8", "").strip().lower() or "auto"
+        w4a8 = "off" if w4a8 in ("0", "off", "false", "no") else w4a8
+        tested = [
+            (f"kimitui bf16{' (W4A8 ' + w4a8 + ')' if fam == 'k3' else ''}", ref_ckpt, "bfloat16", f"{fam}-bf16", None)
+        ]
         if "k2-int4" in members:
-            tested.append(("kimitui int4 experts", ckpt["k2-int4"], "bfloat16", "k2-int4-bf16"))
-        for name, model, dtype, tag in tested:
-            res[name] = kl_against_base(base, logprobs(model, dtype, tag))
+            tested.append((f"kimitui int4 experts (W4A8 {w4a8})", ckpt["k2-int4"], "bfloat16", "k2-int4-bf16", None))
+        if w4a8 != "off":
+            packed = ckpt["k2-int4"] if fam == "k2" and "k2-int4" in members else ref_ckpt if fam == "k3" else None
+            if packed is not None:
+                tested.append(
+                    ("kimitui, W4A8 off", packed, "bfloat16", f"{fam}-packed-float", {"KIMITUI_CPU_W4A8": "0"})
+                )
+        for name, model, dtype, tag, env in tested:
+            res[name] = kl_against_base(base, logprobs(model, dtype, tag, env))
         if fam == "k2":
             res["llama.cpp bf16"] = llama.kl(
                 gguf["k2-bf16"], base, args.kl_ctx, chunks, args.threads, logs / "kl-llama-k2-bf16.log"

@@ -204,6 +204,11 @@ class CpuBackend(Backend):
         # Built on first use (a model without packed experts never compiles it).
         return self.settings.cpu_kernels and cpu_quant_moe.available()
 
+    @property
+    def w4a8(self) -> str:
+        """The packed experts' W4A8 setting (``KernelSettings.cpu_w4a8``, ``cpu_quant_moe.moe``'s ``w4a8``)."""
+        return self.settings.cpu_w4a8
+
     def moe_experts_w4a16(
         self, x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, activation=None
     ):
@@ -218,6 +223,7 @@ class CpuBackend(Backend):
                 w2_packed,
                 w2_scale,
                 group_size,
+                w4a8=self.w4a8,
                 **_act_kwargs(activation),
             )
         return cpu_moe.moe_experts_w4a16(
@@ -235,6 +241,7 @@ class CpuBackend(Backend):
                 w13_scale,
                 w2_packed,
                 w2_scale,
+                w4a8=self.w4a8,
                 **_act_kwargs(activation),
             )
         return cpu_moe.moe_experts_mxfp4(
@@ -283,7 +290,9 @@ class CpuBackend(Backend):
 
     def moe_experts_tiled(self, x, topk_ids, topk_weights, fmt, w13_tiles, w2_tiles, inter, activation=None):
         experts = cpu_quant_moe.TiledExperts(fmt, x.shape[-1], inter, w13_tiles, w2_tiles)
-        return cpu_quant_moe.moe(x, topk_ids, topk_weights, fmt, experts, None, None, None, **_act_kwargs(activation))
+        return cpu_quant_moe.moe(
+            x, topk_ids, topk_weights, fmt, experts, None, None, None, w4a8=self.w4a8, **_act_kwargs(activation)
+        )
 
     def moe_experts_int4pack_cpu(self, x, topk_ids, topk_weights, w13, w13_sz, w2, w2_sz, group_size, activation=None):
         return cpu_moe.moe_experts_int4pack_cpu(

@@ -85,7 +85,7 @@ FEW_ROWS = Extension(
 )
 QUANT_MOE = Extension(
     name="cpu_quant_moe",
-    sources=("cpu_quant_moe.cpp", "cpu_quant_moe_isa.cpp", "cpu_quant_moe_amx.cpp"),
+    sources=("cpu_quant_moe.cpp", "cpu_quant_moe_isa.cpp", "cpu_quant_moe_amx.cpp", "cpu_quant_moe_w4a8.cpp"),
     headers=("cpu_quant_moe_common.h", "cpu_quant_moe_avx512.h", "gated_act.h", "cpu_parallel.h", "cpu_team.h"),
     cflags=_FLAGS,  # no -march: each path carries its own target pragma, the portable one runs anywhere
     variants=_PORTABLE,

@@ -20,7 +20,19 @@ else activations are float32. ``amx_bf16`` takes float32 activations on the AVX-
 bf16 ones on tiles at every batch size: its group sums differ from vdpbf16ps's in the last bits
 (TDPBF16PS does not round after each addition), so one path for all batches keeps a token's bits
 independent of its batch. ``isa()`` names the choice for
-``kimitui info``. Like ``kernels.cpu_few_rows``, the extension is compiled when the package is installed (one portable
+``kimitui info``.
+
+W4A8 (``KIMITUI_CPU_W4A8``): the experts' products can instead quantise the activations to int8 per
+32 columns (as llama.cpp's Q8_0) and sum code x activation with int8 dot-product instructions
+(``cpu_quant_moe_w4a8.cpp``; its maths in ``kernels.cpu.quant_moe_w4a8``): AVX-512 VNNI or AVX-VNNI
+(vpdpbusd), else a portable loop. ``auto`` (the default) takes it for bf16 activations where the CPU
+has an int8 dot product (one vpdpbusd multiplies 4 codes per lane where vdpbf16ps multiplies 2, and
+no code table lookup is needed for INT4): a bf16 model already rounds its activations to 8
+significant bits, while float32 and fp16 runs (references, the KL base) keep the float products.
+``0`` keeps the float path everywhere, ``1`` takes the int8 one for every dtype, and ``avx512vnni`` /
+``avxvnni`` / ``scalar`` name a path. Its KL cost against float32 is in benchmarks/README.md
+(``benchmarks/vs_llama_cpp.py``'s KL table). Like ``kernels.cpu_few_rows``, the extension is compiled
+when the package is installed (one portable
 build, ``kernels/cpu/build.py``); without a compiler, or with
 ``KIMITUI_CPU_KERNELS=0``, ``available()`` is False and callers keep the PyTorch path.
 """
@@ -45,6 +57,11 @@ log = logging.getLogger(__name__)
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "amx_bf16": 4}
 ISA_NAMES = {0: "scalar", 1: "avx2+fma", 2: "avx512", 3: "avx512bf16", 4: "amx_bf16"}
 ENV_ISA = "KIMITUI_CPU_ISA"
+# KIMITUI_CPU_W4A8 path names by code (the C++ best_q8_isa()), and the names w4a8() prints.
+W4A8_CODES = {"scalar": 0, "avxvnni": 1, "avx512vnni": 2}
+W4A8_NAMES = {0: "int8-scalar", 1: "avx_vnni", 2: "avx512_vnni"}
+ENV_W4A8 = "KIMITUI_CPU_W4A8"
+_OFF, _ON = ("0", "false", "off", "no"), ("1", "true", "on", "yes")
 
 
 @functools.cache
@@ -114,6 +131,67 @@ def planned_isa() -> str:
     )
     wanted = ISA_CODES.get(os.environ.get(ENV_ISA, "").strip().lower(), best)
     return ISA_NAMES[min(best, wanted)]
+
+
+def _w4a8_choice(value: str, best: int) -> tuple[int | None, bool]:
+    """KIMITUI_CPU_W4A8's value -> (the int8 path's code or None for the float products, whether only bf16
+    activations take it); best: the CPU's widest path."""
+    value = value.strip().lower()
+    if value in ("", "auto"):
+        # where an int8 dot-product instruction exists, for bf16 activations: a bf16 model already rounds
+        # them to 8 significant bits; float32 and fp16 ones are kept for runs that ask for precision
+        return (best if best > 0 else None), True
+    if value in _OFF:
+        return None, False
+    if value in _ON:
+        return best, False
+    if value not in W4A8_CODES:
+        raise ValueError(f"{ENV_W4A8}={value!r}: expected auto, 0, 1 or one of {', '.join(W4A8_CODES)}")
+    if W4A8_CODES[value] > best:
+        raise ValueError(f"{ENV_W4A8}={value}: this CPU supports at most {W4A8_NAMES[best]}")
+    return W4A8_CODES[value], False
+
+
+@functools.cache
+def _w4a8_env() -> str:
+    # Read once: the numerics must not change under a running model.
+    return os.environ.get(ENV_W4A8, "")
+
+
+def _describe(choice: tuple[int | None, bool]) -> str:
+    code, bf16_only = choice
+    return "off" if code is None else W4A8_NAMES[code] + (" (bf16 activations)" if bf16_only else "")
+
+
+def w4a8(value: str | None = None) -> str:
+    """What a ``KIMITUI_CPU_W4A8`` value (default: the environment's) does here: "off", or the int8 path
+    (a ``W4A8_NAMES`` value), "(bf16 activations)" added where only those take it."""
+    if not available():
+        return "off"
+    return _describe(_w4a8_choice(_w4a8_env() if value is None else value, _module().best_q8_isa()))
+
+
+def planned_w4a8() -> str:
+    """What ``w4a8()`` will report, from /proc/cpuinfo and ``KIMITUI_CPU_W4A8``, without building (for
+    ``kimitui info``)."""
+    try:
+        flags = set(
+            next(
+                (
+                    line.split(":", 1)[1].split()
+                    for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("flags")
+                ),
+                [],
+            )
+        )
+    except OSError:
+        flags = set()
+    best = 2 if {"avx512f", "avx512bw", "avx512_vnni"} <= flags else 1 if {"avx2", "avx_vnni"} <= flags else 0
+    try:
+        return _describe(_w4a8_choice(os.environ.get(ENV_W4A8, ""), best))
+    except ValueError as e:
+        return f"invalid ({e})"
 
 
 def supported_isas() -> list[str]:
@@ -220,6 +298,7 @@ def moe(
     act="silu",
     beta=1.0,
     linear_beta=None,
+    w4a8=None,
 ):
     """Gated MoE over packed experts, as ``reference.moe_experts_reference_w4a16`` / ``_mxfp4``:
     x [T, D] (float32 or bf16), topk_ids [T, k] (ids outside [0, E) add nothing), topk_weights [T, k].
@@ -229,7 +308,10 @@ def moe(
     MXFP4: w13 uint8 [E, 2I, D/2], w13_scale uint8 [E, 2I, D/32], w2 [E, D, I/2] + scales.
     -> [T, D] in x.dtype (float32 sums). ``isa_name`` forces a path (tests); default ``isa()``.
     ``act`` "silu" or "situ" with its ``beta`` / ``linear_beta`` (None: up unbounded), as
-    ``kernels.activation.GatedActivation``; computed in float32."""
+    ``kernels.activation.GatedActivation``; computed in float32. ``w4a8``: a ``KIMITUI_CPU_W4A8`` value
+    ("auto": bf16 activations on the widest int8 path, where the CPU has one; "0"; "1"; a ``W4A8_CODES``
+    name), True / False for "1" / "0", or None for the process's (the float path when ``isa_name``
+    names one); ``kernels.cpu.quant_moe_w4a8`` is the int8 path's maths."""
     if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(
             f"cpu_quant_moe: x {list(x.shape)}, topk_ids {list(topk_ids.shape)} and topk_weights "
@@ -260,7 +342,9 @@ def moe(
     if not 0 <= code <= _module().best_isa():
         raise ValueError(f"cpu_quant_moe: instruction set {isa_name!r} is not one this CPU runs ({supported_isas()})")
     xin = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
-    out = _module().moe(
+    q8 = _w4a8_arg(w4a8, isa_name, x.dtype)
+    kernel = _module().moe if q8 is None else _module().moe_w4a8
+    out = kernel(
         xin.contiguous(),
         topk_ids.long().contiguous(),
         topk_weights.float().contiguous(),
@@ -268,7 +352,7 @@ def moe(
         experts.w2,
         i,
         fmt == "mxfp4",
-        code,
+        code if q8 is None else q8,
         int(act == "situ"),
         float(beta),
         0.0 if linear_beta is None else float(linear_beta),
@@ -276,6 +360,31 @@ def moe(
     return out.to(x.dtype)
 
 
+def _w4a8_arg(w4a8, isa_name, dtype: torch.dtype) -> int | None:
+    """``moe``'s ``w4a8`` for activations of ``dtype`` -> the int8 path's code, or None (float products)."""
+    if w4a8 is None:
+        if isa_name is not None:
+            return None
+        w4a8 = _w4a8_env()
+    value = {True: "1", False: "0"}.get(w4a8, w4a8) if isinstance(w4a8, bool) else str(w4a8)
+    try:
+        code, bf16_only = _w4a8_choice(value, _module().best_q8_isa())
+    except ValueError as e:
+        raise ValueError(f"cpu_quant_moe: int8 path {w4a8!r}: {e}") from None
+    return None if bf16_only and dtype != torch.bfloat16 else code
+
+
+def matmul_w4a8(x: torch.Tensor, tiles: torch.Tensor, n: int, fmt: str, path: str) -> torch.Tensor:
+    """One tiled matrix's W4A8 product (tests): x [T, K] float32, tiles [1, matrix_bytes] of n rows."""
+    return _module().matmul_w4a8(x.float().contiguous(), tiles, n, fmt == "mxfp4", W4A8_CODES[path])
+
+
+def supported_w4a8() -> list[str]:
+    """Every int8 path this CPU runs (``KIMITUI_CPU_W4A8`` names), narrowest first."""
+    best = _module().best_q8_isa()
+    return [name for name, code in W4A8_CODES.items() if code <= best]
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    print("CPU quantised MoE kernels:", isa())
+    print("CPU quantised MoE kernels:", isa(), "| W4A8:", w4a8())

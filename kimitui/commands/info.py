@@ -80,6 +80,7 @@ def device_lines() -> list[str]:
     )
 
     lines.append(f"cpu isa   {cpu_quant_moe.planned_isa()} (INT4 / MXFP4 experts on the CPU)")
+    lines.append(f"cpu w4a8  {cpu_quant_moe.planned_w4a8()} (int8 activations for them: KIMITUI_CPU_W4A8)")
     lines.append(f"cpu build {_build.describe()}")
     lines.append(f"ram       {psutil.virtual_memory().total / 2**30:.1f} GiB")
     return lines

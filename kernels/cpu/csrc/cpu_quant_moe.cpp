@@ -115,6 +115,57 @@ struct Rows {
   std::vector<const uint16_t*> bf16;
 };
 
+// A step's (token, expert) pairs grouped by expert (counting sort, token order within an expert): pair q
+// of expert e in [start[e], start[e + 1]); slot_pair[t * k + j] the pair of token t's j-th id (-1: an
+// id outside [0, E)), pair_token[q] its token.
+struct PairGroups {
+  std::vector<int64_t> start, slot_pair, pair_token;
+  int64_t P;
+};
+
+PairGroups group_pairs(const int64_t* ids, int64_t T, int64_t k, int64_t E) {
+  PairGroups pg{std::vector<int64_t>(E + 1, 0), std::vector<int64_t>(T * k, -1), {}, 0};
+  for (int64_t i = 0; i < T * k; ++i)
+    if (ids[i] >= 0 && ids[i] < E) ++pg.start[ids[i] + 1];
+  for (int64_t e = 0; e < E; ++e) pg.start[e + 1] += pg.start[e];
+  pg.P = pg.start[E];
+  std::vector<int64_t> fill(pg.start.begin(), pg.start.end() - 1);
+  pg.pair_token.resize(pg.P);
+  for (int64_t i = 0; i < T * k; ++i)
+    if (ids[i] >= 0 && ids[i] < E) {
+      pg.slot_pair[i] = fill[ids[i]]++;
+      pg.pair_token[pg.slot_pair[i]] = i / k;
+    }
+  return pg;
+}
+
+// (expert, tile) work items of a phase, over the experts that have pairs.
+std::vector<std::pair<int64_t, int64_t>> work_items(const std::vector<int64_t>& start, int64_t tiles) {
+  std::vector<std::pair<int64_t, int64_t>> v;
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(start.size()); ++e)
+    if (start[e + 1] > start[e])
+      for (int64_t t = 0; t < tiles; ++t) v.emplace_back(e, t);
+  return v;
+}
+
+// Each token: its pairs' outputs y [P, D] times their weights, added to od [T, D] in ascending expert order.
+void combine_pairs(const PairGroups& pg, const int64_t* ids, const float* tw, int64_t T, int64_t k, int64_t D,
+                   const float* yd, float* od) {
+  kimitui_cpu::parallel_runs(T, T * k * D * static_cast<int64_t>(sizeof(float)), [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> slots(k);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t j = 0; j < k; ++j) slots[j] = t * k + j;
+      std::stable_sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+      for (int64_t sl : slots) {
+        if (pg.slot_pair[sl] < 0) continue;
+        const float* yr = yd + pg.slot_pair[sl] * D;
+        const float wt = tw[sl];
+        for (int64_t d = 0; d < D; ++d) od[t * D + d] += yr[d] * wt;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // x [T, D] float32 or bf16, topk_ids [T, k] int64 (ids outside [0, E): computed elsewhere, add nothing),
@@ -136,18 +187,10 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const t
   const int64_t* ids = topk_ids.data_ptr<int64_t>();
   const float* tw = topk_weights.data_ptr<float>();
 
-  // Pairs grouped by expert (counting sort, token order within an expert): q in [start[e], start[e + 1]).
-  std::vector<int64_t> start(E + 1, 0), slot_pair(T * k, -1);
-  for (int64_t i = 0; i < T * k; ++i)
-    if (ids[i] >= 0 && ids[i] < E) ++start[ids[i] + 1];
-  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-  const int64_t P = start[E];
-  std::vector<int64_t> fill(start.begin(), start.end() - 1), pair_token(P);
-  for (int64_t i = 0; i < T * k; ++i)
-    if (ids[i] >= 0 && ids[i] < E) {
-      slot_pair[i] = fill[ids[i]]++;
-      pair_token[slot_pair[i]] = i / k;
-    }
+  const PairGroups pg = group_pairs(ids, T, k, E);
+  const std::vector<int64_t>& start = pg.start;
+  const std::vector<int64_t>& pair_token = pg.pair_token;
+  const int64_t P = pg.P;
 
   // Activations zero-padded to whole 32-column groups; h likewise (its padding is never written). The
   // AMX path reads phase 1's rows per pair (a copy of each pair's token row, so an expert's rows are
@@ -159,7 +202,7 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const t
   torch::Tensor xq;
   if (amx) {
     xq = torch::zeros({std::max<int64_t>(P, 1), Dp}, x.options().dtype(act_dtype));
-    if (P > 0) xq.narrow(0, 0, P).copy_(xp.index_select(0, torch::from_blob(pair_token.data(), {P}, torch::kInt64)));
+    if (P > 0) xq.narrow(0, 0, P).copy_(xp.index_select(0, torch::from_blob(const_cast<int64_t*>(pair_token.data()), {P}, torch::kInt64)));
   }
   torch::Tensor h = torch::zeros({std::max<int64_t>(P, 1), Ip}, x.options().dtype(act_dtype));
   torch::Tensor y = torch::empty({std::max<int64_t>(P, 1), D}, f32), out = torch::zeros({T, D}, f32);
@@ -196,14 +239,7 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const t
       dot32(m, tile, nr, rows.f32.data() + q0, nc, o, os);
   };
 
-  // (expert, tile) work items of a phase, over the experts that have pairs.
-  auto items = [&](int64_t tiles) {
-    std::vector<std::pair<int64_t, int64_t>> v;
-    for (int64_t e = 0; e < E; ++e)
-      if (start[e + 1] > start[e])
-        for (int64_t t = 0; t < tiles; ++t) v.emplace_back(e, t);
-    return v;
-  };
+  auto items = [&](int64_t tiles) { return work_items(start, tiles); };
 
   const auto up_items = items(tiles_i);
   for_each_item(static_cast<int64_t>(up_items.size()), [&](int64_t i) {
@@ -236,21 +272,121 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const t
     dot(m, t, nr, hr, hc, start[e], nc, yd + start[e] * D + t * kTileRows, D);
   });
 
-  // Each token: its pairs' outputs times their weights, added in ascending expert order.
-  float* od = out.data_ptr<float>();
-  kimitui_cpu::parallel_runs(T, T * k * D * static_cast<int64_t>(sizeof(float)), [&](int64_t t0, int64_t t1) {
-    std::vector<int64_t> slots(k);
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t j = 0; j < k; ++j) slots[j] = t * k + j;
-      std::stable_sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
-      for (int64_t sl : slots) {
-        if (slot_pair[sl] < 0) continue;
-        const float* yr = yd + slot_pair[sl] * D;
-        const float wt = tw[sl];
-        for (int64_t d = 0; d < D; ++d) od[t * D + d] += yr[d] * wt;
-      }
-    }
+  combine_pairs(pg, ids, tw, T, k, D, yd, out.data_ptr<float>());
+  return out;
+}
+
+// W4A8 int8 dot paths (cpu_quant_moe_w4a8.cpp): 0 portable, 1 AVX-VNNI, 2 AVX-512 VNNI; the widest this CPU
+// runs. AVX-VNNI is cpuid leaf 7 subleaf 1, EAX bit 4 (with AVX2, whose OS support the builtin checks).
+int64_t best_q8_isa() {
+  static const int64_t best = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vnni"))
+      return int64_t{2};
+    unsigned a = 0, b, c, d;
+    if (__builtin_cpu_supports("avx2") && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 4)))
+      return int64_t{1};
+    return int64_t{0};
+  }();
+  return best;
+}
+
+TileDotQ8 q8_kernel(int64_t q8isa) {
+  return q8isa == 2 ? tile_dot_q8_avx512vnni : q8isa == 1 ? tile_dot_q8_avxvnni : tile_dot_q8_scalar;
+}
+
+// Rows [n, K] (float32 or bf16) quantised per 32-column group, and their kernel views.
+struct Q8Rows {
+  std::vector<int32_t> q, asum;
+  std::vector<float> d;
+  int64_t groups;
+  Q8Row row(int64_t i) const { return {q.data() + i * groups * 8, d.data() + i * groups, asum.data() + i * groups}; }
+};
+
+template <class T>
+Q8Rows quantize_rows(const T* x, int64_t n, int64_t K, int64_t stride) {
+  Q8Rows r{std::vector<int32_t>(n * ceil_div(K, 32) * 8), std::vector<int32_t>(n * ceil_div(K, 32)),
+           std::vector<float>(n * ceil_div(K, 32)), ceil_div(K, 32)};
+  kimitui_cpu::parallel_runs(n, n * K * static_cast<int64_t>(sizeof(float)), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      quantize_q8(x + i * stride, K, r.groups, r.q.data() + i * r.groups * 8, r.d.data() + i * r.groups,
+                  r.asum.data() + i * r.groups);
   });
+  return r;
+}
+
+// The same MoE as moe() with W4A8 products (cpu_quant_moe_w4a8.cpp): x's rows quantised to int8 per
+// 32-column group before phase 1, h (float32) before phase 2; q8isa one of best_q8_isa()'s paths.
+torch::Tensor moe_w4a8(const torch::Tensor& x, const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
+                       const torch::Tensor& w13, const torch::Tensor& w2, int64_t I, bool mxfp4, int64_t q8isa,
+                       int64_t act, double beta, double linear_beta) {
+  TORCH_CHECK(q8isa >= 0 && q8isa <= best_q8_isa(), "cpu_quant_moe: int8 path ", q8isa, " is not one this CPU runs");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "cpu_quant_moe: W4A8 takes float32 or bf16 activations");
+  const GatedAct gated{act, static_cast<float>(beta), static_cast<float>(linear_beta)};
+  const int64_t T = x.size(0), D = x.size(1), k = topk_ids.size(1), E = w13.size(0);
+  const int64_t Ip = ceil_div(I, 32) * 32, tiles_i = ceil_div(I, kTileRows), tiles_d = ceil_div(D, kTileRows);
+  const TileDotQ8 dot = q8_kernel(q8isa);
+  const int64_t* ids = topk_ids.data_ptr<int64_t>();
+  const PairGroups pg = group_pairs(ids, T, k, E);
+  const std::vector<int64_t>& start = pg.start;
+  const int64_t P = pg.P;
+
+  const Q8Rows xq = x.scalar_type() == torch::kFloat32
+                        ? quantize_rows(x.data_ptr<float>(), T, D, D)
+                        : quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), T, D, D);
+  std::vector<Q8Row> xr(P);
+  for (int64_t q = 0; q < P; ++q) xr[q] = xq.row(pg.pair_token[q]);
+  std::vector<float> h(std::max<int64_t>(P, 1) * Ip, 0.0f);
+
+  const auto up_items = work_items(start, tiles_i);
+  for_each_item(static_cast<int64_t>(up_items.size()), [&](int64_t i) {
+    const auto [e, t] = up_items[i];
+    const int nr = static_cast<int>(std::min<int64_t>(kTileRows, I - t * kTileRows));
+    const int nc = static_cast<int>(start[e + 1] - start[e]);
+    const Tiles m = expert_tiles(w13, e, D, mxfp4);
+    std::vector<float> gu(2 * static_cast<size_t>(nc) * kTileRows);  // [gate | up][token][row]
+    float* up = gu.data() + static_cast<int64_t>(nc) * kTileRows;
+    dot(m, t, nr, xr.data() + start[e], nc, gu.data(), kTileRows);
+    dot(m, tiles_i + t, nr, xr.data() + start[e], nc, up, kTileRows);
+    for (int c = 0; c < nc; ++c)
+      for (int r = 0; r < nr; ++r)
+        h[(start[e] + c) * Ip + t * kTileRows + r] = gated(gu[c * kTileRows + r], up[c * kTileRows + r]);
+  });
+
+  const Q8Rows hq = quantize_rows(h.data(), P, I, Ip);
+  std::vector<Q8Row> hr(P);
+  for (int64_t q = 0; q < P; ++q) hr[q] = hq.row(q);
+  std::vector<float> y(std::max<int64_t>(P, 1) * D);
+  const auto down_items = work_items(start, tiles_d);
+  for_each_item(static_cast<int64_t>(down_items.size()), [&](int64_t i) {
+    const auto [e, t] = down_items[i];
+    const int nr = static_cast<int>(std::min<int64_t>(kTileRows, D - t * kTileRows));
+    const int nc = static_cast<int>(start[e + 1] - start[e]);
+    const Tiles m = expert_tiles(w2, e, I, mxfp4);
+    dot(m, t, nr, hr.data() + start[e], nc, y.data() + start[e] * D + t * kTileRows, D);
+  });
+
+  torch::Tensor out = torch::zeros({T, D}, x.options().dtype(torch::kFloat32));
+  combine_pairs(pg, ids, topk_weights.data_ptr<float>(), T, k, D, y.data(), out.data_ptr<float>());
+  return out;
+}
+
+// One matrix's W4A8 product, for tests: x [T, K] float32 times tiles [1, bytes] of N rows -> [T, N] float32.
+torch::Tensor matmul_w4a8(const torch::Tensor& x, const torch::Tensor& tiles, int64_t N, bool mxfp4, int64_t q8isa) {
+  TORCH_CHECK(q8isa >= 0 && q8isa <= best_q8_isa(), "cpu_quant_moe: int8 path ", q8isa, " is not one this CPU runs");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "matmul_w4a8: x must be contiguous float32");
+  const int64_t T = x.size(0), K = x.size(1);
+  const Q8Rows xq = quantize_rows(x.data_ptr<float>(), T, K, K);
+  std::vector<Q8Row> xr(T);
+  for (int64_t i = 0; i < T; ++i) xr[i] = xq.row(i);
+  const Tiles m = expert_tiles(tiles, 0, K, mxfp4);
+  torch::Tensor out = torch::empty({T, N}, x.options());
+  for (int64_t t = 0; t < ceil_div(N, kTileRows); ++t) {
+    const int nr = static_cast<int>(std::min<int64_t>(kTileRows, N - t * kTileRows));
+    q8_kernel(q8isa)(m, t, nr, xr.data(), static_cast<int>(T), out.data_ptr<float>() + t * kTileRows, N);
+  }
   return out;
 }
 
@@ -316,6 +452,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (int b = 0; b < 256; ++b)
     g_e8m0[b] = b == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, b - 127);
   m.def("moe", &moe, NoGil(), "gated (SiLU / SiTU) MoE over INT4 / MXFP4 experts in the tile layout, on the CPU");
+  m.def("moe_w4a8", &moe_w4a8, NoGil(), "moe() with W4A8 products: activations quantised to int8 per 32 columns");
+  m.def("matmul_w4a8", &matmul_w4a8, NoGil(), "one tiled matrix's W4A8 product (tests)");
+  m.def("best_q8_isa", &best_q8_isa, NoGil(), "the widest int8 dot path: 2 AVX-512 VNNI, 1 AVX-VNNI, 0 portable");
   m.def("repack", &repack, NoGil(), "checkpoint-layout rows of packed experts -> the kernels' tile layout");
   m.def("best_isa", &best_isa, NoGil(),
         "the widest instruction set path this CPU (and OS) runs: 4 AMX-BF16, 3 AVX-512 BF16, 2 AVX-512, 1 AVX2+FMA, 0 portable");

@@ -41,4 +41,21 @@ extern const float kInt4Lut[16];
 extern const float kE2M1Lut[16];
 extern float g_e8m0[256];  // E8M0 byte -> 2^(b - 127), 255 -> NaN (filled when the module loads)
 
+// W4A8 (cpu_quant_moe_w4a8.cpp): an activation row quantised to int8 per 32-column group. q holds
+// groups x 8 words of 4 int8 values each, in the order the tile layout's lanes pair them with codes;
+// d the groups' float32 scales, asum the sums of each group's int8 values.
+struct Q8Row {
+  const int32_t* q;
+  const float* d;
+  const int32_t* asum;
+};
+// out[c * ostride + r] = the W4A8 product of row 16 * tile + r and x[c], for r < nr <= 16, c < nc.
+using TileDotQ8 = void (*)(const Tiles&, int64_t tile, int nr, const Q8Row* x, int nc, float* out, int64_t ostride);
+void tile_dot_q8_avx512vnni(const Tiles&, int64_t, int, const Q8Row*, int, float*, int64_t);
+void tile_dot_q8_avxvnni(const Tiles&, int64_t, int, const Q8Row*, int, float*, int64_t);
+void tile_dot_q8_scalar(const Tiles&, int64_t, int, const Q8Row*, int, float*, int64_t);
+// One row of K activations (float32 or bf16 bits) -> groups x (8 words q, d, asum); zero past K.
+void quantize_q8(const float* x, int64_t K, int64_t groups, int32_t* q, float* d, int32_t* asum);
+void quantize_q8(const uint16_t* x, int64_t K, int64_t groups, int32_t* q, float* d, int32_t* asum);
+
 }  // namespace cpu_quant_moe

@@ -14,6 +14,7 @@ from kimitui.kernels import reference as R
 from kimitui.kernels.cpu import quant_moe as cpu_quant_moe
 from kimitui.kernels.cpu import quant_moe_layout as layout
 from kimitui.kernels.cpu.backend import CpuBackend
+from kimitui.kernels.settings import KernelSettings
 from tests.helpers.moe_oracle import moe64
 
 pytestmark = pytest.mark.skipif(not cpu_quant_moe.available(), reason="the C++ extension does not build here")
@@ -147,11 +148,12 @@ def test_cpu_backend_matches_the_reference_and_takes_bf16():
     p2, s2, _ = _experts("int4", e, hidden, inter, 8)
     x = torch.randn(6, hidden)
     ids, wts = torch.randint(0, e, (6, 2)), torch.rand(6, 2)
-    got = CpuBackend().moe_experts_w4a16(x, ids, wts, p13, s13, p2, s2, 32)
+    backend = CpuBackend(KernelSettings(cpu_w4a8="0"))  # the float products (W4A8: test_cpu_quant_moe_w4a8.py)
+    got = backend.moe_experts_w4a16(x, ids, wts, p13, s13, p2, s2, 32)
     ref = R.moe_experts_reference_w4a16(x, ids, wts, p13, s13, p2, s2, 32)
     scale = ref.abs().max().item()  # outputs ~ hundreds: compare against the largest
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6 * scale)
-    got16 = CpuBackend().moe_experts_w4a16(x.bfloat16(), ids, wts.bfloat16(), p13, s13, p2, s2, 32)
+    got16 = backend.moe_experts_w4a16(x.bfloat16(), ids, wts.bfloat16(), p13, s13, p2, s2, 32)
     assert got16.dtype == torch.bfloat16
     torch.testing.assert_close(got16.float(), ref, rtol=2e-2, atol=1e-2 * scale)
 

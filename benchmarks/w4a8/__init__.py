@@ -1,0 +1,1 @@
+"""W4A8 expert products on the CPU: the experts-alone A/B (experts_ab.py)."""
