@@ -3,8 +3,10 @@
 1. three requests on one kept-alive connection (curl's `time_total` of three `/health` requests on
    one connection), each under 5 ms;
 2. streaming TTFT over HTTP within 2 ms of the same request made in process
-   (`AsyncLLM.generate`), medians of alternating rounds (in process, httpx client, raw socket
-   client, in turn, so a change in the machine's speed hits all three).
+   (`AsyncLLM.generate`), medians of alternating rounds (in process, httpx client in this
+   process, httpx client in a process of its own, raw socket client, in turn, so a change in the
+   machine's speed hits all of them). A client in the server's process shares its GIL with the
+   server's and the engine's threads; a real client does not, which the separate process shows.
 
 The last lines print both figures and whether each holds. `--stages` also splits the HTTP TTFT
 into where the time goes on the server (ASGI entry, the handler, the engine's first output, the
@@ -86,6 +88,45 @@ class _Stages:
             await send(message)
 
         await self.app(scope, receive, timed_send)
+
+
+_CLIENT_PROCESS = """
+import json, sys, time, httpx
+url, body = sys.argv[1], json.loads(sys.argv[2])
+with httpx.Client(timeout=60) as http:
+    for _ in sys.stdin:  # one request per line read; its TTFT written back
+        t0 = time.perf_counter()
+        with http.stream("POST", url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    ttft = time.perf_counter() - t0
+                    break
+            for _ in lines:
+                pass
+        print(ttft, flush=True)
+"""
+
+
+class _ClientProcess:
+    """An httpx client in a process of its own, one request per ``ttft()`` call."""
+
+    def __init__(self, url: str, body: dict):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _CLIENT_PROCESS, url, json.dumps(body)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def ttft(self) -> float:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
 
 
 def _http_ttft(http: httpx.Client, url: str, body: dict) -> float:
@@ -174,21 +215,30 @@ def main() -> int:
         raw_ttft = []
         loop = asyncio.new_event_loop()  # the in-process caller's loop, as an application keeps one
         raw = _RawClient(srv.url, body)
+        other = _ClientProcess(srv.url, body)
+        other_ttft = []
         with httpx.Client(timeout=60) as http:
             http_ttft.append(_http_ttft(http, srv.url, body))  # the connects, not counted
             raw_ttft.append(raw.ttft())
+            other_ttft.append(other.ttft())
             sent = []
             for i in range(args.pairs):  # alternating, so a change in the machine's speed hits all three
                 local_ttft.append(loop.run_until_complete(_local_ttft(llm, [5, 6, 7, 8], params, f"local-{i}")))
                 http_ttft.append(_http_ttft(http, srv.url, body))
+                other_ttft.append(other.ttft())
                 raw_ttft.append(raw.ttft())
                 sent.append(raw.sent)
         raw.close()
+        other.close()
         loop.close()
         here = statistics.median(local_ttft)
         print(f"streaming TTFT, medians of {args.pairs} alternating rounds: in process {here * 1e3:.2f} ms")
         diffs = {}
-        for name, ts in (("httpx client", http_ttft[1:]), ("raw socket client", raw_ttft[1:])):
+        for name, ts in (
+            ("httpx client in this process", http_ttft[1:]),
+            ("httpx client in its own process", other_ttft[1:]),
+            ("raw socket client", raw_ttft[1:]),
+        ):
             there = statistics.median(ts)
             diffs[name] = (there, there - here)
             print(f"  HTTP on one connection, {name}: {there * 1e3:.2f} ms, {(there - here) * 1e3:+.2f} ms")
@@ -221,7 +271,7 @@ def _print_stages(rows: list[dict], sent: list[float], ttfts: list[float], local
     """Medians of each stage of the raw client's requests, in ms."""
     rows = [dict(r, sent=s, received=s + t) for r, s, t in zip(rows, sent, ttfts) if "first_event" in r]
     spans = [
-        ("client send -> app entry (socket, uvicorn h11 parse)", "sent", "entry"),
+        ("client send -> app entry (socket, uvicorn's HTTP parse)", "sent", "entry"),
         ("app entry -> generate() (middleware, auth, body, validation)", "entry", "generate"),
         ("generate() -> first output (the engine, as in process)", "generate", "first_output"),
         ("first output -> first SSE event sent (SSE framing, Starlette)", "first_output", "first_event"),
