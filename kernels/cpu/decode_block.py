@@ -285,11 +285,11 @@ class FusedDecoderLayer:
         )
 
     def ffn_fusable(self, x: torch.Tensor) -> bool:
-        """Whether this step's ``x [T, D]`` goes through ``ffn``: float32 or bf16 rows as ``block_rows`` takes, every
-        row's routing counted (the C++ block counts them all; a decode graph's padding rows must not)."""
+        """Whether this step's ``x [T, D]`` goes through ``ffn``: float32 or bf16 rows as many as ``block_rows``
+        takes, every row's routing counted (the C++ block counts them all; a decode graph's padding rows must not)."""
         return (
             self.ffn_weights is not None
-            and 0 < x.shape[0] <= cpu_few_rows.MAX_ROWS
+            and block_rows(x)
             and x.dtype in DTYPES
             and getattr(self.experts, "count_rows", None) is None
         )
