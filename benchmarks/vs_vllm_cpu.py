@@ -4,15 +4,17 @@ whether the greedy tokens agree.
 
     python benchmarks/vs_vllm_cpu.py --vllm-python /tmp/vllmcpu-venv/bin/python
         [--ckpt-dir DIR] [--concurrency 1,4,16,64] [--input-len 64] [--output-len 64] [--rounds 2]
+        [--keep best|median]
         [--dtypes float32,bfloat16] [--threads N] [--layers 8] [--vllm-eager] [--no-vllm]
 
 vLLM lives in its own virtual environment (it pins its own torch; recipe in benchmarks/README.md), so
 each engine runs in its own process: vLLM's under ``--vllm-python``, ours (one process per dtype)
 under this Python. All of them load once, then take turns at every concurrency level, round after
-round, and each cell keeps its best round, so a noisy neighbour slows one turn rather than one
-engine. The workers are this same file started with ``--worker``; only the vLLM worker imports vLLM,
-and only inside its own process. vLLM gets our engine's threads and OpenMP wait policy (unpinned,
-``PASSIVE``) unless the environment or ``--vllm-env KEY=VALUE`` says otherwise.
+round, and each cell keeps its best round (``--keep median``: each metric's median), so a noisy
+neighbour slows one turn rather than one engine. The workers are this same file started with
+``--worker``; only the vLLM worker imports vLLM, and only inside its own process. vLLM gets our
+engine's threads and OpenMP wait policy (unpinned, ``PASSIVE``) unless the environment or
+``--vllm-env KEY=VALUE`` says otherwise.
 
 The model (random weights, written once by this script, bf16 safetensors): DeepSeek-V3 / Kimi K2
 architecture, ``model_type`` ``kimi_k2``, hidden 1024, 8 layers (the first dense), MLA with 8 heads,
@@ -35,6 +37,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,6 +45,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+_METRICS = ("tok_s", "tok_s_cpu", "ttft", "ttft_cpu")  # what a cell keeps of its rounds
 
 # Kimi K2's field set (Kimi-K2-Instruct's config.json), shrunk; dimensions chosen so vLLM's CPU MLA
 # backends accept it (kv_lora_rank 512, qk_rope_head_dim 64, as DeepSeek-V3 and Kimi K2 have).
@@ -348,6 +352,12 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; each cell keeps its best")
+    ap.add_argument(
+        "--keep",
+        choices=("best", "median"),
+        default="best",
+        help="what each cell keeps of its rounds: the best round, or each metric's median (contended machines)",
+    )
     ap.add_argument("--dtypes", default="float32,bfloat16", help="our engine's compute dtypes")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument(
@@ -421,6 +431,7 @@ def main() -> int:
             for w in workers:
                 w.run(n, args.output_len, warmup=True)
         best: dict[tuple[str, int], dict] = {}
+        rounds: dict[tuple[str, int], list[dict]] = {}
         for r in range(args.rounds):
             order = workers if r % 2 == 0 else workers[::-1]
             for n in args.concurrency:
@@ -429,9 +440,10 @@ def main() -> int:
                     res["tok_s"] = n * args.output_len / res["full"]
                     res["tok_s_cpu"] = n * args.output_len / res["full_cpu"] if res["full_cpu"] > 0 else 0.0
                     key = (w.name, n)
+                    rounds.setdefault(key, []).append(res)
                     old = best.get(key)
                     if old is None:
-                        best[key] = res
+                        best[key] = dict(res)
                     else:  # keep each metric's best round
                         for k in ("tok_s", "tok_s_cpu"):
                             old[k] = max(old[k], res[k])
@@ -447,10 +459,13 @@ def main() -> int:
         for w in workers:
             w.close()
 
+    if args.keep == "median":  # each metric's median over the rounds (the tokens of the last round)
+        for key, runs in rounds.items():
+            best[key] = dict(runs[-1], **{k: statistics.median(r[k] for r in runs) for k in _METRICS})
     base = workers[0].name  # vLLM, or our first dtype with --no-vllm
     print()
     print(
-        f"best of {args.rounds} rounds; ratios against {base} (above 1.0x: faster than {base}); "
+        f"{args.keep} of {args.rounds} rounds; ratios against {base} (above 1.0x: faster than {base}); "
         "TTFT = wall time until every request has its first token"
     )
     head = (

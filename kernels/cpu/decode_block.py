@@ -27,6 +27,7 @@ import torch
 
 from kimitui.kernels.backend import written_rows
 from kimitui.kernels.cpu import few_rows as cpu_few_rows
+from kimitui.kernels.cpu.linear import onednn_bf16_native
 from kimitui.kernels.cpu.packed_ffn_block import PackedFfnBlock
 
 _ABSENT = torch.empty(0)  # an absent weight, for the C++ side (never written)
@@ -40,6 +41,16 @@ def _dense(*tensors: torch.Tensor) -> bool:
         and tensors[0].dtype in DTYPES
         and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
     )
+
+
+def block_rows(x: torch.Tensor) -> bool:
+    """Whether a step's ``x [T, D]`` has a row count the decode blocks take: 1 to ``MAX_ROWS`` rows,
+    or up to ``MAX_BF16_BLOCK_ROWS`` bf16 rows where oneDNN has a native bf16 product (the blocks'
+    products then run oneDNN on packed weights)."""
+    t = x.shape[0]
+    if t <= cpu_few_rows.MAX_ROWS:
+        return t > 0
+    return x.dtype is torch.bfloat16 and t <= cpu_few_rows.MAX_BF16_BLOCK_ROWS and onednn_bf16_native()
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -239,12 +250,9 @@ class FusedDecoderLayer:
 
     def attention_fusable(self, x: torch.Tensor, meta) -> bool:
         """Whether this step's ``x [T, D]`` goes through ``attention``: decodes only, every output
-        wanted, up to ``MAX_ROWS`` float32 or bf16 rows, a latent cache of the matrices' dtype."""
+        wanted, float32 or bf16 rows as many as ``block_rows`` takes, a latent cache of the matrices' dtype."""
         return (
-            self.attention_weights is not None
-            and 0 < x.shape[0] <= cpu_few_rows.MAX_ROWS
-            and x.dtype in DTYPES
-            and meta.decodes_only(x.shape[0])
+            self.attention_weights is not None and block_rows(x) and x.dtype in DTYPES and meta.decodes_only(x.shape[0])
         )
 
     def attention(self, x: torch.Tensor, meta, cache: torch.Tensor) -> torch.Tensor:
@@ -277,11 +285,11 @@ class FusedDecoderLayer:
         )
 
     def ffn_fusable(self, x: torch.Tensor) -> bool:
-        """Whether this step's ``x [T, D]`` goes through ``ffn``: up to ``MAX_ROWS`` float32 or bf16 rows, every
-        row's routing counted (the C++ block counts them all; a decode graph's padding rows must not)."""
+        """Whether this step's ``x [T, D]`` goes through ``ffn``: float32 or bf16 rows as many as ``block_rows``
+        takes, every row's routing counted (the C++ block counts them all; a decode graph's padding rows must not)."""
         return (
             self.ffn_weights is not None
-            and 0 < x.shape[0] <= cpu_few_rows.MAX_ROWS
+            and block_rows(x)
             and x.dtype in DTYPES
             and getattr(self.experts, "count_rows", None) is None
         )

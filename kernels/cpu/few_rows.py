@@ -41,6 +41,13 @@ MAX_MOE_TOKENS = 4096
 # mla_decode() and mla_decode_absorbed(): up to this many sequences (mla_decode 3.9x at 1, 1.8x at 4,
 # 1.3x at 16; the fused layer 2.1 ms less per single-request step, even at 8-16 sequences)
 MAX_MLA_SEQS = 16
+# The decode blocks (attention_block, ffn_block) of a bf16 model on a CPU where oneDNN has a native
+# bf16 product: up to this many rows. Their products run oneDNN on packed weights from 6 rows on and
+# the MLA between them is batched over the step's sequences (W_UK / W_UV read once a step), so a wide
+# step gains the blocks' one call per half over the op-by-op layers (whose bf16 MLA decode is the
+# PyTorch reference's gather). A float32 model keeps MAX_ROWS: its block products are the widening
+# loops, slower than BLAS past 24 rows.
+MAX_BF16_BLOCK_ROWS = 64
 
 
 @functools.cache
