@@ -1,7 +1,7 @@
 """Launches of a Kimi K3 verification step (drafting on), graphed against eager, on the emulated device
 path (``KIMITUI_EMULATE_DEVICE=1``, ``TRITON_INTERPRET=1``, fp16), with the replay's agreement.
 
-Runs the child of tests/engine/runner/test_graph_verify_k3.py: a tiny K3 (KDA layers 1-3, MLA layer 4),
+Runs the child of tests/engine/runner/graphs/test_graph_verify_k3.py: a tiny K3 (KDA layers 1-3, MLA layer 4),
 three sequences verifying up to 3 drafts each over four speculative steps (rejected drafts, KDA
 rollbacks, padding positions, a padding sequence, buckets 4 and 2), one eager runner and one whose
 verify graphs are ``EmulatedGraph`` recordings. Eager launches are counted op by op; graphed launches
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def main() -> int:
     sys.path.insert(0, str(REPO))
-    from tests.engine.runner.test_graph_verify_k3 import STEPS
+    from tests.engine.runner.graphs.test_graph_verify_k3 import STEPS
     from tests.helpers.k3_checkpoint import write_k3_checkpoint
 
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KIMITUI_EMULATE_DEVICE")}
@@ -32,7 +32,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         write_k3_checkpoint(Path(tmp), seed=3, num_layers=4, kda_layers=(1, 2, 3), full_attn_layers=(4,))
         proc = subprocess.run(
-            [sys.executable, "-m", "tests.engine.runner.test_graph_verify_k3", tmp],
+            [sys.executable, "-m", "tests.engine.runner.graphs.test_graph_verify_k3", tmp],
             cwd=REPO,
             env=env,
             capture_output=True,

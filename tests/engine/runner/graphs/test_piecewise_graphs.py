@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from tests.engine.runner.test_graph_padding_rows import restore, run_child, snapshot
+from tests.engine.runner.graphs.test_graph_padding_rows import restore, run_child, snapshot
 
 MAX_SEQS = 8  # buckets 1, 2, 4, 8
 LENS = [20, 5, 40, 17, 33]  # five decodes: bucket 8, three padding rows
@@ -69,7 +69,7 @@ def test_k3_piecewise_graphs_with_host_experts_match_eager(tmp_path):
 
     # demo-k3's layout: KDA layers 1-3 (1 dense, 2-3 MoE), then MLA layer 4 (MoE)
     write_k3_checkpoint(tmp_path, seed=3, num_layers=4, kda_layers=(1, 2, 3), full_attn_layers=(4,))
-    got = run_child("tests.engine.runner.test_piecewise_graphs", str(tmp_path), "k3", "5")
+    got = run_child("tests.engine.runner.graphs.test_piecewise_graphs", str(tmp_path), "k3", "5")
     assert got["kda_layers"] > 0
     _check(got)
 
@@ -81,7 +81,7 @@ def test_k2_piecewise_graphs_with_host_experts_match_eager(tmp_path):
 
     hf = write_hf_checkpoint(tmp_path, seed=5, **K2_STRUCTURE)
     quantize_checkpoint(tmp_path, "int4", hf)
-    got = run_child("tests.engine.runner.test_piecewise_graphs", str(tmp_path), "k2", "8")
+    got = run_child("tests.engine.runner.graphs.test_piecewise_graphs", str(tmp_path), "k2", "8")
     _check(got)
 
 

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from tests.engine.runner.test_graph_padding_rows import restore, run_child, snapshot
+from tests.engine.runner.graphs.test_graph_padding_rows import restore, run_child, snapshot
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
@@ -45,7 +45,7 @@ def test_k3_verify_steps_replayed_from_graphs_match_eager(tmp_path):
     from tests.helpers.k3_checkpoint import write_k3_checkpoint
 
     write_k3_checkpoint(tmp_path, seed=3, num_layers=4, kda_layers=(1, 2, 3), full_attn_layers=(4,))
-    got = run_child("tests.engine.runner.test_graph_verify_k3", str(tmp_path))
+    got = run_child("tests.engine.runner.graphs.test_graph_verify_k3", str(tmp_path))
     print(json.dumps(got))
     assert got["verify_buckets"] == [2, 4] and got["graph_steps"] == len(STEPS), got
     for i, step in enumerate(got["steps"]):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 MAX_SEQS = 8  # buckets 1, 2, 4, 8
 LENS = [20, 5, 40, 17, 33]  # five decodes: bucket 8, three padding rows
 SLOTS = [2, 5, 1, 7, 0]
@@ -56,7 +56,7 @@ def test_k3_padding_rows_leave_caches_and_logits_as_eager(tmp_path):
 
     # demo-k3's layout: KDA layers 1-3, then MLA layer 4 (which reads what the KDA layers computed)
     write_k3_checkpoint(tmp_path, seed=3, num_layers=4, kda_layers=(1, 2, 3), full_attn_layers=(4,))
-    got = run_child("tests.engine.runner.test_graph_padding_rows", str(tmp_path))
+    got = run_child("tests.engine.runner.graphs.test_graph_padding_rows", str(tmp_path))
     assert got["graphs"] and got["bucket"] == MAX_SEQS and got["padding_rows"] == 3
     print(json.dumps(got))
     assert got["row0_newest_slot"] < 1e-3, got  # row 0's own latent, not a padding row's

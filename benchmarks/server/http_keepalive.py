@@ -13,7 +13,7 @@ into where the time goes on the server (ASGI entry, the handler, the engine's fi
 first SSE bytes handed to the socket). `--as-before` makes the listening socket as it was made
 before 2026-12-04 (protocol number 0, no TCP_NODELAY), to show the 40 ms delayed-ACK stall.
 
-    python benchmarks/http_keepalive.py [--as-before] [--stages] [--runs 3] [--pairs 40]
+    python benchmarks/server/http_keepalive.py [--as-before] [--stages] [--runs 3] [--pairs 40]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 import types
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import httpx  # noqa: E402
 

@@ -5,7 +5,7 @@ Both runs drive the same AsyncLLM with the same seeded prompts (token for token)
 difference in TTFT, TPOT and throughput is the server: HTTP, JSON, SSE framing and the extra
 event loop. The in-process run goes first and again last, to show run-to-run noise.
 
-    python benchmarks/bench_inprocess_vs_http.py [--model DIR] [--num-prompts 32] [--max-concurrency 8]
+    python benchmarks/server/bench_inprocess_vs_http.py [--model DIR] [--num-prompts 32] [--max-concurrency 8]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kimitui.bench import BenchmarkConfig, InProcessClient, OpenAICompletionsClient, run_benchmark  # noqa: E402
 from kimitui.engine import AsyncLLM, EngineArgs  # noqa: E402

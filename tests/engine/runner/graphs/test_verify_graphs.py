@@ -1,6 +1,6 @@
 """Verification steps of a hybrid target through the verify graphs (engine/runner/verify_graphs.py), on
 the CPU's static-buffer path (the direct calls a GPU captures; the emulated replay is
-tests/engine/runner/test_graph_verify_k3.py): the fixed layout's rows, slots and saves, and the trained
+tests/engine/runner/graphs/test_graph_verify_k3.py): the fixed layout's rows, slots and saves, and the trained
 K3 + DSpark pair generating with graphs on exactly what it generates eagerly and without drafting, with
 the same acceptance."""
 
@@ -15,7 +15,7 @@ from kimitui.engine.runner import model_runner as runner_mod
 from kimitui.engine.runner.graph_padding import PAD_SLOT
 from kimitui.engine.runner.verify_graphs import VerifyGraphRunner
 
-FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "dspark_tiny"
+FIXTURE = Path(__file__).resolve().parents[3] / "fixtures" / "dspark_tiny"
 _RUN_VERIFY = VerifyGraphRunner.run_verify
 
 

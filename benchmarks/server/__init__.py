@@ -1,0 +1,1 @@
+"""Benchmarks of the HTTP server: reused connections, TTFT over HTTP against in process."""
