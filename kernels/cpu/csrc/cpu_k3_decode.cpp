@@ -329,7 +329,10 @@ torch::Tensor situ_and_mul(torch::Tensor gu, double beta, double linear_beta) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("situ_and_mul", &situ_and_mul, "SiTU(gate) * up of a fused gate/up product");
-  m.def("kda_decode", &kda_decode, "KDA decode step between the projections (see cpu_k3_decode.cpp)");
-  m.def("attn_res_mix_norm", &attn_res_mix_norm, "attention-residual mix and the norm after it");
+  // Tensors in, tensors out, no Python objects touched: the GIL is released for the call, so the
+  // server's event loop and other threads run while a step computes.
+  using NoGil = py::call_guard<py::gil_scoped_release>;
+  m.def("situ_and_mul", &situ_and_mul, "SiTU(gate) * up of a fused gate/up product", NoGil());
+  m.def("kda_decode", &kda_decode, "KDA decode step between the projections (see cpu_k3_decode.cpp)", NoGil());
+  m.def("attn_res_mix_norm", &attn_res_mix_norm, "attention-residual mix and the norm after it", NoGil());
 }
