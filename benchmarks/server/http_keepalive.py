@@ -90,30 +90,12 @@ class _Stages:
         await self.app(scope, receive, timed_send)
 
 
-_CLIENT_PROCESS = """
-import json, sys, time, httpx
-url, body = sys.argv[1], json.loads(sys.argv[2])
-with httpx.Client(timeout=60) as http:
-    for _ in sys.stdin:  # one request per line read; its TTFT written back
-        t0 = time.perf_counter()
-        with http.stream("POST", url + "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: {"):
-                    ttft = time.perf_counter() - t0
-                    break
-            for _ in lines:
-                pass
-        print(ttft, flush=True)
-"""
-
-
 class _ClientProcess:
     """An httpx client in a process of its own, one request per ``ttft()`` call."""
 
     def __init__(self, url: str, body: dict):
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _CLIENT_PROCESS, url, json.dumps(body)],
+            [sys.executable, __file__, "--client-of", url, json.dumps(body)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -179,7 +161,17 @@ async def _local_ttft(llm: AsyncLLM, prompt: list[int], params: SamplingParams, 
     return ttft
 
 
+def _client_loop(url: str, body: dict) -> int:
+    """The separate process's side: one request per line read from stdin, its TTFT written back."""
+    with httpx.Client(timeout=60) as http:
+        for _ in sys.stdin:
+            print(_http_ttft(http, url, body), flush=True)
+    return 0
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--client-of"]:
+        return _client_loop(sys.argv[2], json.loads(sys.argv[3]))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--as-before", action="store_true", help="the listening socket as before the fix")
     p.add_argument("--runs", type=int, default=3)

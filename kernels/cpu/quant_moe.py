@@ -49,7 +49,7 @@ import torch
 
 from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.cpu import quant_moe_layout as layout
-from kimitui.kernels.cpu.build import QUANT_MOE, load_extension
+from kimitui.kernels.cpu.build import QUANT_MOE, cpu_flags, load_extension
 
 log = logging.getLogger(__name__)
 
@@ -105,19 +105,7 @@ def planned_isa() -> str:
     """The path ``isa()`` will report, from /proc/cpuinfo and ``KIMITUI_CPU_ISA``, without building
     the extension (for ``kimitui info``). On an AMX CPU whose kernel refuses the tile permission the
     extension falls back to avx512bf16 where this still says amx_bf16."""
-    try:
-        flags = set(
-            next(
-                (
-                    line.split(":", 1)[1].split()
-                    for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("flags")
-                ),
-                [],
-            )
-        )
-    except OSError:
-        flags = set()
+    flags = cpu_flags()
     best = (
         4
         if {"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"} <= flags
@@ -174,19 +162,7 @@ def w4a8(value: str | None = None) -> str:
 def planned_w4a8() -> str:
     """What ``w4a8()`` will report, from /proc/cpuinfo and ``KIMITUI_CPU_W4A8``, without building (for
     ``kimitui info``)."""
-    try:
-        flags = set(
-            next(
-                (
-                    line.split(":", 1)[1].split()
-                    for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("flags")
-                ),
-                [],
-            )
-        )
-    except OSError:
-        flags = set()
+    flags = cpu_flags()
     best = 2 if {"avx512f", "avx512bw", "avx512_vnni"} <= flags else 1 if {"avx2", "avx_vnni"} <= flags else 0
     try:
         return _describe(_w4a8_choice(os.environ.get(ENV_W4A8, ""), best))
