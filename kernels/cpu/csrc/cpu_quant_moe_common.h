@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace cpu_quant_moe {
 
@@ -57,5 +58,26 @@ void tile_dot_q8_scalar(const Tiles&, int64_t, int, const Q8Row*, int, float*, i
 // One row of K activations (float32 or bf16 bits) -> groups x (8 words q, d, asum); zero past K.
 void quantize_q8(const float* x, int64_t K, int64_t groups, int32_t* q, float* d, int32_t* asum);
 void quantize_q8(const uint16_t* x, int64_t K, int64_t groups, int32_t* q, float* d, int32_t* asum);
+
+// The tile kernels' token blocking (cpu_quant_moe_isa.cpp, cpu_quant_moe_w4a8.cpp): a block's token
+// count is a compile-time constant, so its accumulators stay in registers.
+// f(integral_constant<n>) for a runtime n in [1, N].
+template <int N, class F>
+inline void with_count(int n, F&& f) {
+  if constexpr (N > 0) {
+    if (n == N)
+      f(std::integral_constant<int, N>{});
+    else
+      with_count<N - 1>(n, f);
+  }
+}
+
+// block(integral_constant<C>, c0) over tokens [0, nc) in blocks of up to Cmax.
+template <int Cmax, class F>
+inline void token_blocks(int nc, F&& block) {
+  int c0 = 0;
+  for (; c0 + Cmax <= nc; c0 += Cmax) block(std::integral_constant<int, Cmax>{}, c0);
+  if (c0 < nc) with_count<Cmax - 1>(nc - c0, [&](auto c) { block(c, c0); });
+}
 
 }  // namespace cpu_quant_moe

@@ -55,25 +55,6 @@ inline void prefetch_avx512(const uint8_t* block) {
   _mm_prefetch(reinterpret_cast<const char*>(block + kAheadL2), _MM_HINT_T1);
 }
 
-// f(integral_constant<n>) for a runtime n in [1, N].
-template <int N, class F>
-inline void with_count(int n, F&& f) {
-  if constexpr (N > 0) {
-    if (n == N)
-      f(std::integral_constant<int, N>{});
-    else
-      with_count<N - 1>(n, f);
-  }
-}
-
-// block(integral_constant<C>, c0) over tokens [0, nc) in blocks of up to Cmax.
-template <int Cmax, class F>
-inline void token_blocks(int nc, F&& block) {
-  int c0 = 0;
-  for (; c0 + Cmax <= nc; c0 += Cmax) block(std::integral_constant<int, Cmax>{}, c0);
-  if (c0 < nc) with_count<Cmax - 1>(nc - c0, [&](auto c) { block(c, c0); });
-}
-
 // 32-byte aligned storage for the decoded-code buffers (aligned vector loads and stores).
 template <class T>
 struct AlignedAlloc {

@@ -74,23 +74,6 @@ void quantize_row(const T* x, int64_t K, int64_t groups, int32_t* q, float* d, i
   }
 }
 
-template <int N, class F>
-inline void with_count(int n, F&& f) {
-  if constexpr (N > 0) {
-    if (n == N)
-      f(std::integral_constant<int, N>{});
-    else
-      with_count<N - 1>(n, f);
-  }
-}
-
-template <int Cmax, class F>
-inline void token_blocks(int nc, F&& block) {
-  int c0 = 0;
-  for (; c0 + Cmax <= nc; c0 += Cmax) block(std::integral_constant<int, Cmax>{}, c0);
-  if (c0 < nc) with_count<Cmax - 1>(nc - c0, [&](auto c) { block(c, c0); });
-}
-
 }  // namespace
 
 void quantize_q8(const float* x, int64_t K, int64_t groups, int32_t* q, float* d, int32_t* asum) {
