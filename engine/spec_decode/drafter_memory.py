@@ -18,19 +18,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from kimitui.engine.spec_decode.dspark.model import dspark_footprint
-from kimitui.engine.spec_decode.footprint import _DTYPE_BYTES, DrafterFootprint, drafter_footprint
+from kimitui.engine.spec_decode.footprint import _DTYPE_BYTES, DrafterFootprint, drafter_footprint, read_drafter_config
 
 
 def _checkpoint_dtype_bytes(model_dir) -> int:
     """Bytes per value of the drafter as stored (``torch_dtype`` / ``dtype`` in its config; bf16 if
     neither): what the plan counts when the engine's dtype is not given."""
-    path = Path(model_dir) / "config.json"
-    try:
-        c = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"speculative_config.model: {path} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e.msg})") from None
+    _, c = read_drafter_config(model_dir)
     return _DTYPE_BYTES.get(str(c.get("torch_dtype") or c.get("dtype") or "bfloat16"), 2)
 
 

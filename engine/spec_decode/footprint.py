@@ -29,17 +29,23 @@ class DrafterFootprint:
     method: str = ""  # eagle3 or dspark (engine.spec_decode.drafter_memory)
 
 
-def drafter_footprint(
-    model_dir: str | Path, target_hidden_size: int, target_vocab_size: int, dtype_bytes: int | None = None
-) -> DrafterFootprint:
-    """Bytes of an EAGLE-3 drafter checkpoint's weights and KV per token, from its config.json."""
+def read_drafter_config(model_dir: str | Path) -> tuple[Path, dict]:
+    """(path, contents) of a drafter checkpoint's config.json; one-line errors for a missing or
+    malformed file."""
     path = Path(model_dir) / "config.json"
     try:
-        c = json.loads(path.read_text())
+        return path, json.loads(path.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"speculative_config.model: {path} does not exist") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e.msg})") from None
+
+
+def drafter_footprint(
+    model_dir: str | Path, target_hidden_size: int, target_vocab_size: int, dtype_bytes: int | None = None
+) -> DrafterFootprint:
+    """Bytes of an EAGLE-3 drafter checkpoint's weights and KV per token, from its config.json."""
+    path, c = read_drafter_config(model_dir)
     try:
         h, inter = int(c["hidden_size"]), int(c["intermediate_size"])
         heads = int(c["num_attention_heads"])

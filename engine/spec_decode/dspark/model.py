@@ -49,7 +49,7 @@ from kimitui.engine.layers.linear import Linear
 from kimitui.engine.layers.norm import RMSNorm
 from kimitui.engine.sampling.sampler import apply_top_k_top_p
 from kimitui.engine.spec_decode.dspark.attention import DSparkAttention, PagedContext
-from kimitui.engine.spec_decode.footprint import DrafterFootprint
+from kimitui.engine.spec_decode.footprint import DrafterFootprint, read_drafter_config
 
 ARCHITECTURES = ("K3DSparkModel",)
 AUX_STREAMS = ("prefix", "attn_res")
@@ -463,10 +463,7 @@ def dspark_footprint(model_dir, target_config, dtype_bytes: int):
     header), for the memory plan."""
 
     path = Path(model_dir)
-    try:
-        d = json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"speculative_config.model: {path / 'config.json'} does not exist") from None
+    _, d = read_drafter_config(path)
     cfg = DSparkConfig.from_dict(
         d,
         target_config.num_hidden_layers,
