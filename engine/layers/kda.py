@@ -207,22 +207,7 @@ class KimiDeltaAttention(nn.Module):
             # a plain decode step: gate, beta, conv, delta rule and the gated norm in one backend call
             # (one launch on a device); speculative verification and prefills run the ops below
             gate = g_in if self.config.use_full_rank_gate else self.g_b_proj(g_in)
-            out = self.ops.kda_decode(
-                qkv,
-                self.f_b_proj(f_a),
-                b,
-                gate,
-                conv_w,
-                self.A_log,
-                self.dt_bias,
-                self.config.gate_lower_bound,
-                self.o_norm.weight,
-                self.config.rms_norm_eps,
-                state.conv,
-                state.recurrent,
-                slots,
-                self.scale,
-            )
+            out = self._fused_decode(qkv, self.f_b_proj(f_a), b, gate, conv_w, state, slots)
             return self.par.all_reduce(self.o_proj(out))
 
         a = (self.f_b_proj(f_a).float() + self.dt_bias).view(T, H, hd)
@@ -268,6 +253,25 @@ class KimiDeltaAttention(nn.Module):
             q, k, v, g, beta, state.recurrent, layout.indices, layout.lengths, self.scale
         )
 
+    def _fused_decode(self, qkv, f_b, b, gate, conv_w, state: KDAState, slots) -> torch.Tensor:
+        """One fused decode step (``ops.kda_decode``) of one token per row in the rows' slots."""
+        return self.ops.kda_decode(
+            qkv,
+            f_b,
+            b,
+            gate,
+            conv_w,
+            self.A_log,
+            self.dt_bias,
+            self.config.gate_lower_bound,
+            self.o_norm.weight,
+            self.config.rms_norm_eps,
+            state.conv,
+            state.recurrent,
+            slots,
+            self.scale,
+        )
+
     def _verify_rows(self, qkv, f_b, b, gate, conv_w, slots, state: KDAState, rows: KDAVerifyRows) -> torch.Tensor:
         """Verification in a fixed position-major layout (``KDAVerifyRows``): position ``j`` of every
         sequence is one fused decode step on rows ``j * n .. (j + 1) * n`` in the sequences' own slots
@@ -284,22 +288,7 @@ class KimiDeltaAttention(nn.Module):
         out = qkv.new_empty(T, self.num_heads * self.head_dim)
         for j in range(w):
             r = slice(j * n, (j + 1) * n)
-            out[r] = self.ops.kda_decode(
-                qkv[r],
-                f_b[r],
-                b[r],
-                gate[r],
-                conv_w,
-                self.A_log,
-                self.dt_bias,
-                self.config.gate_lower_bound,
-                self.o_norm.weight,
-                self.config.rms_norm_eps,
-                state.conv,
-                state.recurrent,
-                slots[r],
-                self.scale,
-            )
+            out[r] = self._fused_decode(qkv[r], f_b[r], b[r], gate[r], conv_w, state, slots[r])
             if j < w - 1:
                 src, dst = rows.save_src[j], rows.save_dst[j]
                 state.recurrent.index_copy_(0, dst, state.recurrent.index_select(0, src))
