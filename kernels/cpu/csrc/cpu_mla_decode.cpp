@@ -53,6 +53,13 @@ void context_keys(const T* cache, int64_t slots, int64_t C, const int32_t* table
   }
 }
 
+// Scaled scores this far below the largest get a weight of exactly zero: e^-60 (about 1e-26) is far
+// under what a float32 sum that the largest term makes >= 1 can hold, so the weight adds nothing, but
+// kept, it turns denormal once normalised or multiplied by a latent, and every operation on a
+// denormal takes a microcode assist on Intel cores: a random-weight K2-shaped layer's attention over
+// 100 positions ran 9x slower (840 against 94 us) with them.
+constexpr float kNegligibleScore = -60.0f;
+
 // p[l] = softmax_l(scale * p[l]) over one head's L scores, in place.
 void softmax_row(float* p, int64_t L, float scale) {
   v8 mv = v8{} - INFINITY;
@@ -67,13 +74,15 @@ void softmax_row(float* p, int64_t L, float scale) {
   m *= scale;  // scale > 0: the largest scaled score is the scaled largest score
   v8 sv = v8{};
   for (l = 0; l + 8 <= L; l += 8) {
-    const v8 e = exp8(load8(p + l) * scale - m);
+    const v8 z = load8(p + l) * scale - m;
+    const v8 e = z < kNegligibleScore ? v8{} : exp8(z);
     std::memcpy(p + l, &e, sizeof e);
     sv += e;
   }
   float sum = hsum(sv);
   for (int64_t t = l; t < L; ++t) {
-    p[t] = std::exp(p[t] * scale - m);
+    const float z = p[t] * scale - m;
+    p[t] = z < kNegligibleScore ? 0.0f : std::exp(z);
     sum += p[t];
   }
   const float inv = 1.0f / sum;
