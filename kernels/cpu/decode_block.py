@@ -28,7 +28,7 @@ import torch
 from kimitui.kernels.backend import written_rows
 from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.cpu.linear import onednn_bf16_native
-from kimitui.kernels.cpu.packed_ffn_block import PackedFfnBlock
+from kimitui.kernels.cpu.packed_ffn_block import PackedFfnBlock, PackedFfnWeights, packed_ffn_weights
 
 _ABSENT = torch.empty(0)  # an absent weight, for the C++ side (never written)
 DTYPES = (torch.float32, torch.bfloat16)  # the dtypes of the matrices (and activations) the blocks take
@@ -233,7 +233,7 @@ class FusedDecoderLayer:
     def __init__(
         self,
         attention: AttentionBlockWeights | None,
-        ffn: FfnBlockWeights | None,
+        ffn: FfnBlockWeights | PackedFfnWeights | None,
         routing_counts: torch.Tensor,
         backend,
         experts=None,
@@ -287,16 +287,21 @@ class FusedDecoderLayer:
     def ffn_fusable(self, x: torch.Tensor) -> bool:
         """Whether this step's ``x [T, D]`` goes through ``ffn``: float32 or bf16 rows as many as ``block_rows``
         takes, every row's routing counted (the C++ block counts them all; a decode graph's padding rows must not)."""
+        w = self.ffn_weights
         return (
-            self.ffn_weights is not None
+            w is not None
             and block_rows(x)
             and x.dtype in DTYPES
             and getattr(self.experts, "count_rows", None) is None
+            and (not isinstance(w, PackedFfnWeights) or x.dtype is w.dtype)  # the dtype chose its products
         )
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         """``x + ffn(norm(x))``, counting a MoE's routing into ``routing_counts``."""
-        return cpu_few_rows.ffn_block(x, self.routing_counts, self.ffn_weights, self.backend.moe_scratch)
+        w = self.ffn_weights
+        if isinstance(w, PackedFfnWeights):
+            return cpu_few_rows.packed_ffn_block(x, self.routing_counts, w)
+        return cpu_few_rows.ffn_block(x, self.routing_counts, w, self.backend.moe_scratch)
 
 
 def fuse_decoder_layer(layer, backend) -> FusedDecoderLayer | None:
@@ -304,6 +309,8 @@ def fuse_decoder_layer(layer, backend) -> FusedDecoderLayer | None:
     ``post_attention_layernorm``, ``mlp``), or None when neither half can be fused."""
     attention = attention_weights(layer.input_layernorm, layer.self_attn)
     ffn = ffn_weights(layer.post_attention_layernorm, layer.mlp)
+    if ffn is None:  # packed routed experts: the C++ block where it takes the layer
+        ffn = packed_ffn_weights(layer.post_attention_layernorm, layer.mlp)
     packed = None if ffn is not None else PackedFfnBlock.build(layer.post_attention_layernorm, layer.mlp, backend)
     if attention is None and ffn is None and packed is None:
         return None

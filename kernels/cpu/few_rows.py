@@ -192,6 +192,18 @@ def ffn_block(x, counts, weights, scratch: torch.Tensor) -> torch.Tensor:
     return _module().ffn_block(x, counts, *weights.kernel_args, scratch)
 
 
+def packed_ffn_block(x, counts, weights) -> torch.Tensor:
+    """``x + MoE(norm(x))`` for x [T, D] whose routed experts are packed tiles (INT4 / MXFP4), counting
+    each token's experts into ``counts`` [E] int64; ``weights``: a ``kernels.cpu.packed_ffn_block.PackedFfnWeights``.
+    Needs ``use_packed_experts`` (the packed-experts extension's kernels) first."""
+    return _module().packed_ffn_block(x, counts, *weights.kernel_args)
+
+
+def use_packed_experts(capsules) -> None:
+    """Link the packed-experts extension's MoE kernels (its ``experts_capsules()``) in, for ``packed_ffn_block``."""
+    _module().use_packed_experts(*capsules)
+
+
 def rms_norm(x, weight, eps) -> torch.Tensor:
     """HF RMSNorm over the last dim of float32 ``x [..., D]``."""
     d = weight.shape[0]

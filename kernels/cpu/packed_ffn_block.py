@@ -1,5 +1,14 @@
 """The FFN half of a decoder layer whose routed experts are the CPU's packed tiles (INT4 / MXFP4,
-``kernels.cpu_quant_moe``), as one Python call with nothing between the kernels.
+``kernels.cpu_quant_moe``): one C++ call (``PackedFfnWeights``, the few-row extension's
+``packed_ffn_block``), or one Python call with nothing between the kernels (``PackedFfnBlock``).
+
+``PackedFfnWeights`` is the bf16 / float32 dense ``ffn_block`` (``kernels/cpu/decode_block.py``) with
+the routed experts replaced by the packed-experts extension's MoE, called from C++ by pointer: norm,
+router, shared expert and sums in float32, the output rounded to the model's dtype once (within bf16
+rounding of the op-by-op layer, as the dense block). Per layer of a K2-shaped INT4 decode step it
+drops about 0.3 ms of Python and ATen calls around the kernels (issue 40's profile: the MoE layers'
+FFN half took 0.35 ms more than its kernels; the dense layer's C++ block 0.1 ms). Taken where the
+shared expert is a SiLU MLP on one rank; ``PackedFfnBlock`` keeps everything else.
 
 ``x + MoE(post_attention_layernorm(x))`` is, op by op, the norm, the router (C++), the routed
 experts (C++ over the tiles), the shared expert (two C++ products and the gated activation) and the
@@ -16,11 +25,102 @@ one rank whose experts all sit in this process's one tiled stack; anything else 
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
 from kimitui.kernels.cpu import few_rows as cpu_few_rows
+from kimitui.kernels.cpu import quant_moe as cpu_quant_moe
 
 DTYPES = (torch.float32, torch.bfloat16)
+_ABSENT = torch.empty(0)
+
+
+@dataclass(frozen=True, eq=False)
+class PackedFfnWeights:
+    """The fixed arguments of the C++ ``packed_ffn_block``, in its order; ``dtype`` (the model's, which
+    chose the products) is not one of them."""
+
+    norm: torch.Tensor  # post_attention_layernorm [D], float32
+    norm_eps: float
+    gate_up: torch.Tensor  # the shared experts' [2I_s, D] (gate rows, then up), or empty
+    down: torch.Tensor  # [D, I_s], or empty
+    router: torch.Tensor  # [E, D] float32
+    bias: torch.Tensor  # e_score_correction_bias [E] float32
+    top_k: int
+    n_group: int
+    topk_group: int
+    sigmoid: bool
+    norm_topk_prob: bool
+    scaling: float
+    w4a8: bool  # the routed experts' products: W4A8 (path an int8 path) or float (an instruction-set path)
+    w13: torch.Tensor  # the tile layout, uint8 [E, bytes]
+    w2: torch.Tensor
+    inter: int
+    mxfp4: bool
+    path: int
+    act: int  # 0 SiLU, 1 SiTU
+    beta: float
+    linear_beta: float  # 0: SiTU's up unbounded
+    dtype: torch.dtype
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple:
+        """The fields in order, as the C++ function takes them (built once: this runs every step)."""
+        return tuple(getattr(self, f) for f in self.__dataclass_fields__ if f != "dtype")
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
+def packed_ffn_weights(norm, moe) -> PackedFfnWeights | None:
+    """The C++ block's arguments for ``norm`` (post-attention RMSNorm) and ``moe`` (a ``MoE`` whose routed
+    experts are one local tiled stack), or None where it cannot take them: no C++ kernels, shared experts
+    that are not one dense SiLU MLP of the model's dtype on this rank, weights not CPU tensors."""
+    if PackedFfnBlock.build(norm, moe, None) is None or not cpu_quant_moe.available():
+        return None
+    gate, stack, shared = moe.gate, moe.experts.local, moe.shared_experts
+    dtype = norm.weight.dtype
+    if dtype not in DTYPES:
+        return None
+    if shared is not None:
+        act = getattr(shared, "act", None)
+        mats = (shared.gate_up, shared.down_proj.weight)
+        if (act is not None and not act.is_silu) or any(
+            t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() for t in mats
+        ):
+            return None
+    vectors = (norm.weight, gate.weight, gate.e_score_correction_bias)
+    if any(t.device.type != "cpu" or t.dtype not in DTYPES for t in vectors):
+        return None
+    w4a8, path = cpu_quant_moe.fused_path(dtype)
+    activation = stack.activation
+    return PackedFfnWeights(
+        norm=_f32(norm.weight),
+        norm_eps=float(norm.eps),
+        gate_up=_ABSENT if shared is None else shared.gate_up,
+        down=_ABSENT if shared is None else shared.down_proj.weight,
+        router=_f32(gate.weight),
+        bias=_f32(gate.e_score_correction_bias),
+        top_k=int(gate.top_k),
+        n_group=int(gate.n_group),
+        topk_group=int(gate.topk_group),
+        sigmoid=gate.scoring_func == "sigmoid",
+        norm_topk_prob=bool(gate.norm_topk_prob),
+        scaling=float(gate.scaling),
+        w4a8=w4a8,
+        w13=stack.w13_tiles,
+        w2=stack.w2_tiles,
+        inter=int(stack.inter),
+        mxfp4=stack.tiled_fmt == "mxfp4",
+        path=path,
+        act=0 if activation is None else activation.code,
+        beta=1.0 if activation is None else float(activation.beta),
+        linear_beta=0.0 if activation is None or activation.linear_beta is None else float(activation.linear_beta),
+        dtype=dtype,
+    )
 
 
 class PackedFfnBlock:

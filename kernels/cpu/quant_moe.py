@@ -73,6 +73,7 @@ def _module():
     # (when they build)
     if module is not None and cpu_few_rows.available():
         module.use_team(cpu_few_rows.team_capsule())
+        cpu_few_rows.use_packed_experts(module.experts_capsules())  # for its packed_ffn_block
     return module
 
 
@@ -348,6 +349,13 @@ def _w4a8_arg(w4a8, isa_name, dtype: torch.dtype) -> int | None:
     except ValueError as e:
         raise ValueError(f"cpu_quant_moe: int8 path {w4a8!r}: {e}") from None
     return None if bf16_only and dtype != torch.bfloat16 else code
+
+
+def fused_path(dtype: torch.dtype) -> tuple[bool, int]:
+    """``(w4a8, path)``: the products ``moe`` runs for activations of ``dtype`` by default (the process's
+    ``KIMITUI_CPU_W4A8`` and instruction-set path), as the few-row extension's ``packed_ffn_block`` takes them."""
+    q8 = _w4a8_arg(None, None, dtype)
+    return (False, _isa_code()) if q8 is None else (True, q8)
 
 
 def matmul_w4a8(x: torch.Tensor, tiles: torch.Tensor, n: int, fmt: str, path: str) -> torch.Tensor:

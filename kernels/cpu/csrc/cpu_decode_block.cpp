@@ -2,6 +2,7 @@
 //
 // attention_block(x, ...) -> x + o_proj(MLA(input_layernorm(x)))   (writes the newest latents)
 // ffn_block(x, ...)       -> x + MoE or MLP(post_attention_layernorm(x))
+// packed_ffn_block(x, ...) -> the same for a MoE whose routed experts are packed tiles (INT4 / MXFP4)
 //
 // They chain the same kernels the layer calls one by one (linear, rms_norm, mla_decode_absorbed,
 // moe_route, moe, and ATen's silu and mul), in the same order, so the results are bit for bit those
@@ -28,6 +29,26 @@ torch::Tensor swiglu(const torch::Tensor& h, const torch::Tensor& gate_up, const
   const int64_t I = gu.size(1) / 2;
   return ::linear(at::silu(gu.slice(1, 0, I)) * gu.slice(1, I), down);
 }
+
+// The router's top-k ids and weights for h, each token's experts counted into counts [E] (int64).
+std::tuple<torch::Tensor, torch::Tensor> route_and_count(const torch::Tensor& h, const torch::Tensor& counts,
+                                                         const torch::Tensor& router_w, const torch::Tensor& bias,
+                                                         int64_t top_k, int64_t n_group, int64_t topk_group,
+                                                         bool sigmoid, bool norm_topk, double scaling) {
+  TORCH_CHECK(counts.device().is_cpu() && counts.scalar_type() == torch::kInt64 && counts.is_contiguous() &&
+                  counts.numel() == router_w.size(0),
+              "counts must be a contiguous int64 CPU tensor of ", router_w.size(0), " experts, got ",
+              counts.scalar_type(), " ", counts.sizes());
+  auto routed = ::moe_route(h, router_w, bias, top_k, n_group, topk_group, sigmoid, norm_topk, scaling);
+  const auto& ids = std::get<0>(routed);
+  int64_t* c = counts.data_ptr<int64_t>();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i) ++c[id[i]];
+  return routed;
+}
+
+// The packed-experts extension's two MoE entry points, set once by use_packed_experts.
+PackedExperts g_packed_experts[2] = {nullptr, nullptr};  // [float products, W4A8]
 
 }  // namespace
 
@@ -67,15 +88,41 @@ torch::Tensor ffn_block(torch::Tensor x_in, torch::Tensor counts, torch::Tensor 
     auto y = swiglu(h, gate_up, down).add_(x);
     return dtype == torch::kFloat32 ? y : y.to(dtype);
   }
-  TORCH_CHECK(counts.device().is_cpu() && counts.scalar_type() == torch::kInt64 && counts.is_contiguous() &&
-                  counts.numel() == router_w.size(0),
-              "counts must be a contiguous int64 CPU tensor of ", router_w.size(0), " experts, got ",
-              counts.scalar_type(), " ", counts.sizes());
-  const auto [ids, weights] = ::moe_route(h, router_w, bias, top_k, n_group, topk_group, sigmoid, norm_topk, scaling);
-  int64_t* c = counts.data_ptr<int64_t>();
-  const int64_t* id = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < ids.numel(); ++i) ++c[id[i]];
+  const auto [ids, weights] =
+      route_and_count(h, counts, router_w, bias, top_k, n_group, topk_group, sigmoid, norm_topk, scaling);
   auto y = ::moe(h, ids, weights, w13, w2, scratch);
+  if (gate_up.numel()) y.add_(swiglu(h, gate_up, down));
+  y.add_(x);
+  return dtype == torch::kFloat32 ? y : y.to(dtype);
+}
+
+void kimitui_cpu::use_packed_experts(PackedExperts floats, PackedExperts w4a8) {
+  g_packed_experts[0] = floats;
+  g_packed_experts[1] = w4a8;
+}
+
+// ffn_block's MoE with the routed experts in the packed-experts extension's tile layout (w13, w2 uint8
+// [E, bytes] of `inter`-wide experts, INT4 or MXFP4), multiplied by its float products (w4a8 false;
+// `path` an instruction-set path) or its W4A8 ones (`path` an int8 path); act, beta and linear_beta its
+// gated activation. As ffn_block, the norm, the router, the shared experts (SiLU) and the sums run in
+// float32 and the output is rounded to x's dtype once; the experts take the normed rows in x's dtype,
+// as they do when the layer runs op by op.
+torch::Tensor packed_ffn_block(torch::Tensor x_in, torch::Tensor counts, torch::Tensor norm, double eps,
+                               torch::Tensor gate_up, torch::Tensor down, torch::Tensor router_w, torch::Tensor bias,
+                               int64_t top_k, int64_t n_group, int64_t topk_group, bool sigmoid, bool norm_topk,
+                               double scaling, bool w4a8, torch::Tensor w13, torch::Tensor w2, int64_t inter,
+                               bool mxfp4, int64_t path, int64_t act, double beta, double linear_beta) {
+  const PackedExperts experts = g_packed_experts[w4a8 ? 1 : 0];
+  TORCH_CHECK(experts != nullptr, "packed_ffn_block: the packed-experts extension has not been linked in "
+              "(use_packed_experts)");
+  TORCH_CHECK(router_w.numel(), "packed_ffn_block needs a router");
+  const auto x = as_f32(x_in, "x", 2);
+  const auto dtype = x_in.scalar_type();
+  const auto h = ::rms_norm(x, norm, eps);
+  const auto [ids, weights] =
+      route_and_count(h, counts, router_w, bias, top_k, n_group, topk_group, sigmoid, norm_topk, scaling);
+  auto y = experts(dtype == torch::kFloat32 ? h : h.to(dtype), ids, weights, w13, w2, inter, mxfp4, path, act, beta,
+                   linear_beta);
   if (gate_up.numel()) y.add_(swiglu(h, gate_up, down));
   y.add_(x);
   return dtype == torch::kFloat32 ? y : y.to(dtype);

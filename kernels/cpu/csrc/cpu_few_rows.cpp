@@ -306,6 +306,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, NoGil(), "HF RMSNorm over the last dim, float32 on the CPU");
   m.def("attention_block", &attention_block, NoGil(), "x + MLA(norm(x)) for a batch of decodes, float32 on the CPU");
   m.def("ffn_block", &ffn_block, NoGil(), "x + MoE or MLP(norm(x)) for a few rows, float32 on the CPU");
+  m.def("packed_ffn_block", &packed_ffn_block, NoGil(),
+        "x + MoE(norm(x)) over packed (INT4 / MXFP4) routed experts for a few rows, on the CPU");
+  m.def("use_packed_experts", [](py::capsule floats, py::capsule w4a8) {
+    TORCH_CHECK(std::string(floats.name()) == kPackedExpertsCapsule &&
+                    std::string(w4a8.name()) == kPackedExpertsW4a8Capsule,
+                "use_packed_experts: not the packed-experts extension's capsules");
+    use_packed_experts(reinterpret_cast<PackedExperts>(floats.get_pointer()),
+                       reinterpret_cast<PackedExperts>(w4a8.get_pointer()));
+  }, "the packed-experts extension's MoE (its experts_capsules()), for packed_ffn_block");
   m.def("team_capsule", [] {
     return py::capsule(reinterpret_cast<void*>(&Team::run_on), kTeamCapsule);
   }, "this extension's thread team, for another extension's use_team()");

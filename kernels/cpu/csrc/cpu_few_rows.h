@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_packed_experts.h"  // PackedExperts
 #include "cpu_parallel.h"  // parallel_runs
 
 #include <algorithm>
@@ -69,8 +70,15 @@ torch::Tensor ffn_block(torch::Tensor x, torch::Tensor counts, torch::Tensor nor
                         torch::Tensor down, torch::Tensor router_w, torch::Tensor bias, int64_t top_k,
                         int64_t n_group, int64_t topk_group, bool sigmoid, bool norm_topk, double scaling,
                         torch::Tensor w13, torch::Tensor w2, torch::Tensor scratch);
+torch::Tensor packed_ffn_block(torch::Tensor x, torch::Tensor counts, torch::Tensor norm, double eps,
+                               torch::Tensor gate_up, torch::Tensor down, torch::Tensor router_w, torch::Tensor bias,
+                               int64_t top_k, int64_t n_group, int64_t topk_group, bool sigmoid, bool norm_topk,
+                               double scaling, bool w4a8, torch::Tensor w13, torch::Tensor w2, int64_t inter,
+                               bool mxfp4, int64_t path, int64_t act, double beta, double linear_beta);
 
 namespace kimitui_cpu {
+
+void use_packed_experts(PackedExperts floats, PackedExperts w4a8);  // cpu_decode_block.cpp
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));

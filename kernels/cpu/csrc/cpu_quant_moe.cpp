@@ -24,6 +24,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_packed_experts.h"  // experts_capsules
 #include "cpu_parallel.h"  // parallel_runs
 #include "cpu_quant_moe_common.h"
 #include "gated_act.h"
@@ -459,6 +460,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("best_isa", &best_isa, NoGil(),
         "the widest instruction set path this CPU (and OS) runs: 4 AMX-BF16, 3 AVX-512 BF16, 2 AVX-512, 1 AVX2+FMA, 0 portable");
   m.def("isa_name", &isa_name, NoGil(), "the name of an instruction set path");
+  m.def("experts_capsules", [] {
+    const kimitui_cpu::PackedExperts floats = &moe, w4a8 = &moe_w4a8;
+    return py::make_tuple(py::capsule(reinterpret_cast<void*>(floats), kimitui_cpu::kPackedExpertsCapsule),
+                          py::capsule(reinterpret_cast<void*>(w4a8), kimitui_cpu::kPackedExpertsW4a8Capsule));
+  }, "moe and moe_w4a8 by pointer, for the few-row extension's use_packed_experts");
   m.def("use_team", [](py::capsule team) {
     TORCH_CHECK(std::string(team.name()) == kimitui_cpu::kTeamCapsule, "use_team: not a ", kimitui_cpu::kTeamCapsule,
                 " capsule");
