@@ -25,6 +25,41 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed while running this request; the engine itself keeps serving."""
 
 
+class RequestStream:
+    """One request's cumulative outputs (``AsyncLLM.start``): an async iterator that ends after the
+    finished output and raises the engine's error for the request; ``aclose()`` before the end
+    aborts the request (frees its KV blocks)."""
+
+    def __init__(self, llm: AsyncLLM, request_id: str, q: asyncio.Queue):
+        self.request_id = request_id
+        self._llm, self._q, self._ended = llm, q, False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._ended:
+            raise StopAsyncIteration
+        item = await self._q.get()
+        if isinstance(item, BaseException):
+            self._end(abort=False)
+            raise item
+        if item.finished:
+            self._end(abort=False)
+        return item
+
+    async def aclose(self) -> None:
+        self._end(abort=True)
+
+    def _end(self, abort: bool) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self._llm._streams.pop(self.request_id, None)
+        if abort:  # the consumer went away (disconnect, cancel): free its KV blocks
+            self._llm._commands.put(("abort", self.request_id))
+
+
 class AsyncLLM:
     """Same constructor as ``LLM``; ``async for out in engine.generate(prompt, params, request_id)``.
 
@@ -48,28 +83,28 @@ class AsyncLLM:
     async def generate(
         self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
+        """The request's cumulative outputs; it is added to the engine when the stream is first read."""
+        stream = self.start(prompt, sampling_params, request_id)
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()
+
+    def start(
+        self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> RequestStream:
+        """``generate`` with the request added to the engine now, not at the first read: a server
+        handler calls this once it has validated a request, so the engine works on it while the
+        response is being set up. The caller must read the stream to its end or ``aclose()`` it
+        (which aborts the request); call it from the event loop that reads it."""
         if self._stop.is_set():
             raise EngineDeadError("the engine has been shut down")
         request_id = request_id or uuid.uuid4().hex
-        loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, q)
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
         self._commands.put(("add", request_id, prompt, sampling_params or SamplingParams()))
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:  # consumer went away (disconnect, cancel): free its KV blocks
-                self._commands.put(("abort", request_id))
+        return RequestStream(self, request_id, q)
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

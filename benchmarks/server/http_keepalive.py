@@ -53,7 +53,7 @@ _ROW: contextvars.ContextVar[dict | None] = contextvars.ContextVar("row", defaul
 
 class _Stages:
     """ASGI middleware (outermost) that timestamps each request: entry into the app, the handler's
-    call of ``AsyncLLM.generate`` and its first output (through a wrapped ``generate``), and the
+    call of ``AsyncLLM.start`` (or ``generate``'s first read) and its first output (through wrapped ones), and the
     first SSE event handed to uvicorn. One dict per request, in ``rows``."""
 
     def __init__(self, app, llm: AsyncLLM):
@@ -70,6 +70,15 @@ class _Stages:
                 yield out
 
         llm.generate = timed_generate
+        start = llm.start
+
+        def timed_start(*args, **kwargs):  # the eager form the streaming handlers call
+            row = _ROW.get()
+            if row is not None:
+                row["generate"] = time.perf_counter()
+            return _TimedStream(start(*args, **kwargs), row)
+
+        llm.start = timed_start
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or (b"x-stages", b"1") not in scope["headers"]:  # the raw client's only
@@ -88,6 +97,25 @@ class _Stages:
             await send(message)
 
         await self.app(scope, receive, timed_send)
+
+
+class _TimedStream:
+    """A RequestStream that stamps its first output into ``row``."""
+
+    def __init__(self, stream, row):
+        self.stream, self.row = stream, row
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        out = await self.stream.__anext__()
+        if self.row is not None and "first_output" not in self.row:
+            self.row["first_output"] = time.perf_counter()
+        return out
+
+    async def aclose(self):
+        await self.stream.aclose()
 
 
 class _ClientProcess:
@@ -264,7 +292,7 @@ def _print_stages(rows: list[dict], sent: list[float], ttfts: list[float], local
     rows = [dict(r, sent=s, received=s + t) for r, s, t in zip(rows, sent, ttfts) if "first_event" in r]
     spans = [
         ("client send -> app entry (socket, uvicorn's HTTP parse)", "sent", "entry"),
-        ("app entry -> generate() (middleware, auth, body, validation)", "entry", "generate"),
+        ("app entry -> engine request added (middleware, auth, body, validation)", "entry", "generate"),
         ("generate() -> first output (the engine, as in process)", "generate", "first_output"),
         ("first output -> first SSE event sent (SSE framing, Starlette)", "first_output", "first_event"),
         ("first SSE event sent -> client has it (uvicorn write, socket)", "first_event", "received"),

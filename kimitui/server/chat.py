@@ -9,7 +9,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from functools import partial
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from kimitui.engine import RequestOutput, SamplingParams
@@ -24,11 +24,18 @@ from kimitui.server.logprobs import TokenText, chat_logprobs
 from kimitui.server.protocol import ChatCompletionRequest
 from kimitui.server.sampling import build_sampling_params, check_supported, resolve_max_tokens
 from kimitui.server.state import ServerState, server_state
-from kimitui.server.streaming import SSE_DONE, merged, sse, sse_response, unless_disconnected, until_shutdown
+from kimitui.server.streaming import (
+    SSE_DONE,
+    merged,
+    sse,
+    sse_response,
+    start_stream,
+    unless_disconnected,
+    until_shutdown,
+)
 from kimitui.server.structured import chat_constraint, compile_constraint
 from kimitui.server.tools import check_tools
 
-router = APIRouter()
 log = logging.getLogger(__name__)
 
 
@@ -42,7 +49,6 @@ class _Chat:
     top_logprobs: int | None
 
 
-@router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
     state = server_state(request)
     req = await read_body(request, ChatCompletionRequest, state.max_body_bytes)
@@ -50,9 +56,10 @@ async def create_chat_completion(request: Request) -> Response:
     check_supported(req)
     chat = await _prepare(state, req)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = state.llm.generate(chat.ids, chat.params, rid)
     if req.stream:
-        return sse_response(_stream(state, req, rid, chat, stream))
+        stream = start_stream(state.llm, chat.ids, chat.params, rid)
+        return sse_response(_stream(state, req, rid, chat, stream), owned=[stream])
+    stream = state.llm.generate(chat.ids, chat.params, rid)
     connected, final = await unless_disconnected(request, _collect(stream))
     if not connected:
         state.metrics.observe_aborted()

@@ -6,12 +6,13 @@ prompt are one engine request (engine/sampling/fanout.py), so they share its com
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from kimitui.engine import RequestOutput, SamplingParams
@@ -22,10 +23,17 @@ from kimitui.server.logprobs import TextOffsets, TokenIdText, TokenText, complet
 from kimitui.server.protocol import CompletionRequest
 from kimitui.server.sampling import build_sampling_params, check_supported, resolve_max_tokens
 from kimitui.server.state import ServerState, server_state
-from kimitui.server.streaming import SSE_DONE, merged, sse, sse_response, unless_disconnected, until_shutdown
+from kimitui.server.streaming import (
+    SSE_DONE,
+    merged,
+    sse,
+    sse_response,
+    start_stream,
+    unless_disconnected,
+    until_shutdown,
+)
 from kimitui.server.structured import compile_constraint, completion_constraint
 
-router = APIRouter()
 # max_tokens of a /v1/completions request that sends none: 16, as OpenAI's legacy completions API
 # (https://platform.openai.com/docs/api-reference/completions/create) and vLLM's CompletionRequest.
 DEFAULT_MAX_TOKENS = 16
@@ -85,7 +93,6 @@ def normalize_prompts(prompt) -> list[str | list[int]]:
     raise bad_request(f"prompt must be {_PROMPT_SHAPES}", param="prompt")
 
 
-@router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
     state = server_state(request)
     req = await read_body(request, CompletionRequest, state.max_body_bytes)
@@ -97,13 +104,16 @@ async def create_completion(request: Request) -> Response:
     await compile_constraint(state, constraint, "response_format")
     prompts = [await _prepare(state, req, p, constraint) for p in normalize_prompts(req.prompt)]
     rid = f"cmpl-{uuid.uuid4().hex}"
+    # a streamed request's prompts go to the engine now, unless they are too many for one piece
+    eager = req.stream and len(prompts) <= state.prompts_in_flight
+    open_stream = functools.partial(start_stream, state.llm) if eager else state.llm.generate
     streams = [
-        state.llm.generate({"prompt_token_ids": p.ids, "prompt": p.text}, p.params, f"{rid}-{i}")
+        open_stream({"prompt_token_ids": p.ids, "prompt": p.text}, p.params, f"{rid}-{i}")
         for i, p in enumerate(prompts)
     ]
     streams = in_pieces(streams, state.prompts_in_flight)
     if req.stream:
-        return sse_response(_stream(state, req, rid, prompts, streams))
+        return sse_response(_stream(state, req, rid, prompts, streams), owned=streams if eager else ())
     connected, finals = await unless_disconnected(request, _collect(streams))
     if not connected:
         state.metrics.observe_aborted(len(prompts))

@@ -31,6 +31,9 @@ class _Exploding:
         raise RuntimeError("boom")
         yield  # an async generator, like AsyncLLM.generate
 
+    def start(self, prompt, params=None, request_id=None):  # the eager form streamed requests take
+        return self.generate(prompt, params, request_id)
+
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
