@@ -355,6 +355,12 @@ class Backend:
         Asked once per layer, after loading."""
         return None
 
+    def run_fused_layers(self, fused: list, x: torch.Tensor, meta, caches: list[torch.Tensor]):
+        """Every decoder layer of a step through its ``fuse_decoder_layer`` object's halves in one loop:
+        the hidden state after the last layer, or None (the layers then run one by one, as always
+        without this)."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

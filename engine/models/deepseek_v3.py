@@ -126,11 +126,17 @@ class DeepseekV3Model(nn.Module):
         # keeps the plain loop below, so a model without a drafter pays nothing.
         self.aux_layers: tuple[int, ...] | None = None
         self.aux_hidden: torch.Tensor | None = None
+        # the backend's loop over every layer's fused halves (Backend.run_fused_layers), or None
+        self.run_fused = None
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]):
         x, residual = self.embed_tokens(input_ids), None
         if self.aux_layers is not None:
             return self._forward_capturing(x, meta, kv_caches)
+        if self.run_fused is not None:  # a decode step whose every layer is the backend's two blocks
+            h = self.run_fused([layer.fused for layer in self.layers], x, meta, kv_caches)
+            if h is not None:
+                return self.norm(h)
         last = len(self.layers) - 1
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, meta, cache, last=i == last)
@@ -231,6 +237,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         prepare_experts(self.model.layers, self.model.norm.weight.dtype)
         for layer in self.model.layers:
             layer.fused = ops.fuse_decoder_layer(layer)
+        if any(layer.fused is not None for layer in self.model.layers):
+            self.model.run_fused = ops.run_fused_layers
 
     # -- declarations (see engine.registry) ------------------------------------------------
     def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:

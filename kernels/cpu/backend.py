@@ -37,7 +37,7 @@ from kimitui.kernels.cpu import (
 from kimitui.kernels.cpu import (
     quant_moe as cpu_quant_moe,
 )
-from kimitui.kernels.cpu.decode_block import fuse_decoder_layer
+from kimitui.kernels.cpu.decode_block import fuse_decoder_layer, run_fused_layers
 from kimitui.kernels.settings import KernelSettings
 
 _F32 = torch.float32
@@ -444,3 +444,6 @@ class CpuBackend(Backend):
             return None
 
         return fuse_decoder_layer(layer, self)
+
+    def run_fused_layers(self, fused, x, meta, caches):
+        return run_fused_layers(fused, x, meta, caches)
