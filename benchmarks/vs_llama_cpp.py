@@ -796,6 +796,10 @@ def main() -> int:
         "contention": {},
         "load_start": os.getloadavg()[0],
     }
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.host_load import OtherLoad
+
+    others = OtherLoad().start()
     max_n = max(batches)
     for case in [] if args.no_speed else cases:
         ours = Ours(
@@ -861,6 +865,7 @@ def main() -> int:
         results["serve"] = run_serve(
             args, [c for c in cases if c.startswith("k2")], ckpt, gguf, llama, logs, serve_conc, out_len
         )
+    results["others_share"] = others.others_share()
     report(results, cases, batches, rounds, args, out_len)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
@@ -1082,12 +1087,16 @@ def report(results: dict, cases, batches, rounds, args, out_len: int) -> None:
             checks.append(f"{case} batch {n}: {got:.2f}x (target >= {want}x: {'met' if got >= want else 'NOT met'})")
     if checks:
         print("targets: " + "; ".join(checks))
-    busy = max(results.get("load_start", 0.0), os.getloadavg()[1])
-    if busy > 0.5 * (os.cpu_count() or 1):
+    share = results.get("others_share")
+    if share is None:
+        print("other processes' share of the CPUs during the run: unknown (no /proc/stat)")
+    elif share > 0.10:
         print(
-            f"WARNING: load average {busy:.1f} on {os.cpu_count()} CPUs: other jobs shared the cores, and "
-            "llama.cpp's spinning threads lose more to them than ours; these figures are not results"
+            f"WARNING: other processes took {share:.0%} of the CPUs' time during the run: they shared the "
+            "cores, and llama.cpp's spinning threads lose more to them than ours; these figures are not results"
         )
+    else:
+        print(f"other processes took {share:.0%} of the CPUs' time during the run (this run's own engines excluded)")
     if results["kl"]:
         print()
         print(

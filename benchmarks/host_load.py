@@ -1,0 +1,67 @@
+"""How much of a machine's CPU time other processes took while a benchmark ran.
+
+The load average cannot say: a side-by-side benchmark's own engines keep it near their thread count,
+so it reads "busy" on a quiet machine. Here the machine's busy CPU time over the run (/proc/stat)
+less this process tree's own (this process, its live descendants, and the children it has reaped)
+is the other processes' share. Linux only; elsewhere ``others_share`` is None.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+import psutil
+
+_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _busy_seconds() -> float | None:
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    steal = fields[7] if len(fields) > 7 else 0  # another VM's, not a process here
+    return (sum(fields[:8]) - idle - steal) / _HZ
+
+
+def _rusage_seconds() -> float:
+    """CPU seconds of this process and of the children it has reaped."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _live_seconds() -> dict[int, float]:
+    """CPU seconds so far of each live descendant."""
+    live = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            t = p.cpu_times()
+            live[p.pid] = t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            pass
+    return live
+
+
+class OtherLoad:
+    """``start()`` then ``others_share()``: the other processes' CPU time over the wall time times the
+    CPU count, 0.0 (nothing else ran) to 1.0 (they had every CPU)."""
+
+    def start(self) -> OtherLoad:
+        self._wall, self._busy = time.monotonic(), _busy_seconds()
+        self._own, self._live = _rusage_seconds(), _live_seconds()
+        return self
+
+    def others_share(self) -> float | None:
+        if self._busy is None:
+            return None
+        busy, own, live = _busy_seconds(), _rusage_seconds(), _live_seconds()
+        # a child reaped since the start brought its whole life's time into RUSAGE_CHILDREN: less what
+        # it had before the start; one still alive counts what it used since
+        own_time = (own - self._own) - sum(t for pid, t in self._live.items() if pid not in live)
+        own_time += sum(t - self._live.get(pid, 0.0) for pid, t in live.items())
+        wall = time.monotonic() - self._wall
+        return max(0.0, min(1.0, (busy - self._busy - own_time) / max(wall * (os.cpu_count() or 1), 1e-9)))
