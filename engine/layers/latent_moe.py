@@ -66,6 +66,9 @@ class KimiMoE(nn.Module):
         # The experts see width L: the same stacks as DeepSeek-V3's, built for hidden_size = L.
         expert_cfg = c if latent is None else dataclasses.replace(c, hidden_size=latent)
         self.experts = RoutedExperts(expert_cfg, f"{prefix}.experts", par, placement_row, dtype)
+        # the whole module in one call where the backend offers it (Backend.fuse_latent_moe, asked
+        # once after loading); None: op by op
+        self.fused = None
         self.shared_experts = None
         if c.n_shared_experts:
             self.shared_experts = MLP(
@@ -81,6 +84,9 @@ class KimiMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum [T, D]; the caller reduces over ranks."""
+        fused = self.fused
+        if fused is not None and fused.takes(x):  # the backend's one call (a few rows on a CPU)
+            return fused(x)
         # the routing statistics in the router's launch (skipping a decode graph's padding rows)
         experts = self.experts
         # the weights rounded to the experts' dtype in the router's launch too (not a cast of its own)

@@ -312,6 +312,9 @@ class KimiLinearForCausalLM(nn.Module):
         """Once the weights are in and every module has its backend: derived weights, the experts' layout."""
         derive_weights(self.model.layers)
         prepare_experts(self.model.layers, self.model.norm.weight.dtype)
+        for layer in self.model.layers:  # the MoE in one call where the backend has it
+            if isinstance(layer.mlp, KimiMoE):
+                layer.mlp.fused = ops.fuse_latent_moe(layer.mlp)
 
     # -- declarations (see engine.registry) ------------------------------------------------
     def checkpoint_target(self, name: str) -> WeightTarget | str:

@@ -38,6 +38,7 @@ from kimitui.kernels.cpu import (
     quant_moe as cpu_quant_moe,
 )
 from kimitui.kernels.cpu.decode_block import fuse_decoder_layer, run_fused_layers
+from kimitui.kernels.cpu.packed_ffn_block import latent_moe_weights
 from kimitui.kernels.settings import KernelSettings
 
 _F32 = torch.float32
@@ -444,6 +445,9 @@ class CpuBackend(Backend):
             return None
 
         return fuse_decoder_layer(layer, self)
+
+    def fuse_latent_moe(self, moe):
+        return latent_moe_weights(moe) if self.cxx else None
 
     def run_fused_layers(self, fused, x, meta, caches):
         return run_fused_layers(fused, x, meta, caches)

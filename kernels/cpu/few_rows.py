@@ -199,6 +199,12 @@ def packed_ffn_block(x, counts, weights) -> torch.Tensor:
     return _module().packed_ffn_block(x, counts, *weights.kernel_args)
 
 
+def latent_moe_block(x, counts, weights) -> torch.Tensor:
+    """Kimi Linear / K3's MoE of normed rows x [T, D] over packed routed experts (no residual), counting each
+    token's experts into ``counts``; ``weights``: a ``kernels.cpu.packed_ffn_block.LatentMoeWeights``."""
+    return _module().latent_moe_block(x, counts, *weights.kernel_args)
+
+
 def use_packed_experts(capsules) -> None:
     """Link the packed-experts extension's MoE kernels (its ``experts_capsules()``) in, for ``packed_ffn_block``."""
     _module().use_packed_experts(*capsules)

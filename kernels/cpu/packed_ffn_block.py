@@ -123,6 +123,117 @@ def packed_ffn_weights(norm, moe) -> PackedFfnWeights | None:
     )
 
 
+@dataclass(frozen=True, eq=False)
+class LatentMoeWeights:
+    """The fixed arguments of the C++ ``latent_moe_block`` (Kimi Linear / K3's MoE,
+    ``engine/layers/latent_moe.py``), in its order; ``dtype`` and ``experts`` are not among them."""
+
+    router: torch.Tensor  # [E, D] float32
+    bias: torch.Tensor  # [E] float32
+    top_k: int
+    n_group: int
+    topk_group: int
+    sigmoid: bool
+    norm_topk_prob: bool
+    scaling: float
+    down: torch.Tensor  # routed_expert_down_proj [L, D], or empty (no latent space)
+    norm: torch.Tensor  # routed_expert_norm [L] float32, or empty
+    norm_eps: float
+    up: torch.Tensor  # routed_expert_up_proj [D, L], or empty
+    gate_up: torch.Tensor  # the shared experts' [2I_s, D], or empty
+    shared_down: torch.Tensor  # [D, I_s], or empty
+    w4a8: bool
+    w13: torch.Tensor
+    w2: torch.Tensor
+    inter: int
+    mxfp4: bool
+    path: int
+    act: int  # the routed and shared experts' gated activation: 0 SiLU, 1 SiTU
+    beta: float
+    linear_beta: float
+    dtype: torch.dtype
+    experts: object  # the RoutedExperts (their counts, count_rows)
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple:
+        return tuple(getattr(self, f) for f in self.__dataclass_fields__ if f not in ("dtype", "experts"))
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether ``x [T, D]`` goes through the block: 1 to ``MAX_ROWS`` rows of the weights' dtype,
+        every row's routing counted (a decode graph's padding rows must not be)."""
+        return 0 < x.shape[0] <= cpu_few_rows.MAX_ROWS and x.dtype is self.dtype and self.experts.count_rows is None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_few_rows.latent_moe_block(x, self.experts.routing_counts, self)
+
+
+def _dense_cpu(dtype, *tensors) -> bool:
+    return all(t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def latent_moe_weights(moe) -> LatentMoeWeights | None:
+    """The C++ block's arguments for a ``KimiMoE`` whose routed experts are one local tiled stack on one
+    rank and whose latent projections and shared experts are dense CPU matrices of one dtype (float32
+    or bf16), or None (the module then runs op by op)."""
+    experts, gate, shared = moe.experts, moe.gate, moe.shared_experts
+    stack = getattr(experts, "local", None)
+    if (
+        moe.par.is_parallel
+        or not experts.whole_layer_local
+        or stack is None
+        or stack.fmt != "tiles"
+        or not cpu_quant_moe.available()
+    ):
+        return None
+    dtype = gate.weight.dtype if moe.latent is None else moe.routed_expert_down_proj.weight.dtype
+    if dtype not in DTYPES:
+        return None
+    mats = []
+    if moe.latent is not None:
+        down, up = moe.routed_expert_down_proj, moe.routed_expert_up_proj
+        if down.fmt != "dense" or up.fmt != "dense":
+            return None
+        mats += [down.weight, up.weight]
+    if shared is not None:
+        if shared.gate_up is None or shared.down_proj.fmt != "dense" or shared.parallel:
+            return None
+        mats += [shared.gate_up, shared.down_proj.weight]
+    if not _dense_cpu(dtype, *mats) or gate.weight.device.type != "cpu":
+        return None
+    act = moe.act
+    if act.kind not in ("silu", "situ") or (stack.activation is not None and stack.activation.kind != act.kind):
+        return None
+    norm = moe.routed_expert_norm if moe.latent is not None else None
+    w4a8, path = cpu_quant_moe.fused_path(dtype)
+    return LatentMoeWeights(
+        router=_f32(gate.weight),
+        bias=_f32(gate.e_score_correction_bias),
+        top_k=int(gate.top_k),
+        n_group=int(gate.n_group),
+        topk_group=int(gate.topk_group),
+        sigmoid=gate.scoring_func == "sigmoid",
+        norm_topk_prob=bool(gate.norm_topk_prob),
+        scaling=float(gate.scaling),
+        down=_ABSENT if moe.latent is None else moe.routed_expert_down_proj.weight,
+        norm=_ABSENT if norm is None else _f32(norm.weight),
+        norm_eps=0.0 if norm is None else float(norm.eps),
+        up=_ABSENT if moe.latent is None else moe.routed_expert_up_proj.weight,
+        gate_up=_ABSENT if shared is None else shared.gate_up,
+        shared_down=_ABSENT if shared is None else shared.down_proj.weight,
+        w4a8=w4a8,
+        w13=stack.w13_tiles,
+        w2=stack.w2_tiles,
+        inter=int(stack.inter),
+        mxfp4=stack.tiled_fmt == "mxfp4",
+        path=path,
+        act=act.code,
+        beta=float(act.beta),
+        linear_beta=0.0 if act.linear_beta is None else float(act.linear_beta),
+        dtype=dtype,
+        experts=experts,
+    )
+
+
 class PackedFfnBlock:
     """One layer's packed-expert FFN half; ``__call__(x)`` -> ``(y, x)``, the layer's residual form
     (the hidden state after the layer is ``y + x``, the next norm adds it)."""

@@ -47,6 +47,20 @@ std::tuple<torch::Tensor, torch::Tensor> route_and_count(const torch::Tensor& h,
   return routed;
 }
 
+// down(act(gate) * up), [gate; up] = gate_up @ h, for SiLU (act 0) or SiTU (act 1, see gated_mul).
+torch::Tensor gated_mlp(const torch::Tensor& h, const torch::Tensor& gate_up, const torch::Tensor& down, int64_t act,
+                        double beta, double linear_beta) {
+  if (act == 0) return swiglu(h, gate_up, down);
+  const auto gu = ::linear(h, gate_up);
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  auto a = torch::empty({T, I}, gu.options());
+  const float* g = gu.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    gated_mul(g + t * 2 * I, g + t * 2 * I + I, a.data_ptr<float>() + t * I, I, act, static_cast<float>(beta),
+              static_cast<float>(linear_beta));
+  return ::linear(a, down);
+}
+
 // The packed-experts extension's two MoE entry points, set once by use_packed_experts.
 PackedExperts g_packed_experts[2] = {nullptr, nullptr};  // [float products, W4A8]
 
@@ -93,6 +107,33 @@ torch::Tensor ffn_block(torch::Tensor x_in, torch::Tensor counts, torch::Tensor 
   auto y = ::moe(h, ids, weights, w13, w2, scratch);
   if (gate_up.numel()) y.add_(swiglu(h, gate_up, down));
   y.add_(x);
+  return dtype == torch::kFloat32 ? y : y.to(dtype);
+}
+
+// Kimi Linear / K3's MoE (engine/layers/latent_moe.py) for x [T, D], already normed: the router on x (its
+// experts counted into counts), the routed experts (packed, as packed_ffn_block's) in the latent space
+// down [L, D] projects to, their sum normed (norm [L], when given) and projected back by up [D, L], plus
+// the shared experts (gate_up, shared_down) with the same gated activation; without down / up (Kimi
+// Linear) the experts see x itself. Float32 inside, the result rounded to x's dtype once; no residual.
+torch::Tensor latent_moe_block(torch::Tensor x_in, torch::Tensor counts, torch::Tensor router_w, torch::Tensor bias,
+                               int64_t top_k, int64_t n_group, int64_t topk_group, bool sigmoid, bool norm_topk,
+                               double scaling, torch::Tensor down, torch::Tensor norm, double eps, torch::Tensor up,
+                               torch::Tensor gate_up, torch::Tensor shared_down, bool w4a8, torch::Tensor w13,
+                               torch::Tensor w2, int64_t inter, bool mxfp4, int64_t path, int64_t act, double beta,
+                               double linear_beta) {
+  const PackedExperts experts = g_packed_experts[w4a8 ? 1 : 0];
+  TORCH_CHECK(experts != nullptr, "latent_moe_block: the packed-experts extension has not been linked in "
+              "(use_packed_experts)");
+  TORCH_CHECK(down.numel() == 0 || up.numel() != 0, "latent_moe_block: a latent down projection needs its up");
+  const auto x = as_f32(x_in, "x", 2);
+  const auto dtype = x_in.scalar_type();
+  const auto [ids, weights] =
+      route_and_count(x, counts, router_w, bias, top_k, n_group, topk_group, sigmoid, norm_topk, scaling);
+  const auto z = down.numel() ? ::linear(x, down) : x;
+  auto y = experts(dtype == torch::kFloat32 ? z : z.to(dtype), ids, weights, w13, w2, inter, mxfp4, path, act, beta,
+                   linear_beta);
+  if (up.numel()) y = ::linear(norm.numel() ? ::rms_norm(y, norm, eps) : y, up);
+  if (gate_up.numel()) y.add_(gated_mlp(x, gate_up, shared_down, act, beta, linear_beta));
   return dtype == torch::kFloat32 ? y : y.to(dtype);
 }
 

@@ -308,6 +308,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ffn_block", &ffn_block, NoGil(), "x + MoE or MLP(norm(x)) for a few rows, float32 on the CPU");
   m.def("packed_ffn_block", &packed_ffn_block, NoGil(),
         "x + MoE(norm(x)) over packed (INT4 / MXFP4) routed experts for a few rows, on the CPU");
+  m.def("latent_moe_block", &latent_moe_block, NoGil(),
+        "Kimi Linear / K3's (latent) MoE over packed routed experts for a few normed rows, on the CPU");
   m.def("use_packed_experts", [](py::capsule floats, py::capsule w4a8) {
     TORCH_CHECK(std::string(floats.name()) == kPackedExpertsCapsule &&
                     std::string(w4a8.name()) == kPackedExpertsW4a8Capsule,

@@ -75,6 +75,12 @@ torch::Tensor packed_ffn_block(torch::Tensor x, torch::Tensor counts, torch::Ten
                                int64_t top_k, int64_t n_group, int64_t topk_group, bool sigmoid, bool norm_topk,
                                double scaling, bool w4a8, torch::Tensor w13, torch::Tensor w2, int64_t inter,
                                bool mxfp4, int64_t path, int64_t act, double beta, double linear_beta);
+torch::Tensor latent_moe_block(torch::Tensor x, torch::Tensor counts, torch::Tensor router_w, torch::Tensor bias,
+                               int64_t top_k, int64_t n_group, int64_t topk_group, bool sigmoid, bool norm_topk,
+                               double scaling, torch::Tensor down, torch::Tensor norm, double eps, torch::Tensor up,
+                               torch::Tensor gate_up, torch::Tensor shared_down, bool w4a8, torch::Tensor w13,
+                               torch::Tensor w2, int64_t inter, bool mxfp4, int64_t path, int64_t act, double beta,
+                               double linear_beta);
 
 namespace kimitui_cpu {
 
