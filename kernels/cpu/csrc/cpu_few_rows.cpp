@@ -133,11 +133,23 @@ torch::Tensor moe(torch::Tensor x_in, torch::Tensor ids, torch::Tensor weights, 
     using W = std::remove_const_t<std::remove_pointer_t<decltype(w13p)>>;
     const W* w2p = reinterpret_cast<const W*>(w2.data_ptr());
     const int64_t blas_pairs = std::is_same_v<W, bf16> && bf16_native ? kBf16BlasRows : kGemmPairs;
+    const bool amx = std::is_same_v<W, bf16> && moe_amx_usable();  // asks for the tiles before any thread uses them
+    auto on_amx = [&](int64_t m) { return amx && moe_amx_rows_in(m); };
     bool any_blas = false;
-    for (int64_t e : active) any_blas = any_blas || count[e + 1] - count[e] >= blas_pairs;
+    for (int64_t e : active) {
+      const int64_t m = count[e + 1] - count[e];
+      any_blas = any_blas || (m >= blas_pairs && !on_amx(m));
+    }
     dynamic_for(static_cast<int64_t>(active.size()), any_blas, [&](int64_t i) {
       thread_local std::vector<float> gu, h, xg;  // kept across calls: no page faults per call
       const int64_t e = active[i], g = count[e], m = count[e + 1] - g;
+      if constexpr (std::is_same_v<W, bf16>) {
+        if (on_amx(m)) {
+          moe_expert_amx(xs.data() + g, m, w13p + e * I2 * D, w2p + e * D * I, D, I, dn + g * D, act,
+                         static_cast<float>(beta), static_cast<float>(linear_beta));
+          return;
+        }
+      }
       if (static_cast<int64_t>(gu.size()) < m * I2) gu.resize(m * I2);
       if (static_cast<int64_t>(h.size()) < m * I) h.resize(m * I);
       const bool blas = m >= blas_pairs;
@@ -310,5 +322,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return py::capsule(reinterpret_cast<void*>(&Team::run_on), kTeamCapsule);
   }, "this extension's thread team, for another extension's use_team()");
   m.def("threads", &threads, NoGil(), "the thread count at::parallel_for uses here");
+  m.def("moe_amx_rows", &moe_amx_rows, NoGil(),
+        "set the pair counts [lo, hi] at which moe() runs a bf16 expert on AMX tiles; returns the previous ones");
+  m.def("moe_amx_usable", &kimitui_cpu::moe_amx_usable, NoGil(), "whether moe() may use AMX tiles here");
   m.def("onednn_packed_count", &onednn_packed_count, NoGil(), "bf16 weights kept packed for oneDNN (cpu_onednn_packed.cpp)");
 }

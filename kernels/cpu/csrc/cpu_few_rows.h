@@ -50,6 +50,9 @@ std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor x, torch::Tenso
                                                    bool sigmoid, bool norm, double scaling);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 int64_t threads();
+// cpu_moe_amx.cpp: the pair counts [lo, hi] at which moe() runs a bf16 expert on AMX tiles; returns
+// the previous ones
+std::tuple<int64_t, int64_t> moe_amx_rows(int64_t lo, int64_t hi);
 // cpu_mla_decode.cpp
 torch::Tensor mla_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
                          torch::Tensor context_lens, int64_t block_size, int64_t r, double scale);
@@ -309,5 +312,15 @@ std::vector<F*> row_ptrs(F* base, int64_t m, int64_t stride) {
   for (int64_t i = 0; i < m; ++i) p[i] = base + i * stride;
   return p;
 }
+
+// cpu_moe_amx.cpp. Whether this process may run tile instructions (the CPU has AMX-BF16, the OS lets
+// it: asked once); whether moe() runs an expert with m pairs there (moe_amx_rows).
+bool moe_amx_usable();
+bool moe_amx_rows_in(int64_t m);
+// One bf16 expert on m token rows xs[t] (float32, D each): y [m, D] (rows D apart) =
+// w2 [D, I] @ gated_mul(w13 [2I, D] @ x), activations rounded to bf16 for each product, float32 sums.
+// Only where moe_amx_usable().
+void moe_expert_amx(const float* const* xs, int64_t m, const bf16* w13, const bf16* w2, int64_t D, int64_t I,
+                    float* y, int64_t act, float beta, float linear_beta);
 
 }  // namespace kimitui_cpu
