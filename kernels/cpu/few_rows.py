@@ -16,7 +16,11 @@ reads half the bytes per decode step and a row's result is the float32 kernel's 
 weights. bf16 activations are widened on entry and the result rounded back to bf16. From 6 rows
 on, a bf16 linear (and a MoE expert with 6+ pairs) runs oneDNN's bf16 product instead (AMX where
 the CPU has it), faster there than the 8-wide float32 FMAs; those rows' bits then depend on the row
-count, as every BLAS product's do.
+count, as every BLAS product's do. Where the CPU (and OS) give AMX-BF16 tiles, a bf16 MoE expert of
+1-512 pairs runs ``cpu_moe_amx.cpp`` instead: the expert's weight is the tiles' A operand as it lies
+(oneDNN lays it out again on every call, and experts are too large to keep a packed copy), the
+pairs' activations are rounded to bf16 and re-laid out into the B operand, float32 sums; a token's
+bits there do not depend on the other tokens of its expert.
 
 The extension is compiled when the package is installed, for x86-64-v3 (AVX2 + FMA) and for plain
 x86-64, and the variant this CPU runs is imported (``kernels/cpu/build.py``; a checkout whose C++ changed

@@ -35,10 +35,13 @@ constexpr int64_t kKeptDownFloats = int64_t{16} << 20;
 
 }  // namespace
 
+bool runs_onednn(const torch::Tensor& w, int64_t rows) {
+  return w.scalar_type() == torch::kBFloat16 && rows >= kBf16BlasRows && onednn_bf16_native();
+}
+
 torch::Tensor linear(torch::Tensor x_in, torch::Tensor w) {
   check_weight(w, "w", 2);
-  if (w.scalar_type() == torch::kBFloat16 && x_in.dim() == 2 && x_in.size(0) >= kBf16BlasRows &&
-      onednn_bf16_native()) {
+  if (x_in.dim() == 2 && runs_onednn(w, x_in.size(0))) {
     check_act(x_in, "x", 2);
     TORCH_CHECK(w.size(1) == x_in.size(1), "x has ", x_in.size(1), " features, w has ", w.size(1));
     return onednn_linear_bf16(x_in.to(torch::kBFloat16).contiguous(), w).to(x_in.scalar_type());  // no copies for bf16 x

@@ -36,6 +36,9 @@
 // The extension's entry points, defined across its translation units and called from each other.
 // cpu_few_rows.cpp
 torch::Tensor linear(torch::Tensor x, torch::Tensor w);
+// Whether linear() multiplies `rows` rows by w through oneDNN (bf16 w, 6 rows or more, oneDNN's native
+// bf16 product): on torch's OpenMP threads, not the kernels' team.
+bool runs_onednn(const torch::Tensor& w, int64_t rows);
 // cpu_onednn_packed.cpp: x [M, K] bf16 contiguous @ w [N, K] bf16 .T through oneDNN, w packed once
 torch::Tensor onednn_linear_bf16(const torch::Tensor& x, const torch::Tensor& w);
 int64_t onednn_packed_count();
