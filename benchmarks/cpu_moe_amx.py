@@ -3,7 +3,11 @@
 below 6 pairs, oneDNN's bf16 product from 6 on), alternating in one process.
 
     python benchmarks/cpu_moe_amx.py [--rows 8,16,32,64,128] [--per-expert 1,2,4,6,8,16,32,64]
+        [--lm-rows 17,32,64,128] [--vocab 32000]
         [--hidden 1024] [--inter 256] [--experts 32] [--top-k 4] [--layers 7] [--repeats 15]
+
+``--lm-rows``: the LM head (``--vocab`` x hidden, bf16) at those row counts, ``linear_amx`` against
+``F.linear`` (oneDNN, which lays the weight out again on every call), bf16 rows in and out.
 
 ``--rows``: T rows per layer routed at random (top-k of E, uniform, as random weights route), the
 decode step's case; ``--per-expert``: every expert gets exactly m pairs (the crossover). Each timed
@@ -57,30 +61,34 @@ def even_routing(m: int, e: int, k: int) -> torch.Tensor:
     return ids
 
 
-def time_pair(run, repeats: int) -> dict[str, list[float]]:
-    """Alternate the old path and the new one, call by call; per call wall and CPU seconds."""
-    mod = few_rows._module()
+def time_pair(old, new, repeats: int) -> dict[str, list[float]]:
+    """Alternate old() and new(), call by call, each first in every other round; per call wall and
+    CPU seconds."""
     threads = torch.get_num_threads()
     times = {"old_wall": [], "new_wall": [], "old_cpu": [], "new_cpu": []}
     for i in range(repeats + 1):
-        for name, rows in (("old", OFF), ("new", (1, 1 << 40))) if i % 2 else (("new", (1, 1 << 40)), ("old", OFF)):
-            mod.moe_amx_rows(*rows)
+        for name, fn in (("old", old), ("new", new)) if i % 2 else (("new", new), ("old", old)):
             w0, c0 = time.perf_counter(), time.process_time()
-            run()
+            fn()
             w1, c1 = time.perf_counter(), time.process_time()
             if i:  # the first round warms both up
                 times[f"{name}_wall"].append(w1 - w0)
                 times[f"{name}_cpu"].append((c1 - c0) / threads)
-    mod.moe_amx_rows(*saved_rows)
     return times
 
 
-saved_rows = (1, 1 << 40)
+def row(label: str, tm: dict[str, list[float]], per: int = 1) -> str:
+    med = {k: statistics.median(v) * 1e3 / per for k, v in tm.items()}
+    return (
+        f"| {label} | {med['old_wall']:.3f} | {med['new_wall']:.3f} | {med['old_wall'] / med['new_wall']:.2f}x | "
+        f"{med['old_cpu']:.3f} | {med['new_cpu']:.3f} | {med['old_cpu'] / med['new_cpu']:.2f}x |"
+    )
 
 
 def main(argv=None) -> int:
-    global saved_rows
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lm-rows", default="17,32,64,128")
+    ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--rows", default="8,16,32,64,128")
     ap.add_argument("--per-expert", default="1,2,4,6,8,16,32,64")
     ap.add_argument("--hidden", type=int, default=1024)
@@ -99,18 +107,39 @@ def main(argv=None) -> int:
     mod = few_rows._module()
     saved_rows = mod.moe_amx_rows(1, 1 << 40)
     mod.moe_amx_rows(*saved_rows)
+
+    def with_rows(rows, fn):
+        def run():
+            mod.moe_amx_rows(*rows)
+            try:
+                fn()
+            finally:
+                mod.moe_amx_rows(*saved_rows)
+
+        return run
+
     print(
         f"hidden {args.hidden}, expert width {args.inter}, {args.experts} experts top-{args.top_k}, "
         f"{args.layers} layers, {torch.get_num_threads()} threads, load average "
         f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}"
     )
+    print("| case | old ms/layer | new ms/layer | new/old speed | old CPU ms | new CPU ms | CPU speed |")
+    print("|---|---|---|---|---|---|---|")
+    lm_rows = [int(r) for r in args.lm_rows.split(",") if r]
+    if lm_rows:
+        head = (torch.randn(args.vocab, args.hidden) / args.hidden**0.5).to(torch.bfloat16)
+        for m in lm_rows:
+            x = torch.randn(m, args.hidden).to(torch.bfloat16)
+            tm = time_pair(
+                lambda: torch.nn.functional.linear(x, head), lambda: few_rows.linear_amx(x, head), args.repeats
+            )
+            print(row(f"LM head {args.vocab} x {args.hidden}, {m} rows (ms/call)", tm), flush=True)
+        del head
     ws = layers(args.layers, args.experts, args.hidden, args.inter)
     scratch = torch.empty(0)
     cases = [("rows", int(r)) for r in args.rows.split(",") if r] + [
         ("pairs/expert", int(m)) for m in args.per_expert.split(",") if m
     ]
-    print("| case | old ms/layer | new ms/layer | new/old speed | old CPU ms | new CPU ms | CPU speed |")
-    print("|---|---|---|---|---|---|---|")
     for kind, n in cases:
         if kind == "rows":
             ids = random_routing(n, args.experts, args.top_k, seed=n)
@@ -124,13 +153,8 @@ def main(argv=None) -> int:
             for w13, w2 in ws:
                 few_rows.moe(x, ids, wts, w13, w2, scratch)
 
-        tm = time_pair(run, args.repeats)
-        med = {k: statistics.median(v) * 1e3 / args.layers for k, v in tm.items()}
-        print(
-            f"| {n} {kind} | {med['old_wall']:.3f} | {med['new_wall']:.3f} | {med['old_wall'] / med['new_wall']:.2f}x | "
-            f"{med['old_cpu']:.3f} | {med['new_cpu']:.3f} | {med['old_cpu'] / med['new_cpu']:.2f}x |",
-            flush=True,
-        )
+        tm = time_pair(with_rows(OFF, run), with_rows((1, 1 << 40), run), args.repeats)
+        print(row(f"MoE, {n} {kind}", tm, args.layers), flush=True)
     print(f"load average at the end {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     return 0
 

@@ -61,6 +61,20 @@ torch::Tensor linear(torch::Tensor x_in, torch::Tensor w) {
   return x_in.scalar_type() == torch::kFloat32 ? y : y.to(x_in.scalar_type());
 }
 
+torch::Tensor linear_amx_bf16(torch::Tensor x_in, torch::Tensor w) {
+  check_weight(w, "w", 2);
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "linear_amx: w must be bf16, got ", w.scalar_type());
+  TORCH_CHECK(moe_amx_usable(), "linear_amx: this CPU (or OS, or build) gives no AMX-BF16 tiles");
+  const auto x = as_f32(x_in, "x", 2);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "x has ", K, " features, w has ", w.size(1));
+  auto y = torch::empty({M, N}, x.options());
+  if (M > 0)
+    linear_amx(row_ptrs<const float>(x.data_ptr<float>(), M, K).data(), M,
+               reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>()), N, K, y.data_ptr<float>());
+  return x_in.scalar_type() == torch::kFloat32 ? y : y.to(x_in.scalar_type());
+}
+
 // Gated experts: y_t = sum over t's slots, in ascending expert order, of weight * w2[e] @ act(g, u),
 // [g; u] = w13[e] @ x_t; act silu(g) * u, or SiTU (gated_mul). An id outside [0, E) (a pair computed
 // elsewhere) adds nothing. A token gives the same bits alone or in a batch as long as its experts get
@@ -327,6 +341,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("threads", &threads, NoGil(), "the thread count at::parallel_for uses here");
   m.def("moe_amx_rows", &moe_amx_rows, NoGil(),
         "set the pair counts [lo, hi] at which moe() runs a bf16 expert on AMX tiles; returns the previous ones");
+  m.def("linear_amx", &linear_amx_bf16, NoGil(), "x [M, K] @ w [N, K].T for bf16 w on AMX-BF16 tiles");
   m.def("moe_amx_usable", &kimitui_cpu::moe_amx_usable, NoGil(), "whether moe() may use AMX tiles here");
   m.def("onednn_packed_count", &onednn_packed_count, NoGil(), "bf16 weights kept packed for oneDNN (cpu_onednn_packed.cpp)");
 }

@@ -39,6 +39,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w);
 // Whether linear() multiplies `rows` rows by w through oneDNN (bf16 w, 6 rows or more, oneDNN's native
 // bf16 product): on torch's OpenMP threads, not the kernels' team.
 bool runs_onednn(const torch::Tensor& w, int64_t rows);
+// x [M, K] @ w [N, K].T for bf16 w on AMX tiles (cpu_moe_amx.cpp), in x's dtype; where moe_amx_usable()
+torch::Tensor linear_amx_bf16(torch::Tensor x, torch::Tensor w);
 // cpu_onednn_packed.cpp: x [M, K] bf16 contiguous @ w [N, K] bf16 .T through oneDNN, w packed once
 torch::Tensor onednn_linear_bf16(const torch::Tensor& x, const torch::Tensor& w);
 int64_t onednn_packed_count();
@@ -325,5 +327,8 @@ bool moe_amx_rows_in(int64_t m);
 // Only where moe_amx_usable().
 void moe_expert_amx(const float* const* xs, int64_t m, const bf16* w13, const bf16* w2, int64_t D, int64_t I,
                     float* y, int64_t act, float beta, float linear_beta);
+// y [m, N] (rows N apart) = x @ w.T for m rows xs[t] (float32, K each) and w [N, K] bf16, the same
+// product on all threads (runs of weight rows). Only where moe_amx_usable().
+void linear_amx(const float* const* xs, int64_t m, const bf16* w, int64_t N, int64_t K, float* y);
 
 }  // namespace kimitui_cpu

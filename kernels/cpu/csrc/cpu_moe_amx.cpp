@@ -1,4 +1,5 @@
-// AMX-BF16 products for the routed experts of the few-row MoE (moe() in cpu_few_rows.cpp), bf16 weights.
+// AMX-BF16 products for the routed experts of the few-row MoE (moe() in cpu_few_rows.cpp), bf16 weights,
+// and for bf16 linears of a few dozen rows on weights kept in no packed copy (linear_amx: the LM head).
 //
 // A decode step of a few dozen rows gives each expert a handful of (token, slot) pairs. oneDNN's bf16
 // product takes the weight as its B operand and lays it out again (VNNI pairs) on every call, and
@@ -265,6 +266,19 @@ void moe_expert_amx(const float* const* xs, int64_t m, const bf16* w13, const bf
   _tile_release();
 }
 
+void linear_amx(const float* const* xs, int64_t m, const bf16* w, int64_t N, int64_t K, float* y) {
+  std::vector<uint8_t> bytes(ceil_div(m, 16) * ceil_div(K, kStep) * kTileU16 * 2 + 64);
+  auto* b = reinterpret_cast<uint16_t*>(bytes.data() + (-reinterpret_cast<uintptr_t>(bytes.data()) & 63));
+  pack_b(xs, m, K, b);
+  // runs of 32 weight rows (gemm_wt's block) to the threads; each configures its own tiles
+  parallel_runs(ceil_div(N, 32), N * K * 2, [&](int64_t i0, int64_t i1) {
+    configure();
+    const int64_t n0 = 32 * i0, n1 = std::min(N, 32 * i1);
+    gemm_wt(w + n0 * K, n1 - n0, K, b, m, y + n0, N);
+    _tile_release();
+  });
+}
+
 #pragma GCC pop_options
 }  // namespace kimitui_cpu
 #else
@@ -273,5 +287,6 @@ void moe_expert_amx(const float* const*, int64_t, const bf16*, const bf16*, int6
                     float) {
   std::abort();
 }
+void linear_amx(const float* const*, int64_t, const bf16*, int64_t, int64_t, float*) { std::abort(); }
 }  // namespace kimitui_cpu
 #endif

@@ -135,3 +135,33 @@ def test_amx_experts_run_situ(rows):
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
     silu = _bf16_rounded_reference(x, ids, weights, w13, w2)
     assert (silu - want).abs().max() > 1e-1 * want.abs().max()  # SiTU is told apart from SiLU here
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (17, 70, 33), (37, 130, 100), (64, 1000, 1024)])
+@pytest.mark.parametrize("xdtype", [torch.float32, BF16])
+def test_amx_linear_matches_a_bf16_rounded_float32_product(m, n, k, xdtype):
+    g = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=g).to(xdtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(BF16)
+    got = cpu_few_rows.linear_amx(x, w)
+    assert got.dtype == xdtype and got.shape == (m, n)
+    want = x.to(BF16).float() @ w.float().T
+    tol = 1e-2 if xdtype == BF16 else 1e-5
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    # each row alone gives the same bits: a C column depends only on its own B column
+    assert torch.equal(cpu_few_rows.linear_amx(x[m // 2 : m // 2 + 1], w), got[m // 2 : m // 2 + 1])
+
+
+def test_the_cpu_backend_runs_a_wide_bf16_linear_on_the_tiles():
+    from kimitui.kernels.cpu.backend import CpuBackend
+
+    ops = CpuBackend(dtype=BF16)
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(300, 96, generator=g) / 10).to(BF16)
+    for m in (cpu_few_rows.MAX_ROWS + 1, 64, cpu_few_rows.MAX_AMX_LINEAR_ROWS):
+        x = torch.randn(m, 96, generator=g).to(BF16)
+        assert torch.equal(ops.linear(x, w), cpu_few_rows.linear_amx(x, w))
+    x = torch.randn(cpu_few_rows.MAX_AMX_LINEAR_ROWS + 1, 96, generator=g).to(BF16)
+    assert torch.equal(ops.linear(x, w), torch.nn.functional.linear(x, w))  # past the bound: oneDNN
+    with pytest.raises(RuntimeError, match="bf16"):
+        cpu_few_rows.linear_amx(x, w.float())
