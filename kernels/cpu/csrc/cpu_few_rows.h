@@ -330,5 +330,7 @@ void moe_expert_amx(const float* const* xs, int64_t m, const bf16* w13, const bf
 // y [m, N] (rows N apart) = x @ w.T for m rows xs[t] (float32, K each) and w [N, K] bf16, the same
 // product on all threads (runs of weight rows). Only where moe_amx_usable().
 void linear_amx(const float* const* xs, int64_t m, const bf16* w, int64_t N, int64_t K, float* y);
+// The same on the calling thread alone, y rows ldy apart.
+void amx_product(const float* const* xs, int64_t m, const bf16* w, int64_t N, int64_t K, float* y, int64_t ldy);
 
 }  // namespace kimitui_cpu

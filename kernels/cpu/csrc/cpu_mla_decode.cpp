@@ -16,6 +16,9 @@ using namespace kimitui_cpu;
 namespace {
 
 constexpr int kHeadGroup = 8;  // heads per work item
+// bf16 W_UV on AMX tiles for steps of more sequences than this (the few-row decode's maximum, whose
+// sequences keep their bits alone or in a batch; kernels/cpu/few_rows.py MAX_MLA_SEQS)
+constexpr int64_t kAmxSeqs = 16;
 // Columns of a 4-row tile of the W_UK product: 16 accumulators (AVX-512 has 32 vector registers);
 // 1.0 ms for a float32 step at 16 sequences against 1.14 ms with 16 columns.
 constexpr int kUkCols = 32;
@@ -360,6 +363,21 @@ torch::Tensor mla_decode_absorbed(torch::Tensor q_in, torch::Tensor kv_in, torch
                lat.data() + (b * H + h0) * r, score);
       }
     });
+    if constexpr (std::is_same_v<T, bf16>) {
+      // A wide step (more sequences than the few-row decode's 16), every sequence with a context, where
+      // the CPU has AMX-BF16 tiles: W_UV[h] [v, r] as the tiles' A operand as it lies, the latent
+      // outputs rounded to bf16 (as the bf16 PyTorch MLA computes them), float32 sums.
+      if (A == B && A > kAmxSeqs && moe_amx_usable()) {
+        parallel_runs(H, H * v * r * static_cast<int64_t>(sizeof(T)), [&](int64_t h0, int64_t h1) {
+          std::vector<const float*> xs(A);
+          for (int64_t h = h0; h < h1; ++h) {
+            for (int64_t a = 0; a < A; ++a) xs[a] = lat.data() + (a * H + h) * r;
+            amx_product(xs.data(), A, uv + h * v * r, v, r, op + h * v, H * v);
+          }
+        });
+        return;
+      }
+    }
     constexpr int64_t kRows = 48;  // W_UV rows per work item (a multiple of the 3- and 4-row tiles)
     const int64_t row_blocks = (v + kRows - 1) / kRows;
     parallel_runs(H * row_blocks, H * v * r * static_cast<int64_t>(sizeof(T)), [&](int64_t i0, int64_t i1) {

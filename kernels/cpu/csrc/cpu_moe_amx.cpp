@@ -1,5 +1,6 @@
 // AMX-BF16 products for the routed experts of the few-row MoE (moe() in cpu_few_rows.cpp), bf16 weights,
-// and for bf16 linears of a few dozen rows on weights kept in no packed copy (linear_amx: the LM head).
+// and for bf16 linears of a few dozen rows on weights kept in no packed copy (linear_amx: the LM head;
+// amx_product: MLA's W_UV in a wide decode step).
 //
 // A decode step of a few dozen rows gives each expert a handful of (token, slot) pairs. oneDNN's bf16
 // product takes the weight as its B operand and lays it out again (VNNI pairs) on every call, and
@@ -266,6 +267,15 @@ void moe_expert_amx(const float* const* xs, int64_t m, const bf16* w13, const bf
   _tile_release();
 }
 
+void amx_product(const float* const* xs, int64_t m, const bf16* w, int64_t N, int64_t K, float* y, int64_t ldy) {
+  thread_local Buffer bb;
+  uint16_t* b = bb.get<uint16_t>(ceil_div(m, 16) * ceil_div(K, kStep) * kTileU16);
+  configure();
+  pack_b(xs, m, K, b);
+  gemm_wt(w, N, K, b, m, y, ldy);
+  _tile_release();
+}
+
 void linear_amx(const float* const* xs, int64_t m, const bf16* w, int64_t N, int64_t K, float* y) {
   std::vector<uint8_t> bytes(ceil_div(m, 16) * ceil_div(K, kStep) * kTileU16 * 2 + 64);
   auto* b = reinterpret_cast<uint16_t*>(bytes.data() + (-reinterpret_cast<uintptr_t>(bytes.data()) & 63));
@@ -288,5 +298,6 @@ void moe_expert_amx(const float* const*, int64_t, const bf16*, const bf16*, int6
   std::abort();
 }
 void linear_amx(const float* const*, int64_t, const bf16*, int64_t, int64_t, float*) { std::abort(); }
+void amx_product(const float* const*, int64_t, const bf16*, int64_t, int64_t, float*, int64_t) { std::abort(); }
 }  // namespace kimitui_cpu
 #endif
