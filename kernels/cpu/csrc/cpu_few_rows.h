@@ -332,5 +332,8 @@ void moe_expert_amx(const float* const* xs, int64_t m, const bf16* w13, const bf
 void linear_amx(const float* const* xs, int64_t m, const bf16* w, int64_t N, int64_t K, float* y);
 // The same on the calling thread alone, y rows ldy apart.
 void amx_product(const float* const* xs, int64_t m, const bf16* w, int64_t N, int64_t K, float* y, int64_t ldy);
+// y [m, N] (rows ldy apart) = x @ w for w [K, N] bf16 row-major (re-laid out into the tiles' B operand
+// on every call: for small weights), on the calling thread alone.
+void amx_product_kn(const float* const* xs, int64_t m, const bf16* w, int64_t K, int64_t N, float* y, int64_t ldy);
 
 }  // namespace kimitui_cpu

@@ -331,9 +331,24 @@ torch::Tensor mla_decode_absorbed(torch::Tensor q_in, torch::Tensor kv_in, torch
       if (lens[b] > 0) active.push_back(b);
     const int64_t A = static_cast<int64_t>(active.size());
     std::vector<float> qc(B * H * C), lat(B * H * r);  // absorbed queries [B, H, C]; latent outputs [B, H, r]
+    // A wide step (more sequences than the few-row decode's 16), every sequence with a context, where
+    // the CPU has AMX-BF16 tiles: W_UK and W_UV on the tiles, their inputs rounded to bf16 (as the
+    // bf16 PyTorch MLA computes them), float32 sums.
+    const bool amx = std::is_same_v<T, bf16> && A == B && A > kAmxSeqs && moe_amx_usable();
     constexpr int64_t kCols = 128;  // W_UK columns per work item (a multiple of 64)
     const int64_t col_blocks = (r + kCols - 1) / kCols;
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (amx)
+        parallel_runs(H, H * nope * r * static_cast<int64_t>(sizeof(T)), [&](int64_t h0, int64_t h1) {
+          std::vector<const float*> xs(A);
+          for (int64_t h = h0; h < h1; ++h) {  // qc[b, h, :r] = q_nope[b, h] @ W_UK[h]
+            for (int64_t a = 0; a < A; ++a) xs[a] = qp + (a * H + h) * (nope + rope);
+            amx_product_kn(xs.data(), A, uk + h * nope * r, nope, r, qc.data() + h * C, H * C);
+          }
+        });
+    }
     // (parallel_runs: runs of items per thread, or the calling thread alone for a small pass)
+    if (!amx)
     parallel_runs(H * col_blocks, H * nope * r * static_cast<int64_t>(sizeof(T)), [&](int64_t i0, int64_t i1) {
       std::vector<const float*> xs(A);
       std::vector<float*> ys(A);
@@ -364,10 +379,7 @@ torch::Tensor mla_decode_absorbed(torch::Tensor q_in, torch::Tensor kv_in, torch
       }
     });
     if constexpr (std::is_same_v<T, bf16>) {
-      // A wide step (more sequences than the few-row decode's 16), every sequence with a context, where
-      // the CPU has AMX-BF16 tiles: W_UV[h] [v, r] as the tiles' A operand as it lies, the latent
-      // outputs rounded to bf16 (as the bf16 PyTorch MLA computes them), float32 sums.
-      if (A == B && A > kAmxSeqs && moe_amx_usable()) {
+      if (amx) {  // W_UV[h] [v, r] as the tiles' A operand as it lies
         parallel_runs(H, H * v * r * static_cast<int64_t>(sizeof(T)), [&](int64_t h0, int64_t h1) {
           std::vector<const float*> xs(A);
           for (int64_t h = h0; h < h1; ++h) {

@@ -1,6 +1,7 @@
 // AMX-BF16 products for the routed experts of the few-row MoE (moe() in cpu_few_rows.cpp), bf16 weights,
 // and for bf16 linears of a few dozen rows on weights kept in no packed copy (linear_amx: the LM head;
-// amx_product: MLA's W_UV in a wide decode step).
+// amx_product: MLA's W_UV in a wide decode step; amx_product_kn: its W_UK, a [K, N] weight re-laid out
+// into B tiles per call, small enough that this costs little beside the product at 17+ rows).
 //
 // A decode step of a few dozen rows gives each expert a handful of (token, slot) pairs. oneDNN's bf16
 // product takes the weight as its B operand and lays it out again (VNNI pairs) on every call, and
@@ -244,7 +245,106 @@ void gemm_wt(const bf16* w, int64_t N, int64_t K, const uint16_t* b, int64_t m, 
   }
 }
 
+// m float32 rows of K -> A tiles: ceil(m / 16) blocks of 16 rows x ceil(K / 32) * 32 bf16, rows
+// `stride` bf16 apart, zero past m and K.
+void pack_a(const float* const* rows, int64_t m, int64_t K, uint16_t* a, int64_t stride) {
+  const int64_t steps = ceil_div(K, kStep);
+  for (int64_t t = 0; t < ceil_div(m, 16) * 16; ++t)
+    for (int64_t s = 0; s < steps; ++s) {
+      uint16_t* dst = a + t * stride + s * kStep;
+      if (t >= m) {
+        _mm512_storeu_si512(dst, _mm512_setzero_si512());
+        continue;
+      }
+      const int64_t k0 = s * kStep, kw = std::min(kStep, K - k0);
+      const __mmask16 lo = static_cast<__mmask16>(kw >= 16 ? 0xffff : (1u << kw) - 1);
+      const __mmask16 hi = static_cast<__mmask16>(kw >= 32 ? 0xffff : kw <= 16 ? 0 : (1u << (kw - 16)) - 1);
+      const float* p = rows[t] + k0;
+      _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, p + 16), _mm512_maskz_loadu_ps(lo, p)));
+    }
+}
+
+// w [K, N] bf16 row-major -> B tiles: ceil(N / 16) column blocks x ceil(K / 32) steps, tile row j =
+// the pairs (w[2j][n], w[2j + 1][n]) of its 16 columns, zero past K and N.
+void pack_b_weight(const bf16* w, int64_t K, int64_t N, uint16_t* b) {
+  const int64_t steps = ceil_div(K, kStep);
+  const auto* wp = reinterpret_cast<const uint16_t*>(w);
+  for (int64_t j = 0; j < ceil_div(N, 16); ++j) {
+    const int64_t n0 = 16 * j, nw = std::min<int64_t>(16, N - n0);
+    const __mmask32 keep = static_cast<__mmask32>(nw >= 16 ? 0xffff : (1u << nw) - 1);
+    for (int64_t s = 0; s < steps; ++s) {
+      uint16_t* tile = b + (j * steps + s) * kTileU16;
+      for (int64_t r = 0; r < 16; ++r) {
+        const int64_t k = s * kStep + 2 * r;
+        const __m512i e = k < K ? _mm512_maskz_loadu_epi16(keep, wp + k * N + n0) : _mm512_setzero_si512();
+        const __m512i o = k + 1 < K ? _mm512_maskz_loadu_epi16(keep, wp + (k + 1) * N + n0) : _mm512_setzero_si512();
+        const __m512i pairs = _mm512_or_si512(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(e)),
+                                              _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(o)), 16));
+        _mm512_store_si512(tile + 32 * r, pairs);
+      }
+    }
+  }
+}
+
 }  // namespace
+
+void amx_product_kn(const float* const* xs, int64_t m, const bf16* w, int64_t K, int64_t N, float* y, int64_t ldy) {
+  thread_local Buffer abuf, bbuf;
+  const int64_t steps = ceil_div(K, kStep), tbs = ceil_div(m, 16), nbs = ceil_div(N, 16), stride = steps * kStep;
+  uint16_t* a = abuf.get<uint16_t>(tbs * 16 * stride);
+  uint16_t* b = bbuf.get<uint16_t>(nbs * steps * kTileU16);
+  pack_a(xs, m, K, a, stride);
+  pack_b_weight(w, K, N, b);
+  alignas(64) float cbuf[256];
+  configure();
+  // C 0-3: two token blocks x two column blocks; A 4-5 (token blocks), B 6-7 (column blocks)
+  for (int64_t j = 0; j < nbs; j += 2) {
+    const bool two_n = j + 1 < nbs;
+    for (int64_t tb = 0; tb < tbs; tb += 2) {
+      const bool two_t = tb + 1 < tbs;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t s = 0; s < steps; ++s) {
+        _tile_loadd(4, a + tb * 16 * stride + s * kStep, stride * 2);
+        _tile_loadd(6, b + (j * steps + s) * kTileU16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_n) {
+          _tile_loadd(7, b + ((j + 1) * steps + s) * kTileU16, 64);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two_t) {
+          _tile_loadd(5, a + (tb + 1) * 16 * stride + s * kStep, stride * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          if (two_n) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      // C[i][c] = token 16 * (tb + i / 2) + row, column 16 * (j + i % 2) + c
+      auto put = [&](int i) {
+        const int64_t t0 = (tb + i / 2) * 16, n0 = (j + i % 2) * 16, nw = std::min<int64_t>(16, N - n0);
+        const __mmask16 keep = static_cast<__mmask16>(nw >= 16 ? 0xffff : (1u << nw) - 1);
+        for (int64_t t = 0; t < std::min<int64_t>(16, m - t0); ++t)
+          _mm512_mask_storeu_ps(y + (t0 + t) * ldy + n0, keep, _mm512_load_ps(cbuf + 16 * t));
+      };
+      _tile_stored(0, cbuf, 64);
+      put(0);
+      if (two_n) {
+        _tile_stored(1, cbuf, 64);
+        put(1);
+      }
+      if (two_t) {
+        _tile_stored(2, cbuf, 64);
+        put(2);
+      }
+      if (two_n && two_t) {
+        _tile_stored(3, cbuf, 64);
+        put(3);
+      }
+    }
+  }
+  _tile_release();
+}
 
 void moe_expert_amx(const float* const* xs, int64_t m, const bf16* w13, const bf16* w2, int64_t D, int64_t I,
                     float* y, int64_t act, float beta, float linear_beta) {
@@ -299,5 +399,6 @@ void moe_expert_amx(const float* const*, int64_t, const bf16*, const bf16*, int6
 }
 void linear_amx(const float* const*, int64_t, const bf16*, int64_t, int64_t, float*) { std::abort(); }
 void amx_product(const float* const*, int64_t, const bf16*, int64_t, int64_t, float*, int64_t) { std::abort(); }
+void amx_product_kn(const float* const*, int64_t, const bf16*, int64_t, int64_t, float*, int64_t) { std::abort(); }
 }  // namespace kimitui_cpu
 #endif

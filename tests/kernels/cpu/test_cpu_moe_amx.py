@@ -167,20 +167,21 @@ def test_the_cpu_backend_runs_a_wide_bf16_linear_on_the_tiles():
         cpu_few_rows.linear_amx(x, w.float())
 
 
-def test_a_wide_bf16_mla_step_runs_w_uv_on_the_tiles():
+def test_a_wide_bf16_mla_step_runs_w_uk_and_w_uv_on_the_tiles():
     from tests.kernels.triton.test_mla_decode_batch import _case as mla_case
 
     lens = [9, 1, 17, 4, 12, 5, 30, 2, 8, 3, 21, 6, 11, 7, 16, 10, 13, 3, 25, 4, 6, 19, 2, 14]  # 24 > 16 sequences
     a16 = mla_case(BF16, lens=lens)
     a32 = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == BF16 else v) for k, v in a16.items()}
-    got = cpu_few_rows.mla_decode_absorbed(**a16)  # W_UV on the tiles: latent outputs rounded to bf16
+    got = cpu_few_rows.mla_decode_absorbed(**a16)  # on the tiles: q_nope and the latent outputs rounded to bf16
     want = cpu_few_rows.mla_decode_absorbed(**a32)  # float32 weights: the widening loops
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    # (the bf16 q_nope moves the scores before the softmax: up to ~0.5% of the largest output here)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2 * want.abs().max().item())
     # one sequence alone runs the loops on the unrounded latent output: close, not the same bits
     one = {
         k: (v[:1] if k in ("q", "kv", "positions", "slots", "block_tables", "context_lens") else v)
         for k, v in a16.items()
     }
     alone = cpu_few_rows.mla_decode_absorbed(**one)
-    torch.testing.assert_close(alone, got[:1], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(alone, got[:1], rtol=2e-2, atol=1e-2 * want.abs().max().item())
     assert not torch.equal(alone, got[:1])
