@@ -81,6 +81,9 @@ torch::Tensor linear_amx_bf16(torch::Tensor x_in, torch::Tensor w) {
 // fewer than kGemmPairs pairs (decode batches); BLAS products, like the PyTorch path's, depend on
 // their row count. w13 and w2: both float32 or both bf16 (then experts with kBf16BlasRows pairs or
 // more run oneDNN's bf16 products, on activations rounded to bf16, as the PyTorch bf16 path does).
+// Where the CPU and OS give AMX-BF16 tiles, bf16 experts with moe_amx_rows' pair counts (1-512 by
+// default) run cpu_moe_amx.cpp's tile product instead (weight as the A operand, no re-layout); there
+// a token's bits do not depend on the other tokens of its experts.
 torch::Tensor moe(torch::Tensor x_in, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13, torch::Tensor w2,
                   torch::Tensor scratch, int64_t act, double beta, double linear_beta) {
   TORCH_CHECK(act == 0 || (act == 1 && beta > 0), "activation ", act, " with beta ", beta,
