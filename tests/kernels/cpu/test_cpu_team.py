@@ -163,7 +163,7 @@ cpu_few_rows.ffn_block(torch.randn(16, d).bfloat16(), torch.empty(0, dtype=torch
 time.sleep(0.05)
 print(spinning, state(worker), cpu_linear.onednn_bf16_native())
 """,
-        KIMITUI_CPU_SPIN_US="20000000",
+        KIMITUI_CPU_SPIN_US="2000000",
     )
     spinning, after, native = out.split()
     if native != "True":
