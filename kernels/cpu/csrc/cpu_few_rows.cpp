@@ -192,13 +192,15 @@ torch::Tensor moe(torch::Tensor x_in, torch::Tensor ids, torch::Tensor weights, 
     });
   });
 
-  // Each token adds its weighted expert outputs in ascending expert order.
-  auto out = torch::zeros({T, D}, x.options());
+  // Each token adds its weighted expert outputs in ascending expert order. (Zeroed here, not by
+  // torch::zeros: past 32768 elements ATen fills on its OpenMP threads, waking them.)
+  auto out = torch::empty({T, D}, x.options());
   const float* wt = weights.data_ptr<float>();
   float* o = out.data_ptr<float>();
   parallel_runs(T, T * top_k * D * static_cast<int64_t>(sizeof(float)), [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> slots(top_k);
     for (int64_t t = t0; t < t1; ++t) {
+      std::fill_n(o + t * D, D, 0.0f);
       for (int64_t j = 0; j < top_k; ++j) slots[j] = t * top_k + j;
       std::sort(slots.begin(), slots.end(), [&](int64_t i, int64_t j) { return id[i] < id[j]; });
       for (int64_t s : slots) {
