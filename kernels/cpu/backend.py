@@ -119,6 +119,14 @@ class CpuBackend(Backend):
             and not cpu_linear.onednn_bf16_native()
         ):
             return cpu_few_rows.linear(x, w)
+        if (
+            self.cxx
+            and cpu_few_rows.MAX_ROWS < rows <= cpu_few_rows.MAX_AMX_LINEAR_ROWS
+            and w.dtype is _BF16
+            and _cxx_dtypes(x, w)
+            and cpu_few_rows.amx_usable()
+        ):  # the LM head of a wide decode step: oneDNN would lay its weight out again on every call
+            return cpu_few_rows.linear_amx(x, w)
         return cpu_linear.linear_cpu(x, w)
 
     def linear_fp8_block(self, x, w, scale_inv, block=(128, 128)):

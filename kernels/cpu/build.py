@@ -68,8 +68,14 @@ _FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 
 FEW_ROWS = Extension(
     name="cpu_few_rows",
-    sources=("cpu_few_rows.cpp", "cpu_mla_decode.cpp", "cpu_decode_block.cpp", "cpu_onednn_packed.cpp"),
-    headers=("cpu_few_rows.h", "cpu_packed_experts.h", "gated_act.h", "cpu_parallel.h", "cpu_team.h"),
+    sources=(
+        "cpu_few_rows.cpp",
+        "cpu_mla_decode.cpp",
+        "cpu_decode_block.cpp",
+        "cpu_onednn_packed.cpp",
+        "cpu_moe_amx.cpp",
+    ),
+    headers=("cpu_few_rows.h", "cpu_packed_experts.h", "gated_act.h", "cpu_parallel.h", "cpu_team.h", "cpu_amx.h"),
     cflags=_FLAGS,
     # AVX-512 machines (Zen 4/5 EPYC, Xeon): v4 ran bf16 4-row products 1.5-1.9x faster than v3 on Zen 4
     # (benchmarks/cpu_variants.py), near -march=native
@@ -93,6 +99,7 @@ QUANT_MOE = Extension(
         "gated_act.h",
         "cpu_parallel.h",
         "cpu_team.h",
+        "cpu_amx.h",
     ),
     cflags=_FLAGS,  # no -march: each path carries its own target pragma, the portable one runs anywhere
     variants=_PORTABLE,

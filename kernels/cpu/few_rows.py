@@ -16,7 +16,11 @@ reads half the bytes per decode step and a row's result is the float32 kernel's 
 weights. bf16 activations are widened on entry and the result rounded back to bf16. From 6 rows
 on, a bf16 linear (and a MoE expert with 6+ pairs) runs oneDNN's bf16 product instead (AMX where
 the CPU has it), faster there than the 8-wide float32 FMAs; those rows' bits then depend on the row
-count, as every BLAS product's do.
+count, as every BLAS product's do. Where the CPU (and OS) give AMX-BF16 tiles, a bf16 MoE expert of
+1-512 pairs runs ``cpu_moe_amx.cpp`` instead: the expert's weight is the tiles' A operand as it lies
+(oneDNN lays it out again on every call, and experts are too large to keep a packed copy), the
+pairs' activations are rounded to bf16 and re-laid out into the B operand, float32 sums; a token's
+bits there do not depend on the other tokens of its expert.
 
 The extension is compiled when the package is installed, for x86-64-v3 (AVX2 + FMA) and for plain
 x86-64, and the variant this CPU runs is imported (``kernels/cpu/build.py``; a checkout whose C++ changed
@@ -48,6 +52,13 @@ MAX_MLA_SEQS = 16
 # PyTorch reference's gather). A float32 model keeps MAX_ROWS: its block products are the widening
 # loops, slower than BLAS past 24 rows.
 MAX_BF16_BLOCK_ROWS = 64
+# The CPU backend's bf16 products of MAX_ROWS + 1 up to this many rows run linear_amx() where it can
+# (the LM head of a wide decode step: the blocks take the layers). benchmarks/cpu_moe_amx.py, LM head
+# 32000 x 1024 against F.linear (oneDNN lays the weight out again per call), 2-core AMX Xeon,
+# contended, medians of 21 alternating pairs: 1.47x at 17 rows, 1.01x at 32, 1.17x at 64, 0.84x at 96,
+# 0.81x at 128 (the tiles re-read the packed rows for every 32 weight rows; oneDNN's re-layout is
+# then paid back).
+MAX_AMX_LINEAR_ROWS = 64
 
 
 @functools.cache
@@ -69,6 +80,24 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2 and x.is_contiguous():  # the usual decode call: no reshapes
         return _module().linear(x, w)
     out = _module().linear(x.reshape(-1, k).contiguous(), w)
+    return out.view(*x.shape[:-1], n)
+
+
+@functools.cache
+def amx_usable() -> bool:
+    """Whether the AMX-BF16 products (``linear_amx``, the MoE's bf16 experts) run here: the extension
+    is built, the CPU has AMX-BF16 and the OS lets this process use the tiles (asked once)."""
+    return available() and bool(_module().moe_amx_usable())
+
+
+def linear_amx(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ w [N, K].T`` for a contiguous bf16 ``w`` on AMX-BF16 tiles (``cpu_moe_amx.cpp``),
+    the weight read as it lies (no re-layout, no packed copy), x rounded to bf16, float32 sums; the
+    result in x's dtype. Only where ``amx_usable()``."""
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, w has {k}")
+    out = _module().linear_amx(x.reshape(-1, k).contiguous(), w)
     return out.view(*x.shape[:-1], n)
 
 

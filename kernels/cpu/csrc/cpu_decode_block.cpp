@@ -78,6 +78,7 @@ torch::Tensor attention_block(torch::Tensor x_in, torch::Tensor positions, torch
   TORCH_CHECK(q_width > 0 && q_width < in_proj.size(0), "q_width ", q_width, " does not fit in_proj ",
               in_proj.sizes());
   const int64_t B = x.size(0);
+  const QuietTeam quiet(runs_onednn(in_proj, B));  // the products on OpenMP threads, the MLA on the team
   const auto y = ::linear(::rms_norm(x, norm, eps), in_proj);
   auto q = y.slice(1, 0, q_width).contiguous();
   if (q_b.numel()) q = ::linear(::rms_norm(q, q_norm, q_eps), q_b);
@@ -97,6 +98,8 @@ torch::Tensor ffn_block(torch::Tensor x_in, torch::Tensor counts, torch::Tensor 
                         torch::Tensor w13, torch::Tensor w2, torch::Tensor scratch) {
   const auto x = as_f32(x_in, "x", 2);
   const auto dtype = x_in.scalar_type();
+  // the dense products on OpenMP threads (oneDNN), the routed experts on the team (or OpenMP)
+  const QuietTeam quiet(runs_onednn(router_w.numel() ? w13 : gate_up, x.size(0)));
   const auto h = ::rms_norm(x, norm, eps);
   if (!router_w.numel()) {
     auto y = swiglu(h, gate_up, down).add_(x);

@@ -35,10 +35,13 @@ constexpr int64_t kKeptDownFloats = int64_t{16} << 20;
 
 }  // namespace
 
+bool runs_onednn(const torch::Tensor& w, int64_t rows) {
+  return w.scalar_type() == torch::kBFloat16 && rows >= kBf16BlasRows && onednn_bf16_native();
+}
+
 torch::Tensor linear(torch::Tensor x_in, torch::Tensor w) {
   check_weight(w, "w", 2);
-  if (w.scalar_type() == torch::kBFloat16 && x_in.dim() == 2 && x_in.size(0) >= kBf16BlasRows &&
-      onednn_bf16_native()) {
+  if (x_in.dim() == 2 && runs_onednn(w, x_in.size(0))) {
     check_act(x_in, "x", 2);
     TORCH_CHECK(w.size(1) == x_in.size(1), "x has ", x_in.size(1), " features, w has ", w.size(1));
     return onednn_linear_bf16(x_in.to(torch::kBFloat16).contiguous(), w).to(x_in.scalar_type());  // no copies for bf16 x
@@ -58,12 +61,29 @@ torch::Tensor linear(torch::Tensor x_in, torch::Tensor w) {
   return x_in.scalar_type() == torch::kFloat32 ? y : y.to(x_in.scalar_type());
 }
 
+torch::Tensor linear_amx_bf16(torch::Tensor x_in, torch::Tensor w) {
+  check_weight(w, "w", 2);
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "linear_amx: w must be bf16, got ", w.scalar_type());
+  TORCH_CHECK(moe_amx_usable(), "linear_amx: this CPU (or OS, or build) gives no AMX-BF16 tiles");
+  const auto x = as_f32(x_in, "x", 2);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "x has ", K, " features, w has ", w.size(1));
+  auto y = torch::empty({M, N}, x.options());
+  if (M > 0)
+    linear_amx(row_ptrs<const float>(x.data_ptr<float>(), M, K).data(), M,
+               reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>()), N, K, y.data_ptr<float>());
+  return x_in.scalar_type() == torch::kFloat32 ? y : y.to(x_in.scalar_type());
+}
+
 // Gated experts: y_t = sum over t's slots, in ascending expert order, of weight * w2[e] @ act(g, u),
 // [g; u] = w13[e] @ x_t; act silu(g) * u, or SiTU (gated_mul). An id outside [0, E) (a pair computed
 // elsewhere) adds nothing. A token gives the same bits alone or in a batch as long as its experts get
 // fewer than kGemmPairs pairs (decode batches); BLAS products, like the PyTorch path's, depend on
 // their row count. w13 and w2: both float32 or both bf16 (then experts with kBf16BlasRows pairs or
 // more run oneDNN's bf16 products, on activations rounded to bf16, as the PyTorch bf16 path does).
+// Where the CPU and OS give AMX-BF16 tiles, bf16 experts with moe_amx_rows' pair counts (1-512 by
+// default) run cpu_moe_amx.cpp's tile product instead (weight as the A operand, no re-layout); there
+// a token's bits do not depend on the other tokens of its experts.
 torch::Tensor moe(torch::Tensor x_in, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13, torch::Tensor w2,
                   torch::Tensor scratch, int64_t act, double beta, double linear_beta) {
   TORCH_CHECK(act == 0 || (act == 1 && beta > 0), "activation ", act, " with beta ", beta,
@@ -133,11 +153,23 @@ torch::Tensor moe(torch::Tensor x_in, torch::Tensor ids, torch::Tensor weights, 
     using W = std::remove_const_t<std::remove_pointer_t<decltype(w13p)>>;
     const W* w2p = reinterpret_cast<const W*>(w2.data_ptr());
     const int64_t blas_pairs = std::is_same_v<W, bf16> && bf16_native ? kBf16BlasRows : kGemmPairs;
+    const bool amx = std::is_same_v<W, bf16> && moe_amx_usable();  // asks for the tiles before any thread uses them
+    auto on_amx = [&](int64_t m) { return amx && moe_amx_rows_in(m); };
     bool any_blas = false;
-    for (int64_t e : active) any_blas = any_blas || count[e + 1] - count[e] >= blas_pairs;
+    for (int64_t e : active) {
+      const int64_t m = count[e + 1] - count[e];
+      any_blas = any_blas || (m >= blas_pairs && !on_amx(m));
+    }
     dynamic_for(static_cast<int64_t>(active.size()), any_blas, [&](int64_t i) {
       thread_local std::vector<float> gu, h, xg;  // kept across calls: no page faults per call
       const int64_t e = active[i], g = count[e], m = count[e + 1] - g;
+      if constexpr (std::is_same_v<W, bf16>) {
+        if (on_amx(m)) {
+          moe_expert_amx(xs.data() + g, m, w13p + e * I2 * D, w2p + e * D * I, D, I, dn + g * D, act,
+                         static_cast<float>(beta), static_cast<float>(linear_beta));
+          return;
+        }
+      }
       if (static_cast<int64_t>(gu.size()) < m * I2) gu.resize(m * I2);
       if (static_cast<int64_t>(h.size()) < m * I) h.resize(m * I);
       const bool blas = m >= blas_pairs;
@@ -160,13 +192,15 @@ torch::Tensor moe(torch::Tensor x_in, torch::Tensor ids, torch::Tensor weights, 
     });
   });
 
-  // Each token adds its weighted expert outputs in ascending expert order.
-  auto out = torch::zeros({T, D}, x.options());
+  // Each token adds its weighted expert outputs in ascending expert order. (Zeroed here, not by
+  // torch::zeros: past 32768 elements ATen fills on its OpenMP threads, waking them.)
+  auto out = torch::empty({T, D}, x.options());
   const float* wt = weights.data_ptr<float>();
   float* o = out.data_ptr<float>();
   parallel_runs(T, T * top_k * D * static_cast<int64_t>(sizeof(float)), [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> slots(top_k);
     for (int64_t t = t0; t < t1; ++t) {
+      std::fill_n(o + t * D, D, 0.0f);
       for (int64_t j = 0; j < top_k; ++j) slots[j] = t * top_k + j;
       std::sort(slots.begin(), slots.end(), [&](int64_t i, int64_t j) { return id[i] < id[j]; });
       for (int64_t s : slots) {
@@ -321,5 +355,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return py::capsule(reinterpret_cast<void*>(&Team::run_on), kTeamCapsule);
   }, "this extension's thread team, for another extension's use_team()");
   m.def("threads", &threads, NoGil(), "the thread count at::parallel_for uses here");
+  m.def("moe_amx_rows", &moe_amx_rows, NoGil(),
+        "set the pair counts [lo, hi] at which moe() runs a bf16 expert on AMX tiles; returns the previous ones");
+  m.def("linear_amx", &linear_amx_bf16, NoGil(), "x [M, K] @ w [N, K].T for bf16 w on AMX-BF16 tiles");
+  m.def("moe_amx_usable", &kimitui_cpu::moe_amx_usable, NoGil(), "whether moe() may use AMX tiles here");
   m.def("onednn_packed_count", &onednn_packed_count, NoGil(), "bf16 weights kept packed for oneDNN (cpu_onednn_packed.cpp)");
 }

@@ -37,6 +37,11 @@
 // The extension's entry points, defined across its translation units and called from each other.
 // cpu_few_rows.cpp
 torch::Tensor linear(torch::Tensor x, torch::Tensor w);
+// Whether linear() multiplies `rows` rows by w through oneDNN (bf16 w, 6 rows or more, oneDNN's native
+// bf16 product): on torch's OpenMP threads, not the kernels' team.
+bool runs_onednn(const torch::Tensor& w, int64_t rows);
+// x [M, K] @ w [N, K].T for bf16 w on AMX tiles (cpu_moe_amx.cpp), in x's dtype; where moe_amx_usable()
+torch::Tensor linear_amx_bf16(torch::Tensor x, torch::Tensor w);
 // cpu_onednn_packed.cpp: x [M, K] bf16 contiguous @ w [N, K] bf16 .T through oneDNN, w packed once
 torch::Tensor onednn_linear_bf16(const torch::Tensor& x, const torch::Tensor& w);
 int64_t onednn_packed_count();
@@ -51,6 +56,9 @@ std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor x, torch::Tenso
                                                    bool sigmoid, bool norm, double scaling);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 int64_t threads();
+// cpu_moe_amx.cpp: the pair counts [lo, hi] at which moe() runs a bf16 expert on AMX tiles; returns
+// the previous ones
+std::tuple<int64_t, int64_t> moe_amx_rows(int64_t lo, int64_t hi);
 // cpu_mla_decode.cpp
 torch::Tensor mla_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
                          torch::Tensor context_lens, int64_t block_size, int64_t r, double scale);
@@ -323,5 +331,23 @@ std::vector<F*> row_ptrs(F* base, int64_t m, int64_t stride) {
   for (int64_t i = 0; i < m; ++i) p[i] = base + i * stride;
   return p;
 }
+
+// cpu_moe_amx.cpp. Whether this process may run tile instructions (the CPU has AMX-BF16, the OS lets
+// it: asked once); whether moe() runs an expert with m pairs there (moe_amx_rows).
+bool moe_amx_usable();
+bool moe_amx_rows_in(int64_t m);
+// One bf16 expert on m token rows xs[t] (float32, D each): y [m, D] (rows D apart) =
+// w2 [D, I] @ gated_mul(w13 [2I, D] @ x), activations rounded to bf16 for each product, float32 sums.
+// Only where moe_amx_usable().
+void moe_expert_amx(const float* const* xs, int64_t m, const bf16* w13, const bf16* w2, int64_t D, int64_t I,
+                    float* y, int64_t act, float beta, float linear_beta);
+// y [m, N] (rows N apart) = x @ w.T for m rows xs[t] (float32, K each) and w [N, K] bf16, the same
+// product on all threads (runs of weight rows). Only where moe_amx_usable().
+void linear_amx(const float* const* xs, int64_t m, const bf16* w, int64_t N, int64_t K, float* y);
+// The same on the calling thread alone, y rows ldy apart.
+void amx_product(const float* const* xs, int64_t m, const bf16* w, int64_t N, int64_t K, float* y, int64_t ldy);
+// y [m, N] (rows ldy apart) = x @ w for w [K, N] bf16 row-major (re-laid out into the tiles' B operand
+// on every call: for small weights), on the calling thread alone.
+void amx_product_kn(const float* const* xs, int64_t m, const bf16* w, int64_t K, int64_t N, float* y, int64_t ldy);
 
 }  // namespace kimitui_cpu

@@ -16,6 +16,9 @@ using namespace kimitui_cpu;
 namespace {
 
 constexpr int kHeadGroup = 8;  // heads per work item
+// bf16 W_UV on AMX tiles for steps of more sequences than this (the few-row decode's maximum, whose
+// sequences keep their bits alone or in a batch; kernels/cpu/few_rows.py MAX_MLA_SEQS)
+constexpr int64_t kAmxSeqs = 16;
 // Columns of a 4-row tile of the W_UK product: 16 accumulators (AVX-512 has 32 vector registers);
 // 1.0 ms for a float32 step at 16 sequences against 1.14 ms with 16 columns.
 constexpr int kUkCols = 32;
@@ -294,7 +297,10 @@ torch::Tensor mla_decode_absorbed(torch::Tensor q_in, torch::Tensor kv_in, torch
     TORCH_CHECK(slot[b] >= 0 && slot[b] < cache.size(0), "cache slot ", slot[b], " of sequence ", b,
                 " is outside the cache");
   }
-  auto out = torch::zeros({B, H, v}, q.options());
+  // not torch::zeros: past 32768 elements (32 sequences of 8 x 128) ATen fills on its OpenMP threads,
+  // a wake-up of sleeping threads per layer (34 sequences took 8 ms against 1.5 at 32 on the loaded
+  // 2-core Xeon); every active sequence's rows are written below, the others zeroed here
+  auto out = torch::empty({B, H, v}, q.options());
   with_weight(cache, [&](auto cache_p) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(cache_p)>>;
     T* cp = const_cast<T*>(cache_p);
@@ -327,10 +333,27 @@ torch::Tensor mla_decode_absorbed(torch::Tensor q_in, torch::Tensor kv_in, torch
     for (int64_t b = 0; b < B; ++b)
       if (lens[b] > 0) active.push_back(b);
     const int64_t A = static_cast<int64_t>(active.size());
+    for (int64_t b = 0; b < B; ++b)
+      if (lens[b] <= 0) std::fill_n(op + b * H * v, H * v, 0.0f);
     std::vector<float> qc(B * H * C), lat(B * H * r);  // absorbed queries [B, H, C]; latent outputs [B, H, r]
+    // A wide step (more sequences than the few-row decode's 16), every sequence with a context, where
+    // the CPU has AMX-BF16 tiles: W_UK and W_UV on the tiles, their inputs rounded to bf16 (as the
+    // bf16 PyTorch MLA computes them), float32 sums.
+    const bool amx = std::is_same_v<T, bf16> && A == B && A > kAmxSeqs && moe_amx_usable();
     constexpr int64_t kCols = 128;  // W_UK columns per work item (a multiple of 64)
     const int64_t col_blocks = (r + kCols - 1) / kCols;
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (amx)
+        parallel_runs(H, H * nope * r * static_cast<int64_t>(sizeof(T)), [&](int64_t h0, int64_t h1) {
+          std::vector<const float*> xs(A);
+          for (int64_t h = h0; h < h1; ++h) {  // qc[b, h, :r] = q_nope[b, h] @ W_UK[h]
+            for (int64_t a = 0; a < A; ++a) xs[a] = qp + (a * H + h) * (nope + rope);
+            amx_product_kn(xs.data(), A, uk + h * nope * r, nope, r, qc.data() + h * C, H * C);
+          }
+        });
+    }
     // (parallel_runs: runs of items per thread, or the calling thread alone for a small pass)
+    if (!amx)
     parallel_runs(H * col_blocks, H * nope * r * static_cast<int64_t>(sizeof(T)), [&](int64_t i0, int64_t i1) {
       std::vector<const float*> xs(A);
       std::vector<float*> ys(A);
@@ -360,6 +383,18 @@ torch::Tensor mla_decode_absorbed(torch::Tensor q_in, torch::Tensor kv_in, torch
                lat.data() + (b * H + h0) * r, score);
       }
     });
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (amx) {  // W_UV[h] [v, r] as the tiles' A operand as it lies
+        parallel_runs(H, H * v * r * static_cast<int64_t>(sizeof(T)), [&](int64_t h0, int64_t h1) {
+          std::vector<const float*> xs(A);
+          for (int64_t h = h0; h < h1; ++h) {
+            for (int64_t a = 0; a < A; ++a) xs[a] = lat.data() + (a * H + h) * r;
+            amx_product(xs.data(), A, uv + h * v * r, v, r, op + h * v, H * v);
+          }
+        });
+        return;
+      }
+    }
     constexpr int64_t kRows = 48;  // W_UV rows per work item (a multiple of the 3- and 4-row tiles)
     const int64_t row_blocks = (v + kRows - 1) / kRows;
     parallel_runs(H * row_blocks, H * v * r * static_cast<int64_t>(sizeof(T)), [&](int64_t i0, int64_t i1) {

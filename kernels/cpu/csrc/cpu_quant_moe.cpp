@@ -15,8 +15,6 @@
 #include <torch/extension.h>
 
 #include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -24,6 +22,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_amx.h"
 #include "cpu_packed_experts.h"  // experts_capsules
 #include "cpu_parallel.h"  // parallel_runs
 #include "cpu_quant_moe_common.h"
@@ -38,25 +37,9 @@ namespace {
 
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmxBf16 = 4 };
 
-// AMX tiles may be used: the CPU has AMX-TILE and AMX-BF16 (cpuid leaf 7: EDX bits 24, 22), the OS
-// saves the tile state (XCR0 bits 17, 18) and, on Linux, grants this process the tile data state
-// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, 18: the permission covers every thread of
-// the process). Any refusal leaves avx512bf16.
-bool amx_bf16_usable() {
-#if defined(__x86_64__) && defined(__linux__)
-  if (!kAmxBuilt) return false;
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
-  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE: xgetbv is allowed
-  unsigned lo, hi;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  if ((lo & (3u << 17)) != (3u << 17)) return false;
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-#else
-  return false;
-#endif
-}
+// AMX tiles may be used (cpu_amx.h: cpuid, XCR0, the Linux permission request) and this build has the
+// tile kernel. Any refusal leaves avx512bf16.
+bool amx_bf16_usable() { return kAmxBuilt && kimitui_amx::amx_bf16_usable(); }
 
 int64_t best_isa() {
   static const int64_t best = [] {

@@ -28,6 +28,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_amx.h"
 #include "cpu_quant_moe_common.h"
 
 namespace cpu_quant_moe {
@@ -43,11 +44,7 @@ namespace {
 
 constexpr int kAhead = 4096;  // bytes prefetched ahead in the tile's stream, as the AVX-512 paths
 
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+using kimitui_amx::TileConfig;
 
 // Group g's 256 code bytes -> the 1 KB B tile (16 rows of 16 bf16 pairs).
 inline void decode_group(const uint8_t* blk, __m512i table, uint8_t* b) {

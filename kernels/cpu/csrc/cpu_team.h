@@ -81,6 +81,10 @@ class Team : public std::enable_shared_from_this<Team> {
   // TeamRun for the calling thread's team.
   static void run_on(int64_t threads, TeamBody body, void* ctx) { get().run(threads, body, ctx); }
 
+  // While quiet (QuietTeam below), workers sleep as soon as a pass ends, and a worker still spinning
+  // after an earlier pass goes to sleep.
+  void quiet(int delta) { quiet_.fetch_add(delta, std::memory_order_relaxed); }
+
   void run(int64_t threads, TeamBody body, void* ctx) {
     threads = std::min({threads, kMaxThreads, cpus_});
     if (threads <= 1 || t_inside_) {  // (only the owning thread runs its team's passes: get())
@@ -217,7 +221,9 @@ class Team : public std::enable_shared_from_this<Team> {
   // Spin until the next pass or the end of the spin window (at once when the machine is crowded), then
   // sleep until it comes.
   uint64_t wait_for_pass(uint64_t seen) {
-    if (spin_until([&] { return gen_.load(std::memory_order_acquire) != seen; }, Clock::now() + spin_))
+    auto next = [&] { return gen_.load(std::memory_order_acquire) != seen; };
+    auto quiet = [&] { return quiet_.load(std::memory_order_relaxed) > 0; };
+    if (!quiet() && spin_until([&] { return next() || quiet(); }, Clock::now() + spin_) && next())
       return gen_.load(std::memory_order_acquire);
     std::unique_lock<std::mutex> lock(mutex_);
     sleepers_.fetch_add(1);  // seq_cst, then read gen_: run() stores gen_, then reads sleepers_
@@ -251,10 +257,33 @@ class Team : public std::enable_shared_from_this<Team> {
   const int64_t cpus_ = allowed_cpus();  // the creating (calling) thread's CPUs: at most one thread each
   const int64_t online_cpus_ = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
   std::atomic<bool> stop_{false};
+  std::atomic<int> quiet_{0};  // QuietTeam guards alive on the owning thread
   int64_t workers_ = 0;  // started (by the owning thread only)
   TeamBody body_ = nullptr;
   void* ctx_ = nullptr;
   const std::chrono::microseconds spin_ = spin_window();
+};
+
+// The calling thread's team kept quiet while this lives (when `on`): its workers sleep as soon as a
+// pass ends instead of spinning for the spin window. For calls whose other passes run on torch's
+// OpenMP threads (oneDNN's bf16 products from 6 rows on): there a spinning worker holds a core that
+// an OpenMP thread then waits for. A decode step of 64 rows on the 2-core AMX Xeon (bf16 model of
+// benchmarks/vs_vllm_cpu.py), whose products are oneDNN's and whose MLA and MoE run on this team, took
+// 155 ms spinning against 98 ms with KIMITUI_CPU_SPIN_US=0 (contended, load average 1.2-1.6); the
+// passes of a quiet call pay a wake-up each instead.
+class QuietTeam {
+ public:
+  explicit QuietTeam(bool on) : team_(on ? &Team::get() : nullptr) {
+    if (team_) team_->quiet(1);
+  }
+  ~QuietTeam() {
+    if (team_) team_->quiet(-1);
+  }
+  QuietTeam(const QuietTeam&) = delete;
+  QuietTeam& operator=(const QuietTeam&) = delete;
+
+ private:
+  Team* team_;
 };
 
 }  // namespace kimitui_cpu

@@ -18,6 +18,9 @@ BF16 = torch.bfloat16
 # BLAS pair count (kGemmPairs) and linear's callers never pass more than 16 rows
 NATIVE = cpu_linear.onednn_bf16_native()
 BLAS_ROWS = 6 if NATIVE else 32
+# where the CPU has AMX-BF16 tiles, bf16 experts of 1-512 pairs run them instead (cpu_moe_amx.cpp, on
+# activations rounded to bf16; tests/kernels/cpu/test_cpu_moe_amx.py)
+AMX = cpu_few_rows.available() and cpu_few_rows._module().moe_amx_usable()
 
 
 def _bf16(*shape, scale=1.0, seed=0):
@@ -74,7 +77,8 @@ def test_bf16_moe_matches_float64_and_the_float32_kernel(t):
     ids[0, 1] = e  # a pair computed elsewhere adds nothing
     got = cpu_few_rows.moe(x, ids, weights, w13, w2)
     want = ref.moe_experts_reference(x.double(), ids, weights.double(), w13.double(), w2.double())
-    loops = int(ids[ids < e].flatten().bincount().max()) < BLAS_ROWS  # no expert reaches the oneDNN row count
+    # no expert reaches the oneDNN row count, and no AMX tiles
+    loops = not AMX and int(ids[ids < e].flatten().bincount().max()) < BLAS_ROWS
     tol = dict(rtol=1e-5, atol=1e-5) if loops else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got.double(), want, **tol)
     if loops:  # the float32 kernel on the widened weights
@@ -90,7 +94,7 @@ def test_bf16_moe_token_gives_the_same_bits_alone_and_in_a_batch():
     w13, w2 = _bf16(16, 64, 64, scale=0.1, seed=4), _bf16(16, 64, 32, scale=0.1, seed=5)
     x = torch.randn(6, 64)
     weights, ids = torch.rand(6, 16).topk(3)
-    assert ids.flatten().bincount().max() < BLAS_ROWS  # every expert in the widening loops
+    assert ids.flatten().bincount().max() < BLAS_ROWS  # every expert in the widening loops (or the AMX tiles)
     batch = cpu_few_rows.moe(x, ids, weights, w13, w2)
     for i in range(6):
         assert torch.equal(
@@ -187,9 +191,17 @@ def test_the_bf16_ffn_block_is_the_float32_block_rounded_once():
     blk32 = FfnBlockWeights(gate_up=gate_up.float(), down=down.float(), w13=w13.float(), w2=w2.float(), **common)
     x = torch.randn(5, d).to(BF16)  # 5 rows: below the oneDNN row count, every product in the C++ loops
     c16, c32 = torch.zeros(e, dtype=torch.long), torch.zeros(e, dtype=torch.long)
-    got = cpu_few_rows.ffn_block(x, c16, blk16, torch.empty(0))
+    mod = cpu_few_rows._module()
+    saved = mod.moe_amx_rows(1 << 40, 0)  # the routed experts in the widening loops too, not the AMX tiles
+    try:
+        got = cpu_few_rows.ffn_block(x, c16, blk16, torch.empty(0))
+    finally:
+        mod.moe_amx_rows(*saved)
     want = cpu_few_rows.ffn_block(x.float(), c32, blk32, torch.empty(0))
     assert got.dtype == BF16 and torch.equal(got, want.to(BF16)) and torch.equal(c16, c32)
+    if AMX:  # the experts on the tiles: their activations rounded to bf16, within bf16's rounding
+        got = cpu_few_rows.ffn_block(x, torch.zeros(e, dtype=torch.long), blk16, torch.empty(0))
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
 @needs_ext

@@ -140,3 +140,34 @@ print(len(seen[False]), len(seen[True]), len(threads() - before))
         KIMITUI_CPU_SPIN_US="2000",
     )
     assert out.split() == ["1", "0", "0"], out
+
+
+def test_a_decode_block_on_onednn_products_puts_spinning_workers_to_sleep():
+    out = _run(
+        """
+from kimitui.kernels.cpu import linear as cpu_linear
+from kimitui.kernels.cpu.decode_block import FfnBlockWeights
+torch.randn(256, 256) @ torch.randn(256, 256)  # torch's OpenMP threads start here, not below
+before = threads()
+pass_over_threads()  # starts the team's worker, which then spins for the (long) spin window
+(worker,) = threads() - before
+time.sleep(0.05)
+spinning = state(worker)
+d, i = 64, 32
+e = torch.empty(0)
+mlp = FfnBlockWeights(
+    norm=torch.ones(d), norm_eps=1e-6, gate_up=torch.randn(2 * i, d).bfloat16(), down=torch.randn(d, i).bfloat16(),
+    router=e, bias=e, top_k=1, n_group=1, topk_group=1, sigmoid=True, norm_topk_prob=True, scaling=1.0, w13=e, w2=e,
+)
+cpu_few_rows.ffn_block(torch.randn(16, d).bfloat16(), torch.empty(0, dtype=torch.long), mlp, e)
+time.sleep(0.05)
+print(spinning, state(worker), cpu_linear.onednn_bf16_native())
+""",
+        KIMITUI_CPU_SPIN_US="2000000",
+    )
+    spinning, after, native = out.split()
+    if native != "True":
+        pytest.skip("no native oneDNN bf16 product here: the block's products run on the team")
+    if spinning != "R":
+        pytest.skip(f"the worker did not spin ({spinning}): the machine is crowded, workers sleep anyway")
+    assert after == "S", out  # 16 bf16 rows: the block's products are oneDNN's, its team kept quiet
