@@ -29,7 +29,7 @@ What runs, in order (checkpoints, GGUFs and logs are kept in ``--work-dir`` and 
    ``k3`` is Kimi K3-shaped (the built-in ``demo-k3`` layout: KDA and gated NoPE-MLA layers, latent
    MoE, SiTU, attention residuals, MXFP4 routed experts) scaled up: hidden 1280, 8 layers (MLA at
    4 and 8), 48 experts of width 768 over a 640-wide latent, top-6, K3's 163,840-token vocabulary.
-2. GGUFs with llama.cpp's own ``convert_hf_to_gguf.py`` (through ``llama_cpp_vocab.py``, which only
+2. GGUFs with llama.cpp's own ``convert_hf_to_gguf.py`` (through ``peers/llama_cpp_vocab.py``, which only
    supplies the vocabulary from the checkpoint's tiktoken file): ``k2-bf16`` from the bf16 file;
    ``k2-int4`` is llama.cpp's 4-bit of the same weights, the routed experts as Q4_0 and the rest
    bf16 (``llama-quantize --tensor-type exps=q4_0`` on the bf16 GGUF); our INT4 file is also
@@ -412,7 +412,7 @@ class Llama:
         self.run(
             [
                 self.python,
-                str(ROOT / "benchmarks" / "llama_cpp_vocab.py"),
+                str(ROOT / "benchmarks" / "peers" / "llama_cpp_vocab.py"),
                 str(self.folder),
                 str(ckpt),
                 "--outfile",
@@ -797,7 +797,7 @@ def main() -> int:
         "load_start": os.getloadavg()[0],
     }
     sys.path.insert(0, str(ROOT))
-    from benchmarks.host_load import OtherLoad
+    from benchmarks.peers.host_load import OtherLoad
 
     others = OtherLoad().start()
     max_n = max(batches)

@@ -1,4 +1,4 @@
-"""benchmarks/host_load.py: a benchmark's own processes (this one, children alive or reaped) are not
+"""benchmarks/peers/host_load.py: a benchmark's own processes (this one, children alive or reaped) are not
 "other processes"; a process outside its tree is."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from benchmarks.host_load import OtherLoad, _busy_seconds
+from benchmarks.peers.host_load import OtherLoad, _busy_seconds
 
 SPIN = "import time\nt = time.time()\nwhile time.time() - t < {s}: pass"
 

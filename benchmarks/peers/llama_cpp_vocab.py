@@ -9,7 +9,7 @@ merges recovered from the ranks, specials as CONTROL tokens); without tokenizer 
 placeholder tokens (both engines are then driven by token ids). The weights, the tensor layout and
 every hyper-parameter go through the converter unchanged.
 
-    <llama.cpp venv python> benchmarks/llama_cpp_vocab.py LLAMA_CPP_DIR [convert_hf_to_gguf.py args...]
+    <llama.cpp venv python> benchmarks/peers/llama_cpp_vocab.py LLAMA_CPP_DIR [convert_hf_to_gguf.py args...]
 
 It runs in llama.cpp's converter environment (gguf, torch, transformers), never in kimitui's.
 """
