@@ -28,7 +28,7 @@ import torch
 from kimitui.kernels.backend import written_rows
 from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.cpu.linear import onednn_bf16_native
-from kimitui.kernels.cpu.packed_ffn_block import PackedFfnBlock, PackedFfnWeights, packed_ffn_weights
+from kimitui.kernels.cpu.packed_ffn_block import PackedFfnBlock, PackedFfnWeights, packed_ffn_weights, router_fields
 
 _ABSENT = torch.empty(0)  # an absent weight, for the C++ side (never written)
 DTYPES = (torch.float32, torch.bfloat16)  # the dtypes of the matrices (and activations) the blocks take
@@ -214,14 +214,7 @@ def ffn_weights(norm, ffn) -> FfnBlockWeights | None:
         norm_eps=float(norm.eps),
         gate_up=_ABSENT if shared is None else shared.gate_up,
         down=_ABSENT if shared is None else shared.down_proj.weight,
-        router=_f32(gate.weight),
-        bias=_f32(gate.e_score_correction_bias),
-        top_k=int(gate.top_k),
-        n_group=int(gate.n_group),
-        topk_group=int(gate.topk_group),
-        sigmoid=gate.scoring_func == "sigmoid",
-        norm_topk_prob=bool(gate.norm_topk_prob),
-        scaling=float(gate.scaling),
+        **router_fields(gate),
         w13=stack.w13_weight,
         w2=stack.w2_weight,
     )

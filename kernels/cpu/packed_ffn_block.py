@@ -75,6 +75,21 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
+def router_fields(gate) -> dict:
+    """A DeepSeek-V3 ``Router``'s arguments as the C++ blocks take them (``router`` .. ``scaling``); the
+    weight and bias as float32 (cast once here: the router computes in float32)."""
+    return dict(
+        router=_f32(gate.weight),
+        bias=_f32(gate.e_score_correction_bias),
+        top_k=int(gate.top_k),
+        n_group=int(gate.n_group),
+        topk_group=int(gate.topk_group),
+        sigmoid=gate.scoring_func == "sigmoid",
+        norm_topk_prob=bool(gate.norm_topk_prob),
+        scaling=float(gate.scaling),
+    )
+
+
 def packed_ffn_weights(norm, moe) -> PackedFfnWeights | None:
     """The C++ block's arguments for ``norm`` (post-attention RMSNorm) and ``moe`` (a ``MoE`` whose routed
     experts are one local tiled stack), or None where it cannot take them: no C++ kernels, shared experts
@@ -102,14 +117,7 @@ def packed_ffn_weights(norm, moe) -> PackedFfnWeights | None:
         norm_eps=float(norm.eps),
         gate_up=_ABSENT if shared is None else shared.gate_up,
         down=_ABSENT if shared is None else shared.down_proj.weight,
-        router=_f32(gate.weight),
-        bias=_f32(gate.e_score_correction_bias),
-        top_k=int(gate.top_k),
-        n_group=int(gate.n_group),
-        topk_group=int(gate.topk_group),
-        sigmoid=gate.scoring_func == "sigmoid",
-        norm_topk_prob=bool(gate.norm_topk_prob),
-        scaling=float(gate.scaling),
+        **router_fields(gate),
         w4a8=w4a8,
         w13=stack.w13_tiles,
         w2=stack.w2_tiles,
@@ -206,14 +214,7 @@ def latent_moe_weights(moe) -> LatentMoeWeights | None:
     norm = moe.routed_expert_norm if moe.latent is not None else None
     w4a8, path = cpu_quant_moe.fused_path(dtype)
     return LatentMoeWeights(
-        router=_f32(gate.weight),
-        bias=_f32(gate.e_score_correction_bias),
-        top_k=int(gate.top_k),
-        n_group=int(gate.n_group),
-        topk_group=int(gate.topk_group),
-        sigmoid=gate.scoring_func == "sigmoid",
-        norm_topk_prob=bool(gate.norm_topk_prob),
-        scaling=float(gate.scaling),
+        **router_fields(gate),
         down=_ABSENT if moe.latent is None else moe.routed_expert_down_proj.weight,
         norm=_ABSENT if norm is None else _f32(norm.weight),
         norm_eps=0.0 if norm is None else float(norm.eps),
