@@ -122,6 +122,7 @@ class CpuBackend(Backend):
         if (
             self.cxx
             and cpu_few_rows.MAX_ROWS < rows <= cpu_few_rows.MAX_AMX_LINEAR_ROWS
+            and w.numel() >= cpu_few_rows.MIN_AMX_LINEAR_ELEMENTS
             and w.dtype is _BF16
             and _cxx_dtypes(x, w)
             and cpu_few_rows.amx_usable()

@@ -59,6 +59,11 @@ MAX_BF16_BLOCK_ROWS = 64
 # 0.81x at 128 (the tiles re-read the packed rows for every 32 weight rows; oneDNN's re-layout is
 # then paid back).
 MAX_AMX_LINEAR_ROWS = 64
+# ... and only for weights of at least this many elements (32 MB of bf16): the LM heads. A prefill's
+# projections at 64 rows (0.6-17 MB each) ran 1.05-2.6x slower on the tiles than on oneDNN (2026-12-06,
+# the same Xeon, idle: K3's prompt of 64 tokens took longer than llama.cpp's with them on the tiles); a
+# 42 MB and a 419 MB weight ran 1.2-1.7x faster on the tiles at 17 and 64 rows.
+MIN_AMX_LINEAR_ELEMENTS = 16 << 20
 
 
 @functools.cache

@@ -152,12 +152,15 @@ def test_amx_linear_matches_a_bf16_rounded_float32_product(m, n, k, xdtype):
     assert torch.equal(cpu_few_rows.linear_amx(x[m // 2 : m // 2 + 1], w), got[m // 2 : m // 2 + 1])
 
 
-def test_the_cpu_backend_runs_a_wide_bf16_linear_on_the_tiles():
+def test_the_cpu_backend_runs_a_wide_bf16_linear_on_the_tiles(monkeypatch):
     from kimitui.kernels.cpu.backend import CpuBackend
 
     ops = CpuBackend(dtype=BF16)
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(300, 96, generator=g) / 10).to(BF16)
+    x = torch.randn(cpu_few_rows.MAX_ROWS + 1, 96, generator=g).to(BF16)
+    assert torch.equal(ops.linear(x, w), torch.nn.functional.linear(x, w))  # a small weight: oneDNN
+    monkeypatch.setattr(cpu_few_rows, "MIN_AMX_LINEAR_ELEMENTS", w.numel())  # as if it were an LM head
     for m in (cpu_few_rows.MAX_ROWS + 1, 64, cpu_few_rows.MAX_AMX_LINEAR_ROWS):
         x = torch.randn(m, 96, generator=g).to(BF16)
         assert torch.equal(ops.linear(x, w), cpu_few_rows.linear_amx(x, w))
