@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kimitui.kernels.activation import resolve
 from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.cpu import quant_moe as cpu_quant_moe
 
@@ -75,6 +76,29 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
+def expert_fields(stack, activation, dtype: torch.dtype) -> dict:
+    """A tiled expert stack's arguments as the C++ blocks take them (``w4a8`` .. ``linear_beta``, and the
+    ``dtype`` that chose the products); ``activation`` None is SiLU."""
+    act = resolve(activation)
+    w4a8, path = cpu_quant_moe.fused_path(dtype)
+    return dict(
+        w4a8=w4a8,
+        w13=stack.w13_tiles,
+        w2=stack.w2_tiles,
+        inter=int(stack.inter),
+        mxfp4=stack.tiled_fmt == "mxfp4",
+        path=path,
+        act=act.code,
+        beta=float(act.beta),
+        linear_beta=0.0 if act.linear_beta is None else float(act.linear_beta),
+        dtype=dtype,
+    )
+
+
+def _dense_cpu(dtype, *tensors) -> bool:
+    return all(t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
 def router_fields(gate) -> dict:
     """A DeepSeek-V3 ``Router``'s arguments as the C++ blocks take them (``router`` .. ``scaling``); the
     weight and bias as float32 (cast once here: the router computes in float32)."""
@@ -102,32 +126,18 @@ def packed_ffn_weights(norm, moe) -> PackedFfnWeights | None:
         return None
     if shared is not None:
         act = getattr(shared, "act", None)
-        mats = (shared.gate_up, shared.down_proj.weight)
-        if (act is not None and not act.is_silu) or any(
-            t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() for t in mats
-        ):
+        if (act is not None and not act.is_silu) or not _dense_cpu(dtype, shared.gate_up, shared.down_proj.weight):
             return None
     vectors = (norm.weight, gate.weight, gate.e_score_correction_bias)
     if any(t.device.type != "cpu" or t.dtype not in DTYPES for t in vectors):
         return None
-    w4a8, path = cpu_quant_moe.fused_path(dtype)
-    activation = stack.activation
     return PackedFfnWeights(
         norm=_f32(norm.weight),
         norm_eps=float(norm.eps),
         gate_up=_ABSENT if shared is None else shared.gate_up,
         down=_ABSENT if shared is None else shared.down_proj.weight,
         **router_fields(gate),
-        w4a8=w4a8,
-        w13=stack.w13_tiles,
-        w2=stack.w2_tiles,
-        inter=int(stack.inter),
-        mxfp4=stack.tiled_fmt == "mxfp4",
-        path=path,
-        act=0 if activation is None else activation.code,
-        beta=1.0 if activation is None else float(activation.beta),
-        linear_beta=0.0 if activation is None or activation.linear_beta is None else float(activation.linear_beta),
-        dtype=dtype,
+        **expert_fields(stack, stack.activation, dtype),
     )
 
 
@@ -175,10 +185,6 @@ class LatentMoeWeights:
         return cpu_few_rows.latent_moe_block(x, self.experts.routing_counts, self)
 
 
-def _dense_cpu(dtype, *tensors) -> bool:
-    return all(t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
-
-
 def latent_moe_weights(moe) -> LatentMoeWeights | None:
     """The C++ block's arguments for a ``KimiMoE`` whose routed experts are one local tiled stack on one
     rank and whose latent projections and shared experts are dense CPU matrices of one dtype (float32
@@ -212,7 +218,6 @@ def latent_moe_weights(moe) -> LatentMoeWeights | None:
     if act.kind not in ("silu", "situ") or (stack.activation is not None and stack.activation.kind != act.kind):
         return None
     norm = moe.routed_expert_norm if moe.latent is not None else None
-    w4a8, path = cpu_quant_moe.fused_path(dtype)
     return LatentMoeWeights(
         **router_fields(gate),
         down=_ABSENT if moe.latent is None else moe.routed_expert_down_proj.weight,
@@ -221,16 +226,7 @@ def latent_moe_weights(moe) -> LatentMoeWeights | None:
         up=_ABSENT if moe.latent is None else moe.routed_expert_up_proj.weight,
         gate_up=_ABSENT if shared is None else shared.gate_up,
         shared_down=_ABSENT if shared is None else shared.down_proj.weight,
-        w4a8=w4a8,
-        w13=stack.w13_tiles,
-        w2=stack.w2_tiles,
-        inter=int(stack.inter),
-        mxfp4=stack.tiled_fmt == "mxfp4",
-        path=path,
-        act=act.code,
-        beta=float(act.beta),
-        linear_beta=0.0 if act.linear_beta is None else float(act.linear_beta),
-        dtype=dtype,
+        **expert_fields(stack, act, dtype),
         experts=experts,
     )
 
