@@ -28,10 +28,15 @@ import torch
 from kimitui.kernels.backend import written_rows
 from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.cpu.linear import onednn_bf16_native
-from kimitui.kernels.cpu.packed_ffn_block import PackedFfnBlock, PackedFfnWeights, packed_ffn_weights, router_fields
-
-_ABSENT = torch.empty(0)  # an absent weight, for the C++ side (never written)
-DTYPES = (torch.float32, torch.bfloat16)  # the dtypes of the matrices (and activations) the blocks take
+from kimitui.kernels.cpu.packed_ffn_block import (
+    ABSENT,
+    DTYPES,
+    PackedFfnBlock,
+    PackedFfnWeights,
+    f32_vector,
+    packed_ffn_weights,
+    router_fields,
+)
 
 
 def _dense(*tensors: torch.Tensor) -> bool:
@@ -51,12 +56,6 @@ def block_rows(x: torch.Tensor) -> bool:
     if t <= cpu_few_rows.MAX_ROWS:
         return t > 0
     return x.dtype is torch.bfloat16 and t <= cpu_few_rows.MAX_BF16_BLOCK_ROWS and onednn_bf16_native()
-
-
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    # a small vector the kernels take as float32: itself, or a float32 copy made once at fuse time
-    # (exact from bf16)
-    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
 @dataclass(frozen=True, eq=False)
@@ -139,18 +138,18 @@ def attention_weights(norm, attn) -> AttentionBlockWeights | None:
     if not (_dense(*matrices) and all(t.device.type == "cpu" and t.dtype in DTYPES for t in vectors)):
         return None
     return AttentionBlockWeights(
-        norm=_f32(norm.weight),
+        norm=f32_vector(norm.weight),
         norm_eps=float(norm.eps),
         in_proj=attn.in_proj,
         q_width=int(q_in.out_features),
-        q_norm=_ABSENT if q_b is None else _f32(q_norm.weight),
+        q_norm=ABSENT if q_b is None else f32_vector(q_norm.weight),
         q_norm_eps=0.0 if q_b is None else float(q_norm.eps),
-        q_b=_ABSENT if q_b is None else q_b.weight,
+        q_b=ABSENT if q_b is None else q_b.weight,
         heads=int(attn.num_heads),
-        kv_norm=_f32(attn.kv_a_layernorm.weight),
+        kv_norm=f32_vector(attn.kv_a_layernorm.weight),
         kv_norm_eps=float(attn.kv_a_layernorm.eps),
-        cos=_f32(attn.rope.cos),
-        sin=_f32(attn.rope.sin),
+        cos=f32_vector(attn.rope.cos),
+        sin=f32_vector(attn.rope.sin),
         w_uk=attn.w_uk,
         w_uv=attn.w_uv,
         scale=float(attn.scale),
@@ -176,20 +175,20 @@ def ffn_weights(norm, ffn) -> FfnBlockWeights | None:
         if not (_mlp_fusable(ffn) and _dense(ffn.gate_up, ffn.down_proj.weight) and norm.weight.dtype in DTYPES):
             return None
         return FfnBlockWeights(
-            norm=_f32(norm.weight),
+            norm=f32_vector(norm.weight),
             norm_eps=float(norm.eps),
             gate_up=ffn.gate_up,
             down=ffn.down_proj.weight,
-            router=_ABSENT,
-            bias=_ABSENT,
+            router=ABSENT,
+            bias=ABSENT,
             top_k=0,
             n_group=1,
             topk_group=1,
             sigmoid=True,
             norm_topk_prob=True,
             scaling=1.0,
-            w13=_ABSENT,
-            w2=_ABSENT,
+            w13=ABSENT,
+            w2=ABSENT,
         )
     experts, shared = ffn.experts, ffn.shared_experts
     # the kernel's MoE runs SiLU experts only (its C++ moe() takes SiTU, ffn_block does not pass it)
@@ -210,10 +209,10 @@ def ffn_weights(norm, ffn) -> FfnBlockWeights | None:
     if not (_dense(*matrices) and all(t.device.type == "cpu" and t.dtype in DTYPES for t in vectors)):
         return None
     return FfnBlockWeights(
-        norm=_f32(norm.weight),
+        norm=f32_vector(norm.weight),
         norm_eps=float(norm.eps),
-        gate_up=_ABSENT if shared is None else shared.gate_up,
-        down=_ABSENT if shared is None else shared.down_proj.weight,
+        gate_up=ABSENT if shared is None else shared.gate_up,
+        down=ABSENT if shared is None else shared.down_proj.weight,
         **router_fields(gate),
         w13=stack.w13_weight,
         w2=stack.w2_weight,

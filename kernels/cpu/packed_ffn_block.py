@@ -35,7 +35,7 @@ from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.cpu import quant_moe as cpu_quant_moe
 
 DTYPES = (torch.float32, torch.bfloat16)
-_ABSENT = torch.empty(0)
+ABSENT = torch.empty(0)  # an absent weight, for the C++ side (never written)
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,7 +72,9 @@ class PackedFfnWeights:
         return tuple(getattr(self, f) for f in self.__dataclass_fields__ if f != "dtype")
 
 
-def _f32(t: torch.Tensor) -> torch.Tensor:
+def f32_vector(t: torch.Tensor) -> torch.Tensor:
+    """A small vector the kernels take as float32: itself, or a float32 copy made once at fuse time
+    (exact from bf16)."""
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
@@ -103,8 +105,8 @@ def router_fields(gate) -> dict:
     """A DeepSeek-V3 ``Router``'s arguments as the C++ blocks take them (``router`` .. ``scaling``); the
     weight and bias as float32 (cast once here: the router computes in float32)."""
     return dict(
-        router=_f32(gate.weight),
-        bias=_f32(gate.e_score_correction_bias),
+        router=f32_vector(gate.weight),
+        bias=f32_vector(gate.e_score_correction_bias),
         top_k=int(gate.top_k),
         n_group=int(gate.n_group),
         topk_group=int(gate.topk_group),
@@ -132,10 +134,10 @@ def packed_ffn_weights(norm, moe) -> PackedFfnWeights | None:
     if any(t.device.type != "cpu" or t.dtype not in DTYPES for t in vectors):
         return None
     return PackedFfnWeights(
-        norm=_f32(norm.weight),
+        norm=f32_vector(norm.weight),
         norm_eps=float(norm.eps),
-        gate_up=_ABSENT if shared is None else shared.gate_up,
-        down=_ABSENT if shared is None else shared.down_proj.weight,
+        gate_up=ABSENT if shared is None else shared.gate_up,
+        down=ABSENT if shared is None else shared.down_proj.weight,
         **router_fields(gate),
         **expert_fields(stack, stack.activation, dtype),
     )
@@ -220,12 +222,12 @@ def latent_moe_weights(moe) -> LatentMoeWeights | None:
     norm = moe.routed_expert_norm if moe.latent is not None else None
     return LatentMoeWeights(
         **router_fields(gate),
-        down=_ABSENT if moe.latent is None else moe.routed_expert_down_proj.weight,
-        norm=_ABSENT if norm is None else _f32(norm.weight),
+        down=ABSENT if moe.latent is None else moe.routed_expert_down_proj.weight,
+        norm=ABSENT if norm is None else f32_vector(norm.weight),
         norm_eps=0.0 if norm is None else float(norm.eps),
-        up=_ABSENT if moe.latent is None else moe.routed_expert_up_proj.weight,
-        gate_up=_ABSENT if shared is None else shared.gate_up,
-        shared_down=_ABSENT if shared is None else shared.down_proj.weight,
+        up=ABSENT if moe.latent is None else moe.routed_expert_up_proj.weight,
+        gate_up=ABSENT if shared is None else shared.gate_up,
+        shared_down=ABSENT if shared is None else shared.down_proj.weight,
         **expert_fields(stack, act, dtype),
         experts=experts,
     )
