@@ -360,6 +360,13 @@ class Backend:
         output out) in one call, or None (run op by op). Asked once per layer, after loading."""
         return None
 
+    def fuse_attention(self, attn):
+        """A callable with ``takes(x, meta, cache)`` running a Kimi Linear / K3 attention layer (an
+        ``MLAttention`` or ``KimiDeltaAttention``: normed rows in, its output out, the cache or state
+        written) for a decode step in one call, or None (run op by op). Asked once per layer, after
+        loading."""
+        return None
+
     def run_fused_layers(self, fused: list, x: torch.Tensor, meta, caches: list[torch.Tensor]):
         """Every decoder layer of a step through its ``fuse_decoder_layer`` object's halves in one loop:
         the hidden state after the last layer, or None (the layers then run one by one, as always

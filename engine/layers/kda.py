@@ -144,6 +144,9 @@ class KimiDeltaAttention(nn.Module):
         # Set by post_load: the input projections as one weight, the three convs as one [3P', W].
         self.register_buffer("in_proj", None, persistent=False)
         self.register_buffer("conv_weight", None, persistent=False)
+        # a plain decode step in one call where the backend offers it (Backend.fuse_attention, asked once
+        # after loading); None: op by op
+        self.fused = None
 
     # --- loading -------------------------------------------------------------------------------
 
@@ -180,6 +183,9 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: KDAState) -> torch.Tensor:
         """x [T, D] -> [T, D]; reads and writes the state of the slots in ``meta.state_slots``."""
+        fused = self.fused
+        if fused is not None and fused.takes(x, meta, state):  # the backend's one call (a CPU decode step)
+            return fused(x, meta, state)
         T = x.shape[0]
         H, hd = self.num_heads, self.head_dim
         P = H * hd

@@ -88,6 +88,9 @@ class MLAttention(nn.Module):
         self.w_uv: torch.Tensor | None = None  # [H, v, r]
         # q_a_proj (or q_proj) and kv_a_proj_with_mqa as one weight when dense, set by post_load
         self.register_buffer("in_proj", None, persistent=False)
+        # Kimi Linear / K3: a decode step in one call where the backend offers it (Backend.fuse_attention,
+        # asked once after loading); None: op by op
+        self.fused = None
 
     def post_load(self) -> None:
         """Split kv_b_proj into the absorbed-path matrices once the weights are in."""
@@ -105,6 +108,9 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         # x: [T, D]; cache: [num_blocks, block_size, r + rope]. Every row's latent goes to the
         # cache; in the last layer (``last``) only meta.out_rows, when set, need an output.
+        fused = self.fused
+        if fused is not None and fused.takes(x, meta):  # the backend's one call (Kimi Linear / K3 decodes)
+            return fused(x, meta, cache)
         if (
             meta.decodes_only(x.shape[0])
             and self.rope is not None

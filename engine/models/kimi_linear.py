@@ -312,7 +312,8 @@ class KimiLinearForCausalLM(nn.Module):
         """Once the weights are in and every module has its backend: derived weights, the experts' layout."""
         derive_weights(self.model.layers)
         prepare_experts(self.model.layers, self.model.norm.weight.dtype)
-        for layer in self.model.layers:  # the MoE in one call where the backend has it
+        for layer in self.model.layers:  # attention and MoE in one call each where the backend has them
+            layer.self_attn.fused = ops.fuse_attention(layer.self_attn)
             if isinstance(layer.mlp, KimiMoE):
                 layer.mlp.fused = ops.fuse_latent_moe(layer.mlp)
 

@@ -25,6 +25,7 @@ from kimitui.kernels.backend import Backend, count_routing, written_rows
 from kimitui.kernels.cpu import (
     few_rows as cpu_few_rows,
 )
+from kimitui.kernels.cpu import k3_blocks
 from kimitui.kernels.cpu import (
     k3_decode as cpu_k3_decode,
 )
@@ -457,6 +458,12 @@ class CpuBackend(Backend):
 
     def fuse_latent_moe(self, moe):
         return latent_moe_weights(moe) if self.cxx else None
+
+    def fuse_attention(self, attn):
+        if not self.cxx:
+            return None
+        # a KDA layer has its per-head decay rates (A_log); an MLA layer has none
+        return k3_blocks.kda_block(attn) if hasattr(attn, "A_log") else k3_blocks.mla_block(attn)
 
     def run_fused_layers(self, fused, x, meta, caches):
         return run_fused_layers(fused, x, meta, caches)

@@ -75,7 +75,15 @@ FEW_ROWS = Extension(
         "cpu_onednn_packed.cpp",
         "cpu_moe_amx.cpp",
     ),
-    headers=("cpu_few_rows.h", "cpu_packed_experts.h", "gated_act.h", "cpu_parallel.h", "cpu_team.h", "cpu_amx.h"),
+    headers=(
+        "cpu_few_rows.h",
+        "cpu_packed_experts.h",
+        "cpu_kda_decode.h",
+        "gated_act.h",
+        "cpu_parallel.h",
+        "cpu_team.h",
+        "cpu_amx.h",
+    ),
     cflags=_FLAGS,
     # AVX-512 machines (Zen 4/5 EPYC, Xeon): v4 ran bf16 4-row products 1.5-1.9x faster than v3 on Zen 4
     # (benchmarks/cpu_variants.py), near -march=native
@@ -108,7 +116,7 @@ QUANT_MOE = Extension(
 K3_DECODE = Extension(
     name="cpu_k3_decode",
     sources=("cpu_k3_decode.cpp",),
-    headers=(),
+    headers=("cpu_kda_decode.h",),
     cflags=("-O3", "-ffp-contract=off"),  # no -march: the hot loop carries target_clones, one build runs anywhere
     variants=_PORTABLE,
     minutes=0.5,

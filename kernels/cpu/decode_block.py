@@ -78,6 +78,8 @@ class AttentionBlockWeights:
     w_uv: torch.Tensor  # [H, v, r]
     scale: float  # softmax scale
     o_proj: torch.Tensor  # [D, H * v]
+    gate: torch.Tensor  # Kimi Linear / K3's output gate g_proj [H * v, D], or empty
+    residual: bool  # x + the attention (DeepSeek-V3's half), or the attention alone (K3: x comes normed)
 
     @functools.cached_property
     def kernel_args(self) -> tuple:
@@ -116,30 +118,30 @@ class FfnBlockWeights:
 def attention_weights(norm, attn) -> AttentionBlockWeights | None:
     """``norm`` (the layer's input RMSNorm) and ``attn`` (its ``MLAttention``) by name, or None where
     the kernel cannot take them: quantised or sharded weights, or matrices that are not float32 or
-    bf16 CPU tensors of one dtype."""
+    bf16 CPU tensors of one dtype. ``norm`` None: Kimi Linear / K3's form, normed rows in and the
+    attention out (no residual), NoPE (no rotary tables) and the output gate where the layer has them."""
     q_b = getattr(attn, "q_b_proj", None)
     q_norm = getattr(attn, "q_a_layernorm", None)
     q_in = attn.q_proj if q_b is None else attn.q_a_proj
-    # The kernel computes rotary MLA without an output gate (DeepSeek-V3, Kimi K2), not NoPE or gated
-    # MLA (Kimi Linear / K3).
+    gate = getattr(attn, "g_proj", None)
     if (
         attn.in_proj is None
         or attn.par.is_parallel
         or attn.o_proj.fmt != "dense"
-        or attn.rope is None
-        or getattr(attn, "g_proj", None) is not None
         or (q_b is not None and q_b.fmt != "dense")
+        or (gate is not None and (norm is not None or gate.fmt != "dense"))
     ):
         return None
-    matrices = [attn.in_proj, attn.w_uk, attn.w_uv, attn.o_proj.weight] + ([q_b.weight] if q_b is not None else [])
-    vectors = [norm.weight, attn.kv_a_layernorm.weight, attn.rope.cos, attn.rope.sin]
-    if q_b is not None:
-        vectors.append(q_norm.weight)
+    matrices = [attn.in_proj, attn.w_uk, attn.w_uv, attn.o_proj.weight]
+    matrices += [m.weight for m in (q_b, gate) if m is not None]
+    vectors = [attn.kv_a_layernorm.weight] + [n.weight for n in (norm, q_norm) if n is not None]
+    if attn.rope is not None:
+        vectors += [attn.rope.cos, attn.rope.sin]
     if not (_dense(*matrices) and all(t.device.type == "cpu" and t.dtype in DTYPES for t in vectors)):
         return None
     return AttentionBlockWeights(
-        norm=f32_vector(norm.weight),
-        norm_eps=float(norm.eps),
+        norm=ABSENT if norm is None else f32_vector(norm.weight),
+        norm_eps=0.0 if norm is None else float(norm.eps),
         in_proj=attn.in_proj,
         q_width=int(q_in.out_features),
         q_norm=ABSENT if q_b is None else f32_vector(q_norm.weight),
@@ -148,12 +150,14 @@ def attention_weights(norm, attn) -> AttentionBlockWeights | None:
         heads=int(attn.num_heads),
         kv_norm=f32_vector(attn.kv_a_layernorm.weight),
         kv_norm_eps=float(attn.kv_a_layernorm.eps),
-        cos=f32_vector(attn.rope.cos),
-        sin=f32_vector(attn.rope.sin),
+        cos=ABSENT if attn.rope is None else f32_vector(attn.rope.cos),
+        sin=ABSENT if attn.rope is None else f32_vector(attn.rope.sin),
         w_uk=attn.w_uk,
         w_uv=attn.w_uv,
         scale=float(attn.scale),
         o_proj=attn.o_proj.weight,
+        gate=ABSENT if gate is None else gate.weight,
+        residual=norm is not None,
     )
 
 

@@ -213,7 +213,8 @@ def mla_decode_absorbed(
 def attention_block(x, positions, slots, cache, block_tables, context_lens, block_size, weights) -> torch.Tensor:
     """``x + o_proj(MLA(norm(x)))`` for x [B, D], decodes only (``mla_decode_absorbed``'s positions,
     slots, cache and tables; int64 positions and slots, int32 tables), writing each sequence's newest
-    latent; ``weights``: a ``kernels.cpu_decode_block.AttentionBlockWeights``."""
+    latent; ``weights``: a ``kernels.cpu.decode_block.AttentionBlockWeights`` (whose ``residual``,
+    ``norm`` and ``gate`` also give Kimi Linear / K3's form: ``o_proj(sigmoid(gate x) * MLA(x))``)."""
     return _module().attention_block(
         x, positions, slots, cache, block_tables, context_lens, block_size, *weights.kernel_args
     )
@@ -237,6 +238,37 @@ def latent_moe_block(x, counts, weights) -> torch.Tensor:
     """Kimi Linear / K3's MoE of normed rows x [T, D] over packed routed experts (no residual), counting each
     token's experts into ``counts``; ``weights``: a ``kernels.cpu.packed_ffn_block.LatentMoeWeights``."""
     return _module().latent_moe_block(x, counts, *weights.kernel_args)
+
+
+def kda_block(x, slots, conv_state, rec_state, weights) -> torch.Tensor:
+    """A KDA layer's decode step for normed rows x [N, D], one token of each of N sequences in state
+    slots [N] (int64, real and distinct), updating their conv and recurrent states; ``weights``: a
+    ``kernels.cpu.k3_blocks.KdaBlockWeights``. Needs ``use_kda_decode`` first. -> [N, D], no residual."""
+    w = weights
+    return _module().kda_block(
+        x,
+        slots,
+        w.in_proj,
+        w.heads,
+        w.head_dim,
+        w.f_b,
+        w.g_b,
+        w.conv_weight,
+        w.A_log,
+        w.dt_bias,
+        w.lower_bound,
+        w.norm_weight,
+        w.eps,
+        conv_state,
+        rec_state,
+        w.scale,
+        w.o_proj,
+    )
+
+
+def use_kda_decode(capsule) -> None:
+    """Link the K3 decode extension's ``kda_decode`` (its ``kda_capsule()``) in, for ``kda_block``."""
+    _module().use_kda_decode(capsule)
 
 
 def use_packed_experts(capsules) -> None:

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.cpu.build import K3_DECODE, load_extension
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,10 @@ _ABSENT = torch.empty(0)
 def _module():
     if os.environ.get("KIMITUI_CPU_KERNELS", "1").lower() in ("0", "false", "off"):
         return None
-    return load_extension(K3_DECODE, log, "CPU K3 decode kernels")
+    module = load_extension(K3_DECODE, log, "CPU K3 decode kernels")
+    if module is not None and cpu_few_rows.available():
+        cpu_few_rows.use_kda_decode(module.kda_capsule())  # for its kda_block
+    return module
 
 
 def available() -> bool:

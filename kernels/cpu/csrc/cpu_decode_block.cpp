@@ -63,29 +63,64 @@ torch::Tensor gated_mlp(const torch::Tensor& h, const torch::Tensor& gate_up, co
 
 // The packed-experts extension's two MoE entry points, set once by use_packed_experts.
 PackedExperts g_packed_experts[2] = {nullptr, nullptr};  // [float products, W4A8]
+// The K3 decode extension's kda_decode, set once by use_kda_decode.
+KdaDecode g_kda_decode = nullptr;
 
 }  // namespace
 
 // MLA's decode for x [B, D]: in_proj [q_width + r + rope, D] is q_a_proj (or q_proj) stacked on
-// kv_a_proj_with_mqa; q_norm and q_b are empty without a q LoRA. The rest as mla_decode_absorbed.
+// kv_a_proj_with_mqa; q_norm and q_b are empty without a q LoRA. The rest as mla_decode_absorbed
+// (cos and sin empty: NoPE). Kimi Linear / K3's form: norm empty (x comes normed), gate [H * v, D]
+// (the output gate: o_proj(sigmoid(gate @ x) * attention)) and residual false (the output alone).
 torch::Tensor attention_block(torch::Tensor x_in, torch::Tensor positions, torch::Tensor slots, torch::Tensor cache,
                               torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                               torch::Tensor norm, double eps, torch::Tensor in_proj, int64_t q_width,
                               torch::Tensor q_norm, double q_eps, torch::Tensor q_b, int64_t heads,
                               torch::Tensor kv_norm, double kv_eps, torch::Tensor cos, torch::Tensor sin,
-                              torch::Tensor w_uk, torch::Tensor w_uv, double scale, torch::Tensor o_proj) {
+                              torch::Tensor w_uk, torch::Tensor w_uv, double scale, torch::Tensor o_proj,
+                              torch::Tensor gate, bool residual) {
   const auto x = as_f32(x_in, "x", 2);
   TORCH_CHECK(q_width > 0 && q_width < in_proj.size(0), "q_width ", q_width, " does not fit in_proj ",
               in_proj.sizes());
   const int64_t B = x.size(0);
   const QuietTeam quiet(runs_onednn(in_proj, B));  // the products on OpenMP threads, the MLA on the team
-  const auto y = ::linear(::rms_norm(x, norm, eps), in_proj);
+  const auto h = norm.numel() ? ::rms_norm(x, norm, eps) : x;
+  const auto y = ::linear(h, in_proj);
   auto q = y.slice(1, 0, q_width).contiguous();
   if (q_b.numel()) q = ::linear(::rms_norm(q, q_norm, q_eps), q_b);
-  const auto o = ::mla_decode_absorbed(q.view({B, heads, -1}), y.slice(1, q_width).contiguous(), kv_norm, kv_eps, cos,
-                                     sin, positions, slots, w_uk, w_uv, cache, block_tables, context_lens, block_size,
-                                     scale);
-  auto out = ::linear(o.view({B, -1}), o_proj).add_(x);
+  auto o = ::mla_decode_absorbed(q.view({B, heads, -1}), y.slice(1, q_width).contiguous(), kv_norm, kv_eps, cos,
+                                 sin, positions, slots, w_uk, w_uv, cache, block_tables, context_lens, block_size,
+                                 scale)
+               .view({B, -1});
+  if (gate.numel()) o = o.mul(::linear(h, gate).sigmoid_());
+  auto out = ::linear(o, o_proj);
+  if (residual) out.add_(x);
+  return x_in.scalar_type() == torch::kFloat32 ? out : out.to(x_in.scalar_type());
+}
+
+// A KDA layer's decode step (engine/layers/kda.py) for x [N, D] already normed, one token of each of N
+// sequences in its state slot: in_proj [3P + hd + H + G, D] is q | k | v, f_a_proj, b_proj and the
+// output gate's input (G = P: K3's full-rank g_proj; G = hd: Kimi Linear's g_a_proj, then g_b [P, hd]),
+// f_b [P, hd] f_b_proj; the step between the projections is the K3 extension's kda_decode (linked by
+// use_kda_decode), then o_proj [D, P]. Float32 inside, the output (no residual) rounded to x's dtype.
+torch::Tensor kda_block(torch::Tensor x_in, torch::Tensor slots, torch::Tensor in_proj, int64_t heads, int64_t head_dim,
+                        torch::Tensor f_b, torch::Tensor g_b, torch::Tensor conv_weight, torch::Tensor A_log,
+                        torch::Tensor dt_bias, double lower_bound, torch::Tensor norm_weight, double eps,
+                        torch::Tensor conv_state, torch::Tensor rec_state, double scale, torch::Tensor o_proj) {
+  TORCH_CHECK(g_kda_decode != nullptr, "kda_block: the K3 decode extension has not been linked in (use_kda_decode)");
+  const auto x = as_f32(x_in, "x", 2);
+  const int64_t P = heads * head_dim, gate_width = g_b.numel() ? head_dim : P;
+  TORCH_CHECK(in_proj.dim() == 2 && in_proj.size(0) == 3 * P + head_dim + heads + gate_width, "kda_block: in_proj ",
+              in_proj.sizes(), " is not q | k | v | f_a | b | gate for ", heads, " heads of ", head_dim);
+  const QuietTeam quiet(runs_onednn(in_proj, x.size(0)));
+  const auto y = ::linear(x, in_proj);
+  const int64_t f0 = 3 * P, b0 = f0 + head_dim, g0 = b0 + heads;
+  const auto f = ::linear(y.slice(1, f0, b0).contiguous(), f_b);
+  const auto g_in = y.slice(1, g0, g0 + gate_width);
+  const auto g = g_b.numel() ? ::linear(g_in.contiguous(), g_b) : g_in.contiguous();
+  const auto o = g_kda_decode(y.slice(1, 0, f0), f, y.slice(1, b0, g0).contiguous(), g, conv_weight, A_log, dt_bias,
+                              lower_bound, norm_weight, eps, conv_state, rec_state, slots, scale);
+  const auto out = ::linear(o, o_proj);
   return x_in.scalar_type() == torch::kFloat32 ? out : out.to(x_in.scalar_type());
 }
 
@@ -139,6 +174,8 @@ torch::Tensor latent_moe_block(torch::Tensor x_in, torch::Tensor counts, torch::
   if (gate_up.numel()) y.add_(gated_mlp(x, gate_up, shared_down, act, beta, linear_beta));
   return dtype == torch::kFloat32 ? y : y.to(dtype);
 }
+
+void kimitui_cpu::use_kda_decode(KdaDecode kda_decode) { g_kda_decode = kda_decode; }
 
 void kimitui_cpu::use_packed_experts(PackedExperts floats, PackedExperts w4a8) {
   g_packed_experts[0] = floats;

@@ -338,7 +338,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a whole absorbed MLA decode step after the projections (cache write included), float32 on the CPU");
   m.def("moe_route", &moe_route, NoGil(), "DeepSeek-V3 router (noaux_tc top-k), float32 on the CPU");
   m.def("rms_norm", &rms_norm, NoGil(), "HF RMSNorm over the last dim, float32 on the CPU");
-  m.def("attention_block", &attention_block, NoGil(), "x + MLA(norm(x)) for a batch of decodes, float32 on the CPU");
+  m.def("attention_block", &attention_block, NoGil(), "x + MLA(norm(x)) (or gated MLA of normed x) for a batch of decodes, on the CPU");
   m.def("ffn_block", &ffn_block, NoGil(), "x + MoE or MLP(norm(x)) for a few rows, float32 on the CPU");
   m.def("packed_ffn_block", &packed_ffn_block, NoGil(),
         "x + MoE(norm(x)) over packed (INT4 / MXFP4) routed experts for a few rows, on the CPU");
@@ -351,6 +351,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     use_packed_experts(reinterpret_cast<PackedExperts>(floats.get_pointer()),
                        reinterpret_cast<PackedExperts>(w4a8.get_pointer()));
   }, "the packed-experts extension's MoE (its experts_capsules()), for packed_ffn_block");
+  m.def("kda_block", &kda_block, NoGil(), "a Kimi Linear / K3 KDA layer's decode step for a few normed rows, on the CPU");
+  m.def("use_kda_decode", [](py::capsule kda) {
+    TORCH_CHECK(std::string(kda.name()) == kKdaDecodeCapsule, "use_kda_decode: not the K3 decode extension's capsule");
+    use_kda_decode(reinterpret_cast<KdaDecode>(kda.get_pointer()));
+  }, "the K3 decode extension's kda_decode (its kda_capsule()), for kda_block");
   m.def("team_capsule", [] {
     return py::capsule(reinterpret_cast<void*>(&Team::run_on), kTeamCapsule);
   }, "this extension's thread team, for another extension's use_team()");

@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_kda_decode.h"  // KdaDecode
 #include "cpu_packed_experts.h"  // PackedExperts
 #include "cpu_parallel.h"  // parallel_runs
 
@@ -73,7 +74,12 @@ torch::Tensor attention_block(torch::Tensor x, torch::Tensor positions, torch::T
                               torch::Tensor norm, double eps, torch::Tensor in_proj, int64_t q_width,
                               torch::Tensor q_norm, double q_eps, torch::Tensor q_b, int64_t heads,
                               torch::Tensor kv_norm, double kv_eps, torch::Tensor cos, torch::Tensor sin,
-                              torch::Tensor w_uk, torch::Tensor w_uv, double scale, torch::Tensor o_proj);
+                              torch::Tensor w_uk, torch::Tensor w_uv, double scale, torch::Tensor o_proj,
+                              torch::Tensor gate, bool residual);
+torch::Tensor kda_block(torch::Tensor x, torch::Tensor slots, torch::Tensor in_proj, int64_t heads, int64_t head_dim,
+                        torch::Tensor f_b, torch::Tensor g_b, torch::Tensor conv_weight, torch::Tensor A_log,
+                        torch::Tensor dt_bias, double lower_bound, torch::Tensor norm_weight, double eps,
+                        torch::Tensor conv_state, torch::Tensor rec_state, double scale, torch::Tensor o_proj);
 torch::Tensor ffn_block(torch::Tensor x, torch::Tensor counts, torch::Tensor norm, double eps, torch::Tensor gate_up,
                         torch::Tensor down, torch::Tensor router_w, torch::Tensor bias, int64_t top_k,
                         int64_t n_group, int64_t topk_group, bool sigmoid, bool norm_topk, double scaling,
@@ -93,6 +99,7 @@ torch::Tensor latent_moe_block(torch::Tensor x, torch::Tensor counts, torch::Ten
 namespace kimitui_cpu {
 
 void use_packed_experts(PackedExperts floats, PackedExperts w4a8);  // cpu_decode_block.cpp
+void use_kda_decode(KdaDecode kda_decode);  // cpu_decode_block.cpp
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));

@@ -21,6 +21,8 @@
 
 #include <c10/util/BFloat16.h>
 
+#include "cpu_kda_decode.h"
+
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -333,6 +335,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // server's event loop and other threads run while a step computes.
   using NoGil = py::call_guard<py::gil_scoped_release>;
   m.def("situ_and_mul", &situ_and_mul, "SiTU(gate) * up of a fused gate/up product", NoGil());
+  m.def("kda_capsule", [] {
+    return py::capsule(reinterpret_cast<void*>(static_cast<kimitui_cpu::KdaDecode>(&kda_decode)),
+                       kimitui_cpu::kKdaDecodeCapsule);
+  }, "kda_decode by pointer, for the few-row extension's use_kda_decode");
   m.def("kda_decode", &kda_decode, "KDA decode step between the projections (see cpu_k3_decode.cpp)", NoGil());
   m.def("attn_res_mix_norm", &attn_res_mix_norm, "attention-residual mix and the norm after it", NoGil());
 }

@@ -258,7 +258,8 @@ torch::Tensor mla_decode(torch::Tensor q_in, torch::Tensor cache, torch::Tensor 
 // The same maths as MLAttention's unfused path (norm, rope, index_copy_, bmm, mla_decode, bmm), in
 // one call instead of about forty small ATen operations. q and kv float32 or bf16 (computed in
 // float32, the output in q's dtype); the norm weight and rotary tables float32; the cache, W_UK and
-// W_UV float32 or bf16, one dtype.
+// W_UV float32 or bf16, one dtype. Empty cos and sin: NoPE (Kimi Linear / K3), the rope dims of the
+// key and query go in unrotated.
 torch::Tensor mla_decode_absorbed(torch::Tensor q_in, torch::Tensor kv_in, torch::Tensor kv_norm_weight, double eps,
                                   torch::Tensor cos, torch::Tensor sin, torch::Tensor positions, torch::Tensor slots,
                                   torch::Tensor w_uk, torch::Tensor w_uv, torch::Tensor cache,
@@ -267,8 +268,11 @@ torch::Tensor mla_decode_absorbed(torch::Tensor q_in, torch::Tensor kv_in, torch
   const auto q = as_f32(q_in, "q", 3);
   const auto kv = as_f32(kv_in, "kv", 2);
   check_f32(kv_norm_weight, "kv_norm_weight", 1);
-  check_f32(cos, "cos", 2);
-  check_f32(sin, "sin", 2);
+  const bool nope_only = cos.numel() == 0 && sin.numel() == 0;  // NoPE (Kimi Linear / K3): no rotation
+  if (!nope_only) {
+    check_f32(cos, "cos", 2);
+    check_f32(sin, "sin", 2);
+  }
   check_weight(w_uk, "w_uk", 3);
   check_weight(w_uv, "w_uv", 3);
   check_weight(cache, "cache", 2);
@@ -279,13 +283,14 @@ torch::Tensor mla_decode_absorbed(torch::Tensor q_in, torch::Tensor kv_in, torch
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kInt64 && t->is_contiguous(),
                 "positions and slots must be contiguous int64 CPU tensors, got ", t->scalar_type());
   const int64_t B = q.size(0), H = q.size(1), r = kv_norm_weight.size(0), C = cache.size(1), rope = C - r;
-  const int64_t nope = w_uk.size(1), v = w_uv.size(1), pairs = rope / 2, max_pos = cos.size(0);
+  const int64_t nope = w_uk.size(1), v = w_uv.size(1), pairs = rope / 2;
+  const int64_t max_pos = nope_only ? INT64_MAX : cos.size(0);
   TORCH_CHECK(rope > 0 && rope % 2 == 0 && q.size(2) == nope + rope && kv.size(0) == B && kv.size(1) == C,
               "q ", q.sizes(), " and kv ", kv.sizes(), " do not fit a cache row of ", C, " values (latent ", r, ")");
   TORCH_CHECK(w_uk.size(0) == H && w_uk.size(2) == r && w_uv.size(0) == H && w_uv.size(2) == r, "w_uk ",
               w_uk.sizes(), " and w_uv ", w_uv.sizes(), " do not fit ", H, " heads of latent ", r);
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(1) == pairs, "cos ", cos.sizes(), " and sin ", sin.sizes(),
-              " do not fit ", rope, " rotary dims");
+  TORCH_CHECK(nope_only || (cos.sizes() == sin.sizes() && cos.size(1) == pairs), "cos ", cos.sizes(), " and sin ",
+              sin.sizes(), " do not fit ", rope, " rotary dims");
   TORCH_CHECK(positions.numel() == B && slots.numel() == B, "positions and slots need one entry per query (", B, ")");
   check_tables(block_tables, context_lens, B, block_size);
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -315,8 +320,11 @@ torch::Tensor mla_decode_absorbed(torch::Tensor q_in, torch::Tensor kv_in, torch
       T* dst = cp + slot[b] * C;
       rms_norm_row(row, nw, r, static_cast<float>(eps), normed.data());
       for (int64_t j = 0; j < r; ++j) store(dst + j, normed[j]);
-      rope_pairs(row + r, cos.data_ptr<float>() + pos[b] * pairs, sin.data_ptr<float>() + pos[b] * pairs, pairs,
-                 dst + r);
+      if (nope_only)
+        for (int64_t j = 0; j < rope; ++j) store(dst + r + j, row[r + j]);
+      else
+        rope_pairs(row + r, cos.data_ptr<float>() + pos[b] * pairs, sin.data_ptr<float>() + pos[b] * pairs, pairs,
+                   dst + r);
     }
     const float* qp = q.data_ptr<float>();
     const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -373,10 +381,14 @@ torch::Tensor mla_decode_absorbed(torch::Tensor q_in, torch::Tensor kv_in, torch
       std::vector<const T*> keys;
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = active[i % A], h0 = i / A * kHeadGroup, nh = std::min<int64_t>(kHeadGroup, H - h0);
-        const float* cb = cos.data_ptr<float>() + pos[b] * pairs;
-        const float* sb = sin.data_ptr<float>() + pos[b] * pairs;
-        for (int64_t h = h0; h < h0 + nh; ++h)
-          rope_pairs(qp + (b * H + h) * (nope + rope) + nope, cb, sb, pairs, qc.data() + (b * H + h) * C + r);
+        for (int64_t h = h0; h < h0 + nh; ++h) {
+          const float* qr = qp + (b * H + h) * (nope + rope) + nope;
+          float* dst = qc.data() + (b * H + h) * C + r;
+          if (nope_only)
+            std::copy(qr, qr + rope, dst);
+          else
+            rope_pairs(qr, cos.data_ptr<float>() + pos[b] * pairs, sin.data_ptr<float>() + pos[b] * pairs, pairs, dst);
+        }
         context_keys(static_cast<const T*>(cp), cache.size(0), C, tables + b * max_blocks, lens[b], block_size, b,
                      keys);
         attend(qc.data() + (b * H + h0) * C, nh, keys, block_size, C, r, static_cast<float>(scale),

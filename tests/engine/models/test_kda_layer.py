@@ -100,6 +100,13 @@ def _ours(ckpt: dict, k3: bool, fused: bool) -> KimiDeltaAttention:
                 params[name].copy_(t)
     if fused:
         layer.post_load()
+    if fused == "block":  # a decode step in one C++ call (kernels/cpu/k3_blocks.py)
+        from kimitui.kernels.cpu.backend import CpuBackend
+        from kimitui.kernels.cpu.k3_blocks import KdaBlock
+
+        layer.fused = CpuBackend().fuse_attention(layer)
+        if not isinstance(layer.fused, KdaBlock):
+            pytest.skip("the C++ CPU kernels did not build here")
     return layer
 
 
@@ -120,8 +127,8 @@ def _meta(decodes: list[int], chunks: list[tuple[int, int, int]]) -> AttentionMe
     )
 
 
-@pytest.mark.parametrize("k3,fused", [(False, False), (False, True), (True, True)])
-def test_layer_matches_transformers_over_chunked_prefill_and_decodes(k3, fused):
+@pytest.mark.parametrize("k3,fused", [(False, False), (False, True), (True, True), (False, "block"), (True, "block")])
+def test_layer_matches_transformers_over_chunked_prefill_and_decodes(k3, fused, monkeypatch):
     hf = _hf_layer(k3)
     layer = _ours(_checkpoint(hf, k3), k3, fused)
     torch.manual_seed(1)
@@ -146,11 +153,25 @@ def test_layer_matches_transformers_over_chunked_prefill_and_decodes(k3, fused):
         meta = _meta([slot[s] for s in dec], [(slot[s], n, done[s] + n) for s, n in chunks])
         rows = [(s, done[s], done[s] + 1) for s in dec] + [(s, done[s], done[s] + n) for s, n in chunks]
         x = torch.cat([xs[s][a:b] for s, a, b in rows])
+        blocks = []
+        if layer.fused is not None:  # count the steps the block ran (every plain decode step must)
+            monkeypatch.setattr(type(layer.fused), "__call__", _counted(type(layer.fused).__call__, blocks))
         with torch.no_grad():
             out = layer(x, meta, state)
+        monkeypatch.undo()
         torch.testing.assert_close(out, torch.cat([want[s][a:b] for s, a, b in rows]), atol=1e-4, rtol=1e-4)
+        if fused == "block":
+            assert len(blocks) == (0 if chunks else 1)
         for s, a, b in rows:
             done[s] = b
+
+
+def _counted(call, calls: list):
+    def counted(self, *args):
+        calls.append(1)
+        return call(self, *args)
+
+    return counted
 
 
 def test_bounded_gate_matches_glm5_forget_gate_and_slices_A_log():

@@ -23,7 +23,7 @@ KERNELS = Path(__file__).resolve().parents[3] / "kernels" / "cpu" / "csrc"
 needs_quant = pytest.mark.skipif(not cpu_quant_moe.available(), reason="the C++ extension does not build here")
 needs_two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 # bindings that make or read Python objects, so keep the GIL
-KEEP_GIL = {"team_capsule", "use_team", "experts_capsules", "use_packed_experts"}
+KEEP_GIL = {"team_capsule", "use_team", "experts_capsules", "use_packed_experts", "kda_capsule", "use_kda_decode"}
 
 
 def test_every_cpp_binding_releases_the_gil_unless_it_touches_python_objects():
