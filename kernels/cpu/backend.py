@@ -413,6 +413,12 @@ class CpuBackend(Backend):
         # Built on first use (a model without KDA or attention residuals never compiles it).
         return self.cxx and cpu_k3_decode.available()
 
+    def kda_chunk(self, q, k, v, g, beta, initial_state, cu_seqlens, scale):
+        # token by token in C++ (one thread per sequence and head): 3x the chunked form's speed here
+        if self.k3_cxx and cpu_k3_decode.kda_sequential_fits(q, k, v, g, beta):
+            return cpu_k3_decode.kda_sequential(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+        return super().kda_chunk(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+
     def kda_decode(
         self,
         qkv,

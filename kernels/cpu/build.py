@@ -117,7 +117,8 @@ K3_DECODE = Extension(
     name="cpu_k3_decode",
     sources=("cpu_k3_decode.cpp",),
     headers=("cpu_kda_decode.h",),
-    cflags=("-O3", "-ffp-contract=off"),  # no -march: the hot loop carries target_clones, one build runs anywhere
+    # no -march: the hot loops carry target_clones, one build runs anywhere; OpenMP for at::parallel_for
+    cflags=("-O3", "-ffp-contract=off", "-fopenmp"),
     variants=_PORTABLE,
     minutes=0.5,
 )

@@ -1,5 +1,6 @@
 """Kimi K3 / Kimi Linear decode pieces on the CPU (``cpu_k3_decode.cpp``), built on first use.
 
+``kda_sequential``: the KDA recurrence of prefill chunks token by token (the chunked form's result);
 ``kda_decode``: a KDA layer's step between its projections (short conv, gate, beta, delta rule, gated
 output norm) for one token of each of N sequences, in one call instead of about 25 ATen operations;
 ``attn_res_mix_norm``: an attention-residual mix and the RMSNorm after it, one call instead of about
@@ -77,6 +78,30 @@ def kda_decode(
         slots,
         float(scale),
     )
+
+
+def kda_sequential_fits(q, k, v, g, beta) -> bool:
+    """Whether ``kda_sequential`` takes these: CPU q, k, v of one dtype (float32 / bf16) with contiguous
+    last dims and one head width, float32 g and beta."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in DTYPES
+        and k.dtype is q.dtype
+        and v.dtype is q.dtype
+        and all(t.dim() == 3 and t.stride(-1) == 1 for t in (q, k, v))
+        and g.dtype is torch.float32
+        and beta.dtype is torch.float32
+    )
+
+
+def kda_sequential(q, k, v, g, beta, initial_state, cu_seqlens, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Backend.kda_chunk`` token by token in one call (``kda_sequential_fits`` holds): packed sequences
+    ``cu_seqlens`` [N+1] from ``initial_state`` [N, H, K, V]. -> (o [T, H, V] in v's dtype, final state
+    float32)."""
+    out, state = _module().kda_sequential(
+        q, k, v, g, beta, initial_state, cu_seqlens.to(device="cpu", dtype=torch.int64), float(scale)
+    )
+    return out, state
 
 
 def attn_res_mix_fits(x: torch.Tensor, blocks: torch.Tensor, delta: torch.Tensor | None) -> bool:

@@ -160,7 +160,10 @@ def test_backend_entry_points_run_the_cpu_forms():
     h0 = torch.randn(2, 3, 16, 8)
     o, hT = ops.kda_chunk(q, k, v, g, beta, h0, cu, 0.25)
     o_ref, hT_ref = kda.chunk_kda(q, k, v, g, beta, h0, cu, 0.25)
-    assert torch.equal(o, o_ref) and torch.equal(hT, hT_ref)
+    # the C++ token-by-token form where it builds (kernels/cpu/k3_decode.py): the same result up to
+    # float32 summation order
+    torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(hT, hT_ref, atol=1e-4, rtol=1e-4)
     pool = torch.zeros(3, 3, 16, 8)
     o = ops.kda_recurrent(q[:2], k[:2], v[:2], g[:2], beta[:2], pool, torch.tensor([2, 0]), 0.25)
     assert o.shape == (2, 3, 8) and pool[1].abs().sum() == 0 and pool[2].abs().sum() > 0

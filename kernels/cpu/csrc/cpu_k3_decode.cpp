@@ -19,6 +19,8 @@
 
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
+
 #include <c10/util/BFloat16.h>
 
 #include "cpu_kda_decode.h"
@@ -222,6 +224,76 @@ torch::Tensor kda_decode(torch::Tensor qkv, torch::Tensor f_b, torch::Tensor b, 
   return out;
 }
 
+// The KDA recurrence over packed prefill sequences, token after token (Backend.kda_chunk's result, the
+// per-token form of kernels/kda.py's oracle): q, k [T, H, K] and v [T, H, V] (float32 or bf16, one
+// dtype), g [T, H, K] and beta [T, H] float32 (log-decays and write strengths), initial_state
+// [N, H, K, V] float32, cu_seqlens [N + 1] int64. q and k are l2-normed (eps 1e-6 inside the sqrt), q
+// scaled. -> (o [T, H, V] in v's dtype, final_state [N, H, K, V] float32). Each (sequence, head) is one
+// work item on ATen's threads: its state [K, V] stays in cache for the whole sequence, where the
+// chunked form moves [C, C] and [C, K] blocks through many small products (3x slower on a 2-core
+// CPU at 64 and 256 tokens of 8 heads x 128).
+std::vector<torch::Tensor> kda_sequential(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
+                                          torch::Tensor beta, torch::Tensor initial_state, torch::Tensor cu_seqlens,
+                                          double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0) &&
+                  v.size(1) == q.size(1),
+              "kda_sequential: q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " are not [T, H, K] / [T, H, V]");
+  const int64_t T = q.size(0), H = q.size(1), K = q.size(2), V = v.size(2);
+  TORCH_CHECK(g.sizes() == q.sizes() && g.scalar_type() == torch::kFloat32 && beta.dim() == 2 && beta.size(0) == T &&
+                  beta.size(1) == H && beta.scalar_type() == torch::kFloat32,
+              "kda_sequential: g ", g.sizes(), " and beta ", beta.sizes(), " must be float32 [T, H, K] and [T, H]");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "kda_sequential: q, k and v must share one dtype");
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.scalar_type() == torch::kInt64 && cu_seqlens.size(0) >= 1,
+              "kda_sequential: cu_seqlens must be int64 [N + 1]");
+  const auto cu_c = cu_seqlens.contiguous();
+  const int64_t N = cu_c.size(0) - 1;
+  const int64_t* cu = cu_c.data_ptr<int64_t>();
+  TORCH_CHECK(cu[0] == 0 && cu[N] == T, "kda_sequential: cu_seqlens does not partition ", T, " rows");
+  for (int64_t n = 0; n < N; ++n) TORCH_CHECK(cu[n + 1] >= cu[n], "kda_sequential: cu_seqlens must not decrease");
+  TORCH_CHECK(initial_state.dim() == 4 && initial_state.size(0) == N && initial_state.size(1) == H &&
+                  initial_state.size(2) == K && initial_state.size(3) == V,
+              "kda_sequential: initial_state ", initial_state.sizes(), ", expected [", N, ", ", H, ", ", K, ", ", V, "]");
+  const View vq = View::of(q.reshape({T, H * K}), "q"), vk = View::of(k.reshape({T, H * K}), "k");
+  const View vv = View::of(v.reshape({T, H * V}), "v");
+  const auto gc = g.contiguous(), bc = beta.contiguous();
+  auto state = initial_state.to(torch::kFloat32).contiguous().clone();
+  auto out = torch::empty({T, H, V}, v.options().memory_format(torch::MemoryFormat::Contiguous));
+  const bool bf16 = v.scalar_type() == torch::kBFloat16;
+  const float sc = static_cast<float>(scale);
+  const float* gp = gc.data_ptr<float>();
+  const float* bp = bc.data_ptr<float>();
+  float* sp = state.data_ptr<float>();
+  at::parallel_for(0, N * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> qt(K), kt(K), vt(V), dec(K), o(V), u(V);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n = i / H, h = i % H;
+      float* S = sp + i * K * V;
+      for (int64_t t = cu[n]; t < cu[n + 1]; ++t) {
+        vq.row(t, h * K, K, qt.data());
+        vk.row(t, h * K, K, kt.data());
+        vv.row(t, h * V, V, vt.data());
+        const float qn = sc / std::sqrt(sum_squares(qt.data(), K) + 1e-6f);
+        const float kn = 1.0f / std::sqrt(sum_squares(kt.data(), K) + 1e-6f);
+        const float* gt = gp + (t * H + h) * K;
+        for (int64_t j = 0; j < K; ++j) {
+          qt[j] *= qn;
+          kt[j] *= kn;
+          dec[j] = std::exp(gt[j]);
+        }
+        delta_step(S, qt.data(), kt.data(), vt.data(), dec.data(), bp[t * H + h], K, V, o.data(), u.data());
+        if (bf16) {
+          auto* d = out.data_ptr<c10::BFloat16>() + (t * H + h) * V;
+          for (int64_t j = 0; j < V; ++j) d[j] = static_cast<c10::BFloat16>(o[j]);
+        } else {
+          std::copy(o.begin(), o.end(), out.data_ptr<float>() + (t * H + h) * V);
+        }
+      }
+    }
+  });
+  return {out, state};
+}
+
 // (norm(mix(s, blocks[:n])) * norm_weight, s) for x [T, D]: s = x + delta (delta empty: s = x, returned
 // as x itself), rounded to x's dtype; save: s also written to blocks[n]. The mix (n > 0) weights the
 // candidates blocks[0..n-1], s by softmax_i(rmsnorm(c_i) . (res_norm_weight * proj_weight)); with n = 0
@@ -340,5 +412,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        kimitui_cpu::kKdaDecodeCapsule);
   }, "kda_decode by pointer, for the few-row extension's use_kda_decode");
   m.def("kda_decode", &kda_decode, "KDA decode step between the projections (see cpu_k3_decode.cpp)", NoGil());
+  m.def("kda_sequential", &kda_sequential, "KDA recurrence over packed prefill sequences, token by token", NoGil());
   m.def("attn_res_mix_norm", &attn_res_mix_norm, "attention-residual mix and the norm after it", NoGil());
 }

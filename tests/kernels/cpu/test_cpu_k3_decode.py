@@ -196,3 +196,34 @@ def test_bf16_mla_decode_attends_in_float32():
     want = REF.mla_decode(q.float(), cache.float(), tables, lens, 12, bs, r, 0.2)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_kda_sequential_prefill_matches_the_per_token_oracle_and_the_chunked_form(dtype):
+    """Backend.kda_chunk on the CPU runs the recurrence token by token in C++; packed sequences of
+    uneven lengths (one empty, one past a chunk of 64) from their own states."""
+    from kimitui.kernels.kda import chunk_kda
+    from kimitui.kernels.reference.k3 import kda_recurrence_reference
+
+    g = torch.Generator().manual_seed(3)
+    lens, heads, width = [70, 0, 5, 33], 3, 16
+    T, N = sum(lens), len(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
+    wide = torch.randn(T, 3 * heads * width, generator=g).to(dtype)  # strided views, as the layer's conv output
+    q, k, v = (t.view(T, heads, width) for t in wide.split(heads * width, dim=-1))
+    gates = -torch.rand(T, heads, width, generator=g) * 0.5  # log-decays <= 0
+    beta = torch.rand(T, heads, generator=g)
+    h0 = torch.randn(N, heads, width, width, generator=g) / 4
+    ops = CpuBackend(KernelSettings())
+    o, final = ops.kda_chunk(q, k, v, gates, beta, h0, cu, 0.25)
+    want_o, want_final = kda_recurrence_reference(q, k, v, gates, beta, h0, cu, 0.25)
+    chunk_o, chunk_final = chunk_kda(q, k, v, gates, beta, h0, cu, 0.25)
+    assert o.dtype is dtype and final.dtype is torch.float32
+    tol = 1e-4 if dtype is torch.float32 else 2e-2
+    torch.testing.assert_close(o.float(), want_o.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(final, want_final.float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(o.float(), chunk_o.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(final, chunk_final, atol=1e-4, rtol=1e-4)
+    assert torch.equal(h0[1], final[1])  # the empty sequence keeps its state
+    with pytest.raises(RuntimeError, match="cu_seqlens"):
+        k3_decode.kda_sequential(q, k, v, gates, beta, h0, cu[:-1], 0.25)
