@@ -33,7 +33,7 @@ import itertools
 
 import torch
 
-from kimitui.engine.sampling.sampler import SamplingBatch, apply_top_k_top_p
+from kimitui.engine.sampling.sampler import SamplingBatch, apply_top_k_top_p, row_argmax
 from kimitui.engine.spec_decode.block_verify import block_accept
 
 METHODS = ("standard", "block")
@@ -146,7 +146,7 @@ def rejection_sample(
     draft_rows = row_of_t[:, :max_k]  # [N, max_k]
     is_draft = positions[None, :max_k] < k_t[:, None]  # [N, max_k]
 
-    accept_greedy = logits.argmax(dim=-1)[draft_rows] == drafts_t  # [N, max_k]
+    accept_greedy = row_argmax(logits)[draft_rows] == drafts_t  # [N, max_k]
     if batch.all_greedy:
         accept = accept_greedy
         probs = None
@@ -178,7 +178,7 @@ def rejection_sample(
         weight = torch.where(per_token, torch.ones_like(w_tau), w_tau)
 
     final_row = row_of_t.gather(1, num_accepted[:, None])[:, 0]  # [N]: first rejected or bonus row
-    final = logits[final_row].argmax(dim=-1)
+    final = row_argmax(logits[final_row])
     if probs is not None:
         p_final = probs[final_row]  # [N, V]
         rejected = num_accepted < k_t
@@ -191,7 +191,7 @@ def rejection_sample(
         # p == q on the support leaves nothing to draw from; rejection then had probability 0 (up
         # to rounding), and p is the right fallback.
         residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_final)
-        sampled = (residual / noise).argmax(dim=-1)
+        sampled = row_argmax(residual / noise)
         final = torch.where(greedy_seq, final, sampled)
 
     if forced is not None:
