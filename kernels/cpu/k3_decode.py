@@ -33,6 +33,7 @@ def _module():
         return None
     module = load_extension(K3_DECODE, log, "CPU K3 decode kernels")
     if module is not None and cpu_few_rows.available():
+        module.use_team(cpu_few_rows.team_capsule())  # one thread team for both extensions
         cpu_few_rows.use_kda_decode(module.kda_capsule())  # for its kda_block
     return module
 

@@ -24,6 +24,8 @@
 #include <c10/util/BFloat16.h>
 
 #include "cpu_kda_decode.h"
+#include "cpu_parallel.h"  // parallel_runs on the few-row extension's team (use_team)
+#include "gated_act.h"     // exp_f32, sigmoid_f32, situ_mul
 
 #include <cmath>
 #include <cstdint>
@@ -83,7 +85,7 @@ inline void store(const torch::Tensor& out, int64_t r, const float* x, int64_t n
   }
 }
 
-inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+inline float sigmoid(float x) { return sigmoid_f32(x); }
 
 // One head's delta-rule step on S [K, V] (in place): S <- diag(exp(g)) S; u = k^T S, o = q^T S;
 // delta = beta (v - u); o += (q . k) delta; S += k delta^T. q already scaled, q and k l2-normed.
@@ -156,7 +158,7 @@ torch::Tensor kda_decode(torch::Tensor qkv, torch::Tensor f_b, torch::Tensor b, 
                   gate.scalar_type() == qkv.scalar_type(),
               "kda_decode: qkv, f_b, b, gate must share one dtype");
   const View vqkv = View::of(qkv, "qkv"), vfb = View::of(f_b, "f_b"), vb = View::of(b, "b"), vg = View::of(gate, "gate");
-  const View vcw = View::of(conv_weight, "conv_weight"), valog = View::of(A_log.reshape(-1), "A_log");
+  const View valog = View::of(A_log.reshape(-1), "A_log");
   const View vdt = View::of(dt_bias.reshape(-1), "dt_bias"), vnw = View::of(norm_weight.reshape(-1), "norm_weight");
   const int64_t num_slots = rec_state.size(0);
   const auto* slot = slots.data_ptr<int64_t>();
@@ -165,62 +167,71 @@ torch::Tensor kda_decode(torch::Tensor qkv, torch::Tensor f_b, torch::Tensor b, 
                 " out of range [0, ", num_slots, ")");
 
   auto out = torch::empty({N, P}, qkv.options().memory_format(torch::MemoryFormat::Contiguous));
-  std::vector<float> cw(C * W), rate(H), dt(P), nw(V), x(C), y(C), fb(P), gt(P), beta(H), dec(K), o(V), u(V);
-  vcw.row(0, 0, C * W, cw.data());
+  std::vector<float> rate(H), dt(P), nw(V);
   valog.row(0, 0, H, rate.data());
   for (auto& r : rate) r = std::exp(r);
   vdt.row(0, 0, P, dt.data());
   vnw.row(0, 0, V, nw.data());
+  const auto cw_f32 = conv_weight.to(torch::kFloat32).contiguous();  // float32 already in the model: no copy
+  const float* cw = cw_f32.data_ptr<float>();
   const bool safe_gate = lower_bound < 0;
   const float lb = static_cast<float>(lower_bound), sc = static_cast<float>(scale);
   float* conv = conv_state.data_ptr<float>();
   float* rec = rec_state.data_ptr<float>();
+  const float e = static_cast<float>(eps);
 
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t s = slot[n];
-    vqkv.row(n, 0, C, x.data());
-    vfb.row(n, 0, P, fb.data());
-    vg.row(n, 0, P, gt.data());
-    vb.row(n, 0, H, beta.data());
-    // short conv + SiLU over the slot's history (oldest first), then the history moves on by one
-    float* hist = conv + s * C * Wm1;
-    for (int64_t c = 0; c < C; ++c) {
-      float* h = hist + c * Wm1;
-      const float* w = cw.data() + c * W;
-      float acc = 0.0f;
-      for (int64_t j = 0; j < Wm1; ++j) acc += h[j] * w[j];
-      acc += x[c] * w[Wm1];
-      y[c] = acc / (1.0f + std::exp(-acc));
-      for (int64_t j = 0; j + 1 < Wm1; ++j) h[j] = h[j + 1];
-      if (Wm1) h[Wm1 - 1] = x[c];
-    }
-    round_to(y.data(), C, act_bf16);  // the conv's output in the activations' dtype, as the PyTorch path
-    float* yo = y.data();  // reused below for this row's output, head by head (q is read before it is written)
-    for (int64_t h = 0; h < H; ++h) {
-      float* q = y.data() + h * K;
-      float* k = y.data() + P + h * K;
-      const float* v = y.data() + 2 * P + h * K;
-      const float qn = 1.0f / std::sqrt(sum_squares(q, K) + 1e-6f), kn = 1.0f / std::sqrt(sum_squares(k, K) + 1e-6f);
-      for (int64_t i = 0; i < K; ++i) {
-        q[i] = q[i] * qn * sc;
-        k[i] = k[i] * kn;
-        const float a = fb[h * K + i] + dt[h * K + i];
-        float g;
-        if (safe_gate) {
-          g = lb * sigmoid(rate[h] * a);
-        } else {
-          g = -rate[h] * (a > 20.0f ? a : std::log1p(std::exp(a)));
+  // One work item per (row, head): a head's q, k, v channels, its conv history, its state and its
+  // output columns are its own (the rows' slots are distinct), so items run on the team side by side.
+  kimitui_cpu::parallel_runs(N * H, N * H * K * V * 8, [&](int64_t i0, int64_t i1) {
+    std::vector<float> x(3 * K), y(3 * K), fb(K), gt(V), dec(K), o(V), u(V);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n = i / H, h = i % H, s = slot[n];
+      float b1;
+      vb.row(n, h, 1, &b1);
+      vfb.row(n, h * K, K, fb.data());
+      vg.row(n, h * V, V, gt.data());
+      // short conv + SiLU over the slot's history (oldest first) of this head's q, k and v channels,
+      // then the history moves on by one
+      for (int64_t part = 0; part < 3; ++part) {
+        const int64_t c0 = part * P + h * K;
+        vqkv.row(n, c0, K, x.data() + part * K);
+        for (int64_t j = 0; j < K; ++j) {
+          const int64_t c = c0 + j;
+          float* hist = conv + (s * C + c) * Wm1;
+          const float* w = cw + c * W;
+          const float xc = x[part * K + j];
+          float acc = 0.0f;
+          for (int64_t t = 0; t < Wm1; ++t) acc += hist[t] * w[t];
+          acc += xc * w[Wm1];
+          y[part * K + j] = acc / (1.0f + exp_f32(-acc));
+          for (int64_t t = 0; t + 1 < Wm1; ++t) hist[t] = hist[t + 1];
+          if (Wm1) hist[Wm1 - 1] = xc;
         }
-        dec[i] = std::exp(g);
       }
-      delta_step(rec + (s * H + h) * K * V, q, k, v, dec.data(), sigmoid(beta[h]), K, V, o.data(), u.data());
+      round_to(y.data(), 3 * K, act_bf16);  // the conv's output in the activations' dtype, as the PyTorch path
+      float* q = y.data();
+      float* k = y.data() + K;
+      const float* v = y.data() + 2 * K;
+      const float qn = 1.0f / std::sqrt(sum_squares(q, K) + 1e-6f), kn = 1.0f / std::sqrt(sum_squares(k, K) + 1e-6f);
+      for (int64_t j = 0; j < K; ++j) {
+        q[j] = q[j] * qn * sc;
+        k[j] = k[j] * kn;
+        const float a = fb[j] + dt[h * K + j];
+        const float g = safe_gate ? lb * sigmoid(rate[h] * a) : -rate[h] * (a > 20.0f ? a : std::log1p(std::exp(a)));
+        dec[j] = exp_f32(g);
+      }
+      delta_step(rec + (s * H + h) * K * V, q, k, v, dec.data(), sigmoid(b1), K, V, o.data(), u.data());
       round_to(o.data(), V, act_bf16);  // the recurrence's output in v's dtype
-      const float r = 1.0f / std::sqrt(sum_squares(o.data(), V) / static_cast<float>(V) + static_cast<float>(eps));
-      float* dst = yo + h * V;  // q's slot of this head: read above, free now
-      for (int64_t j = 0; j < V; ++j) dst[j] = o[j] * r * nw[j] * sigmoid(gt[h * V + j]);
+      const float r = 1.0f / std::sqrt(sum_squares(o.data(), V) / static_cast<float>(V) + e);
+      for (int64_t j = 0; j < V; ++j) o[j] = o[j] * r * nw[j] * sigmoid(gt[j]);
+      if (act_bf16) {
+        auto* d = out.data_ptr<c10::BFloat16>() + n * P + h * V;
+        for (int64_t j = 0; j < V; ++j) d[j] = static_cast<c10::BFloat16>(o[j]);
+      } else {
+        std::copy(o.begin(), o.end(), out.data_ptr<float>() + n * P + h * V);
+      }
     }
-    store(out, n, yo, P);
-  }
+  });
   return out;
 }
 
@@ -264,7 +275,7 @@ std::vector<torch::Tensor> kda_sequential(torch::Tensor q, torch::Tensor k, torc
   const float* gp = gc.data_ptr<float>();
   const float* bp = bc.data_ptr<float>();
   float* sp = state.data_ptr<float>();
-  at::parallel_for(0, N * H, 1, [&](int64_t i0, int64_t i1) {
+  kimitui_cpu::parallel_runs(N * H, kimitui_cpu::kAlwaysSplit, [&](int64_t i0, int64_t i1) {
     std::vector<float> qt(K), kt(K), vt(V), dec(K), o(V), u(V);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t n = i / H, h = i % H;
@@ -279,7 +290,7 @@ std::vector<torch::Tensor> kda_sequential(torch::Tensor q, torch::Tensor k, torc
         for (int64_t j = 0; j < K; ++j) {
           qt[j] *= qn;
           kt[j] *= kn;
-          dec[j] = std::exp(gt[j]);
+          dec[j] = exp_f32(gt[j]);
         }
         delta_step(S, qt.data(), kt.data(), vt.data(), dec.data(), bp[t * H + h], K, V, o.data(), u.data());
         if (bf16) {
@@ -393,10 +404,7 @@ torch::Tensor situ_and_mul(torch::Tensor gu, double beta, double linear_beta) {
   for (int64_t t = 0; t < T; ++t) {
     v.row(t, 0, I, g.data());
     v.row(t, I, I, u.data());
-    for (int64_t i = 0; i < I; ++i) {
-      const float up = lb > 0.0f ? lb * std::tanh(u[i] / lb) : u[i];
-      g[i] = b * std::tanh(g[i] / b) * sigmoid(g[i]) * up;
-    }
+    for (int64_t i = 0; i < I; ++i) g[i] = situ_mul(g[i], u[i], b, lb);
     store(out, t, g.data(), I);
   }
   return out;
@@ -407,6 +415,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // server's event loop and other threads run while a step computes.
   using NoGil = py::call_guard<py::gil_scoped_release>;
   m.def("situ_and_mul", &situ_and_mul, "SiTU(gate) * up of a fused gate/up product", NoGil());
+  m.def("use_team", [](py::capsule team) {
+    TORCH_CHECK(std::string(team.name()) == kimitui_cpu::kTeamCapsule, "use_team: not a ", kimitui_cpu::kTeamCapsule,
+                " capsule");
+    kimitui_cpu::team_run() = reinterpret_cast<kimitui_cpu::TeamRun>(team.get_pointer());
+  }, "run the parallel passes on another extension's thread team (its team_capsule())");
   m.def("kda_capsule", [] {
     return py::capsule(reinterpret_cast<void*>(static_cast<kimitui_cpu::KdaDecode>(&kda_decode)),
                        kimitui_cpu::kKdaDecodeCapsule);
