@@ -36,6 +36,10 @@ def start_stream(llm, prompt, params, request_id: str):
     return llm.generate(prompt, params, request_id) if start is None else start(prompt, params, request_id)
 
 
+# How long a streamed response's headers wait for its first event (see _SSEResponse.__call__).
+HEADERS_WAIT = 0.05
+
+
 def sse_response(events: AsyncIterator[bytes], owned=()) -> StreamingResponse:
     """``events`` as server-sent events; ``owned``: engine streams (``start_stream``) that ``events``
     reads, closed (their requests aborted unless finished) once the response has ended, even if
@@ -68,6 +72,11 @@ class _SSEResponse(StreamingResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         try:
+            # The headers wait for the first event (up to HEADERS_WAIT): then this thread sends nothing
+            # while the engine computes the prefill, whose threads it would otherwise slow (the GIL
+            # between kernels, a core for the parallel passes), and the headers and the first event
+            # go out back to back. A longer prefill gets its headers at once, as before.
+            await asyncio.wait((self._first,), timeout=HEADERS_WAIT)
             await super().__call__(scope, receive, send)
         finally:  # the headers could not be sent (the client left): the started stream still ends
             if not self._first.done() or self._owned:
