@@ -4,8 +4,8 @@
    one connection), each under 5 ms;
 2. streaming TTFT over HTTP within 2 ms of the same request made in process
    (`AsyncLLM.generate`), medians of alternating rounds (in process, httpx client in this
-   process, httpx client in a process of its own, raw socket client, in turn, so a change in the
-   machine's speed hits all of them). A client in the server's process shares its GIL with the
+   process, httpx client in a process of its own, raw socket client, `kimitui bench`'s client in a
+   process of its own, in turn, so a change in the machine's speed hits all of them). A client in the server's process shares its GIL with the
    server's and the engine's threads; a real client does not, which the separate process shows.
 
 The last lines print both figures and whether each holds. `--stages` also splits the HTTP TTFT
@@ -119,11 +119,12 @@ class _TimedStream:
 
 
 class _ClientProcess:
-    """An httpx client in a process of its own, one request per ``ttft()`` call."""
+    """An httpx client (or, ``bench``, kimitui bench's own HTTP client) in a process of its own, one
+    request per ``ttft()`` call."""
 
-    def __init__(self, url: str, body: dict):
+    def __init__(self, url: str, body: dict, bench: bool = False):
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--client-of", url, json.dumps(body)],
+            [sys.executable, __file__, "--bench-client-of" if bench else "--client-of", url, json.dumps(body)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -189,6 +190,32 @@ async def _local_ttft(llm: AsyncLLM, prompt: list[int], params: SamplingParams, 
     return ttft
 
 
+def _bench_client_loop(url: str, body: dict) -> int:
+    """As ``_client_loop`` with ``kimitui bench``'s client (kimitui.bench.clients): its TTFT, the first
+    message carrying ``choices``, as `vllm bench serve` times it."""
+    from kimitui.bench import OpenAICompletionsClient
+    from kimitui.bench.workload import SampleRequest
+
+    request = SampleRequest(None, body["prompt"], len(body["prompt"]), body["max_tokens"])
+
+    async def serve() -> None:
+        client = OpenAICompletionsClient(url, "demo", temperature=body["temperature"])
+        loop = asyncio.get_running_loop()
+        try:
+            for i in range(10**9):
+                if not await loop.run_in_executor(None, sys.stdin.readline):
+                    return
+                out = await client(request, f"bench-{i}")
+                if not out.success:
+                    raise RuntimeError(out.error)
+                print(out.ttft, flush=True)
+        finally:
+            await client.aclose()
+
+    asyncio.run(serve())
+    return 0
+
+
 def _client_loop(url: str, body: dict) -> int:
     """The separate process's side: one request per line read from stdin, its TTFT written back."""
     with httpx.Client(timeout=60) as http:
@@ -200,6 +227,8 @@ def _client_loop(url: str, body: dict) -> int:
 def main() -> int:
     if sys.argv[1:2] == ["--client-of"]:
         return _client_loop(sys.argv[2], json.loads(sys.argv[3]))
+    if sys.argv[1:2] == ["--bench-client-of"]:
+        return _bench_client_loop(sys.argv[2], json.loads(sys.argv[3]))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--as-before", action="store_true", help="the listening socket as before the fix")
     p.add_argument("--runs", type=int, default=3)
@@ -236,11 +265,13 @@ def main() -> int:
         loop = asyncio.new_event_loop()  # the in-process caller's loop, as an application keeps one
         raw = _RawClient(srv.url, body)
         other = _ClientProcess(srv.url, body)
-        other_ttft = []
+        bench = _ClientProcess(srv.url, body, bench=True)
+        other_ttft, bench_ttft = [], []
         with httpx.Client(timeout=60) as http:
             http_ttft.append(_http_ttft(http, srv.url, body))  # the connects, not counted
             raw_ttft.append(raw.ttft())
             other_ttft.append(other.ttft())
+            bench_ttft.append(bench.ttft())
             sent = []
             for i in range(args.pairs):  # alternating, so a change in the machine's speed hits all three
                 local_ttft.append(loop.run_until_complete(_local_ttft(llm, [5, 6, 7, 8], params, f"local-{i}")))
@@ -248,8 +279,10 @@ def main() -> int:
                 other_ttft.append(other.ttft())
                 raw_ttft.append(raw.ttft())
                 sent.append(raw.sent)
+                bench_ttft.append(bench.ttft())
         raw.close()
         other.close()
+        bench.close()
         loop.close()
         here = statistics.median(local_ttft)
         print(f"streaming TTFT, medians of {args.pairs} alternating rounds: in process {here * 1e3:.2f} ms")
@@ -258,6 +291,7 @@ def main() -> int:
             ("httpx client in this process", http_ttft[1:]),
             ("httpx client in its own process", other_ttft[1:]),
             ("raw socket client", raw_ttft[1:]),
+            ("kimitui bench's client in its own process", bench_ttft[1:]),
         ):
             there = statistics.median(ts)
             diffs[name] = (there, there - here)

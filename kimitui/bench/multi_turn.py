@@ -113,15 +113,11 @@ async def read_prefix_counters(client: Any) -> tuple[int, int] | None:
     if engine is not None:
         s = engine.stats()
         return int(s.prefix_cache_queries), int(s.prefix_cache_hits)
-    base_url, http = getattr(client, "base_url", None), getattr(client, "_http", None)
-    if base_url is None or http is None:
-        return None
+    metrics_text = getattr(client, "metrics_text", None)
+    text = await metrics_text() if metrics_text is not None else None
     try:
-        from kimitui.client.http import request_headers
-
-        resp = await http.get(base_url + "/metrics", headers=request_headers(getattr(client, "api_key", None)))
-        return parse_prefix_counters(resp.text) if resp.status_code == 200 else None
-    except Exception:  # noqa: BLE001 - a server without /metrics: no engine-side rate, never a failure
+        return parse_prefix_counters(text) if text is not None else None
+    except Exception:  # noqa: BLE001 - unreadable /metrics: no engine-side rate, never a failure
         return None
 
 

@@ -22,20 +22,11 @@ async def read_spec_counters(client: Any) -> SpecDecodeStats | None:
         stats = getattr(engine, "stats", None)
         spec = getattr(stats(), "spec_decode", None) if callable(stats) else None
         return spec.copy() if spec is not None else None
-    base_url = getattr(client, "base_url", None)
-    http = getattr(client, "_http", None)
-    if base_url is None or http is None:
-        return None
+    metrics_text = getattr(client, "metrics_text", None)
+    text = await metrics_text() if metrics_text is not None else None
     try:
-        from kimitui.client.http import request_headers
-
-        resp = await http.get(
-            base_url.removesuffix("/v1") + "/metrics", headers=request_headers(getattr(client, "api_key", None))
-        )
-        if resp.status_code != 200:
-            return None
-        return parse_spec_counters(resp.text)
-    except Exception:  # a server without /metrics: no keys, never a failed benchmark
+        return parse_spec_counters(text) if text is not None else None
+    except Exception:  # noqa: BLE001 - unreadable /metrics: no keys, never a failed benchmark
         return None
 
 

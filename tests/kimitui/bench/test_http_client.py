@@ -10,6 +10,18 @@ from kimitui.bench.clients import OpenAICompletionsClient, fetch_models
 from kimitui.bench.workload import SampleRequest
 
 GAP = 0.05
+METRICS = (
+    "# TYPE kimitui:prefix_cache_queries_total counter\n"
+    'kimitui:prefix_cache_queries_total{model_name="m"} 120\n'
+    "# TYPE kimitui:prefix_cache_hits_total counter\n"
+    'kimitui:prefix_cache_hits_total{model_name="m"} 96\n'
+    "# TYPE kimitui:spec_decode_num_drafts_total counter\n"
+    'kimitui:spec_decode_num_drafts_total{model_name="m"} 10\n'
+    "# TYPE kimitui:spec_decode_num_draft_tokens_total counter\n"
+    'kimitui:spec_decode_num_draft_tokens_total{model_name="m"} 30\n'
+    "# TYPE kimitui:spec_decode_num_accepted_tokens_total counter\n"
+    'kimitui:spec_decode_num_accepted_tokens_total{model_name="m"} 12\n'
+)
 REQUEST = SampleRequest("w5 w6 w7", [5, 6, 7], 3, 4)
 
 
@@ -20,7 +32,15 @@ async def _handle(reader, writer, seen):
     length = next((int(l.split(":")[1]) for l in lines if l.lower().startswith("content-length")), 0)
     body = json.loads(await reader.readexactly(length)) if length else {}
     seen.append((path, body))
-    if path == "/v1/models":
+    if path == "/metrics":
+        data = METRICS.encode()
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: "
+            + str(len(data)).encode()
+            + b"\r\nConnection: close\r\n\r\n"
+            + data
+        )
+    elif path == "/v1/models":
         data = json.dumps({"object": "list", "data": [{"id": "kimi-demo", "object": "model"}]}).encode()
         writer.write(
             b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
@@ -114,7 +134,7 @@ def test_http_500_and_connection_refused_are_captured():
 
     bad, refused = asyncio.run(main())
     assert not bad.success and "500" in bad.error and "boom" in bad.error
-    assert not refused.success and "ConnectError" in refused.error
+    assert not refused.success and "Connect" in refused.error  # aiohttp's ClientConnectorError
 
 
 def test_fetch_models():
@@ -131,3 +151,26 @@ def test_fetch_models():
         port = s.getsockname()[1]
     with pytest.raises(RuntimeError, match="/v1/models"):
         asyncio.run(fetch_models(f"http://127.0.0.1:{port}"))
+
+
+def test_server_counters_are_read_through_the_clients_session():
+    """The multi-turn prefix-cache rate and the speculative-decoding counters come from the target's
+    /metrics, fetched by the benchmark client itself."""
+    from kimitui.bench.multi_turn import read_prefix_counters
+    from kimitui.bench.spec_counters import read_spec_counters
+
+    async def main():
+        seen = []
+        server, url = await _serve(seen)
+        client = OpenAICompletionsClient(url, "m")
+        try:
+            return await read_prefix_counters(client), await read_spec_counters(client), seen
+        finally:
+            await client.aclose()
+            server.close()
+
+    prefix, spec, seen = asyncio.run(main())
+    assert prefix == (120, 96)
+    assert spec is not None and spec.num_drafts == 10 and spec.num_draft_tokens == 30
+    assert spec.num_accepted_tokens == 12
+    assert [p for p, _ in seen] == ["/metrics", "/metrics"]
