@@ -223,6 +223,21 @@ def ffn_weights(norm, ffn) -> FfnBlockWeights | None:
     )
 
 
+def attention_call(x: torch.Tensor, meta, cache: torch.Tensor, weights: AttentionBlockWeights) -> torch.Tensor:
+    """``attention_block`` on a decode step's rows (every slot real): the step's positions, slots and
+    tables from ``meta``, the paged latent ``cache [num_blocks, block_size, r + rope]``."""
+    return cpu_few_rows.attention_block(
+        x,
+        meta.positions,
+        meta.slot_mapping,
+        cache.view(-1, cache.shape[-1]),
+        meta.decode_block_tables,
+        meta.decode_context_lens,
+        meta.block_size,
+        weights,
+    )
+
+
 class FusedDecoderLayer:
     """The fused halves of one decoder layer; either may be None (that half runs op by op)."""
 
@@ -269,16 +284,7 @@ class FusedDecoderLayer:
                     self.attention_weights,
                 )
             return out
-        return cpu_few_rows.attention_block(
-            x,
-            meta.positions,
-            meta.slot_mapping,
-            cache.view(-1, cache.shape[-1]),
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            meta.block_size,
-            self.attention_weights,
-        )
+        return attention_call(x, meta, cache, self.attention_weights)
 
     def ffn_fusable(self, x: torch.Tensor) -> bool:
         """Whether this step's ``x [T, D]`` goes through ``ffn``: float32 or bf16 rows as many as ``block_rows``

@@ -24,7 +24,7 @@ import torch
 from kimitui.kernels.backend import written_rows
 from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.cpu import k3_decode as cpu_k3_decode
-from kimitui.kernels.cpu.decode_block import AttentionBlockWeights, attention_weights, block_rows
+from kimitui.kernels.cpu.decode_block import AttentionBlockWeights, attention_call, attention_weights, block_rows
 from kimitui.kernels.cpu.packed_ffn_block import ABSENT, DTYPES
 
 
@@ -50,16 +50,7 @@ class MlaBlock:
         )
 
     def __call__(self, x: torch.Tensor, meta, cache: torch.Tensor) -> torch.Tensor:
-        return cpu_few_rows.attention_block(
-            x,
-            meta.positions,
-            meta.slot_mapping,
-            cache.view(-1, cache.shape[-1]),
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            meta.block_size,
-            self.weights,
-        )
+        return attention_call(x, meta, cache, self.weights)
 
 
 @dataclass(frozen=True, eq=False)

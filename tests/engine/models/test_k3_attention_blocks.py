@@ -12,6 +12,7 @@ from kimitui.engine import LLM, SamplingParams
 from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.cpu import k3_decode as cpu_k3_decode
 from kimitui.kernels.cpu.k3_blocks import KdaBlock, MlaBlock
+from tests.helpers.logprob_match import matching_logprobs
 
 needs_ext = pytest.mark.skipif(
     not (cpu_few_rows.available() and cpu_k3_decode.available()), reason="C++ CPU kernels did not build here"
@@ -64,16 +65,7 @@ def test_attention_blocks_match_the_layers(ckpt, dtype, monkeypatch):
     assert calls["attention_block"] >= 5 * 2 and calls["kda_block"] >= 5 * 2
     assert ref_calls == {"attention_block": 0, "kda_block": 0}
     tol = 2e-3 if dtype == "float32" else 0.15
-    compared = 0
-    for ta, tb, la, lb in zip(tokens, ref_tokens, logprobs, ref_logprobs):
-        for step in range(len(ta)):
-            if ta[:step] != tb[:step]:  # compared while both have the same history
-                break
-            common = set(la[step]) & set(lb[step])
-            assert common
-            for tok in common:
-                assert abs(la[step][tok] - lb[step][tok]) < tol, (dtype, step, tok, la[step][tok], lb[step][tok])
-            compared += step > 0
+    compared = matching_logprobs(tokens, ref_tokens, logprobs, ref_logprobs, tol)
     assert compared >= 6
     if dtype == "float32":
         assert tokens == ref_tokens

@@ -11,6 +11,7 @@ from kimitui.engine.layers.latent_moe import KimiMoE
 from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.cpu import quant_moe as cpu_quant_moe
 from kimitui.kernels.cpu.packed_ffn_block import LatentMoeWeights
+from tests.helpers.logprob_match import matching_logprobs
 
 needs_ext = pytest.mark.skipif(
     not (cpu_few_rows.available() and cpu_quant_moe.available()), reason="C++ CPU kernels did not build here"
@@ -58,16 +59,7 @@ def test_latent_moe_block_matches_the_module(ckpt, dtype, monkeypatch):
     ref_tokens, ref_logprobs, ref_routing, ref_calls = _run(ckpt, dtype, False, monkeypatch)
     assert calls >= 5 * 2 and ref_calls == 0  # the decode steps of each MoE layer went through it
     tol = 2e-3 if dtype == "float32" else 0.15
-    compared = 0
-    for ta, tb, la, lb in zip(tokens, ref_tokens, logprobs, ref_logprobs):
-        for step in range(len(ta)):
-            if ta[:step] != tb[:step]:  # compared while both have the same history
-                break
-            common = set(la[step]) & set(lb[step])
-            assert common
-            for tok in common:
-                assert abs(la[step][tok] - lb[step][tok]) < tol, (dtype, step, tok, la[step][tok], lb[step][tok])
-            compared += step > 0
+    compared = matching_logprobs(tokens, ref_tokens, logprobs, ref_logprobs, tol)
     assert compared >= 6
     if dtype == "float32":
         assert tokens == ref_tokens and routing == ref_routing
