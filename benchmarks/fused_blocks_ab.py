@@ -4,13 +4,15 @@
   Python block (``PackedFfnBlock``, the same kernels with Python between);
 - ``loop``: a decode step's layers in one loop of C++ calls (``Backend.run_fused_layers``) against the layers
   called one by one;
-- ``k3-moe``: Kimi K3's (latent) MoE as one C++ call (``latent_moe_block``) against the module op by op.
+- ``k3-moe``: Kimi K3's (latent) MoE as one C++ call (``latent_moe_block``) against the module op by op;
+- ``k3-attention``: Kimi K3's attention layers' decode steps as one C++ call each (``kda_block``, the gated NoPE
+  ``attention_block``: ``kernels/cpu/k3_blocks.py``) against the layers op by op.
 
-    python benchmarks/fused_blocks_ab.py --model DIR --what packed-ffn|loop|k3-moe [--dtype bfloat16]
+    python benchmarks/fused_blocks_ab.py --model DIR --what packed-ffn|loop|k3-moe|k3-attention [--dtype bfloat16]
         [--prompt 64] [--tokens 64] [--rounds 6] [--threads 2]
 
 ``DIR``: a K2-shaped checkpoint with packed (INT4 / MXFP4) experts for ``packed-ffn`` and ``loop`` (any DeepSeek-V3
-checkpoint for ``loop``), a K3-shaped one for ``k3-moe`` (``benchmarks/vs_llama_cpp.py`` writes both into its work
+checkpoint for ``loop``), a K3-shaped one for ``k3-moe`` and ``k3-attention`` (``benchmarks/vs_llama_cpp.py`` writes both into its work
 dir). Prints the median time per request of each side, their ratio and the median of the paired ratios, and
 whether the greedy tokens agree (the bf16 one-call blocks round once where the op-by-op path rounds after each
 product, so a random model's tokens may part after a few steps).
@@ -65,6 +67,17 @@ def switches(llm: LLM, what: str):
                 layer.fused.packed_ffn = None if on else py[id(layer)]
 
         return "C++ block", "Python block", set_ffn
+    if what == "k3-attention":
+        attns = [layer.self_attn for layer in model.layers if getattr(layer.self_attn, "fused", None) is not None]
+        if not attns:
+            raise SystemExit("no one-call K3 attention here (a Kimi Linear / K3 checkpoint, the C++ CPU kernels)")
+        blocks = {id(a): a.fused for a in attns}
+
+        def set_attention(on: bool) -> None:
+            for a in attns:
+                a.fused = blocks[id(a)] if on else None
+
+        return "C++ attention", "op by op", set_attention
     moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, KimiMoE) and layer.mlp.fused is not None]
     if not moes:
         raise SystemExit("no one-call K3 MoE here (a Kimi Linear / K3 checkpoint with packed experts)")
@@ -80,7 +93,7 @@ def switches(llm: LLM, what: str):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--what", choices=("packed-ffn", "loop", "k3-moe"), required=True)
+    ap.add_argument("--what", choices=("packed-ffn", "loop", "k3-moe", "k3-attention"), required=True)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
