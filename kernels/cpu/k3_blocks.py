@@ -11,7 +11,7 @@ As the DeepSeek-V3 blocks (``decode_block.py``), the matrices stay in the model'
 widened in registers), the activations are float32 inside and the output is rounded to the model's
 dtype once: within bf16 rounding of the op-by-op layer (bit-identical to nothing in bf16), and equal
 to it up to float32 summation order for a float32 model. A step the block does not take (prefill
-chunks, speculative verification, padding rows, more rows than the few-row kernels) runs op by op.
+chunks, speculative verification, padding rows, more than MAX_K3_BLOCK_ROWS rows) runs op by op.
 """
 
 from __future__ import annotations
@@ -28,6 +28,16 @@ from kimitui.kernels.cpu.decode_block import AttentionBlockWeights, attention_ca
 from kimitui.kernels.cpu.packed_ffn_block import ABSENT, DTYPES
 
 
+# Rows a K3 attention block takes: at 1, 4 and 8 bf16 decodes it beat the layers op by op (per request 1.28x,
+# 1.17x, 1.21x on the benchmark's K3 shape, 2-core Xeon), at 16 it lost (0.85x: its products' oneDNN threads
+# and the team's KDA / MLA passes then trade places inside one call); wider steps run op by op.
+MAX_K3_BLOCK_ROWS = 8
+
+
+def _rows(x: torch.Tensor) -> bool:
+    return x.shape[0] <= MAX_K3_BLOCK_ROWS and block_rows(x)
+
+
 def _dense(dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
     return all(t.dtype is dtype and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
@@ -40,11 +50,11 @@ class MlaBlock:
         self.dtype = weights.in_proj.dtype
 
     def takes(self, x: torch.Tensor, meta) -> bool:
-        """Decodes only, every output wanted, no padding rows, a row count the blocks take, x in the
-        weights' dtype."""
+        """Decodes only, every output wanted, no padding rows, at most ``MAX_K3_BLOCK_ROWS`` rows, x in
+        the weights' dtype."""
         return (
             x.dtype is self.dtype
-            and block_rows(x)
+            and _rows(x)
             and meta.decodes_only(x.shape[0])
             and written_rows(meta.slot_mapping) is None
         )
@@ -76,11 +86,11 @@ class KdaBlock:
         return self.in_proj.dtype
 
     def takes(self, x: torch.Tensor, meta, state) -> bool:
-        """A plain decode step (no prefill chunk, no speculative verification), a row count the blocks
-        take, x in the weights' dtype, every slot real, float32 contiguous states."""
+        """A plain decode step (no prefill chunk, no speculative verification), at most
+        ``MAX_K3_BLOCK_ROWS`` rows, x in the weights' dtype, every slot real, float32 contiguous states."""
         return (
             x.dtype is self.dtype
-            and block_rows(x)
+            and _rows(x)
             and meta.num_decode_tokens == x.shape[0]
             and not meta.prefills
             and meta.kda_spec is None
