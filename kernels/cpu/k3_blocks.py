@@ -27,7 +27,6 @@ from kimitui.kernels.cpu import k3_decode as cpu_k3_decode
 from kimitui.kernels.cpu.decode_block import AttentionBlockWeights, attention_call, attention_weights, block_rows
 from kimitui.kernels.cpu.packed_ffn_block import ABSENT, DTYPES
 
-
 # Rows a K3 attention block takes: at 1, 4 and 8 bf16 decodes it beat the layers op by op (per request 1.28x,
 # 1.17x, 1.21x on the benchmark's K3 shape, 2-core Xeon), at 16 it lost (0.85x: its products' oneDNN threads
 # and the team's KDA / MLA passes then trade places inside one call); wider steps run op by op.
