@@ -229,8 +229,8 @@ def test_client_gone_releases_the_matcher(k2):
             "response_format": {"type": "json_object"},
         },
     ) as r:
-        next(r.iter_lines())  # the request is running
-        assert llm.engine.runner.structured.requests
+        first = next(r.iter_lines())  # the request is running
+        assert llm.engine.runner.structured.requests, first
     deadline = time.monotonic() + 30
     while llm.engine.runner.structured.requests and time.monotonic() < deadline:
         time.sleep(0.1)
