@@ -17,6 +17,32 @@ SPIN = "import time\nt = time.time()\nwhile time.time() - t < {s}: pass"
 pytestmark = pytest.mark.skipif(_busy_seconds() is None, reason="needs /proc/stat")
 
 
+def test_own_children_are_never_others(monkeypatch):
+    """The accounting alone: the machine's busy time made of exactly this tree's own plus a known amount
+    "others" used, so no real load (a parallel test run's other worker) can leak in."""
+    from benchmarks.peers import host_load
+
+    others = {"s": 0.0}
+    monkeypatch.setattr(
+        host_load,
+        "_busy_seconds",
+        lambda: host_load._rusage_seconds() + sum(host_load._live_seconds().values()) + others["s"],
+    )
+    own = OtherLoad().start()
+    subprocess.run([sys.executable, "-c", SPIN.format(s=0.3)], check=True)  # reaped
+    alive = subprocess.Popen([sys.executable, "-c", SPIN.format(s=0.6)])
+    time.sleep(0.3)
+    assert own.others_share() == pytest.approx(0.0, abs=0.02)  # the live child's time so far is ours too
+    alive.wait()
+    assert own.others_share() == pytest.approx(0.0, abs=0.02)  # and once reaped
+    other = OtherLoad().start()
+    time.sleep(0.2)
+    others["s"] += 0.1 * (os.cpu_count() or 1)  # 0.1 s on every CPU over the ~0.2 s: about half their time
+    share = other.others_share()
+    assert share == pytest.approx(0.5, rel=0.5)
+
+
+@pytest.mark.slow  # real /proc/stat: under a parallel test run the other worker's load moves both windows
 def test_own_children_are_not_others_and_an_orphan_is():
     own = OtherLoad().start()
     subprocess.run([sys.executable, "-c", SPIN.format(s=0.8)], check=True)  # reaped
