@@ -25,7 +25,7 @@ from kimitui.kernels.backend import written_rows
 from kimitui.kernels.cpu import few_rows as cpu_few_rows
 from kimitui.kernels.cpu import k3_decode as cpu_k3_decode
 from kimitui.kernels.cpu.decode_block import AttentionBlockWeights, attention_call, attention_weights, block_rows
-from kimitui.kernels.cpu.packed_ffn_block import ABSENT, DTYPES
+from kimitui.kernels.cpu.packed_ffn_block import ABSENT, DTYPES, dense_cpu
 
 # Rows a K3 attention block takes: at 1, 4 and 8 bf16 decodes it beat the layers op by op (per request 1.28x,
 # 1.17x, 1.21x on the benchmark's K3 shape, 2-core Xeon), at 16 it lost (0.85x: its products' oneDNN threads
@@ -35,10 +35,6 @@ MAX_K3_BLOCK_ROWS = 8
 
 def _rows(x: torch.Tensor) -> bool:
     return x.shape[0] <= MAX_K3_BLOCK_ROWS and block_rows(x)
-
-
-def _dense(dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
-    return all(t.dtype is dtype and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
 
 class MlaBlock:
@@ -125,7 +121,7 @@ def kda_block(attn) -> KdaBlock | None:
     dtype = attn.in_proj.dtype
     mats = [attn.in_proj, attn.f_b_proj.weight, attn.o_proj.weight] + ([g_b.weight] if g_b is not None else [])
     small = [attn.conv_weight, attn.A_log, attn.dt_bias, attn.o_norm.weight]
-    if dtype not in DTYPES or not _dense(dtype, *mats) or not _dense(torch.float32, *small):
+    if dtype not in DTYPES or not dense_cpu(dtype, *mats) or not dense_cpu(torch.float32, *small):
         return None
     return KdaBlock(
         in_proj=attn.in_proj,

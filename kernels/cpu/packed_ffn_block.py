@@ -97,7 +97,8 @@ def expert_fields(stack, activation, dtype: torch.dtype) -> dict:
     )
 
 
-def _dense_cpu(dtype, *tensors) -> bool:
+def dense_cpu(dtype, *tensors) -> bool:
+    """Whether every tensor is a contiguous CPU tensor of ``dtype`` (what the C++ blocks read in place)."""
     return all(t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
 
@@ -128,7 +129,7 @@ def packed_ffn_weights(norm, moe) -> PackedFfnWeights | None:
         return None
     if shared is not None:
         act = getattr(shared, "act", None)
-        if (act is not None and not act.is_silu) or not _dense_cpu(dtype, shared.gate_up, shared.down_proj.weight):
+        if (act is not None and not act.is_silu) or not dense_cpu(dtype, shared.gate_up, shared.down_proj.weight):
             return None
     vectors = (norm.weight, gate.weight, gate.e_score_correction_bias)
     if any(t.device.type != "cpu" or t.dtype not in DTYPES for t in vectors):
@@ -214,7 +215,7 @@ def latent_moe_weights(moe) -> LatentMoeWeights | None:
         if shared.gate_up is None or shared.down_proj.fmt != "dense" or shared.parallel:
             return None
         mats += [shared.gate_up, shared.down_proj.weight]
-    if not _dense_cpu(dtype, *mats) or gate.weight.device.type != "cpu":
+    if not dense_cpu(dtype, *mats) or gate.weight.device.type != "cpu":
         return None
     act = moe.act
     if act.kind not in ("silu", "situ") or (stack.activation is not None and stack.activation.kind != act.kind):

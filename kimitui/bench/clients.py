@@ -279,6 +279,13 @@ class OpenAICompletionsClient:
             self._http = None
 
 
+async def target_metrics(client: Any) -> str | None:
+    """The Prometheus text of the server a benchmark client talks to (its ``metrics_text()``), or None
+    for a client without one (in process) or a server without ``/metrics``."""
+    metrics_text = getattr(client, "metrics_text", None)
+    return await metrics_text() if metrics_text is not None else None
+
+
 async def _lines(content) -> Any:
     """The decoded lines of a streamed body (aiohttp's StreamReader), whatever their length: its own
     line iterator stops at 64 KiB, less than one SSE event of a long reply's token ids can take."""

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from kimitui.bench.clients import RequestFuncOutput
+from kimitui.bench.clients import RequestFuncOutput, target_metrics
 from kimitui.bench.workload import SampleRequest, allowed_token_ids, length_bounds
 
 _TOOLS = [
@@ -113,8 +113,7 @@ async def read_prefix_counters(client: Any) -> tuple[int, int] | None:
     if engine is not None:
         s = engine.stats()
         return int(s.prefix_cache_queries), int(s.prefix_cache_hits)
-    metrics_text = getattr(client, "metrics_text", None)
-    text = await metrics_text() if metrics_text is not None else None
+    text = await target_metrics(client)
     try:
         return parse_prefix_counters(text) if text is not None else None
     except Exception:  # noqa: BLE001 - unreadable /metrics: no engine-side rate, never a failure

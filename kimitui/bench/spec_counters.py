@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kimitui.bench.clients import target_metrics
+
 if TYPE_CHECKING:  # importing the engine package loads torch: only where the counters are built
     from kimitui.engine.spec_decode.stats import SpecDecodeStats
 
@@ -22,8 +24,7 @@ async def read_spec_counters(client: Any) -> SpecDecodeStats | None:
         stats = getattr(engine, "stats", None)
         spec = getattr(stats(), "spec_decode", None) if callable(stats) else None
         return spec.copy() if spec is not None else None
-    metrics_text = getattr(client, "metrics_text", None)
-    text = await metrics_text() if metrics_text is not None else None
+    text = await target_metrics(client)
     try:
         return parse_spec_counters(text) if text is not None else None
     except Exception:  # noqa: BLE001 - unreadable /metrics: no keys, never a failed benchmark
