@@ -244,26 +244,7 @@ def kda_block(x, slots, conv_state, rec_state, weights) -> torch.Tensor:
     """A KDA layer's decode step for normed rows x [N, D], one token of each of N sequences in state
     slots [N] (int64, real and distinct), updating their conv and recurrent states; ``weights``: a
     ``kernels.cpu.k3_blocks.KdaBlockWeights``. Needs ``use_kda_decode`` first. -> [N, D], no residual."""
-    w = weights
-    return _module().kda_block(
-        x,
-        slots,
-        w.in_proj,
-        w.heads,
-        w.head_dim,
-        w.f_b,
-        w.g_b,
-        w.conv_weight,
-        w.A_log,
-        w.dt_bias,
-        w.lower_bound,
-        w.norm_weight,
-        w.eps,
-        conv_state,
-        rec_state,
-        w.scale,
-        w.o_proj,
-    )
+    return _module().kda_block(x, slots, conv_state, rec_state, *weights.kernel_args)
 
 
 def use_kda_decode(capsule) -> None:

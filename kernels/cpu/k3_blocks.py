@@ -60,7 +60,8 @@ class MlaBlock:
 
 @dataclass(frozen=True, eq=False)
 class KdaBlock:
-    """A ``KimiDeltaAttention``'s decode step in one call: its fixed arguments, and the check and call."""
+    """A ``KimiDeltaAttention``'s decode step in one call: its fixed arguments (in the C++ function's
+    order), and the check and call."""
 
     in_proj: torch.Tensor  # q | k | v | f_a | b | g_proj (or g_a_proj) rows [3P + hd + H + G, D]
     heads: int
@@ -79,6 +80,11 @@ class KdaBlock:
     @functools.cached_property
     def dtype(self) -> torch.dtype:
         return self.in_proj.dtype
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple:
+        """The fields in order, as the C++ ``kda_block`` takes them after the step's rows and states."""
+        return tuple(getattr(self, f) for f in self.__dataclass_fields__)
 
     def takes(self, x: torch.Tensor, meta, state) -> bool:
         """A plain decode step (no prefill chunk, no speculative verification), at most

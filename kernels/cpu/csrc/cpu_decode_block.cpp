@@ -103,10 +103,10 @@ torch::Tensor attention_block(torch::Tensor x_in, torch::Tensor positions, torch
 // output gate's input (G = P: K3's full-rank g_proj; G = hd: Kimi Linear's g_a_proj, then g_b [P, hd]),
 // f_b [P, hd] f_b_proj; the step between the projections is the K3 extension's kda_decode (linked by
 // use_kda_decode), then o_proj [D, P]. Float32 inside, the output (no residual) rounded to x's dtype.
-torch::Tensor kda_block(torch::Tensor x_in, torch::Tensor slots, torch::Tensor in_proj, int64_t heads, int64_t head_dim,
-                        torch::Tensor f_b, torch::Tensor g_b, torch::Tensor conv_weight, torch::Tensor A_log,
-                        torch::Tensor dt_bias, double lower_bound, torch::Tensor norm_weight, double eps,
-                        torch::Tensor conv_state, torch::Tensor rec_state, double scale, torch::Tensor o_proj) {
+torch::Tensor kda_block(torch::Tensor x_in, torch::Tensor slots, torch::Tensor conv_state, torch::Tensor rec_state,
+                        torch::Tensor in_proj, int64_t heads, int64_t head_dim, torch::Tensor f_b, torch::Tensor g_b,
+                        torch::Tensor conv_weight, torch::Tensor A_log, torch::Tensor dt_bias, double lower_bound,
+                        torch::Tensor norm_weight, double eps, double scale, torch::Tensor o_proj) {
   TORCH_CHECK(g_kda_decode != nullptr, "kda_block: the K3 decode extension has not been linked in (use_kda_decode)");
   const auto x = as_f32(x_in, "x", 2);
   const int64_t P = heads * head_dim, gate_width = g_b.numel() ? head_dim : P;

@@ -76,10 +76,10 @@ torch::Tensor attention_block(torch::Tensor x, torch::Tensor positions, torch::T
                               torch::Tensor kv_norm, double kv_eps, torch::Tensor cos, torch::Tensor sin,
                               torch::Tensor w_uk, torch::Tensor w_uv, double scale, torch::Tensor o_proj,
                               torch::Tensor gate, bool residual);
-torch::Tensor kda_block(torch::Tensor x, torch::Tensor slots, torch::Tensor in_proj, int64_t heads, int64_t head_dim,
-                        torch::Tensor f_b, torch::Tensor g_b, torch::Tensor conv_weight, torch::Tensor A_log,
-                        torch::Tensor dt_bias, double lower_bound, torch::Tensor norm_weight, double eps,
-                        torch::Tensor conv_state, torch::Tensor rec_state, double scale, torch::Tensor o_proj);
+torch::Tensor kda_block(torch::Tensor x, torch::Tensor slots, torch::Tensor conv_state, torch::Tensor rec_state,
+                        torch::Tensor in_proj, int64_t heads, int64_t head_dim, torch::Tensor f_b, torch::Tensor g_b,
+                        torch::Tensor conv_weight, torch::Tensor A_log, torch::Tensor dt_bias, double lower_bound,
+                        torch::Tensor norm_weight, double eps, double scale, torch::Tensor o_proj);
 torch::Tensor ffn_block(torch::Tensor x, torch::Tensor counts, torch::Tensor norm, double eps, torch::Tensor gate_up,
                         torch::Tensor down, torch::Tensor router_w, torch::Tensor bias, int64_t top_k,
                         int64_t n_group, int64_t topk_group, bool sigmoid, bool norm_topk, double scaling,

@@ -75,17 +75,19 @@ inline void round_to(float* x, int64_t n, bool bf16) {
   for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(static_cast<c10::BFloat16>(x[i]));
 }
 
-inline void store(const torch::Tensor& out, int64_t r, const float* x, int64_t n) {
+// x [n] into out (float32 or bf16) from element `offset` on
+inline void store_at(const torch::Tensor& out, int64_t offset, const float* x, int64_t n) {
   if (out.scalar_type() == torch::kBFloat16) {
-    auto* d = out.data_ptr<c10::BFloat16>() + r * out.stride(0);
+    auto* d = out.data_ptr<c10::BFloat16>() + offset;
     for (int64_t i = 0; i < n; ++i) d[i] = static_cast<c10::BFloat16>(x[i]);
   } else {
-    auto* d = out.data_ptr<float>() + r * out.stride(0);
-    for (int64_t i = 0; i < n; ++i) d[i] = x[i];
+    std::copy(x, x + n, out.data_ptr<float>() + offset);
   }
 }
 
-inline float sigmoid(float x) { return sigmoid_f32(x); }
+inline void store(const torch::Tensor& out, int64_t r, const float* x, int64_t n) {
+  store_at(out, r * out.stride(0), x, n);
+}
 
 // One head's delta-rule step on S [K, V] (in place): S <- diag(exp(g)) S; u = k^T S, o = q^T S;
 // delta = beta (v - u); o += (q . k) delta; S += k delta^T. q already scaled, q and k l2-normed.
@@ -217,19 +219,14 @@ torch::Tensor kda_decode(torch::Tensor qkv, torch::Tensor f_b, torch::Tensor b, 
         q[j] = q[j] * qn * sc;
         k[j] = k[j] * kn;
         const float a = fb[j] + dt[h * K + j];
-        const float g = safe_gate ? lb * sigmoid(rate[h] * a) : -rate[h] * (a > 20.0f ? a : std::log1p(std::exp(a)));
+        const float g = safe_gate ? lb * sigmoid_f32(rate[h] * a) : -rate[h] * (a > 20.0f ? a : std::log1p(std::exp(a)));
         dec[j] = exp_f32(g);
       }
-      delta_step(rec + (s * H + h) * K * V, q, k, v, dec.data(), sigmoid(b1), K, V, o.data(), u.data());
+      delta_step(rec + (s * H + h) * K * V, q, k, v, dec.data(), sigmoid_f32(b1), K, V, o.data(), u.data());
       round_to(o.data(), V, act_bf16);  // the recurrence's output in v's dtype
       const float r = 1.0f / std::sqrt(sum_squares(o.data(), V) / static_cast<float>(V) + e);
-      for (int64_t j = 0; j < V; ++j) o[j] = o[j] * r * nw[j] * sigmoid(gt[j]);
-      if (act_bf16) {
-        auto* d = out.data_ptr<c10::BFloat16>() + n * P + h * V;
-        for (int64_t j = 0; j < V; ++j) d[j] = static_cast<c10::BFloat16>(o[j]);
-      } else {
-        std::copy(o.begin(), o.end(), out.data_ptr<float>() + n * P + h * V);
-      }
+      for (int64_t j = 0; j < V; ++j) o[j] = o[j] * r * nw[j] * sigmoid_f32(gt[j]);
+      store_at(out, n * P + h * V, o.data(), V);
     }
   });
   return out;
@@ -240,7 +237,7 @@ torch::Tensor kda_decode(torch::Tensor qkv, torch::Tensor f_b, torch::Tensor b, 
 // dtype), g [T, H, K] and beta [T, H] float32 (log-decays and write strengths), initial_state
 // [N, H, K, V] float32, cu_seqlens [N + 1] int64. q and k are l2-normed (eps 1e-6 inside the sqrt), q
 // scaled. -> (o [T, H, V] in v's dtype, final_state [N, H, K, V] float32). Each (sequence, head) is one
-// work item on ATen's threads: its state [K, V] stays in cache for the whole sequence, where the
+// work item on the kernels' thread team: its state [K, V] stays in cache for the whole sequence, where the
 // chunked form moves [C, C] and [C, K] blocks through many small products (3x slower on a 2-core
 // CPU at 64 and 256 tokens of 8 heads x 128).
 std::vector<torch::Tensor> kda_sequential(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
@@ -270,7 +267,6 @@ std::vector<torch::Tensor> kda_sequential(torch::Tensor q, torch::Tensor k, torc
   const auto gc = g.contiguous(), bc = beta.contiguous();
   auto state = initial_state.to(torch::kFloat32).contiguous().clone();
   auto out = torch::empty({T, H, V}, v.options().memory_format(torch::MemoryFormat::Contiguous));
-  const bool bf16 = v.scalar_type() == torch::kBFloat16;
   const float sc = static_cast<float>(scale);
   const float* gp = gc.data_ptr<float>();
   const float* bp = bc.data_ptr<float>();
@@ -293,12 +289,7 @@ std::vector<torch::Tensor> kda_sequential(torch::Tensor q, torch::Tensor k, torc
           dec[j] = exp_f32(gt[j]);
         }
         delta_step(S, qt.data(), kt.data(), vt.data(), dec.data(), bp[t * H + h], K, V, o.data(), u.data());
-        if (bf16) {
-          auto* d = out.data_ptr<c10::BFloat16>() + (t * H + h) * V;
-          for (int64_t j = 0; j < V; ++j) d[j] = static_cast<c10::BFloat16>(o[j]);
-        } else {
-          std::copy(o.begin(), o.end(), out.data_ptr<float>() + (t * H + h) * V);
-        }
+        store_at(out, (t * H + h) * V, o.data(), V);
       }
     }
   });
