@@ -14,6 +14,7 @@ from kimitui.engine import AsyncLLM
 from kimitui.server.errors import APIError, bad_request
 from kimitui.server.limits import check_prompt_chars
 from kimitui.server.metrics import ServerMetrics
+from kimitui.server.streaming import EndSignal
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 DEFAULT_REQUEST_READ_TIMEOUT_S = 60.0  # as nginx's client_header_timeout and client_body_timeout
@@ -39,7 +40,7 @@ class ServerState:
     # Shutdown: ``closing`` once it starts (new requests get 503); ``ended`` is set when the
     # grace period is over, and every running request then ends as its client can read it.
     closing: bool = field(default=False, init=False)
-    ended: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    ended: EndSignal = field(default_factory=EndSignal, init=False)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.served_model_name)
