@@ -13,11 +13,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from kimitui.bench.workload import SampleRequest
 from kimitui.client.http import request_headers, server_root
+from kimitui.client.http_pool import HTTPPool, plain_http_target
 
 # vLLM's AIOHTTP_TIMEOUT: long prompts on slow hardware may legitimately take hours.
 _REQUEST_TIMEOUT_S = 6 * 60 * 60
@@ -146,7 +150,13 @@ class OpenAICompletionsClient:
         api_key: str | None = None,
         temperature: float | None = None,
         ignore_eos: bool = True,
+        http_client: str = "auto",
     ):
+        """``http_client``: "auto" (kimitui's kept-alive pool, ``kimitui/client/http_pool.py``, for a
+        plain ``http://`` server without a proxy; aiohttp otherwise) or "aiohttp" (always, as `vllm bench
+        serve`)."""
+        if http_client not in ("auto", "aiohttp"):
+            raise ValueError(f"http_client must be 'auto' or 'aiohttp', got {http_client!r}")
         self.base_url = server_root(base_url)
         self.model = model
         self.api_key = api_key
@@ -154,12 +164,16 @@ class OpenAICompletionsClient:
         self.ignore_eos = ignore_eos
         self.return_token_ids = False  # multi-turn: ask for the reply's ids (vLLM's return_token_ids)
         self._http = None  # an aiohttp session, made on the first request (inside the running loop)
+        # The client's own time is in every TTFT it measures: aiohttp's is about 1.2 ms of a streamed
+        # request here, the pool's about 0.1 ms (benchmarks/server/http_keepalive.py times both).
+        self._pool = HTTPPool(self.base_url) if http_client == "auto" and plain_http_target(self.base_url) else None
+        self._prefix = urlsplit(self.base_url).path
+        self.http_client = "kimitui" if self._pool is not None else "aiohttp"
 
     def _session(self):
-        # aiohttp, as `vllm bench serve`: its C parser (llhttp) costs a streamed request about 0.3 ms
-        # less client time than httpx's Python one here (benchmarks/server/http_keepalive.py), which
-        # a TTFT measured from the client includes. No pool limit: the benchmark's semaphore is the
-        # only concurrency cap. aiohttp sets TCP_NODELAY on each connection it makes.
+        # aiohttp, as `vllm bench serve`, for https:// and proxied targets. No pool limit: the
+        # benchmark's semaphore is the only concurrency cap. aiohttp sets TCP_NODELAY on each
+        # connection it makes.
         if self._http is None:
             import aiohttp
 
@@ -169,6 +183,20 @@ class OpenAICompletionsClient:
                 trust_env=True,
             )
         return self._http
+
+    @asynccontextmanager
+    async def _exchange(self, method: str, path: str, headers: dict[str, str], body: bytes | None = None):
+        """``(status, reason, body pieces)`` of one request to ``base_url + path``, through the pool
+        or aiohttp; leaving the block before the body's end closes the connection."""
+        if self._pool is not None:
+            resp = await self._pool.request(method, self._prefix + path, headers, body or b"", _REQUEST_TIMEOUT_S)
+            try:
+                yield resp.status, resp.reason, resp.chunks()
+            finally:
+                resp.close()
+            return
+        async with self._session().request(method, self.base_url + path, data=body, headers=headers) as resp:
+            yield resp.status, resp.reason, resp.content.iter_any()
 
     def payload(self, request: SampleRequest) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -190,7 +218,6 @@ class OpenAICompletionsClient:
         return body
 
     async def __call__(self, request: SampleRequest, request_id: str) -> RequestFuncOutput:
-        url = f"{self.base_url}/v1/completions"
         prompt_len = request.prompt_len
         text, itl, chunks, usage_tokens = "", [], 0, None
         ids: list[int] = []
@@ -199,12 +226,11 @@ class OpenAICompletionsClient:
         st = time.perf_counter()
         last = st
         try:
-            http = self._session()
-            async with http.post(
-                url, json=self.payload(request), headers=request_headers(self.api_key, request_id)
-            ) as resp:
-                if resp.status != 200:
-                    body = (await resp.read()).decode("utf-8", "replace")[:500]
+            payload = json.dumps(self.payload(request)).encode()
+            headers = request_headers(self.api_key, request_id)
+            async with self._exchange("POST", "/v1/completions", headers, payload) as (status, reason, body):
+                if status != 200:
+                    error = b"".join([piece async for piece in body]).decode("utf-8", "replace")[:500]
                     return RequestFuncOutput(
                         False,
                         "",
@@ -214,16 +240,19 @@ class OpenAICompletionsClient:
                         [],
                         0.0,
                         st,
-                        f"HTTP {resp.status} {resp.reason}: {body}",
+                        f"HTTP {status} {reason}: {error}",
                     )
-                async for line in _lines(resp.content):
+                done = False
+                async for line in _lines(body):
                     line = line.strip()
-                    # Blank lines separate SSE events; ':' lines are keep-alive comments.
-                    if not line or line.startswith(":") or not line.startswith("data:"):
+                    # Blank lines separate SSE events; ':' lines are keep-alive comments. After [DONE]
+                    # the body is read to its end (the next bytes), so the connection can be reused.
+                    if done or not line or line.startswith(":") or not line.startswith("data:"):
                         continue
                     data = line[len("data:") :].strip()
                     if data == "[DONE]":
-                        break
+                        done = True
+                        continue
                     msg = json.loads(data)
                     if choices := msg.get("choices"):
                         now = time.perf_counter()
@@ -268,12 +297,15 @@ class OpenAICompletionsClient:
     async def metrics_text(self) -> str | None:
         """The target's Prometheus exposition (``GET /metrics``), or None where it has none."""
         try:
-            async with self._session().get(self.base_url + "/metrics", headers=request_headers(self.api_key)) as resp:
-                return await resp.text() if resp.status == 200 else None
+            async with self._exchange("GET", "/metrics", request_headers(self.api_key)) as (status, _, body):
+                text = b"".join([piece async for piece in body]).decode("utf-8", "replace")
+                return text if status == 200 else None
         except Exception:  # noqa: BLE001 - a server without /metrics is not a failed benchmark
             return None
 
     async def aclose(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
         if self._http is not None:
             await self._http.close()
             self._http = None
@@ -286,11 +318,11 @@ async def target_metrics(client: Any) -> str | None:
     return await metrics_text() if metrics_text is not None else None
 
 
-async def _lines(content) -> Any:
-    """The decoded lines of a streamed body (aiohttp's StreamReader), whatever their length: its own
-    line iterator stops at 64 KiB, less than one SSE event of a long reply's token ids can take."""
+async def _lines(pieces: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The decoded lines of a streamed body, whatever their length (aiohttp's own line iterator stops
+    at 64 KiB, less than one SSE event of a long reply's token ids can take)."""
     pending = b""
-    async for data in content.iter_any():
+    async for data in pieces:
         pending += data
         *lines, pending = pending.split(b"\n")
         for line in lines:
