@@ -5,8 +5,11 @@
 2. streaming TTFT over HTTP within 2 ms of the same request made in process
    (`AsyncLLM.generate`), medians of alternating rounds (in process, httpx client in this
    process, httpx client in a process of its own, raw socket client, `kimitui bench`'s client in a
-   process of its own, in turn, so a change in the machine's speed hits all of them). A client in the server's process shares its GIL with the
-   server's and the engine's threads; a real client does not, which the separate process shows.
+   process of its own, with its connection pool and with aiohttp (`vllm bench serve`'s library), in
+   turn, so a change in the machine's speed hits all of them). A client in the server's process
+   shares its GIL with the server's and the engine's threads; a real client does not, which the
+   separate process shows. Each client's own time is in its figure: the raw socket client has next
+   to none, so its difference is the server's.
 
 The last lines print both figures and whether each holds. `--stages` also splits the HTTP TTFT
 into where the time goes on the server (ASGI entry, the handler, the engine's first output, the
@@ -119,12 +122,13 @@ class _TimedStream:
 
 
 class _ClientProcess:
-    """An httpx client (or, ``bench``, kimitui bench's own HTTP client) in a process of its own, one
-    request per ``ttft()`` call."""
+    """An httpx client (or, ``bench`` set, kimitui bench's client with that HTTP client: "auto" or
+    "aiohttp") in a process of its own, one request per ``ttft()`` call."""
 
-    def __init__(self, url: str, body: dict, bench: bool = False):
+    def __init__(self, url: str, body: dict, bench: str | None = None):
+        kind = ["--client-of"] if bench is None else ["--bench-client-of", bench]
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--bench-client-of" if bench else "--client-of", url, json.dumps(body)],
+            [sys.executable, __file__, *kind, url, json.dumps(body)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -164,7 +168,11 @@ class _RawClient:
             f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
             f"X-Stages: 1\r\nContent-Length: {len(data)}\r\n\r\n"
         ).encode() + data
-        self.sock = socket.create_connection((host, int(port)))
+        self.address = (host, int(port))
+        self._connect()
+
+    def _connect(self) -> None:
+        self.sock = socket.create_connection(self.address)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def ttft(self) -> float:
@@ -172,7 +180,14 @@ class _RawClient:
         self.sock.sendall(self.request)
         seen, ttft = b"", None
         while not seen.endswith(b"0\r\n\r\n"):  # the chunked body's last chunk
-            seen += self.sock.recv(65536)
+            data = self.sock.recv(65536)
+            if not data:  # the server closed the idle connection (uvicorn: after 5 s): again on a new one
+                if seen:
+                    raise ConnectionError("the server closed the connection during a reply")
+                self.sock.close()
+                self._connect()
+                return self.ttft()
+            seen += data
             if ttft is None and b"data: {" in seen:
                 ttft = time.perf_counter() - t0
         return ttft
@@ -190,7 +205,7 @@ async def _local_ttft(llm: AsyncLLM, prompt: list[int], params: SamplingParams, 
     return ttft
 
 
-def _bench_client_loop(url: str, body: dict) -> int:
+def _bench_client_loop(http_client: str, url: str, body: dict) -> int:
     """As ``_client_loop`` with ``kimitui bench``'s client (kimitui.bench.clients): its TTFT, the first
     message carrying ``choices``, as `vllm bench serve` times it."""
     from kimitui.bench import OpenAICompletionsClient
@@ -199,7 +214,7 @@ def _bench_client_loop(url: str, body: dict) -> int:
     request = SampleRequest(None, body["prompt"], len(body["prompt"]), body["max_tokens"])
 
     async def serve() -> None:
-        client = OpenAICompletionsClient(url, "demo", temperature=body["temperature"])
+        client = OpenAICompletionsClient(url, "demo", temperature=body["temperature"], http_client=http_client)
         loop = asyncio.get_running_loop()
         try:
             for i in range(10**9):
@@ -228,7 +243,7 @@ def main() -> int:
     if sys.argv[1:2] == ["--client-of"]:
         return _client_loop(sys.argv[2], json.loads(sys.argv[3]))
     if sys.argv[1:2] == ["--bench-client-of"]:
-        return _bench_client_loop(sys.argv[2], json.loads(sys.argv[3]))
+        return _bench_client_loop(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--as-before", action="store_true", help="the listening socket as before the fix")
     p.add_argument("--runs", type=int, default=3)
@@ -265,13 +280,15 @@ def main() -> int:
         loop = asyncio.new_event_loop()  # the in-process caller's loop, as an application keeps one
         raw = _RawClient(srv.url, body)
         other = _ClientProcess(srv.url, body)
-        bench = _ClientProcess(srv.url, body, bench=True)
-        other_ttft, bench_ttft = [], []
+        bench = _ClientProcess(srv.url, body, bench="auto")
+        aio = _ClientProcess(srv.url, body, bench="aiohttp")
+        other_ttft, bench_ttft, aio_ttft = [], [], []
         with httpx.Client(timeout=60) as http:
             http_ttft.append(_http_ttft(http, srv.url, body))  # the connects, not counted
             raw_ttft.append(raw.ttft())
             other_ttft.append(other.ttft())
             bench_ttft.append(bench.ttft())
+            aio_ttft.append(aio.ttft())
             sent = []
             for i in range(args.pairs):  # alternating, so a change in the machine's speed hits all three
                 local_ttft.append(loop.run_until_complete(_local_ttft(llm, [5, 6, 7, 8], params, f"local-{i}")))
@@ -280,9 +297,11 @@ def main() -> int:
                 raw_ttft.append(raw.ttft())
                 sent.append(raw.sent)
                 bench_ttft.append(bench.ttft())
+                aio_ttft.append(aio.ttft())
         raw.close()
         other.close()
         bench.close()
+        aio.close()
         loop.close()
         here = statistics.median(local_ttft)
         print(f"streaming TTFT, medians of {args.pairs} alternating rounds: in process {here * 1e3:.2f} ms")
@@ -292,6 +311,7 @@ def main() -> int:
             ("httpx client in its own process", other_ttft[1:]),
             ("raw socket client", raw_ttft[1:]),
             ("kimitui bench's client in its own process", bench_ttft[1:]),
+            ("kimitui bench's client with aiohttp in its own process", aio_ttft[1:]),
         ):
             there = statistics.median(ts)
             diffs[name] = (there, there - here)
@@ -328,7 +348,7 @@ def _print_stages(rows: list[dict], sent: list[float], ttfts: list[float], local
         ("client send -> app entry (socket, uvicorn's HTTP parse)", "sent", "entry"),
         ("app entry -> engine request added (middleware, auth, body, validation)", "entry", "generate"),
         ("generate() -> first output (the engine, as in process)", "generate", "first_output"),
-        ("first output -> first SSE event sent (SSE framing, Starlette)", "first_output", "first_event"),
+        ("first output -> first SSE event sent (SSE framing)", "first_output", "first_event"),
         ("first SSE event sent -> client has it (uvicorn write, socket)", "first_event", "received"),
     ]
     print(

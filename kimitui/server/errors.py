@@ -62,19 +62,23 @@ def error_response(err: APIError) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     """Every failure, including unknown routes and bugs, leaves as JSON in OpenAI's shape."""
 
-    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        return exception_response(request, exc)
+
+    app.add_exception_handler(APIError, on_error)
+    app.add_exception_handler(StarletteHTTPException, on_error)
+    app.add_exception_handler(Exception, on_error)
+
+
+def exception_response(request: Request, exc: Exception) -> JSONResponse:
+    """The JSON error answered for ``exc`` raised by a handler: an ``APIError`` as it says, an HTTP
+    exception with its status, anything else a logged 500."""
+    if isinstance(exc, APIError):
         return error_response(exc)
-
-    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if isinstance(exc, StarletteHTTPException):
         return error_response(APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)))
-
-    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return error_response(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
-
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(Exception, on_unexpected)
+    log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
 
 
 def engine_error(e: Exception) -> APIError:
