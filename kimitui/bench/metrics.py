@@ -163,10 +163,12 @@ def result_json(
     pricing_tiers: Sequence[PricingTier] = DEFAULT_TIERS,
     usd_per_kwh: float | None = None,
     telemetry_backends: Sequence[dict[str, Any]] = (),
+    http_client: str | None = None,
 ) -> dict[str, Any]:
     """The `--save-result` dict: vLLM's keys in vLLM's order, then kimitui's per-GPU,
     power, energy and cost keys (`energy` is a telemetry EnergyWindow over the benchmark
-    window, or None; missing power gives None, never an estimate)."""
+    window, or None; missing power gives None, never an estimate), and the HTTP client that
+    timed the requests (None in process)."""
     result: dict[str, Any] = {
         "date": date or datetime.now().strftime("%Y%m%d-%H%M%S"),
         "endpoint_type": endpoint_type,
@@ -212,6 +214,7 @@ def result_json(
         )
     )
     result["telemetry_backends"] = list(telemetry_backends)
+    result["http_client"] = http_client
     return result
 
 

@@ -245,6 +245,7 @@ def _result(
         pricing_tiers=config.pricing_tiers,
         usd_per_kwh=config.usd_per_kwh,
         telemetry_backends=_backend_status(sampler),
+        http_client=getattr(client, "http_client", None),
     )
 
 

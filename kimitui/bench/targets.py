@@ -59,7 +59,12 @@ class HttpTarget:
     """A server at `base_url`; `model` is the served model name (None: ask /v1/models)."""
 
     def __init__(
-        self, base_url: str, model: str | None = None, tokenizer_dir: str | None = None, api_key: str | None = None
+        self,
+        base_url: str,
+        model: str | None = None,
+        tokenizer_dir: str | None = None,
+        api_key: str | None = None,
+        http_client: str = "auto",
     ):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"--base-url must start with http:// or https://, got {base_url!r}")
@@ -67,6 +72,7 @@ class HttpTarget:
         self.model = model
         self.tokenizer_dir = tokenizer_dir
         self.api_key = api_key
+        self.http_client = http_client
         self.tokenizer: Any = None
         self.max_model_len: int | None = None
         self.describe = self.base_url
@@ -82,14 +88,16 @@ class HttpTarget:
                 raise ConnectionError(str(e)) from e
         if self.tokenizer is None:
             self.tokenizer = self._default_tokenizer(self.model)
-        self.describe = f"{self.base_url} (model {self.model})"
-        return OpenAICompletionsClient(
+        client = OpenAICompletionsClient(
             self.base_url,
             self.model,
             api_key=self.api_key,
             temperature=config.temperature,
             ignore_eos=config.ignore_eos,
+            http_client=self.http_client,
         )
+        self.describe = f"{self.base_url} (model {self.model}, HTTP client: {client.http_client})"
+        return client
 
     @staticmethod
     def _default_tokenizer(model: str) -> Any:

@@ -273,11 +273,20 @@ def test_bench_over_http_matches_in_process_token_counts(demo_checkpoint, tmp_pa
             capsys,
         )
         assert rc == 0, err
-        assert "Successful requests:                     8" in out
+        assert "Successful requests:                     8" in out and "HTTP client: kimitui" in err
+        aio_dir = tmp_path / "aiohttp"
+        rc, out, err = _bench(
+            [*WORKLOAD, "--base-url", f"http://127.0.0.1:{port}", "--http-client", "aiohttp", "--save-result"]
+            + ["--result-dir", str(aio_dir)],
+            capsys,
+        )
+        assert rc == 0, err
+        assert "HTTP client: aiohttp" in err
         rc, _, err = _bench([*WORKLOAD, "--save-result", "--result-dir", str(local_dir)], capsys)
         assert rc == 0, err
-    http, local = _saved(http_dir), _saved(local_dir)
+    http, aio, local = _saved(http_dir), _saved(aio_dir), _saved(local_dir)
     assert http["backend"] == "openai" and http["model_id"] == "kimitui-demo"
-    assert http["completed"] == local["completed"] == 8
-    assert http["total_input_tokens"] == local["total_input_tokens"]
-    assert http["total_output_tokens"] == local["total_output_tokens"] == 8 * 16
+    assert (http["http_client"], aio["http_client"], local["http_client"]) == ("kimitui", "aiohttp", None)
+    assert http["completed"] == aio["completed"] == local["completed"] == 8
+    assert http["total_input_tokens"] == aio["total_input_tokens"] == local["total_input_tokens"]
+    assert http["total_output_tokens"] == aio["total_output_tokens"] == local["total_output_tokens"] == 8 * 16
