@@ -1,9 +1,8 @@
 """Server-sent events, fan-in of several engine streams, and abort-on-disconnect.
 
 A client that goes away must free its KV blocks. Closing an engine generator aborts its request,
-so everything here makes sure generators are closed promptly: when Starlette cancels a streaming
-response on ``http.disconnect``, and for non-streaming requests by watching for the disconnect
-ourselves (Starlette does not cancel those).
+so everything here makes sure generators are closed promptly: a streamed response and a
+non-streaming request each watch for ``http.disconnect`` and cancel their work when it comes.
 """
 
 from __future__ import annotations
@@ -81,7 +80,7 @@ class _SSEResponse(StreamingResponse):
             if state["start"] is None:
                 state["start"] = loop.create_task(send(start))
 
-        watch = loop.create_task(_disconnected_asgi(receive))
+        watch = loop.create_task(_disconnected(receive))
         watch.add_done_callback(client_gone)
         timer = loop.call_later(HEADERS_WAIT, headers_now)
         try:
@@ -123,13 +122,6 @@ class _SSEResponse(StreamingResponse):
             await aclose()
         for stream in self._owned:  # a no-op for a stream that finished (or that events closed)
             await stream.aclose()
-
-
-async def _disconnected_asgi(receive) -> None:
-    """Returns when the client has gone (or the response has been sent: uvicorn then answers
-    ``http.disconnect`` too)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
@@ -268,7 +260,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> tuple[boo
     Call only after the body has been read: the next ASGI message is then the disconnect.
     """
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
+    watcher = asyncio.ensure_future(_disconnected(request.receive))
     ended = asyncio.ensure_future(request.app.state.server.ended.wait())
     try:
         await asyncio.wait({task, watcher, ended}, return_when=asyncio.FIRST_COMPLETED)
@@ -285,6 +277,8 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> tuple[boo
     return True, task.result()
 
 
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def _disconnected(receive) -> None:
+    """Returns when the client has gone (or the response has been sent: uvicorn then answers
+    ``http.disconnect`` too). Call only after the body has been read."""
+    while (await receive())["type"] != "http.disconnect":
         pass
