@@ -1,4 +1,5 @@
-"""How much of a machine's CPU time other processes took while a benchmark ran.
+"""How much of a machine's CPU time other processes took while a benchmark ran; the CPU a benchmark
+names in its table, and other processes spinning on the cores (``Busy``, a contention run).
 
 The load average cannot say: a side-by-side benchmark's own engines keep it near their thread count,
 so it reads "busy" on a quiet machine. Here the machine's busy CPU time over the run (/proc/stat)
@@ -10,7 +11,11 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import psutil
 
@@ -65,3 +70,28 @@ class OtherLoad:
         own_time += sum(t - self._live.get(pid, 0.0) for pid, t in live.items())
         wall = time.monotonic() - self._wall
         return max(0.0, min(1.0, (busy - self._busy - own_time) / max(wall * (os.cpu_count() or 1), 1e-9)))
+
+
+def cpu_description() -> str:
+    model, flags = "?", set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name") and model == "?":
+            model = line.split(":", 1)[1].strip()
+        elif line.startswith("flags") and not flags:
+            flags = set(line.split(":", 1)[1].split())
+    isa = [
+        f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8") if f in flags
+    ]
+    return f"{model}, {os.cpu_count()} logical CPUs, {' '.join(isa) or 'no avx2'}"
+
+
+class Busy:
+    """``n`` processes spinning on the cores (another job on the machine)."""
+
+    def __init__(self, n: int):
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.send_signal(signal.SIGTERM)
+            p.wait()
