@@ -135,10 +135,10 @@ class HTTPPool:
             self._idle.pop().abort()
 
     def _take_idle(self) -> _Connection | None:
-        now = time.monotonic()
+        now, loop = time.monotonic(), asyncio.get_running_loop()
         while self._idle:
             conn = self._idle.pop()  # the most recently used: the least likely to be timed out
-            if conn.alive() and now - conn.idle_since < _IDLE_REUSE_S:
+            if conn.loop is loop and conn.alive() and now - conn.idle_since < _IDLE_REUSE_S:
                 return conn
             conn.abort()
         return None
@@ -162,6 +162,7 @@ class _Connection(asyncio.Protocol):
     """One TCP connection and the exchange on it (httptools' parser calls the ``on_*`` methods)."""
 
     def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()  # a connection serves the event loop that made it
         self.transport: asyncio.Transport | None = None
         self.idle_since = 0.0
         self._lost = False
@@ -224,8 +225,8 @@ class _Connection(asyncio.Protocol):
     def abort(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        if self.transport is not None:
-            self.transport.abort()
+        if self.transport is not None and not self.loop.is_closed():
+            self.transport.abort()  # (a closed loop's transport closes its socket when collected)
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:

@@ -203,6 +203,39 @@ def test_a_reply_slower_than_the_timeout_raises_timeout_error():
     asyncio.run(main())
 
 
+def test_a_pool_used_from_a_second_event_loop_opens_new_connections():
+    import threading
+
+    replies = []
+    ready = threading.Event()
+    holder = {}
+
+    def serve() -> None:
+        async def main():
+            async with _Server(lambda n, body: _sized(b"ok %d" % n)) as srv:
+                holder["srv"] = srv
+                ready.set()
+                while not holder.get("done"):
+                    await asyncio.sleep(0.01)
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    ready.wait(10)
+    pool = HTTPPool(holder["srv"].url)
+
+    async def one():
+        replies.append(await (await pool.request("GET", "/", {})).read())
+
+    asyncio.run(one())  # its connection stays idle in the pool, bound to a loop that is now closed
+    asyncio.run(one())
+    pool.close()
+    holder["done"] = True
+    thread.join(10)
+    assert replies == [b"ok 1", b"ok 2"] and holder["srv"].connections == 2
+
+
 def test_connection_refused_names_the_server():
     async def main():
         server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
