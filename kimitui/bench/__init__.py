@@ -2,13 +2,12 @@
 plus per-GPU throughput, measured energy and $/M tokens. Never imports textual or the server;
 the engine is imported only when an in-process client builds sampling parameters."""
 
+from kimitui.bench.args import add_bench_arguments, config_from_args
 from kimitui.bench.clients import InProcessClient, OpenAICompletionsClient, RequestFuncOutput, fetch_models
 from kimitui.bench.cost import CostSettings, PricingTier, load_cost_settings
 from kimitui.bench.metrics import BenchmarkMetrics, calculate_metrics, format_result_block, result_json
 from kimitui.bench.runner import (
     BenchmarkConfig,
-    add_bench_arguments,
-    config_from_args,
     run_benchmark,
     run_sweep,
     save_result,

@@ -15,12 +15,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kimitui.bench.args import add_bench_arguments, config_from_args
 from kimitui.bench.cost import format_efficiency_block, usd_per_mtok
 from kimitui.bench.metrics import format_result_block
 from kimitui.bench.runner import (
     BenchmarkConfig,
-    add_bench_arguments,
-    config_from_args,
     run_benchmark,
     run_sweep,
     save_result,

@@ -11,12 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from kimitui.bench.args import add_bench_arguments, config_from_args
 from kimitui.bench.clients import InProcessClient
 from kimitui.bench.metrics import format_result_block
 from kimitui.bench.runner import (
     BenchmarkConfig,
-    add_bench_arguments,
-    config_from_args,
     default_result_filename,
     run_benchmark,
     run_sweep,
