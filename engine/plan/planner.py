@@ -19,6 +19,8 @@ from typing import Any
 from kimitui.engine.config import ModelConfig
 from kimitui.engine.parallel.state import split_sizes
 from kimitui.engine.plan.activation_reserve import ActivationReserve, activation_reserve
+from kimitui.engine.plan.budget import Budget, parse_policy
+from kimitui.engine.plan.expert_spread import deal, device_targets, layer_counts, normalize_stats
 from kimitui.engine.plan.param_count import ModelSize, footprint, moe_layers
 from kimitui.engine.spec_decode.drafter_memory import DrafterFootprint, drafter_memory
 from kimitui.engine.units import GiB
@@ -178,165 +180,7 @@ class Placement:
         }
 
 
-def _normalize_stats(stats: dict | list, config: ModelConfig) -> dict[int, tuple[float, ...]]:
-    layers = moe_layers(config)
-    if isinstance(stats, dict) and "tokens_per_expert" in stats:
-        stats = stats["tokens_per_expert"]
-    if isinstance(stats, dict):
-        items = {int(k): v for k, v in stats.items()}
-    elif isinstance(stats, (list, tuple)):
-        if len(stats) == config.num_hidden_layers:
-            items = {i: v for i, v in enumerate(stats) if v}
-        elif len(stats) == len(layers):
-            items = dict(zip(layers, stats))
-        else:
-            raise ValueError(
-                f"routing statistics have {len(stats)} layers; expected {config.num_hidden_layers} "
-                f"(all layers) or {len(layers)} (MoE layers)"
-            )
-    else:
-        raise ValueError("routing statistics must be a dict of layer -> counts or a nested list")
-    out = {}
-    for layer, counts in items.items():
-        if layer not in layers:
-            if counts:
-                raise ValueError(f"routing statistics given for layer {layer}, which is not a MoE layer")
-            continue
-        if len(counts) != config.n_routed_experts or any(not isinstance(x, (int, float)) or x < 0 for x in counts):
-            raise ValueError(
-                f"routing statistics for layer {layer} must be {config.n_routed_experts} non-negative counts"
-            )
-        out[layer] = tuple(float(x) for x in counts)
-    return out
-
-
 # -- planning ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Budget:
-    """The numbers that decide feasibility, shared by the plan and the context-length search."""
-
-    capacity: int
-    non_expert: tuple[int, ...]
-    reserve: int
-    kv_per_token: int
-    max_num_seqs: int
-    block_size: int
-    expert_bytes: int
-    num_moe_layers: int
-    n_experts: int
-    policy: str | int
-    host_capacity: int | None
-    state_per_seq: tuple[int, ...] = ()  # per device: KDA state bytes of one sequence on that rank
-    states_per_seq: int = 1  # 1 + num_speculative_tokens with speculative decoding (scratch states)
-    drafter_kv_per_token: int = 0  # an EAGLE-3 / DSpark drafter's KV, on the first GPU only
-
-    def state(self, d: int) -> int:
-        return self.max_num_seqs * self.state_per_seq[d] * self.states_per_seq if self.state_per_seq else 0
-
-    def fixed(self, kv: int) -> list[int]:
-        """Per device: everything but the routed experts."""
-        drafter_kv = kv * self.drafter_kv_per_token // self.kv_per_token if self.kv_per_token else 0
-        return [
-            ne + kv + self.state(d) + self.reserve + (drafter_kv if d == 0 else 0)
-            for d, ne in enumerate(self.non_expert)
-        ]
-
-    def kv_bytes(self, model_len: int) -> int:
-        # Each sequence holds whole blocks. With tensor-parallel MLA the latent is not split by head,
-        # so every rank caches all tokens: KV is replicated, not divided, across GPUs.
-        return self.max_num_seqs * math.ceil(model_len / self.block_size) * self.block_size * self.kv_per_token
-
-    def slots(self, kv: int) -> list[int]:
-        free = [self.capacity - f for f in self.fixed(kv)]
-        return [max(0, f // self.expert_bytes) if self.expert_bytes else 0 for f in free]
-
-    def gpu_experts_needed(self) -> int:
-        total = self.num_moe_layers * self.n_experts
-        if self.policy == "none":
-            return total
-        if self.policy == "auto":
-            if self.host_capacity is None:
-                return 0
-            return total - min(total, self.host_capacity // max(1, self.expert_bytes))
-        return self.num_moe_layers * (self.n_experts - self.policy)
-
-    def fits(self, kv: int) -> bool:
-        if any(f > self.capacity for f in self.fixed(kv)):
-            return False
-        if isinstance(self.policy, int) and self.host_capacity is not None:
-            if self.policy * self.num_moe_layers * self.expert_bytes > self.host_capacity:
-                return False
-        return sum(self.slots(kv)) >= self.gpu_experts_needed()
-
-    def max_len_by_memory(self) -> int:
-        per_block = self.max_num_seqs * self.block_size * self.kv_per_token
-        if not self.fits(0):
-            return 0
-        lo = 0  # blocks per sequence known to fit
-        hi = (self.capacity - min(self.non_expert) - self.reserve) // per_block + 1  # known not to fit
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.fits(self.kv_bytes(mid * self.block_size)) else (lo, mid)
-        return lo * self.block_size
-
-
-def _parse_policy(cpu_offload: str | int, n_experts: int) -> str | int:
-    if cpu_offload in ("auto", "none"):
-        return cpu_offload
-    try:
-        n = int(cpu_offload)
-    except (TypeError, ValueError):
-        raise ValueError(f"cpu_offload must be 'auto', 'none' or an integer, got {cpu_offload!r}") from None
-    if not 0 <= n <= n_experts:
-        raise ValueError(f"cpu_offload={n}: must be between 0 and n_routed_experts ({n_experts})")
-    return n
-
-
-def _layer_counts(g_total: int, layers: list[int], n: int, stats: dict[int, tuple[float, ...]]) -> list[int]:
-    # Same number of GPU experts in every layer, +1 for the layers whose next expert is hottest.
-    base, extra = divmod(g_total, len(layers))
-    if base >= n:
-        return [n] * len(layers)
-
-    def marginal(li: int) -> float:
-        counts = stats.get(layers[li])
-        if not counts:
-            return 0.0
-        return sorted(counts, reverse=True)[base] / (sum(counts) or 1.0)
-
-    bonus = set(sorted(range(len(layers)), key=lambda li: (-marginal(li), li))[:extra])
-    return [base + (li in bonus) for li in range(len(layers))]
-
-
-def _device_targets(g_total: int, slots: list[int]) -> list[int]:
-    n, cap = len(slots), sum(slots)
-    by_room = sorted(range(n), key=lambda d: (-slots[d], d))
-    even = [0] * n
-    for d, share in zip(by_room, split_sizes(g_total, n)):
-        even[d] = share
-    if all(e <= s for e, s in zip(even, slots)):
-        return even
-    if g_total > cap:  # does not fit: fill every GPU, spread the excess so the overflow shows
-        return [s + x for s, x in zip(slots, split_sizes(g_total - cap, n))]
-    exact = [g_total * s / cap for s in slots]
-    out = [int(x) for x in exact]
-    for d in sorted(range(n), key=lambda d: (out[d] - exact[d], d))[: g_total - sum(out)]:
-        out[d] += 1
-    return out
-
-
-def _deal(targets: list[int]):
-    # Smooth weighted round robin: device d comes up targets[d] times in sum(targets) picks, evenly
-    # interleaved, so every layer's GPU experts spread over all GPUs in proportion.
-    total, current = sum(targets), [0] * len(targets)
-    for _ in range(total):
-        for d, t in enumerate(targets):
-            current[d] += t
-        best = max(range(len(targets)), key=lambda d: current[d])
-        current[best] -= total
-        yield best
 
 
 def plan_placement(
@@ -393,8 +237,8 @@ def plan_placement(
         )
         reserve_bytes_per_device = activation.total
     n_exp = config.n_routed_experts
-    policy = _parse_policy(cpu_offload, n_exp)
-    stats = _normalize_stats(routing_stats, config) if routing_stats is not None else {}
+    policy = parse_policy(cpu_offload, n_exp)
+    stats = normalize_stats(routing_stats, config) if routing_stats is not None else {}
     layers = moe_layers(config)
     # the engine's own model for this many ranks, built on the meta device: a split the engine
     # cannot make raises here, naming the tensor
@@ -404,7 +248,7 @@ def plan_placement(
     non_expert = [
         b + (drafter.weight_bytes if drafter and d == 0 else 0) for d, b in enumerate(fp.non_expert_per_device)
     ]
-    budget = _Budget(
+    budget = Budget(
         int(memory_per_device_bytes),
         tuple(non_expert),
         int(reserve_bytes_per_device),
@@ -426,10 +270,10 @@ def plan_placement(
     total = len(layers) * n_exp
     if policy == "auto":
         g_total = max(min(total, sum(slots)), budget.gpu_experts_needed())
-        counts = _layer_counts(g_total, layers, n_exp, stats) if layers else []
+        counts = layer_counts(g_total, layers, n_exp, stats) if layers else []
     else:
         counts = [n_exp - (0 if policy == "none" else policy)] * len(layers)
-    dealer = _deal(_device_targets(sum(counts), slots))
+    dealer = deal(device_targets(sum(counts), slots))
 
     rows: list[tuple[int, ...]] = [()] * config.num_hidden_layers
     per_device = [0] * num_devices
@@ -519,13 +363,13 @@ def plan_placement(
     return placement
 
 
-def _len_with_placement(devices: tuple[DevicePlan, ...], budget: _Budget) -> int:
+def _len_with_placement(devices: tuple[DevicePlan, ...], budget: Budget) -> int:
     per_block = budget.max_num_seqs * budget.block_size * budget.kv_per_token
     room = min(d.capacity_bytes - d.weight_bytes - d.reserve_bytes - d.state_bytes for d in devices)
     return max(0, room // per_block) * budget.block_size if per_block else 0
 
 
-def _seqs_with_placement(devices: tuple[DevicePlan, ...], budget: _Budget, model_len: int) -> int:
+def _seqs_with_placement(devices: tuple[DevicePlan, ...], budget: Budget, model_len: int) -> int:
     # One sequence costs each GPU its whole MLA latent (replicated) plus that rank's KDA state share.
     one = replace(budget, max_num_seqs=1)
     kv = one.kv_bytes(model_len)
@@ -537,7 +381,7 @@ def _seqs_with_placement(devices: tuple[DevicePlan, ...], budget: _Budget, model
     return min(counts)
 
 
-def _none_message(p: Placement, budget: _Budget, slots: list[int]) -> str:
+def _none_message(p: Placement, budget: Budget, slots: list[int]) -> str:
     short = p.shortfall_bytes
     msg = (
         f"{p.model} does not fit on {p.num_devices} x {budget.capacity / GiB:.1f} GiB without CPU offload: "
