@@ -405,7 +405,7 @@ def measure_parts(path: Path, seed: int = 0) -> list[PartResult]:
 @torch.no_grad()
 def end_to_end(path: Path, prompt_len: int = 96, seed: int = 0) -> dict:
     """max and mean |delta log-prob| (every position, every vocabulary entry) of bf16 / fp16 vs fp32."""
-    from kimitui.engine.layers.moe import Router
+    from kimitui.engine.layers.router import Router
     from tests.helpers.hybrid_driver import HybridDriver
 
     gen = torch.Generator().manual_seed(seed)

@@ -26,8 +26,9 @@ from kimitui.engine.config import ModelConfig
 from kimitui.engine.layers.activation import GatedActivation
 from kimitui.engine.layers.linear import Linear
 from kimitui.engine.layers.mlp import MLP
-from kimitui.engine.layers.moe import RoutedExperts, Router
+from kimitui.engine.layers.moe import RoutedExperts
 from kimitui.engine.layers.norm import RMSNorm
+from kimitui.engine.layers.router import Router
 from kimitui.engine.parallel.state import SINGLE, ParallelState
 
 

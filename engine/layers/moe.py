@@ -17,68 +17,11 @@ from kimitui.engine.config import ModelConfig
 from kimitui.engine.layers.activation import GatedActivation
 from kimitui.engine.layers.linear import linear_format, quantized_params, values_per_element
 from kimitui.engine.layers.mlp import MLP
+from kimitui.engine.layers.router import Router
 from kimitui.engine.loader.source import TensorSource
 from kimitui.engine.offload.cpu_experts import CpuExpertExecutor
 from kimitui.engine.parallel.state import SINGLE, ParallelState, split_sizes
 from kimitui.kernels.backend import REFERENCE, Backend, count_routing
-
-
-class Router(nn.Module):
-    """Group-limited top-k over sigmoid scores; the correction bias steers selection only."""
-
-    ops: Backend = REFERENCE  # the model's backend, set when it is loaded
-    param_class = "router"  # for the planner, see engine.registry
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        c = config
-        self.top_k, self.n_group, self.topk_group = c.num_experts_per_tok, c.n_group, c.topk_group
-        self.norm_topk_prob, self.scaling = c.norm_topk_prob, c.routed_scaling_factor
-        self.scoring_func = c.scoring_func
-        # Kept in fp32 whatever the model dtype: routing decisions are sensitive to rounding.
-        f32 = torch.float32
-        self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size, dtype=f32), requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(c.n_routed_experts, dtype=f32), requires_grad=False)
-        self.e_score_correction_bias.optional = True  # old checkpoints leave the zero bias out
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        counts: torch.Tensor | None = None,
-        weights_dtype: torch.dtype | None = None,
-        count_rows: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``counts``: None, or the [E] routing statistics each chosen expert adds one to (in the
-        router's launch), skipping the rows where ``count_rows`` (None: none) is 0; the weights come
-        in fp32, or rounded to ``weights_dtype``."""
-        if count_rows is None:  # the call every eager step makes (backends without the argument too)
-            return self.ops.moe_route(
-                x,
-                self.weight,
-                self.e_score_correction_bias,
-                self.top_k,
-                self.n_group,
-                self.topk_group,
-                self.scoring_func,
-                self.norm_topk_prob,
-                self.scaling,
-                counts=counts,
-                weights_dtype=weights_dtype,
-            )
-        return self.ops.moe_route(
-            x,
-            self.weight,
-            self.e_score_correction_bias,
-            self.top_k,
-            self.n_group,
-            self.topk_group,
-            self.scoring_func,
-            self.norm_topk_prob,
-            self.scaling,
-            counts=counts,
-            weights_dtype=weights_dtype,
-            count_rows=count_rows,
-        )
 
 
 class ExpertStack(nn.Module):
