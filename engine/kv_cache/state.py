@@ -66,3 +66,10 @@ class KDAStateSpec(CacheSpec):
             ),
             torch.zeros(max_num_seqs, self.conv_channels, self.conv_kernel - 1, dtype=self.dtype, device=device),
         )
+
+
+def copy_state_slots(states: list[KDAState], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Every KDA layer's slots ``dst`` [N] <- slots ``src`` [N] (distinct destinations)."""
+    for state in states:
+        state.recurrent.index_copy_(0, dst, state.recurrent.index_select(0, src))
+        state.conv.index_copy_(0, dst, state.conv.index_select(0, src))

@@ -30,7 +30,7 @@ from dataclasses import replace
 import torch
 
 from kimitui.engine.kv_cache.pool import copy_blocks
-from kimitui.engine.kv_cache.state import KDAState
+from kimitui.engine.kv_cache.state import KDAState, copy_state_slots
 from kimitui.engine.layers.attn_metadata import AttentionMetadata, PrefillChunk
 from kimitui.engine.outputs import LogprobRows
 from kimitui.engine.runner.block_tables import DeviceTables, TableRows
@@ -43,7 +43,8 @@ from kimitui.engine.sampling.rows import forced_rows, fork_rows, penalty_rows
 from kimitui.engine.sampling.sampler import SamplingBatch, logprob_dicts, prompt_logprob_dicts, sample
 from kimitui.engine.scheduler.output import ScheduledSeq, SchedulerOutput
 from kimitui.engine.spec_decode.proposer import StepHidden
-from kimitui.engine.spec_decode.verify import KDASpecStep, kda_spec_layout, kda_spec_steps, verify_and_logprobs
+from kimitui.engine.spec_decode.rejection import draft_probs
+from kimitui.engine.spec_decode.verify import kda_spec_layout, kda_spec_steps, verify_and_logprobs
 
 
 class ModelRunner:
@@ -299,7 +300,7 @@ class ModelRunner:
         """What every forward (graphed or eager) ends with: the step's KDA state saves and block
         copies, then fp32 logits of the rows to sample and of each prompt-logprob span of ``hidden``."""
         if saves is not None:
-            _copy_state_slots(self.states, *saves)
+            copy_state_slots(self.states, *saves)
         if copies is not None:
             copy_blocks(self.kv_caches, copies[:, 0], copies[:, 1])
         prompt_logits = [self.model.compute_logits(hidden[r : r + n]) for r, n in spans]
@@ -364,7 +365,7 @@ class ModelRunner:
                 state.reset(resets)
         if inp.state_restores:
             pairs = buf.put("state_restores", inp.state_restores, torch.int64)  # [N, 2] (from, to)
-            _copy_state_slots(self.states, pairs[:, 0], pairs[:, 1])
+            copy_state_slots(self.states, pairs[:, 0], pairs[:, 1])
         if not inp.state_saves:
             return None
         pairs = buf.put("state_saves", inp.state_saves, torch.int64)
@@ -402,7 +403,7 @@ class ModelRunner:
                     drafts,
                     batch,
                     params,  # the one host sync
-                    _draft_probs(sample_seqs, drafts, logits.shape[-1]),
+                    draft_probs(sample_seqs, drafts, logits.shape[-1]),
                     self.rejection_method,
                 )
                 for j, s in enumerate(sample_seqs):
@@ -490,29 +491,3 @@ class ModelRunner:
             gen.manual_seed(seed)
             self._generators[seq_id] = gen
         return gen
-
-
-def _draft_probs(sample_seqs, drafts: list[list[int]], vocab: int) -> torch.Tensor | None:
-    """[sum k_i, V] the draft distributions of this step's drafts, one-hot rows for drafts without
-    one (deterministic proposers); None when no sequence brought any (the one-hot rule then)."""
-    if not any(d and getattr(s.seq, "spec_draft_probs", None) is not None for s, d in zip(sample_seqs, drafts)):
-        return None
-    rows = []
-    for s, d in zip(sample_seqs, drafts):
-        if not d:
-            continue
-        q = getattr(s.seq, "spec_draft_probs", None)
-        if q is not None and q.shape[0] >= len(d) and q.shape[-1] == vocab:
-            rows.append(q[: len(d)].float())
-        else:
-            ids = torch.tensor(d, dtype=torch.int64)
-            rows.append(torch.nn.functional.one_hot(ids, vocab).float())
-    device = next((r.device for r in rows if r.device.type != "cpu"), rows[0].device)
-    return torch.cat([r.to(device) for r in rows])
-
-
-def _copy_state_slots(states: list[KDAState], src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Every KDA layer's slots ``dst`` [N] <- slots ``src`` [N] (distinct destinations)."""
-    for state in states:
-        state.recurrent.index_copy_(0, dst, state.recurrent.index_select(0, src))
-        state.conv.index_copy_(0, dst, state.conv.index_select(0, src))

@@ -59,7 +59,6 @@ class PenaltyBatch:
         keep = [r for r, p in enumerate(params) if has_penalties(p)]
         if not keep:
             return None
-        n = len(keep)
         counts = _counts([outputs[r] for r in keep], vocab_size, device)
         seen = _counts([prompts[r] for r in keep], vocab_size, device) > 0
         seen |= counts > 0

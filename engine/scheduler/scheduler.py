@@ -30,7 +30,7 @@ from it in the step where it samples its first token, so the prompt is computed 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kimitui.engine.kv_cache.block_manager import BlockManager
 from kimitui.engine.kv_cache.state_slots import StateSlots

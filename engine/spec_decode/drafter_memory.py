@@ -13,9 +13,7 @@ drafter's KV for the same tokens.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
-from pathlib import Path
 
 from kimitui.engine.spec_decode.dspark.model import dspark_footprint
 from kimitui.engine.spec_decode.footprint import _DTYPE_BYTES, DrafterFootprint, drafter_footprint, read_drafter_config

@@ -203,6 +203,25 @@ def rejection_sample(
     return out.scatter_(1, num_accepted[:, None], final[:, None])
 
 
+def draft_probs(sample_seqs, drafts: list[list[int]], vocab: int) -> torch.Tensor | None:
+    """[sum k_i, V] the draft distributions of this step's drafts, one-hot rows for drafts without
+    one (deterministic proposers); None when no sequence brought any (the one-hot rule then)."""
+    if not any(d and getattr(s.seq, "spec_draft_probs", None) is not None for s, d in zip(sample_seqs, drafts)):
+        return None
+    rows = []
+    for s, d in zip(sample_seqs, drafts):
+        if not d:
+            continue
+        q = getattr(s.seq, "spec_draft_probs", None)
+        if q is not None and q.shape[0] >= len(d) and q.shape[-1] == vocab:
+            rows.append(q[: len(d)].float())
+        else:
+            ids = torch.tensor(d, dtype=torch.int64)
+            rows.append(torch.nn.functional.one_hot(ids, vocab).float())
+    device = next((r.device for r in rows if r.device.type != "cpu"), rows[0].device)
+    return torch.cat([r.to(device) for r in rows])
+
+
 def to_lists(out: torch.Tensor) -> list[list[int]]:
     """``rejection_sample``'s output as one list of tokens per sequence, in one device->host copy."""
     rows = out.tolist()

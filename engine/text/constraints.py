@@ -25,7 +25,6 @@ JSON inside these grammars allows no free whitespace by default (see ``Structure
 from __future__ import annotations
 
 import json
-import re
 
 from kimitui.engine.structured.grammar import json_schema_text
 from kimitui.engine.structured.params import StructuredOutputs

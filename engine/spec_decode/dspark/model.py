@@ -35,7 +35,6 @@ block tables, absorbed as the target's MLA decode is; a copy of the context is t
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
