@@ -5,7 +5,7 @@ operation per Triton operation, on the tiles the kernel uses (the old one: [CHUN
 compares over the pairs, the tiles and every slot, in one program; the new one: per program a
 histogram of the ids, a prefix sum over BLOCK_E, a [PAIRS, PAIRS] compare, a binary search per tile
 and the pad tile, from ``align_launch``). Both replays are checked against
-``fused_moe.moe_align_block_size`` bit for bit, then timed. On a GPU the programs of a launch run
+``moe_align.moe_align_block_size_torch`` bit for bit, then timed. On a GPU the programs of a launch run
 side by side, so the figure that matters is the slowest program (the old kernel has one); the sum
 over programs is printed as well. Also printed: the serial loop trips of the slowest program and the
 element count of its vector operations.
@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kimitui.kernels.triton.fused_moe import moe_align_block_size as torch_align  # noqa: E402
 from kimitui.kernels.triton.moe_align import align_launch  # noqa: E402
+from kimitui.kernels.triton.moe_align import moe_align_block_size_torch as torch_align  # noqa: E402
 
 # (name, tokens, top-k, experts): Kimi K2 (384 experts, top-8) and K3 (896 experts, top-16) decode
 SHAPES = [

@@ -43,7 +43,6 @@ import functools
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 

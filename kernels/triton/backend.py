@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kimitui.kernels import kda
 from kimitui.kernels.backend import Backend
 from kimitui.kernels.triton import (
     attn_res_mix,

@@ -1,6 +1,6 @@
 """Fused MoE experts (SwiGLU), vLLM-style grouped GEMM over expert-sorted token rows.
 
-Pipeline (vLLM's ``vllm/model_executor/layers/fused_moe/fused_moe.py``): ``moe_align_block_size`` sorts the T*k (token, slot) pairs by expert
+Pipeline (vLLM's ``vllm/model_executor/layers/fused_moe/fused_moe.py``): ``moe_align.align_pairs`` sorts the T*k (token, slot) pairs by expert
 and pads each expert's run to BLOCK_M rows, so every M-tile belongs to one expert. GEMM1 reads
 gate and up rows of w13 in the same program and writes ``act(gate, up)`` [T*k, I] (SiLU's
 ``silu(gate) * up``, or Kimi K3's SiTU: ``activation``, see ``kernels.activation``); GEMM2 reads
@@ -20,62 +20,10 @@ from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device, interpreti
 from kimitui.kernels.triton.gated_act import _tanh  # portable tanh (no libdevice), shared with the dense MLP's launch
 from kimitui.kernels.triton.gemm.mxfp4 import MXFP4_BLOCK, _mxfp4_tile
 from kimitui.kernels.triton.gemm.w4a16 import _int4_scales, _int4_tile
-from kimitui.kernels.triton.moe_align import moe_align_block_size as triton_align
+from kimitui.kernels.triton.moe_align import align_pairs
 
 # Weight formats of the experts (constexpr WFMT of the kernel).
 DENSE, INT4, MXFP4, FP8 = 0, 1, 2, 3
-
-
-def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int):
-    """Sort (token, slot) pairs by expert, padding each expert to a multiple of ``block_size``.
-
-    An id equal to ``num_experts`` marks a pair computed elsewhere (another rank, or host RAM):
-    it gets no tile, and its output rows stay zero.
-
-    Returns ``sorted_token_ids`` int32 [num_blocks * block_size] (pad id = T*k), ``expert_ids``
-    int32 [num_blocks] and ``num_tokens_post_padded`` int32 [1]. No host sync: the buffer is sized
-    by the worst case, and tiles past ``num_tokens_post_padded`` exit early in the kernel.
-    """
-    flat = topk_ids.reshape(-1).to(torch.int64)  # [T*k]
-    numel = flat.numel()
-    device = flat.device
-    # scatter_add_ instead of bincount: bincount syncs on CUDA to size its output. The last bucket
-    # collects the pairs marked "elsewhere".
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    counts[num_experts] = 0  # no tiles for pairs computed elsewhere
-    padded = (counts + block_size - 1) // block_size * block_size  # [E + 1]
-    padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
-    start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)  # pair indices grouped by expert
-    experts = flat[order]
-    rank = torch.arange(numel, device=device) - start[experts]  # position within its expert
-    # Each non-empty tile holds at least one pair, so at most T*k tiles are used.
-    num_blocks = min(triton.cdiv(numel + num_experts * (block_size - 1), block_size), numel)
-    size = num_blocks * block_size
-    # One spare slot past the end takes every "elsewhere" pair, and is cut off.
-    sorted_token_ids = torch.full((size + 1,), numel, dtype=torch.int32, device=device)
-    dest = torch.where(experts < num_experts, padded_start[experts] + rank, size)
-    sorted_token_ids[dest] = order.to(torch.int32)
-    block_starts = torch.arange(num_blocks, device=device) * block_size
-    expert_ids = torch.searchsorted(padded_end[:num_experts], block_starts, right=True).clamp_(max=num_experts - 1)
-    return (
-        sorted_token_ids[:size],
-        expert_ids.to(torch.int32),
-        padded_end[num_experts - 1 : num_experts].to(torch.int32),
-    )
-
-
-# Up to this many (token, slot) pairs (decode), one Triton launch aligns them (kernels/triton/moe_align.py);
-# beyond it (prefill, not launch-bound) the PyTorch version above, whose ops scale across the GPU.
-_TRITON_ALIGN_MAX_PAIRS = 4096
-
-
-def _align(topk_ids: torch.Tensor, block_size: int, num_experts: int):
-    if topk_ids.numel() <= _TRITON_ALIGN_MAX_PAIRS:
-        return triton_align(topk_ids, block_size, num_experts)
-    return moe_align_block_size(topk_ids, block_size, num_experts)
 
 
 @triton.jit
@@ -332,7 +280,7 @@ def _run(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, inter, wfmt, g
         return torch.zeros_like(x)
     block_m = 16 if num_pairs <= 64 else 64
     block_n, block_k = 64, 64
-    sorted_ids, expert_ids, num_post = _align(topk_ids, block_m, w13.shape[0])
+    sorted_ids, expert_ids, num_post = align_pairs(topk_ids, block_m, w13.shape[0])
     num_blocks = expert_ids.shape[0]
     routing = topk_weights.reshape(-1).contiguous()  # [T*k]
     hidden = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)  # act(gate, up)

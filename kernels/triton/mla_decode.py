@@ -25,7 +25,7 @@ import torch
 
 import triton
 import triton.language as tl
-from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device, interpreting
+from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 The fused MoE GEMM (``kernels/triton/fused_moe.py``) wants the T*k (token, slot) pairs sorted by expert,
 each expert's run padded to a multiple of BLOCK_M, so that every M-tile belongs to one expert.
-The PyTorch version (``fused_moe.moe_align_block_size``) takes a scatter-add, two cumsums, a stable
+The PyTorch version (``moe_align_block_size_torch``, below) takes a scatter-add, two cumsums, a stable
 argsort, a searchsorted and a dozen elementwise ops: about 37 launches per MoE layer. Here it is one
 launch of many small programs, none of which loops over experts or slots:
 
@@ -237,7 +237,7 @@ def align_launch(numel: int, block_size: int, num_experts: int) -> AlignLaunch:
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int, portable: bool | None = None):
-    """Drop-in for ``fused_moe.moe_align_block_size``, one launch and no host sync.
+    """Drop-in for ``moe_align_block_size_torch`` (below), one launch and no host sync.
 
     ``portable``: take the forms that Triton 3.0-3.3 compile (no ``tl.gather``, no masked
     ``tl.histogram``); None: only where the installed Triton is older than 3.4. Same outputs.
@@ -280,3 +280,57 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
         num_warps=4,
     )
     return sorted_ids, expert_ids, num_post
+
+
+def moe_align_block_size_torch(topk_ids: torch.Tensor, block_size: int, num_experts: int):
+    """Sort (token, slot) pairs by expert, padding each expert to a multiple of ``block_size``.
+
+    An id equal to ``num_experts`` marks a pair computed elsewhere (another rank, or host RAM):
+    it gets no tile, and its output rows stay zero.
+
+    Returns ``sorted_token_ids`` int32 [num_blocks * block_size] (pad id = T*k), ``expert_ids``
+    int32 [num_blocks] and ``num_tokens_post_padded`` int32 [1]. No host sync: the buffer is sized
+    by the worst case, and tiles past ``num_tokens_post_padded`` exit early in the kernel.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [T*k]
+    numel = flat.numel()
+    device = flat.device
+    # scatter_add_ instead of bincount: bincount syncs on CUDA to size its output. The last bucket
+    # collects the pairs marked "elsewhere".
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    counts[num_experts] = 0  # no tiles for pairs computed elsewhere
+    padded = (counts + block_size - 1) // block_size * block_size  # [E + 1]
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)  # pair indices grouped by expert
+    experts = flat[order]
+    rank = torch.arange(numel, device=device) - start[experts]  # position within its expert
+    # Each non-empty tile holds at least one pair, so at most T*k tiles are used.
+    num_blocks = min(triton.cdiv(numel + num_experts * (block_size - 1), block_size), numel)
+    size = num_blocks * block_size
+    # One spare slot past the end takes every "elsewhere" pair, and is cut off.
+    sorted_token_ids = torch.full((size + 1,), numel, dtype=torch.int32, device=device)
+    dest = torch.where(experts < num_experts, padded_start[experts] + rank, size)
+    sorted_token_ids[dest] = order.to(torch.int32)
+    block_starts = torch.arange(num_blocks, device=device) * block_size
+    expert_ids = torch.searchsorted(padded_end[:num_experts], block_starts, right=True).clamp_(max=num_experts - 1)
+    return (
+        sorted_token_ids[:size],
+        expert_ids.to(torch.int32),
+        padded_end[num_experts - 1 : num_experts].to(torch.int32),
+    )
+
+
+# Up to this many (token, slot) pairs (decode), one Triton launch aligns them (moe_align_block_size);
+# beyond it (prefill, not launch-bound) the PyTorch version above, whose ops scale across the GPU.
+_TRITON_ALIGN_MAX_PAIRS = 4096
+
+
+def align_pairs(topk_ids: torch.Tensor, block_size: int, num_experts: int):
+    """The fused MoE's alignment: ``moe_align_block_size`` (one launch) for a decode's few pairs,
+    ``moe_align_block_size_torch`` for a prefill's many."""
+    if topk_ids.numel() <= _TRITON_ALIGN_MAX_PAIRS:
+        return moe_align_block_size(topk_ids, block_size, num_experts)
+    return moe_align_block_size_torch(topk_ids, block_size, num_experts)

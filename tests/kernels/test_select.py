@@ -114,7 +114,7 @@ def test_wrappers_reject_bad_inputs(monkeypatch):
 
 @needs_triton
 def test_moe_align_block_size_matches_vllm_example():
-    from kimitui.kernels.triton.fused_moe import moe_align_block_size
+    from kimitui.kernels.triton.moe_align import moe_align_block_size_torch as moe_align_block_size
 
     # vLLM's docstring example (expert ids 1..4, so 5 experts with expert 0 idle), block 4.
     topk_ids = torch.tensor([[2, 3, 4], [1, 2, 4], [1, 3, 4], [1, 2, 3]])

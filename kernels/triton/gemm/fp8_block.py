@@ -11,7 +11,7 @@ import torch
 
 import triton
 import triton.language as tl
-from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device, interpreting
+from kimitui.kernels.triton.common import FLOAT_DTYPES, check_device
 from kimitui.kernels.triton.split_k import finish, outputs, plan_gemm
 
 

@@ -211,8 +211,8 @@ def moe_router_softmax_odd_experts_no_renorm():
 
 def _check_align(topk_ids, block, e):
     from kimitui.kernels import reference as ref
-    from kimitui.kernels.triton.fused_moe import moe_align_block_size as aten_align
     from kimitui.kernels.triton.moe_align import moe_align_block_size
+    from kimitui.kernels.triton.moe_align import moe_align_block_size_torch as aten_align
 
     got = moe_align_block_size(topk_ids, block, e)
     for want in (ref.moe_align_block_size(topk_ids, block, e), aten_align(topk_ids, block, e)):
@@ -277,8 +277,8 @@ def launch_count_fused_norm_vs_reference():
 @case
 def launch_count_alignment_vs_aten():
     from kimitui.kernels.launch_count import count_launches
-    from kimitui.kernels.triton.fused_moe import moe_align_block_size as aten_align
     from kimitui.kernels.triton.moe_align import moe_align_block_size
+    from kimitui.kernels.triton.moe_align import moe_align_block_size_torch as aten_align
 
     ids = torch.stack([torch.randperm(384)[:8] for _ in range(4)])
     with count_launches() as fused:

@@ -41,8 +41,8 @@ def _routed(tokens, top_k, experts):
 
 def _check(topk_ids, block, experts):
     from kimitui.kernels import reference as ref
-    from kimitui.kernels.triton.fused_moe import moe_align_block_size as aten_align
     from kimitui.kernels.triton.moe_align import moe_align_block_size
+    from kimitui.kernels.triton.moe_align import moe_align_block_size_torch as aten_align
 
     got = moe_align_block_size(topk_ids, block, experts)
     for want in (ref.moe_align_block_size(topk_ids, block, experts), aten_align(topk_ids, block, experts)):
