@@ -251,7 +251,7 @@ def main() -> int:
     p.add_argument("--stages", action="store_true", help="split the raw client's HTTP TTFT into server stages")
     args = p.parse_args()
     if args.as_before:
-        import kimitui.server.background as bg
+        import kimitui.server.transport.background as bg
 
         bg.socket = types.SimpleNamespace(**{k: getattr(socket, k) for k in dir(socket) if not k.startswith("__")})
         bg.socket.socket = _SocketAsBefore

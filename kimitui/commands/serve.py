@@ -97,7 +97,7 @@ def check_api_key(key: str | None) -> None:
 def run(args: argparse.Namespace) -> int:
     from kimitui.engine import AsyncLLM
     from kimitui.server import BackgroundServer, create_app
-    from kimitui.server.guard import parse_allowed_hosts
+    from kimitui.server.transport.guard import parse_allowed_hosts
 
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")

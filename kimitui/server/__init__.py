@@ -5,6 +5,6 @@ server = BackgroundServer(port=0).start(create_app(llm))   # server.url
 """
 
 from kimitui.server.app import create_app
-from kimitui.server.background import BackgroundServer
+from kimitui.server.transport.background import BackgroundServer
 
 __all__ = ["create_app", "BackgroundServer"]

@@ -12,9 +12,9 @@ from kimitui.engine import AsyncLLM
 from kimitui.server import chat, completions, tokenization
 from kimitui.server.auth import check_api_key
 from kimitui.server.errors import exception_response, install_error_handlers
-from kimitui.server.guard import RequestGuard
 from kimitui.server.metrics import CONTENT_TYPE
 from kimitui.server.state import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S, ServerState, server_state
+from kimitui.server.transport.guard import RequestGuard
 
 
 def create_app(

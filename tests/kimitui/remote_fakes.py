@@ -11,7 +11,7 @@ import threading
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kimitui.server.background import BackgroundServer
+from kimitui.server.transport.background import BackgroundServer
 
 PIECES = ["<thi", "nk>looking ", "at it</think>", "Hello", " from", " the", " fake", " server."]
 

@@ -79,7 +79,7 @@ def test_served_by_httptools_on_uvloop(server):
     with our request-head deadline mixed in, on libuv's event loop."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    from kimitui.server.read_timeout import http_protocol, protocol_with_read_timeout
+    from kimitui.server.transport.read_timeout import http_protocol, protocol_with_read_timeout
 
     assert http_protocol() is HttpToolsProtocol
     timed = protocol_with_read_timeout(5.0)

@@ -138,7 +138,7 @@ class BackgroundServer:
     def start(self, app, timeout: float = 30.0) -> BackgroundServer:
         # log_config=None: keep the process's logging setup (the CLI's --log-level) instead of
         # uvicorn's own handlers.
-        from kimitui.server.read_timeout import protocol_with_read_timeout
+        from kimitui.server.transport.read_timeout import protocol_with_read_timeout
 
         app_state = getattr(getattr(app, "state", None), "server", None)
         if not hasattr(app_state, "begin_shutdown"):
