@@ -14,7 +14,9 @@
 The last lines print both figures and whether each holds. `--stages` also splits the HTTP TTFT
 into where the time goes on the server (ASGI entry, the handler, the engine's first output, the
 first SSE bytes handed to the socket). `--as-before` makes the listening socket as it was made
-before 2026-12-04 (protocol number 0, no TCP_NODELAY), to show the 40 ms delayed-ACK stall.
+before 2026-12-04 (protocol number 0, no TCP_NODELAY), to show the 40 ms delayed-ACK stall; since the
+server runs on uvloop (2026-12-06), which sets TCP_NODELAY on every TCP transport it makes itself
+(uvloop/handles/tcp.pyx, TCPTransport.new), the stall shows only where uvloop is not installed.
 
     python benchmarks/server/http_keepalive.py [--as-before] [--stages] [--runs 3] [--pairs 40]
 """
