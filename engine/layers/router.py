@@ -38,20 +38,8 @@ class Router(nn.Module):
         """``counts``: None, or the [E] routing statistics each chosen expert adds one to (in the
         router's launch), skipping the rows where ``count_rows`` (None: none) is 0; the weights come
         in fp32, or rounded to ``weights_dtype``."""
-        if count_rows is None:  # the call every eager step makes (backends without the argument too)
-            return self.ops.moe_route(
-                x,
-                self.weight,
-                self.e_score_correction_bias,
-                self.top_k,
-                self.n_group,
-                self.topk_group,
-                self.scoring_func,
-                self.norm_topk_prob,
-                self.scaling,
-                counts=counts,
-                weights_dtype=weights_dtype,
-            )
+        # count_rows only when given: the call every eager step makes goes to backends without the argument too
+        extra = {} if count_rows is None else {"count_rows": count_rows}
         return self.ops.moe_route(
             x,
             self.weight,
@@ -64,5 +52,5 @@ class Router(nn.Module):
             self.scaling,
             counts=counts,
             weights_dtype=weights_dtype,
-            count_rows=count_rows,
+            **extra,
         )
