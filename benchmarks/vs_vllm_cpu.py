@@ -38,13 +38,15 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.peers.worker_process import WorkerProcess  # noqa: E402  (stdlib only: the vLLM worker imports it too)
+
 _METRICS = ("tok_s", "tok_s_cpu", "ttft", "ttft_cpu")  # what a cell keeps of its rounds
 
 # Kimi K2's field set (Kimi-K2-Instruct's config.json), shrunk; dimensions chosen so vLLM's CPU MLA
@@ -254,31 +256,15 @@ def parameter_count(path: Path) -> int:
     return index["metadata"]["total_size"] // 2  # bf16, but for the float32 router bias (negligible)
 
 
-def cpu_description() -> str:
-    model, flags = "?", set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name") and model == "?":
-            model = line.split(":", 1)[1].strip()
-        elif line.startswith("flags") and not flags:
-            flags = set(line.split(":", 1)[1].split())
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
-    return f"{model}, {os.cpu_count()} logical CPUs, {' '.join(isa) or 'no avx2'}"
-
-
-class Worker:
-    """One engine in its own process; results come back on a pipe, its logs go to a file."""
+class Worker(WorkerProcess):
+    """One engine in its own process (this script's ``--worker``)."""
 
     def __init__(self, name: str, python: str, extra: list[str], args, log_dir: Path, env: dict | None = None):
-        self.name = name
-        self.log = log_dir / f"{name.replace(' ', '_')}.log"
-        read_fd, write_fd = os.pipe()
         cmd = [
             python,
             str(Path(__file__).resolve()),
             "--worker",
             *extra,
-            "--result-fd",
-            str(write_fd),
             "--model",
             args.ckpt,
             "--threads",
@@ -294,42 +280,11 @@ class Worker:
         ]
         if args.vllm_eager:
             cmd.append("--vllm-eager")
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                pass_fds=(write_fd,),
-                text=True,
-                env=env,
-                cwd=str(ROOT),
-            )
-        os.close(write_fd)
-        self.results = os.fdopen(read_fd)
-        self.label = self._reply()["ready"]
-
-    def _reply(self) -> dict:
-        line = self.results.readline()
-        if not line:
-            self.proc.wait()
-            tail = "".join(self.log.read_text().splitlines(keepends=True)[-30:])
-            raise SystemExit(f"{self.name} worker exited ({self.proc.returncode}); last lines of {self.log}:\n{tail}")
-        return json.loads(line)
+        super().__init__(name, cmd, log_dir / f"{name.replace(' ', '_')}.log", env)
+        self.label = self.ready["ready"]
 
     def run(self, n: int, output_len: int, warmup: bool = False) -> dict:
-        self.proc.stdin.write(json.dumps({"n": n, "output_len": output_len, "warmup": warmup}) + "\n")
-        self.proc.stdin.flush()
-        return self._reply()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        return self.ask(n=n, output_len=output_len, warmup=warmup)
 
 
 def agreement(tokens: list[list[int]], ref: list[list[int]]) -> str:
@@ -410,6 +365,8 @@ def main() -> int:
     write_checkpoint(ckpt, config)
     args.ckpt = str(ckpt)
     logs = Path(tmp.name)
+    from benchmarks.peers.host_load import cpu_description
+
     print(f"CPU: {cpu_description()} | threads {args.threads}", flush=True)
     print(
         f"model: {ckpt} ({parameter_count(ckpt) / 1e6:.0f}M parameters, {args.layers} layers, bf16) | "

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks.peers.worker_process import WorkerProcess  # noqa: E402
 
 
 def worker(args) -> int:
@@ -74,16 +75,15 @@ def worker(args) -> int:
     return 0
 
 
-class Ours:
+class Ours(WorkerProcess):
+    """This file's ``worker`` on one checkpoint, in a process of its own."""
+
     def __init__(
         self, model: Path, dtype: str, args, log: Path, max_num_seqs: int, max_model_len: int, env: dict | None = None
     ):
-        read_fd, write_fd = os.pipe()
         cmd = [
             sys.executable,
             str(Path(__file__).resolve()),
-            "--result-fd",
-            str(write_fd),
             "--model",
             str(model),
             "--dtype",
@@ -95,44 +95,8 @@ class Ours:
             "--max-num-seqs",
             str(max_num_seqs),
         ]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
-        self.log = log
-        with open(log, "w") as f:
-            self.proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.PIPE,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                pass_fds=(write_fd,),
-                text=True,
-                env=env,
-                cwd=str(ROOT),
-            )
-        os.close(write_fd)
-        self.results = os.fdopen(read_fd)
-        ready = self._reply()
-        self.label, self.vocab = ready["ready"], ready["vocab"]
-
-    def _reply(self) -> dict:
-        line = self.results.readline()
-        if not line:
-            self.proc.wait()
-            tail = "".join(self.log.read_text().splitlines(keepends=True)[-30:])
-            raise SystemExit(f"kimitui worker exited ({self.proc.returncode}); last lines of {self.log}:\n{tail}")
-        return json.loads(line)
-
-    def ask(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._reply()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        super().__init__("kimitui", cmd, log, env)
+        self.label, self.vocab = self.ready["ready"], self.ready["vocab"]
 
 
 def main() -> int:
