@@ -164,8 +164,8 @@ class OpenAICompletionsClient:
         self.ignore_eos = ignore_eos
         self.return_token_ids = False  # multi-turn: ask for the reply's ids (vLLM's return_token_ids)
         self._http = None  # an aiohttp session, made on the first request (inside the running loop)
-        # The client's own time is in every TTFT it measures: aiohttp's is about 1.2 ms of a streamed
-        # request here, the pool's about 0.1 ms (benchmarks/server/http_keepalive.py times both).
+        # The client's own time is in every TTFT it measures: aiohttp's is about 1.0 ms of a streamed
+        # request here, the pool's about 0.1 ms (benchmarks/server/client_cost.py times both).
         self._pool = HTTPPool(self.base_url) if http_client == "auto" and plain_http_target(self.base_url) else None
         self._prefix = urlsplit(self.base_url).path
         self.http_client = "kimitui" if self._pool is not None else "aiohttp"

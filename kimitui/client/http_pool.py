@@ -2,8 +2,9 @@
 with httptools' C parser (llhttp, the parser uvicorn serves with).
 
 A benchmark's TTFT is timed by its client, so the client's own time is in every figure. aiohttp, which
-`vllm bench serve` uses, spends about 1.2 ms more of a streamed request's TTFT on this project's 2-core
-test host than this pool does (``benchmarks/server/http_keepalive.py`` times both against one server).
+`vllm bench serve` uses, spends 0.9-1.2 ms more of a streamed request's TTFT on this project's 2-core
+test host than this pool does (``benchmarks/server/client_cost.py`` times both against a canned server,
+``benchmarks/server/http_keepalive.py`` against ``kimitui serve``).
 The pool does what a benchmark needs and no more: one request at a time per connection, connections
 reused while the server keeps them alive (a kept-alive one the server closed meanwhile is replaced
 once, before any byte of the reply came), bodies sent whole, replies streamed as they arrive with
